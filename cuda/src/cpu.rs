@@ -1,0 +1,549 @@
+//! The CPU reference backend: every op of [`Backend`] in plain f32, parallel over rows with
+//! rayon, GEMMs through `matrixmultiply` (multi-threaded). This is the twin each CUDA kernel is
+//! tested against and the path CI runs, so it favours obvious correctness over speed.
+
+use rayon::prelude::*;
+
+use crate::backend::{AttnMask, Backend, GeluKind};
+use crate::{Error, HostTensor, Result};
+
+/// Rows per rayon task for cheap elementwise/row ops: below this, threading costs more than it saves.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+fn check_same(op: &'static str, a: &HostTensor, b: &HostTensor) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::shape(
+            op,
+            format!("shapes differ: {:?} vs {:?}", a.shape(), b.shape()),
+        ));
+    }
+    Ok(())
+}
+
+fn check_width(op: &'static str, x: &HostTensor, w: &HostTensor) -> Result<()> {
+    if w.len() != x.cols() {
+        return Err(Error::shape(
+            op,
+            format!(
+                "weight has {} elements, rows of {:?} have {}",
+                w.len(),
+                x.shape(),
+                x.cols()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Applies `f` to every row of `x` (matrix view), in parallel, into a tensor of the same shape.
+fn map_rows(x: &HostTensor, f: impl Fn(&[f32], &mut [f32]) + Sync) -> HostTensor {
+    let c = x.cols().max(1);
+    let mut out = HostTensor::zeros(x.shape().to_vec());
+    out.data_mut()
+        .par_chunks_mut(c)
+        .with_min_len(MIN_ROWS_PER_TASK)
+        .zip(x.data().par_chunks(c))
+        .for_each(|(o, r)| f(r, o));
+    out
+}
+
+fn map_elems(x: &HostTensor, f: impl Fn(f32) -> f32 + Sync) -> HostTensor {
+    map_rows(x, |r, o| {
+        for (o, &v) in o.iter_mut().zip(r) {
+            *o = f(v);
+        }
+    })
+}
+
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+fn gelu_erf(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+/// Rows here are slots of the first dimension (a KV cache `[slots, heads, d]` is written with
+/// `[n, heads * d]` rows): checks that `src` holds `rows.len()` such slots and that every row
+/// index is in range, and returns the slot width.
+fn check_rows(op: &'static str, dst: &HostTensor, rows: &[usize], src: &HostTensor) -> Result<usize> {
+    let slots = dst.shape().first().copied().unwrap_or(0);
+    let width = if slots == 0 { 0 } else { dst.len() / slots };
+    if src.len() != rows.len() * width {
+        return Err(Error::shape(
+            op,
+            format!(
+                "{} rows of width {width} into {:?}, source is {:?}",
+                rows.len(),
+                dst.shape(),
+                src.shape()
+            ),
+        ));
+    }
+    if let Some(&bad) = rows.iter().find(|&&r| r >= slots) {
+        return Err(Error::shape(
+            op,
+            format!("row {bad} out of range for {:?}", dst.shape()),
+        ));
+    }
+    Ok(width)
+}
+
+impl Backend for CpuBackend {
+    type Tensor = HostTensor;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
+        Ok(t.clone())
+    }
+
+    fn download(&self, t: &HostTensor) -> Result<HostTensor> {
+        Ok(t.clone())
+    }
+
+    fn zeros(&self, shape: &[usize]) -> Result<HostTensor> {
+        Ok(HostTensor::zeros(shape.to_vec()))
+    }
+
+    fn shape<'a>(&self, t: &'a HostTensor) -> &'a [usize] {
+        t.shape()
+    }
+
+    fn reshape(&self, t: HostTensor, shape: &[usize]) -> Result<HostTensor> {
+        t.reshape(shape.to_vec())
+    }
+
+    fn linear(&self, x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>) -> Result<HostTensor> {
+        let (n, k) = (x.rows(), x.cols());
+        let [m, wk] = w.shape() else {
+            return Err(Error::shape(
+                "linear",
+                format!("weight must be 2-D, got {:?}", w.shape()),
+            ));
+        };
+        let m = *m;
+        if *wk != k {
+            return Err(Error::shape(
+                "linear",
+                format!("input {:?} against weight {:?}", x.shape(), w.shape()),
+            ));
+        }
+        let mut out = HostTensor::zeros(vec![n, m]);
+        if let Some(b) = b {
+            if b.len() != m {
+                return Err(Error::shape(
+                    "linear",
+                    format!("bias {:?} for {m} outputs", b.shape()),
+                ));
+            }
+            for row in out.data_mut().chunks_mut(m) {
+                row.copy_from_slice(b.data());
+            }
+        }
+        if n == 0 || m == 0 || k == 0 {
+            return Ok(out);
+        }
+        let beta = if b.is_some() { 1.0 } else { 0.0 };
+        // SAFETY: the pointers cover n*k, m*k and n*m f32s with the strides given: x is [n, k]
+        // row-major, w is [m, k] row-major read as its transpose [k, m] (row stride 1, column
+        // stride k), out is [n, m] row-major. The three buffers do not overlap.
+        unsafe {
+            matrixmultiply::sgemm(
+                n,
+                k,
+                m,
+                1.0,
+                x.data().as_ptr(),
+                k as isize,
+                1,
+                w.data().as_ptr(),
+                1,
+                k as isize,
+                beta,
+                out.data_mut().as_mut_ptr(),
+                m as isize,
+                1,
+            );
+        }
+        Ok(out.reshape(
+            x.shape()[..x.shape().len() - 1]
+                .iter()
+                .copied()
+                .chain([m])
+                .collect::<Vec<_>>(),
+        )?)
+    }
+
+    fn add(&self, a: &HostTensor, b: &HostTensor) -> Result<HostTensor> {
+        check_same("add", a, b)?;
+        let data = a.data().iter().zip(b.data()).map(|(x, y)| x + y).collect();
+        HostTensor::new(a.shape().to_vec(), data)
+    }
+
+    fn layer_norm(&self, x: &HostTensor, w: &HostTensor, b: &HostTensor, eps: f32) -> Result<HostTensor> {
+        check_width("layer_norm", x, w)?;
+        check_width("layer_norm", x, b)?;
+        let (w, b) = (w.data(), b.data());
+        Ok(map_rows(x, |r, o| {
+            let n = r.len() as f32;
+            let mean = r.iter().sum::<f32>() / n;
+            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            let inv = 1.0 / (var + eps).sqrt();
+            for i in 0..r.len() {
+                o[i] = (r[i] - mean) * inv * w[i] + b[i];
+            }
+        }))
+    }
+
+    fn rms_norm(&self, x: &HostTensor, w: &HostTensor, eps: f32) -> Result<HostTensor> {
+        check_width("rms_norm", x, w)?;
+        let w = w.data();
+        Ok(map_rows(x, |r, o| {
+            let ms = r.iter().map(|v| v * v).sum::<f32>() / r.len() as f32;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for i in 0..r.len() {
+                o[i] = w[i] * (r[i] * inv);
+            }
+        }))
+    }
+
+    fn gelu(&self, x: &HostTensor, kind: GeluKind) -> Result<HostTensor> {
+        Ok(match kind {
+            GeluKind::Tanh => map_elems(x, gelu_tanh),
+            GeluKind::Erf => map_elems(x, gelu_erf),
+        })
+    }
+
+    fn silu_mul(&self, gate: &HostTensor, up: &HostTensor) -> Result<HostTensor> {
+        check_same("silu_mul", gate, up)?;
+        let data = gate
+            .data()
+            .par_iter()
+            .zip(up.data())
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        HostTensor::new(gate.shape().to_vec(), data)
+    }
+
+    fn rope(&self, x: &HostTensor, cos: &HostTensor, sin: &HostTensor) -> Result<HostTensor> {
+        let [n, h, d] = *x.shape() else {
+            return Err(Error::shape(
+                "rope",
+                format!("x must be [tokens, heads, head_dim], got {:?}", x.shape()),
+            ));
+        };
+        if cos.shape() != [n, d] || sin.shape() != [n, d] || d % 2 != 0 {
+            return Err(Error::shape(
+                "rope",
+                format!("x {:?} with cos {:?}, sin {:?}", x.shape(), cos.shape(), sin.shape()),
+            ));
+        }
+        let half = d / 2;
+        let mut out = HostTensor::zeros(vec![n, h, d]);
+        out.data_mut()
+            .par_chunks_mut(h * d)
+            .zip(x.data().par_chunks(h * d))
+            .enumerate()
+            .for_each(|(t, (o, xt))| {
+                let (c, s) = (cos.row(t), sin.row(t));
+                for (oh, xh) in o.chunks_mut(d).zip(xt.chunks(d)) {
+                    for i in 0..half {
+                        oh[i] = xh[i] * c[i] - xh[i + half] * s[i];
+                        oh[i + half] = xh[i + half] * c[i + half] + xh[i] * s[i + half];
+                    }
+                }
+            });
+        Ok(out)
+    }
+
+    fn attention(
+        &self,
+        q: &HostTensor,
+        k: &HostTensor,
+        v: &HostTensor,
+        kv_len: usize,
+        mask: AttnMask,
+    ) -> Result<HostTensor> {
+        let [nq, hq, d] = *q.shape() else {
+            return Err(Error::shape("attention", format!("q must be 3-D, got {:?}", q.shape())));
+        };
+        let [slots, hkv, dk] = *k.shape() else {
+            return Err(Error::shape("attention", format!("k must be 3-D, got {:?}", k.shape())));
+        };
+        if v.shape() != k.shape() || dk != d || hkv == 0 || hq % hkv != 0 || kv_len > slots {
+            return Err(Error::shape(
+                "attention",
+                format!(
+                    "q {:?}, k {:?}, v {:?}, kv_len {kv_len}",
+                    q.shape(),
+                    k.shape(),
+                    v.shape()
+                ),
+            ));
+        }
+        if let AttnMask::Causal { first_query_slot } = mask {
+            if first_query_slot + nq > kv_len {
+                return Err(Error::shape(
+                    "attention",
+                    format!("{nq} queries from slot {first_query_slot} beyond kv_len {kv_len}"),
+                ));
+            }
+        }
+        let group = hq / hkv;
+        let scale = 1.0 / (d as f32).sqrt();
+        let (kd, vd) = (k.data(), v.data());
+        let mut out = HostTensor::zeros(vec![nq, hq * d]);
+        // One task per (query, head): each writes its own d-wide slice of the output.
+        out.data_mut()
+            .par_chunks_mut(d)
+            .enumerate()
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
+                let (i, h) = (task / hq, task % hq);
+                let kvh = h / group;
+                let visible = match mask {
+                    AttnMask::Full => kv_len,
+                    AttnMask::Causal { first_query_slot } => first_query_slot + i + 1,
+                };
+                let qv = &q.data()[(i * hq + h) * d..][..d];
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..visible {
+                    let kv = &kd[(j * hkv + kvh) * d..][..d];
+                    let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut denom = 0.0;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    denom += *s;
+                }
+                o.fill(0.0);
+                for (j, p) in scores.iter().enumerate() {
+                    let vv = &vd[(j * hkv + kvh) * d..][..d];
+                    let p = p / denom;
+                    for (o, x) in o.iter_mut().zip(vv) {
+                        *o += p * x;
+                    }
+                }
+            });
+        Ok(out)
+    }
+
+    fn embedding(&self, table: &HostTensor, ids: &[u32]) -> Result<HostTensor> {
+        let (vocab, h) = (table.rows(), table.cols());
+        let mut data = Vec::with_capacity(ids.len() * h);
+        for &id in ids {
+            if id as usize >= vocab {
+                return Err(Error::shape(
+                    "embedding",
+                    format!("token id {id} is outside the vocabulary of {vocab}"),
+                ));
+            }
+            data.extend_from_slice(table.row(id as usize));
+        }
+        HostTensor::new(vec![ids.len(), h], data)
+    }
+
+    fn weighted_gather(
+        &self,
+        table: &HostTensor,
+        index: &[u32],
+        weights: &[f32],
+        taps: usize,
+    ) -> Result<HostTensor> {
+        if taps == 0 || index.len() != weights.len() || index.len() % taps != 0 {
+            return Err(Error::shape(
+                "weighted_gather",
+                format!("{} indices, {} weights, {taps} taps", index.len(), weights.len()),
+            ));
+        }
+        if let Some(&bad) = index.iter().find(|&&i| i as usize >= table.rows()) {
+            return Err(Error::shape(
+                "weighted_gather",
+                format!("index {bad} outside a table of {} rows", table.rows()),
+            ));
+        }
+        let n = index.len() / taps;
+        let h = table.cols();
+        let mut out = HostTensor::zeros(vec![n, h]);
+        out.data_mut().par_chunks_mut(h).enumerate().for_each(|(i, o)| {
+            for t in 0..taps {
+                let w = weights[i * taps + t];
+                for (o, x) in o.iter_mut().zip(table.row(index[i * taps + t] as usize)) {
+                    *o += w * x;
+                }
+            }
+        });
+        Ok(out)
+    }
+
+    fn slice_rows(&self, x: &HostTensor, start: usize, end: usize) -> Result<HostTensor> {
+        x.slice_rows(start, end)
+    }
+
+    fn write_rows(&self, dst: &mut HostTensor, start: usize, src: &HostTensor) -> Result<()> {
+        let rows: Vec<usize> = (start..start + src.rows()).collect();
+        self.scatter_rows(dst, &rows, src)
+    }
+
+    fn scatter_rows(&self, dst: &mut HostTensor, rows: &[usize], src: &HostTensor) -> Result<()> {
+        let w = check_rows("scatter_rows", dst, rows, src)?;
+        for (i, &r) in rows.iter().enumerate() {
+            dst.data_mut()[r * w..(r + 1) * w].copy_from_slice(&src.data()[i * w..(i + 1) * w]);
+        }
+        Ok(())
+    }
+
+    fn add_rows(&self, dst: &mut HostTensor, rows: &[usize], src: &HostTensor) -> Result<()> {
+        let w = check_rows("add_rows", dst, rows, src)?;
+        for (i, &r) in rows.iter().enumerate() {
+            let s = &src.data()[i * w..(i + 1) * w];
+            for (d, s) in dst.data_mut()[r * w..(r + 1) * w].iter_mut().zip(s) {
+                *d += s;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: &[usize], data: &[f32]) -> HostTensor {
+        HostTensor::new(shape.to_vec(), data.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn linear_matches_hand_computed_product_with_bias() {
+        let b = CpuBackend;
+        let x = t(&[2, 3], &[1., 2., 3., 4., 5., 6.]);
+        let w = t(&[2, 3], &[1., 0., -1., 0.5, 0.5, 0.5]);
+        let bias = t(&[2], &[10., 20.]);
+        let y = b.linear(&x, &w, Some(&bias)).unwrap();
+        assert_eq!(y.shape(), &[2, 2]);
+        assert_eq!(y.data(), &[1. - 3. + 10., 3. + 20., 4. - 6. + 10., 7.5 + 20.]);
+    }
+
+    #[test]
+    fn linear_rejects_mismatched_inner_dim() {
+        let b = CpuBackend;
+        let err = b
+            .linear(&t(&[1, 3], &[0.; 3]), &t(&[2, 4], &[0.; 8]), None)
+            .unwrap_err();
+        assert!(matches!(err, Error::Shape { op: "linear", .. }), "{err}");
+    }
+
+    #[test]
+    fn causal_attention_first_query_sees_only_itself() {
+        let b = CpuBackend;
+        // 2 queries, 1 head, d=2; values are distinct so the output tells which keys were used.
+        let q = t(&[2, 1, 2], &[1., 0., 0., 1.]);
+        let k = t(&[2, 1, 2], &[1., 0., 0., 1.]);
+        let v = t(&[2, 1, 2], &[1., 2., 3., 4.]);
+        let y = b
+            .attention(&q, &k, &v, 2, AttnMask::Causal { first_query_slot: 0 })
+            .unwrap();
+        assert_eq!(&y.data()[..2], &[1., 2.]);
+        // Second query sees both keys; scores (0, 1)/sqrt(2) -> weights favour key 1.
+        let w1 = 1.0 / (1.0 + (-1.0f32 / 2f32.sqrt()).exp());
+        let expect = [(1. - w1) * 1. + w1 * 3., (1. - w1) * 2. + w1 * 4.];
+        for (a, e) in y.data()[2..].iter().zip(expect) {
+            assert!((a - e).abs() < 1e-6, "{a} vs {e}");
+        }
+    }
+
+    #[test]
+    fn grouped_query_heads_share_kv_heads() {
+        let b = CpuBackend;
+        // 4 query heads over 2 kv heads: heads 0,1 read kv head 0; heads 2,3 read kv head 1.
+        let q = t(&[1, 4, 1], &[1., 1., 1., 1.]);
+        let k = t(&[1, 2, 1], &[1., 1.]);
+        let v = t(&[1, 2, 1], &[5., 7.]);
+        let y = b.attention(&q, &k, &v, 1, AttnMask::Full).unwrap();
+        assert_eq!(y.data(), &[5., 5., 7., 7.]);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_across_halves() {
+        let b = CpuBackend;
+        let x = t(&[1, 1, 4], &[1., 2., 3., 4.]);
+        let (c, s) = (0.6f32, 0.8f32);
+        let cos = t(&[1, 4], &[c, 1., c, 1.]);
+        let sin = t(&[1, 4], &[s, 0., s, 0.]);
+        let y = b.rope(&x, &cos, &sin).unwrap();
+        let e = [1. * c - 3. * s, 2., 3. * c + 1. * s, 4.];
+        for (a, e) in y.data().iter().zip(e) {
+            assert!((a - e).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn norms_match_definitions() {
+        let b = CpuBackend;
+        let x = t(&[1, 4], &[1., 2., 3., 4.]);
+        let ones = t(&[4], &[1.; 4]);
+        let zeros = t(&[4], &[0.; 4]);
+        let ln = b.layer_norm(&x, &ones, &zeros, 0.0).unwrap();
+        let sd = 1.25f32.sqrt();
+        for (a, e) in ln.data().iter().zip([-1.5 / sd, -0.5 / sd, 0.5 / sd, 1.5 / sd]) {
+            assert!((a - e).abs() < 1e-6);
+        }
+        let rms = b.rms_norm(&x, &ones, 0.0).unwrap();
+        let r = 7.5f32.sqrt();
+        for (a, e) in rms.data().iter().zip([1. / r, 2. / r, 3. / r, 4. / r]) {
+            assert!((a - e).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn gelu_variants_match_reference_values() {
+        // torch.nn.functional.gelu(torch.tensor([-1., 0.5, 2.]), approximate=...)
+        let b = CpuBackend;
+        let x = t(&[3], &[-1., 0.5, 2.]);
+        let tanh = b.gelu(&x, GeluKind::Tanh).unwrap();
+        let erf = b.gelu(&x, GeluKind::Erf).unwrap();
+        for (a, e) in tanh.data().iter().zip([-0.158_808, 0.345_714, 1.954_598]) {
+            assert!((a - e).abs() < 1e-5, "{a} vs {e}");
+        }
+        for (a, e) in erf.data().iter().zip([-0.158_655, 0.345_731, 1.954_500]) {
+            assert!((a - e).abs() < 1e-5, "{a} vs {e}");
+        }
+    }
+
+    #[test]
+    fn row_updates_write_scatter_and_add() {
+        let b = CpuBackend;
+        let mut cache = b.zeros(&[3, 2, 1]).unwrap();
+        b.write_rows(&mut cache, 1, &t(&[2, 2], &[1., 2., 3., 4.])).unwrap();
+        assert_eq!(cache.data(), &[0., 0., 1., 2., 3., 4.]);
+        assert_eq!(cache.shape(), &[3, 2, 1]);
+        let mut x = t(&[3, 2], &[0.; 6]);
+        b.scatter_rows(&mut x, &[2, 0], &t(&[2, 2], &[1., 1., 2., 2.])).unwrap();
+        b.add_rows(&mut x, &[2], &t(&[1, 2], &[10., 10.])).unwrap();
+        assert_eq!(x.data(), &[2., 2., 0., 0., 11., 11.]);
+        assert!(b.write_rows(&mut cache, 2, &t(&[2, 2], &[0.; 4])).is_err());
+    }
+
+    #[test]
+    fn embedding_rejects_ids_outside_vocab() {
+        let b = CpuBackend;
+        let table = t(&[2, 2], &[1., 2., 3., 4.]);
+        assert_eq!(b.embedding(&table, &[1, 0]).unwrap().data(), &[3., 4., 1., 2.]);
+        assert!(b.embedding(&table, &[2]).is_err());
+    }
+}

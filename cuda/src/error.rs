@@ -1,0 +1,49 @@
+//! Errors of the compute layer: each variant carries what a user needs to fix the problem
+//! (the file, the key, the tensor name, the shapes).
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid JSON: {message}")]
+    BadJson { path: PathBuf, message: String },
+    #[error("{path}: key `{key}` {problem}")]
+    BadKey {
+        path: PathBuf,
+        key: String,
+        problem: String,
+    },
+    #[error("{path} is not a valid safetensors file: {message}")]
+    BadSafetensors { path: PathBuf, message: String },
+    #[error("no model weights in {dir}: expected model.safetensors or model.safetensors.index.json")]
+    NoWeights { dir: PathBuf },
+    #[error("tensor `{name}` is missing from the checkpoint in {dir}")]
+    MissingTensor { name: String, dir: PathBuf },
+    #[error("tensor `{name}` has shape {got:?} in the checkpoint, the config implies {expected:?}")]
+    WeightShape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("tensor `{name}` has dtype {dtype}; supported are F32, F16 and BF16")]
+    UnsupportedDtype { name: String, dtype: String },
+    #[error("{op}: {message}")]
+    Shape { op: &'static str, message: String },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn shape(op: &'static str, message: impl Into<String>) -> Self {
+        Error::Shape {
+            op,
+            message: message.into(),
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! The compute layer shared by both model stages.
+//!
+//! - [`Backend`]: the narrow ops interface the vision tower and the text decoder are written
+//!   against, once. Each op has a CPU reference ([`CpuBackend`]); the CUDA backend implements the
+//!   same trait and is tested op by op against it.
+//! - [`HostTensor`]: a row-major f32 tensor in host memory, what goes in and out of a backend.
+//! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
+//!   converted from f32/f16/bf16 to f32 by name with shape checks.
+//! - [`files`]: reading the JSON files of a checkpoint directory with errors that name the file
+//!   and the key.
+
+mod backend;
+mod cpu;
+mod error;
+pub mod files;
+pub mod npy;
+mod tensor;
+mod weights;
+
+pub use backend::{AttnMask, Backend, GeluKind};
+pub use cpu::CpuBackend;
+pub use error::{Error, Result};
+pub use tensor::HostTensor;
+pub use weights::{WeightDtype, Weights};

@@ -1,0 +1,301 @@
+//! Checkpoint weights in the Hugging Face safetensors layout.
+//!
+//! `model.safetensors`, or shards listed in `model.safetensors.index.json`, memory mapped; a
+//! tensor is read by name, its shape checked against what the config implies, and converted
+//! from F32/F16/BF16 to f32. A progress bar (hidden when stderr is not a terminal) counts the
+//! tensors read.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::{files, Error, HostTensor, Result};
+
+/// Storage dtype of a checkpoint tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    F16,
+    BF16,
+}
+
+struct Entry {
+    file: usize,
+    dtype: WeightDtype,
+    shape: Vec<usize>,
+    /// Byte range of the data within the mapped file.
+    start: usize,
+    end: usize,
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+pub struct Weights {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    entries: HashMap<String, Entry>,
+    progress: ProgressBar,
+}
+
+impl Weights {
+    /// Opens the weights of the checkpoint in `dir`: the single-file layout or a sharded one.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if index.is_file() {
+            let v = files::read_json(&index)?;
+            let map = files::require(&index, &v, "weight_map")?;
+            let map = map.as_object().ok_or_else(|| Error::BadKey {
+                path: index.clone(),
+                key: "weight_map".into(),
+                problem: "is not an object".into(),
+            })?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(str::to_string))
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else if single.is_file() {
+            vec!["model.safetensors".into()]
+        } else {
+            return Err(Error::NoWeights {
+                dir: dir.to_path_buf(),
+            });
+        };
+
+        let mut shards = Vec::new();
+        let mut entries = HashMap::new();
+        for (file, name) in shard_names.iter().enumerate() {
+            let path = dir.join(name);
+            let f = std::fs::File::open(&path).map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
+            // SAFETY: the file is opened read-only and the map is never written; a checkpoint
+            // modified while being served is outside what we can guard against.
+            let map = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let bad = |message: String| Error::BadSafetensors {
+                path: path.clone(),
+                message,
+            };
+            let (header_len, meta) =
+                SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
+            let base = 8 + header_len;
+            for (tname, info) in meta.tensors() {
+                let dtype = match info.dtype {
+                    Dtype::F32 => WeightDtype::F32,
+                    Dtype::F16 => WeightDtype::F16,
+                    Dtype::BF16 => WeightDtype::BF16,
+                    other => {
+                        return Err(Error::UnsupportedDtype {
+                            name: tname,
+                            dtype: format!("{other:?}"),
+                        })
+                    }
+                };
+                let (start, end) = (base + info.data_offsets.0, base + info.data_offsets.1);
+                if end > map.len() {
+                    return Err(bad(format!("tensor `{tname}` extends past the end of the file")));
+                }
+                entries.insert(
+                    tname,
+                    Entry {
+                        file,
+                        dtype,
+                        shape: info.shape.clone(),
+                        start,
+                        end,
+                    },
+                );
+            }
+            shards.push(Shard { path, map });
+        }
+        let progress = ProgressBar::new(entries.len() as u64).with_style(
+            ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} tensors {elapsed}")
+                .expect("valid template"),
+        );
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            shards,
+            entries,
+            progress,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Shape as stored, if the tensor exists.
+    pub fn shape_of(&self, name: &str) -> Option<&[usize]> {
+        self.entries.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// The dtypes present, for logs ("bf16", "f32+f16", ...).
+    pub fn dtypes(&self) -> Vec<WeightDtype> {
+        let mut d: Vec<WeightDtype> = Vec::new();
+        for e in self.entries.values() {
+            if !d.contains(&e.dtype) {
+                d.push(e.dtype);
+            }
+        }
+        d
+    }
+
+    /// Reads tensor `name`, which must have exactly `shape`, as f32.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            dir: self.dir.clone(),
+        })?;
+        if e.shape != shape {
+            return Err(Error::WeightShape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                got: e.shape.clone(),
+            });
+        }
+        let bytes = &self.shards[e.file].map[e.start..e.end];
+        let n: usize = shape.iter().product();
+        let width = match e.dtype {
+            WeightDtype::F32 => 4,
+            WeightDtype::F16 | WeightDtype::BF16 => 2,
+        };
+        if bytes.len() != n * width {
+            return Err(Error::BadSafetensors {
+                path: self.shards[e.file].path.clone(),
+                message: format!(
+                    "tensor `{name}` holds {} bytes, its shape {shape:?} needs {}",
+                    bytes.len(),
+                    n * width
+                ),
+            });
+        }
+        let data: Vec<f32> = match e.dtype {
+            WeightDtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            WeightDtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            WeightDtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        };
+        self.progress.inc(1);
+        HostTensor::new(shape.to_vec(), data)
+    }
+
+    /// Clears the progress bar once a model is built.
+    pub fn finish(&self) {
+        self.progress.finish_and_clear();
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write(dir: &Path, file: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(file)).unwrap();
+    }
+
+    fn tmpdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vlm-weights-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn reads_f32_f16_bf16_and_checks_shapes() {
+        let dir = tmpdir("dtypes");
+        let vals = [1.5f32, -2.0, 0.25];
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let bf16b: Vec<u8> = vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        write(
+            &dir,
+            "model.safetensors",
+            &[
+                ("a", Dtype::F32, vec![3], f32b),
+                ("b", Dtype::F16, vec![1, 3], f16b),
+                ("c", Dtype::BF16, vec![3, 1], bf16b),
+                ("i", Dtype::I64, vec![1], vec![0; 8]),
+            ],
+        );
+        let err = Weights::open(&dir).err().unwrap();
+        assert!(matches!(err, Error::UnsupportedDtype { ref name, .. } if name == "i"), "{err}");
+
+        std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let bf16b: Vec<u8> = vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        write(
+            &dir,
+            "model.safetensors",
+            &[
+                ("a", Dtype::F32, vec![3], f32b),
+                ("b", Dtype::F16, vec![1, 3], f16b),
+                ("c", Dtype::BF16, vec![3, 1], bf16b),
+            ],
+        );
+        let w = Weights::open(&dir).unwrap();
+        assert_eq!(w.get("a", &[3]).unwrap().data(), &vals);
+        assert_eq!(w.get("b", &[1, 3]).unwrap().data(), &vals);
+        assert_eq!(w.get("c", &[3, 1]).unwrap().data(), &vals);
+        let err = w.get("a", &[4]).unwrap_err();
+        assert!(matches!(err, Error::WeightShape { .. }), "{err}");
+        let err = w.get("nope", &[1]).unwrap_err();
+        assert!(err.to_string().contains("`nope`"), "{err}");
+    }
+
+    #[test]
+    fn sharded_checkpoints_follow_the_index() {
+        let dir = tmpdir("sharded");
+        let one = 1.0f32.to_le_bytes().to_vec();
+        let two = 2.0f32.to_le_bytes().to_vec();
+        write(&dir, "model-00001-of-00002.safetensors", &[("x", Dtype::F32, vec![1], one)]);
+        write(&dir, "model-00002-of-00002.safetensors", &[("y", Dtype::F32, vec![1], two)]);
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        let w = Weights::open(&dir).unwrap();
+        assert_eq!(w.get("y", &[1]).unwrap().data(), &[2.0]);
+        assert_eq!(w.get("x", &[1]).unwrap().data(), &[1.0]);
+    }
+
+    #[test]
+    fn truncated_files_and_empty_dirs_are_reported() {
+        let dir = tmpdir("bad");
+        assert!(matches!(Weights::open(&dir).err().unwrap(), Error::NoWeights { .. }));
+        std::fs::write(dir.join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
+        let err = Weights::open(&dir).err().unwrap();
+        assert!(matches!(err, Error::BadSafetensors { .. }), "{err}");
+    }
+}
