@@ -39,8 +39,12 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- dense math ----
     /// `x [n, k] · wᵀ + b` with `w [m, k]` (PyTorch's `nn.Linear` layout) -> `[n, m]`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor, b: Option<&Self::Tensor>)
-        -> Result<Self::Tensor>;
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor>;
     /// Elementwise `a + b`, same shapes.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
     /// LayerNorm over the last dim with weight and bias.
@@ -61,8 +65,12 @@ pub trait Backend: Send + Sync + 'static {
     // ---- attention ----
     /// Rotary embedding in HF's rotate-half form on `x [tokens, heads, head_dim]`, with
     /// `cos`/`sin` of shape `[tokens, head_dim]` (both halves filled).
-    fn rope(&self, x: &Self::Tensor, cos: &Self::Tensor, sin: &Self::Tensor)
-        -> Result<Self::Tensor>;
+    fn rope(
+        &self,
+        x: &Self::Tensor,
+        cos: &Self::Tensor,
+        sin: &Self::Tensor,
+    ) -> Result<Self::Tensor>;
     /// Scaled dot-product attention with grouped KV heads.
     /// `q [nq, hq, d]`; `k`, `v` `[slots, hkv, d]` of which the first `kv_len` rows are valid;
     /// `hq` a multiple of `hkv`. Returns `[nq, hq * d]`, ready for the output projection.
@@ -92,8 +100,12 @@ pub trait Backend: Send + Sync + 'static {
     /// `dst[start + i] = src[i]` for every row of `src` (writing the KV cache).
     fn write_rows(&self, dst: &mut Self::Tensor, start: usize, src: &Self::Tensor) -> Result<()>;
     /// `dst[rows[i]] = src[i]` (placing image embeddings at the image-token positions).
-    fn scatter_rows(&self, dst: &mut Self::Tensor, rows: &[usize], src: &Self::Tensor)
-        -> Result<()>;
+    fn scatter_rows(
+        &self,
+        dst: &mut Self::Tensor,
+        rows: &[usize],
+        src: &Self::Tensor,
+    ) -> Result<()>;
     /// `dst[rows[i]] += src[i]` (DeepStack injection).
     fn add_rows(&self, dst: &mut Self::Tensor, rows: &[usize], src: &Self::Tensor) -> Result<()>;
 }

@@ -76,7 +76,12 @@ fn gelu_erf(x: f32) -> f32 {
 /// Rows here are slots of the first dimension (a KV cache `[slots, heads, d]` is written with
 /// `[n, heads * d]` rows): checks that `src` holds `rows.len()` such slots and that every row
 /// index is in range, and returns the slot width.
-fn check_rows(op: &'static str, dst: &HostTensor, rows: &[usize], src: &HostTensor) -> Result<usize> {
+fn check_rows(
+    op: &'static str,
+    dst: &HostTensor,
+    rows: &[usize],
+    src: &HostTensor,
+) -> Result<usize> {
     let slots = dst.shape().first().copied().unwrap_or(0);
     let width = if slots == 0 { 0 } else { dst.len() / slots };
     if src.len() != rows.len() * width {
@@ -193,7 +198,13 @@ impl Backend for CpuBackend {
         HostTensor::new(a.shape().to_vec(), data)
     }
 
-    fn layer_norm(&self, x: &HostTensor, w: &HostTensor, b: &HostTensor, eps: f32) -> Result<HostTensor> {
+    fn layer_norm(
+        &self,
+        x: &HostTensor,
+        w: &HostTensor,
+        b: &HostTensor,
+        eps: f32,
+    ) -> Result<HostTensor> {
         check_width("layer_norm", x, w)?;
         check_width("layer_norm", x, b)?;
         let (w, b) = (w.data(), b.data());
@@ -248,7 +259,12 @@ impl Backend for CpuBackend {
         if cos.shape() != [n, d] || sin.shape() != [n, d] || d % 2 != 0 {
             return Err(Error::shape(
                 "rope",
-                format!("x {:?} with cos {:?}, sin {:?}", x.shape(), cos.shape(), sin.shape()),
+                format!(
+                    "x {:?} with cos {:?}, sin {:?}",
+                    x.shape(),
+                    cos.shape(),
+                    sin.shape()
+                ),
             ));
         }
         let half = d / 2;
@@ -278,10 +294,16 @@ impl Backend for CpuBackend {
         mask: AttnMask,
     ) -> Result<HostTensor> {
         let [nq, hq, d] = *q.shape() else {
-            return Err(Error::shape("attention", format!("q must be 3-D, got {:?}", q.shape())));
+            return Err(Error::shape(
+                "attention",
+                format!("q must be 3-D, got {:?}", q.shape()),
+            ));
         };
         let [slots, hkv, dk] = *k.shape() else {
-            return Err(Error::shape("attention", format!("k must be 3-D, got {:?}", k.shape())));
+            return Err(Error::shape(
+                "attention",
+                format!("k must be 3-D, got {:?}", k.shape()),
+            ));
         };
         if v.shape() != k.shape() || dk != d || hkv == 0 || hq % hkv != 0 || kv_len > slots {
             return Err(Error::shape(
@@ -307,10 +329,9 @@ impl Backend for CpuBackend {
         let (kd, vd) = (k.data(), v.data());
         let mut out = HostTensor::zeros(vec![nq, hq * d]);
         // One task per (query, head): each writes its own d-wide slice of the output.
-        out.data_mut()
-            .par_chunks_mut(d)
-            .enumerate()
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, o)| {
+        out.data_mut().par_chunks_mut(d).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (task, o)| {
                 let (i, h) = (task / hq, task % hq);
                 let kvh = h / group;
                 let visible = match mask {
@@ -339,7 +360,8 @@ impl Backend for CpuBackend {
                         *o += p * x;
                     }
                 }
-            });
+            },
+        );
         Ok(out)
     }
 
@@ -368,7 +390,11 @@ impl Backend for CpuBackend {
         if taps == 0 || index.len() != weights.len() || index.len() % taps != 0 {
             return Err(Error::shape(
                 "weighted_gather",
-                format!("{} indices, {} weights, {taps} taps", index.len(), weights.len()),
+                format!(
+                    "{} indices, {} weights, {taps} taps",
+                    index.len(),
+                    weights.len()
+                ),
             ));
         }
         if let Some(&bad) = index.iter().find(|&&i| i as usize >= table.rows()) {
@@ -380,14 +406,17 @@ impl Backend for CpuBackend {
         let n = index.len() / taps;
         let h = table.cols();
         let mut out = HostTensor::zeros(vec![n, h]);
-        out.data_mut().par_chunks_mut(h).enumerate().for_each(|(i, o)| {
-            for t in 0..taps {
-                let w = weights[i * taps + t];
-                for (o, x) in o.iter_mut().zip(table.row(index[i * taps + t] as usize)) {
-                    *o += w * x;
+        out.data_mut()
+            .par_chunks_mut(h)
+            .enumerate()
+            .for_each(|(i, o)| {
+                for t in 0..taps {
+                    let w = weights[i * taps + t];
+                    for (o, x) in o.iter_mut().zip(table.row(index[i * taps + t] as usize)) {
+                        *o += w * x;
+                    }
                 }
-            }
-        });
+            });
         Ok(out)
     }
 
@@ -436,7 +465,10 @@ mod tests {
         let bias = t(&[2], &[10., 20.]);
         let y = b.linear(&x, &w, Some(&bias)).unwrap();
         assert_eq!(y.shape(), &[2, 2]);
-        assert_eq!(y.data(), &[1. - 3. + 10., 3. + 20., 4. - 6. + 10., 7.5 + 20.]);
+        assert_eq!(
+            y.data(),
+            &[1. - 3. + 10., 3. + 20., 4. - 6. + 10., 7.5 + 20.]
+        );
     }
 
     #[test]
@@ -456,7 +488,15 @@ mod tests {
         let k = t(&[2, 1, 2], &[1., 0., 0., 1.]);
         let v = t(&[2, 1, 2], &[1., 2., 3., 4.]);
         let y = b
-            .attention(&q, &k, &v, 2, AttnMask::Causal { first_query_slot: 0 })
+            .attention(
+                &q,
+                &k,
+                &v,
+                2,
+                AttnMask::Causal {
+                    first_query_slot: 0,
+                },
+            )
             .unwrap();
         assert_eq!(&y.data()[..2], &[1., 2.]);
         // Second query sees both keys; scores (0, 1)/sqrt(2) -> weights favour key 1.
@@ -500,7 +540,11 @@ mod tests {
         let zeros = t(&[4], &[0.; 4]);
         let ln = b.layer_norm(&x, &ones, &zeros, 0.0).unwrap();
         let sd = 1.25f32.sqrt();
-        for (a, e) in ln.data().iter().zip([-1.5 / sd, -0.5 / sd, 0.5 / sd, 1.5 / sd]) {
+        for (a, e) in ln
+            .data()
+            .iter()
+            .zip([-1.5 / sd, -0.5 / sd, 0.5 / sd, 1.5 / sd])
+        {
             assert!((a - e).abs() < 1e-6);
         }
         let rms = b.rms_norm(&x, &ones, 0.0).unwrap();
@@ -529,11 +573,13 @@ mod tests {
     fn row_updates_write_scatter_and_add() {
         let b = CpuBackend;
         let mut cache = b.zeros(&[3, 2, 1]).unwrap();
-        b.write_rows(&mut cache, 1, &t(&[2, 2], &[1., 2., 3., 4.])).unwrap();
+        b.write_rows(&mut cache, 1, &t(&[2, 2], &[1., 2., 3., 4.]))
+            .unwrap();
         assert_eq!(cache.data(), &[0., 0., 1., 2., 3., 4.]);
         assert_eq!(cache.shape(), &[3, 2, 1]);
         let mut x = t(&[3, 2], &[0.; 6]);
-        b.scatter_rows(&mut x, &[2, 0], &t(&[2, 2], &[1., 1., 2., 2.])).unwrap();
+        b.scatter_rows(&mut x, &[2, 0], &t(&[2, 2], &[1., 1., 2., 2.]))
+            .unwrap();
         b.add_rows(&mut x, &[2], &t(&[1, 2], &[10., 10.])).unwrap();
         assert_eq!(x.data(), &[2., 2., 0., 0., 11., 11.]);
         assert!(b.write_rows(&mut cache, 2, &t(&[2, 2], &[0.; 4])).is_err());
@@ -543,7 +589,10 @@ mod tests {
     fn embedding_rejects_ids_outside_vocab() {
         let b = CpuBackend;
         let table = t(&[2, 2], &[1., 2., 3., 4.]);
-        assert_eq!(b.embedding(&table, &[1, 0]).unwrap().data(), &[3., 4., 1., 2.]);
+        assert_eq!(
+            b.embedding(&table, &[1, 0]).unwrap().data(),
+            &[3., 4., 1., 2.]
+        );
         assert!(b.embedding(&table, &[2]).is_err());
     }
 }

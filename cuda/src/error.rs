@@ -21,11 +21,15 @@ pub enum Error {
     },
     #[error("{path} is not a valid safetensors file: {message}")]
     BadSafetensors { path: PathBuf, message: String },
-    #[error("no model weights in {dir}: expected model.safetensors or model.safetensors.index.json")]
+    #[error(
+        "no model weights in {dir}: expected model.safetensors or model.safetensors.index.json"
+    )]
     NoWeights { dir: PathBuf },
     #[error("tensor `{name}` is missing from the checkpoint in {dir}")]
     MissingTensor { name: String, dir: PathBuf },
-    #[error("tensor `{name}` has shape {got:?} in the checkpoint, the config implies {expected:?}")]
+    #[error(
+        "tensor `{name}` has shape {got:?} in the checkpoint, the config implies {expected:?}"
+    )]
     WeightShape {
         name: String,
         expected: Vec<usize>,

@@ -63,7 +63,11 @@ pub fn first_existing(dir: &Path, names: &[&str]) -> Option<PathBuf> {
 pub fn id_list(value: &Value) -> Vec<u32> {
     match value {
         Value::Number(n) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        Value::Array(a) => a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -82,13 +86,18 @@ mod tests {
     fn errors_name_file_and_full_key() {
         let path = Path::new("config.json");
         let v: Value = serde_json::json!({"hidden_size": "big"});
-        let err = parse::<Inner>(path, "text_config", v).unwrap_err().to_string();
+        let err = parse::<Inner>(path, "text_config", v)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("config.json"), "{err}");
         assert!(err.contains("text_config.hidden_size"), "{err}");
         let err = parse::<Inner>(path, "text_config", serde_json::json!({}))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("`text_config`") && err.contains("hidden_size"), "{err}");
+        assert!(
+            err.contains("`text_config`") && err.contains("hidden_size"),
+            "{err}"
+        );
     }
 
     #[test]

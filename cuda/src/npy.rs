@@ -32,7 +32,8 @@ pub fn write_f32(path: &Path, t: &HostTensor) -> Result<()> {
     };
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     f.write_all(MAGIC).map_err(io)?;
-    f.write_all(&(header.len() as u16).to_le_bytes()).map_err(io)?;
+    f.write_all(&(header.len() as u16).to_le_bytes())
+        .map_err(io)?;
     f.write_all(header.as_bytes()).map_err(io)?;
     for v in t.data() {
         f.write_all(&v.to_le_bytes()).map_err(io)?;
@@ -54,8 +55,12 @@ pub fn read_f32(path: &Path) -> Result<HostTensor> {
         return Err(bad("bad magic"));
     }
     let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
-    let header = std::str::from_utf8(bytes.get(10..10 + hlen).ok_or_else(|| bad("short header"))?)
-        .map_err(|_| bad("header is not text"))?;
+    let header = std::str::from_utf8(
+        bytes
+            .get(10..10 + hlen)
+            .ok_or_else(|| bad("short header"))?,
+    )
+    .map_err(|_| bad("header is not text"))?;
     if !header.contains("'descr': '<f4'") || header.contains("'fortran_order': True") {
         return Err(bad("only C-order <f4 is supported"));
     }
@@ -87,7 +92,11 @@ mod tests {
         let t = HostTensor::new(vec![2, 3], vec![1., 2., 3., 4., 5., -6.5]).unwrap();
         write_f32(&path, &t).unwrap();
         let bytes = std::fs::read(&path).unwrap();
-        assert_eq!((bytes.len() - 24) % 64, 0, "data starts on a 64-byte boundary");
+        assert_eq!(
+            (bytes.len() - 24) % 64,
+            0,
+            "data starts on a 64-byte boundary"
+        );
         assert_eq!(read_f32(&path).unwrap(), t);
     }
 }

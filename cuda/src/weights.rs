@@ -106,7 +106,9 @@ impl Weights {
                 };
                 let (start, end) = (base + info.data_offsets.0, base + info.data_offsets.1);
                 if end > map.len() {
-                    return Err(bad(format!("tensor `{tname}` extends past the end of the file")));
+                    return Err(bad(format!(
+                        "tensor `{tname}` extends past the end of the file"
+                    )));
                 }
                 entries.insert(
                     tname,
@@ -208,6 +210,57 @@ impl Weights {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// A view that prefixes every name with `prefix.` (like candle's `VarBuilder::pp`).
+    pub fn pp(&self, prefix: &str) -> WeightPrefix<'_> {
+        WeightPrefix {
+            weights: self,
+            prefix: prefix.to_string(),
+        }
+    }
+}
+
+/// The weights under one module path, e.g. `model.visual.blocks.3`.
+pub struct WeightPrefix<'a> {
+    weights: &'a Weights,
+    prefix: String,
+}
+
+impl WeightPrefix<'_> {
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// A deeper prefix: `pp("blocks").pp(3)`.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Self {
+        WeightPrefix {
+            weights: self.weights,
+            prefix: self.full(&name.to_string()),
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.weights.contains(&self.full(name))
+    }
+
+    /// Reads `prefix.name` with exactly `shape`, as f32 on the host.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        self.weights.get(&self.full(name), shape)
+    }
+
+    /// Reads `prefix.name` with exactly `shape` and uploads it to `backend`.
+    pub fn load<B: crate::Backend>(
+        &self,
+        backend: &B,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<B::Tensor> {
+        backend.upload(&self.get(name, shape)?)
+    }
 }
 
 #[cfg(test)]
@@ -235,8 +288,14 @@ mod tests {
         let dir = tmpdir("dtypes");
         let vals = [1.5f32, -2.0, 0.25];
         let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let f16b: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
-        let bf16b: Vec<u8> = vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let bf16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
         write(
             &dir,
             "model.safetensors",
@@ -248,12 +307,21 @@ mod tests {
             ],
         );
         let err = Weights::open(&dir).err().unwrap();
-        assert!(matches!(err, Error::UnsupportedDtype { ref name, .. } if name == "i"), "{err}");
+        assert!(
+            matches!(err, Error::UnsupportedDtype { ref name, .. } if name == "i"),
+            "{err}"
+        );
 
         std::fs::remove_file(dir.join("model.safetensors")).unwrap();
         let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let f16b: Vec<u8> = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
-        let bf16b: Vec<u8> = vals.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let bf16b: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
         write(
             &dir,
             "model.safetensors",
@@ -278,8 +346,16 @@ mod tests {
         let dir = tmpdir("sharded");
         let one = 1.0f32.to_le_bytes().to_vec();
         let two = 2.0f32.to_le_bytes().to_vec();
-        write(&dir, "model-00001-of-00002.safetensors", &[("x", Dtype::F32, vec![1], one)]);
-        write(&dir, "model-00002-of-00002.safetensors", &[("y", Dtype::F32, vec![1], two)]);
+        write(
+            &dir,
+            "model-00001-of-00002.safetensors",
+            &[("x", Dtype::F32, vec![1], one)],
+        );
+        write(
+            &dir,
+            "model-00002-of-00002.safetensors",
+            &[("y", Dtype::F32, vec![1], two)],
+        );
         std::fs::write(
             dir.join("model.safetensors.index.json"),
             r#"{"weight_map": {"x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"}}"#,
@@ -293,8 +369,15 @@ mod tests {
     #[test]
     fn truncated_files_and_empty_dirs_are_reported() {
         let dir = tmpdir("bad");
-        assert!(matches!(Weights::open(&dir).err().unwrap(), Error::NoWeights { .. }));
-        std::fs::write(dir.join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
+        assert!(matches!(
+            Weights::open(&dir).err().unwrap(),
+            Error::NoWeights { .. }
+        ));
+        std::fs::write(
+            dir.join("model.safetensors"),
+            b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":",
+        )
+        .unwrap();
         let err = Weights::open(&dir).err().unwrap();
         assert!(matches!(err, Error::BadSafetensors { .. }), "{err}");
     }

@@ -1,0 +1,357 @@
+//! The Qwen3-VL vision tower, written once against [`Backend`].
+//!
+//! Reference: transformers `models/qwen3_vl/modeling_qwen3_vl.py` (`Qwen3VLVisionModel`).
+//! Per image:
+//! ```text
+//! patches ─patch_embed (Conv3d == one GEMM)─▶ + learned pos-embed, bilinearly interpolated
+//!   ─▶ depth × Block: x += proj(attn(rope2d(q), rope2d(k), v)) over LN1(x);  x += MLP(LN2(x))
+//!        └─ after blocks in deepstack_visual_indexes: DeepStack merger (LN after 2×2 grouping)
+//!   ─▶ merger: LN ─▶ group 2×2 ─▶ Linear ─▶ GELU ─▶ Linear → [tokens, out_hidden]
+//! ```
+//! Attention is full (non-causal) within an image; images are encoded one at a time, which is
+//! what HF's per-image `cu_seqlens` split computes.
+
+use vlm_compute::{AttnMask, Backend, GeluKind, HostTensor, WeightPrefix, Weights};
+
+use crate::{Error, Patches, Result, VisionConfig};
+
+const LN_EPS: f32 = 1e-6;
+
+/// What the vision tower produces for one image, on the host.
+#[derive(Clone, Debug)]
+pub struct VisionOutput {
+    /// `[tokens, out_hidden]`: replaces the image placeholder tokens in the LLM input.
+    pub embeds: HostTensor,
+    /// One `[tokens, out_hidden]` per DeepStack tap; added after LLM layers 0, 1, 2, ...
+    pub deepstack: Vec<HostTensor>,
+    /// Patch grid (t, h, w) before merging.
+    pub grid_thw: [usize; 3],
+}
+
+struct LayerNorm<B: Backend> {
+    w: B::Tensor,
+    b: B::Tensor,
+}
+
+impl<B: Backend> LayerNorm<B> {
+    fn new(be: &B, w: &WeightPrefix, dim: usize) -> Result<Self> {
+        Ok(Self {
+            w: w.load(be, "weight", &[dim])?,
+            b: w.load(be, "bias", &[dim])?,
+        })
+    }
+    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        Ok(be.layer_norm(x, &self.w, &self.b, LN_EPS)?)
+    }
+}
+
+struct Linear<B: Backend> {
+    w: B::Tensor,
+    b: B::Tensor,
+}
+
+impl<B: Backend> Linear<B> {
+    fn new(be: &B, w: &WeightPrefix, out: usize, inp: usize) -> Result<Self> {
+        Ok(Self {
+            w: w.load(be, "weight", &[out, inp])?,
+            b: w.load(be, "bias", &[out])?,
+        })
+    }
+    fn from_host(be: &B, w: &HostTensor, b: &HostTensor) -> Result<Self> {
+        Ok(Self {
+            w: be.upload(w)?,
+            b: be.upload(b)?,
+        })
+    }
+    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        Ok(be.linear(x, &self.w, Some(&self.b))?)
+    }
+}
+
+struct Attention<B: Backend> {
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    proj: Linear<B>,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    fn new(be: &B, w: &WeightPrefix, cfg: &VisionConfig) -> Result<Self> {
+        let h = cfg.hidden_size;
+        // The checkpoint stores q, k, v as one [3h, h] projection; split it once here.
+        let qkv_w = w.pp("qkv").get("weight", &[3 * h, h])?;
+        let qkv_b = w.pp("qkv").get("bias", &[3 * h])?.reshape(vec![3 * h, 1])?;
+        let part = |i: usize| -> Result<Linear<B>> {
+            let bias = qkv_b.slice_rows(i * h, (i + 1) * h)?.reshape(vec![h])?;
+            Linear::from_host(be, &qkv_w.slice_rows(i * h, (i + 1) * h)?, &bias)
+        };
+        Ok(Self {
+            q: part(0)?,
+            k: part(1)?,
+            v: part(2)?,
+            proj: Linear::new(be, &w.pp("proj"), h, h)?,
+            heads: cfg.num_heads,
+            head_dim: cfg.head_dim(),
+        })
+    }
+
+    fn forward(&self, be: &B, x: &B::Tensor, rope: &Rope<B>) -> Result<B::Tensor> {
+        let n = be.shape(x)[0];
+        let heads = |t: B::Tensor| be.reshape(t, &[n, self.heads, self.head_dim]);
+        let q = be.rope(&heads(self.q.forward(be, x)?)?, &rope.cos, &rope.sin)?;
+        let k = be.rope(&heads(self.k.forward(be, x)?)?, &rope.cos, &rope.sin)?;
+        let v = heads(self.v.forward(be, x)?)?;
+        let a = be.attention(&q, &k, &v, n, AttnMask::Full)?;
+        self.proj.forward(be, &a)
+    }
+}
+
+struct Block<B: Backend> {
+    norm1: LayerNorm<B>,
+    attn: Attention<B>,
+    norm2: LayerNorm<B>,
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    act: GeluKind,
+}
+
+impl<B: Backend> Block<B> {
+    fn new(be: &B, w: &WeightPrefix, cfg: &VisionConfig) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            norm1: LayerNorm::new(be, &w.pp("norm1"), h)?,
+            attn: Attention::new(be, &w.pp("attn"), cfg)?,
+            norm2: LayerNorm::new(be, &w.pp("norm2"), h)?,
+            fc1: Linear::new(be, &w.pp("mlp.linear_fc1"), i, h)?,
+            fc2: Linear::new(be, &w.pp("mlp.linear_fc2"), h, i)?,
+            act: if cfg.hidden_act == "gelu" {
+                GeluKind::Erf
+            } else {
+                GeluKind::Tanh
+            },
+        })
+    }
+
+    fn forward(&self, be: &B, x: &B::Tensor, rope: &Rope<B>) -> Result<B::Tensor> {
+        let a = self.attn.forward(be, &self.norm1.forward(be, x)?, rope)?;
+        let x = be.add(x, &a)?;
+        let h = self.fc1.forward(be, &self.norm2.forward(be, &x)?)?;
+        let m = self.fc2.forward(be, &be.gelu(&h, self.act)?)?;
+        Ok(be.add(&x, &m)?)
+    }
+}
+
+/// Groups each 2×2 window of patches into one token and projects it to the LLM width.
+struct Merger<B: Backend> {
+    norm: LayerNorm<B>,
+    /// DeepStack mergers normalize after grouping (over 4·hidden), the final one before.
+    norm_after_grouping: bool,
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    hidden: usize,
+    grouped: usize,
+}
+
+impl<B: Backend> Merger<B> {
+    fn new(
+        be: &B,
+        w: &WeightPrefix,
+        cfg: &VisionConfig,
+        norm_after_grouping: bool,
+    ) -> Result<Self> {
+        let hidden = cfg.hidden_size;
+        let grouped = hidden * cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let norm_dim = if norm_after_grouping { grouped } else { hidden };
+        Ok(Self {
+            norm: LayerNorm::new(be, &w.pp("norm"), norm_dim)?,
+            norm_after_grouping,
+            fc1: Linear::new(be, &w.pp("linear_fc1"), grouped, grouped)?,
+            fc2: Linear::new(be, &w.pp("linear_fc2"), cfg.out_hidden_size, grouped)?,
+            hidden,
+            grouped,
+        })
+    }
+
+    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let tokens = be.shape(x)[0] * self.hidden / self.grouped;
+        let x = if self.norm_after_grouping {
+            let g = be.reshape(x.clone(), &[tokens, self.grouped])?;
+            self.norm.forward(be, &g)?
+        } else {
+            let n = self.norm.forward(be, x)?;
+            be.reshape(n, &[tokens, self.grouped])?
+        };
+        let h = self.fc1.forward(be, &x)?;
+        self.fc2.forward(be, &be.gelu(&h, GeluKind::Erf)?)
+    }
+}
+
+/// 2-D rotary tables for one image: `[patches, head_dim]` each.
+struct Rope<B: Backend> {
+    cos: B::Tensor,
+    sin: B::Tensor,
+}
+
+pub struct VisionModel<B: Backend> {
+    backend: B,
+    cfg: VisionConfig,
+    patch_embed: Linear<B>,
+    pos_embed: B::Tensor,
+    blocks: Vec<Block<B>>,
+    merger: Merger<B>,
+    deepstack_mergers: Vec<Merger<B>>,
+    /// Rotary inverse frequencies, `head_dim / 4` of them (shared by rows and columns).
+    inv_freq: Vec<f32>,
+}
+
+impl<B: Backend> VisionModel<B> {
+    pub fn new(cfg: VisionConfig, weights: &Weights, backend: B) -> Result<Self> {
+        let be = &backend;
+        let w = weights.pp("model.visual");
+        let h = cfg.hidden_size;
+        // Conv3d weight [h, C, T, P, P] flattened to [h, C·T·P·P] matches the patch layout.
+        let pe = w.pp("patch_embed.proj");
+        let conv_shape = [
+            h,
+            cfg.in_channels,
+            cfg.temporal_patch_size,
+            cfg.patch_size,
+            cfg.patch_size,
+        ];
+        let patch_embed = Linear::from_host(
+            be,
+            &pe.get("weight", &conv_shape)?
+                .reshape(vec![h, cfg.patch_dim()])?,
+            &pe.get("bias", &[h])?,
+        )?;
+        let pos_embed = w.load(be, "pos_embed.weight", &[cfg.num_position_embeddings, h])?;
+        let blocks = (0..cfg.depth)
+            .map(|i| Block::new(be, &w.pp("blocks").pp(i), &cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let merger = Merger::new(be, &w.pp("merger"), &cfg, false)?;
+        let deepstack_mergers = (0..cfg.deepstack_visual_indexes.len())
+            .map(|i| Merger::new(be, &w.pp("deepstack_merger_list").pp(i), &cfg, true))
+            .collect::<Result<Vec<_>>>()?;
+        let spatial = cfg.head_dim() / 2;
+        let theta = cfg.rope_theta() as f32;
+        let inv_freq = (0..spatial / 2)
+            .map(|j| 1.0 / theta.powf((2 * j) as f32 / spatial as f32))
+            .collect();
+        Ok(Self {
+            backend,
+            cfg,
+            patch_embed,
+            pos_embed,
+            blocks,
+            merger,
+            deepstack_mergers,
+            inv_freq,
+        })
+    }
+
+    pub fn config(&self) -> &VisionConfig {
+        &self.cfg
+    }
+
+    /// (row, col) of every patch in merge-window order, repeated for each frame.
+    fn patch_positions(&self, [t, h, w]: [usize; 3]) -> Vec<(usize, usize)> {
+        let m = self.cfg.spatial_merge_size;
+        let mut pos = Vec::with_capacity(t * h * w);
+        for _ in 0..t {
+            for br in 0..h / m {
+                for bc in 0..w / m {
+                    for ir in 0..m {
+                        for ic in 0..m {
+                            pos.push((br * m + ir, bc * m + ic));
+                        }
+                    }
+                }
+            }
+        }
+        pos
+    }
+
+    /// Bilinear (align_corners) taps into the learned `side × side` table for each patch.
+    fn pos_embed_taps(&self, grid: [usize; 3], pos: &[(usize, usize)]) -> (Vec<u32>, Vec<f32>) {
+        let side = self.cfg.pos_grid_side();
+        let axis = |i: usize, size: usize| -> [(usize, f32); 2] {
+            // Same f32 arithmetic as transformers' `_interpolation_axis_taps_weights`.
+            let src = i as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+            let f = src.floor();
+            [0, 1].map(|o| {
+                let tap = (f as usize + o).min(side - 1);
+                (tap, (1.0 - (src - f - o as f32).abs()).max(0.0))
+            })
+        };
+        let (mut idx, mut wts) = (Vec::new(), Vec::new());
+        for &(r, c) in pos {
+            for (hr, hw) in axis(r, grid[1]) {
+                for (wc, ww) in axis(c, grid[2]) {
+                    idx.push((hr * side + wc) as u32);
+                    wts.push(hw * ww);
+                }
+            }
+        }
+        (idx, wts)
+    }
+
+    fn rope_tables(&self, pos: &[(usize, usize)]) -> Result<Rope<B>> {
+        let d = self.cfg.head_dim();
+        let q = self.inv_freq.len();
+        let (mut cos, mut sin) = (vec![0f32; pos.len() * d], vec![0f32; pos.len() * d]);
+        for (i, &(r, c)) in pos.iter().enumerate() {
+            for j in 0..q {
+                let (ar, ac) = (r as f32 * self.inv_freq[j], c as f32 * self.inv_freq[j]);
+                for half in [0, d / 2] {
+                    cos[i * d + half + j] = ar.cos();
+                    sin[i * d + half + j] = ar.sin();
+                    cos[i * d + half + q + j] = ac.cos();
+                    sin[i * d + half + q + j] = ac.sin();
+                }
+            }
+        }
+        let be = &self.backend;
+        Ok(Rope {
+            cos: be.upload(&HostTensor::new(vec![pos.len(), d], cos)?)?,
+            sin: be.upload(&HostTensor::new(vec![pos.len(), d], sin)?)?,
+        })
+    }
+
+    /// Encodes one image's patches.
+    pub fn forward(&self, patches: &Patches) -> Result<VisionOutput> {
+        let be = &self.backend;
+        let cfg = &self.cfg;
+        let grid = patches.grid_thw;
+        let m = cfg.spatial_merge_size;
+        let n = grid[0] * grid[1] * grid[2];
+        if grid[1] % m != 0 || grid[2] % m != 0 || patches.pixels.shape() != [n, cfg.patch_dim()] {
+            return Err(Error::Config(format!(
+                "patches {:?} with grid {grid:?} do not fit this tower (patch dim {}, merge {m})",
+                patches.pixels.shape(),
+                cfg.patch_dim()
+            )));
+        }
+        let pos = self.patch_positions(grid);
+        let (idx, wts) = self.pos_embed_taps(grid, &pos);
+        let rope = self.rope_tables(&pos)?;
+
+        let x = self.patch_embed.forward(be, &be.upload(&patches.pixels)?)?;
+        let mut x = be.add(&x, &be.weighted_gather(&self.pos_embed, &idx, &wts, 4)?)?;
+        let mut deepstack = Vec::new();
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.forward(be, &x, &rope)?;
+            if let Some(j) = cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
+                let f = self.deepstack_mergers[j].forward(be, &x)?;
+                deepstack.push(be.download(&f)?);
+            }
+        }
+        let embeds = be.download(&self.merger.forward(be, &x)?)?;
+        Ok(VisionOutput {
+            embeds,
+            deepstack,
+            grid_thw: grid,
+        })
+    }
+}

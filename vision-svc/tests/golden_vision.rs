@@ -1,0 +1,93 @@
+//! The vision stage against HF transformers, through the golden fixtures
+//! (`tests/fixtures/make_fixtures.py`): preprocessing from the image files, and the tower
+//! (embeddings + DeepStack features) from HF's own pixel values, so each stage is checked alone.
+
+use std::path::PathBuf;
+
+use vision_svc::{preprocess, Patches, VisionEncoder};
+use vlm_compute::{golden::Golden, CpuBackend, HostTensor, Weights};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+}
+
+fn image_names(g: &Golden) -> Vec<String> {
+    g.manifest()["images"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect()
+}
+
+/// Largest |a - b| and the mean |a - b|.
+fn diff(a: &HostTensor, b: &HostTensor) -> (f32, f32) {
+    assert_eq!(a.shape(), b.shape());
+    let d: Vec<f32> = a
+        .data()
+        .iter()
+        .zip(b.data())
+        .map(|(x, y)| (x - y).abs())
+        .collect();
+    (
+        d.iter().cloned().fold(0.0, f32::max),
+        d.iter().sum::<f32>() / d.len() as f32,
+    )
+}
+
+#[test]
+fn preprocessing_matches_hf_pixel_values() {
+    let dir = fixture();
+    let g = Golden::open(&dir).unwrap();
+    let enc = vision_svc::PreprocessConfig::from_dir(&dir).unwrap();
+    for name in image_names(&g) {
+        let bytes = std::fs::read(dir.join("images").join(&name)).unwrap();
+        let ours = preprocess::preprocess(&bytes, &enc, &Default::default()).unwrap();
+        let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
+        assert_eq!(
+            ours.grid_thw.map(|v| v as i64).to_vec(),
+            grid,
+            "{name}: grid"
+        );
+        let hf = g.tensor(&format!("image.{name}.pixel_values")).unwrap();
+        let (max, mean) = diff(&ours.pixels, &hf);
+        if name.ends_with(".jpg") {
+            // Lossy: libjpeg-turbo (PIL) and the Rust decoder round the IDCT differently, by a
+            // few levels of 255 on some pixels; normalized values step by 2/255 = 0.0078.
+            assert!(
+                max <= 12.0 / 255.0 && mean <= 1.5 / 255.0,
+                "{name}: max {max}, mean {mean}"
+            );
+        } else {
+            // Lossless input and Pillow-exact resampling: equal up to f32 rounding.
+            assert!(max <= 1e-6, "{name}: max {max}, mean {mean}");
+        }
+    }
+}
+
+#[test]
+fn vision_tower_matches_hf_embeddings_and_deepstack() {
+    let dir = fixture();
+    let g = Golden::open(&dir).unwrap();
+    let weights = Weights::open(&dir).unwrap();
+    let enc = VisionEncoder::load(&dir, &weights, CpuBackend::new()).unwrap();
+    for name in image_names(&g) {
+        let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
+        let patches = Patches {
+            pixels: g.tensor(&format!("image.{name}.pixel_values")).unwrap(),
+            grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
+        };
+        let out = enc.model.forward(&patches).unwrap();
+        let hf = g.tensor(&format!("image.{name}.embeds")).unwrap();
+        // f32 on both sides; only summation order differs (GEMM blocking, softmax, LayerNorm),
+        // which moves O(1) activations by ~1e-6 per op over 4 blocks and 2 GEMMs after them.
+        let (max, _) = diff(&out.embeds, &hf);
+        assert!(max <= 1e-4, "{name}: embeddings differ by {max}");
+        assert_eq!(out.deepstack.len(), 3);
+        for (j, ds) in out.deepstack.iter().enumerate() {
+            let hf = g.tensor(&format!("image.{name}.deepstack.{j}")).unwrap();
+            let (max, _) = diff(ds, &hf);
+            assert!(max <= 1e-4, "{name}: DeepStack {j} differs by {max}");
+        }
+    }
+}
