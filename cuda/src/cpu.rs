@@ -425,7 +425,8 @@ impl Backend for CpuBackend {
     }
 
     fn write_rows(&self, dst: &mut HostTensor, start: usize, src: &HostTensor) -> Result<()> {
-        let rows: Vec<usize> = (start..start + src.rows()).collect();
+        let n = src.shape().first().copied().unwrap_or(0);
+        let rows: Vec<usize> = (start..start + n).collect();
         self.scatter_rows(dst, &rows, src)
     }
 

@@ -1,0 +1,280 @@
+//! The generation loop: validate a request, place image embeddings, prefill, then decode one
+//! token at a time until an eos token, the token budget, the context, or the caller says stop.
+//!
+//! Callers see every token as it is chosen (with the logits it was chosen from), which is how
+//! the CLI streams text, writes `--logits-out`, and checks stop strings, and how a server
+//! streams to its client and notices the client has gone.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use vlm_compute::{Backend, HostTensor, Weights};
+
+use crate::model::{KvCache, StepInput, TextModel};
+use crate::mrope::{self, image_spans, prompt_positions};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::{Error, ModelConfig, Result};
+
+/// One image as the vision stage produced it.
+#[derive(Clone, Debug)]
+pub struct ImageInput {
+    /// `[tokens, hidden]`, placed at the image's placeholder tokens.
+    pub embeds: HostTensor,
+    /// DeepStack features, each `[tokens, hidden]`, added after layers 0, 1, ...
+    pub deepstack: Vec<HostTensor>,
+    /// Patch grid (t, h, w) before the 2×2 merge.
+    pub grid_thw: [usize; 3],
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Prompt token ids with each image's placeholder token repeated once per image token.
+    pub prompt: Vec<u32>,
+    pub images: Vec<ImageInput>,
+    pub sampling: SamplingParams,
+    pub max_new_tokens: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An eos token was generated (it is the last token).
+    Eos,
+    /// `max_new_tokens` or the context was reached.
+    Length,
+    /// The caller's callback asked to stop (a stop string matched, the client left).
+    Stopped,
+}
+
+impl FinishReason {
+    /// OpenAI's names: "stop" for eos and stop strings, "length" for the budget.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Eos | FinishReason::Stopped => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// A token as it is generated.
+pub struct TokenEvent<'a> {
+    pub token: u32,
+    /// 0 for the first generated token.
+    pub index: usize,
+    /// The logits the token was chosen from, `[vocab]`.
+    pub logits: &'a [f32],
+}
+
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    pub prompt_tokens: usize,
+    /// Prefill time, until the first token's logits.
+    pub prefill: Duration,
+    /// Time spent in the decode steps after the first token.
+    pub decode: Duration,
+}
+
+pub struct Engine<B: Backend> {
+    model: TextModel<B>,
+    inv_freq: Vec<f32>,
+    /// Most tokens (prompt + generated) one sequence may hold.
+    max_context: usize,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Loads the text decoder of the checkpoint in `dir`. `max_context` caps the model's own
+    /// `max_position_embeddings` (memory for the KV cache is sized from it).
+    pub fn load(
+        dir: &Path,
+        weights: &Weights,
+        backend: B,
+        max_context: Option<usize>,
+    ) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let model_max = cfg.text.max_position_embeddings;
+        let max_context = max_context.map_or(model_max, |m| m.min(model_max));
+        let inv_freq = mrope::inv_freq(&cfg.text);
+        let model = TextModel::new(cfg, weights, backend)?;
+        Ok(Self {
+            model,
+            inv_freq,
+            max_context,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// Checks a request without running it.
+    pub fn validate(&self, req: &GenerateRequest) -> Result<()> {
+        let cfg = self.config();
+        if req.prompt.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        if req.prompt.len() >= self.max_context {
+            return Err(Error::PromptTooLong {
+                prompt_tokens: req.prompt.len(),
+                context: self.max_context,
+            });
+        }
+        let vocab = cfg.text.vocab_size;
+        if let Some((position, &id)) = req
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(Error::TokenOutOfRange {
+                id,
+                position,
+                vocab,
+            });
+        }
+        req.sampling.validate()?;
+        if req.max_new_tokens == 0 {
+            return Err(Error::InvalidParameter(
+                "`max_new_tokens` must be at least 1, got 0".into(),
+            ));
+        }
+        let hidden = cfg.text.hidden_size;
+        let m = cfg.spatial_merge_size;
+        for (k, img) in req.images.iter().enumerate() {
+            let [t, h, w] = img.grid_thw;
+            let tokens = t * (h / m) * (w / m);
+            if img.embeds.shape() != [tokens, hidden] {
+                return Err(Error::ImageMismatch(format!(
+                    "image {k}: embeddings {:?}, grid {:?} implies [{tokens}, {hidden}]",
+                    img.embeds.shape(),
+                    img.grid_thw
+                )));
+            }
+            if img.deepstack.len() != req.images[0].deepstack.len()
+                || img
+                    .deepstack
+                    .iter()
+                    .any(|d| d.shape() != img.embeds.shape())
+            {
+                return Err(Error::ImageMismatch(format!(
+                    "image {k}: DeepStack features must all be {:?}, one set per image",
+                    img.embeds.shape()
+                )));
+            }
+            if t != 1 {
+                return Err(Error::ImageMismatch(format!(
+                    "image {k}: temporal grid {t}; images have 1 (video is not supported)"
+                )));
+            }
+        }
+        let grids: Vec<(usize, usize)> = req
+            .images
+            .iter()
+            .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
+            .collect();
+        image_spans(&req.prompt, cfg.image_token_id, &grids)?;
+        Ok(())
+    }
+
+    /// Runs a request to completion, calling `on_token` for every generated token.
+    pub fn generate(
+        &self,
+        req: &GenerateRequest,
+        mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<Generation> {
+        self.validate(req)?;
+        let be = self.model.backend();
+        let cfg = self.config();
+        let m = cfg.spatial_merge_size;
+        let grids: Vec<(usize, usize)> = req
+            .images
+            .iter()
+            .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
+            .collect();
+        let spans = image_spans(&req.prompt, cfg.image_token_id, &grids)?;
+        let pos = prompt_positions(req.prompt.len(), &spans);
+        let mut sampler = Sampler::new(req.sampling.clone())?;
+        let capacity = (req.prompt.len() + req.max_new_tokens).min(self.max_context);
+        let mut cache = KvCache::new(be, &cfg.text, capacity)?;
+
+        // Prefill: token embeddings with the images' embeddings in place of the placeholders.
+        let started = Instant::now();
+        let mut embeds = self.model.embed(&req.prompt)?;
+        let image_rows: Vec<usize> = spans
+            .iter()
+            .flat_map(|s| s.start..s.start + s.len())
+            .collect();
+        let mut deepstack = Vec::new();
+        if !req.images.is_empty() {
+            let all: Vec<HostTensor> = req.images.iter().map(|i| i.embeds.clone()).collect();
+            be.scatter_rows(
+                &mut embeds,
+                &image_rows,
+                &be.upload(&HostTensor::concat_rows(&all)?)?,
+            )?;
+            for j in 0..req.images[0].deepstack.len() {
+                let layer: Vec<HostTensor> =
+                    req.images.iter().map(|i| i.deepstack[j].clone()).collect();
+                deepstack.push(be.upload(&HostTensor::concat_rows(&layer)?)?);
+            }
+        }
+        let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &pos.positions)?;
+        let mut logits = self.model.forward(
+            &mut cache,
+            &StepInput {
+                embeds,
+                cos: be.upload(&cos)?,
+                sin: be.upload(&sin)?,
+                image_rows: &image_rows,
+                deepstack: &deepstack,
+            },
+        )?;
+        let prefill = started.elapsed();
+        let decode_started = Instant::now();
+
+        let mut tokens = Vec::new();
+        let finish = loop {
+            let token = sampler.sample(logits.data());
+            tokens.push(token);
+            let flow = on_token(&TokenEvent {
+                token,
+                index: tokens.len() - 1,
+                logits: logits.data(),
+            });
+            if cfg.eos_token_ids.contains(&token) {
+                break FinishReason::Eos;
+            }
+            if flow.is_break() {
+                break FinishReason::Stopped;
+            }
+            if tokens.len() >= req.max_new_tokens || cache.len() >= cache.capacity() {
+                break FinishReason::Length;
+            }
+            // Decode: all three M-RoPE streams are slot + delta.
+            let p = (cache.len() as i64 + pos.delta) as u32;
+            let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &[[p; 3]])?;
+            logits = self.model.forward(
+                &mut cache,
+                &StepInput {
+                    embeds: self.model.embed(&[token])?,
+                    cos: be.upload(&cos)?,
+                    sin: be.upload(&sin)?,
+                    image_rows: &[],
+                    deepstack: &[],
+                },
+            )?;
+        };
+        Ok(Generation {
+            tokens,
+            finish,
+            prompt_tokens: req.prompt.len(),
+            prefill,
+            decode: decode_started.elapsed(),
+        })
+    }
+}

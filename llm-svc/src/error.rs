@@ -1,0 +1,36 @@
+//! Errors of the language stage. `is_invalid_input` separates the caller's mistakes (bad token
+//! ids, prompt past the context, bad sampling values) from the deployment's and ours.
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt_tokens} tokens; the context holds at most {context} (prompt plus at least one generated token)")]
+    PromptTooLong {
+        prompt_tokens: usize,
+        context: usize,
+    },
+    #[error("token id {id} at position {position} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange {
+        id: u32,
+        position: usize,
+        vocab: usize,
+    },
+    #[error("images do not match the prompt: {0}")]
+    ImageMismatch(String),
+    #[error("invalid parameter: {0}")]
+    InvalidParameter(String),
+    #[error("text config: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Compute(#[from] vlm_compute::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// True when the request, not the server, is at fault (maps to INVALID_ARGUMENT / HTTP 400).
+    pub fn is_invalid_input(&self) -> bool {
+        !matches!(self, Error::Config(_) | Error::Compute(_))
+    }
+}

@@ -1,0 +1,267 @@
+//! The Qwen3-VL text decoder, written once against [`Backend`].
+//!
+//! Reference: transformers `models/qwen3_vl/modeling_qwen3_vl.py` (`Qwen3VLTextModel`,
+//! `Qwen3VLForConditionalGeneration`). Per layer:
+//! ```text
+//! h = RMSNorm(x);  q, k, v = h·Wq, h·Wk, h·Wv   (GQA: fewer k/v heads)
+//! q, k = M-RoPE(RMSNorm_head(q)), M-RoPE(RMSNorm_head(k));  append k, v to the KV cache
+//! x += Wo · attn(q, K, V)  (causal);  x += W_down · (silu(h·W_gate) ⊙ h·W_up) with h = RMSNorm(x)
+//! after layer i < len(DeepStack): x[image positions] += DeepStack feature i
+//! ```
+//! and at the end `logits = lm_head(RMSNorm(x_last))`. Image embeddings replace the placeholder
+//! tokens' embeddings before layer 0.
+
+use vlm_compute::{AttnMask, Backend, HostTensor, WeightPrefix, Weights};
+
+use crate::{ModelConfig, Result, TextConfig};
+
+/// Keys and values of one sequence, for every layer: `[capacity, kv_heads, head_dim]` each,
+/// allocated once for the whole request so that decoding never allocates cache memory.
+pub struct KvCache<B: Backend> {
+    k: Vec<B::Tensor>,
+    v: Vec<B::Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(backend: &B, cfg: &TextConfig, capacity: usize) -> Result<Self> {
+        let shape = [capacity, cfg.num_key_value_heads, cfg.head_dim];
+        let layers = cfg.num_hidden_layers;
+        Ok(Self {
+            k: (0..layers)
+                .map(|_| backend.zeros(&shape))
+                .collect::<vlm_compute::Result<_>>()?,
+            v: (0..layers)
+                .map(|_| backend.zeros(&shape))
+                .collect::<vlm_compute::Result<_>>()?,
+            len: 0,
+            capacity,
+        })
+    }
+
+    /// Tokens already cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// What one forward pass adds to the sequence.
+pub struct StepInput<'a, B: Backend> {
+    /// Input embeddings `[n, hidden]` (token embeddings with image embeddings placed).
+    pub embeds: B::Tensor,
+    /// Rotary tables `[n, head_dim]` for these tokens' positions.
+    pub cos: B::Tensor,
+    pub sin: B::Tensor,
+    /// Rows (within this step) holding image tokens, and the DeepStack features for them,
+    /// one `[rows, hidden]` tensor per early layer.
+    pub image_rows: &'a [usize],
+    pub deepstack: &'a [B::Tensor],
+}
+
+struct Linear<B: Backend> {
+    w: B::Tensor,
+    b: Option<B::Tensor>,
+}
+
+impl<B: Backend> Linear<B> {
+    fn new(be: &B, w: &WeightPrefix, out: usize, inp: usize, bias: bool) -> Result<Self> {
+        Ok(Self {
+            w: w.load(be, "weight", &[out, inp])?,
+            b: if bias {
+                Some(w.load(be, "bias", &[out])?)
+            } else {
+                None
+            },
+        })
+    }
+    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        Ok(be.linear(x, &self.w, self.b.as_ref())?)
+    }
+}
+
+struct Attention<B: Backend> {
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    q_norm: B::Tensor,
+    k_norm: B::Tensor,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+}
+
+impl<B: Backend> Attention<B> {
+    fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let bias = c.attention_bias;
+        Ok(Self {
+            q: Linear::new(be, &w.pp("q_proj"), nq * d, h, bias)?,
+            k: Linear::new(be, &w.pp("k_proj"), nkv * d, h, bias)?,
+            v: Linear::new(be, &w.pp("v_proj"), nkv * d, h, bias)?,
+            o: Linear::new(be, &w.pp("o_proj"), h, nq * d, bias)?,
+            q_norm: w.load(be, "q_norm.weight", &[d])?,
+            k_norm: w.load(be, "k_norm.weight", &[d])?,
+            heads: nq,
+            kv_heads: nkv,
+            head_dim: d,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    fn forward(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        step: &StepInput<B>,
+        k_cache: &mut B::Tensor,
+        v_cache: &mut B::Tensor,
+        start: usize,
+    ) -> Result<B::Tensor> {
+        let n = be.shape(x)[0];
+        let d = self.head_dim;
+        let q = be.reshape(self.q.forward(be, x)?, &[n, self.heads, d])?;
+        let k = be.reshape(self.k.forward(be, x)?, &[n, self.kv_heads, d])?;
+        let v = be.reshape(self.v.forward(be, x)?, &[n, self.kv_heads, d])?;
+        let q = be.rope(
+            &be.rms_norm(&q, &self.q_norm, self.eps)?,
+            &step.cos,
+            &step.sin,
+        )?;
+        let k = be.rope(
+            &be.rms_norm(&k, &self.k_norm, self.eps)?,
+            &step.cos,
+            &step.sin,
+        )?;
+        be.write_rows(k_cache, start, &k)?;
+        be.write_rows(v_cache, start, &v)?;
+        let a = be.attention(
+            &q,
+            k_cache,
+            v_cache,
+            start + n,
+            AttnMask::Causal {
+                first_query_slot: start,
+            },
+        )?;
+        self.o.forward(be, &a)
+    }
+}
+
+struct DecoderLayer<B: Backend> {
+    input_norm: B::Tensor,
+    attn: Attention<B>,
+    post_attn_norm: B::Tensor,
+    gate: Linear<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+    eps: f32,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        Ok(Self {
+            input_norm: w.load(be, "input_layernorm.weight", &[h])?,
+            attn: Attention::new(be, &w.pp("self_attn"), c)?,
+            post_attn_norm: w.load(be, "post_attention_layernorm.weight", &[h])?,
+            gate: Linear::new(be, &w.pp("mlp.gate_proj"), i, h, false)?,
+            up: Linear::new(be, &w.pp("mlp.up_proj"), i, h, false)?,
+            down: Linear::new(be, &w.pp("mlp.down_proj"), h, i, false)?,
+            eps: c.rms_norm_eps,
+        })
+    }
+}
+
+pub struct TextModel<B: Backend> {
+    backend: B,
+    cfg: ModelConfig,
+    embed_tokens: B::Tensor,
+    layers: Vec<DecoderLayer<B>>,
+    norm: B::Tensor,
+    lm_head: B::Tensor,
+}
+
+impl<B: Backend> TextModel<B> {
+    pub fn new(cfg: ModelConfig, weights: &Weights, backend: B) -> Result<Self> {
+        let be = &backend;
+        let c = &cfg.text;
+        let w = weights.pp("model.language_model");
+        let (v, h) = (c.vocab_size, c.hidden_size);
+        let embed_tokens = w.load(be, "embed_tokens.weight", &[v, h])?;
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| DecoderLayer::new(be, &w.pp("layers").pp(i), c))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = w.load(be, "norm.weight", &[h])?;
+        // Tied checkpoints (the small Qwen3-VL sizes) store no lm_head.
+        let lm_head = if cfg.tie_word_embeddings && !weights.contains("lm_head.weight") {
+            embed_tokens.clone()
+        } else {
+            weights.pp("lm_head").load(be, "weight", &[v, h])?
+        };
+        Ok(Self {
+            backend,
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Token embeddings `[ids.len(), hidden]`.
+    pub fn embed(&self, ids: &[u32]) -> Result<B::Tensor> {
+        Ok(self.backend.embedding(&self.embed_tokens, ids)?)
+    }
+
+    /// Runs the step's tokens through every layer, appending them to `cache`, and returns the
+    /// logits of the last token.
+    pub fn forward(&self, cache: &mut KvCache<B>, step: &StepInput<B>) -> Result<HostTensor> {
+        let be = &self.backend;
+        let n = be.shape(&step.embeds)[0];
+        let start = cache.len;
+        if start + n > cache.capacity {
+            return Err(crate::Error::PromptTooLong {
+                prompt_tokens: start + n,
+                context: cache.capacity,
+            });
+        }
+        let mut x = step.embeds.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = be.rms_norm(&x, &layer.input_norm, layer.eps)?;
+            let a = layer
+                .attn
+                .forward(be, &h, step, &mut cache.k[i], &mut cache.v[i], start)?;
+            x = be.add(&x, &a)?;
+            let h = be.rms_norm(&x, &layer.post_attn_norm, layer.eps)?;
+            let g = be.silu_mul(&layer.gate.forward(be, &h)?, &layer.up.forward(be, &h)?)?;
+            x = be.add(&x, &layer.down.forward(be, &g)?)?;
+            if let Some(ds) = step.deepstack.get(i) {
+                be.add_rows(&mut x, step.image_rows, ds)?;
+            }
+        }
+        cache.len = start + n;
+        let last = be.slice_rows(&x, n - 1, n)?;
+        let last = be.rms_norm(&last, &self.norm, self.cfg.text.rms_norm_eps)?;
+        Ok(be.download(&be.linear(&last, &self.lm_head, None)?)?)
+    }
+}
