@@ -60,12 +60,7 @@ impl HostTensor {
 
     /// Number of rows when viewed as a matrix `[rows, last_dim]`.
     pub fn rows(&self) -> usize {
-        let cols = self.cols();
-        if cols == 0 {
-            0
-        } else {
-            self.data.len() / cols
-        }
+        self.data.len().checked_div(self.cols()).unwrap_or(0)
     }
 
     /// Size of the last dimension (1 for a scalar).

@@ -222,7 +222,7 @@ impl PreprocessConfig {
                 at("do_convert_rgb")
             )));
         }
-        if raw.image_std.iter().any(|&s| s == 0.0) {
+        if raw.image_std.contains(&0.0) {
             return Err(Error::Config(format!("{} has a zero", at("image_std"))));
         }
         // As transformers: explicit min/max_pixels override `size`; then the Qwen2-VL defaults.

@@ -1,0 +1,206 @@
+//! From chat messages to prompt token ids, as transformers' `apply_chat_template` + processor:
+//! render the checkpoint's own Jinja chat template (from `chat_template.jinja`,
+//! `chat_template.json` or `tokenizer_config.json`), tokenize with `tokenizer.json`, then
+//! repeat each image placeholder once per image token.
+
+use std::path::Path;
+
+use minijinja::{context, Environment, ErrorKind, Value as JinjaValue};
+use serde_json::{json, Value};
+use tokenizers::Tokenizer;
+use vlm_compute::files;
+
+use crate::{Error, Result};
+
+/// One part of a message, in order.
+#[derive(Clone, Debug)]
+pub enum Part {
+    Text(String),
+    /// Encoded image bytes (PNG, JPEG, WebP, GIF).
+    Image(Vec<u8>),
+}
+
+#[derive(Clone, Debug)]
+pub struct Message {
+    /// "system", "user" or "assistant".
+    pub role: String,
+    pub parts: Vec<Part>,
+}
+
+impl Message {
+    pub fn user(parts: Vec<Part>) -> Self {
+        Self {
+            role: "user".into(),
+            parts,
+        }
+    }
+}
+
+/// The checkpoint's tokenizer and chat template.
+pub struct ChatTokenizer {
+    tokenizer: Tokenizer,
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    image_token_id: u32,
+    image_token: String,
+}
+
+/// `tokenizer_config.json` writes special tokens as a string or as `{"content": "..."}`.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// Finds the chat template: `chat_template.jinja` (transformers 5.x), `chat_template.json`,
+/// or the `chat_template` key of `tokenizer_config.json` (a string, or a list of named
+/// templates of which "default" is used).
+fn load_template(dir: &Path, tokenizer_config: &Value) -> Result<String> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja)
+            .map_err(|e| Error::Template(format!("cannot read {}: {e}", jinja.display())));
+    }
+    let json_path = dir.join("chat_template.json");
+    let (source, path) = if json_path.is_file() {
+        (files::read_json(&json_path)?, json_path)
+    } else {
+        (tokenizer_config.clone(), dir.join("tokenizer_config.json"))
+    };
+    match source.get("chat_template") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_string))
+            .ok_or_else(|| Error::Template(format!("{}: `chat_template` has no entry named \"default\"", path.display()))),
+        _ => Err(Error::Template(format!(
+            "no chat template in {}: expected chat_template.jinja, chat_template.json or `chat_template` in tokenizer_config.json",
+            dir.display()
+        ))),
+    }
+}
+
+impl ChatTokenizer {
+    /// Loads `tokenizer.json`, the chat template and the special tokens of the checkpoint in
+    /// `dir`; `image_token_id` comes from `config.json`.
+    pub fn from_dir(dir: &Path, image_token_id: u32) -> Result<Self> {
+        let tok_path = dir.join("tokenizer.json");
+        if !tok_path.is_file() {
+            return Err(Error::Tokenizer(format!(
+                "{} is missing",
+                tok_path.display()
+            )));
+        }
+        let tokenizer = Tokenizer::from_file(&tok_path)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let tokenizer_config = if cfg_path.is_file() {
+            files::read_json(&cfg_path)?
+        } else {
+            Value::Null
+        };
+        let source = load_template(dir, &tokenizer_config)?;
+        let image_token = tokenizer.id_to_token(image_token_id).ok_or_else(|| {
+            Error::Tokenizer(format!(
+                "image_token_id {image_token_id} from config.json is not in {}",
+                tok_path.display()
+            ))
+        })?;
+
+        // As transformers: trim_blocks + lstrip_blocks, loop controls, Python string methods,
+        // and raise_exception for templates that validate their input.
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<JinjaValue, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_template_owned("chat", source)
+            .map_err(|e| Error::Template(format!("cannot parse the chat template: {e:#}")))?;
+        Ok(Self {
+            tokenizer,
+            env,
+            bos_token: token_text(tokenizer_config.get("bos_token")),
+            eos_token: token_text(tokenizer_config.get("eos_token")),
+            image_token_id,
+            image_token,
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Renders `messages` with the generation prompt appended, images as placeholders.
+    pub fn render(&self, messages: &[Message]) -> Result<String> {
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                let content: Vec<Value> = m
+                    .parts
+                    .iter()
+                    .map(|p| match p {
+                        Part::Text(t) => json!({"type": "text", "text": t}),
+                        Part::Image(_) => json!({"type": "image"}),
+                    })
+                    .collect();
+                json!({"role": m.role, "content": content})
+            })
+            .collect();
+        let tmpl = self.env.get_template("chat").expect("added at load");
+        tmpl.render(context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| Error::Template(format!("cannot render the chat: {e:#}")))
+    }
+
+    /// Token ids of rendered text; special tokens written in the text are recognized.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.tokenizer
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// Repeats the k-th image placeholder `tokens_per_image[k]` times.
+    pub fn expand_image_tokens(&self, ids: &[u32], tokens_per_image: &[usize]) -> Result<Vec<u32>> {
+        let found = ids.iter().filter(|&&t| t == self.image_token_id).count();
+        if found != tokens_per_image.len() {
+            return Err(Error::Template(format!(
+                "the rendered prompt has {found} `{}` placeholder(s) for {} image(s)",
+                self.image_token,
+                tokens_per_image.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len() + tokens_per_image.iter().sum::<usize>());
+        let mut k = 0;
+        for &t in ids {
+            if t == self.image_token_id {
+                out.extend(std::iter::repeat_n(t, tokens_per_image[k]));
+                k += 1;
+            } else {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,45 @@
+//! Errors of the gateway's own work (templating, tokenizing, request checks) and of the stages
+//! it drives. `is_invalid_input` decides between "your request is wrong" and "we failed".
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request itself is wrong: empty messages, too many images, a bad parameter.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Which image of the request failed, and why (not a `#[source]`: the message says it all).
+    #[error("image {index}: {error}")]
+    Image {
+        index: usize,
+        error: vision_svc::Error,
+    },
+    /// The model directory is missing or is not a checkpoint.
+    #[error("{0}")]
+    ModelDir(String),
+    #[error(transparent)]
+    Vision(#[from] vision_svc::Error),
+    #[error(transparent)]
+    Llm(#[from] llm_svc::Error),
+    #[error(transparent)]
+    Compute(#[from] vlm_compute::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// True when the request, not the server, is at fault (INVALID_ARGUMENT / HTTP 400).
+    pub fn is_invalid_input(&self) -> bool {
+        match self {
+            Error::InvalidRequest(_) => true,
+            Error::Image { error, .. } => error.is_invalid_input(),
+            Error::Vision(e) => e.is_invalid_input(),
+            Error::Llm(e) => e.is_invalid_input(),
+            Error::Template(_) | Error::Tokenizer(_) | Error::ModelDir(_) | Error::Compute(_) => {
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! The gateway: everything between a user's chat and the two model stages.
+//!
+//! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
+//! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
+//! - [`pipeline`]: the whole request in one process (`vlm run`).
+
+pub mod chat;
+pub mod detok;
+mod error;
+pub mod pipeline;
+
+pub use error::{Error, Result};

@@ -1,0 +1,217 @@
+//! The whole request path in one process: chat → images through the vision stage → prompt ids
+//! → the language stage → streamed text. `vlm run` uses it directly; the services split the
+//! same steps across processes.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use llm_svc::{Engine, FinishReason, GenerateRequest, ImageInput, SamplingParams, TokenEvent};
+use vision_svc::VisionEncoder;
+use vlm_compute::{Backend, Weights};
+
+use crate::chat::{ChatTokenizer, Message, Part};
+use crate::detok::{IncrementalDecoder, StopStrings};
+use crate::{Error, Result};
+
+/// Limits applied to every request, on top of the model's own.
+#[derive(Clone, Debug)]
+pub struct RequestLimits {
+    /// Most images in one request.
+    pub max_images: usize,
+    /// Most new tokens one request may ask for.
+    pub max_new_tokens: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_images: 8,
+            max_new_tokens: 8192,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub sampling: SamplingParams,
+    pub max_new_tokens: usize,
+    /// Generation stops before any of these strings; the text returned excludes it.
+    pub stop: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Timings {
+    pub vision: Duration,
+    pub prefill: Duration,
+    pub decode: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct ChatOutput {
+    pub prompt_token_ids: Vec<u32>,
+    pub generated_token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub timings: Timings,
+}
+
+pub struct Pipeline<B: Backend> {
+    pub chat: ChatTokenizer,
+    pub vision: VisionEncoder<B>,
+    pub engine: Engine<B>,
+    pub limits: RequestLimits,
+}
+
+/// Checks that `dir` looks like a checkpoint before anything else reads from it.
+pub fn check_model_dir(dir: &Path) -> Result<()> {
+    if !dir.is_dir() {
+        return Err(Error::ModelDir(format!(
+            "model directory {} does not exist",
+            dir.display()
+        )));
+    }
+    if !dir.join("config.json").is_file() {
+        return Err(Error::ModelDir(format!(
+            "{} has no config.json; point --model at a Hugging Face Qwen3-VL checkpoint directory",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+impl<B: Backend + Clone> Pipeline<B> {
+    /// Loads tokenizer, template, vision tower and text decoder from one checkpoint directory.
+    pub fn load(dir: &Path, backend: B, max_context: Option<usize>) -> Result<Self> {
+        check_model_dir(dir)?;
+        let weights = Weights::open(dir)?;
+        let vision = VisionEncoder::load(dir, &weights, backend.clone())?;
+        let engine = Engine::load(dir, &weights, backend, max_context)?;
+        weights.finish();
+        let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id)?;
+        Ok(Self {
+            chat,
+            vision,
+            engine,
+            limits: RequestLimits::default(),
+        })
+    }
+
+    fn validate(&self, req: &ChatRequest) -> Result<()> {
+        if req.messages.is_empty() {
+            return Err(Error::InvalidRequest("`messages` is empty".into()));
+        }
+        if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
+            return Err(Error::InvalidRequest(format!("message {i} has no content")));
+        }
+        let images = req
+            .messages
+            .iter()
+            .flat_map(|m| &m.parts)
+            .filter(|p| matches!(p, Part::Image(_)))
+            .count();
+        if images > self.limits.max_images {
+            return Err(Error::InvalidRequest(format!(
+                "a request may carry at most {} images, got {images}",
+                self.limits.max_images
+            )));
+        }
+        if req.max_new_tokens == 0 || req.max_new_tokens > self.limits.max_new_tokens {
+            return Err(Error::InvalidRequest(format!(
+                "`max_new_tokens` must be between 1 and {}, got {}",
+                self.limits.max_new_tokens, req.max_new_tokens
+            )));
+        }
+        req.sampling.validate()?;
+        Ok(())
+    }
+
+    /// Runs one chat request. `on_token` sees each generated token with the text it completes
+    /// (empty while a character or a possible stop string is incomplete) and may stop early.
+    pub fn run(
+        &self,
+        req: &ChatRequest,
+        mut on_token: impl FnMut(&TokenEvent, &str) -> ControlFlow<()>,
+    ) -> Result<ChatOutput> {
+        self.validate(req)?;
+        let mut timings = Timings::default();
+
+        let started = Instant::now();
+        let images = req
+            .messages
+            .iter()
+            .flat_map(|m| &m.parts)
+            .filter_map(|p| match p {
+                Part::Image(bytes) => Some(bytes),
+                Part::Text(_) => None,
+            })
+            .enumerate()
+            .map(|(index, bytes)| {
+                let out = self
+                    .vision
+                    .encode_image(bytes)
+                    .map_err(|error| Error::Image { index, error })?;
+                Ok(ImageInput {
+                    embeds: out.embeds,
+                    deepstack: out.deepstack,
+                    grid_thw: out.grid_thw,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        timings.vision = started.elapsed();
+
+        let text = self.chat.render(&req.messages)?;
+        let ids = self.chat.encode(&text)?;
+        let per_image: Vec<usize> = images.iter().map(|i| i.embeds.shape()[0]).collect();
+        let prompt = self.chat.expand_image_tokens(&ids, &per_image)?;
+
+        let gen_req = GenerateRequest {
+            prompt: prompt.clone(),
+            images,
+            sampling: req.sampling.clone(),
+            max_new_tokens: req.max_new_tokens,
+        };
+        let mut decoder = IncrementalDecoder::new(self.chat.tokenizer());
+        let mut stops = StopStrings::new(req.stop.clone());
+        let mut out_text = String::new();
+        let mut failure = None;
+        let mut stopped_by_string = false;
+        let generation = self.engine.generate(&gen_req, |ev| {
+            let delta = match decoder.push(ev.token) {
+                Ok(d) => d,
+                Err(e) => {
+                    failure = Some(e);
+                    return ControlFlow::Break(());
+                }
+            };
+            let (visible, hit) = stops.push(&delta);
+            out_text.push_str(&visible);
+            let flow = on_token(ev, &visible);
+            if hit {
+                stopped_by_string = true;
+                return ControlFlow::Break(());
+            }
+            flow
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if !stopped_by_string {
+            let (tail, hit) = stops.push(&decoder.finish()?);
+            out_text.push_str(&tail);
+            if !hit {
+                out_text.push_str(&stops.finish());
+            }
+        }
+        timings.prefill = generation.prefill;
+        timings.decode = generation.decode;
+        Ok(ChatOutput {
+            prompt_token_ids: prompt,
+            generated_token_ids: generation.tokens,
+            text: out_text,
+            finish_reason: generation.finish,
+            timings,
+        })
+    }
+}

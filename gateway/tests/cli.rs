@@ -1,0 +1,268 @@
+//! `vlm run` end to end, as a user runs it: the real binary on the bundled tiny checkpoint,
+//! compared with what HF transformers produced for the same images and prompts (golden
+//! fixtures), plus every kind of bad input, which must end in a clear message and a non-zero
+//! exit, never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use vlm_compute::{golden::Golden, npy};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+}
+
+fn vlm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vlm"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("the vlm binary runs")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("vlm-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Runs a case of the golden manifest through `vlm run --json`.
+fn run_case(case: &Value, extra: &[&str]) -> (Value, Output) {
+    let dir = fixture();
+    let mut args: Vec<String> = vec!["run".into(), "--model".into(), dir.display().to_string()];
+    for img in case["images"].as_array().unwrap() {
+        args.push("--image".into());
+        args.push(
+            dir.join("images")
+                .join(img.as_str().unwrap())
+                .display()
+                .to_string(),
+        );
+    }
+    args.extend(["--prompt".into(), case["prompt"].as_str().unwrap().into()]);
+    args.extend([
+        "--max-new-tokens".into(),
+        case["max_new_tokens"].to_string(),
+    ]);
+    if !extra.contains(&"--temperature") {
+        args.extend(["--temperature".into(), "0".into()]);
+    }
+    args.push("--json".into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = vlm(&argv);
+    assert!(
+        out.status.success(),
+        "vlm {argv:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    (json, out)
+}
+
+#[test]
+fn run_matches_hf_token_for_token_from_image_files() {
+    let g = Golden::open(&fixture()).unwrap();
+    for case in g.manifest()["cases"].as_array().unwrap() {
+        let (json, _) = run_case(case, &[]);
+        let name = case["name"].as_str().unwrap();
+        assert_eq!(
+            json["prompt_token_ids"], case["prompt_token_ids"],
+            "{name}: prompt ids"
+        );
+        assert_eq!(
+            json["generated_token_ids"], case["generated_token_ids"],
+            "{name}: tokens"
+        );
+        assert_eq!(json["text"], case["text"], "{name}: text");
+    }
+}
+
+#[test]
+fn logits_out_writes_the_logits_of_each_step() {
+    let g = Golden::open(&fixture()).unwrap();
+    let case = &g.manifest()["cases"][0];
+    let path = tmp("logits").join("logits.npy");
+    run_case(case, &["--logits-out", path.to_str().unwrap()]);
+    let ours = npy::read_f32(&path).unwrap();
+    let hf = g
+        .tensor(&format!("case.{}.logits", case["name"].as_str().unwrap()))
+        .unwrap();
+    assert_eq!(ours.shape(), hf.shape(), "[generated_steps, vocab_size]");
+    // Same bound as the stage test: f32 summation order only.
+    assert!(ours.max_abs_diff(&hf).unwrap() <= 1e-3);
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_plain_output_is_the_text() {
+    let g = Golden::open(&fixture()).unwrap();
+    let case = &g.manifest()["cases"][0];
+    let full = case["text"].as_str().unwrap();
+    // Stop at " model", which the golden text contains after its first few characters.
+    let at = full.find(" model").expect("golden text contains ' model'");
+    let (json, _) = run_case(case, &["--stop", " model"]);
+    assert_eq!(json["text"].as_str().unwrap(), &full[..at]);
+    assert_eq!(json["finish_reason"], "stop");
+
+    let dir = fixture();
+    let img = dir.join("images/cat.png");
+    let out = vlm(&[
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--image",
+        img.to_str().unwrap(),
+        "--prompt",
+        case["prompt"].as_str().unwrap(),
+        "--max-new-tokens",
+        "8",
+    ]);
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{full}\n"));
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let g = Golden::open(&fixture()).unwrap();
+    let case = &g.manifest()["cases"][2];
+    let args = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "11"];
+    let (a, _) = run_case(case, &args);
+    let (b, _) = run_case(case, &args);
+    assert_eq!(a["generated_token_ids"], b["generated_token_ids"]);
+}
+
+/// Runs `vlm run` expecting failure; returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = vlm(args);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "expected failure for {args:?}");
+    assert!(!err.contains("panicked"), "panic for {args:?}: {err}");
+    err
+}
+
+fn run_with_image(image: &Path) -> String {
+    let dir = fixture();
+    fails(&[
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--image",
+        image.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+    ])
+}
+
+#[test]
+fn bad_images_are_reported_not_crashed_on() {
+    let d = tmp("images");
+    let truncated = d.join("truncated.png");
+    let png = std::fs::read(fixture().join("images/cat.png")).unwrap();
+    std::fs::write(&truncated, &png[..png.len() / 3]).unwrap();
+    let err = run_with_image(&truncated);
+    assert!(err.contains("image 0") && err.contains("decode"), "{err}");
+
+    let text = d.join("notes.png");
+    std::fs::write(&text, "this is not an image").unwrap();
+    let err = run_with_image(&text);
+    assert!(err.contains("unrecognized format"), "{err}");
+
+    // A BMP is a real image, just not one of the formats we accept.
+    let bmp = d.join("x.bmp");
+    let mut b = b"BM".to_vec();
+    b.extend_from_slice(&[0u8; 60]);
+    std::fs::write(&bmp, b).unwrap();
+    let err = run_with_image(&bmp);
+    assert!(
+        err.contains("not supported") || err.contains("unrecognized"),
+        "{err}"
+    );
+
+    // 20000 x 8 pixels: small on disk, over the 16384-per-side limit.
+    let wide = d.join("wide.png");
+    image::RgbImage::new(20_000, 8).save(&wide).unwrap();
+    let err = run_with_image(&wide);
+    assert!(err.contains("20000x8") && err.contains("limit"), "{err}");
+
+    let missing = d.join("nope.png");
+    let err = run_with_image(&missing);
+    assert!(
+        err.contains("cannot read image") && err.contains("nope.png"),
+        "{err}"
+    );
+}
+
+#[test]
+fn prompts_past_the_context_are_rejected() {
+    let dir = fixture();
+    let long = "apples and oranges ".repeat(800);
+    let err = fails(&["run", "--model", dir.to_str().unwrap(), "--prompt", &long]);
+    assert!(err.contains("context holds at most 2048"), "{err}");
+    let err = fails(&[
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hello",
+        "--max-context",
+        "8",
+    ]);
+    assert!(err.contains("at most 8"), "{err}");
+}
+
+#[test]
+fn bad_models_and_parameters_are_named() {
+    let err = fails(&["run", "--model", "/no/such/dir", "--prompt", "hi"]);
+    assert!(
+        err.contains("/no/such/dir") && err.contains("does not exist"),
+        "{err}"
+    );
+
+    // A checkpoint whose config disagrees with its weights.
+    let d = tmp("badmodel");
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    std::fs::write(
+        d.join("config.json"),
+        cfg.replace("\"intermediate_size\": 160", "\"intermediate_size\": 128"),
+    )
+    .unwrap();
+    let err = fails(&["run", "--model", d.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        err.contains("mlp.gate_proj.weight") && err.contains("[128, 64]"),
+        "{err}"
+    );
+
+    std::fs::write(d.join("config.json"), "{ not json").unwrap();
+    let err = fails(&["run", "--model", d.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        err.contains("config.json") && err.contains("not valid JSON"),
+        "{err}"
+    );
+
+    let dir = fixture();
+    let m = dir.to_str().unwrap();
+    let err = fails(&["run", "--model", m, "--prompt", "hi", "--temperature", "-1"]);
+    assert!(err.contains("temperature"), "{err}");
+    let err = fails(&[
+        "run",
+        "--model",
+        m,
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "0",
+    ]);
+    assert!(err.contains("max_new_tokens"), "{err}");
+    let err = fails(&["run", "--model", m, "--prompt", "hi", "--device", "cuda"]);
+    assert!(err.contains("cuda"), "{err}");
+}
