@@ -181,6 +181,14 @@ impl ChatTokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// Prompt token ids for `messages`: rendered, tokenized, and each image placeholder
+    /// repeated `tokens_per_image[k]` times.
+    pub fn prompt_ids(&self, messages: &[Message], tokens_per_image: &[usize]) -> Result<Vec<u32>> {
+        let text = self.render(messages)?;
+        let ids = self.encode(&text)?;
+        self.expand_image_tokens(&ids, tokens_per_image)
+    }
+
     /// Repeats the k-th image placeholder `tokens_per_image[k]` times.
     pub fn expand_image_tokens(&self, ids: &[u32], tokens_per_image: &[usize]) -> Result<Vec<u32>> {
         let found = ids.iter().filter(|&&t| t == self.image_token_id).count();

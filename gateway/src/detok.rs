@@ -115,6 +115,45 @@ impl StopStrings {
     }
 }
 
+/// Tokens in, text a client may see out: incremental decoding followed by stop strings.
+pub struct TextStream<'a> {
+    decoder: IncrementalDecoder<'a>,
+    stops: StopStrings,
+    stopped: bool,
+}
+
+impl<'a> TextStream<'a> {
+    pub fn new(tokenizer: &'a Tokenizer, stop: Vec<String>) -> Self {
+        Self {
+            decoder: IncrementalDecoder::new(tokenizer),
+            stops: StopStrings::new(stop),
+            stopped: false,
+        }
+    }
+
+    /// Adds a token; returns the text now visible and whether a stop string was reached
+    /// (generation should end; the stop string itself is never returned).
+    pub fn push(&mut self, token: u32) -> Result<(String, bool)> {
+        let delta = self.decoder.push(token)?;
+        let (visible, hit) = self.stops.push(&delta);
+        self.stopped |= hit;
+        Ok((visible, hit))
+    }
+
+    /// Once generation has ended: the text still held back (an incomplete character, the
+    /// start of a stop string that never completed). Empty after a stop string.
+    pub fn finish(&mut self) -> Result<String> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        let (mut tail, hit) = self.stops.push(&self.decoder.finish()?);
+        if !hit {
+            tail.push_str(&self.stops.finish());
+        }
+        Ok(tail)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

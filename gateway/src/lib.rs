@@ -7,6 +7,11 @@
 pub mod chat;
 pub mod detok;
 mod error;
+pub mod grpc;
+pub mod http;
+pub mod metrics;
+pub mod orchestrator;
 pub mod pipeline;
+pub mod serve;
 
 pub use error::{Error, Result};

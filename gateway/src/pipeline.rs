@@ -11,7 +11,7 @@ use vision_svc::VisionEncoder;
 use vlm_compute::{Backend, Weights};
 
 use crate::chat::{ChatTokenizer, Message, Part};
-use crate::detok::{IncrementalDecoder, StopStrings};
+use crate::detok::TextStream;
 use crate::{Error, Result};
 
 /// Limits applied to every request, on top of the model's own.
@@ -39,6 +39,8 @@ pub struct ChatRequest {
     pub max_new_tokens: usize,
     /// Generation stops before any of these strings; the text returned excludes it.
     pub stop: Vec<String>,
+    /// Generate through eos tokens, up to `max_new_tokens` (for benchmarks and tests).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -81,6 +83,42 @@ pub fn check_model_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Checks a chat request against `limits` before any work is done for it.
+pub fn validate_request(req: &ChatRequest, limits: &RequestLimits) -> Result<()> {
+    if req.messages.is_empty() {
+        return Err(Error::InvalidRequest("`messages` is empty".into()));
+    }
+    if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
+        return Err(Error::InvalidRequest(format!("message {i} has no content")));
+    }
+    let images = image_parts(&req.messages).count();
+    if images > limits.max_images {
+        return Err(Error::InvalidRequest(format!(
+            "a request may carry at most {} images, got {images}",
+            limits.max_images
+        )));
+    }
+    if req.max_new_tokens == 0 || req.max_new_tokens > limits.max_new_tokens {
+        return Err(Error::InvalidRequest(format!(
+            "`max_new_tokens` must be between 1 and {}, got {}",
+            limits.max_new_tokens, req.max_new_tokens
+        )));
+    }
+    req.sampling.validate()?;
+    Ok(())
+}
+
+/// The image bytes of a chat, in order of appearance.
+pub fn image_parts(messages: &[Message]) -> impl Iterator<Item = &Vec<u8>> {
+    messages
+        .iter()
+        .flat_map(|m| &m.parts)
+        .filter_map(|p| match p {
+            Part::Image(bytes) => Some(bytes),
+            Part::Text(_) => None,
+        })
+}
+
 impl<B: Backend + Clone> Pipeline<B> {
     /// Loads tokenizer, template, vision tower and text decoder from one checkpoint directory.
     pub fn load(dir: &Path, backend: B, max_context: Option<usize>) -> Result<Self> {
@@ -98,35 +136,6 @@ impl<B: Backend + Clone> Pipeline<B> {
         })
     }
 
-    fn validate(&self, req: &ChatRequest) -> Result<()> {
-        if req.messages.is_empty() {
-            return Err(Error::InvalidRequest("`messages` is empty".into()));
-        }
-        if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
-            return Err(Error::InvalidRequest(format!("message {i} has no content")));
-        }
-        let images = req
-            .messages
-            .iter()
-            .flat_map(|m| &m.parts)
-            .filter(|p| matches!(p, Part::Image(_)))
-            .count();
-        if images > self.limits.max_images {
-            return Err(Error::InvalidRequest(format!(
-                "a request may carry at most {} images, got {images}",
-                self.limits.max_images
-            )));
-        }
-        if req.max_new_tokens == 0 || req.max_new_tokens > self.limits.max_new_tokens {
-            return Err(Error::InvalidRequest(format!(
-                "`max_new_tokens` must be between 1 and {}, got {}",
-                self.limits.max_new_tokens, req.max_new_tokens
-            )));
-        }
-        req.sampling.validate()?;
-        Ok(())
-    }
-
     /// Runs one chat request. `on_token` sees each generated token with the text it completes
     /// (empty while a character or a possible stop string is incomplete) and may stop early.
     pub fn run(
@@ -134,18 +143,11 @@ impl<B: Backend + Clone> Pipeline<B> {
         req: &ChatRequest,
         mut on_token: impl FnMut(&TokenEvent, &str) -> ControlFlow<()>,
     ) -> Result<ChatOutput> {
-        self.validate(req)?;
+        validate_request(req, &self.limits)?;
         let mut timings = Timings::default();
 
         let started = Instant::now();
-        let images = req
-            .messages
-            .iter()
-            .flat_map(|m| &m.parts)
-            .filter_map(|p| match p {
-                Part::Image(bytes) => Some(bytes),
-                Part::Text(_) => None,
-            })
+        let images = image_parts(&req.messages)
             .enumerate()
             .map(|(index, bytes)| {
                 let out = self
@@ -161,49 +163,39 @@ impl<B: Backend + Clone> Pipeline<B> {
             .collect::<Result<Vec<_>>>()?;
         timings.vision = started.elapsed();
 
-        let text = self.chat.render(&req.messages)?;
-        let ids = self.chat.encode(&text)?;
         let per_image: Vec<usize> = images.iter().map(|i| i.embeds.shape()[0]).collect();
-        let prompt = self.chat.expand_image_tokens(&ids, &per_image)?;
-
+        let prompt = self.chat.prompt_ids(&req.messages, &per_image)?;
         let gen_req = GenerateRequest {
             prompt: prompt.clone(),
             images,
             sampling: req.sampling.clone(),
             max_new_tokens: req.max_new_tokens,
+            ignore_eos: req.ignore_eos,
         };
-        let mut decoder = IncrementalDecoder::new(self.chat.tokenizer());
-        let mut stops = StopStrings::new(req.stop.clone());
+        let mut stream = TextStream::new(self.chat.tokenizer(), req.stop.clone());
         let mut out_text = String::new();
         let mut failure = None;
-        let mut stopped_by_string = false;
-        let generation = self.engine.generate(&gen_req, |ev| {
-            let delta = match decoder.push(ev.token) {
-                Ok(d) => d,
+        let generation = self
+            .engine
+            .generate(&gen_req, |ev| match stream.push(ev.token) {
+                Ok((visible, hit)) => {
+                    out_text.push_str(&visible);
+                    let flow = on_token(ev, &visible);
+                    if hit {
+                        ControlFlow::Break(())
+                    } else {
+                        flow
+                    }
+                }
                 Err(e) => {
                     failure = Some(e);
-                    return ControlFlow::Break(());
+                    ControlFlow::Break(())
                 }
-            };
-            let (visible, hit) = stops.push(&delta);
-            out_text.push_str(&visible);
-            let flow = on_token(ev, &visible);
-            if hit {
-                stopped_by_string = true;
-                return ControlFlow::Break(());
-            }
-            flow
-        })?;
+            })?;
         if let Some(e) = failure {
             return Err(e);
         }
-        if !stopped_by_string {
-            let (tail, hit) = stops.push(&decoder.finish()?);
-            out_text.push_str(&tail);
-            if !hit {
-                out_text.push_str(&stops.finish());
-            }
-        }
+        out_text.push_str(&stream.finish()?);
         timings.prefill = generation.prefill;
         timings.decode = generation.decode;
         Ok(ChatOutput {

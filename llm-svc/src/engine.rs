@@ -34,6 +34,8 @@ pub struct GenerateRequest {
     pub images: Vec<ImageInput>,
     pub sampling: SamplingParams,
     pub max_new_tokens: usize,
+    /// Keep generating through eos tokens (benchmarks that need a fixed length).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,6 +205,12 @@ impl<B: Backend> Engine<B> {
         let mut cache = KvCache::new(be, &cfg.text, capacity)?;
 
         // Prefill: token embeddings with the images' embeddings in place of the placeholders.
+        let prefill_span = tracing::info_span!(
+            "prefill",
+            tokens = req.prompt.len(),
+            images = req.images.len()
+        );
+        let prefill_guard = prefill_span.enter();
         let started = Instant::now();
         let mut embeds = self.model.embed(&req.prompt)?;
         let image_rows: Vec<usize> = spans
@@ -235,6 +243,13 @@ impl<B: Backend> Engine<B> {
             },
         )?;
         let prefill = started.elapsed();
+        drop(prefill_guard);
+        let decode_span = tracing::info_span!(
+            "decode",
+            tokens = tracing::field::Empty,
+            tokens_per_s = tracing::field::Empty
+        );
+        let decode_guard = decode_span.enter();
         let decode_started = Instant::now();
 
         let mut tokens = Vec::new();
@@ -246,7 +261,7 @@ impl<B: Backend> Engine<B> {
                 index: tokens.len() - 1,
                 logits: logits.data(),
             });
-            if cfg.eos_token_ids.contains(&token) {
+            if !req.ignore_eos && cfg.eos_token_ids.contains(&token) {
                 break FinishReason::Eos;
             }
             if flow.is_break() {
@@ -269,12 +284,19 @@ impl<B: Backend> Engine<B> {
                 },
             )?;
         };
+        let decode = decode_started.elapsed();
+        decode_span.record("tokens", tokens.len());
+        if tokens.len() > 1 {
+            let rate = (tokens.len() - 1) as f64 / decode.as_secs_f64().max(1e-9);
+            decode_span.record("tokens_per_s", format!("{rate:.1}"));
+        }
+        drop(decode_guard);
         Ok(Generation {
             tokens,
             finish,
             prompt_tokens: req.prompt.len(),
             prefill,
-            decode: decode_started.elapsed(),
+            decode,
         })
     }
 }

@@ -12,6 +12,7 @@ mod error;
 mod model;
 pub mod mrope;
 mod sampler;
+pub mod server;
 
 pub use config::{ModelConfig, TextConfig};
 pub use engine::{Engine, FinishReason, GenerateRequest, Generation, ImageInput, TokenEvent};

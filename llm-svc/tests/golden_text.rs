@@ -48,6 +48,7 @@ fn logits_and_greedy_tokens_match_hf_for_every_case() {
             images,
             sampling: SamplingParams::greedy(),
             max_new_tokens: hf_tokens.len(),
+            ignore_eos: false,
         };
 
         // Positions first: a wrong M-RoPE layout would show here before it shows in logits.

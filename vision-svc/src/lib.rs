@@ -10,6 +10,7 @@ mod config;
 mod error;
 mod model;
 pub mod preprocess;
+pub mod server;
 
 use std::path::Path;
 

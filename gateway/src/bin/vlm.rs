@@ -34,6 +34,135 @@ struct Cli {
 enum Command {
     /// Answer one chat request offline: images and a prompt in, generated text out.
     Run(RunArgs),
+    /// Start vision-svc, llm-svc and the gateway on loopback, in this process, until ctrl-c.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Checkpoint directory (Hugging Face layout).
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "tests/fixtures/tiny-qwen3-vl"
+    )]
+    model: PathBuf,
+    /// Where to run the models.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Interface the public ports listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// Port of the OpenAI-compatible HTTP API.
+    #[arg(long, default_value_t = 8080)]
+    http_port: u16,
+    /// Port of the public gRPC API (vlm.v1.Gateway).
+    #[arg(long, default_value_t = 50050)]
+    grpc_port: u16,
+    /// Requests served at once by the gateway (and generations by the LLM service).
+    #[arg(long, default_value_t = 8)]
+    max_concurrent: usize,
+    /// Cap on prompt + generated tokens per request (default: the model's own).
+    #[arg(long)]
+    max_context: Option<usize>,
+}
+
+async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
+    use gateway::pipeline::RequestLimits;
+    use tokio::net::TcpListener;
+    use tokio_util::sync::CancellationToken;
+
+    if matches!(args.device, Device::Cuda) {
+        bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
+    }
+    gateway::pipeline::check_model_dir(&args.model).with_context(|| {
+        "vlm serve needs a model; run it from the repository root or pass --model DIR"
+    })?;
+    let telemetry = vlm_proto::telemetry::init("vlm");
+    let loopback = std::net::Ipv4Addr::LOCALHOST;
+    let vision_l = TcpListener::bind((loopback, 0)).await?;
+    let llm_l = TcpListener::bind((loopback, 0)).await?;
+    let grpc_l = TcpListener::bind((args.host, args.grpc_port))
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {}:{} (--grpc-port)",
+                args.host, args.grpc_port
+            )
+        })?;
+    let http_l = TcpListener::bind((args.host, args.http_port))
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {}:{} (--http-port)",
+                args.host, args.http_port
+            )
+        })?;
+    let (vision_addr, llm_addr) = (vision_l.local_addr()?, llm_l.local_addr()?);
+    let (grpc_addr, http_addr) = (grpc_l.local_addr()?, http_l.local_addr()?);
+
+    let token = CancellationToken::new();
+    let vision = tokio::spawn(vision_svc::server::serve(
+        vision_svc::server::ServeConfig {
+            model: args.model.clone(),
+            max_concurrent: args.max_concurrent,
+        },
+        vision_l,
+        token.clone().cancelled_owned(),
+    ));
+    let llm = tokio::spawn(llm_svc::server::serve(
+        llm_svc::server::ServeConfig {
+            model: args.model.clone(),
+            max_concurrent: args.max_concurrent,
+            max_context: args.max_context,
+        },
+        llm_l,
+        token.clone().cancelled_owned(),
+    ));
+    let model_name = args
+        .model
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    let gw = tokio::spawn(gateway::serve::serve(
+        gateway::serve::GatewayConfig {
+            model: args.model.clone(),
+            model_name: model_name.clone(),
+            vision_addrs: vec![vision_addr.to_string()],
+            llm_addrs: vec![llm_addr.to_string()],
+            max_concurrent: args.max_concurrent,
+            limits: RequestLimits::default(),
+            default_max_tokens: 256,
+            request_timeout: std::time::Duration::from_secs(600),
+        },
+        grpc_l,
+        http_l,
+        token.clone(),
+    ));
+    println!("vlm serving {} ({model_name}) on cpu", args.model.display());
+    println!("  HTTP  http://{http_addr}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)");
+    println!("  gRPC  {grpc_addr}   (vlm.v1.Gateway: Chat, ChatStream; health and reflection)");
+    println!("  internal: vision-svc {vision_addr}, llm-svc {llm_addr}");
+    println!("ctrl-c to stop");
+    let stop = token.clone();
+    tokio::spawn(async move {
+        vlm_proto::shutdown_signal().await;
+        stop.cancel();
+    });
+    // Any service ending (an error, or the shutdown) stops the others.
+    let results = [vision, llm, gw];
+    let mut first_error = None;
+    for handle in results {
+        let r = handle.await.map_err(anyhow::Error::from).and_then(|r| r);
+        if let Err(e) = r {
+            token.cancel();
+            first_error.get_or_insert(e);
+        }
+    }
+    telemetry.shutdown();
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -119,6 +248,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.clone(),
+        ignore_eos: false,
     };
 
     let pipeline = Pipeline::load(&args.model, CpuBackend::new(), args.max_context)
@@ -193,16 +323,21 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run(args),
+        Command::Run(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            run(args)
+        }
+        Command::Serve(args) => tokio::runtime::Runtime::new()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(serve_all(args))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

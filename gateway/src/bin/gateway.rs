@@ -1,0 +1,105 @@
+//! `gateway`: the public face of the system. Speaks gRPC (vlm.v1.Gateway) and OpenAI-style
+//! HTTP to clients, and chains the vision and LLM services behind it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use gateway::pipeline::RequestLimits;
+use gateway::serve::{serve, GatewayConfig};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "gateway",
+    version,
+    about = "Qwen3-VL gateway: gRPC (vlm.v1.Gateway) and OpenAI-compatible HTTP in front of vision-svc and llm-svc",
+    long_about = "Qwen3-VL gateway: gRPC (vlm.v1.Gateway) and OpenAI-compatible HTTP \
+        (POST /v1/chat/completions, GET /v1/models, /health, /metrics) in front of vision-svc and llm-svc.\n\n\
+        It tokenizes with the model's own chat template, sends images to the vision service (concurrently), \
+        streams tokens from the LLM service, and carries one trace per request across all three \
+        (W3C traceparent in gRPC metadata). Upstreams may be lists (comma-separated): calls rotate over \
+        the replicas and skip one that is unavailable.\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info)."
+)]
+struct Args {
+    /// Address of the public gRPC API.
+    #[arg(long, env = "VLM_GRPC_LISTEN", default_value = "127.0.0.1:50050")]
+    grpc_listen: SocketAddr,
+    /// Address of the OpenAI-compatible HTTP API.
+    #[arg(long, env = "VLM_HTTP_LISTEN", default_value = "127.0.0.1:8080")]
+    http_listen: SocketAddr,
+    /// Checkpoint directory: the gateway reads tokenizer.json, the chat template and config.json.
+    #[arg(long, env = "VLM_MODEL")]
+    model: PathBuf,
+    /// Model name in /v1/models and responses (default: the directory's name).
+    #[arg(long, env = "VLM_MODEL_NAME")]
+    model_name: Option<String>,
+    /// vision-svc address(es), host:port, comma-separated.
+    #[arg(
+        long,
+        env = "VLM_VISION_ADDRS",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:50051"
+    )]
+    vision_addr: Vec<String>,
+    /// llm-svc address(es), host:port, comma-separated.
+    #[arg(
+        long,
+        env = "VLM_LLM_ADDRS",
+        value_delimiter = ',',
+        default_value = "127.0.0.1:50052"
+    )]
+    llm_addr: Vec<String>,
+    /// Requests served at once; more get RESOURCE_EXHAUSTED (HTTP 429).
+    #[arg(long, env = "VLM_MAX_CONCURRENT", default_value_t = 16)]
+    max_concurrent: usize,
+    /// Most images in one request.
+    #[arg(long, env = "VLM_MAX_IMAGES", default_value_t = 8)]
+    max_images: usize,
+    /// Most tokens one request may ask to generate.
+    #[arg(long, env = "VLM_MAX_TOKENS_LIMIT", default_value_t = 8192)]
+    max_tokens_limit: usize,
+    /// Tokens generated when a request does not say.
+    #[arg(long, env = "VLM_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    default_max_tokens: usize,
+    /// Longest a request may take, in seconds (a client's shorter grpc-timeout wins).
+    #[arg(long, env = "VLM_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
+    request_timeout_secs: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let telemetry = vlm_proto::telemetry::init("gateway");
+    let grpc = tokio::net::TcpListener::bind(args.grpc_listen).await?;
+    let http = tokio::net::TcpListener::bind(args.http_listen).await?;
+    let model_name = args.model_name.unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let cfg = GatewayConfig {
+        model: args.model,
+        model_name,
+        vision_addrs: args.vision_addr,
+        llm_addrs: args.llm_addr,
+        max_concurrent: args.max_concurrent,
+        limits: RequestLimits {
+            max_images: args.max_images,
+            max_new_tokens: args.max_tokens_limit,
+        },
+        default_max_tokens: args.default_max_tokens,
+        request_timeout: Duration::from_secs(args.request_timeout_secs),
+    };
+    let token = CancellationToken::new();
+    let stop = token.clone();
+    tokio::spawn(async move {
+        vlm_proto::shutdown_signal().await;
+        stop.cancel();
+    });
+    let result = serve(cfg, grpc, http, token).await;
+    telemetry.shutdown();
+    result
+}

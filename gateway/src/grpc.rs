@@ -1,0 +1,168 @@
+//! The public gRPC API (`vlm.v1.Gateway`): `Chat` (unary) and `ChatStream` (server-streaming).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use llm_svc::SamplingParams;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::{field::Empty, info_span, Instrument};
+use vlm_proto::pb::{self, content_part, gateway_server::Gateway};
+use vlm_proto::telemetry;
+
+use crate::chat::{Message, Part};
+use crate::orchestrator::{ChatEvent, GatewayError, Orchestrator};
+use crate::pipeline::ChatRequest;
+
+pub struct GatewayService {
+    pub orchestrator: Arc<Orchestrator>,
+    /// `max_tokens` when a request does not say.
+    pub default_max_tokens: usize,
+    /// Longest a request may take when the client sets no deadline.
+    pub request_timeout: Duration,
+}
+
+/// Checks roles and parts and applies the defaults.
+pub fn request_from_pb(
+    r: pb::ChatRequest,
+    default_max_tokens: usize,
+) -> Result<ChatRequest, GatewayError> {
+    let mut messages = Vec::with_capacity(r.messages.len());
+    for (i, m) in r.messages.into_iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+            return Err(GatewayError::Invalid(format!(
+                "messages[{i}].role must be system, user or assistant, got {:?}",
+                m.role
+            )));
+        }
+        let parts = m
+            .content
+            .into_iter()
+            .enumerate()
+            .map(|(j, p)| match p.part {
+                Some(content_part::Part::Text(t)) => Ok(Part::Text(t)),
+                Some(content_part::Part::Image(b)) => Ok(Part::Image(b)),
+                None => Err(GatewayError::Invalid(format!(
+                    "messages[{i}].content[{j}] is empty"
+                ))),
+            })
+            .collect::<Result<_, _>>()?;
+        messages.push(Message {
+            role: m.role,
+            parts,
+        });
+    }
+    Ok(ChatRequest {
+        messages,
+        sampling: SamplingParams {
+            temperature: r.temperature.unwrap_or(0.0),
+            top_k: r.top_k.unwrap_or(0) as usize,
+            top_p: r.top_p.unwrap_or(1.0),
+            seed: r.seed,
+        },
+        max_new_tokens: r.max_tokens.map_or(default_max_tokens, |m| m as usize),
+        stop: r.stop,
+        ignore_eos: r.ignore_eos,
+    })
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::ChatChunk, Status>> + Send>>;
+
+impl GatewayService {
+    fn timeout(&self, metadata: &tonic::metadata::MetadataMap) -> Duration {
+        vlm_proto::grpc_timeout(metadata)
+            .map_or(self.request_timeout, |t| t.min(self.request_timeout))
+    }
+}
+
+#[tonic::async_trait]
+impl Gateway for GatewayService {
+    async fn chat(
+        &self,
+        request: Request<pb::ChatRequest>,
+    ) -> Result<Response<pb::ChatResponse>, Status> {
+        let span = info_span!(
+            "gateway.chat",
+            otel.kind = "server",
+            api = "grpc",
+            stream = false,
+            trace_id = Empty
+        );
+        telemetry::adopt_remote_parent(&span, request.metadata());
+        let timeout = self.timeout(request.metadata());
+        async move {
+            let req = request_from_pb(request.into_inner(), self.default_max_tokens)?;
+            let mut rx = self.orchestrator.chat(req, "grpc", Some(timeout)).await?;
+            let mut out = pb::ChatResponse::default();
+            while let Some(ev) = rx.recv().await {
+                match ev? {
+                    ChatEvent::Delta { text, token_ids } => {
+                        out.text.push_str(&text);
+                        out.token_ids.extend(token_ids);
+                    }
+                    ChatEvent::Done {
+                        finish,
+                        prompt_tokens,
+                        completion_tokens,
+                    } => {
+                        out.finish_reason = finish as i32;
+                        out.usage = Some(pb::Usage {
+                            prompt_tokens,
+                            completion_tokens,
+                        });
+                    }
+                }
+            }
+            Ok(Response::new(out))
+        }
+        .instrument(span)
+        .await
+    }
+
+    type ChatStreamStream = ChunkStream;
+
+    async fn chat_stream(
+        &self,
+        request: Request<pb::ChatRequest>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        let span = info_span!(
+            "gateway.chat",
+            otel.kind = "server",
+            api = "grpc",
+            stream = true,
+            trace_id = Empty
+        );
+        telemetry::adopt_remote_parent(&span, request.metadata());
+        let timeout = self.timeout(request.metadata());
+        let rx = async {
+            let req = request_from_pb(request.into_inner(), self.default_max_tokens)?;
+            self.orchestrator.chat(req, "grpc", Some(timeout)).await
+        }
+        .instrument(span)
+        .await?;
+        let chunks = ReceiverStream::new(rx).map(|ev| {
+            Ok(match ev? {
+                ChatEvent::Delta { text, token_ids } => pb::ChatChunk {
+                    text,
+                    token_ids,
+                    ..Default::default()
+                },
+                ChatEvent::Done {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                } => pb::ChatChunk {
+                    finish_reason: finish as i32,
+                    usage: Some(pb::Usage {
+                        prompt_tokens,
+                        completion_tokens,
+                    }),
+                    ..Default::default()
+                },
+            })
+        });
+        Ok(Response::new(Box::pin(chunks)))
+    }
+}

@@ -1,0 +1,575 @@
+//! The gateway's request path across processes:
+//!
+//! ```text
+//! chat ─validate─▶ images ─▶ VisionService.Encode (concurrently, with failover) ─┐
+//!      ─render + tokenize + expand placeholders (blocking pool) ◀───────────────┘
+//!      ─▶ LlmService.Generate (stream) ─▶ detokenize + stop strings ─▶ ChatEvent stream
+//! ```
+//! Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
+//! stream. When the client goes away its receiver closes, the forwarding task ends, the
+//! upstream stream is dropped, and the LLM service stops decoding. The caller's deadline is
+//! passed on to every upstream call.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::try_join_all;
+use tokio::sync::{mpsc, Semaphore};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+use tracing::{info_span, Instrument};
+use vlm_proto::pb::llm_service_client::LlmServiceClient;
+use vlm_proto::pb::vision_service_client::VisionServiceClient;
+use vlm_proto::pb::{self, EncodeRequest, EncodeResponse};
+use vlm_proto::telemetry;
+
+use crate::chat::ChatTokenizer;
+use crate::detok::TextStream;
+use crate::metrics::Metrics;
+use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits};
+
+/// Everything a gateway request can fail with, each mapping to one gRPC and one HTTP status.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GatewayError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl GatewayError {
+    /// Stable label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GatewayError::Invalid(_) => "invalid_request",
+            GatewayError::Overloaded(_) => "overloaded",
+            GatewayError::Unavailable(_) => "unavailable",
+            GatewayError::DeadlineExceeded(_) => "deadline_exceeded",
+            GatewayError::Internal(_) => "internal",
+        }
+    }
+
+    /// HTTP status for the OpenAI-style API.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            GatewayError::Invalid(_) => 400,
+            GatewayError::Overloaded(_) => 429,
+            GatewayError::Unavailable(_) => 503,
+            GatewayError::DeadlineExceeded(_) => 504,
+            GatewayError::Internal(_) => 500,
+        }
+    }
+
+    /// An upstream call's failure, named after the service and address it came from.
+    fn upstream(service: &str, addr: &str, s: &Status) -> Self {
+        let msg = format!("{service} at {addr}: {}", s.message());
+        match s.code() {
+            Code::InvalidArgument | Code::OutOfRange => {
+                GatewayError::Invalid(s.message().to_string())
+            }
+            Code::ResourceExhausted => GatewayError::Overloaded(msg),
+            Code::Unavailable => GatewayError::Unavailable(format!(
+                "{service} unavailable at {addr}: {}",
+                s.message()
+            )),
+            Code::DeadlineExceeded | Code::Cancelled => GatewayError::DeadlineExceeded(msg),
+            _ => GatewayError::Internal(msg),
+        }
+    }
+}
+
+/// The one place gateway errors become gRPC statuses.
+impl From<GatewayError> for Status {
+    fn from(e: GatewayError) -> Self {
+        let code = match e {
+            GatewayError::Invalid(_) => Code::InvalidArgument,
+            GatewayError::Overloaded(_) => Code::ResourceExhausted,
+            GatewayError::Unavailable(_) => Code::Unavailable,
+            GatewayError::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            GatewayError::Internal(_) => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+impl From<crate::Error> for GatewayError {
+    fn from(e: crate::Error) -> Self {
+        if e.is_invalid_input() {
+            GatewayError::Invalid(e.to_string())
+        } else {
+            GatewayError::Internal(e.to_string())
+        }
+    }
+}
+
+/// One or more replicas of an upstream service, tried round-robin; a replica that answers
+/// UNAVAILABLE is skipped for the next one. Channels connect lazily and reconnect on their
+/// own, so the gateway starts before its upstreams and recovers when they return.
+pub struct Upstreams {
+    service: &'static str,
+    replicas: Vec<(String, Channel)>,
+    next: AtomicUsize,
+}
+
+impl Upstreams {
+    pub fn new(service: &'static str, addrs: &[String]) -> anyhow::Result<Self> {
+        anyhow::ensure!(!addrs.is_empty(), "no {service} address given");
+        let replicas = addrs
+            .iter()
+            .map(|a| {
+                let uri = if a.contains("://") {
+                    a.clone()
+                } else {
+                    format!("http://{a}")
+                };
+                let ch = Endpoint::from_shared(uri)?
+                    .connect_timeout(Duration::from_secs(2))
+                    .tcp_nodelay(true)
+                    .connect_lazy();
+                Ok((a.clone(), ch))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Self {
+            service,
+            replicas,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Replicas in the order to try them for the next call.
+    fn order(&self) -> impl Iterator<Item = &(String, Channel)> {
+        let n = self.replicas.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        (0..n).map(move |i| &self.replicas[(start + i) % n])
+    }
+
+    /// Runs `call` on replicas until one does not answer UNAVAILABLE; returns its answer and
+    /// the replica's address.
+    async fn call<T, F, Fut>(&self, mut call: F) -> Result<(T, String), GatewayError>
+    where
+        F: FnMut(Channel) -> Fut,
+        Fut: std::future::Future<Output = Result<T, Status>>,
+    {
+        let mut last = None;
+        for (addr, ch) in self.order() {
+            match call(ch.clone()).await {
+                Ok(v) => return Ok((v, addr.clone())),
+                Err(s) if s.code() == Code::Unavailable => {
+                    tracing::warn!(service = self.service, %addr, error = %s.message(), "replica unavailable");
+                    last = Some(GatewayError::upstream(self.service, addr, &s));
+                }
+                Err(s) => return Err(GatewayError::upstream(self.service, addr, &s)),
+            }
+        }
+        Err(last.expect("at least one replica"))
+    }
+}
+
+/// What a chat stream yields.
+#[derive(Debug, Clone)]
+pub enum ChatEvent {
+    /// New tokens and the text they complete (possibly empty).
+    Delta { text: String, token_ids: Vec<u32> },
+    /// The end: why, and the token counts.
+    Done {
+        finish: pb::FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
+}
+
+pub struct Orchestrator {
+    pub chat: Arc<ChatTokenizer>,
+    pub vision: Upstreams,
+    pub llm: Upstreams,
+    pub limits: RequestLimits,
+    pub metrics: Metrics,
+    permits: Arc<Semaphore>,
+}
+
+/// Keeps the in-flight gauge and the outcome counter honest however a request ends: the
+/// outcome is "client_gone" unless a path sets another.
+struct RequestGuard {
+    metrics: Metrics,
+    api: &'static str,
+    outcome: &'static str,
+}
+
+impl RequestGuard {
+    fn new(metrics: &Metrics, api: &'static str) -> Self {
+        metrics.in_flight.inc();
+        Self {
+            metrics: metrics.clone(),
+            api,
+            outcome: "client_gone",
+        }
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.metrics.in_flight.dec();
+        self.metrics
+            .requests
+            .with_label_values(&[self.api, self.outcome])
+            .inc();
+    }
+}
+
+fn with_deadline<T>(msg: T, deadline: Option<Instant>) -> Result<tonic::Request<T>, GatewayError> {
+    let mut req = tonic::Request::new(msg);
+    if let Some(d) = deadline {
+        let left = d.checked_duration_since(Instant::now()).ok_or_else(|| {
+            GatewayError::DeadlineExceeded("deadline passed before the call".into())
+        })?;
+        req.set_timeout(left);
+    }
+    telemetry::inject(req.metadata_mut());
+    Ok(req)
+}
+
+impl Orchestrator {
+    pub fn new(
+        chat: ChatTokenizer,
+        vision: Upstreams,
+        llm: Upstreams,
+        limits: RequestLimits,
+        max_concurrent: usize,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            chat: Arc::new(chat),
+            vision,
+            llm,
+            limits,
+            metrics,
+            permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
+        }
+    }
+
+    async fn encode_image(
+        &self,
+        index: usize,
+        image: Vec<u8>,
+        deadline: Option<Instant>,
+    ) -> Result<EncodeResponse, GatewayError> {
+        let span = info_span!(
+            "vision.rpc",
+            image = index,
+            image_bytes = image.len(),
+            embedding_bytes = tracing::field::Empty
+        );
+        let started = Instant::now();
+        let result = async {
+            self.vision
+                .call(|ch| {
+                    let msg = EncodeRequest {
+                        image: image.clone(),
+                        dtype: pb::Dtype::F32 as i32,
+                    };
+                    async move {
+                        let req = with_deadline(msg, deadline)
+                            .map_err(|e| Status::deadline_exceeded(e.to_string()))?;
+                        let mut client = VisionServiceClient::new(ch)
+                            .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+                            .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+                        client.encode(req).await.map(|r| r.into_inner())
+                    }
+                })
+                .await
+                .map(|(r, _)| r)
+                .map_err(|e| match e {
+                    GatewayError::Invalid(m) => {
+                        GatewayError::Invalid(format!("image {index}: {m}"))
+                    }
+                    other => other,
+                })
+        }
+        .instrument(span.clone())
+        .await;
+        let outcome = if result.is_ok() { "ok" } else { "error" };
+        self.metrics
+            .vision_seconds
+            .with_label_values(&[outcome])
+            .observe(started.elapsed().as_secs_f64());
+        if let Ok(r) = &result {
+            let bytes: usize = r
+                .embeddings
+                .iter()
+                .chain(&r.deepstack)
+                .map(|t| t.data.len())
+                .sum();
+            span.record("embedding_bytes", bytes);
+        }
+        result
+    }
+
+    /// Starts a chat: images encoded, prompt built, generation started. Errors before the
+    /// first token come back here; later ones arrive in the stream. `api` labels the metrics.
+    pub async fn chat(
+        &self,
+        req: ChatRequest,
+        api: &'static str,
+        timeout: Option<Duration>,
+    ) -> Result<mpsc::Receiver<Result<ChatEvent, GatewayError>>, GatewayError> {
+        let mut guard = RequestGuard::new(&self.metrics, api);
+        let stop = req.stop.clone();
+        let started = match self.start(req, timeout).await {
+            Ok(s) => s,
+            Err(e) => {
+                guard.outcome = e.kind();
+                tracing::warn!(error = %e, kind = e.kind(), "request failed");
+                return Err(e);
+            }
+        };
+        let (tx, rx) = mpsc::channel(32);
+        let span = started.span.clone();
+        tokio::spawn(
+            forward(
+                started,
+                stop,
+                tx,
+                guard,
+                self.chat.clone(),
+                self.metrics.clone(),
+            )
+            .instrument(span),
+        );
+        Ok(rx)
+    }
+
+    async fn start(
+        &self,
+        req: ChatRequest,
+        timeout: Option<Duration>,
+    ) -> Result<Started, GatewayError> {
+        let arrived = Instant::now();
+        let deadline = timeout.map(|t| arrived + t);
+        let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+            GatewayError::Overloaded(
+                "the gateway is serving its limit of concurrent requests; retry later".into(),
+            )
+        })?;
+        validate_request(&req, &self.limits)?;
+
+        let images: Vec<Vec<u8>> = image_parts(&req.messages).cloned().collect();
+        let encoded = try_join_all(
+            images
+                .into_iter()
+                .enumerate()
+                .map(|(i, bytes)| self.encode_image(i, bytes, deadline)),
+        )
+        .await?;
+
+        let per_image: Vec<usize> = encoded
+            .iter()
+            .map(|e| {
+                e.embeddings
+                    .as_ref()
+                    .and_then(|t| t.shape.first())
+                    .copied()
+                    .unwrap_or(0) as usize
+            })
+            .collect();
+        let chat = self.chat.clone();
+        let messages = req.messages.clone();
+        let prompt = tokio::task::spawn_blocking(move || chat.prompt_ids(&messages, &per_image))
+            .instrument(info_span!("tokenize"))
+            .await
+            .map_err(|e| GatewayError::Internal(format!("tokenizer task failed: {e}")))??;
+
+        let gen = pb::GenerateRequest {
+            prompt_token_ids: prompt,
+            images: encoded
+                .into_iter()
+                .map(|e| pb::ImageEmbeddings {
+                    embeddings: e.embeddings,
+                    deepstack: e.deepstack,
+                    grid_thw: e.grid_thw,
+                })
+                .collect(),
+            sampling: Some(pb::SamplingParams {
+                temperature: req.sampling.temperature,
+                top_k: req.sampling.top_k as u32,
+                top_p: req.sampling.top_p,
+                seed: req.sampling.seed,
+            }),
+            max_new_tokens: req.max_new_tokens as u32,
+            ignore_eos: req.ignore_eos,
+        };
+        let prompt_tokens = gen.prompt_token_ids.len() as u32;
+        let span = info_span!(
+            "llm.rpc",
+            prompt_tokens,
+            generated_tokens = tracing::field::Empty
+        );
+        let (upstream, llm_addr) = self
+            .llm
+            .call(|ch| {
+                let msg = gen.clone();
+                async move {
+                    let req = with_deadline(msg, deadline)
+                        .map_err(|e| Status::deadline_exceeded(e.to_string()))?;
+                    let mut client = LlmServiceClient::new(ch)
+                        .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+                        .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+                    client.generate(req).await.map(|r| r.into_inner())
+                }
+            })
+            .instrument(span.clone())
+            .await?;
+        Ok(Started {
+            upstream,
+            llm_addr,
+            permit,
+            prompt_tokens,
+            arrived,
+            span,
+        })
+    }
+}
+
+/// A generation under way upstream.
+struct Started {
+    upstream: tonic::Streaming<pb::GenerateResponse>,
+    llm_addr: String,
+    /// Held until the stream ends: concurrency is counted per stream, not per call.
+    permit: tokio::sync::OwnedSemaphorePermit,
+    prompt_tokens: u32,
+    arrived: Instant,
+    span: tracing::Span,
+}
+
+/// Relays the LLM stream to the client as text; returning drops the upstream stream, which
+/// cancels the generation (client gone, stop string, error).
+async fn forward(
+    mut s: Started,
+    stop: Vec<String>,
+    tx: mpsc::Sender<Result<ChatEvent, GatewayError>>,
+    mut guard: RequestGuard,
+    chat: Arc<ChatTokenizer>,
+    metrics: Metrics,
+) {
+    let _permit = s.permit;
+    let mut text = TextStream::new(chat.tokenizer(), stop);
+    let mut last_token: Option<Instant> = None;
+    let mut ttft: Option<Duration> = None;
+    let mut generated = 0u32;
+    let fail = |guard: &mut RequestGuard, e: GatewayError| {
+        guard.outcome = e.kind();
+        tracing::warn!(error = %e, kind = e.kind(), "request failed mid-stream");
+        e
+    };
+    loop {
+        let msg = match s.upstream.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                let e = fail(
+                    &mut guard,
+                    GatewayError::Internal("the LLM stream ended without a finish reason".into()),
+                );
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+            Err(st) => {
+                let e = fail(
+                    &mut guard,
+                    GatewayError::upstream("llm-svc", &s.llm_addr, &st),
+                );
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut visible = String::new();
+        let mut stop_hit = false;
+        for &t in &msg.token_ids {
+            match last_token {
+                None => {
+                    ttft = Some(now - s.arrived);
+                    metrics
+                        .time_to_first_token
+                        .observe((now - s.arrived).as_secs_f64());
+                }
+                Some(prev) => metrics
+                    .inter_token_latency
+                    .observe((now - prev).as_secs_f64()),
+            }
+            last_token = Some(now);
+            generated += 1;
+            match text.push(t) {
+                Ok((v, hit)) => {
+                    visible.push_str(&v);
+                    stop_hit |= hit;
+                }
+                Err(e) => {
+                    let e = fail(&mut guard, e.into());
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+        metrics.generated_tokens.inc_by(msg.token_ids.len() as u64);
+        let finish =
+            pb::FinishReason::try_from(msg.finish_reason).unwrap_or(pb::FinishReason::Unspecified);
+        let done = stop_hit || finish != pb::FinishReason::Unspecified;
+        if done && !stop_hit {
+            match text.finish() {
+                Ok(tail) => visible.push_str(&tail),
+                Err(e) => {
+                    let e = fail(&mut guard, e.into());
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+        if !visible.is_empty() || !msg.token_ids.is_empty() {
+            let delta = ChatEvent::Delta {
+                text: visible,
+                token_ids: msg.token_ids.clone(),
+            };
+            if tx.send(Ok(delta)).await.is_err() {
+                tracing::info!(
+                    generated,
+                    "client went away; cancelling the generation upstream"
+                );
+                return;
+            }
+        }
+        if done {
+            metrics.prompt_tokens.inc_by(s.prompt_tokens as u64);
+            s.span.record("generated_tokens", generated);
+            guard.outcome = "ok";
+            tracing::info!(
+                prompt_tokens = s.prompt_tokens,
+                generated,
+                finish = if stop_hit {
+                    "stop_string"
+                } else {
+                    finish.as_str_name()
+                },
+                ttft_ms = ttft.map_or(0.0, |t| t.as_secs_f64() * 1e3),
+                "request done"
+            );
+            let _ = tx
+                .send(Ok(ChatEvent::Done {
+                    finish: if stop_hit {
+                        pb::FinishReason::Stop
+                    } else {
+                        finish
+                    },
+                    prompt_tokens: s.prompt_tokens,
+                    completion_tokens: generated,
+                }))
+                .await;
+            return;
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Running the gateway: the public gRPC API and the OpenAI-style HTTP API over one
+//! [`Orchestrator`], with health, graceful shutdown and upstream health checks.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+use vlm_proto::pb::gateway_server::GatewayServer;
+
+use crate::chat::ChatTokenizer;
+use crate::grpc::GatewayService;
+use crate::http::{router, HttpState};
+use crate::metrics::Metrics;
+use crate::orchestrator::{Orchestrator, Upstreams};
+use crate::pipeline::{check_model_dir, RequestLimits};
+
+pub struct GatewayConfig {
+    /// Checkpoint directory: the gateway reads its tokenizer, chat template and config.json.
+    pub model: PathBuf,
+    /// Name served in `/v1/models` and responses.
+    pub model_name: String,
+    pub vision_addrs: Vec<String>,
+    pub llm_addrs: Vec<String>,
+    /// Requests served at once; more get RESOURCE_EXHAUSTED / 429.
+    pub max_concurrent: usize,
+    pub limits: RequestLimits,
+    pub default_max_tokens: usize,
+    /// Longest a request may take (a client's shorter deadline wins).
+    pub request_timeout: Duration,
+}
+
+/// Asks each upstream replica's `grpc.health.v1` for its status.
+pub struct UpstreamHealth {
+    targets: Vec<(String, String)>,
+}
+
+impl UpstreamHealth {
+    /// All replicas SERVING, and a per-replica report.
+    pub async fn check(&self) -> (bool, Value) {
+        let mut all = true;
+        let mut report = Vec::new();
+        for (service, addr) in &self.targets {
+            let status = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
+                Ok(ep) => match tokio::time::timeout(Duration::from_secs(1), ep.connect()).await {
+                    Ok(Ok(ch)) => match HealthClient::new(ch)
+                        .check(HealthCheckRequest {
+                            service: String::new(),
+                        })
+                        .await
+                    {
+                        Ok(r) => ServingStatus::try_from(r.into_inner().status)
+                            .map(|s| s.as_str_name().to_string())
+                            .unwrap_or_default(),
+                        Err(s) => format!("error: {}", s.message()),
+                    },
+                    _ => "unreachable".to_string(),
+                },
+                Err(e) => format!("bad address: {e}"),
+            };
+            all &= status == "SERVING";
+            report.push(json!({"service": service, "addr": addr, "status": status}));
+        }
+        (all, Value::Array(report))
+    }
+}
+
+/// Serves the gateway until `shutdown` is cancelled, then drains both APIs.
+pub async fn serve(
+    cfg: GatewayConfig,
+    grpc: TcpListener,
+    http: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    check_model_dir(&cfg.model)?;
+    let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
+    let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id)?;
+    let orchestrator = Arc::new(Orchestrator::new(
+        chat,
+        Upstreams::new("vision-svc", &cfg.vision_addrs)?,
+        Upstreams::new("llm-svc", &cfg.llm_addrs)?,
+        cfg.limits.clone(),
+        cfg.max_concurrent,
+        Metrics::new(),
+    ));
+    let health = Arc::new(UpstreamHealth {
+        targets: cfg
+            .vision_addrs
+            .iter()
+            .map(|a| ("vision-svc".to_string(), a.clone()))
+            .chain(
+                cfg.llm_addrs
+                    .iter()
+                    .map(|a| ("llm-svc".to_string(), a.clone())),
+            )
+            .collect(),
+    });
+    let http_state = HttpState {
+        orchestrator: orchestrator.clone(),
+        model_name: cfg.model_name.clone(),
+        default_max_tokens: cfg.default_max_tokens,
+        request_timeout: cfg.request_timeout,
+        health,
+    };
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, vision = ?cfg.vision_addrs, llm = ?cfg.llm_addrs, "gateway listening");
+
+    let http_stop = shutdown.clone();
+    let http_task = tokio::spawn(async move {
+        axum::serve(http, router(http_state))
+            .with_graceful_shutdown(async move { http_stop.cancelled().await })
+            .await
+    });
+    let (reporter, grpc_router) = vlm_proto::grpc_server().await;
+    let svc = GatewayServer::new(GatewayService {
+        orchestrator,
+        default_max_tokens: cfg.default_max_tokens,
+        request_timeout: cfg.request_timeout,
+    })
+    .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+    let name = <GatewayServer<GatewayService> as tonic::server::NamedService>::NAME;
+    let grpc_stop = shutdown.clone();
+    let grpc_result = vlm_proto::run_service(
+        grpc_router.add_service(svc),
+        grpc,
+        reporter,
+        name,
+        async { Ok(()) },
+        async move { grpc_stop.cancelled().await },
+    )
+    .await;
+    shutdown.cancel();
+    http_task.await??;
+    grpc_result
+}

@@ -1,0 +1,51 @@
+//! `llm-svc`: the LlmService gRPC server (prompt ids + image embeddings in, tokens streamed out).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use llm_svc::server::{serve, ServeConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "llm-svc",
+    version,
+    about = "Qwen3-VL language service: prefill and decode with a KV cache, tokens streamed over gRPC (vlm.v1.LlmService)",
+    long_about = "Qwen3-VL language service: prefill and decode with a KV cache, tokens streamed over gRPC \
+        (vlm.v1.LlmService, plus grpc.health.v1 and reflection).\n\n\
+        Health is NOT_SERVING until the model is loaded. A client that drops its stream cancels its generation; \
+        grpc-timeout deadlines are enforced per token. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info)."
+)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "VLM_LLM_LISTEN", default_value = "127.0.0.1:50052")]
+    listen: SocketAddr,
+    /// Checkpoint directory (Hugging Face layout).
+    #[arg(long, env = "VLM_MODEL")]
+    model: PathBuf,
+    /// Where to run the model (only cpu in this build).
+    #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu"])]
+    device: String,
+    /// Generations running at the same time; more get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "VLM_LLM_MAX_CONCURRENT", default_value_t = 4)]
+    max_concurrent: usize,
+    /// Cap on prompt + generated tokens per request (default: the model's max_position_embeddings).
+    #[arg(long, env = "VLM_MAX_CONTEXT")]
+    max_context: Option<usize>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let telemetry = vlm_proto::telemetry::init("llm-svc");
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let cfg = ServeConfig {
+        model: args.model,
+        max_concurrent: args.max_concurrent,
+        max_context: args.max_context,
+    };
+    let result = serve(cfg, listener, vlm_proto::shutdown_signal()).await;
+    telemetry.shutdown();
+    result
+}

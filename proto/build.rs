@@ -1,0 +1,12 @@
+//! Generates the vlm.v1 stubs with a vendored protoc, so a build needs no system protoc.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY (edition 2021: not unsafe): build scripts are single-threaded here.
+    std::env::set_var("PROTOC", protoc);
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    tonic_prost_build::configure()
+        .file_descriptor_set_path(out.join("vlm_descriptor.bin"))
+        .compile_protos(&["vlm/v1/vlm.proto"], &["."])?;
+    println!("cargo:rerun-if-changed=vlm/v1/vlm.proto");
+    Ok(())
+}

@@ -1,0 +1,148 @@
+//! The shared contract and plumbing of the three services.
+//!
+//! - [`pb`]: the generated `vlm.v1` messages, clients and servers (`proto/vlm/v1/vlm.proto`).
+//! - [`tensor`]: raw little-endian f32/f16/bf16 tensors on the wire.
+//! - [`telemetry`]: logs and traces for every process, OpenTelemetry export, and W3C trace
+//!   context carried in gRPC metadata so one request is one trace across processes.
+//! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
+
+pub mod telemetry;
+pub mod tensor;
+
+/// Generated from `proto/vlm/v1/vlm.proto`.
+pub mod pb {
+    tonic::include_proto!("vlm.v1");
+
+    /// Encoded file descriptor set, for gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("vlm_descriptor");
+}
+
+/// Largest gRPC message any of our servers or clients sends or accepts: 256 MiB. Embeddings
+/// of a large image at 8B sizes reach ~60 MiB in f16 (see the .proto header), images up to the
+/// decoder's 64 Mpx limit can be large too; tonic's 4 MiB default would refuse both.
+pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
+
+/// A gRPC server with the parts every service has: `grpc.health.v1` (the returned reporter
+/// starts NOT_SERVING; set it once the model is loaded) and reflection for `vlm.v1` and health.
+pub async fn grpc_server() -> (
+    tonic_health::server::HealthReporter,
+    tonic::transport::server::Router,
+) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("descriptor sets are generated at build time and valid");
+    let router = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection);
+    (reporter, router)
+}
+
+/// Runs a service's life: serve `router` on `listener` at once (health NOT_SERVING), run
+/// `load` (the model), then mark `service` and the server SERVING until `shutdown`; then mark
+/// NOT_SERVING, stop accepting, and drain in-flight calls. A failed load stops the server and
+/// is returned.
+pub async fn run_service(
+    router: tonic::transport::server::Router,
+    listener: tokio::net::TcpListener,
+    health: tonic_health::server::HealthReporter,
+    service: &'static str,
+    load: impl std::future::Future<Output = anyhow::Result<()>>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    use tonic_health::ServingStatus;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let serving = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async move {
+        let _ = stop_rx.await;
+    }));
+    let mut shutdown = std::pin::pin!(shutdown);
+    let loaded = tokio::select! {
+        r = load => Some(r),
+        _ = &mut shutdown => None,
+    };
+    let result = match loaded {
+        Some(Ok(())) => {
+            health
+                .set_service_status(service, ServingStatus::Serving)
+                .await;
+            health.set_service_status("", ServingStatus::Serving).await;
+            tracing::info!(service, "ready; serving");
+            shutdown.await;
+            Ok(())
+        }
+        Some(Err(e)) => Err(e),
+        None => Ok(()),
+    };
+    health
+        .set_service_status(service, ServingStatus::NotServing)
+        .await;
+    health
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+    let _ = stop_tx.send(());
+    serving.await??;
+    tracing::info!(service, "stopped");
+    result
+}
+
+/// Resolves on SIGTERM or ctrl-c: the start of a graceful shutdown.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutdown signal received");
+}
+
+/// Reads the `grpc-timeout` header (the caller's deadline), as a duration from now.
+pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_all_units() {
+        let mut m = tonic::metadata::MetadataMap::new();
+        for (v, ms) in [("2S", 2000), ("150m", 150), ("1M", 60_000), ("3000000n", 3)] {
+            m.insert("grpc-timeout", v.parse().unwrap());
+            assert_eq!(grpc_timeout(&m).unwrap().as_millis(), ms, "{v}");
+        }
+        m.insert("grpc-timeout", "x".parse().unwrap());
+        assert!(grpc_timeout(&m).is_none());
+    }
+}

@@ -1,0 +1,46 @@
+//! `vision-svc`: the VisionService gRPC server (image bytes in, image embeddings out).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use vision_svc::server::{serve, ServeConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "vision-svc",
+    version,
+    about = "Qwen3-VL vision service: encodes images into embeddings for the LLM service, over gRPC (vlm.v1.VisionService)",
+    long_about = "Qwen3-VL vision service: encodes images into embeddings for the LLM service, over gRPC \
+        (vlm.v1.VisionService, plus grpc.health.v1 and reflection).\n\n\
+        Health is NOT_SERVING until the model is loaded. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info)."
+)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "VLM_VISION_LISTEN", default_value = "127.0.0.1:50051")]
+    listen: SocketAddr,
+    /// Checkpoint directory (Hugging Face layout).
+    #[arg(long, env = "VLM_MODEL")]
+    model: PathBuf,
+    /// Where to run the model (only cpu in this build).
+    #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu"])]
+    device: String,
+    /// Images encoded at the same time; more get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 4)]
+    max_concurrent: usize,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let telemetry = vlm_proto::telemetry::init("vision-svc");
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let cfg = ServeConfig {
+        model: args.model,
+        max_concurrent: args.max_concurrent,
+    };
+    let result = serve(cfg, listener, vlm_proto::shutdown_signal()).await;
+    telemetry.shutdown();
+    result
+}

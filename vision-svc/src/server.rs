@@ -1,0 +1,130 @@
+//! The VisionService gRPC server: `Encode(image bytes) -> embeddings + DeepStack + grid`.
+//!
+//! The model loads in the background while health reports NOT_SERVING; image decoding and the
+//! ViT run on blocking threads, at most `max_concurrent` at a time (more fail fast with
+//! RESOURCE_EXHAUSTED rather than queue without bound).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use tokio::sync::Semaphore;
+use tonic::{Request, Response, Status};
+use tracing::{field::Empty, info_span, Instrument};
+use vlm_compute::{CpuBackend, Weights};
+use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
+use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
+use vlm_proto::{telemetry, tensor};
+
+use crate::{preprocess, Error, VisionEncoder};
+
+/// The one place vision errors become gRPC statuses.
+pub fn to_status(e: &Error) -> Status {
+    if e.is_invalid_input() {
+        Status::invalid_argument(e.to_string())
+    } else {
+        Status::internal(e.to_string())
+    }
+}
+
+pub struct ServeConfig {
+    pub model: PathBuf,
+    /// Images encoded at the same time; further requests get RESOURCE_EXHAUSTED.
+    pub max_concurrent: usize,
+}
+
+pub struct VisionServer {
+    encoder: Arc<OnceLock<VisionEncoder<CpuBackend>>>,
+    permits: Arc<Semaphore>,
+}
+
+#[tonic::async_trait]
+impl VisionService for VisionServer {
+    async fn encode(
+        &self,
+        request: Request<EncodeRequest>,
+    ) -> Result<Response<EncodeResponse>, Status> {
+        let span = info_span!(
+            "vision.encode",
+            otel.kind = "server",
+            trace_id = Empty,
+            image_bytes = request.get_ref().image.len(),
+            tokens = Empty
+        );
+        telemetry::adopt_remote_parent(&span, request.metadata());
+        async move {
+            let Some(_) = self.encoder.get() else {
+                return Err(Status::unavailable("the vision model is still loading"));
+            };
+            let _permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+                Status::resource_exhausted(format!(
+                    "the vision service is encoding {} images already; retry later",
+                    self.permits.available_permits().max(1)
+                ))
+            })?;
+            let req = request.into_inner();
+            let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
+            let encoder = self.encoder.clone();
+            let parent = tracing::Span::current();
+            let out = tokio::task::spawn_blocking(move || {
+                let enc = encoder.get().expect("checked above");
+                let patches = info_span!(parent: &parent, "preprocess").in_scope(|| {
+                    preprocess::preprocess(&req.image, &enc.preprocess, &enc.limits)
+                })?;
+                info_span!(parent: &parent, "vision_encode", patches = patches.pixels.shape()[0])
+                    .in_scope(|| enc.model.forward(&patches))
+            })
+            .await
+            .map_err(|e| Status::internal(format!("vision worker failed: {e}")))?
+            .map_err(|e| to_status(&e))?;
+            tracing::Span::current().record("tokens", out.embeds.shape()[0]);
+            tracing::info!(tokens = out.embeds.shape()[0], grid = ?out.grid_thw, "image encoded");
+            let pack = |t: &vlm_compute::HostTensor| tensor::encode(t.shape(), t.data(), dtype);
+            Ok(Response::new(EncodeResponse {
+                embeddings: Some(pack(&out.embeds)),
+                deepstack: out.deepstack.iter().map(pack).collect(),
+                grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
+            }))
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+/// Serves VisionService on `listener` until `shutdown`; the model loads in the background.
+pub async fn serve(
+    cfg: ServeConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let encoder = Arc::new(OnceLock::new());
+    let server = VisionServer {
+        encoder: encoder.clone(),
+        permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
+    };
+    let (health, router) = vlm_proto::grpc_server().await;
+    let svc = VisionServiceServer::new(server)
+        .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+    let router = router.add_service(svc);
+    tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "vision-svc listening");
+    let model = cfg.model.clone();
+    let load = async move {
+        tokio::task::spawn_blocking(move || -> Result<(), Error> {
+            let weights = Weights::open(&model)?;
+            let enc = VisionEncoder::load(&model, &weights, CpuBackend::new())?;
+            weights.finish();
+            let _ = encoder.set(enc);
+            Ok(())
+        })
+        .await?
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot load the vision model from {}: {e}",
+                cfg.model.display()
+            )
+        })
+    };
+    let name = <VisionServiceServer<VisionServer> as tonic::server::NamedService>::NAME;
+    vlm_proto::run_service(router, listener, health, name, load, shutdown).await
+}
