@@ -1,0 +1,321 @@
+//! Test support: start the real `vision-svc`, `llm-svc` and `gateway` binaries on free loopback
+//! ports, with their logs in files, and an in-test OTLP receiver that collects their spans.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+
+pub fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-qwen3-vl")
+}
+
+/// A workspace binary, built next to this test executable by `cargo test --workspace`.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/..");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds every binary",
+        path.display()
+    );
+    path
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A running service binary; killed when dropped.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, args: &[String], env: &[(&str, String)], dir: &Path) -> Proc {
+        let log = dir.join(format!("{name}-{}.log", free_port()));
+        let file = std::fs::File::create(&log).expect("log file");
+        let mut cmd = Command::new(bin(name));
+        cmd.args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(file);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Proc {
+            name: name.to_string(),
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// Everything the process logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log contains `needle`, up to `timeout`.
+    pub async fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if self.log().contains(needle) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    /// SIGTERM, then the exit status (killed after 10 s).
+    pub async fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > end {
+                let _ = child.kill();
+                return child.wait().expect("wait");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[derive(Default, Clone)]
+pub struct StackOptions {
+    pub gateway_args: Vec<String>,
+    pub llm_args: Vec<String>,
+    /// OTLP endpoint for all three (an [`OtlpReceiver`]).
+    pub otlp: Option<String>,
+    /// Leave llm-svc out (its port is still reserved in `llm_port`).
+    pub without_llm: bool,
+}
+
+pub struct Stack {
+    pub vision: Proc,
+    pub llm: Option<Proc>,
+    pub gateway: Proc,
+    pub grpc: String,
+    pub http: String,
+    pub llm_port: u16,
+    pub dir: PathBuf,
+    env: Vec<(&'static str, String)>,
+    llm_args: Vec<String>,
+}
+
+fn tmpdir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("vlm-e2e-{}-{}", std::process::id(), free_port()));
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+impl Stack {
+    pub async fn start(opts: StackOptions) -> Stack {
+        let dir = tmpdir();
+        let model = fixture().display().to_string();
+        let (vp, lp, gp, hp) = (free_port(), free_port(), free_port(), free_port());
+        let mut env: Vec<(&'static str, String)> = vec![("OTEL_BSP_SCHEDULE_DELAY", "50".into())];
+        if let Some(ep) = &opts.otlp {
+            env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", ep.clone()));
+        }
+        let s = |v: &str| v.to_string();
+        let vision = Proc::spawn(
+            "vision-svc",
+            &[
+                s("--listen"),
+                format!("127.0.0.1:{vp}"),
+                s("--model"),
+                model.clone(),
+            ],
+            &env,
+            &dir,
+        );
+        let mut gw_args = vec![
+            s("--grpc-listen"),
+            format!("127.0.0.1:{gp}"),
+            s("--http-listen"),
+            format!("127.0.0.1:{hp}"),
+            s("--model"),
+            model.clone(),
+            s("--vision-addr"),
+            format!("127.0.0.1:{vp}"),
+            s("--llm-addr"),
+            format!("127.0.0.1:{lp}"),
+        ];
+        gw_args.extend(opts.gateway_args.iter().cloned());
+        let gateway = Proc::spawn("gateway", &gw_args, &env, &dir);
+        let mut stack = Stack {
+            vision,
+            llm: None,
+            gateway,
+            grpc: format!("http://127.0.0.1:{gp}"),
+            http: format!("http://127.0.0.1:{hp}"),
+            llm_port: lp,
+            dir,
+            env,
+            llm_args: opts.llm_args.clone(),
+        };
+        if opts.without_llm {
+            stack.wait_listening(Duration::from_secs(30)).await;
+        } else {
+            stack.start_llm();
+            stack.wait_healthy(Duration::from_secs(60)).await;
+        }
+        stack
+    }
+
+    /// Starts llm-svc on the reserved port (again).
+    pub fn start_llm(&mut self) {
+        let mut args = vec![
+            "--listen".to_string(),
+            format!("127.0.0.1:{}", self.llm_port),
+            "--model".to_string(),
+            fixture().display().to_string(),
+        ];
+        args.extend(self.llm_args.iter().cloned());
+        self.llm = Some(Proc::spawn("llm-svc", &args, &self.env, &self.dir));
+    }
+
+    /// Waits until the gateway answers HTTP at all (healthy or not).
+    pub async fn wait_listening(&self, timeout: Duration) {
+        let end = Instant::now() + timeout;
+        while Instant::now() < end {
+            if reqwest::get(format!("{}/health", self.http)).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "gateway not listening after {timeout:?}:\n{}",
+            self.gateway.log()
+        );
+    }
+
+    /// Waits until the gateway's /health reports every upstream SERVING.
+    pub async fn wait_healthy(&self, timeout: Duration) {
+        let end = Instant::now() + timeout;
+        let client = reqwest::Client::new();
+        while Instant::now() < end {
+            if let Ok(r) = client.get(format!("{}/health", self.http)).send().await {
+                if r.status().is_success() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "stack not healthy after {timeout:?}\n--- gateway ---\n{}\n--- vision ---\n{}\n--- llm ---\n{}",
+            self.gateway.log(),
+            self.vision.log(),
+            self.llm.as_ref().map(|l| l.log()).unwrap_or_default()
+        );
+    }
+}
+
+/// One span as received over OTLP, flattened.
+#[derive(Clone, Debug)]
+pub struct ReceivedSpan {
+    pub service: String,
+    pub name: String,
+    pub trace_id: Vec<u8>,
+    pub span_id: Vec<u8>,
+    pub parent_span_id: Vec<u8>,
+}
+
+/// A minimal OTLP/gRPC trace collector listening on loopback.
+#[derive(Clone, Default)]
+pub struct OtlpReceiver {
+    pub spans: Arc<Mutex<Vec<ReceivedSpan>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for OtlpReceiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut out = self.spans.lock().expect("lock");
+        for rs in request.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .as_ref()
+                .and_then(|r| r.attributes.iter().find(|a| a.key == "service.name"))
+                .and_then(|a| a.value.as_ref())
+                .and_then(|v| match &v.value {
+                    Some(
+                        opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s),
+                    ) => Some(s.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            for ss in rs.scope_spans {
+                for sp in ss.spans {
+                    out.push(ReceivedSpan {
+                        service: service.clone(),
+                        name: sp.name,
+                        trace_id: sp.trace_id,
+                        span_id: sp.span_id,
+                        parent_span_id: sp.parent_span_id,
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+impl OtlpReceiver {
+    /// Starts the receiver; returns it and its endpoint URL.
+    pub async fn start() -> (OtlpReceiver, String) {
+        let recv = OtlpReceiver::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let svc = TraceServiceServer::new(recv.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (recv, format!("http://{addr}"))
+    }
+}
