@@ -14,6 +14,7 @@ mod cpu;
 mod error;
 pub mod files;
 pub mod golden;
+pub mod nn;
 pub mod npy;
 mod tensor;
 mod weights;

@@ -11,6 +11,7 @@
 //! and at the end `logits = lm_head(RMSNorm(x_last))`. Image embeddings replace the placeholder
 //! tokens' embeddings before layer 0.
 
+use vlm_compute::nn::Linear;
 use vlm_compute::{AttnMask, Backend, HostTensor, WeightPrefix, Weights};
 
 use crate::{ModelConfig, Result, TextConfig};
@@ -67,27 +68,6 @@ pub struct StepInput<'a, B: Backend> {
     pub deepstack: &'a [B::Tensor],
 }
 
-struct Linear<B: Backend> {
-    w: B::Tensor,
-    b: Option<B::Tensor>,
-}
-
-impl<B: Backend> Linear<B> {
-    fn new(be: &B, w: &WeightPrefix, out: usize, inp: usize, bias: bool) -> Result<Self> {
-        Ok(Self {
-            w: w.load(be, "weight", &[out, inp])?,
-            b: if bias {
-                Some(w.load(be, "bias", &[out])?)
-            } else {
-                None
-            },
-        })
-    }
-    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        Ok(be.linear(x, &self.w, self.b.as_ref())?)
-    }
-}
-
 struct Attention<B: Backend> {
     q: Linear<B>,
     k: Linear<B>,
@@ -107,10 +87,10 @@ impl<B: Backend> Attention<B> {
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let bias = c.attention_bias;
         Ok(Self {
-            q: Linear::new(be, &w.pp("q_proj"), nq * d, h, bias)?,
-            k: Linear::new(be, &w.pp("k_proj"), nkv * d, h, bias)?,
-            v: Linear::new(be, &w.pp("v_proj"), nkv * d, h, bias)?,
-            o: Linear::new(be, &w.pp("o_proj"), h, nq * d, bias)?,
+            q: Linear::load(be, &w.pp("q_proj"), nq * d, h, bias)?,
+            k: Linear::load(be, &w.pp("k_proj"), nkv * d, h, bias)?,
+            v: Linear::load(be, &w.pp("v_proj"), nkv * d, h, bias)?,
+            o: Linear::load(be, &w.pp("o_proj"), h, nq * d, bias)?,
             q_norm: w.load(be, "q_norm.weight", &[d])?,
             k_norm: w.load(be, "k_norm.weight", &[d])?,
             heads: nq,
@@ -155,7 +135,7 @@ impl<B: Backend> Attention<B> {
                 first_query_slot: start,
             },
         )?;
-        self.o.forward(be, &a)
+        Ok(self.o.forward(be, &a)?)
     }
 }
 
@@ -176,9 +156,9 @@ impl<B: Backend> DecoderLayer<B> {
             input_norm: w.load(be, "input_layernorm.weight", &[h])?,
             attn: Attention::new(be, &w.pp("self_attn"), c)?,
             post_attn_norm: w.load(be, "post_attention_layernorm.weight", &[h])?,
-            gate: Linear::new(be, &w.pp("mlp.gate_proj"), i, h, false)?,
-            up: Linear::new(be, &w.pp("mlp.up_proj"), i, h, false)?,
-            down: Linear::new(be, &w.pp("mlp.down_proj"), h, i, false)?,
+            gate: Linear::load(be, &w.pp("mlp.gate_proj"), i, h, false)?,
+            up: Linear::load(be, &w.pp("mlp.up_proj"), i, h, false)?,
+            down: Linear::load(be, &w.pp("mlp.down_proj"), h, i, false)?,
             eps: c.rms_norm_eps,
         })
     }

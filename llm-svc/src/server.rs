@@ -25,11 +25,7 @@ use crate::{Engine, Error, FinishReason, GenerateRequest, ImageInput, SamplingPa
 
 /// The one place language-stage errors become gRPC statuses.
 pub fn to_status(e: &Error) -> Status {
-    if e.is_invalid_input() {
-        Status::invalid_argument(e.to_string())
-    } else {
-        Status::internal(e.to_string())
-    }
+    vlm_proto::error_status(e.is_invalid_input(), e.to_string())
 }
 
 pub struct ServeConfig {

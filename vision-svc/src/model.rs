@@ -11,6 +11,7 @@
 //! Attention is full (non-causal) within an image; images are encoded one at a time, which is
 //! what HF's per-image `cu_seqlens` split computes.
 
+use vlm_compute::nn::Linear;
 use vlm_compute::{AttnMask, Backend, GeluKind, HostTensor, WeightPrefix, Weights};
 
 use crate::{Error, Patches, Result, VisionConfig};
@@ -45,29 +46,6 @@ impl<B: Backend> LayerNorm<B> {
     }
 }
 
-struct Linear<B: Backend> {
-    w: B::Tensor,
-    b: B::Tensor,
-}
-
-impl<B: Backend> Linear<B> {
-    fn new(be: &B, w: &WeightPrefix, out: usize, inp: usize) -> Result<Self> {
-        Ok(Self {
-            w: w.load(be, "weight", &[out, inp])?,
-            b: w.load(be, "bias", &[out])?,
-        })
-    }
-    fn from_host(be: &B, w: &HostTensor, b: &HostTensor) -> Result<Self> {
-        Ok(Self {
-            w: be.upload(w)?,
-            b: be.upload(b)?,
-        })
-    }
-    fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        Ok(be.linear(x, &self.w, Some(&self.b))?)
-    }
-}
-
 struct Attention<B: Backend> {
     q: Linear<B>,
     k: Linear<B>,
@@ -85,13 +63,17 @@ impl<B: Backend> Attention<B> {
         let qkv_b = w.pp("qkv").get("bias", &[3 * h])?.reshape(vec![3 * h, 1])?;
         let part = |i: usize| -> Result<Linear<B>> {
             let bias = qkv_b.slice_rows(i * h, (i + 1) * h)?.reshape(vec![h])?;
-            Linear::from_host(be, &qkv_w.slice_rows(i * h, (i + 1) * h)?, &bias)
+            Ok(Linear::from_host(
+                be,
+                &qkv_w.slice_rows(i * h, (i + 1) * h)?,
+                Some(&bias),
+            )?)
         };
         Ok(Self {
             q: part(0)?,
             k: part(1)?,
             v: part(2)?,
-            proj: Linear::new(be, &w.pp("proj"), h, h)?,
+            proj: Linear::load(be, &w.pp("proj"), h, h, true)?,
             heads: cfg.num_heads,
             head_dim: cfg.head_dim(),
         })
@@ -104,7 +86,7 @@ impl<B: Backend> Attention<B> {
         let k = be.rope(&heads(self.k.forward(be, x)?)?, &rope.cos, &rope.sin)?;
         let v = heads(self.v.forward(be, x)?)?;
         let a = be.attention(&q, &k, &v, n, AttnMask::Full)?;
-        self.proj.forward(be, &a)
+        Ok(self.proj.forward(be, &a)?)
     }
 }
 
@@ -124,8 +106,8 @@ impl<B: Backend> Block<B> {
             norm1: LayerNorm::new(be, &w.pp("norm1"), h)?,
             attn: Attention::new(be, &w.pp("attn"), cfg)?,
             norm2: LayerNorm::new(be, &w.pp("norm2"), h)?,
-            fc1: Linear::new(be, &w.pp("mlp.linear_fc1"), i, h)?,
-            fc2: Linear::new(be, &w.pp("mlp.linear_fc2"), h, i)?,
+            fc1: Linear::load(be, &w.pp("mlp.linear_fc1"), i, h, true)?,
+            fc2: Linear::load(be, &w.pp("mlp.linear_fc2"), h, i, true)?,
             act: if cfg.hidden_act == "gelu" {
                 GeluKind::Erf
             } else {
@@ -167,8 +149,8 @@ impl<B: Backend> Merger<B> {
         Ok(Self {
             norm: LayerNorm::new(be, &w.pp("norm"), norm_dim)?,
             norm_after_grouping,
-            fc1: Linear::new(be, &w.pp("linear_fc1"), grouped, grouped)?,
-            fc2: Linear::new(be, &w.pp("linear_fc2"), cfg.out_hidden_size, grouped)?,
+            fc1: Linear::load(be, &w.pp("linear_fc1"), grouped, grouped, true)?,
+            fc2: Linear::load(be, &w.pp("linear_fc2"), cfg.out_hidden_size, grouped, true)?,
             hidden,
             grouped,
         })
@@ -184,7 +166,7 @@ impl<B: Backend> Merger<B> {
             be.reshape(n, &[tokens, self.grouped])?
         };
         let h = self.fc1.forward(be, &x)?;
-        self.fc2.forward(be, &be.gelu(&h, GeluKind::Erf)?)
+        Ok(self.fc2.forward(be, &be.gelu(&h, GeluKind::Erf)?)?)
     }
 }
 
@@ -224,7 +206,7 @@ impl<B: Backend> VisionModel<B> {
             be,
             &pe.get("weight", &conv_shape)?
                 .reshape(vec![h, cfg.patch_dim()])?,
-            &pe.get("bias", &[h])?,
+            Some(&pe.get("bias", &[h])?),
         )?;
         let pos_embed = w.load(be, "pos_embed.weight", &[cfg.num_position_embeddings, h])?;
         let blocks = (0..cfg.depth)

@@ -20,11 +20,7 @@ use crate::{preprocess, Error, VisionEncoder};
 
 /// The one place vision errors become gRPC statuses.
 pub fn to_status(e: &Error) -> Status {
-    if e.is_invalid_input() {
-        Status::invalid_argument(e.to_string())
-    } else {
-        Status::internal(e.to_string())
-    }
+    vlm_proto::error_status(e.is_invalid_input(), e.to_string())
 }
 
 pub struct ServeConfig {
