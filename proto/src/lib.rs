@@ -91,6 +91,17 @@ pub async fn run_service(
     result
 }
 
+/// A binary's exit: 0, or 1 after printing the error chain on one line (no backtrace dump).
+pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Resolves on SIGTERM or ctrl-c: the start of a graceful shutdown.
 pub async fn shutdown_signal() {
     let ctrl_c = async {

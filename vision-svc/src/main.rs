@@ -23,8 +23,8 @@ struct Args {
     /// Checkpoint directory (Hugging Face layout).
     #[arg(long, env = "VLM_MODEL")]
     model: PathBuf,
-    /// Where to run the model (only cpu in this build).
-    #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu"])]
+    /// Where to run the model: cpu, or cuda (NVIDIA GPU; needs the CUDA backend).
+    #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
     /// Images encoded at the same time; more get RESOURCE_EXHAUSTED.
     #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 4)]
@@ -32,8 +32,16 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+async fn main() -> std::process::ExitCode {
+    vlm_proto::exit_code(run(Args::parse()).await)
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.device == "cpu",
+        "--device {} (VLM_DEVICE): this build has no CUDA backend yet; use cpu",
+        args.device
+    );
     let telemetry = vlm_proto::telemetry::init("vision-svc");
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let cfg = ServeConfig {

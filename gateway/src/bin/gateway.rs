@@ -70,8 +70,11 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+async fn main() -> std::process::ExitCode {
+    vlm_proto::exit_code(run(Args::parse()).await)
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let telemetry = vlm_proto::telemetry::init("gateway");
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen).await?;
     let http = tokio::net::TcpListener::bind(args.http_listen).await?;
