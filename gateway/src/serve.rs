@@ -41,9 +41,10 @@ pub struct UpstreamHealth {
 }
 
 impl UpstreamHealth {
-    /// All replicas SERVING, and a per-replica report.
+    /// Whether every upstream service has at least one SERVING replica (requests can be
+    /// served), and a per-replica report.
     pub async fn check(&self) -> (bool, Value) {
-        let mut all = true;
+        let mut serving: std::collections::BTreeMap<&str, bool> = std::collections::BTreeMap::new();
         let mut report = Vec::new();
         for (service, addr) in &self.targets {
             let status = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
@@ -63,10 +64,10 @@ impl UpstreamHealth {
                 },
                 Err(e) => format!("bad address: {e}"),
             };
-            all &= status == "SERVING";
+            *serving.entry(service.as_str()).or_default() |= status == "SERVING";
             report.push(json!({"service": service, "addr": addr, "status": status}));
         }
-        (all, Value::Array(report))
+        (serving.values().all(|&s| s), Value::Array(report))
     }
 }
 

