@@ -641,3 +641,113 @@ async fn sigterm_drains_and_exits_zero() {
     assert!(stack.vision.terminate().await.success());
     assert!(stack.llm.as_mut().unwrap().terminate().await.success());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_client_leaving_mid_stream_stops_decoding_upstream() {
+    let stack = Stack::start(StackOptions::default()).await;
+    let body = json!({
+        "messages": [{"role": "user", "content": "Count the apples; then explain your answer."}],
+        "max_tokens": 1900, "ignore_eos": true, "stream": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", stack.http))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut bytes = resp.bytes_stream();
+    for _ in 0..3 {
+        bytes.next().await.expect("SSE data").unwrap();
+    }
+    drop(bytes);
+    let llm = stack.llm.as_ref().unwrap();
+    assert!(
+        llm.wait_for_log(
+            "client went away; generation cancelled",
+            Duration::from_secs(20)
+        )
+        .await,
+        "llm-svc kept decoding after the HTTP client left:\n{}",
+        llm.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_rotate_and_a_dead_one_is_skipped() {
+    // Two llm-svc addresses, the second one dead: every request still succeeds.
+    let dead = e2e::free_port();
+    let stack = Stack::start(StackOptions {
+        gateway_args: vec!["--llm-addr".into(), format!("127.0.0.1:{dead}")],
+        ..Default::default()
+    })
+    .await;
+    let mut c = client(&stack).await;
+    for _ in 0..4 {
+        let r = c
+            .chat(grpc_request(&cases()[2]))
+            .await
+            .expect("served by the live replica");
+        assert_eq!(r.into_inner().text, cases()[2]["text"].as_str().unwrap());
+    }
+    assert!(
+        stack.gateway.log().contains("replica unavailable"),
+        "the dead replica was tried and skipped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_service_serves_health_and_reflection() {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+
+    let stack = Stack::start(StackOptions::default()).await;
+    let vision = stack.vision_addr();
+    let llm = format!("http://127.0.0.1:{}", stack.llm_port);
+    for (addr, service) in [
+        (stack.grpc.clone(), "vlm.v1.Gateway"),
+        (vision, "vlm.v1.VisionService"),
+        (llm, "vlm.v1.LlmService"),
+    ] {
+        let ch = tonic::transport::Endpoint::from_shared(addr.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let status = tonic_health::pb::health_client::HealthClient::new(ch.clone())
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(
+            status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "{service}"
+        );
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = ServerReflectionClient::new(ch)
+            .server_reflection_info(tokio_stream::once(req))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            resp.next().await.unwrap().unwrap().message_response
+        else {
+            panic!("{addr}: no service list");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        assert!(
+            names.contains(&service.to_string())
+                && names.contains(&"grpc.health.v1.Health".to_string()),
+            "{addr}: {names:?}"
+        );
+    }
+}

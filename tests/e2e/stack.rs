@@ -129,6 +129,7 @@ pub struct StackOptions {
 
 pub struct Stack {
     pub vision: Proc,
+    pub vision_port: u16,
     pub llm: Option<Proc>,
     pub gateway: Proc,
     pub grpc: String,
@@ -182,6 +183,7 @@ impl Stack {
         let gateway = Proc::spawn("gateway", &gw_args, &env, &dir);
         let mut stack = Stack {
             vision,
+            vision_port: vp,
             llm: None,
             gateway,
             grpc: format!("http://127.0.0.1:{gp}"),
@@ -198,6 +200,11 @@ impl Stack {
             stack.wait_healthy(Duration::from_secs(60)).await;
         }
         stack
+    }
+
+    /// URL of vision-svc's gRPC port.
+    pub fn vision_addr(&self) -> String {
+        format!("http://127.0.0.1:{}", self.vision_port)
     }
 
     /// Starts llm-svc on the reserved port (again).
