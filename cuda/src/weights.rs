@@ -123,6 +123,17 @@ impl Weights {
             }
             shards.push(Shard { path, map });
         }
+        let mut dtypes: Vec<&str> = entries
+            .values()
+            .map(|e| match e.dtype {
+                WeightDtype::F32 => "f32",
+                WeightDtype::F16 => "f16",
+                WeightDtype::BF16 => "bf16",
+            })
+            .collect();
+        dtypes.sort_unstable();
+        dtypes.dedup();
+        tracing::info!(dir = %dir.display(), tensors = entries.len(), shards = shards.len(), dtypes = ?dtypes, "opened checkpoint");
         let progress = ProgressBar::new(entries.len() as u64).with_style(
             ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} tensors {elapsed}")
                 .expect("valid template"),
@@ -137,22 +148,6 @@ impl Weights {
 
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
-    }
-
-    /// Shape as stored, if the tensor exists.
-    pub fn shape_of(&self, name: &str) -> Option<&[usize]> {
-        self.entries.get(name).map(|e| e.shape.as_slice())
-    }
-
-    /// The dtypes present, for logs ("bf16", "f32+f16", ...).
-    pub fn dtypes(&self) -> Vec<WeightDtype> {
-        let mut d: Vec<WeightDtype> = Vec::new();
-        for e in self.entries.values() {
-            if !d.contains(&e.dtype) {
-                d.push(e.dtype);
-            }
-        }
-        d
     }
 
     /// Reads tensor `name`, which must have exactly `shape`, as f32.
@@ -205,10 +200,6 @@ impl Weights {
     /// Clears the progress bar once a model is built.
     pub fn finish(&self) {
         self.progress.finish_and_clear();
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     /// A view that prefixes every name with `prefix.` (like candle's `VarBuilder::pp`).
