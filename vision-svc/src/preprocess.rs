@@ -447,6 +447,28 @@ mod tests {
     }
 
     #[test]
+    fn gif_first_frame_and_grayscale_png_become_rgb() {
+        let mut gif = Vec::new();
+        image::RgbaImage::from_pixel(33, 17, image::Rgba([200, 10, 10, 255]))
+            .write_to(&mut Cursor::new(&mut gif), ImageFormat::Gif)
+            .unwrap();
+        let img = decode(&gif, &DecodeLimits::default()).unwrap();
+        assert_eq!(
+            (img.width, img.height, img.data.len()),
+            (33, 17, 33 * 17 * 3)
+        );
+        let mut png = Vec::new();
+        image::GrayImage::from_pixel(5, 4, image::Luma([77]))
+            .write_to(&mut Cursor::new(&mut png), ImageFormat::Png)
+            .unwrap();
+        let img = decode(&png, &DecodeLimits::default()).unwrap();
+        assert!(
+            img.data.iter().all(|&v| v == 77),
+            "gray replicated to R, G and B"
+        );
+    }
+
+    #[test]
     fn rejects_images_over_the_limits_before_decoding() {
         let mut png = Vec::new();
         image::RgbImage::from_pixel(300, 200, image::Rgb([0, 0, 0]))
