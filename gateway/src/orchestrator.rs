@@ -187,6 +187,9 @@ pub enum ChatEvent {
 
 pub struct Orchestrator {
     pub chat: Arc<ChatTokenizer>,
+    /// Element type asked of the vision service for embeddings: f32 is exact, f16/bf16 halve
+    /// the bytes moved per image.
+    pub embedding_dtype: pb::Dtype,
     pub vision: Upstreams,
     pub llm: Upstreams,
     pub limits: RequestLimits,
@@ -246,6 +249,7 @@ impl Orchestrator {
     ) -> Self {
         Self {
             chat: Arc::new(chat),
+            embedding_dtype: pb::Dtype::F32,
             vision,
             llm,
             limits,
@@ -272,7 +276,7 @@ impl Orchestrator {
                 .call(|ch| {
                     let msg = EncodeRequest {
                         image: image.clone(),
-                        dtype: pb::Dtype::F32 as i32,
+                        dtype: self.embedding_dtype as i32,
                     };
                     async move {
                         let req = with_deadline(msg, deadline)

@@ -33,6 +33,8 @@ pub struct GatewayConfig {
     pub default_max_tokens: usize,
     /// Longest a request may take (a client's shorter deadline wins).
     pub request_timeout: Duration,
+    /// How image embeddings travel from vision-svc to llm-svc.
+    pub embedding_dtype: vlm_proto::pb::Dtype,
 }
 
 /// Asks each upstream replica's `grpc.health.v1` for its status.
@@ -81,14 +83,16 @@ pub async fn serve(
     check_model_dir(&cfg.model)?;
     let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
     let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id)?;
-    let orchestrator = Arc::new(Orchestrator::new(
+    let mut orchestrator = Orchestrator::new(
         chat,
         Upstreams::new("vision-svc", &cfg.vision_addrs)?,
         Upstreams::new("llm-svc", &cfg.llm_addrs)?,
         cfg.limits.clone(),
         cfg.max_concurrent,
         Metrics::new(),
-    ));
+    );
+    orchestrator.embedding_dtype = cfg.embedding_dtype;
+    let orchestrator = Arc::new(orchestrator);
     let health = Arc::new(UpstreamHealth {
         targets: cfg
             .vision_addrs

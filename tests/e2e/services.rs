@@ -751,3 +751,24 @@ async fn every_service_serves_health_and_reflection() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn half_precision_embeddings_on_the_wire_still_answer() {
+    let stack = Stack::start(StackOptions {
+        gateway_args: vec!["--embedding-dtype".into(), "f16".into()],
+        ..Default::default()
+    })
+    .await;
+    let mut c = client(&stack).await;
+    let case = &cases()[0];
+    let r = c.chat(grpc_request(case)).await.unwrap().into_inner();
+    // f16 rounds the embeddings (relative error ~5e-4), so only the shape of the answer is fixed.
+    assert_eq!(
+        r.usage.unwrap().completion_tokens as u64,
+        case["max_new_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(
+        r.token_ids.len(),
+        r.usage.unwrap().completion_tokens as usize
+    );
+}

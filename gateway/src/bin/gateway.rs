@@ -67,6 +67,9 @@ struct Args {
     /// Longest a request may take, in seconds (a client's shorter grpc-timeout wins).
     #[arg(long, env = "VLM_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
     request_timeout_secs: u64,
+    /// How image embeddings travel between the services: f32 (exact), or f16/bf16 (half the bytes).
+    #[arg(long, env = "VLM_EMBEDDING_DTYPE", default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    embedding_dtype: String,
 }
 
 #[tokio::main]
@@ -95,6 +98,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
+        embedding_dtype: match args.embedding_dtype.as_str() {
+            "f16" => vlm_proto::pb::Dtype::F16,
+            "bf16" => vlm_proto::pb::Dtype::Bf16,
+            _ => vlm_proto::pb::Dtype::F32,
+        },
     };
     let token = CancellationToken::new();
     let stop = token.clone();

@@ -175,6 +175,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
             limits: RequestLimits::default(),
             default_max_tokens: 256,
             request_timeout: std::time::Duration::from_secs(600),
+            embedding_dtype: vlm_proto::pb::Dtype::F32,
         },
         grpc_l,
         http_l,
