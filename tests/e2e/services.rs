@@ -26,7 +26,22 @@ fn image(name: &str) -> Vec<u8> {
     std::fs::read(fixture().join("images").join(name)).expect("fixture image")
 }
 
-/// A gRPC request for a golden case: its images, then its prompt.
+/// The system message and earlier turns of a golden case, as (role, text).
+fn earlier_turns(case: &Value) -> Vec<(String, String)> {
+    let mut turns = Vec::new();
+    if let Some(system) = case["system"].as_str() {
+        turns.push(("system".to_string(), system.to_string()));
+    }
+    for t in case["history"].as_array().unwrap() {
+        turns.push((
+            t["role"].as_str().unwrap().into(),
+            t["text"].as_str().unwrap().into(),
+        ));
+    }
+    turns
+}
+
+/// A gRPC request for a golden case: earlier turns, then its images and prompt.
 fn grpc_request(case: &Value) -> pb::ChatRequest {
     let mut content: Vec<pb::ContentPart> = case["images"]
         .as_array()
@@ -39,11 +54,21 @@ fn grpc_request(case: &Value) -> pb::ChatRequest {
     content.push(pb::ContentPart {
         part: Some(Part::Text(case["prompt"].as_str().unwrap().into())),
     });
+    let mut messages: Vec<pb::ChatMessage> = earlier_turns(case)
+        .into_iter()
+        .map(|(role, text)| pb::ChatMessage {
+            role,
+            content: vec![pb::ContentPart {
+                part: Some(Part::Text(text)),
+            }],
+        })
+        .collect();
+    messages.push(pb::ChatMessage {
+        role: "user".into(),
+        content,
+    });
     pb::ChatRequest {
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
-            content,
-        }],
+        messages,
         temperature: Some(0.0),
         max_tokens: Some(case["max_new_tokens"].as_u64().unwrap() as u32),
         ..Default::default()
@@ -61,9 +86,14 @@ fn openai_body(case: &Value, stream: bool) -> Value {
         })
         .collect();
     content.push(json!({"type": "text", "text": case["prompt"]}));
+    let mut messages: Vec<Value> = earlier_turns(case)
+        .into_iter()
+        .map(|(role, text)| json!({"role": role, "content": text}))
+        .collect();
+    messages.push(json!({"role": "user", "content": content}));
     json!({
         "model": "tiny-qwen3-vl",
-        "messages": [{"role": "user", "content": content}],
+        "messages": messages,
         "max_tokens": case["max_new_tokens"],
         "temperature": 0,
         "stream": stream,
