@@ -144,7 +144,8 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     let (grpc_addr, http_addr) = (grpc_l.local_addr()?, http_l.local_addr()?);
 
     let token = CancellationToken::new();
-    let vision = tokio::spawn(vision_svc::server::serve(
+    let mut services = tokio::task::JoinSet::new();
+    services.spawn(vision_svc::server::serve(
         vision_svc::server::ServeConfig {
             model: args.model.clone(),
             max_concurrent: args.max_concurrent,
@@ -152,7 +153,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
         vision_l,
         token.clone().cancelled_owned(),
     ));
-    let llm = tokio::spawn(llm_svc::server::serve(
+    services.spawn(llm_svc::server::serve(
         llm_svc::server::ServeConfig {
             model: args.model.clone(),
             max_concurrent: args.max_concurrent,
@@ -165,7 +166,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
         .model
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    let gw = tokio::spawn(gateway::serve::serve(
+    services.spawn(gateway::serve::serve(
         gateway::serve::GatewayConfig {
             model: args.model.clone(),
             model_name: model_name.clone(),
@@ -192,12 +193,10 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
         stop.cancel();
     });
     // Any service ending (an error, or the shutdown) stops the others.
-    let results = [vision, llm, gw];
     let mut first_error = None;
-    for handle in results {
-        let r = handle.await.map_err(anyhow::Error::from).and_then(|r| r);
-        if let Err(e) = r {
-            token.cancel();
+    while let Some(joined) = services.join_next().await {
+        token.cancel();
+        if let Err(e) = joined.map_err(anyhow::Error::from).and_then(|r| r) {
             first_error.get_or_insert(e);
         }
     }
