@@ -100,7 +100,7 @@ pub fn validate_request(req: &ChatRequest, limits: &RequestLimits) -> Result<()>
     }
     if req.max_new_tokens == 0 || req.max_new_tokens > limits.max_new_tokens {
         return Err(Error::InvalidRequest(format!(
-            "`max_new_tokens` must be between 1 and {}, got {}",
+            "`max_tokens` (tokens to generate; --max-new-tokens in the CLI) must be between 1 and {}, got {}",
             limits.max_new_tokens, req.max_new_tokens
         )));
     }

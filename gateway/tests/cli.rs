@@ -268,7 +268,10 @@ fn bad_models_and_parameters_are_named() {
         "--max-new-tokens",
         "0",
     ]);
-    assert!(err.contains("max_new_tokens"), "{err}");
+    assert!(
+        err.contains("max_tokens") && err.contains("--max-new-tokens"),
+        "{err}"
+    );
     let err = fails(&["run", "--model", m, "--prompt", "hi", "--device", "cuda"]);
     assert!(err.contains("cuda"), "{err}");
 }

@@ -368,7 +368,7 @@ async fn bad_requests_get_invalid_argument_and_400_naming_the_problem() {
                 max_tokens: Some(0),
                 ..user(vec![Part::Text("hi".into())])
             },
-            "max_new_tokens",
+            "max_tokens",
         ),
     ];
     for (req, needle) in cases {
