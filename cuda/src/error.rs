@@ -39,6 +39,12 @@ pub enum Error {
     UnsupportedDtype { name: String, dtype: String },
     #[error("{op}: {message}")]
     Shape { op: &'static str, message: String },
+    /// The GPU, its driver or a CUDA library failed or is missing.
+    #[error("CUDA: {what}")]
+    Cuda { what: String },
+    /// NVRTC refused a kernel (or the driver could not load it); `log` is the compiler's.
+    #[error("kernel {kernel} failed to compile or load:\n{log}")]
+    KernelCompile { kernel: String, log: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

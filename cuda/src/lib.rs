@@ -11,6 +11,7 @@
 
 mod backend;
 mod cpu;
+pub mod cuda;
 mod error;
 pub mod files;
 pub mod golden;
@@ -21,6 +22,7 @@ mod weights;
 
 pub use backend::{AttnMask, Backend, GeluKind};
 pub use cpu::CpuBackend;
+pub use cuda::{CudaBackend, CudaTensor};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

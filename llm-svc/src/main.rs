@@ -43,7 +43,7 @@ async fn main() -> std::process::ExitCode {
 async fn run(args: Args) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.device == "cpu",
-        "--device {} (VLM_DEVICE): this build has no CUDA backend yet; use cpu",
+        "--device {} (VLM_DEVICE) is not enabled yet: the CUDA backend awaits verification on a GPU; use cpu",
         args.device
     );
     let telemetry = vlm_proto::telemetry::init("llm-svc");

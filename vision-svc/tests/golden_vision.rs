@@ -67,10 +67,27 @@ fn preprocessing_matches_hf_pixel_values() {
 
 #[test]
 fn vision_tower_matches_hf_embeddings_and_deepstack() {
+    check_tower(CpuBackend::new());
+}
+
+/// The same check with the CUDA backend; skipped without a GPU. On the GPU machine:
+/// `cargo test --release -p vision-svc --test golden_vision -- --nocapture`.
+#[test]
+fn vision_tower_on_cuda_matches_hf() {
+    match vlm_compute::CudaBackend::new(0) {
+        Ok(gpu) => check_tower(gpu),
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
+        }
+    }
+}
+
+fn check_tower<B: vlm_compute::Backend>(backend: B) {
     let dir = fixture();
     let g = Golden::open(&dir).unwrap();
     let weights = Weights::open(&dir).unwrap();
-    let enc = VisionEncoder::load(&dir, &weights, CpuBackend::new()).unwrap();
+    let enc = VisionEncoder::load(&dir, &weights, backend).unwrap();
     for name in image_names(&g) {
         let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
         let patches = Patches {

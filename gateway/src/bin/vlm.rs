@@ -115,7 +115,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     use tokio_util::sync::CancellationToken;
 
     if matches!(args.device, Device::Cuda) {
-        bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
+        bail!("--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu");
     }
     gateway::pipeline::check_model_dir(&args.model).with_context(|| {
         "vlm serve needs a model; run it from the repository root or pass --model DIR"
@@ -263,7 +263,7 @@ struct RunArgs {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     if matches!(args.device, Device::Cuda) {
-        bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
+        bail!("--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu");
     }
     let mut parts = Vec::new();
     for path in &args.images {

@@ -1,0 +1,186 @@
+// f32 twins of the CPU reference ops (cuda/src/cpu.rs), one kernel per op, written for
+// obvious correctness: they are the first CUDA path and the baseline the fp16 / fused kernels
+// of the seed reports (shared/seeds/) will be measured and checked against.
+//
+// Layout conventions follow the ops interface: row-major, "rows" are the leading dimension.
+
+#define WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float partial[WARP];
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    int warps = (blockDim.x + WARP - 1) / WARP;
+    v = (threadIdx.x < warps) ? partial[threadIdx.x] : 0.0f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    float total = partial[0];
+    __syncthreads();
+    return total;
+}
+
+extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                   float* __restrict__ out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void gelu_tanh_f32(const float* __restrict__ x, float* __restrict__ out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = x[i];
+        out[i] = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+    }
+}
+
+extern "C" __global__ void gelu_erf_f32(const float* __restrict__ x, float* __restrict__ out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = x[i];
+        out[i] = 0.5f * v * (1.0f + erff(v * 0.70710678118f));
+    }
+}
+
+extern "C" __global__ void silu_mul_f32(const float* __restrict__ gate, const float* __restrict__ up,
+                                        float* __restrict__ out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// One block per row.
+extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ b, float* __restrict__ out,
+                                          int cols, float eps) {
+    const float* row = x + (size_t)blockIdx.x * cols;
+    float* o = out + (size_t)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) s += row[i];
+    float mean = block_sum(s) / cols;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float d = row[i] - mean;
+        v += d * d;
+    }
+    float inv = rsqrtf(block_sum(v) / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = (row[i] - mean) * inv * w[i] + b[i];
+}
+
+// One block per row.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ out, int cols, float eps) {
+    const float* row = x + (size_t)blockIdx.x * cols;
+    float* o = out + (size_t)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) s += row[i] * row[i];
+    float inv = rsqrtf(block_sum(s) / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = w[i] * (row[i] * inv);
+}
+
+// Rotate-half RoPE. Grid: one block per token; threads cover heads x d/2 pairs.
+extern "C" __global__ void rope_f32(const float* __restrict__ x, const float* __restrict__ cos_t,
+                                    const float* __restrict__ sin_t, float* __restrict__ out,
+                                    int heads, int d) {
+    int t = blockIdx.x, half = d / 2;
+    const float* c = cos_t + (size_t)t * d;
+    const float* s = sin_t + (size_t)t * d;
+    for (int p = threadIdx.x; p < heads * half; p += blockDim.x) {
+        int h = p / half, i = p % half;
+        size_t base = ((size_t)t * heads + h) * d;
+        float x1 = x[base + i], x2 = x[base + i + half];
+        out[base + i] = x1 * c[i] - x2 * s[i];
+        out[base + i + half] = x2 * c[i + half] + x1 * s[i + half];
+    }
+}
+
+// Attention with grouped KV heads, one warp per (query, head), online softmax over the keys.
+// q [nq, hq, d]; k, v [slots, hkv, d]; out [nq, hq * d]. causal != 0: query i sees slots
+// 0..=first_slot + i; else slots 0..kv_len. d <= 32 * 8.
+extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ k,
+                                         const float* __restrict__ v, float* __restrict__ out,
+                                         int hq, int hkv, int d, int kv_len, int causal,
+                                         int first_slot, float scale) {
+    int task = blockIdx.x, lane = threadIdx.x;
+    int i = task / hq, h = task % hq, kvh = h / (hq / hkv);
+    int visible = causal ? first_slot + i + 1 : kv_len;
+    const float* qv = q + ((size_t)i * hq + h) * d;
+    float qr[8], acc[8];
+    int per = (d + WARP - 1) / WARP;
+    for (int r = 0; r < per; r++) {
+        int idx = lane + r * WARP;
+        qr[r] = idx < d ? qv[idx] : 0.0f;
+        acc[r] = 0.0f;
+    }
+    float m = __int_as_float(0xff800000), denom = 0.0f;  // -inf without math headers
+    for (int j = 0; j < visible; j++) {
+        const float* kr = k + ((size_t)j * hkv + kvh) * d;
+        float dot = 0.0f;
+        for (int r = 0; r < per; r++) {
+            int idx = lane + r * WARP;
+            if (idx < d) dot += qr[r] * kr[idx];
+        }
+        float s = warp_sum(dot) * scale;
+        float m_new = fmaxf(m, s);
+        float correction = expf(m - m_new);
+        float p = expf(s - m_new);
+        denom = denom * correction + p;
+        const float* vr = v + ((size_t)j * hkv + kvh) * d;
+        for (int r = 0; r < per; r++) {
+            int idx = lane + r * WARP;
+            acc[r] = acc[r] * correction + (idx < d ? p * vr[idx] : 0.0f);
+        }
+        m = m_new;
+    }
+    float* o = out + ((size_t)i * hq + h) * d;
+    for (int r = 0; r < per; r++) {
+        int idx = lane + r * WARP;
+        if (idx < d) o[idx] = acc[r] / denom;
+    }
+}
+
+// out[i] = table[ids[i]]; one block per row.
+extern "C" __global__ void embedding_f32(const float* __restrict__ table, const unsigned* __restrict__ ids,
+                                         float* __restrict__ out, int h) {
+    const float* src = table + (size_t)ids[blockIdx.x] * h;
+    float* o = out + (size_t)blockIdx.x * h;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) o[c] = src[c];
+}
+
+// out[i] = sum_t w[i*taps+t] * table[idx[i*taps+t]]; one block per output row.
+extern "C" __global__ void weighted_gather_f32(const float* __restrict__ table, const unsigned* __restrict__ idx,
+                                               const float* __restrict__ w, float* __restrict__ out,
+                                               int taps, int h) {
+    int i = blockIdx.x;
+    float* o = out + (size_t)i * h;
+    for (int c = threadIdx.x; c < h; c += blockDim.x) {
+        float s = 0.0f;
+        for (int t = 0; t < taps; t++) s += w[i * taps + t] * table[(size_t)idx[i * taps + t] * h + c];
+        o[c] = s;
+    }
+}
+
+// dst[rows[i]] = src[i] (accumulate == 0) or += src[i]; one block per row.
+extern "C" __global__ void scatter_rows_f32(float* __restrict__ dst, const unsigned* __restrict__ rows,
+                                            const float* __restrict__ src, int width, int accumulate) {
+    float* d = dst + (size_t)rows[blockIdx.x] * width;
+    const float* s = src + (size_t)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) d[c] = accumulate ? d[c] + s[c] : s[c];
+}
+
+// Every row of out [n, cols] = bias [cols] (the start of a GEMM with bias and beta = 1).
+extern "C" __global__ void broadcast_rows_f32(const float* __restrict__ bias, float* __restrict__ out,
+                                              int cols, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n * cols) out[i] = bias[i % cols];
+}
