@@ -168,7 +168,17 @@ impl CudaBackend {
 
         let nv = nvrtc_version();
         let path = compile::cache_path(&compile::cache_dir(), "ops_f32", OPS_SOURCE, cc, nv);
-        let (ptx, cached) = compile::cached_or_compile(&path, || compile_ops_ptx(cc))?;
+        let (ptx, cached) = compile::cached_or_compile(&path, || {
+            // NVRTC takes seconds; show that something is happening (hidden off a terminal).
+            let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                "compiling CUDA kernels for sm_{}{} (cached afterwards)",
+                cc.0, cc.1
+            ));
+            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+            let ptx = compile_ops_ptx(cc);
+            spinner.finish_and_clear();
+            ptx
+        })?;
         tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), cached, cache = %path.display(), "CUDA kernels ready");
         let module = ctx
             .load_module(Ptx::from_src(ptx))
