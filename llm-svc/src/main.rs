@@ -53,7 +53,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_concurrent: args.max_concurrent,
         max_context: args.max_context,
     };
-    let result = serve(cfg, listener, vlm_proto::shutdown_signal()).await;
+    let cpu = || Ok(vlm_compute::CpuBackend::new());
+    let result = serve(cfg, cpu, listener, vlm_proto::shutdown_signal()).await;
     telemetry.shutdown();
     result
 }

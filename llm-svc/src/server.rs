@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{CpuBackend, HostTensor, Weights};
+use vlm_compute::{Backend, HostTensor, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{telemetry, tensor};
@@ -36,8 +36,8 @@ pub struct ServeConfig {
     pub max_context: Option<usize>,
 }
 
-pub struct LlmServer {
-    engine: Arc<OnceLock<Engine<CpuBackend>>>,
+pub struct LlmServer<B: Backend> {
+    engine: Arc<OnceLock<Engine<B>>>,
     permits: Arc<Semaphore>,
 }
 
@@ -90,7 +90,7 @@ type TokenStream =
     Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
-impl LlmService for LlmServer {
+impl<B: Backend> LlmService for LlmServer<B> {
     type GenerateStream = TokenStream;
 
     async fn generate(
@@ -202,9 +202,11 @@ impl LlmService for LlmServer {
     }
 }
 
-/// Serves LlmService on `listener` until `shutdown`; the model loads in the background.
-pub async fn serve(
+/// Serves LlmService on `listener` until `shutdown`; `backend` opens the device and the model
+/// loads on it in the background (health NOT_SERVING meanwhile).
+pub async fn serve<B: Backend>(
     cfg: ServeConfig,
+    backend: impl FnOnce() -> vlm_compute::Result<B> + Send + 'static,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -224,7 +226,7 @@ pub async fn serve(
     let load = async move {
         tokio::task::spawn_blocking(move || -> Result<(), Error> {
             let weights = Weights::open(&model)?;
-            let e = Engine::load(&model, &weights, CpuBackend::new(), max_context)?;
+            let e = Engine::load(&model, &weights, backend()?, max_context)?;
             weights.finish();
             let _ = engine.set(e);
             Ok(())
@@ -237,6 +239,6 @@ pub async fn serve(
             )
         })
     };
-    let name = <LlmServiceServer<LlmServer> as tonic::server::NamedService>::NAME;
+    let name = <LlmServiceServer<LlmServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
 }

@@ -48,7 +48,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         model: args.model,
         max_concurrent: args.max_concurrent,
     };
-    let result = serve(cfg, listener, vlm_proto::shutdown_signal()).await;
+    let cpu = || Ok(vlm_compute::CpuBackend::new());
+    let result = serve(cfg, cpu, listener, vlm_proto::shutdown_signal()).await;
     telemetry.shutdown();
     result
 }

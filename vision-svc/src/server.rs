@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{CpuBackend, Weights};
+use vlm_compute::{Backend, Weights};
 use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{telemetry, tensor};
@@ -29,13 +29,13 @@ pub struct ServeConfig {
     pub max_concurrent: usize,
 }
 
-pub struct VisionServer {
-    encoder: Arc<OnceLock<VisionEncoder<CpuBackend>>>,
+pub struct VisionServer<B: Backend> {
+    encoder: Arc<OnceLock<VisionEncoder<B>>>,
     permits: Arc<Semaphore>,
 }
 
 #[tonic::async_trait]
-impl VisionService for VisionServer {
+impl<B: Backend> VisionService for VisionServer<B> {
     async fn encode(
         &self,
         request: Request<EncodeRequest>,
@@ -87,9 +87,11 @@ impl VisionService for VisionServer {
     }
 }
 
-/// Serves VisionService on `listener` until `shutdown`; the model loads in the background.
-pub async fn serve(
+/// Serves VisionService on `listener` until `shutdown`; `backend` opens the device and the
+/// model loads on it in the background (health NOT_SERVING meanwhile).
+pub async fn serve<B: Backend>(
     cfg: ServeConfig,
+    backend: impl FnOnce() -> vlm_compute::Result<B> + Send + 'static,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -108,7 +110,7 @@ pub async fn serve(
     let load = async move {
         tokio::task::spawn_blocking(move || -> Result<(), Error> {
             let weights = Weights::open(&model)?;
-            let enc = VisionEncoder::load(&model, &weights, CpuBackend::new())?;
+            let enc = VisionEncoder::load(&model, &weights, backend()?)?;
             weights.finish();
             let _ = encoder.set(enc);
             Ok(())
@@ -121,6 +123,6 @@ pub async fn serve(
             )
         })
     };
-    let name = <VisionServiceServer<VisionServer> as tonic::server::NamedService>::NAME;
+    let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
 }

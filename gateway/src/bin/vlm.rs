@@ -150,6 +150,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
             model: args.model.clone(),
             max_concurrent: args.max_concurrent,
         },
+        || Ok(CpuBackend::new()),
         vision_l,
         token.clone().cancelled_owned(),
     ));
@@ -159,6 +160,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
             max_concurrent: args.max_concurrent,
             max_context: args.max_context,
         },
+        || Ok(CpuBackend::new()),
         llm_l,
         token.clone().cancelled_owned(),
     ));
