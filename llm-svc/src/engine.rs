@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use vlm_compute::{Backend, HostTensor, Weights};
 
 use crate::model::{KvCache, StepInput, TextModel};
-use crate::mrope::{self, image_spans, prompt_positions};
+use crate::mrope::{self, image_spans, prompt_positions, ImageSpan};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::{Error, ModelConfig, Result};
 
@@ -116,6 +116,11 @@ impl<B: Backend> Engine<B> {
 
     /// Checks a request without running it.
     pub fn validate(&self, req: &GenerateRequest) -> Result<()> {
+        self.check(req).map(|_| ())
+    }
+
+    /// Checks a request and returns where its images sit in the prompt.
+    fn check(&self, req: &GenerateRequest) -> Result<Vec<ImageSpan>> {
         let cfg = self.config();
         if req.prompt.is_empty() {
             return Err(Error::EmptyPrompt);
@@ -179,8 +184,7 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
             .collect();
-        image_spans(&req.prompt, cfg.image_token_id, &grids)?;
-        Ok(())
+        image_spans(&req.prompt, cfg.image_token_id, &grids)
     }
 
     /// Runs a request to completion, calling `on_token` for every generated token.
@@ -189,16 +193,9 @@ impl<B: Backend> Engine<B> {
         req: &GenerateRequest,
         mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
     ) -> Result<Generation> {
-        self.validate(req)?;
+        let spans = self.check(req)?;
         let be = self.model.backend();
         let cfg = self.config();
-        let m = cfg.spatial_merge_size;
-        let grids: Vec<(usize, usize)> = req
-            .images
-            .iter()
-            .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
-            .collect();
-        let spans = image_spans(&req.prompt, cfg.image_token_id, &grids)?;
         let pos = prompt_positions(req.prompt.len(), &spans);
         let mut sampler = Sampler::new(req.sampling.clone())?;
         let capacity = (req.prompt.len() + req.max_new_tokens).min(self.max_context);
