@@ -41,6 +41,8 @@ pub struct Weights {
     shards: Vec<Shard>,
     entries: HashMap<String, Entry>,
     progress: ProgressBar,
+    /// Set for [`Weights::random`]: every tensor asked for is generated from this seed.
+    random_seed: Option<u64>,
 }
 
 impl Weights {
@@ -143,15 +145,62 @@ impl Weights {
             shards,
             entries,
             progress,
+            random_seed: None,
         })
     }
 
+    /// Weights that do not come from a file: each tensor is generated when first asked for,
+    /// from `seed` and its name (so the same name always gets the same values), with whatever
+    /// shape the config implies. For running and measuring the real model sizes without a
+    /// checkpoint: norm weights are 1, biases 0, matrices uniform with unit output variance.
+    pub fn random(config_dir: &Path, seed: u64) -> Self {
+        Self {
+            dir: config_dir.to_path_buf(),
+            shards: Vec::new(),
+            entries: HashMap::new(),
+            progress: ProgressBar::hidden(),
+            random_seed: Some(seed),
+        }
+    }
+
+    fn generate(seed: u64, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        use rand::{Rng, SeedableRng};
+        use rayon::prelude::*;
+        let n: usize = shape.iter().product();
+        let is_norm = shape.len() == 1 && name.contains("norm");
+        let data = if is_norm {
+            vec![1.0; n]
+        } else if shape.len() == 1 {
+            vec![0.0; n]
+        } else {
+            let fan_in: usize = shape[1..].iter().product();
+            let a = (3.0 / fan_in.max(1) as f32).sqrt();
+            let key = crate::cuda::compile::source_hash(name) ^ seed;
+            let mut data = vec![0f32; n];
+            // Chunks seeded by (name, chunk index): the values do not depend on thread count.
+            data.par_chunks_mut(1 << 20)
+                .enumerate()
+                .for_each(|(i, chunk)| {
+                    let mut rng =
+                        rand_chacha::ChaCha8Rng::seed_from_u64(key.wrapping_add(i as u64));
+                    for v in chunk {
+                        *v = rng.random_range(-a..a);
+                    }
+                });
+            data
+        };
+        HostTensor::new(shape.to_vec(), data)
+    }
+
     pub fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
+        self.random_seed.is_some() || self.entries.contains_key(name)
     }
 
     /// Reads tensor `name`, which must have exactly `shape`, as f32.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        if let Some(seed) = self.random_seed {
+            return Self::generate(seed, name, shape);
+        }
         let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
             dir: self.dir.clone(),
@@ -355,6 +404,35 @@ mod tests {
         let w = Weights::open(&dir).unwrap();
         assert_eq!(w.get("y", &[1]).unwrap().data(), &[2.0]);
         assert_eq!(w.get("x", &[1]).unwrap().data(), &[1.0]);
+    }
+
+    #[test]
+    fn random_weights_are_deterministic_per_name_and_shaped_by_the_caller() {
+        let w = Weights::random(Path::new("."), 7);
+        let a = w.get("layers.0.mlp.up_proj.weight", &[3, 1 << 20]).unwrap();
+        assert_eq!(
+            a,
+            w.get("layers.0.mlp.up_proj.weight", &[3, 1 << 20]).unwrap()
+        );
+        assert_ne!(
+            a,
+            w.get("layers.1.mlp.up_proj.weight", &[3, 1 << 20]).unwrap()
+        );
+        let bound = (3.0f32 / (1 << 20) as f32).sqrt();
+        assert!(a.data().iter().all(|v| v.abs() <= bound));
+        assert!(w
+            .get("input_layernorm.weight", &[4])
+            .unwrap()
+            .data()
+            .iter()
+            .all(|&v| v == 1.0));
+        assert!(w
+            .get("qkv.bias", &[4])
+            .unwrap()
+            .data()
+            .iter()
+            .all(|&v| v == 0.0));
+        assert!(w.contains("lm_head.weight"));
     }
 
     #[test]

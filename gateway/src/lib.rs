@@ -4,6 +4,7 @@
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
 
+pub mod bench;
 pub mod chat;
 pub mod detok;
 mod error;

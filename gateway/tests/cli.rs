@@ -275,3 +275,68 @@ fn bad_models_and_parameters_are_named() {
     let err = fails(&["run", "--model", m, "--prompt", "hi", "--device", "cuda"]);
     assert!(err.contains("cuda"), "{err}");
 }
+
+#[test]
+fn bench_reports_every_measurement_against_the_limits() {
+    let json = tmp("bench").join("bench.json");
+    let dir = fixture();
+    let out = vlm(&[
+        "bench",
+        "--model",
+        dir.to_str().unwrap(),
+        "--random-weights",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--image-sides",
+        "64",
+        "--prefill-tokens",
+        "16",
+        "--decode-context",
+        "16",
+        "--decode-tokens",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("decode: batch 1 at context 16") && table.contains("of limit"),
+        "{table}"
+    );
+    let rows: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        rows.len(),
+        5,
+        "two limits, one ViT size, prefill, decode: {names:?}"
+    );
+    for r in rows {
+        // Timings are not asserted (benchmarks report, they do not fail CI): only that every
+        // row is a complete measurement.
+        assert!(
+            r["median_ms"].as_f64().unwrap() > 0.0 && r["throughput"].as_f64().unwrap() > 0.0,
+            "{r}"
+        );
+        for key in ["device", "config", "commit", "unit", "min_ms", "max_ms"] {
+            assert!(!r[key].is_null(), "{key} missing in {r}");
+        }
+    }
+    for n in ["vision", "prefill", "decode"] {
+        let row = rows
+            .iter()
+            .find(|r| r["name"].as_str().unwrap().starts_with(n))
+            .unwrap();
+        assert!(
+            row["roofline_fraction"].as_f64().unwrap() > 0.0,
+            "{n} is set against a limit"
+        );
+    }
+}

@@ -36,9 +36,116 @@ enum Command {
     Run(RunArgs),
     /// Start vision-svc, llm-svc and the gateway on loopback, in this process, until ctrl-c.
     Serve(ServeArgs),
+    /// Measure vision, prefill and decode on this machine against its copy bandwidth and GEMM rate.
+    Bench(BenchArgs),
     /// Ask a service's grpc.health.v1 whether it is SERVING (exit 0) or not (exit 1); for
     /// container health checks.
     Health(HealthArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Checkpoint directory; with --random-weights only its config.json is read.
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "tests/fixtures/tiny-qwen3-vl"
+    )]
+    model: PathBuf,
+    /// Random weights of the config's shapes instead of the checkpoint's (e.g. --model
+    /// deploy/models/qwen3-vl-8b for the real 8B sizes; f32 on the CPU needs ~36 GB).
+    #[arg(long)]
+    random_weights: bool,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Unmeasured runs before each measurement.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Measured runs of each measurement (median and spread reported).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Sides of the square images for the ViT, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "448,896")]
+    image_sides: Vec<usize>,
+    /// Prompt length for prefill throughput.
+    #[arg(long, default_value_t = 512)]
+    prefill_tokens: usize,
+    /// Context at which decode tokens/s is measured.
+    #[arg(long, default_value_t = 512)]
+    decode_context: usize,
+    /// Tokens decoded per decode run.
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Also write the measurements as JSON (one object each, with device, config and commit).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    if matches!(args.device, Device::Cuda) {
+        bail!("--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu");
+    }
+    gateway::pipeline::check_model_dir(&args.model)?;
+    let weights = if args.random_weights {
+        vlm_compute::Weights::random(&args.model, 0)
+    } else {
+        vlm_compute::Weights::open(&args.model)?
+    };
+    let opts = gateway::bench::BenchOptions {
+        warmup: args.warmup,
+        repeats: args.repeats,
+        image_sides: args.image_sides.clone(),
+        prefill_tokens: args.prefill_tokens,
+        decode_context: args.decode_context,
+        decode_tokens: args.decode_tokens,
+    };
+    let copy = |_: &CpuBackend, bytes: usize| -> anyhow::Result<std::time::Duration> {
+        // Both buffers written first, so page faults are not timed as copying.
+        let src = vec![1u8; bytes];
+        let mut dst = vec![2u8; bytes];
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        let d = t.elapsed();
+        std::hint::black_box(&dst);
+        Ok(d)
+    };
+    let rows = gateway::bench::run(&args.model, &weights, CpuBackend::new(), &opts, copy)?;
+    let device = format!(
+        "cpu ({} threads)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    let config = format!(
+        "{}{}",
+        args.model.display(),
+        if args.random_weights {
+            " (random weights)"
+        } else {
+            ""
+        }
+    );
+    println!("{}", gateway::bench::table(&rows));
+    if let Some(path) = &args.json {
+        let commit = std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map_or("unknown".into(), |o| {
+                String::from_utf8_lossy(&o.stdout).trim().to_string()
+            });
+        let items: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|m| {
+                let mut v = m.to_json(&device, &config);
+                v["commit"] = commit.clone().into();
+                v
+            })
+            .collect();
+        std::fs::write(path, serde_json::to_string_pretty(&items)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -382,6 +489,16 @@ fn main() -> ExitCode {
         Command::Serve(args) => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(serve_all(args))),
+        Command::Bench(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            bench(args)
+        }
         Command::Health(args) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
