@@ -41,11 +41,9 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.device == "cpu",
-        "--device {} (VLM_DEVICE) is not enabled yet: the CUDA backend awaits verification on a GPU; use cpu",
-        args.device
-    );
+    if args.device == "cuda" {
+        vlm_compute::cuda::ensure_enabled()?;
+    }
     let telemetry = vlm_proto::telemetry::init("llm-svc");
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let cfg = ServeConfig {

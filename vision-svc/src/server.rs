@@ -32,6 +32,7 @@ pub struct ServeConfig {
 pub struct VisionServer<B: Backend> {
     encoder: Arc<OnceLock<VisionEncoder<B>>>,
     permits: Arc<Semaphore>,
+    max_concurrent: usize,
 }
 
 #[tonic::async_trait]
@@ -55,7 +56,7 @@ impl<B: Backend> VisionService for VisionServer<B> {
             let _permit = self.permits.clone().try_acquire_owned().map_err(|_| {
                 Status::resource_exhausted(format!(
                     "the vision service is encoding {} images already; retry later",
-                    self.permits.available_permits().max(1)
+                    self.max_concurrent
                 ))
             })?;
             let req = request.into_inner();
@@ -99,6 +100,7 @@ pub async fn serve<B: Backend>(
     let server = VisionServer {
         encoder: encoder.clone(),
         permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
+        max_concurrent: cfg.max_concurrent.max(1),
     };
     let (health, router) = vlm_proto::grpc_server().await;
     let svc = VisionServiceServer::new(server)

@@ -94,6 +94,14 @@ fn nvrtc_version() -> (i32, i32) {
     (major, minor)
 }
 
+/// The gate every `--device cuda` goes through. The backend stays off until `cuda_twin.rs` and
+/// the golden stage tests have passed on a GPU; enabling it is this one function.
+pub fn ensure_enabled() -> Result<()> {
+    Err(Error::Cuda {
+        what: "--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu".into(),
+    })
+}
+
 /// Whether NVRTC can be loaded (it needs no GPU: kernels can be compiled anywhere it is).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to dlopen the library.

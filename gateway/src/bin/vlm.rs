@@ -84,7 +84,7 @@ struct BenchArgs {
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if matches!(args.device, Device::Cuda) {
-        bail!("--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu");
+        vlm_compute::cuda::ensure_enabled()?;
     }
     gateway::pipeline::check_model_dir(&args.model)?;
     let weights = if args.random_weights {
@@ -222,7 +222,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     use tokio_util::sync::CancellationToken;
 
     if matches!(args.device, Device::Cuda) {
-        bail!("--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu");
+        vlm_compute::cuda::ensure_enabled()?;
     }
     gateway::pipeline::check_model_dir(&args.model).with_context(|| {
         "vlm serve needs a model; run it from the repository root or pass --model DIR"
@@ -372,7 +372,7 @@ struct RunArgs {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     if matches!(args.device, Device::Cuda) {
-        bail!("--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu");
+        vlm_compute::cuda::ensure_enabled()?;
     }
     let mut parts = Vec::new();
     for path in &args.images {
@@ -473,30 +473,29 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Plain logs on stderr for the one-shot commands (`serve` sets up tracing with OpenTelemetry).
+fn init_logs(default_level: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
+            init_logs("info");
             run(args)
         }
         Command::Serve(args) => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(serve_all(args))),
         Command::Bench(args) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-                )
-                .with_writer(std::io::stderr)
-                .init();
+            init_logs("warn");
             bench(args)
         }
         Command::Health(args) => tokio::runtime::Builder::new_current_thread()
