@@ -184,3 +184,22 @@ extern "C" __global__ void broadcast_rows_f32(const float* __restrict__ bias, fl
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n * cols) out[i] = bias[i % cols];
 }
+
+// Random-weight matrices generated on the GPU: element i is a pure function of (key, i), the
+// same SplitMix64 hash as cuda/src/random.rs, so the values equal the CPU's bit for bit.
+__device__ __forceinline__ unsigned long long splitmix_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void fill_uniform_f32(float* __restrict__ out, unsigned long long n,
+                                            unsigned long long key, float bound) {
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        unsigned long long h = splitmix_mix(key ^ (i * 0x9E3779B97F4A7C15ull));
+        float u = (float)(h >> 40) * (1.0f / 16777216.0f);
+        out[i] = __fmul_rn(__fsub_rn(__fmul_rn(2.0f, u), 1.0f), bound);  // no FMA: match the CPU
+    }
+}

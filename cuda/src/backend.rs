@@ -33,6 +33,11 @@ pub trait Backend: Send + Sync + 'static {
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
     fn download(&self, t: &Self::Tensor) -> Result<HostTensor>;
     fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
+    /// `shape` filled with [`crate::random::uniform`]`(key, i, bound)` at element `i`: the
+    /// matrices of a random-weight model. Built on the host unless the backend can do better.
+    fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<Self::Tensor> {
+        self.upload(&crate::random::uniform_tensor(shape, key, bound))
+    }
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
     /// Same data viewed with another shape of the same element count.
     fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;

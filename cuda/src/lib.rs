@@ -17,6 +17,7 @@ pub mod files;
 pub mod golden;
 pub mod nn;
 pub mod npy;
+pub mod random;
 mod tensor;
 mod weights;
 

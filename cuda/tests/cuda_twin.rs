@@ -287,6 +287,23 @@ fn gathers_and_row_updates() {
 }
 
 #[test]
+fn random_weights_are_generated_on_the_gpu_bit_for_bit_as_on_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let key =
+        vlm_compute::random::tensor_key(0, "model.language_model.layers.0.mlp.up_proj.weight");
+    // The 8B up_proj, and an odd size that leaves a partial block.
+    for shape in [[12288usize, 4096], [3, 7]] {
+        let cpu = CpuBackend::new()
+            .random_uniform(&shape, key, 0.027)
+            .unwrap();
+        let cuda = g
+            .download(&g.random_uniform(&shape, key, 0.027).unwrap())
+            .unwrap();
+        assert_eq!(cpu.max_abs_diff(&cuda).unwrap(), 0.0, "{shape:?}");
+    }
+}
+
+#[test]
 fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
     // NVRTC needs no GPU, so this runs on any machine that has libnvrtc (pip install
     // nvidia-cuda-nvrtc-cu12 and LD_LIBRARY_PATH is enough): it catches kernel source errors

@@ -123,9 +123,20 @@ impl<B: Backend + Clone> Pipeline<B> {
     /// Loads tokenizer, template, vision tower and text decoder from one checkpoint directory.
     pub fn load(dir: &Path, backend: B, max_context: Option<usize>) -> Result<Self> {
         check_model_dir(dir)?;
-        let weights = Weights::open(dir)?;
-        let vision = VisionEncoder::load(dir, &weights, backend.clone())?;
-        let engine = Engine::load(dir, &weights, backend, max_context)?;
+        Self::with_weights(dir, &Weights::open(dir)?, backend, max_context)
+    }
+
+    /// As [`Pipeline::load`], with the weights given (e.g. [`Weights::random`]): only the
+    /// directory's config, tokenizer, template and image-processor files are read.
+    pub fn with_weights(
+        dir: &Path,
+        weights: &Weights,
+        backend: B,
+        max_context: Option<usize>,
+    ) -> Result<Self> {
+        check_model_dir(dir)?;
+        let vision = VisionEncoder::load(dir, weights, backend.clone())?;
+        let engine = Engine::load(dir, weights, backend, max_context)?;
         weights.finish();
         let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id)?;
         Ok(Self {

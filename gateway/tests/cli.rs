@@ -340,3 +340,48 @@ fn bench_reports_every_measurement_against_the_limits() {
         );
     }
 }
+
+#[test]
+fn random_weights_run_from_the_config_alone_and_follow_the_seed() {
+    // A copy of the fixture without its safetensors: only config, tokenizer and template remain.
+    let dir = tmp("random");
+    for f in std::fs::read_dir(fixture()).unwrap() {
+        let p = f.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if p.is_file() && !name.contains("safetensors") {
+            std::fs::copy(&p, dir.join(&name)).unwrap();
+        }
+    }
+    let image = fixture().join("images/cat.png");
+    let run = |seed: &str| {
+        let out = vlm(&[
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--random-weights",
+            "--weights-seed",
+            seed,
+            "--image",
+            image.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["generated_token_ids"].clone()
+    };
+    let a = run("1");
+    assert_eq!(a.as_array().unwrap().len(), 6);
+    assert_eq!(a, run("1"));
+    assert_ne!(a, run("2"));
+    // Without --random-weights the missing weights are named.
+    let err = fails(&["run", "--model", dir.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(err.contains("safetensors"), "{err}");
+}

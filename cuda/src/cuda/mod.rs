@@ -24,7 +24,7 @@ use crate::backend::{AttnMask, Backend, GeluKind};
 use crate::{Error, HostTensor, Result};
 
 const OPS_SOURCE: &str = include_str!("../../kernels/ops_f32.cu");
-const OPS_KERNELS: [&str; 12] = [
+const OPS_KERNELS: [&str; 13] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -37,6 +37,7 @@ const OPS_KERNELS: [&str; 12] = [
     "weighted_gather_f32",
     "scatter_rows_f32",
     "broadcast_rows_f32",
+    "fill_uniform_f32",
 ];
 /// Threads per block for row-wise kernels.
 const ROW_THREADS: u32 = 256;
@@ -390,6 +391,23 @@ impl Backend for CudaBackend {
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
         self.alloc(shape.to_vec())
+    }
+
+    fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaTensor> {
+        let mut out = self.alloc(shape.to_vec())?;
+        let n = out.len() as u64;
+        let name = "fill_uniform_f32";
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(ROW_THREADS as u64).clamp(1, 65_535) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(buf).arg(&n).arg(&key).arg(&bound);
+        // SAFETY: argument types and count match fill_uniform_f32 in ops_f32.cu.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
     }
 
     fn shape<'a>(&self, t: &'a CudaTensor) -> &'a [usize] {

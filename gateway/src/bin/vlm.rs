@@ -359,6 +359,14 @@ struct RunArgs {
     /// Where to run the model.
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    /// Random weights of the config's shapes instead of the checkpoint's: runs a model size
+    /// without its weights (e.g. --model deploy/models/qwen3-vl-8b, the real 8B config with a
+    /// stand-in tokenizer). The text is meaningless; the shapes and timings are real.
+    #[arg(long)]
+    random_weights: bool,
+    /// Seed of the random weights (the same seed gives the same model).
+    #[arg(long, default_value_t = 0, requires = "random_weights")]
+    weights_seed: u64,
     /// Cap on prompt + generated tokens (defaults to the model's max_position_embeddings).
     #[arg(long)]
     max_context: Option<usize>,
@@ -402,8 +410,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         ignore_eos: false,
     };
 
-    let pipeline = Pipeline::load(&args.model, CpuBackend::new(), args.max_context)
-        .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
+    let pipeline = if args.random_weights {
+        let weights = vlm_compute::Weights::random(&args.model, args.weights_seed);
+        Pipeline::with_weights(&args.model, &weights, CpuBackend::new(), args.max_context)
+    } else {
+        Pipeline::load(&args.model, CpuBackend::new(), args.max_context)
+    }
+    .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
     let vocab = pipeline.engine.config().text.vocab_size;
     let mut logits: Vec<f32> = Vec::new();
     let mut printed = String::new();
