@@ -33,12 +33,24 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, for a service started next.
+///
+/// Taken below Linux's ephemeral range (32768 and up): a port the kernel hands out with
+/// `bind(0)` can be taken, before the service binds it, as the local port of some outgoing
+/// connection, which made the stack fail to start now and then. Ports here are only ever
+/// used by a bind, and the counter keeps the tests of one process from picking the same one.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    // Test binaries run one after another; spread each over its own stretch anyway.
+    let base = 20_000 + (std::process::id() % 100) as u16 * 120;
+    for _ in 0..12_000 {
+        let port = 20_000 + (base - 20_000 + NEXT.fetch_add(1, Ordering::Relaxed)) % 12_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between 20000 and 32000")
 }
 
 /// A running service binary; killed when dropped.
