@@ -149,14 +149,6 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
     }
 }
 
-// out[i] = table[ids[i]]; one block per row.
-extern "C" __global__ void embedding_f32(const float* __restrict__ table, const unsigned* __restrict__ ids,
-                                         float* __restrict__ out, int h) {
-    const float* src = table + (size_t)ids[blockIdx.x] * h;
-    float* o = out + (size_t)blockIdx.x * h;
-    for (int c = threadIdx.x; c < h; c += blockDim.x) o[c] = src[c];
-}
-
 // out[i] = sum_t w[i*taps+t] * table[idx[i*taps+t]]; one block per output row.
 extern "C" __global__ void weighted_gather_f32(const float* __restrict__ table, const unsigned* __restrict__ idx,
                                                const float* __restrict__ w, float* __restrict__ out,

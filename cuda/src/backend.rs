@@ -24,7 +24,12 @@ pub enum AttnMask {
 }
 
 pub trait Backend: Send + Sync + 'static {
+    /// Activations, norm weights, biases, caches.
     type Tensor: Clone + Send + Sync;
+    /// The matrices of `linear` and the embedding table, stored as the backend reads them best:
+    /// f32 on the CPU (the reference), f16 on the GPU (half the bytes each decoded token reads,
+    /// tensor-core GEMMs).
+    type Weight: Clone + Send + Sync;
 
     /// Short name for logs and errors ("cpu", "cuda").
     fn name(&self) -> &'static str;
@@ -38,6 +43,12 @@ pub trait Backend: Send + Sync + 'static {
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<Self::Tensor> {
         self.upload(&crate::random::uniform_tensor(shape, key, bound))
     }
+    /// A weight matrix `[out, in]` (or table `[rows, width]`) from f32 host values.
+    fn upload_weight(&self, t: &HostTensor) -> Result<Self::Weight>;
+    /// A weight filled like [`Backend::random_uniform`].
+    fn random_weight(&self, shape: &[usize], key: u64, bound: f32) -> Result<Self::Weight> {
+        self.upload_weight(&crate::random::uniform_tensor(shape, key, bound))
+    }
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
     /// Same data viewed with another shape of the same element count.
     fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
@@ -47,9 +58,19 @@ pub trait Backend: Send + Sync + 'static {
     fn linear(
         &self,
         x: &Self::Tensor,
-        w: &Self::Tensor,
+        w: &Self::Weight,
         b: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
+    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, the text MLP's SwiGLU before `down_proj`. Backends may
+    /// fuse it (one pass over both matrices when decoding, seed 002); this is the reference.
+    fn swiglu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+    ) -> Result<Self::Tensor> {
+        self.silu_mul(&self.linear(x, gate, None)?, &self.linear(x, up, None)?)
+    }
     /// Elementwise `a + b`, same shapes.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
     /// LayerNorm over the last dim with weight and bias.
@@ -89,8 +110,10 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor>;
 
     // ---- gathers and row updates ----
-    /// Rows of `table [vocab, h]` picked by `ids` -> `[ids.len(), h]`.
-    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// Rows of `table [vocab, h]` picked by the token ids in `ids [n]` -> `[n, h]`. Ids are
+    /// held as f32 (exact below 2^24, far above any vocabulary) so that a decode step can read
+    /// its token from device memory; callers check them against the vocabulary first.
+    fn embedding(&self, table: &Self::Weight, ids: &Self::Tensor) -> Result<Self::Tensor>;
     /// `out[i] = Σ_t weights[i*taps + t] · table[index[i*taps + t]]`: interpolating a learned
     /// position table onto an image grid.
     fn weighted_gather(
@@ -102,6 +125,29 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor>;
     /// Rows `start..end` as a new tensor.
     fn slice_rows(&self, x: &Self::Tensor, start: usize, end: usize) -> Result<Self::Tensor>;
+    /// Overwrites all of `dst` with `values` from the host. The per-token inputs of a decode
+    /// step (token id, cache slot, rotary row) are written this way into buffers that stay put,
+    /// so the step's kernels read the same addresses every time (what a CUDA graph replays).
+    fn write(&self, dst: &mut Self::Tensor, values: &[f32]) -> Result<()>;
+    /// `dst[slot] = src` for the one row of `src`, `slot` read from `slot [1]` (decode's KV
+    /// cache write; the caller keeps the slot within `dst`).
+    fn write_row_at(
+        &self,
+        dst: &mut Self::Tensor,
+        slot: &Self::Tensor,
+        src: &Self::Tensor,
+    ) -> Result<()>;
+    /// Decode attention: `q [1, hq, d]`, the token in cache slot `slot` (read from `slot [1]`),
+    /// attends to slots `0..=slot` of `k`, `v` `[slots, hkv, d]`. Same result as
+    /// [`Backend::attention`] with `Causal { first_query_slot: slot }`; GPUs split the keys
+    /// across blocks for long contexts (seeds 000, 001). Returns `[1, hq * d]`.
+    fn decode_attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slot: &Self::Tensor,
+    ) -> Result<Self::Tensor>;
     /// `dst[start + i] = src[i]` for every row of `src` (writing the KV cache).
     fn write_rows(&self, dst: &mut Self::Tensor, start: usize, src: &Self::Tensor) -> Result<()>;
     /// `dst[rows[i]] = src[i]` (placing image embeddings at the image-token positions).

@@ -76,6 +76,15 @@ fn gelu_erf(x: f32) -> f32 {
 /// Rows here are slots of the first dimension (a KV cache `[slots, heads, d]` is written with
 /// `[n, heads * d]` rows): checks that `src` holds `rows.len()` such slots and that every row
 /// index is in range, and returns the slot width.
+/// A token id or cache slot held as f32: must be a whole number below `limit`.
+fn index_value(op: &'static str, v: f32, limit: usize) -> Result<usize> {
+    if v >= 0.0 && v.fract() == 0.0 && (v as usize) < limit {
+        Ok(v as usize)
+    } else {
+        Err(Error::shape(op, format!("index {v} is outside 0..{limit}")))
+    }
+}
+
 fn check_rows(
     op: &'static str,
     dst: &HostTensor,
@@ -106,12 +115,17 @@ fn check_rows(
 
 impl Backend for CpuBackend {
     type Tensor = HostTensor;
+    type Weight = HostTensor;
 
     fn name(&self) -> &'static str {
         "cpu"
     }
 
     fn upload(&self, t: &HostTensor) -> Result<HostTensor> {
+        Ok(t.clone())
+    }
+
+    fn upload_weight(&self, t: &HostTensor) -> Result<HostTensor> {
         Ok(t.clone())
     }
 
@@ -365,17 +379,11 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn embedding(&self, table: &HostTensor, ids: &[u32]) -> Result<HostTensor> {
+    fn embedding(&self, table: &HostTensor, ids: &HostTensor) -> Result<HostTensor> {
         let (vocab, h) = (table.rows(), table.cols());
         let mut data = Vec::with_capacity(ids.len() * h);
-        for &id in ids {
-            if id as usize >= vocab {
-                return Err(Error::shape(
-                    "embedding",
-                    format!("token id {id} is outside the vocabulary of {vocab}"),
-                ));
-            }
-            data.extend_from_slice(table.row(id as usize));
+        for &id in ids.data() {
+            data.extend_from_slice(table.row(index_value("embedding", id, vocab)?));
         }
         HostTensor::new(vec![ids.len(), h], data)
     }
@@ -422,6 +430,48 @@ impl Backend for CpuBackend {
 
     fn slice_rows(&self, x: &HostTensor, start: usize, end: usize) -> Result<HostTensor> {
         x.slice_rows(start, end)
+    }
+
+    fn write(&self, dst: &mut HostTensor, values: &[f32]) -> Result<()> {
+        if values.len() != dst.len() {
+            return Err(Error::shape(
+                "write",
+                format!("{} values into {:?}", values.len(), dst.shape()),
+            ));
+        }
+        dst.data_mut().copy_from_slice(values);
+        Ok(())
+    }
+
+    fn write_row_at(
+        &self,
+        dst: &mut HostTensor,
+        slot: &HostTensor,
+        src: &HostTensor,
+    ) -> Result<()> {
+        let slots = dst.shape().first().copied().unwrap_or(0);
+        let row = index_value("write_row_at", slot.data()[0], slots)?;
+        self.scatter_rows(dst, &[row], src)
+    }
+
+    fn decode_attention(
+        &self,
+        q: &HostTensor,
+        k: &HostTensor,
+        v: &HostTensor,
+        slot: &HostTensor,
+    ) -> Result<HostTensor> {
+        let slots = k.shape().first().copied().unwrap_or(0);
+        let s = index_value("decode_attention", slot.data()[0], slots)?;
+        self.attention(
+            q,
+            k,
+            v,
+            s + 1,
+            AttnMask::Causal {
+                first_query_slot: s,
+            },
+        )
     }
 
     fn write_rows(&self, dst: &mut HostTensor, start: usize, src: &HostTensor) -> Result<()> {
@@ -591,9 +641,10 @@ mod tests {
         let b = CpuBackend;
         let table = t(&[2, 2], &[1., 2., 3., 4.]);
         assert_eq!(
-            b.embedding(&table, &[1, 0]).unwrap().data(),
+            b.embedding(&table, &t(&[2], &[1., 0.])).unwrap().data(),
             &[3., 4., 1., 2.]
         );
-        assert!(b.embedding(&table, &[2]).is_err());
+        assert!(b.embedding(&table, &t(&[1], &[2.])).is_err());
+        assert!(b.embedding(&table, &t(&[1], &[0.5])).is_err());
     }
 }

@@ -23,7 +23,7 @@ mod weights;
 
 pub use backend::{AttnMask, Backend, GeluKind};
 pub use cpu::CpuBackend;
-pub use cuda::{CudaBackend, CudaTensor};
+pub use cuda::{CudaBackend, CudaTensor, CudaWeight};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

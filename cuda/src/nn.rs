@@ -4,7 +4,7 @@ use crate::{Backend, HostTensor, Result, WeightPrefix};
 
 /// `nn.Linear`: `x · wᵀ (+ b)` with `w` stored `[out, in]`.
 pub struct Linear<B: Backend> {
-    w: B::Tensor,
+    w: B::Weight,
     b: Option<B::Tensor>,
 }
 
@@ -12,7 +12,7 @@ impl<B: Backend> Linear<B> {
     /// Reads `weight` `[out, inp]` (and `bias` `[out]` when `bias`) under `w`.
     pub fn load(be: &B, w: &WeightPrefix, out: usize, inp: usize, bias: bool) -> Result<Self> {
         Ok(Self {
-            w: w.load(be, "weight", &[out, inp])?,
+            w: w.load_weight(be, "weight", &[out, inp])?,
             b: if bias {
                 Some(w.load(be, "bias", &[out])?)
             } else {
@@ -24,12 +24,17 @@ impl<B: Backend> Linear<B> {
     /// From host tensors already in shape (for weights the checkpoint stores differently).
     pub fn from_host(be: &B, w: &HostTensor, b: Option<&HostTensor>) -> Result<Self> {
         Ok(Self {
-            w: be.upload(w)?,
+            w: be.upload_weight(w)?,
             b: b.map(|b| be.upload(b)).transpose()?,
         })
     }
 
     pub fn forward(&self, be: &B, x: &B::Tensor) -> Result<B::Tensor> {
         be.linear(x, &self.w, self.b.as_ref())
+    }
+
+    /// The weight matrix, for ops that take several (`Backend::swiglu`).
+    pub fn weight(&self) -> &B::Weight {
+        &self.w
     }
 }

@@ -285,6 +285,21 @@ impl WeightPrefix<'_> {
             _ => backend.upload(&self.weights.get(&full, shape)?),
         }
     }
+
+    /// As [`WeightPrefix::load`], for a matrix of `linear` or an embedding table, stored in the
+    /// backend's weight format.
+    pub fn load_weight<B: crate::Backend>(
+        &self,
+        backend: &B,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<B::Weight> {
+        let full = self.full(name);
+        match self.weights.random_init(&full, shape) {
+            Some(RandomInit::Uniform { key, bound }) => backend.random_weight(shape, key, bound),
+            _ => backend.upload_weight(&self.weights.get(&full, shape)?),
+        }
+    }
 }
 
 #[cfg(test)]

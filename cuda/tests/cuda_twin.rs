@@ -120,33 +120,73 @@ fn elementwise_and_norms() {
     }
 }
 
+/// `t` with every value rounded to the nearest f16: the weights the GPU stores, and (for the
+/// cuBLAS path) the activations it multiplies them with, so the CPU twin sees the same inputs.
+fn f16_exact(t: HostTensor) -> HostTensor {
+    let data = t
+        .data()
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_f32())
+        .collect();
+    HostTensor::new(t.shape().to_vec(), data).unwrap()
+}
+
+/// `linear` / `swiglu` on both backends with the same f16-exact inputs.
+fn compare_matmul(g: &CudaBackend, op: &str, rel: f32, n: usize, k: usize, m: usize, seed: u64) {
+    let x = f16_exact(rand(&[n, k], seed));
+    let (w, w2, b) = (
+        f16_exact(rand(&[m, k], seed + 1)),
+        f16_exact(rand(&[m, k], seed + 2)),
+        rand(&[m], seed + 3),
+    );
+    fn run<B: Backend>(
+        be: &B,
+        op: &str,
+        x: &HostTensor,
+        w: &HostTensor,
+        w2: &HostTensor,
+        b: &HostTensor,
+    ) -> HostTensor {
+        let (x, wt, w2t, bt) = (
+            be.upload(x).unwrap(),
+            be.upload_weight(w).unwrap(),
+            be.upload_weight(w2).unwrap(),
+            be.upload(b).unwrap(),
+        );
+        let y = match op {
+            "linear" => be.linear(&x, &wt, None),
+            "linear+bias" => be.linear(&x, &wt, Some(&bt)),
+            _ => be.swiglu(&x, &wt, &w2t),
+        };
+        be.download(&y.unwrap()).unwrap()
+    }
+    let cpu = run(&CpuBackend::new(), op, &x, &w, &w2, &b);
+    let cuda = run(g, op, &x, &w, &w2, &b);
+    assert_close(&format!("{op} {n}x{k}->{m}"), &cpu, &cuda, rel);
+}
+
 #[test]
-fn linear_at_real_sizes() {
+fn linear_and_swiglu_at_real_sizes() {
     let Some(g) = gpu() else { return };
-    // (rows, in, out): decode and prefill at 8B text sizes, ViT sizes, odd ones.
+    // Weights are f16 on the GPU and x is f16-exact here, so both sides multiply the same
+    // values; they differ only in summation order (f32 accumulation both). n <= 4 runs our
+    // GEMV (decode), larger n cuBLAS. (rows, in, out): 8B decode and prefill, ViT, odd sizes
+    // (k % 8 != 0 takes the GEMV's scalar path).
     for (n, k, m) in [
         (1, 4096, 12288),
         (1, 12288, 4096),
+        (4, 4096, 151936),
+        (2, 4096, 4096),
         (33, 4096, 1024),
         (17, 1152, 4304),
         (196, 4608, 4096),
         (3, 7, 5),
+        (1, 4100, 9),
     ] {
         let rel = if k >= 4096 { 2e-4 } else { 1e-4 };
-        both!(
-            &g,
-            &format!("linear {n}x{k}->{m}"),
-            rel,
-            |be, t| be.linear(&t[0], &t[1], None).unwrap(),
-            vec![rand(&[n, k], 12), rand(&[m, k], 13)]
-        );
-        both!(
-            &g,
-            &format!("linear+bias {n}x{k}->{m}"),
-            rel,
-            |be, t| be.linear(&t[0], &t[1], Some(&t[2])).unwrap(),
-            vec![rand(&[n, k], 14), rand(&[m, k], 15), rand(&[m], 16)]
-        );
+        for op in ["linear", "linear+bias", "swiglu"] {
+            compare_matmul(&g, op, rel, n, k, m, 12);
+        }
     }
 }
 
@@ -226,16 +266,68 @@ fn rope_and_attention_at_real_sizes() {
 }
 
 #[test]
+fn decode_step_ops_read_the_slot_from_device_memory() {
+    let Some(g) = gpu() else { return };
+    // (q heads, kv heads, head dim, cache slots, slot): 8B at short and long context (one and
+    // 16 key splits), a slot in the last split, the tiny fixture's sizes, odd ones.
+    for (hq, hkv, d, slots, slot) in [
+        (32, 8, 128, 4096, 4095),
+        (32, 8, 128, 4096, 100),
+        (32, 8, 128, 600, 512),
+        (32, 8, 128, 512, 0),
+        (4, 2, 16, 64, 33),
+        (6, 3, 40, 700, 257),
+    ] {
+        let slot_t = HostTensor::new(vec![1], vec![slot as f32]).unwrap();
+        let tag = format!("h{hq}/{hkv} d{d} slots{slots} at {slot}");
+        both!(
+            &g,
+            &format!("decode_attention {tag}"),
+            1e-4,
+            |be, t| be.decode_attention(&t[0], &t[1], &t[2], &t[3]).unwrap(),
+            vec![
+                rand(&[1, hq, d], 30),
+                rand(&[slots, hkv, d], 31),
+                rand(&[slots, hkv, d], 32),
+                slot_t.clone()
+            ]
+        );
+        both!(
+            &g,
+            &format!("write_row_at {tag}"),
+            0.0,
+            |be, t| {
+                let mut cache = t[0].clone();
+                be.write_row_at(&mut cache, &t[2], &t[1]).unwrap();
+                cache
+            },
+            vec![
+                rand(&[slots, hkv, d], 33),
+                rand(&[1, hkv, d], 34),
+                slot_t.clone()
+            ]
+        );
+    }
+    // `write` refreshes a buffer in place: a clone taken before keeps the old values.
+    let mut t = g.upload(&rand(&[1, 128], 35)).unwrap();
+    let before = t.clone();
+    g.write(&mut t, &[0.5; 128]).unwrap();
+    assert_eq!(g.download(&t).unwrap().data(), &[0.5; 128]);
+    assert_eq!(g.download(&before).unwrap(), rand(&[1, 128], 35));
+}
+
+#[test]
 fn gathers_and_row_updates() {
     let Some(g) = gpu() else { return };
-    let ids = [3u32, 0, 999, 3, 17];
-    both!(
-        &g,
-        "embedding",
-        0.0,
-        |be, t| be.embedding(&t[0], &ids).unwrap(),
-        vec![rand(&[1000, 4096], 23)]
-    );
+    let ids = HostTensor::new(vec![5], vec![3., 0., 999., 3., 17.]).unwrap();
+    let table = f16_exact(rand(&[1000, 4096], 23));
+    let cpu = CpuBackend::new();
+    let rows = cpu.embedding(&table, &ids).unwrap();
+    let on_gpu = g
+        .embedding(&g.upload_weight(&table).unwrap(), &g.upload(&ids).unwrap())
+        .unwrap();
+    // f16 table values are exact in f32: the gathered rows are equal.
+    assert_close("embedding", &rows, &g.download(&on_gpu).unwrap(), 0.0);
     let idx: Vec<u32> = (0..4 * 50).map(|i| (i * 37 % 2304) as u32).collect();
     let w: Vec<f32> = (0..4 * 50).map(|i| (i % 7) as f32 / 7.0).collect();
     both!(
@@ -300,6 +392,19 @@ fn random_weights_are_generated_on_the_gpu_bit_for_bit_as_on_the_cpu() {
             .download(&g.random_uniform(&shape, key, 0.027).unwrap())
             .unwrap();
         assert_eq!(cpu.max_abs_diff(&cuda).unwrap(), 0.0, "{shape:?}");
+        // As a weight: rounded to f16 on the GPU exactly as an upload would round the CPU's.
+        let as_weight = g.random_weight(&shape, key, 0.027).unwrap();
+        let uploaded = g.upload_weight(&cpu).unwrap();
+        let x = g
+            .upload(&HostTensor::new(vec![1, shape[1]], vec![1.0; shape[1]]).unwrap())
+            .unwrap();
+        // Row sums through the GEMV: equal weights give bit-equal sums (same kernel, same order).
+        let (a, b) = (
+            g.download(&g.linear(&x, &as_weight, None).unwrap())
+                .unwrap(),
+            g.download(&g.linear(&x, &uploaded, None).unwrap()).unwrap(),
+        );
+        assert_eq!(a.max_abs_diff(&b).unwrap(), 0.0, "{shape:?} as f16 weight");
     }
 }
 
@@ -313,14 +418,31 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
         let _ = writeln!(std::io::stderr(), "SKIPPED: libnvrtc not found");
         return;
     }
+    // weights_f16.cu includes cuda_fp16.h: NVRTC needs the CUDA headers (CUDA_HOME; CI
+    // pip-installs them with NVRTC).
+    if let Err(e) = vlm_compute::cuda::compile::cuda_include_dir() {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIPPED: {e}");
+        return;
+    }
     for cc in [(9, 0), (8, 7)] {
-        let ptx =
-            vlm_compute::cuda::compile_ops_ptx(cc).unwrap_or_else(|e| panic!("sm {cc:?}: {e}"));
+        let ptx: String = vlm_compute::cuda::compile_all_ptx(cc)
+            .unwrap_or_else(|e| panic!("sm {cc:?}: {e}"))
+            .into_iter()
+            .map(|(_, ptx)| ptx)
+            .collect();
         for k in [
             "attention_f32",
             "layer_norm_f32",
             "rope_f32",
             "scatter_rows_f32",
+            "gemv_f16w",
+            "swiglu_gemv_f16w",
+            "embedding_f16w",
+            "fill_uniform_f16",
+            "write_row_at_f32",
+            "decode_attention_partial_f32",
+            "decode_attention_combine_f32",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {k}")),

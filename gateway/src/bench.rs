@@ -128,7 +128,7 @@ pub fn run<B: Backend + Clone>(
     bar.set_message("GEMM rate");
     let (m, k, n) = (2048, 2048, 2048);
     let a = backend.upload(&HostTensor::new(vec![n, k], vec![0.5; n * k])?)?;
-    let w = backend.upload(&HostTensor::new(vec![m, k], vec![0.25; m * k])?)?;
+    let w = backend.upload_weight(&HostTensor::new(vec![m, k], vec![0.25; m * k])?)?;
     let gemm = time(opts, &bar, || {
         let t = Instant::now();
         let y = backend.linear(&a, &w, None)?;

@@ -256,7 +256,8 @@ mod tests {
         assert_eq!(t.mrope_section, [24, 20, 20]);
         assert_eq!(t.rope_theta, 5_000_000.0);
         assert_eq!(cfg.image_token_id, 151655);
-        assert_eq!(cfg.eos_token_ids, vec![151645]);
+        // From generation_config.json (<|im_end|>, <|endoftext|>), over config.json's one.
+        assert_eq!(cfg.eos_token_ids, vec![151645, 151643]);
         assert!(!cfg.tie_word_embeddings);
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use vlm_compute::{Backend, HostTensor, Weights};
 
-use crate::model::{KvCache, StepInput, TextModel};
+use crate::model::{DecodeInputs, KvCache, StepInput, TextModel};
 use crate::mrope::{self, image_spans, prompt_positions, ImageSpan};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::{Error, ModelConfig, Result};
@@ -249,6 +249,7 @@ impl<B: Backend> Engine<B> {
         let decode_guard = decode_span.enter();
         let decode_started = Instant::now();
 
+        let mut inputs = DecodeInputs::new(be, cfg.text.head_dim)?;
         let mut tokens = Vec::new();
         let finish = loop {
             let token = sampler.sample(logits.data());
@@ -270,16 +271,8 @@ impl<B: Backend> Engine<B> {
             // Decode: all three M-RoPE streams are slot + delta.
             let p = (cache.len() as i64 + pos.delta) as u32;
             let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &[[p; 3]])?;
-            logits = self.model.forward(
-                &mut cache,
-                &StepInput {
-                    embeds: self.model.embed(&[token])?,
-                    cos: be.upload(&cos)?,
-                    sin: be.upload(&sin)?,
-                    image_rows: &[],
-                    deepstack: &[],
-                },
-            )?;
+            inputs.set(be, token, cache.len(), cos.data(), sin.data())?;
+            logits = be.download(&self.model.decode(&mut cache, &inputs)?)?;
         };
         let decode = decode_started.elapsed();
         decode_span.record("tokens", tokens.len());

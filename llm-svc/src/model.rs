@@ -55,6 +55,39 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// The per-token inputs of a decode step, in buffers allocated once per request and rewritten
+/// before each step ([`DecodeInputs::set`]): the step's kernels then read the token and the
+/// position from the same device addresses every time, as a CUDA graph replay requires.
+pub struct DecodeInputs<B: Backend> {
+    /// `[1]`: the token id (as f32).
+    token: B::Tensor,
+    /// `[1]`: the cache slot this token goes to (as f32).
+    slot: B::Tensor,
+    /// `[1, head_dim]`: the rotary row for this token's position.
+    cos: B::Tensor,
+    sin: B::Tensor,
+}
+
+impl<B: Backend> DecodeInputs<B> {
+    pub fn new(be: &B, head_dim: usize) -> Result<Self> {
+        Ok(Self {
+            token: be.zeros(&[1])?,
+            slot: be.zeros(&[1])?,
+            cos: be.zeros(&[1, head_dim])?,
+            sin: be.zeros(&[1, head_dim])?,
+        })
+    }
+
+    /// Token `token` at cache slot `slot` with the rotary row `cos`, `sin`.
+    pub fn set(&mut self, be: &B, token: u32, slot: usize, cos: &[f32], sin: &[f32]) -> Result<()> {
+        be.write(&mut self.token, &[token as f32])?;
+        be.write(&mut self.slot, &[slot as f32])?;
+        be.write(&mut self.cos, cos)?;
+        be.write(&mut self.sin, sin)?;
+        Ok(())
+    }
+}
+
 /// What one forward pass adds to the sequence.
 pub struct StepInput<'a, B: Backend> {
     /// Input embeddings `[n, hidden]` (token embeddings with image embeddings placed).
@@ -100,6 +133,24 @@ impl<B: Backend> Attention<B> {
         })
     }
 
+    /// q, k, v of the tokens `x [n, hidden]`, q and k normed per head and rotated.
+    fn project(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        cos: &B::Tensor,
+        sin: &B::Tensor,
+    ) -> Result<[B::Tensor; 3]> {
+        let n = be.shape(x)[0];
+        let d = self.head_dim;
+        let q = be.reshape(self.q.forward(be, x)?, &[n, self.heads, d])?;
+        let k = be.reshape(self.k.forward(be, x)?, &[n, self.kv_heads, d])?;
+        let v = be.reshape(self.v.forward(be, x)?, &[n, self.kv_heads, d])?;
+        let q = be.rope(&be.rms_norm(&q, &self.q_norm, self.eps)?, cos, sin)?;
+        let k = be.rope(&be.rms_norm(&k, &self.k_norm, self.eps)?, cos, sin)?;
+        Ok([q, k, v])
+    }
+
     fn forward(
         &self,
         be: &B,
@@ -110,20 +161,7 @@ impl<B: Backend> Attention<B> {
         start: usize,
     ) -> Result<B::Tensor> {
         let n = be.shape(x)[0];
-        let d = self.head_dim;
-        let q = be.reshape(self.q.forward(be, x)?, &[n, self.heads, d])?;
-        let k = be.reshape(self.k.forward(be, x)?, &[n, self.kv_heads, d])?;
-        let v = be.reshape(self.v.forward(be, x)?, &[n, self.kv_heads, d])?;
-        let q = be.rope(
-            &be.rms_norm(&q, &self.q_norm, self.eps)?,
-            &step.cos,
-            &step.sin,
-        )?;
-        let k = be.rope(
-            &be.rms_norm(&k, &self.k_norm, self.eps)?,
-            &step.cos,
-            &step.sin,
-        )?;
+        let [q, k, v] = self.project(be, x, &step.cos, &step.sin)?;
         be.write_rows(k_cache, start, &k)?;
         be.write_rows(v_cache, start, &v)?;
         let a = be.attention(
@@ -135,6 +173,22 @@ impl<B: Backend> Attention<B> {
                 first_query_slot: start,
             },
         )?;
+        Ok(self.o.forward(be, &a)?)
+    }
+
+    /// One decoded token: its slot and rotary row come from `inp`'s device buffers.
+    fn decode(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        inp: &DecodeInputs<B>,
+        k_cache: &mut B::Tensor,
+        v_cache: &mut B::Tensor,
+    ) -> Result<B::Tensor> {
+        let [q, k, v] = self.project(be, x, &inp.cos, &inp.sin)?;
+        be.write_row_at(k_cache, &inp.slot, &k)?;
+        be.write_row_at(v_cache, &inp.slot, &v)?;
+        let a = be.decode_attention(&q, k_cache, v_cache, &inp.slot)?;
         Ok(self.o.forward(be, &a)?)
     }
 }
@@ -150,6 +204,13 @@ struct DecoderLayer<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
+    /// The residual stream after attention, `x`, through the MLP half of the layer.
+    fn mlp(&self, be: &B, x: B::Tensor) -> Result<B::Tensor> {
+        let h = be.rms_norm(&x, &self.post_attn_norm, self.eps)?;
+        let g = be.swiglu(&h, self.gate.weight(), self.up.weight())?;
+        Ok(be.add(&x, &self.down.forward(be, &g)?)?)
+    }
+
     fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         Ok(Self {
@@ -167,10 +228,10 @@ impl<B: Backend> DecoderLayer<B> {
 pub struct TextModel<B: Backend> {
     backend: B,
     cfg: ModelConfig,
-    embed_tokens: B::Tensor,
+    embed_tokens: B::Weight,
     layers: Vec<DecoderLayer<B>>,
     norm: B::Tensor,
-    lm_head: B::Tensor,
+    lm_head: B::Weight,
 }
 
 impl<B: Backend> TextModel<B> {
@@ -179,7 +240,7 @@ impl<B: Backend> TextModel<B> {
         let c = &cfg.text;
         let w = weights.pp("model.language_model");
         let (v, h) = (c.vocab_size, c.hidden_size);
-        let embed_tokens = w.load(be, "embed_tokens.weight", &[v, h])?;
+        let embed_tokens = w.load_weight(be, "embed_tokens.weight", &[v, h])?;
         let layers = (0..c.num_hidden_layers)
             .map(|i| DecoderLayer::new(be, &w.pp("layers").pp(i), c))
             .collect::<Result<Vec<_>>>()?;
@@ -188,7 +249,7 @@ impl<B: Backend> TextModel<B> {
         let lm_head = if cfg.tie_word_embeddings && !weights.contains("lm_head.weight") {
             embed_tokens.clone()
         } else {
-            weights.pp("lm_head").load(be, "weight", &[v, h])?
+            weights.pp("lm_head").load_weight(be, "weight", &[v, h])?
         };
         Ok(Self {
             backend,
@@ -210,7 +271,9 @@ impl<B: Backend> TextModel<B> {
 
     /// Token embeddings `[ids.len(), hidden]`.
     pub fn embed(&self, ids: &[u32]) -> Result<B::Tensor> {
-        Ok(self.backend.embedding(&self.embed_tokens, ids)?)
+        let be = &self.backend;
+        let ids = HostTensor::new(vec![ids.len()], ids.iter().map(|&t| t as f32).collect())?;
+        Ok(be.embedding(&self.embed_tokens, &be.upload(&ids)?)?)
     }
 
     /// Runs the step's tokens through every layer, appending them to `cache`, and returns the
@@ -231,17 +294,44 @@ impl<B: Backend> TextModel<B> {
             let a = layer
                 .attn
                 .forward(be, &h, step, &mut cache.k[i], &mut cache.v[i], start)?;
-            x = be.add(&x, &a)?;
-            let h = be.rms_norm(&x, &layer.post_attn_norm, layer.eps)?;
-            let g = be.silu_mul(&layer.gate.forward(be, &h)?, &layer.up.forward(be, &h)?)?;
-            x = be.add(&x, &layer.down.forward(be, &g)?)?;
+            x = layer.mlp(be, be.add(&x, &a)?)?;
             if let Some(ds) = step.deepstack.get(i) {
                 be.add_rows(&mut x, step.image_rows, ds)?;
             }
         }
         cache.len = start + n;
         let last = be.slice_rows(&x, n - 1, n)?;
-        let last = be.rms_norm(&last, &self.norm, self.cfg.text.rms_norm_eps)?;
-        Ok(be.download(&be.linear(&last, &self.lm_head, None)?)?)
+        Ok(be.download(&self.logits(&last)?)?)
+    }
+
+    /// One decode step: the token and its position are in `inp` (set by the caller), its keys
+    /// and values go to slot `cache.len()`. Returns the logits `[1, vocab]` on the device.
+    /// Every buffer this reads is the same from step to step, so a backend can record it once
+    /// and replay it.
+    pub fn decode(&self, cache: &mut KvCache<B>, inp: &DecodeInputs<B>) -> Result<B::Tensor> {
+        let be = &self.backend;
+        if cache.len >= cache.capacity {
+            return Err(crate::Error::PromptTooLong {
+                prompt_tokens: cache.len + 1,
+                context: cache.capacity,
+            });
+        }
+        let mut x = be.embedding(&self.embed_tokens, &inp.token)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = be.rms_norm(&x, &layer.input_norm, layer.eps)?;
+            let a = layer
+                .attn
+                .decode(be, &h, inp, &mut cache.k[i], &mut cache.v[i])?;
+            x = layer.mlp(be, be.add(&x, &a)?)?;
+        }
+        cache.len += 1;
+        self.logits(&x)
+    }
+
+    /// `lm_head(RMSNorm(x))`.
+    fn logits(&self, x: &B::Tensor) -> Result<B::Tensor> {
+        let be = &self.backend;
+        let h = be.rms_norm(x, &self.norm, self.cfg.text.rms_norm_eps)?;
+        Ok(be.linear(&h, &self.lm_head, None)?)
     }
 }

@@ -23,9 +23,19 @@ fn hf_image(g: &Golden, name: &str) -> ImageInput {
     }
 }
 
+/// Logits are O(10). CPU: f32 on both sides with different summation orders over 4 layers, so
+/// 1e-3 absolute (1e-4 relative) is what f32 allows, and a wrong op (a missed norm, a shifted
+/// position) moves them by O(1).
+const CPU_LOGITS_TOL: f32 = 1e-3;
+/// CUDA: the fixture's bf16 weights convert to f16 exactly (bar a few below 6e-5), but
+/// prefill's GEMMs take their inputs rounded to f16 (2^-11 relative each), which over 4 layers
+/// moves O(10) logits by up to ~1e-2; 5e-2 keeps a 20x margin below the O(1) of a wrong op.
+/// (Decode GEMVs keep f32 inputs.)
+const CUDA_LOGITS_TOL: f32 = 5e-2;
+
 #[test]
 fn logits_and_greedy_tokens_match_hf_for_every_case() {
-    check_engine(CpuBackend::new());
+    check_engine(CpuBackend::new(), CPU_LOGITS_TOL);
 }
 
 /// The same check with the CUDA backend; skipped without a GPU. On the GPU machine:
@@ -33,7 +43,7 @@ fn logits_and_greedy_tokens_match_hf_for_every_case() {
 #[test]
 fn logits_on_cuda_match_hf() {
     match vlm_compute::CudaBackend::new(0) {
-        Ok(gpu) => check_engine(gpu),
+        Ok(gpu) => check_engine(gpu, CUDA_LOGITS_TOL),
         Err(e) => {
             use std::io::Write;
             let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
@@ -41,7 +51,7 @@ fn logits_on_cuda_match_hf() {
     }
 }
 
-fn check_engine<B: vlm_compute::Backend>(backend: B) {
+fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
     let dir = fixture();
     let g = Golden::open(&dir).unwrap();
     let weights = Weights::open(&dir).unwrap();
@@ -92,8 +102,6 @@ fn check_engine<B: vlm_compute::Backend>(backend: B) {
                 ControlFlow::Continue(())
             })
             .unwrap();
-        let tokens: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
-        assert_eq!(tokens, hf_tokens, "{name}: greedy tokens");
         let vocab = hf_logits.shape()[1];
         for (step, ours) in logits.iter().enumerate() {
             let hf = &hf_logits.data()[step * vocab..(step + 1) * vocab];
@@ -102,10 +110,26 @@ fn check_engine<B: vlm_compute::Backend>(backend: B) {
                 .zip(hf)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            // Logits are O(10); f32 on both sides with different summation orders over 4
-            // layers: agreement to 1e-3 absolute (1e-4 relative) is what f32 allows, and a
-            // wrong op (a missed norm, a shifted position) moves them by O(1).
-            assert!(max <= 1e-3, "{name}: step {step} logits differ by {max}");
+            assert!(max <= tol, "{name}: step {step} logits differ by {max}");
+            // Greedy tokens must be HF's, except where HF's top two are closer than the
+            // tolerance allows us to tell apart; after such a step the sequences may diverge.
+            let mut sorted = hf.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] <= 2.0 * tol {
+                eprintln!(
+                    "{name}: step {step} is a near tie in HF's logits; tokens compared up to here"
+                );
+                break;
+            }
+            assert_eq!(
+                out.tokens.get(step).map(|&t| t as i64),
+                hf_tokens.get(step).copied(),
+                "{name}: greedy token {step}"
+            );
+        }
+        if tol == CPU_LOGITS_TOL {
+            let tokens: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
+            assert_eq!(tokens, hf_tokens, "{name}: greedy tokens");
         }
     }
 }

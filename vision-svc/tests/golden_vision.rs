@@ -67,7 +67,9 @@ fn preprocessing_matches_hf_pixel_values() {
 
 #[test]
 fn vision_tower_matches_hf_embeddings_and_deepstack() {
-    check_tower(CpuBackend::new());
+    // f32 on both sides; only summation order differs (GEMM blocking, softmax, LayerNorm),
+    // which moves O(1) activations by ~1e-6 per op over 4 blocks and 2 GEMMs after them.
+    check_tower(CpuBackend::new(), 1e-4);
 }
 
 /// The same check with the CUDA backend; skipped without a GPU. On the GPU machine:
@@ -75,7 +77,11 @@ fn vision_tower_matches_hf_embeddings_and_deepstack() {
 #[test]
 fn vision_tower_on_cuda_matches_hf() {
     match vlm_compute::CudaBackend::new(0) {
-        Ok(gpu) => check_tower(gpu),
+        // The fixture's bf16 weights convert to f16 exactly (bar a few below 6e-5), but every
+        // GEMM takes its input rounded to f16 (2^-11 relative), ~25 of them in a row: O(1)
+        // outputs move by a few 1e-3.
+        // 1e-2 stays far below the O(0.1-1) of a wrong op.
+        Ok(gpu) => check_tower(gpu, 1e-2),
         Err(e) => {
             use std::io::Write;
             let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
@@ -83,7 +89,7 @@ fn vision_tower_on_cuda_matches_hf() {
     }
 }
 
-fn check_tower<B: vlm_compute::Backend>(backend: B) {
+fn check_tower<B: vlm_compute::Backend>(backend: B, tol: f32) {
     let dir = fixture();
     let g = Golden::open(&dir).unwrap();
     let weights = Weights::open(&dir).unwrap();
@@ -96,15 +102,13 @@ fn check_tower<B: vlm_compute::Backend>(backend: B) {
         };
         let out = enc.model.forward(&patches).unwrap();
         let hf = g.tensor(&format!("image.{name}.embeds")).unwrap();
-        // f32 on both sides; only summation order differs (GEMM blocking, softmax, LayerNorm),
-        // which moves O(1) activations by ~1e-6 per op over 4 blocks and 2 GEMMs after them.
         let (max, _) = diff(&out.embeds, &hf);
-        assert!(max <= 1e-4, "{name}: embeddings differ by {max}");
+        assert!(max <= tol, "{name}: embeddings differ by {max}");
         assert_eq!(out.deepstack.len(), 3);
         for (j, ds) in out.deepstack.iter().enumerate() {
             let hf = g.tensor(&format!("image.{name}.deepstack.{j}")).unwrap();
             let (max, _) = diff(ds, &hf);
-            assert!(max <= 1e-4, "{name}: DeepStack {j} differs by {max}");
+            assert!(max <= tol, "{name}: DeepStack {j} differs by {max}");
         }
     }
 }

@@ -1,30 +1,68 @@
-//! The CUDA backend: every op of [`Backend`] on an NVIDIA GPU, f32 throughout, so that each
-//! op can be checked against its CPU twin to f32 rounding (`cuda/tests/cuda_twin.rs`).
+//! The CUDA backend: every op of [`Backend`] on an NVIDIA GPU, each checked against its CPU
+//! twin (`cuda/tests/cuda_twin.rs`).
+//!
+//! Weights (the matrices of `linear` and the embedding table) are f16 on the device: decoding a
+//! token reads each once, so half the bytes is twice the tokens/s, and prefill GEMMs run on
+//! tensor cores. A checkpoint's bf16/f32 values are rounded to f16 at load. Activations, norm
+//! weights, biases and the KV cache are f32, and every sum accumulates in f32.
 //!
 //! Kernels are `cuda/kernels/*.cu`, embedded with `include_str!`, compiled at first use by
-//! NVRTC for the GPU present (see [`compile`]) and loaded once per backend; GEMMs go to cuBLAS.
-//! The CUDA libraries are loaded dynamically, so the binary builds and runs without CUDA, and
-//! [`CudaBackend::new`] answers "no GPU" with an error instead of a crash.
-//!
-//! This is the correctness baseline; the fp16 and fused kernels of the seed reports replace
-//! these op by op, each checked against the same twins.
+//! NVRTC for the GPU present (see [`compile`]) and loaded once per backend; large GEMMs go to
+//! cuBLAS, decode GEMVs to our own kernels. The CUDA libraries are loaded dynamically, so the
+//! binary builds and runs without CUDA, and [`CudaBackend::new`] answers "no GPU" with an error
+//! instead of a crash.
 
 pub mod compile;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::backend::{AttnMask, Backend, GeluKind};
 use crate::{Error, HostTensor, Result};
 
-const OPS_SOURCE: &str = include_str!("../../kernels/ops_f32.cu");
-const OPS_KERNELS: [&str; 13] = [
+/// A `.cu` file and the kernels it defines.
+struct KernelSource {
+    file: &'static str,
+    source: &'static str,
+    kernels: &'static [&'static str],
+}
+
+const SOURCES: [KernelSource; 3] = [
+    KernelSource {
+        file: "ops_f32.cu",
+        source: include_str!("../../kernels/ops_f32.cu"),
+        kernels: &OPS_KERNELS,
+    },
+    KernelSource {
+        file: "weights_f16.cu",
+        source: include_str!("../../kernels/weights_f16.cu"),
+        kernels: &[
+            "gemv_f16w",
+            "swiglu_gemv_f16w",
+            "cast_f32_to_f16",
+            "embedding_f16w",
+            "fill_uniform_f16",
+        ],
+    },
+    KernelSource {
+        file: "decode_f32.cu",
+        source: include_str!("../../kernels/decode_f32.cu"),
+        kernels: &[
+            "write_row_at_f32",
+            "decode_attention_partial_f32",
+            "decode_attention_combine_f32",
+        ],
+    },
+];
+
+const OPS_KERNELS: [&str; 12] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -33,7 +71,6 @@ const OPS_KERNELS: [&str; 13] = [
     "rms_norm_f32",
     "rope_f32",
     "attention_f32",
-    "embedding_f32",
     "weighted_gather_f32",
     "scatter_rows_f32",
     "broadcast_rows_f32",
@@ -43,6 +80,18 @@ const OPS_KERNELS: [&str; 13] = [
 const ROW_THREADS: u32 = 256;
 /// Largest head dim the attention kernel holds in registers (32 lanes x 8).
 const MAX_HEAD_DIM: usize = 256;
+/// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
+/// Must match GEMV_MAX_ROWS in weights_f16.cu.
+const GEMV_MAX_ROWS: usize = 4;
+/// Output rows per GEMV block: one warp each.
+const GEMV_WARPS: u32 = 8;
+/// Decode attention splits the keys into chunks of about this many per block (seed 001)...
+const DECODE_KEYS_PER_SPLIT: usize = 256;
+/// ...into at most this many chunks. The count depends on the cache's capacity, not on the
+/// position, so one request's decode steps all launch the same grid.
+const DECODE_MAX_SPLITS: usize = 32;
+/// Warps per decode-attention block; must match DEC_WARPS in decode_f32.cu.
+const DECODE_WARPS: u32 = 4;
 
 /// A tensor in device memory. Clones share the buffer; the in-place row ops copy it first when
 /// it is shared, so a clone never sees another's writes.
@@ -50,6 +99,13 @@ const MAX_HEAD_DIM: usize = 256;
 pub struct CudaTensor {
     shape: Vec<usize>,
     buf: Arc<CudaSlice<f32>>,
+}
+
+/// A weight matrix or table in device memory, f16.
+#[derive(Clone)]
+pub struct CudaWeight {
+    shape: Vec<usize>,
+    buf: Arc<CudaSlice<half::f16>>,
 }
 
 impl CudaTensor {
@@ -109,22 +165,24 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compiles the f32 op kernels to PTX for compute capability `cc` with NVRTC.
-pub fn compile_ops_ptx(cc: (i32, i32)) -> Result<String> {
+/// Compiles one kernel file to PTX for compute capability `cc` with NVRTC. Files that include
+/// CUDA headers (`cuda_fp16.h`) need them found (see [`compile::cuda_include_dir`]).
+fn compile_ptx(file: &str, source: &str, cc: (i32, i32)) -> Result<String> {
     let arch: &'static str = Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str());
+    let include_paths = if source.contains("#include") {
+        vec![compile::cuda_include_dir()?.display().to_string()]
+    } else {
+        Vec::new()
+    };
     let opts = CompileOptions {
         arch: Some(arch),
-        // These f32 kernels include nothing; the header directory is passed when present, for
-        // the kernels that will.
-        include_paths: compile::cuda_include_dir()
-            .map(|p| vec![p.display().to_string()])
-            .unwrap_or_default(),
+        include_paths,
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(OPS_SOURCE, opts)
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts)
         .map(|p| p.to_src())
         .map_err(|e| Error::KernelCompile {
-            kernel: format!("ops_f32.cu for compute_{}{}", cc.0, cc.1),
+            kernel: format!("{file} for compute_{}{}", cc.0, cc.1),
             log: match e {
                 cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                     log.to_string_lossy().into_owned()
@@ -132,6 +190,14 @@ pub fn compile_ops_ptx(cc: (i32, i32)) -> Result<String> {
                 other => other.to_string(),
             },
         })
+}
+
+/// Every kernel file compiled for `cc`, as (file, PTX): what a GPU of that capability loads.
+pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
+    SOURCES
+        .iter()
+        .map(|s| Ok((s.file, compile_ptx(s.file, s.source, cc)?)))
+        .collect()
 }
 
 impl CudaBackend {
@@ -176,29 +242,32 @@ impl CudaBackend {
         let stream = ctx.default_stream();
 
         let nv = nvrtc_version();
-        let path = compile::cache_path(&compile::cache_dir(), "ops_f32", OPS_SOURCE, cc, nv);
-        let (ptx, cached) = compile::cached_or_compile(&path, || {
-            // NVRTC takes seconds; show that something is happening (hidden off a terminal).
-            let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
-                "compiling CUDA kernels for sm_{}{} (cached afterwards)",
-                cc.0, cc.1
-            ));
-            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-            let ptx = compile_ops_ptx(cc);
-            spinner.finish_and_clear();
-            ptx
-        })?;
-        tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), cached, cache = %path.display(), "CUDA kernels ready");
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(|e| cuda_err("loading ops_f32.cu")(&e))?;
         let mut kernels = HashMap::new();
-        for k in OPS_KERNELS {
-            let f = module.load_function(k).map_err(|e| Error::KernelCompile {
-                kernel: k.into(),
-                log: e.to_string(),
+        for src in &SOURCES {
+            let stem = src.file.trim_end_matches(".cu");
+            let path = compile::cache_path(&compile::cache_dir(), stem, src.source, cc, nv);
+            let (ptx, cached) = compile::cached_or_compile(&path, || {
+                // NVRTC takes seconds; show that something is happening (hidden off a terminal).
+                let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                    "compiling {} for sm_{}{} (cached afterwards)",
+                    src.file, cc.0, cc.1
+                ));
+                spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+                let ptx = compile_ptx(src.file, src.source, cc);
+                spinner.finish_and_clear();
+                ptx
             })?;
-            kernels.insert(k, f);
+            tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
+            for &k in src.kernels {
+                let f = module.load_function(k).map_err(|e| Error::KernelCompile {
+                    kernel: k.into(),
+                    log: e.to_string(),
+                })?;
+                kernels.insert(k, f);
+            }
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
         Ok(Self {
@@ -290,6 +359,62 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// A grid-stride loop over `n` elements.
+    fn fill_config(n: u64) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(ROW_THREADS as u64).clamp(1, 65_535) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// One warp per output column of a GEMV.
+    fn gemv_config(m: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((m as u32).div_ceil(GEMV_WARPS), 1, 1),
+            block_dim: (GEMV_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `x [.., k]` against `w [m, k]` (and `b [m]`): returns `m`.
+    fn check_linear(
+        &self,
+        op: &'static str,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<usize> {
+        match w.shape[..] {
+            [m, k] if k == x.cols() && b.is_none_or(|b| b.len() == m) => Ok(m),
+            _ => Err(Error::shape(
+                op,
+                format!(
+                    "input {:?}, weight {:?}, bias {:?}",
+                    x.shape,
+                    w.shape,
+                    b.map(|b| &b.shape)
+                ),
+            )),
+        }
+    }
+
+    /// `x` rounded to f16, for the tensor-core GEMM.
+    fn to_f16(&self, x: &CudaTensor) -> Result<CudaSlice<half::f16>> {
+        let n = x.len() as u64;
+        let mut out = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>(x.len().max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let name = "cast_f32_to_f16";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf).arg(&mut out).arg(&n);
+        // SAFETY: matches cast_f32_to_f16; out holds n halves.
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        Ok(out)
+    }
+
     fn row_config(rows: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (rows.max(1) as u32, 1, 1),
@@ -360,6 +485,7 @@ fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Result<()> {
 }
 
 impl Backend for CudaBackend {
+    type Weight = CudaWeight;
     type Tensor = CudaTensor;
 
     fn name(&self) -> &'static str {
@@ -393,15 +519,52 @@ impl Backend for CudaBackend {
         self.alloc(shape.to_vec())
     }
 
+    fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
+        use rayon::prelude::*;
+        let halves: Vec<half::f16> = t
+            .data()
+            .par_iter()
+            .map(|&v| half::f16::from_f32(v))
+            .collect();
+        let buf = self
+            .inner
+            .stream
+            .clone_htod(if halves.is_empty() {
+                &[half::f16::ZERO][..]
+            } else {
+                &halves
+            })
+            .map_err(|e| cuda_err("uploading a weight")(&e))?;
+        Ok(CudaWeight {
+            shape: t.shape().to_vec(),
+            buf: Arc::new(buf),
+        })
+    }
+
+    fn random_weight(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaWeight> {
+        let n: usize = shape.iter().product();
+        let mut buf = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>(n.max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let name = "fill_uniform_f16";
+        let n = n as u64;
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&mut buf).arg(&n).arg(&key).arg(&bound);
+        // SAFETY: argument types and count match fill_uniform_f16 in weights_f16.cu.
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        Ok(CudaWeight {
+            shape: shape.to_vec(),
+            buf: Arc::new(buf),
+        })
+    }
+
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaTensor> {
         let mut out = self.alloc(shape.to_vec())?;
         let n = out.len() as u64;
         let name = "fill_uniform_f32";
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(ROW_THREADS as u64).clamp(1, 65_535) as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = Self::fill_config(n);
         let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(buf).arg(&n).arg(&key).arg(&bound);
@@ -425,29 +588,31 @@ impl Backend for CudaBackend {
         Ok(t)
     }
 
-    fn linear(&self, x: &CudaTensor, w: &CudaTensor, b: Option<&CudaTensor>) -> Result<CudaTensor> {
-        let (n, k) = (x.rows(), x.cols());
-        let [m, wk] = w.shape[..] else {
-            return Err(Error::shape(
-                "linear",
-                format!("weight must be 2-D, got {:?}", w.shape),
-            ));
-        };
-        if wk != k || b.is_some_and(|b| b.len() != m) {
-            return Err(Error::shape(
-                "linear",
-                format!(
-                    "input {:?}, weight {:?}, bias {:?}",
-                    x.shape,
-                    w.shape,
-                    b.map(|b| &b.shape)
-                ),
-            ));
-        }
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight, b: Option<&CudaTensor>) -> Result<CudaTensor> {
+        let m = self.check_linear("linear", x, w, b)?;
         let mut shape = x.shape[..x.shape.len() - 1].to_vec();
         shape.push(m);
         let mut out = self.alloc(shape)?;
+        let (n, k) = (x.rows(), x.cols());
         if n == 0 || m == 0 {
+            return Ok(out);
+        }
+        if n <= GEMV_MAX_ROWS {
+            let name = "gemv_f16w";
+            let (has_bias, rows, mm, kk) = (b.is_some() as i32, n as i32, m as i32, k as i32);
+            // Without a bias the kernel never reads the pointer; x stands in for it.
+            let bias = b.map_or(&*x.buf, |b| &*b.buf);
+            let mut l = self.inner.stream.launch_builder(self.kernel(name));
+            l.arg(&*x.buf)
+                .arg(&*w.buf)
+                .arg(bias)
+                .arg(&has_bias)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
+                .arg(&rows)
+                .arg(&mm)
+                .arg(&kk);
+            // SAFETY: matches gemv_f16w; shapes checked, rows <= GEMV_MAX_ROWS.
+            self.launched(name, unsafe { l.launch(Self::gemv_config(m)) }.map(|_| ()))?;
             return Ok(out);
         }
         let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
@@ -464,23 +629,73 @@ impl Backend for CudaBackend {
                 unsafe { l.launch(LaunchConfig::for_num_elems((n * m) as u32)) }.map(|_| ()),
             )?;
         }
+        let x16 = self.to_f16(x)?;
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
-        // read transposed from its row-major [m, k] storage.
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: m as i32,
-            n: n as i32,
-            k: k as i32,
-            alpha: 1.0f32,
-            lda: k as i32,
-            ldb: k as i32,
-            beta: if b.is_some() { 1.0 } else { 0.0 },
-            ldc: m as i32,
-        };
-        // SAFETY: the buffers hold m*k, n*k and n*m f32s as the config describes.
-        unsafe { self.inner.blas.gemm(cfg, &*w.buf, &*x.buf, out_buf) }
-            .map_err(|e| cuda_err("cuBLAS sgemm")(&e))?;
+        // read transposed from its row-major [m, k] storage. f16 in, f32 out and accumulation.
+        {
+            let (alpha, beta) = (1.0f32, if b.is_some() { 1.0f32 } else { 0.0 });
+            let stream = &self.inner.stream;
+            let (wp, _w_guard) = w.buf.device_ptr(stream);
+            let (xp, _x_guard) = x16.device_ptr(stream);
+            let (op, _o_guard) = out_buf.device_ptr_mut(stream);
+            use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+            // SAFETY: w holds m*k f16, x16 n*k f16, out n*m f32, as the leading dimensions say; the
+            // guards keep the buffers alive and ordered on this stream until the call is queued.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.inner.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m as i32,
+                    n as i32,
+                    k as i32,
+                    (&alpha) as *const f32 as *const _,
+                    wp as *const _,
+                    cudaDataType_t::CUDA_R_16F,
+                    k as i32,
+                    xp as *const _,
+                    cudaDataType_t::CUDA_R_16F,
+                    k as i32,
+                    (&beta) as *const f32 as *const _,
+                    op as *mut _,
+                    cudaDataType_t::CUDA_R_32F,
+                    m as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16 -> f32)")(&e))?;
+        }
+        Ok(out)
+    }
+
+    fn swiglu(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> Result<CudaTensor> {
+        let m = self.check_linear("swiglu", x, gate, None)?;
+        if gate.shape != up.shape {
+            return Err(Error::shape(
+                "swiglu",
+                format!("gate {:?} and up {:?} differ", gate.shape, up.shape),
+            ));
+        }
+        let n = x.rows();
+        if n > GEMV_MAX_ROWS || m == 0 {
+            return self.silu_mul(&self.linear(x, gate, None)?, &self.linear(x, up, None)?);
+        }
+        let mut shape = x.shape[..x.shape.len() - 1].to_vec();
+        shape.push(m);
+        let mut out = self.alloc(shape)?;
+        let name = "swiglu_gemv_f16w";
+        let (rows, mm, kk) = (n as i32, m as i32, x.cols() as i32);
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(&*gate.buf)
+            .arg(&*up.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
+            .arg(&rows)
+            .arg(&mm)
+            .arg(&kk);
+        // SAFETY: matches swiglu_gemv_f16w; shapes checked, rows <= GEMV_MAX_ROWS.
+        self.launched(name, unsafe { l.launch(Self::gemv_config(m)) }.map(|_| ()))?;
         Ok(out)
     }
 
@@ -661,33 +876,28 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn embedding(&self, table: &CudaTensor, ids: &[u32]) -> Result<CudaTensor> {
-        let (vocab, h) = (table.rows(), table.cols());
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+    fn embedding(&self, table: &CudaWeight, ids: &CudaTensor) -> Result<CudaTensor> {
+        let [vocab, h] = table.shape[..] else {
             return Err(Error::shape(
                 "embedding",
-                format!("token id {id} is outside the vocabulary of {vocab}"),
+                format!("table must be 2-D, got {:?}", table.shape),
             ));
-        }
-        let mut out = self.alloc(vec![ids.len(), h])?;
-        if ids.is_empty() {
+        };
+        let n = ids.len();
+        let mut out = self.alloc(vec![n, h])?;
+        if n == 0 {
             return Ok(out);
         }
-        let idx = self.indices(ids)?;
-        let hh = h as i32;
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("embedding_f32"));
+        let (hh, vv) = (h as i32, vocab as i32);
+        let name = "embedding_f16w";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&*table.buf)
-            .arg(&idx)
+            .arg(&*ids.buf)
             .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&hh);
-        // SAFETY: matches embedding_f32; ids checked against the table.
-        self.launched(
-            "embedding_f32",
-            unsafe { l.launch(Self::row_config(ids.len())) }.map(|_| ()),
-        )?;
+            .arg(&hh)
+            .arg(&vv);
+        // SAFETY: matches embedding_f16w; the kernel bounds-checks every id.
+        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
         Ok(out)
     }
 
@@ -785,6 +995,130 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_dtod(&*src.buf, &mut target)
             .map_err(|e| cuda_err("write_rows")(&e))
+    }
+
+    fn write(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {
+        if values.len() != dst.len() {
+            return Err(Error::shape(
+                "write",
+                format!("{} values into {:?}", values.len(), dst.shape),
+            ));
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
+        let buf = Arc::make_mut(&mut dst.buf);
+        self.inner
+            .stream
+            .memcpy_htod(values, buf)
+            .map_err(|e| cuda_err("write")(&e))
+    }
+
+    fn write_row_at(
+        &self,
+        dst: &mut CudaTensor,
+        slot: &CudaTensor,
+        src: &CudaTensor,
+    ) -> Result<()> {
+        let slots = dst.shape.first().copied().unwrap_or(0);
+        let width = dst.len().checked_div(slots).unwrap_or(0);
+        if src.len() != width || slot.len() != 1 {
+            return Err(Error::shape(
+                "write_row_at",
+                format!(
+                    "row {:?} into {:?} at slot {:?}",
+                    src.shape, dst.shape, slot.shape
+                ),
+            ));
+        }
+        let (w, sl) = (width as i32, slots as i32);
+        let name = "write_row_at_f32";
+        let buf = Arc::make_mut(&mut dst.buf);
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(buf).arg(&*slot.buf).arg(&*src.buf).arg(&w).arg(&sl);
+        let cfg = LaunchConfig {
+            grid_dim: ((width as u32).div_ceil(ROW_THREADS).max(1), 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches write_row_at_f32; the kernel checks the slot against `slots`.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+    }
+
+    fn decode_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        slot: &CudaTensor,
+    ) -> Result<CudaTensor> {
+        let (&[1, hq, d], &[slots, hkv, dk]) = (&q.shape[..], &k.shape[..]) else {
+            return Err(Error::shape(
+                "decode_attention",
+                format!(
+                    "q {:?} must be [1, heads, d], k {:?} [slots, kv_heads, d]",
+                    q.shape, k.shape
+                ),
+            ));
+        };
+        if v.shape != k.shape
+            || dk != d
+            || hkv == 0
+            || hq % hkv != 0
+            || d > MAX_HEAD_DIM
+            || slot.len() != 1
+        {
+            return Err(Error::shape(
+                "decode_attention",
+                format!(
+                    "q {:?}, k {:?}, v {:?}, slot {:?}",
+                    q.shape, k.shape, v.shape, slot.shape
+                ),
+            ));
+        }
+        let splits = slots
+            .div_ceil(DECODE_KEYS_PER_SPLIT)
+            .clamp(1, DECODE_MAX_SPLITS);
+        let mut part_o = self.alloc(vec![hq, splits, d])?;
+        let mut part_ml = self.alloc(vec![hq, splits, 2])?;
+        let mut out = self.alloc(vec![1, hq * d])?;
+        let (hq_i, hkv_i, d_i) = (hq as i32, hkv as i32, d as i32);
+        let scale = 1.0 / (d as f32).sqrt();
+        let name = "decode_attention_partial_f32";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*q.buf)
+            .arg(&*k.buf)
+            .arg(&*v.buf)
+            .arg(&*slot.buf)
+            .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
+            .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&d_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (hq as u32, splits as u32, 1),
+            block_dim: (DECODE_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches decode_attention_partial_f32; shapes checked, d <= MAX_HEAD_DIM.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        let name = "decode_attention_combine_f32";
+        let splits_i = splits as i32;
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*part_o.buf)
+            .arg(&*part_ml.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&splits_i)
+            .arg(&d_i);
+        let cfg = LaunchConfig {
+            grid_dim: (hq as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches decode_attention_combine_f32 over the partials just written.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
     }
 
     fn scatter_rows(&self, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
