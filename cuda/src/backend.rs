@@ -31,6 +31,9 @@ pub trait Backend: Send + Sync + 'static {
     /// tensor-core GEMMs).
     type Weight: Clone + Send + Sync;
 
+    /// Bytes per element of a [`Backend::Weight`]: what decoding reads per parameter.
+    const WEIGHT_BYTES: usize;
+
     /// Short name for logs and errors ("cpu", "cuda").
     fn name(&self) -> &'static str;
 

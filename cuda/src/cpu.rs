@@ -116,6 +116,7 @@ fn check_rows(
 impl Backend for CpuBackend {
     type Tensor = HostTensor;
     type Weight = HostTensor;
+    const WEIGHT_BYTES: usize = 4;
 
     fn name(&self) -> &'static str {
         "cpu"

@@ -212,7 +212,8 @@ pub fn run<B: Backend + Clone>(
     })?;
     let kv_bytes = (opts.decode_context + opts.decode_tokens / 2) as f64
         * (tcfg.num_hidden_layers * 2 * tcfg.num_key_value_heads * tcfg.head_dim * 4) as f64;
-    let bytes_per_token = params * 4.0 + kv_bytes;
+    // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), the KV cache in f32.
+    let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
     let mut meas = Measurement {
         name: format!("decode: batch 1 at context {}", opts.decode_context),
         seconds: s,

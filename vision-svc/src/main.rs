@@ -46,8 +46,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         model: args.model,
         max_concurrent: args.max_concurrent,
     };
-    let cpu = || Ok(vlm_compute::CpuBackend::new());
-    let result = serve(cfg, cpu, listener, vlm_proto::shutdown_signal()).await;
+    let shutdown = vlm_proto::shutdown_signal();
+    let result = if args.device == "cuda" {
+        serve(cfg, || vlm_compute::CudaBackend::new(0), listener, shutdown).await
+    } else {
+        serve(
+            cfg,
+            || Ok(vlm_compute::CpuBackend::new()),
+            listener,
+            shutdown,
+        )
+        .await
+    };
     telemetry.shutdown();
     result
 }

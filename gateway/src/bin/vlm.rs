@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use gateway::chat::{Message, Part};
 use gateway::pipeline::{ChatRequest, Pipeline};
 use llm_svc::SamplingParams;
-use vlm_compute::{npy, CpuBackend, HostTensor};
+use vlm_compute::{npy, Backend, CpuBackend, CudaBackend, HostTensor};
 
 #[derive(Parser)]
 #[command(
@@ -83,9 +83,44 @@ struct BenchArgs {
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    if matches!(args.device, Device::Cuda) {
-        vlm_compute::cuda::ensure_enabled()?;
+    match args.device {
+        Device::Cpu => {
+            let device = format!(
+                "cpu ({} threads)",
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            );
+            let copy = |_: &CpuBackend, bytes: usize| -> anyhow::Result<std::time::Duration> {
+                // Both buffers written first, so page faults are not timed as copying.
+                let src = vec![1u8; bytes];
+                let mut dst = vec![2u8; bytes];
+                let t = std::time::Instant::now();
+                dst.copy_from_slice(&src);
+                let d = t.elapsed();
+                std::hint::black_box(&dst);
+                Ok(d)
+            };
+            bench_on(&args, CpuBackend::new(), copy, device)
+        }
+        Device::Cuda => {
+            let gpu = open_cuda()?;
+            let device = format!(
+                "{} (sm_{}{}, cuda)",
+                gpu.device_name(),
+                gpu.compute_capability().0,
+                gpu.compute_capability().1
+            );
+            let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
+            bench_on(&args, gpu, copy, device)
+        }
     }
+}
+
+fn bench_on<B: Backend + Clone>(
+    args: &BenchArgs,
+    backend: B,
+    copy: impl Fn(&B, usize) -> anyhow::Result<std::time::Duration>,
+    device: String,
+) -> anyhow::Result<()> {
     gateway::pipeline::check_model_dir(&args.model)?;
     let weights = if args.random_weights {
         vlm_compute::Weights::random(&args.model, 0)
@@ -100,21 +135,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         decode_context: args.decode_context,
         decode_tokens: args.decode_tokens,
     };
-    let copy = |_: &CpuBackend, bytes: usize| -> anyhow::Result<std::time::Duration> {
-        // Both buffers written first, so page faults are not timed as copying.
-        let src = vec![1u8; bytes];
-        let mut dst = vec![2u8; bytes];
-        let t = std::time::Instant::now();
-        dst.copy_from_slice(&src);
-        let d = t.elapsed();
-        std::hint::black_box(&dst);
-        Ok(d)
-    };
-    let rows = gateway::bench::run(&args.model, &weights, CpuBackend::new(), &opts, copy)?;
-    let device = format!(
-        "cpu ({} threads)",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    );
+    let rows = gateway::bench::run(&args.model, &weights, backend, &opts, copy)?;
     let config = format!(
         "{}{}",
         args.model.display(),
@@ -146,6 +167,12 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// GPU 0, through the one gate that keeps `--device cuda` off until the backend is verified.
+fn open_cuda() -> anyhow::Result<CudaBackend> {
+    vlm_compute::cuda::ensure_enabled()?;
+    Ok(CudaBackend::new(0)?)
 }
 
 #[derive(clap::Args)]
@@ -222,6 +249,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     use tokio_util::sync::CancellationToken;
 
     if matches!(args.device, Device::Cuda) {
+        // The services open the GPU themselves, in the background, while health says loading.
         vlm_compute::cuda::ensure_enabled()?;
     }
     gateway::pipeline::check_model_dir(&args.model).with_context(|| {
@@ -252,25 +280,22 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
 
     let token = CancellationToken::new();
     let mut services = tokio::task::JoinSet::new();
-    services.spawn(vision_svc::server::serve(
-        vision_svc::server::ServeConfig {
-            model: args.model.clone(),
-            max_concurrent: args.max_concurrent,
-        },
-        || Ok(CpuBackend::new()),
-        vision_l,
-        token.clone().cancelled_owned(),
-    ));
-    services.spawn(llm_svc::server::serve(
-        llm_svc::server::ServeConfig {
-            model: args.model.clone(),
-            max_concurrent: args.max_concurrent,
-            max_context: args.max_context,
-        },
-        || Ok(CpuBackend::new()),
-        llm_l,
-        token.clone().cancelled_owned(),
-    ));
+    match args.device {
+        Device::Cpu => spawn_model_services(
+            &mut services,
+            || Ok(CpuBackend::new()),
+            &args,
+            (vision_l, llm_l),
+            &token,
+        ),
+        Device::Cuda => spawn_model_services(
+            &mut services,
+            || CudaBackend::new(0),
+            &args,
+            (vision_l, llm_l),
+            &token,
+        ),
+    }
     let model_name = args
         .model
         .file_name()
@@ -291,7 +316,11 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
         http_l,
         token.clone(),
     ));
-    println!("vlm serving {} ({model_name}) on cpu", args.model.display());
+    println!(
+        "vlm serving {} ({model_name}) on {}",
+        args.model.display(),
+        args.device.name()
+    );
     println!("  HTTP  http://{http_addr}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)");
     println!("  gRPC  {grpc_addr}   (vlm.v1.Gateway: Chat, ChatStream; health and reflection)");
     println!("  internal: vision-svc {vision_addr}, llm-svc {llm_addr}");
@@ -316,12 +345,50 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     }
 }
 
+/// vision-svc and llm-svc on `backend`s opened (in the background) by `open`.
+fn spawn_model_services<B: Backend + Clone>(
+    services: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+    open: fn() -> vlm_compute::Result<B>,
+    args: &ServeArgs,
+    (vision_l, llm_l): (tokio::net::TcpListener, tokio::net::TcpListener),
+    token: &tokio_util::sync::CancellationToken,
+) {
+    services.spawn(vision_svc::server::serve(
+        vision_svc::server::ServeConfig {
+            model: args.model.clone(),
+            max_concurrent: args.max_concurrent,
+        },
+        open,
+        vision_l,
+        token.clone().cancelled_owned(),
+    ));
+    services.spawn(llm_svc::server::serve(
+        llm_svc::server::ServeConfig {
+            model: args.model.clone(),
+            max_concurrent: args.max_concurrent,
+            max_context: args.max_context,
+        },
+        open,
+        llm_l,
+        token.clone().cancelled_owned(),
+    ));
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum Device {
     /// The CPU reference path (any machine).
     Cpu,
     /// An NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC).
     Cuda,
+}
+
+impl Device {
+    fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -379,9 +446,13 @@ struct RunArgs {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    if matches!(args.device, Device::Cuda) {
-        vlm_compute::cuda::ensure_enabled()?;
+    match args.device {
+        Device::Cpu => run_on(args, CpuBackend::new()),
+        Device::Cuda => run_on(args, open_cuda()?),
     }
+}
+
+fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
     let mut parts = Vec::new();
     for path in &args.images {
         let bytes =
@@ -412,9 +483,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let pipeline = if args.random_weights {
         let weights = vlm_compute::Weights::random(&args.model, args.weights_seed);
-        Pipeline::with_weights(&args.model, &weights, CpuBackend::new(), args.max_context)
+        Pipeline::with_weights(&args.model, &weights, backend, args.max_context)
     } else {
-        Pipeline::load(&args.model, CpuBackend::new(), args.max_context)
+        Pipeline::load(&args.model, backend, args.max_context)
     }
     .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
     let vocab = pipeline.engine.config().text.vocab_size;
