@@ -24,6 +24,9 @@ pub enum AttnMask {
 }
 
 pub trait Backend: Send + Sync + 'static {
+    /// A recorded sequence of ops ([`Backend::record`]), e.g. a CUDA graph; `()` where there
+    /// is none.
+    type Graph;
     /// Activations, norm weights, biases, caches.
     type Tensor: Clone + Send + Sync;
     /// The matrices of `linear` and the embedding table, stored as the backend reads them best:
@@ -41,6 +44,8 @@ pub trait Backend: Send + Sync + 'static {
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
     fn download(&self, t: &Self::Tensor) -> Result<HostTensor>;
     fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
+    /// `dst = src` in place (same element count); `dst` keeps its buffer.
+    fn copy(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<()>;
     /// `shape` filled with [`crate::random::uniform`]`(key, i, bound)` at element `i`: the
     /// matrices of a random-weight model. Built on the host unless the backend can do better.
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<Self::Tensor> {
@@ -55,6 +60,18 @@ pub trait Backend: Send + Sync + 'static {
     fn shape<'a>(&self, t: &'a Self::Tensor) -> &'a [usize];
     /// Same data viewed with another shape of the same element count.
     fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
+
+    // ---- recording ----
+    /// Records what `ops` enqueues, without running it, for [`Backend::replay`]: one launch
+    /// instead of hundreds per decoded token. Only ops whose every input and output buffer
+    /// stays put (refreshed with [`Backend::write`]) may be recorded. `Ok(None)`: this backend
+    /// does not record (the default); the caller runs `ops` itself.
+    fn record(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>> {
+        let _ = ops;
+        Ok(None)
+    }
+    /// Runs a recording again, reading whatever its buffers hold now.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
     // ---- dense math ----
     /// `x [n, k] · wᵀ + b` with `w [m, k]` (PyTorch's `nn.Linear` layout) -> `[n, m]`.

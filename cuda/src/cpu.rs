@@ -116,6 +116,7 @@ fn check_rows(
 impl Backend for CpuBackend {
     type Tensor = HostTensor;
     type Weight = HostTensor;
+    type Graph = ();
     const WEIGHT_BYTES: usize = 4;
 
     fn name(&self) -> &'static str {
@@ -128,6 +129,15 @@ impl Backend for CpuBackend {
 
     fn upload_weight(&self, t: &HostTensor) -> Result<HostTensor> {
         Ok(t.clone())
+    }
+
+    fn copy(&self, dst: &mut HostTensor, src: &HostTensor) -> Result<()> {
+        self.write(dst, src.data())
+    }
+
+    fn replay(&self, _: &()) -> Result<()> {
+        // Nothing is ever recorded on the CPU (`record` returns None).
+        Ok(())
     }
 
     fn download(&self, t: &HostTensor) -> Result<HostTensor> {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use vlm_compute::{Backend, HostTensor, Weights};
 
-use crate::model::{DecodeInputs, KvCache, StepInput, TextModel};
+use crate::model::{DecodeGraph, DecodeInputs, KvCache, StepInput, TextModel};
 use crate::mrope::{self, image_spans, prompt_positions, ImageSpan};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::{Error, ModelConfig, Result};
@@ -249,7 +249,8 @@ impl<B: Backend> Engine<B> {
         let decode_guard = decode_span.enter();
         let decode_started = Instant::now();
 
-        let mut inputs = DecodeInputs::new(be, cfg.text.head_dim)?;
+        let mut inputs = DecodeInputs::new(be, &cfg.text)?;
+        let mut graph = DecodeGraph::NotTried;
         let mut tokens = Vec::new();
         let finish = loop {
             let token = sampler.sample(logits.data());
@@ -272,7 +273,8 @@ impl<B: Backend> Engine<B> {
             let p = (cache.len() as i64 + pos.delta) as u32;
             let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &[[p; 3]])?;
             inputs.set(be, token, cache.len(), cos.data(), sin.data())?;
-            logits = be.download(&self.model.decode(&mut cache, &inputs)?)?;
+            self.model.decode(&mut cache, &mut inputs, &mut graph)?;
+            logits = be.download(inputs.logits())?;
         };
         let decode = decode_started.elapsed();
         decode_span.record("tokens", tokens.len());

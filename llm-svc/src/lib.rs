@@ -17,5 +17,5 @@ pub mod server;
 pub use config::{ModelConfig, TextConfig};
 pub use engine::{Engine, FinishReason, GenerateRequest, Generation, ImageInput, TokenEvent};
 pub use error::{Error, Result};
-pub use model::{DecodeInputs, KvCache, StepInput, TextModel};
+pub use model::{DecodeGraph, DecodeInputs, KvCache, StepInput, TextModel};
 pub use sampler::{argmax, Sampler, SamplingParams};

@@ -55,9 +55,10 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
-/// The per-token inputs of a decode step, in buffers allocated once per request and rewritten
-/// before each step ([`DecodeInputs::set`]): the step's kernels then read the token and the
-/// position from the same device addresses every time, as a CUDA graph replay requires.
+/// The per-token inputs and the output of a decode step, in buffers allocated once per request
+/// and rewritten before each step ([`DecodeInputs::set`]): the step's kernels then read the
+/// token and the position from, and write the logits to, the same device addresses every time,
+/// as a CUDA graph replay requires.
 pub struct DecodeInputs<B: Backend> {
     /// `[1]`: the token id (as f32).
     token: B::Tensor,
@@ -66,16 +67,24 @@ pub struct DecodeInputs<B: Backend> {
     /// `[1, head_dim]`: the rotary row for this token's position.
     cos: B::Tensor,
     sin: B::Tensor,
+    /// `[1, vocab]`: what the step computes.
+    logits: B::Tensor,
 }
 
 impl<B: Backend> DecodeInputs<B> {
-    pub fn new(be: &B, head_dim: usize) -> Result<Self> {
+    pub fn new(be: &B, cfg: &TextConfig) -> Result<Self> {
         Ok(Self {
             token: be.zeros(&[1])?,
             slot: be.zeros(&[1])?,
-            cos: be.zeros(&[1, head_dim])?,
-            sin: be.zeros(&[1, head_dim])?,
+            cos: be.zeros(&[1, cfg.head_dim])?,
+            sin: be.zeros(&[1, cfg.head_dim])?,
+            logits: be.zeros(&[1, cfg.vocab_size])?,
         })
+    }
+
+    /// The logits of the last step.
+    pub fn logits(&self) -> &B::Tensor {
+        &self.logits
     }
 
     /// Token `token` at cache slot `slot` with the rotary row `cos`, `sin`.
@@ -86,6 +95,15 @@ impl<B: Backend> DecodeInputs<B> {
         be.write(&mut self.sin, sin)?;
         Ok(())
     }
+}
+
+/// Where a request's decode step stands with respect to recording (see [`TextModel::decode`]).
+pub enum DecodeGraph<B: Backend> {
+    NotTried,
+    /// Recorded on the first step; replayed since.
+    Recorded(B::Graph),
+    /// The backend does not record (or recording failed): ops run one by one.
+    Direct,
 }
 
 /// What one forward pass adds to the sequence.
@@ -140,7 +158,7 @@ impl<B: Backend> Attention<B> {
         x: &B::Tensor,
         cos: &B::Tensor,
         sin: &B::Tensor,
-    ) -> Result<[B::Tensor; 3]> {
+    ) -> vlm_compute::Result<[B::Tensor; 3]> {
         let n = be.shape(x)[0];
         let d = self.head_dim;
         let q = be.reshape(self.q.forward(be, x)?, &[n, self.heads, d])?;
@@ -184,12 +202,12 @@ impl<B: Backend> Attention<B> {
         inp: &DecodeInputs<B>,
         k_cache: &mut B::Tensor,
         v_cache: &mut B::Tensor,
-    ) -> Result<B::Tensor> {
+    ) -> vlm_compute::Result<B::Tensor> {
         let [q, k, v] = self.project(be, x, &inp.cos, &inp.sin)?;
         be.write_row_at(k_cache, &inp.slot, &k)?;
         be.write_row_at(v_cache, &inp.slot, &v)?;
         let a = be.decode_attention(&q, k_cache, v_cache, &inp.slot)?;
-        Ok(self.o.forward(be, &a)?)
+        self.o.forward(be, &a)
     }
 }
 
@@ -205,10 +223,10 @@ struct DecoderLayer<B: Backend> {
 
 impl<B: Backend> DecoderLayer<B> {
     /// The residual stream after attention, `x`, through the MLP half of the layer.
-    fn mlp(&self, be: &B, x: B::Tensor) -> Result<B::Tensor> {
+    fn mlp(&self, be: &B, x: B::Tensor) -> vlm_compute::Result<B::Tensor> {
         let h = be.rms_norm(&x, &self.post_attn_norm, self.eps)?;
         let g = be.swiglu(&h, self.gate.weight(), self.up.weight())?;
-        Ok(be.add(&x, &self.down.forward(be, &g)?)?)
+        be.add(&x, &self.down.forward(be, &g)?)
     }
 
     fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
@@ -304,11 +322,19 @@ impl<B: Backend> TextModel<B> {
         Ok(be.download(&self.logits(&last)?)?)
     }
 
-    /// One decode step: the token and its position are in `inp` (set by the caller), its keys
-    /// and values go to slot `cache.len()`. Returns the logits `[1, vocab]` on the device.
-    /// Every buffer this reads is the same from step to step, so a backend can record it once
-    /// and replay it.
-    pub fn decode(&self, cache: &mut KvCache<B>, inp: &DecodeInputs<B>) -> Result<B::Tensor> {
+    /// One decode step: the token, its cache slot and rotary row are in `inp` (set by the
+    /// caller), its keys and values go to that slot, its logits to `inp.logits()`.
+    ///
+    /// The first step is recorded if the backend can ([`Backend::record`], a CUDA graph) and
+    /// every later one replays that recording: all the buffers the step touches stay put, and
+    /// only their contents change. `graph` holds the recording between steps (`None` before
+    /// the first step, and for backends that run ops directly).
+    pub fn decode(
+        &self,
+        cache: &mut KvCache<B>,
+        inp: &mut DecodeInputs<B>,
+        graph: &mut DecodeGraph<B>,
+    ) -> Result<()> {
         let be = &self.backend;
         if cache.len >= cache.capacity {
             return Err(crate::Error::PromptTooLong {
@@ -316,6 +342,32 @@ impl<B: Backend> TextModel<B> {
                 context: cache.capacity,
             });
         }
+        if matches!(graph, DecodeGraph::NotTried) {
+            *graph = match be.record(&mut || self.decode_ops(cache, inp)) {
+                Ok(Some(g)) => DecodeGraph::Recorded(g),
+                Ok(None) => DecodeGraph::Direct,
+                Err(e) => {
+                    // Slower, not wrong: the same ops run one by one.
+                    tracing::warn!(error = %e, "decode step could not be recorded; running it op by op");
+                    DecodeGraph::Direct
+                }
+            };
+        }
+        match graph {
+            DecodeGraph::Recorded(g) => be.replay(g)?,
+            _ => self.decode_ops(cache, inp)?,
+        }
+        cache.len += 1;
+        Ok(())
+    }
+
+    /// The device work of a decode step (no host-side state changes, so it can be recorded).
+    fn decode_ops(
+        &self,
+        cache: &mut KvCache<B>,
+        inp: &mut DecodeInputs<B>,
+    ) -> vlm_compute::Result<()> {
+        let be = &self.backend;
         let mut x = be.embedding(&self.embed_tokens, &inp.token)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = be.rms_norm(&x, &layer.input_norm, layer.eps)?;
@@ -324,14 +376,13 @@ impl<B: Backend> TextModel<B> {
                 .decode(be, &h, inp, &mut cache.k[i], &mut cache.v[i])?;
             x = layer.mlp(be, be.add(&x, &a)?)?;
         }
-        cache.len += 1;
-        self.logits(&x)
+        be.copy(&mut inp.logits, &self.logits(&x)?)
     }
 
     /// `lm_head(RMSNorm(x))`.
-    fn logits(&self, x: &B::Tensor) -> Result<B::Tensor> {
+    fn logits(&self, x: &B::Tensor) -> vlm_compute::Result<B::Tensor> {
         let be = &self.backend;
         let h = be.rms_norm(x, &self.norm, self.cfg.text.rms_norm_eps)?;
-        Ok(be.linear(&h, &self.lm_head, None)?)
+        be.linear(&h, &self.lm_head, None)
     }
 }

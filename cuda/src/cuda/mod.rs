@@ -239,7 +239,14 @@ impl CudaBackend {
         let cc = ctx
             .compute_capability()
             .map_err(|e| cuda_err("compute capability")(&e))?;
-        let stream = ctx.default_stream();
+        // Our own stream, not the legacy default one, which cannot be captured into a graph.
+        // Every op of this backend runs on it, so cudarc's cross-stream event tracking (which
+        // records events around each use, also while capturing) has nothing to guard.
+        // SAFETY: one stream per backend; buffers never cross to another backend's stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream")(&e))?;
 
         let nv = nvrtc_version();
         let mut kernels = HashMap::new();
@@ -503,8 +510,12 @@ fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Result<()> {
     Ok(())
 }
 
+/// A recorded decode step: a CUDA graph on the backend's stream.
+pub struct CudaStepGraph(cudarc::driver::CudaGraph);
+
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
+    type Graph = CudaStepGraph;
     const WEIGHT_BYTES: usize = 2;
     type Tensor = CudaTensor;
 
@@ -537,6 +548,44 @@ impl Backend for CudaBackend {
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
         self.alloc(shape.to_vec())
+    }
+
+    fn copy(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
+        if dst.len() != src.len() {
+            return Err(Error::shape(
+                "copy",
+                format!("{:?} into {:?}", src.shape, dst.shape),
+            ));
+        }
+        let buf = Arc::make_mut(&mut dst.buf);
+        self.inner
+            .stream
+            .memcpy_dtod(&*src.buf, buf)
+            .map_err(|e| cuda_err("copy")(&e))
+    }
+
+    fn record(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaStepGraph>> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let stream = &self.inner.stream;
+        // Thread-local: other threads' CUDA calls (another service in the same process) go on.
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| cuda_err("starting a graph capture")(&e))?;
+        let recorded = ops();
+        // Ended whatever ops did, so the stream never stays in capture mode. Buffers the step
+        // allocates and does not free are freed at each launch.
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        recorded?;
+        let graph = graph.map_err(|e| cuda_err("capturing the decode step")(&e))?;
+        Ok(graph.map(CudaStepGraph))
+    }
+
+    fn replay(&self, graph: &CudaStepGraph) -> Result<()> {
+        graph
+            .0
+            .launch()
+            .map_err(|e| cuda_err("replaying the decode step")(&e))
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
