@@ -39,6 +39,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Short name for logs and errors ("cpu", "cuda").
     fn name(&self) -> &'static str;
+    /// Device memory in use now, in bytes, where the backend has its own memory (a GPU; for the
+    /// benchmark's memory rows). With CUDA's pool allocator, memory freed stays reserved, so
+    /// after a stage has run this is its peak.
+    fn memory_in_use(&self) -> Option<usize> {
+        None
+    }
 
     // ---- memory ----
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;

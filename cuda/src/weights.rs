@@ -150,6 +150,14 @@ impl Weights {
         })
     }
 
+    /// The checkpoint's weights, or with `random_seed` [`Weights::random`] ones of its config.
+    pub fn open_or_random(dir: &Path, random_seed: Option<u64>) -> Result<Self> {
+        match random_seed {
+            Some(seed) => Ok(Self::random(dir, seed)),
+            None => Self::open(dir),
+        }
+    }
+
     /// Weights that do not come from a file: each tensor is generated when first asked for,
     /// from `seed` and its name (so the same name always gets the same values), with whatever
     /// shape the config implies. For running and measuring the real model sizes without a

@@ -1,15 +1,19 @@
-//! `vlm bench`: the stages measured in-process on the device at hand, against the hardware
-//! limits measured in the same run.
+//! `vlm bench`: the stages measured on the device at hand, against the hardware limits
+//! measured in the same run.
 //!
-//! - ViT + mergers for square images of the given sides;
-//! - prefill throughput for a text prompt of N tokens;
-//! - decode tokens/s at a given context (steady state, eos ignored);
 //! - limits: copy bandwidth (decode reads every weight and the KV cache once per token, so
 //!   bytes per token / bandwidth bounds it) and a large GEMM's FLOP rate (prefill and the ViT
-//!   are GEMM-bound).
+//!   are GEMM-bound);
+//! - ViT + mergers for square images of the given sides;
+//! - prefill throughput for text prompts of the given lengths;
+//! - time to first token of an image + text request, in process;
+//! - decode tokens/s at the given contexts (steady state, eos ignored);
+//! - the same image request through vision-svc, llm-svc and the gateway over gRPC on loopback,
+//!   to show what the service hops cost (embedding transfer included);
+//! - device memory in use after each stage, where the backend has its own (a GPU).
 //!
-//! Works from a checkpoint or, with `--random-weights`, from a config alone, so the real 8B
-//! shapes can be measured without downloading weights. Each measurement runs `warmup` times
+//! Works from a checkpoint or, with random weights, from a config alone, so the real 8B shapes
+//! can be measured without downloading weights. Each measurement runs `warmup` times
 //! unmeasured, then `repeats` times; the report gives the median and the spread.
 
 use std::path::Path;
@@ -18,19 +22,30 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use llm_svc::{Engine, GenerateRequest, SamplingParams};
 use serde_json::{json, Value};
-use vision_svc::{Patches, VisionConfig, VisionModel};
+use vision_svc::{Patches, VisionConfig, VisionEncoder};
 use vlm_compute::{Backend, HostTensor, Weights};
+
+use crate::chat::{ChatTokenizer, Message, Part};
+use crate::pipeline::{ChatRequest, Pipeline, RequestLimits};
 
 pub struct BenchOptions {
     pub warmup: usize,
     pub repeats: usize,
     /// Sides (pixels) of the square images for the ViT measurement.
     pub image_sides: Vec<usize>,
-    /// Prompt length for the prefill measurement.
-    pub prefill_tokens: usize,
-    /// Context at which decoding is measured, and how many tokens are decoded.
-    pub decode_context: usize,
+    /// Prompt lengths for the prefill measurements.
+    pub prefill_tokens: Vec<usize>,
+    /// Contexts at which decoding is measured, and how many tokens are decoded each time.
+    pub decode_contexts: Vec<usize>,
     pub decode_tokens: usize,
+    /// The time-to-first-token request: one square image of this side and about this many
+    /// text tokens.
+    pub ttft_image_side: usize,
+    pub ttft_text_tokens: usize,
+    /// Also send that request through the services and the gateway on loopback.
+    pub through_gateway: bool,
+    /// Random weights from this seed instead of the checkpoint's.
+    pub random_weights: Option<u64>,
 }
 
 /// One row of the report.
@@ -88,25 +103,34 @@ fn time(
     Ok(s)
 }
 
-/// Runs every measurement on `backend` for the checkpoint (or config) in `dir`.
-/// `copy` copies `bytes` bytes once on the device and returns how long that took; the limit it
-/// gives counts the read and the write (2 x bytes), the traffic decoding's reads compare with.
+/// Runs every measurement for the checkpoint (or config) in `dir` on backends opened by
+/// `open` (one in process; the services open their own). `copy` copies `bytes` bytes once on
+/// the device and returns how long that took; the limit it gives counts the read and the write
+/// (2 x bytes), the traffic decoding's reads compare with.
 pub fn run<B: Backend + Clone>(
     dir: &Path,
-    weights: &Weights,
-    backend: B,
+    open: fn() -> vlm_compute::Result<B>,
     opts: &BenchOptions,
     copy: impl Fn(&B, usize) -> anyhow::Result<Duration>,
 ) -> anyhow::Result<Vec<Measurement>> {
-    let vcfg = VisionConfig::from_dir(dir)?;
-    let vision = VisionModel::new(vcfg.clone(), weights, backend.clone())?;
-    let engine = Engine::load(dir, weights, backend.clone(), None)?;
+    let backend = open()?;
+    let base_memory = backend.memory_in_use();
+    let weights = Weights::open_or_random(dir, opts.random_weights)?;
+    let vision = VisionEncoder::load(dir, &weights, backend.clone())?;
+    let engine = Engine::load(dir, &weights, backend.clone(), None)?;
     weights.finish();
+    let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id)?;
+    let vcfg = vision.model.config().clone();
     let tcfg = engine.config().text.clone();
 
     let per_measure = opts.warmup + opts.repeats.max(1);
-    let total = per_measure * (2 + opts.image_sides.len() + 2);
-    let bar = ProgressBar::new(total as u64).with_style(
+    let measures = 2
+        + opts.image_sides.len()
+        + opts.prefill_tokens.len()
+        + 1
+        + opts.decode_contexts.len()
+        + opts.through_gateway as usize;
+    let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
             .expect("valid template"),
     );
@@ -126,7 +150,7 @@ pub fn run<B: Backend + Clone>(
     let bandwidth = out[0].throughput();
 
     bar.set_message("GEMM rate");
-    let (m, k, n) = (2048, 2048, 2048);
+    let (m, k, n) = (4096, 4096, 4096);
     let a = backend.upload(&HostTensor::new(vec![n, k], vec![0.5; n * k])?)?;
     let w = backend.upload_weight(&HostTensor::new(vec![m, k], vec![0.25; m * k])?)?;
     let gemm = time(opts, &bar, || {
@@ -135,8 +159,9 @@ pub fn run<B: Backend + Clone>(
         backend.download(&backend.slice_rows(&y, 0, 1)?)?;
         Ok(t.elapsed())
     })?;
+    drop((a, w));
     out.push(Measurement {
-        name: format!("limit: GEMM {n}x{k}x{m}"),
+        name: format!("limit: GEMM {n}x{k}x{m} (the backend's linear)"),
         seconds: gemm,
         work: 2.0 * (m * n * k) as f64,
         unit: "FLOP",
@@ -158,73 +183,310 @@ pub fn run<B: Backend + Clone>(
         bar.set_message(format!("ViT {side}x{side}"));
         let s = time(opts, &bar, || {
             let t = Instant::now();
-            vision.forward(&patches)?;
+            vision.model.forward(&patches)?;
             Ok(t.elapsed())
         })?;
-        let flops = vit_flops(&vcfg, g * g);
         let mut meas = Measurement {
             name: format!("vision: ViT + mergers {side}x{side} ({} patches)", g * g),
             seconds: s,
-            work: flops,
+            work: vit_flops(&vcfg, g * g),
             unit: "FLOP",
             roofline: None,
         };
         meas.roofline = Some(meas.throughput() / flop_rate);
         out.push(meas);
     }
+    memory_row(
+        &mut out,
+        "memory: vision model and activations",
+        &backend,
+        base_memory,
+    );
 
-    // Prefill and decode on a synthetic text prompt (ids away from the special tokens).
+    // Prefill and decode on synthetic text prompts (ids away from the special tokens).
     let prompt = |len: usize| -> Vec<u32> { (0..len).map(|i| (i % 100 + 10) as u32).collect() };
     let params = text_params(&tcfg) as f64;
-    bar.set_message(format!("prefill {}", opts.prefill_tokens));
-    let req = GenerateRequest {
-        prompt: prompt(opts.prefill_tokens),
-        images: Vec::new(),
-        sampling: SamplingParams::greedy(),
-        max_new_tokens: 1,
-        ignore_eos: true,
-    };
-    let s = time(opts, &bar, || {
-        Ok(engine
-            .generate(&req, |_| std::ops::ControlFlow::Continue(()))?
-            .prefill)
-    })?;
-    let mut meas = Measurement {
-        name: format!("prefill: {} text tokens", opts.prefill_tokens),
-        seconds: s,
-        work: opts.prefill_tokens as f64,
-        unit: "token",
-        roofline: None,
-    };
-    meas.roofline = Some(meas.throughput() * 2.0 * params / flop_rate);
-    out.push(meas);
+    for &tokens in &opts.prefill_tokens {
+        bar.set_message(format!("prefill {tokens}"));
+        let req = GenerateRequest {
+            prompt: prompt(tokens),
+            images: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 1,
+            ignore_eos: true,
+        };
+        let s = time(opts, &bar, || {
+            Ok(engine
+                .generate(&req, |_| std::ops::ControlFlow::Continue(()))?
+                .prefill)
+        })?;
+        let mut meas = Measurement {
+            name: format!("prefill: {tokens} text tokens"),
+            seconds: s,
+            work: tokens as f64,
+            unit: "token",
+            roofline: None,
+        };
+        meas.roofline = Some(meas.throughput() * 2.0 * params / flop_rate);
+        out.push(meas);
+    }
 
-    bar.set_message(format!("decode at {}", opts.decode_context));
-    let req = GenerateRequest {
-        prompt: prompt(opts.decode_context),
-        max_new_tokens: opts.decode_tokens + 1,
-        ..req
+    // Time to first token of an image request, in this process.
+    let pipeline = Pipeline {
+        chat,
+        vision,
+        engine,
+        limits: RequestLimits::default(),
     };
-    let s = time(opts, &bar, || {
-        let g = engine.generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
-        // Seconds per decoded token (the first token comes from the prefill).
-        Ok(g.decode / (g.tokens.len().saturating_sub(1).max(1)) as u32)
+    let image_request = ttft_request(&pipeline.chat, opts)?;
+    let ttft_name = format!(
+        "image {0}x{0} + {1} text tokens: time to first token",
+        opts.ttft_image_side, opts.ttft_text_tokens
+    );
+    bar.set_message("time to first token");
+    let in_process = time(opts, &bar, || {
+        let t = Instant::now();
+        pipeline.run(&image_request, |_, _| std::ops::ControlFlow::Continue(()))?;
+        Ok(t.elapsed())
     })?;
-    let kv_bytes = (opts.decode_context + opts.decode_tokens / 2) as f64
-        * (tcfg.num_hidden_layers * 2 * tcfg.num_key_value_heads * tcfg.head_dim * 4) as f64;
-    // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), the KV cache in f32.
-    let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
-    let mut meas = Measurement {
-        name: format!("decode: batch 1 at context {}", opts.decode_context),
-        seconds: s,
+    out.push(Measurement {
+        name: format!("{ttft_name}, in process"),
+        seconds: in_process,
         work: 1.0,
-        unit: "token",
+        unit: "request",
         roofline: None,
-    };
-    meas.roofline = Some(meas.throughput() * bytes_per_token / bandwidth);
-    out.push(meas);
+    });
+
+    for &context in &opts.decode_contexts {
+        bar.set_message(format!("decode at {context}"));
+        let req = GenerateRequest {
+            prompt: prompt(context),
+            images: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: opts.decode_tokens + 1,
+            ignore_eos: true,
+        };
+        let s = time(opts, &bar, || {
+            let g = pipeline
+                .engine
+                .generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
+            // Seconds per decoded token (the first token comes from the prefill).
+            Ok(g.decode / (g.tokens.len().saturating_sub(1).max(1)) as u32)
+        })?;
+        let kv_bytes = (context + opts.decode_tokens / 2) as f64
+            * (tcfg.num_hidden_layers * 2 * tcfg.num_key_value_heads * tcfg.head_dim * 4) as f64;
+        // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), the KV cache f32.
+        let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
+        let mut meas = Measurement {
+            name: format!("decode: batch 1 at context {context}"),
+            seconds: s,
+            work: 1.0,
+            unit: "token",
+            roofline: None,
+        };
+        meas.roofline = Some(meas.throughput() * bytes_per_token / bandwidth);
+        out.push(meas);
+    }
+    memory_row(
+        &mut out,
+        "memory: both models, KV cache, activations",
+        &backend,
+        base_memory,
+    );
+
+    if opts.through_gateway {
+        // The services hold their own copies of the weights: free ours first.
+        drop(pipeline);
+        bar.set_message("through the gateway");
+        let rt = tokio::runtime::Runtime::new()?;
+        let hops = rt.block_on(through_gateway(dir, open, opts, &image_request, &bar))?;
+        out.push(Measurement {
+            name: format!("{ttft_name}, through the gateway (gRPC, loopback)"),
+            seconds: hops,
+            work: 1.0,
+            unit: "request",
+            roofline: None,
+        });
+    }
     bar.finish_and_clear();
     Ok(out)
+}
+
+/// A row for the device memory in use above `base`, when the backend can tell.
+fn memory_row<B: Backend>(out: &mut Vec<Measurement>, name: &str, be: &B, base: Option<usize>) {
+    if let (Some(now), Some(base)) = (be.memory_in_use(), base) {
+        out.push(Measurement {
+            name: name.into(),
+            seconds: vec![0.0],
+            work: now.saturating_sub(base) as f64,
+            unit: "B in use",
+            roofline: None,
+        });
+    }
+}
+
+/// The time-to-first-token request: a PNG of a smooth gradient (decoding and resizing it are
+/// part of the cost, as for a client's image) and text of about the asked-for token count.
+fn ttft_request(chat: &ChatTokenizer, opts: &BenchOptions) -> anyhow::Result<ChatRequest> {
+    let side = opts.ttft_image_side as u32;
+    let img = image::RgbImage::from_fn(side, side, |x, y| {
+        image::Rgb([(x * 255 / side) as u8, (y * 255 / side) as u8, 128])
+    });
+    let mut png = Vec::new();
+    img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
+    let mut text = String::from("Describe");
+    while chat.encode(&text)?.len() < opts.ttft_text_tokens {
+        text.push_str(" the picture");
+    }
+    Ok(ChatRequest {
+        messages: vec![Message::user(vec![Part::Image(png), Part::Text(text)])],
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: 1,
+        stop: Vec::new(),
+        ignore_eos: true,
+    })
+}
+
+/// Starts vision-svc, llm-svc and the gateway in this process on loopback ports, waits until
+/// they serve, and times `request` (one token) through the gateway's gRPC ChatStream.
+async fn through_gateway<B: Backend + Clone>(
+    dir: &Path,
+    open: fn() -> vlm_compute::Result<B>,
+    opts: &BenchOptions,
+    request: &ChatRequest,
+    bar: &ProgressBar,
+) -> anyhow::Result<Vec<f64>> {
+    use futures::StreamExt;
+    use tokio::net::TcpListener;
+    use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ContentPart};
+
+    let loopback = std::net::Ipv4Addr::LOCALHOST;
+    let bind = || TcpListener::bind((loopback, 0));
+    let (vision_l, llm_l, grpc_l, http_l) =
+        (bind().await?, bind().await?, bind().await?, bind().await?);
+    let (vision_addr, llm_addr) = (vision_l.local_addr()?, llm_l.local_addr()?);
+    let grpc_addr = grpc_l.local_addr()?;
+    let token = tokio_util::sync::CancellationToken::new();
+    let mut services = tokio::task::JoinSet::new();
+    services.spawn(vision_svc::server::serve(
+        vision_svc::server::ServeConfig {
+            model: dir.to_path_buf(),
+            random_weights: opts.random_weights,
+            max_concurrent: 1,
+        },
+        open,
+        vision_l,
+        token.clone().cancelled_owned(),
+    ));
+    services.spawn(llm_svc::server::serve(
+        llm_svc::server::ServeConfig {
+            model: dir.to_path_buf(),
+            random_weights: opts.random_weights,
+            max_concurrent: 1,
+            max_context: None,
+        },
+        open,
+        llm_l,
+        token.clone().cancelled_owned(),
+    ));
+    services.spawn(crate::serve::serve(
+        crate::serve::GatewayConfig {
+            model: dir.to_path_buf(),
+            model_name: "bench".into(),
+            vision_addrs: vec![vision_addr.to_string()],
+            llm_addrs: vec![llm_addr.to_string()],
+            max_concurrent: 1,
+            limits: RequestLimits::default(),
+            default_max_tokens: 1,
+            request_timeout: Duration::from_secs(600),
+            embedding_dtype: vlm_proto::pb::Dtype::F16,
+        },
+        grpc_l,
+        http_l,
+        token.clone(),
+    ));
+    let result = async {
+        for addr in [vision_addr, llm_addr] {
+            wait_serving(&addr.to_string(), &mut services).await?;
+        }
+        let client = GatewayClient::connect(format!("http://{grpc_addr}")).await?;
+        let parts = request.messages[0]
+            .parts
+            .iter()
+            .map(|p| ContentPart {
+                part: Some(match p {
+                    Part::Image(bytes) => content_part::Part::Image(bytes.clone()),
+                    Part::Text(text) => content_part::Part::Text(text.clone()),
+                }),
+            })
+            .collect();
+        let grpc_request = vlm_proto::pb::ChatRequest {
+            messages: vec![vlm_proto::pb::ChatMessage {
+                role: "user".into(),
+                content: parts,
+            }],
+            max_tokens: Some(1),
+            temperature: Some(0.0),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let run = || {
+            let mut client = client.clone();
+            let req = grpc_request.clone();
+            async move {
+                let t = Instant::now();
+                let mut stream = client.chat_stream(req).await?.into_inner();
+                while let Some(chunk) = stream.next().await {
+                    chunk?;
+                }
+                anyhow::Ok(t.elapsed())
+            }
+        };
+        for _ in 0..opts.warmup {
+            run().await?;
+            bar.inc(1);
+        }
+        let mut s = Vec::new();
+        for _ in 0..opts.repeats.max(1) {
+            s.push(run().await?.as_secs_f64());
+            bar.inc(1);
+        }
+        s.sort_by(f64::total_cmp);
+        anyhow::Ok(s)
+    }
+    .await;
+    token.cancel();
+    while services.join_next().await.is_some() {}
+    result
+}
+
+/// Polls a service's grpc.health.v1 until it says SERVING; fails if a service task ends first.
+async fn wait_serving(
+    addr: &str,
+    services: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    let deadline = Instant::now() + Duration::from_secs(1800);
+    while Instant::now() < deadline {
+        if let Some(ended) = services.try_join_next() {
+            anyhow::bail!("a service stopped while starting: {:?}", ended?.err());
+        }
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?;
+        if let Ok(channel) = channel.connect().await {
+            let mut c = HealthClient::new(channel);
+            let serving = c
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+                .is_ok_and(|r| r.into_inner().status == 1);
+            if serving {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("{addr} did not become ready")
 }
 
 /// Parameters of the text decoder (what decoding reads per token), lm_head included.
@@ -257,6 +519,8 @@ pub fn table(rows: &[Measurement]) -> String {
         let (value, unit) = match m.unit {
             "FLOP" => (m.throughput() / 1e9, "GFLOP/s"),
             "B" => (m.throughput() / 1e9, "GB/s"),
+            "B in use" => (m.work / 1e9, "GB"),
+            "request" => (m.throughput(), "req/s"),
             _ => (m.throughput(), "tok/s"),
         };
         s.push_str(&format!(

@@ -116,6 +116,11 @@ pub async fn serve(
 
     let http_stop = shutdown.clone();
     let http_task = tokio::spawn(async move {
+        use axum::serve::ListenerExt;
+        // No Nagle delay on small SSE chunks (see vlm_proto::run_service).
+        let http = http.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(http, router(http_state))
             .with_graceful_shutdown(async move { http_stop.cancelled().await })
             .await

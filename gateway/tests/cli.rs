@@ -293,10 +293,12 @@ fn bench_reports_every_measurement_against_the_limits() {
         "64",
         "--prefill-tokens",
         "16",
-        "--decode-context",
+        "--decode-contexts",
         "16",
         "--decode-tokens",
         "2",
+        "--ttft-image-side",
+        "64",
         "--json",
         json.to_str().unwrap(),
     ]);
@@ -313,10 +315,18 @@ fn bench_reports_every_measurement_against_the_limits() {
     let rows: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = rows.as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        5,
-        "two limits, one ViT size, prefill, decode: {names:?}"
+        7,
+        "two limits, one ViT size, prefill, image TTFT in process, decode, the same through \
+         the gateway: {names:?}"
+    );
+    assert!(
+        names
+            .iter()
+            .any(|n| n.contains("time to first token, through the gateway")),
+        "{names:?}"
     );
     for r in rows {
         // Timings are not asserted (benchmarks report, they do not fail CI): only that every

@@ -30,6 +30,9 @@ pub fn to_status(e: &Error) -> Status {
 
 pub struct ServeConfig {
     pub model: PathBuf,
+    /// Random weights of the model's config from this seed instead of its checkpoint (for
+    /// benchmarks and smoke tests of sizes whose weights are not at hand).
+    pub random_weights: Option<u64>,
     /// Generations running at the same time; more get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
     /// Cap on prompt + generated tokens per sequence (the model's own limit if unset).
@@ -222,10 +225,11 @@ pub async fn serve<B: Backend>(
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "llm-svc listening");
     let model = cfg.model.clone();
+    let random_weights = cfg.random_weights;
     let max_context = cfg.max_context;
     let load = async move {
         tokio::task::spawn_blocking(move || -> Result<(), Error> {
-            let weights = Weights::open(&model)?;
+            let weights = Weights::open_or_random(&model, random_weights)?;
             let e = Engine::load(&model, &weights, backend()?, max_context)?;
             weights.finish();
             let _ = engine.set(e);

@@ -23,6 +23,10 @@ struct Args {
     /// Checkpoint directory (Hugging Face layout).
     #[arg(long, env = "VLM_MODEL")]
     model: PathBuf,
+    /// Random weights (seed 0) of the model directory's config instead of its checkpoint: for
+    /// benchmarks and smoke tests of sizes whose weights are not at hand. Answers are noise.
+    #[arg(long)]
+    random_weights: bool,
     /// Where to run the model: cpu, or cuda (NVIDIA GPU; needs the CUDA backend).
     #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
@@ -44,6 +48,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let cfg = ServeConfig {
         model: args.model,
+        random_weights: args.random_weights.then_some(0),
         max_concurrent: args.max_concurrent,
     };
     let shutdown = vlm_proto::shutdown_signal();

@@ -25,6 +25,9 @@ pub fn to_status(e: &Error) -> Status {
 
 pub struct ServeConfig {
     pub model: PathBuf,
+    /// Random weights of the model's config from this seed instead of its checkpoint (for
+    /// benchmarks and smoke tests of sizes whose weights are not at hand).
+    pub random_weights: Option<u64>,
     /// Images encoded at the same time; further requests get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
 }
@@ -109,9 +112,10 @@ pub async fn serve<B: Backend>(
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "vision-svc listening");
     let model = cfg.model.clone();
+    let random_weights = cfg.random_weights;
     let load = async move {
         tokio::task::spawn_blocking(move || -> Result<(), Error> {
-            let weights = Weights::open(&model)?;
+            let weights = Weights::open_or_random(&model, random_weights)?;
             let enc = VisionEncoder::load(&model, &weights, backend()?)?;
             weights.finish();
             let _ = encoder.set(enc);

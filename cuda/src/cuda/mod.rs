@@ -292,6 +292,14 @@ impl CudaBackend {
         &self.inner.device_name
     }
 
+    /// The CUDA version the driver supports, e.g. "13.0".
+    pub fn driver_version(&self) -> String {
+        let mut v = 0;
+        // SAFETY: writes one int; the driver library is loaded (this backend exists).
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        format!("{}.{}", v / 1000, (v % 1000) / 10)
+    }
+
     pub fn compute_capability(&self) -> (i32, i32) {
         self.inner.compute_capability
     }
@@ -548,6 +556,13 @@ impl Backend for CudaBackend {
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
         self.alloc(shape.to_vec())
+    }
+
+    fn memory_in_use(&self) -> Option<usize> {
+        self.synchronize().ok()?;
+        // Device-wide (other processes included): the benchmark reads it alone on the GPU.
+        let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
+        Some(total - free)
     }
 
     fn copy(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {

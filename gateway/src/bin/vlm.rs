@@ -66,23 +66,33 @@ struct BenchArgs {
     #[arg(long, default_value_t = 5)]
     repeats: usize,
     /// Sides of the square images for the ViT, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "448,896")]
+    #[arg(long, value_delimiter = ',', default_value = "448,896,1344")]
     image_sides: Vec<usize>,
-    /// Prompt length for prefill throughput.
-    #[arg(long, default_value_t = 512)]
-    prefill_tokens: usize,
-    /// Context at which decode tokens/s is measured.
-    #[arg(long, default_value_t = 512)]
-    decode_context: usize,
+    /// Prompt lengths for prefill throughput, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    prefill_tokens: Vec<usize>,
+    /// Contexts at which decode tokens/s is measured, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    decode_contexts: Vec<usize>,
     /// Tokens decoded per decode run.
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
+    /// Image side of the time-to-first-token request (with --ttft-text-tokens of text).
+    #[arg(long, default_value_t = 448)]
+    ttft_image_side: usize,
+    /// Text tokens of the time-to-first-token request.
+    #[arg(long, default_value_t = 32)]
+    ttft_text_tokens: usize,
+    /// Skip sending that request through vision-svc, llm-svc and the gateway on loopback.
+    #[arg(long)]
+    no_gateway: bool,
     /// Also write the measurements as JSON (one object each, with device, config and commit).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    gateway::pipeline::check_model_dir(&args.model)?;
     match args.device {
         Device::Cpu => {
             let device = format!(
@@ -99,43 +109,42 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 std::hint::black_box(&dst);
                 Ok(d)
             };
-            bench_on(&args, CpuBackend::new(), copy, device)
+            bench_on(&args, || Ok(CpuBackend::new()), copy, device)
         }
         Device::Cuda => {
             let gpu = open_cuda()?;
+            let (major, minor) = gpu.compute_capability();
             let device = format!(
-                "{} (sm_{}{}, cuda)",
+                "{} (sm_{major}{minor}, driver CUDA {})",
                 gpu.device_name(),
-                gpu.compute_capability().0,
-                gpu.compute_capability().1
+                gpu.driver_version()
             );
+            drop(gpu);
             let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
-            bench_on(&args, gpu, copy, device)
+            bench_on(&args, || CudaBackend::new(0), copy, device)
         }
     }
 }
 
 fn bench_on<B: Backend + Clone>(
     args: &BenchArgs,
-    backend: B,
+    open: fn() -> vlm_compute::Result<B>,
     copy: impl Fn(&B, usize) -> anyhow::Result<std::time::Duration>,
     device: String,
 ) -> anyhow::Result<()> {
-    gateway::pipeline::check_model_dir(&args.model)?;
-    let weights = if args.random_weights {
-        vlm_compute::Weights::random(&args.model, 0)
-    } else {
-        vlm_compute::Weights::open(&args.model)?
-    };
     let opts = gateway::bench::BenchOptions {
         warmup: args.warmup,
         repeats: args.repeats,
         image_sides: args.image_sides.clone(),
-        prefill_tokens: args.prefill_tokens,
-        decode_context: args.decode_context,
+        prefill_tokens: args.prefill_tokens.clone(),
+        decode_contexts: args.decode_contexts.clone(),
         decode_tokens: args.decode_tokens,
+        ttft_image_side: args.ttft_image_side,
+        ttft_text_tokens: args.ttft_text_tokens,
+        through_gateway: !args.no_gateway,
+        random_weights: args.random_weights.then_some(0),
     };
-    let rows = gateway::bench::run(&args.model, &weights, backend, &opts, copy)?;
+    let rows = gateway::bench::run(&args.model, open, &opts, copy)?;
     let config = format!(
         "{}{}",
         args.model.display(),
@@ -145,7 +154,7 @@ fn bench_on<B: Backend + Clone>(
             ""
         }
     );
-    println!("{}", gateway::bench::table(&rows));
+    println!("device: {device}\n{}", gateway::bench::table(&rows));
     if let Some(path) = &args.json {
         let commit = std::process::Command::new("git")
             .args(["rev-parse", "--short", "HEAD"])
@@ -226,6 +235,10 @@ struct ServeArgs {
     /// Where to run the models.
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
+    /// Random weights (seed 0) of the model's config instead of its checkpoint, e.g. with
+    /// --model deploy/models/qwen3-vl-8b: the real 8B shapes behind the real API, answering noise.
+    #[arg(long)]
+    random_weights: bool,
     /// Interface the public ports listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: std::net::IpAddr,
@@ -356,6 +369,7 @@ fn spawn_model_services<B: Backend + Clone>(
     services.spawn(vision_svc::server::serve(
         vision_svc::server::ServeConfig {
             model: args.model.clone(),
+            random_weights: args.random_weights.then_some(0),
             max_concurrent: args.max_concurrent,
         },
         open,
@@ -365,6 +379,7 @@ fn spawn_model_services<B: Backend + Clone>(
     services.spawn(llm_svc::server::serve(
         llm_svc::server::ServeConfig {
             model: args.model.clone(),
+            random_weights: args.random_weights.then_some(0),
             max_concurrent: args.max_concurrent,
             max_context: args.max_context,
         },
