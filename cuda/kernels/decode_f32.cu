@@ -118,3 +118,54 @@ extern "C" __global__ void decode_attention_combine_f32(const float* __restrict_
         out[(size_t)h * d + c] = o / total;
     }
 }
+
+// Greedy decoding on the device: the index of the largest logit, the lowest on ties (as
+// torch.argmax), in two passes: blocks reduce stretches of the row, then one block the blocks.
+__device__ __forceinline__ void argmax_merge(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+// Every thread of the block ends with the block's (max, index).
+__device__ void block_argmax(float& v, int& i) {
+    __shared__ float sv[WARP];
+    __shared__ int si[WARP];
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        argmax_merge(v, i, __shfl_xor_sync(0xffffffff, v, o), __shfl_xor_sync(0xffffffff, i, o));
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    int warps = (blockDim.x + WARP - 1) / WARP;
+    v = lane < warps ? sv[lane] : NEG_INF;
+    i = lane < warps ? si[lane] : 0x7fffffff;
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        argmax_merge(v, i, __shfl_xor_sync(0xffffffff, v, o), __shfl_xor_sync(0xffffffff, i, o));
+}
+
+extern "C" __global__ void argmax_partial_f32(const float* __restrict__ x, int n,
+                                              float* __restrict__ part_v, int* __restrict__ part_i) {
+    float v = NEG_INF;
+    int i = 0x7fffffff;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x)
+        argmax_merge(v, i, x[j], j);
+    block_argmax(v, i);
+    if (threadIdx.x == 0) {
+        part_v[blockIdx.x] = v;
+        part_i[blockIdx.x] = i;
+    }
+}
+
+extern "C" __global__ void argmax_final_f32(const float* __restrict__ part_v,
+                                            const int* __restrict__ part_i, int parts,
+                                            unsigned int* __restrict__ out) {
+    float v = NEG_INF;
+    int i = 0x7fffffff;
+    for (int j = threadIdx.x; j < parts; j += blockDim.x) argmax_merge(v, i, part_v[j], part_i[j]);
+    block_argmax(v, i);
+    if (threadIdx.x == 0) out[0] = (unsigned int)(i == 0x7fffffff ? 0 : i);
+}

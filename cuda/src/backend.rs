@@ -67,6 +67,19 @@ pub trait Backend: Send + Sync + 'static {
     /// Same data viewed with another shape of the same element count.
     fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
 
+    /// Index of the largest value of `x` (one row of logits), the first on ties, as
+    /// `torch.argmax`: greedy decoding on the device, so only the token id comes back.
+    fn argmax(&self, x: &Self::Tensor) -> Result<u32> {
+        let host = self.download(x)?;
+        let mut best = 0;
+        for (i, &v) in host.data().iter().enumerate() {
+            if v > host.data()[best] {
+                best = i;
+            }
+        }
+        Ok(best as u32)
+    }
+
     // ---- recording ----
     /// Records what `ops` enqueues, without running it, for [`Backend::replay`]: one launch
     /// instead of hundreds per decoded token. Only ops whose every input and output buffer

@@ -308,6 +308,21 @@ fn decode_step_ops_read_the_slot_from_device_memory() {
             ]
         );
     }
+    // Greedy picks on the device: the 8B vocabulary, a tie (the first wins), a short row.
+    for (n, tie) in [
+        (151_936usize, None),
+        (151_936, Some((70_000usize, 90_000usize))),
+        (7, None),
+    ] {
+        let mut logits = rand(&[1, n], 36);
+        if let Some((a, b)) = tie {
+            logits.data_mut()[a] = 5.0;
+            logits.data_mut()[b] = 5.0;
+        }
+        let cpu = CpuBackend::new().argmax(&logits).unwrap();
+        let cuda = g.argmax(&g.upload(&logits).unwrap()).unwrap();
+        assert_eq!(cpu, cuda, "argmax over {n} (tie {tie:?})");
+    }
     // `write` refreshes a buffer in place: a clone taken before keeps the old values.
     let mut t = g.upload(&rand(&[1, 128], 35)).unwrap();
     let before = t.clone();
@@ -443,6 +458,8 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "write_row_at_f32",
             "decode_attention_partial_f32",
             "decode_attention_combine_f32",
+            "argmax_partial_f32",
+            "argmax_final_f32",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {k}")),

@@ -214,6 +214,7 @@ pub fn run<B: Backend + Clone>(
             sampling: SamplingParams::greedy(),
             max_new_tokens: 1,
             ignore_eos: true,
+            return_logits: false,
         };
         let s = time(opts, &bar, || {
             Ok(engine
@@ -265,6 +266,7 @@ pub fn run<B: Backend + Clone>(
             sampling: SamplingParams::greedy(),
             max_new_tokens: opts.decode_tokens + 1,
             ignore_eos: true,
+            return_logits: false,
         };
         let s = time(opts, &bar, || {
             let g = pipeline
@@ -344,6 +346,7 @@ fn ttft_request(chat: &ChatTokenizer, opts: &BenchOptions) -> anyhow::Result<Cha
         max_new_tokens: 1,
         stop: Vec::new(),
         ignore_eos: true,
+        return_logits: false,
     })
 }
 

@@ -65,6 +65,7 @@ pub fn request_from_pb(
         max_new_tokens: r.max_tokens.map_or(default_max_tokens, |m| m as usize),
         stop: r.stop,
         ignore_eos: r.ignore_eos,
+        return_logits: false,
     })
 }
 

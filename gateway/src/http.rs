@@ -231,6 +231,7 @@ fn parse_request(
             max_new_tokens: max_tokens,
             stop,
             ignore_eos: r.ignore_eos,
+            return_logits: false,
         },
         r.stream,
         include_usage,

@@ -41,6 +41,9 @@ pub struct ChatRequest {
     pub stop: Vec<String>,
     /// Generate through eos tokens, up to `max_new_tokens` (for benchmarks and tests).
     pub ignore_eos: bool,
+    /// Hand each step's logits to `on_token` (`vlm run --logits-out`); otherwise greedy
+    /// requests keep them on the device.
+    pub return_logits: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -182,6 +185,7 @@ impl<B: Backend + Clone> Pipeline<B> {
             sampling: req.sampling.clone(),
             max_new_tokens: req.max_new_tokens,
             ignore_eos: req.ignore_eos,
+            return_logits: req.return_logits,
         };
         let mut stream = TextStream::new(self.chat.tokenizer(), req.stop.clone());
         let mut out_text = String::new();

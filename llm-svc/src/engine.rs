@@ -36,6 +36,9 @@ pub struct GenerateRequest {
     pub max_new_tokens: usize,
     /// Keep generating through eos tokens (benchmarks that need a fixed length).
     pub ignore_eos: bool,
+    /// Bring every step's logits to the host for [`TokenEvent::logits`]. Otherwise greedy
+    /// requests pick their token on the device and only its id comes back.
+    pub return_logits: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,8 +66,8 @@ pub struct TokenEvent<'a> {
     pub token: u32,
     /// 0 for the first generated token.
     pub index: usize,
-    /// The logits the token was chosen from, `[vocab]`.
-    pub logits: &'a [f32],
+    /// The logits the token was chosen from, `[vocab]`, if the request asked for them.
+    pub logits: Option<&'a [f32]>,
 }
 
 #[derive(Clone, Debug)]
@@ -187,6 +190,22 @@ impl<B: Backend> Engine<B> {
         image_spans(&req.prompt, cfg.image_token_id, &grids)
     }
 
+    /// The next token from `logits` on the device: greedy requests that do not want the
+    /// logits take the argmax there; the others bring the logits to the host and sample.
+    fn pick(
+        &self,
+        logits: &B::Tensor,
+        sampler: &mut Sampler,
+        keep_logits: bool,
+    ) -> Result<(u32, Option<HostTensor>)> {
+        let be = self.model.backend();
+        if sampler.is_greedy() && !keep_logits {
+            return Ok((be.argmax(logits)?, None));
+        }
+        let host = be.download(logits)?;
+        Ok((sampler.sample(host.data()), keep_logits.then_some(host)))
+    }
+
     /// Runs a request to completion, calling `on_token` for every generated token.
     pub fn generate(
         &self,
@@ -229,7 +248,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &pos.positions)?;
-        let mut logits = self.model.forward(
+        let logits = self.model.forward(
             &mut cache,
             &StepInput {
                 embeds,
@@ -239,6 +258,9 @@ impl<B: Backend> Engine<B> {
                 deepstack: &deepstack,
             },
         )?;
+        // The first token ends the prefill (and waits for the device to finish it).
+        let mut picked = self.pick(&logits, &mut sampler, req.return_logits)?;
+        drop(logits);
         let prefill = started.elapsed();
         drop(prefill_guard);
         let decode_span = tracing::info_span!(
@@ -253,12 +275,12 @@ impl<B: Backend> Engine<B> {
         let mut graph = DecodeGraph::NotTried;
         let mut tokens = Vec::new();
         let finish = loop {
-            let token = sampler.sample(logits.data());
+            let (token, logits) = picked;
             tokens.push(token);
             let flow = on_token(&TokenEvent {
                 token,
                 index: tokens.len() - 1,
-                logits: logits.data(),
+                logits: logits.as_ref().map(|l| l.data()),
             });
             if !req.ignore_eos && cfg.eos_token_ids.contains(&token) {
                 break FinishReason::Eos;
@@ -274,7 +296,7 @@ impl<B: Backend> Engine<B> {
             let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &[[p; 3]])?;
             inputs.set(be, token, cache.len(), cos.data(), sin.data())?;
             self.model.decode(&mut cache, &mut inputs, &mut graph)?;
-            logits = be.download(inputs.logits())?;
+            picked = self.pick(inputs.logits(), &mut sampler, req.return_logits)?;
         };
         let decode = decode_started.elapsed();
         decode_span.record("tokens", tokens.len());

@@ -82,7 +82,8 @@ impl<B: Backend> DecodeInputs<B> {
         })
     }
 
-    /// The logits of the last step.
+    /// The logits of the last step. Borrow, do not clone: the next step writes into this
+    /// buffer in place (a recorded step writes to its address), and a clone would split it.
     pub fn logits(&self) -> &B::Tensor {
         &self.logits
     }
@@ -295,8 +296,8 @@ impl<B: Backend> TextModel<B> {
     }
 
     /// Runs the step's tokens through every layer, appending them to `cache`, and returns the
-    /// logits of the last token.
-    pub fn forward(&self, cache: &mut KvCache<B>, step: &StepInput<B>) -> Result<HostTensor> {
+    /// logits of the last token `[1, vocab]`, on the device.
+    pub fn forward(&self, cache: &mut KvCache<B>, step: &StepInput<B>) -> Result<B::Tensor> {
         let be = &self.backend;
         let n = be.shape(&step.embeds)[0];
         let start = cache.len;
@@ -319,7 +320,7 @@ impl<B: Backend> TextModel<B> {
         }
         cache.len = start + n;
         let last = be.slice_rows(&x, n - 1, n)?;
-        Ok(be.download(&self.logits(&last)?)?)
+        Ok(self.logits(&last)?)
     }
 
     /// One decode step: the token, its cache slot and rotary row are in `inp` (set by the

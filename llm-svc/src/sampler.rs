@@ -79,9 +79,14 @@ impl Sampler {
         })
     }
 
+    /// Whether this always picks the most likely token (then the backend can, on the device).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == 1
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if self.is_greedy() {
             return argmax(logits);
         }
         // Candidates sorted by logit, best first (stable: ties keep the lower id first).

@@ -86,6 +86,7 @@ fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Status> 
         },
         max_new_tokens: req.max_new_tokens as usize,
         ignore_eos: req.ignore_eos,
+        return_logits: false,
     })
 }
 

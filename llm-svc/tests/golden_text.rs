@@ -76,6 +76,7 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
             sampling: SamplingParams::greedy(),
             max_new_tokens: hf_tokens.len(),
             ignore_eos: false,
+            return_logits: true,
         };
 
         // Positions first: a wrong M-RoPE layout would show here before it shows in logits.
@@ -98,7 +99,7 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
         let mut logits = Vec::new();
         let out = engine
             .generate(&req, |ev| {
-                logits.push(ev.logits.to_vec());
+                logits.push(ev.logits.expect("asked for").to_vec());
                 ControlFlow::Continue(())
             })
             .unwrap();
@@ -127,6 +128,20 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
                 "{name}: greedy token {step}"
             );
         }
+        // Without logits, greedy tokens are picked on the device (Backend::argmax): the same.
+        let on_device = engine
+            .generate(
+                &GenerateRequest {
+                    return_logits: false,
+                    ..req.clone()
+                },
+                |ev| {
+                    assert!(ev.logits.is_none());
+                    ControlFlow::Continue(())
+                },
+            )
+            .unwrap();
+        assert_eq!(on_device.tokens, out.tokens, "{name}: argmax on the device");
         if tol == CPU_LOGITS_TOL {
             let tokens: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
             assert_eq!(tokens, hf_tokens, "{name}: greedy tokens");

@@ -58,6 +58,8 @@ const SOURCES: [KernelSource; 3] = [
             "write_row_at_f32",
             "decode_attention_partial_f32",
             "decode_attention_combine_f32",
+            "argmax_partial_f32",
+            "argmax_final_f32",
         ],
     },
 ];
@@ -556,6 +558,48 @@ impl Backend for CudaBackend {
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
         self.alloc(shape.to_vec())
+    }
+
+    fn argmax(&self, x: &CudaTensor) -> Result<u32> {
+        let n = x.len();
+        if n == 0 {
+            return Err(Error::shape(
+                "argmax",
+                "an empty tensor has no largest value",
+            ));
+        }
+        const THREADS: u32 = 1024;
+        let parts = n.div_ceil(THREADS as usize).min(128);
+        let stream = &self.inner.stream;
+        let alloc_err = |e: cudarc::driver::DriverError| cuda_err("allocating device memory")(&e);
+        let mut part_v = stream.alloc_zeros::<f32>(parts).map_err(alloc_err)?;
+        let mut part_i = stream.alloc_zeros::<i32>(parts).map_err(alloc_err)?;
+        let mut out = stream.alloc_zeros::<u32>(1).map_err(alloc_err)?;
+        let (nn, pp) = (n as i32, parts as i32);
+        let name = "argmax_partial_f32";
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf).arg(&nn).arg(&mut part_v).arg(&mut part_i);
+        let cfg = LaunchConfig {
+            grid_dim: (parts as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches argmax_partial_f32; the partial buffers hold `parts` entries.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        let name = "argmax_final_f32";
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&part_v).arg(&part_i).arg(&pp).arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches argmax_final_f32 over the partials just written.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        let id = stream
+            .clone_dtoh(&out)
+            .map_err(|e| cuda_err("reading the token id")(&e))?;
+        Ok(id[0])
     }
 
     fn memory_in_use(&self) -> Option<usize> {

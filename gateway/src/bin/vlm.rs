@@ -494,6 +494,7 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.clone(),
         ignore_eos: false,
+        return_logits: args.logits_out.is_some(),
     };
 
     let pipeline = if args.random_weights {
@@ -508,8 +509,8 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
     let mut printed = String::new();
     let mut stdout = std::io::stdout().lock();
     let out = pipeline.run(&request, |ev, text| {
-        if args.logits_out.is_some() {
-            logits.extend_from_slice(ev.logits);
+        if let Some(l) = ev.logits {
+            logits.extend_from_slice(l);
         }
         if !args.json && !text.is_empty() {
             // Stream as we go; a closed stdout is not worth failing the generation for.
