@@ -34,7 +34,7 @@ struct KernelSource {
     kernels: &'static [&'static str],
 }
 
-const SOURCES: [KernelSource; 3] = [
+const SOURCES: [KernelSource; 4] = [
     KernelSource {
         file: "ops_f32.cu",
         source: include_str!("../../kernels/ops_f32.cu"),
@@ -62,7 +62,28 @@ const SOURCES: [KernelSource; 3] = [
             "argmax_final_f32",
         ],
     },
+    KernelSource {
+        file: "attention_f16.cu",
+        source: include_str!("../../kernels/attention_f16.cu"),
+        kernels: &FLASH_KERNELS,
+    },
 ];
+
+/// Flash attention instantiations: head dims padded up to one of these.
+const FLASH_DIMS: [usize; 4] = [64, 80, 96, 128];
+const FLASH_KERNELS: [&str; 4] = [
+    "flash_attention_d64",
+    "flash_attention_d80",
+    "flash_attention_d96",
+    "flash_attention_d128",
+];
+/// Below this many queries (decode-like), the one-warp-per-query kernel wastes less.
+const FLASH_MIN_QUERIES: usize = 16;
+
+/// Dynamic shared memory of flash_attention_d{dp} (FaShared in attention_f16.cu).
+fn flash_smem_bytes(dp: usize) -> usize {
+    512 * dp + 25088
+}
 
 const OPS_KERNELS: [&str; 12] = [
     "add_f32",
@@ -129,6 +150,8 @@ struct Inner {
     kernels: HashMap<&'static str, CudaFunction>,
     device_name: String,
     compute_capability: (i32, i32),
+    /// Whether the flash-attention kernels could be given their shared memory.
+    flash: bool,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -278,6 +301,16 @@ impl CudaBackend {
                 kernels.insert(k, f);
             }
         }
+        // The flash kernels need more than the default 48 KB of shared memory: opt in. A GPU
+        // that refuses falls back to the plain attention kernel.
+        let flash = FLASH_KERNELS.iter().zip(FLASH_DIMS).all(|(k, dp)| {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let set = kernels[k].set_attribute(MAX_SMEM, flash_smem_bytes(dp) as i32);
+            if let Err(e) = &set {
+                tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
+            }
+            set.is_ok()
+        });
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -286,6 +319,7 @@ impl CudaBackend {
                 kernels,
                 device_name,
                 compute_capability: cc,
+                flash,
             }),
         })
     }
@@ -970,6 +1004,30 @@ impl Backend for CudaBackend {
             ));
         }
         let mut out = self.alloc(vec![nq, hq * d])?;
+        let flash_dim = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
+        if let (true, true, Some(dp)) = (self.inner.flash, nq >= FLASH_MIN_QUERIES, flash_dim) {
+            let name = FLASH_KERNELS[FLASH_DIMS.iter().position(|&x| x == dp).expect("listed")];
+            let ints = [nq, hq, hkv, d, kv_len, causal as usize, first].map(|v| v as i32);
+            let scale = 1.0f32 / (d as f32).sqrt();
+            let mut l = self.inner.stream.launch_builder(self.kernel(name));
+            l.arg(&*q.buf)
+                .arg(&*k.buf)
+                .arg(&*v.buf)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh"));
+            for v in &ints {
+                l.arg(v);
+            }
+            l.arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (nq.div_ceil(64) as u32, hq as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: flash_smem_bytes(dp) as u32,
+            };
+            // SAFETY: matches flash_attention_d{dp}: 64 queries of one head per 4-warp block,
+            // shapes checked above, d <= dp, shared memory opted in at load.
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            return Ok(out);
+        }
         let (hq_i, hkv_i, d_i, len_i, causal_i, first_i) = (
             hq as i32,
             hkv as i32,

@@ -1,0 +1,169 @@
+// Flash attention for prefill and the ViT (seeds 001 and 003): tiled, online softmax, tensor
+// cores (WMMA, f16 inputs, f32 accumulation), causal or bidirectional, GQA. The score matrix
+// never leaves shared memory. CPU twin: `attention` in cuda/src/cpu.rs (through the Backend op).
+//
+// A block takes 64 queries of one head; each of its 4 warps owns 16 query rows. Per tile of 64
+// keys: S = Q Kᵀ on tensor cores into shared memory, the online softmax on S row by row (the
+// running max and sum per row, the output rows rescaled), then O += P V on tensor cores. Head
+// dims are padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
+//
+// Layouts follow the ops interface: q [nq, hq, d], k and v [slots, hkv, d] (the KV cache, f32),
+// out [nq, hq * d]. Query i sits in cache slot first_slot + i; causal: it sees slots up to
+// that; otherwise slots < kv_len.
+
+#include <mma.h>
+#include <cuda_fp16.h>
+
+using namespace nvcuda;
+
+#define FA_WARPS 4
+#define FA_BQ 64  // queries per block: 16 per warp
+#define FA_BK 64  // keys per tile
+#define FA_NEG_INF __int_as_float(0xff800000)
+
+// Shared memory for head dim padded to DP (dynamic; the host opts in above 48 KB). Must match
+// flash_smem_bytes in cuda/src/cuda/mod.rs: 512 * DP + 25088 bytes.
+template <int DP>
+struct FaShared {
+    static constexpr int kv = FA_BK * DP;              // halves, each of K and V
+    static constexpr int s = FA_WARPS * 16 * FA_BK;    // floats: scores
+    static constexpr int p = FA_WARPS * 16 * FA_BK;    // halves: probabilities
+    static constexpr int o = FA_WARPS * 16 * DP;       // floats: output rows
+    static constexpr int bytes = 2 * kv * 2 + s * 4 + p * 2 + o * 4 + 2 * FA_BQ * 4;
+};
+
+template <int DP>
+__device__ void flash_attention(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, float* __restrict__ out, int nq,
+                                int hq, int hkv, int d, int kv_len, int causal, int first_slot,
+                                float scale) {
+    extern __shared__ __align__(128) unsigned char fa_smem[];  // WMMA wants 256-bit aligned tiles
+    half* Ks = reinterpret_cast<half*>(fa_smem);
+    half* Vs = Ks + FaShared<DP>::kv;
+    float* S = reinterpret_cast<float*>(Vs + FaShared<DP>::kv);
+    half* P = reinterpret_cast<half*>(S + FaShared<DP>::s);
+    float* O = reinterpret_cast<float*>(P + FaShared<DP>::p);
+    float* row_max = O + FaShared<DP>::o;
+    float* row_sum = row_max + FA_BQ;
+
+    const int h = blockIdx.y, q0 = blockIdx.x * FA_BQ;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int kvh = h / (hq / hkv);
+    float* Sw = S + warp * 16 * FA_BK;
+    half* Pw = P + warp * 16 * FA_BK;
+    float* Ow = O + warp * 16 * DP;
+
+    // Q, scaled, as f16 fragments held in registers for the whole block (staged through Ks).
+    for (int idx = threadIdx.x; idx < FA_BQ * DP; idx += blockDim.x) {
+        int r = idx / DP, c = idx % DP, i = q0 + r;
+        float val = (i < nq && c < d) ? q[((size_t)i * hq + h) * d + c] * scale : 0.0f;
+        Ks[idx] = __float2half_rn(val);
+    }
+    for (int idx = threadIdx.x; idx < FA_WARPS * 16 * DP; idx += blockDim.x) O[idx] = 0.0f;
+    if (threadIdx.x < FA_BQ) {
+        row_max[threadIdx.x] = FA_NEG_INF;
+        row_sum[threadIdx.x] = 0.0f;
+    }
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf[DP / 16];
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) wmma::load_matrix_sync(qf[kk], Ks + warp * 16 * DP + kk * 16, DP);
+    __syncthreads();
+
+    // Keys any query of this block can see.
+    int last_q = min(q0 + FA_BQ, nq) - 1;
+    int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
+
+    for (int kt = 0; kt < kv_end; kt += FA_BK) {
+        for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
+            int r = idx / DP, c = idx % DP, j = kt + r;
+            bool in = j < kv_end && c < d;
+            size_t at = ((size_t)j * hkv + kvh) * d + c;
+            Ks[idx] = __float2half_rn(in ? __ldg(k + at) : 0.0f);
+            Vs[idx] = __float2half_rn(in ? __ldg(v + at) : 0.0f);
+        }
+        __syncthreads();
+
+        // S (16 x 64 for this warp) = Q Kᵀ; Kᵀ read column-major straight from K's rows.
+#pragma unroll
+        for (int nb = 0; nb < FA_BK / 16; ++nb) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+            for (int kk = 0; kk < DP / 16; ++kk) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, Ks + nb * 16 * DP + kk * 16, DP);
+                wmma::mma_sync(acc, qf[kk], kf, acc);
+            }
+            wmma::store_matrix_sync(Sw + nb * 16, acc, FA_BK, wmma::mem_row_major);
+        }
+        __syncwarp();
+
+        // Online softmax, one row at a time; each lane holds two of the row's 64 scores.
+        for (int r = 0; r < 16; ++r) {
+            int i = q0 + warp * 16 + r;
+            int visible = causal ? min(kv_len, first_slot + i + 1) : kv_len;
+            int j0 = kt + lane, j1 = kt + lane + 32;
+            float s0 = j0 < visible ? Sw[r * FA_BK + lane] : FA_NEG_INF;
+            float s1 = j1 < visible ? Sw[r * FA_BK + lane + 32] : FA_NEG_INF;
+            float mx = fmaxf(s0, s1);
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+            float m_old = row_max[warp * 16 + r];
+            float m_new = fmaxf(m_old, mx);
+            // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
+            float corr = m_new == FA_NEG_INF ? 1.0f : expf(m_old - m_new);
+            float p0 = m_new == FA_NEG_INF ? 0.0f : expf(s0 - m_new);
+            float p1 = m_new == FA_NEG_INF ? 0.0f : expf(s1 - m_new);
+            float sum = p0 + p1;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+            Pw[r * FA_BK + lane] = __float2half_rn(p0);
+            Pw[r * FA_BK + lane + 32] = __float2half_rn(p1);
+            for (int c = lane; c < DP; c += 32) Ow[r * DP + c] *= corr;
+            __syncwarp();
+            if (lane == 0) {
+                row_max[warp * 16 + r] = m_new;
+                row_sum[warp * 16 + r] = row_sum[warp * 16 + r] * corr + sum;
+            }
+        }
+        __syncwarp();
+
+        // O (16 x DP) += P (16 x 64) V (64 x DP).
+#pragma unroll
+        for (int nb = 0; nb < DP / 16; ++nb) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, Ow + nb * 16, DP, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; ++kk) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> pf;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::row_major> vf;
+                wmma::load_matrix_sync(pf, Pw + kk * 16, FA_BK);
+                wmma::load_matrix_sync(vf, Vs + kk * 16 * DP + nb * 16, DP);
+                wmma::mma_sync(acc, pf, vf, acc);
+            }
+            wmma::store_matrix_sync(Ow + nb * 16, acc, DP, wmma::mem_row_major);
+        }
+        __syncthreads();  // before the next tile overwrites K and V
+    }
+
+    __syncwarp();
+    for (int r = 0; r < 16; ++r) {
+        int i = q0 + warp * 16 + r;
+        if (i >= nq) break;
+        float total = row_sum[warp * 16 + r];
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;  // no key at all (kv_len 0): zeros
+        for (int c = lane; c < d; c += 32) out[((size_t)i * hq + h) * d + c] = Ow[r * DP + c] * inv;
+    }
+}
+
+#define FA_KERNEL(DP)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_attention_d##DP(            \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,  \
+        float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,        \
+        int first_slot, float scale) {                                                          \
+        flash_attention<DP>(q, k, v, out, nq, hq, hkv, d, kv_len, causal, first_slot, scale);  \
+    }
+
+FA_KERNEL(64)
+FA_KERNEL(80)
+FA_KERNEL(96)
+FA_KERNEL(128)
