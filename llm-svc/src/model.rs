@@ -328,8 +328,8 @@ impl<B: Backend> TextModel<B> {
     ///
     /// The first step is recorded if the backend can ([`Backend::record`], a CUDA graph) and
     /// every later one replays that recording: all the buffers the step touches stay put, and
-    /// only their contents change. `graph` holds the recording between steps (`None` before
-    /// the first step, and for backends that run ops directly).
+    /// only their contents change. `graph` keeps the request's state between steps: start it
+    /// at [`DecodeGraph::NotTried`].
     pub fn decode(
         &self,
         cache: &mut KvCache<B>,
