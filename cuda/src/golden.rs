@@ -9,6 +9,20 @@ use serde_json::Value;
 
 use crate::{files, Error, HostTensor, Result};
 
+/// The bundled tiny checkpoint, for the tests of a crate whose directory is `manifest_dir`
+/// (`env!("CARGO_MANIFEST_DIR")`, fixed when the test was built). A test program carried to
+/// another machine (the GPU one, which has no Rust) finds it relative to the directory it runs
+/// in instead: run it from the crate's directory.
+pub fn tiny_fixture(manifest_dir: &str) -> PathBuf {
+    let rel = Path::new("../tests/fixtures/tiny-qwen3-vl");
+    let built = Path::new(manifest_dir).join(rel);
+    if built.is_dir() {
+        built
+    } else {
+        rel.to_path_buf()
+    }
+}
+
 pub struct Golden {
     path: PathBuf,
     bytes: Vec<u8>,

@@ -9,7 +9,7 @@ use llm_svc::{mrope, Engine, GenerateRequest, ImageInput, SamplingParams};
 use vlm_compute::{golden::Golden, CpuBackend, Weights};
 
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
 }
 
 fn hf_image(g: &Golden, name: &str) -> ImageInput {

@@ -8,7 +8,7 @@ use vision_svc::{preprocess, Patches, VisionEncoder};
 use vlm_compute::{golden::Golden, CpuBackend, HostTensor, Weights};
 
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
 }
 
 fn image_names(g: &Golden) -> Vec<String> {
