@@ -98,6 +98,9 @@ impl<B: Backend> DecodeInputs<B> {
     }
 }
 
+/// Fewer decode steps than this left in the cache: run them op by op rather than record.
+const RECORD_MIN_STEPS: usize = 4;
+
 /// Where a request's decode step stands with respect to recording (see [`TextModel::decode`]).
 pub enum DecodeGraph<B: Backend> {
     NotTried,
@@ -342,6 +345,10 @@ impl<B: Backend> TextModel<B> {
                 prompt_tokens: cache.len + 1,
                 context: cache.capacity,
             });
+        }
+        // Recording costs about what a few steps do: not worth it for the last few tokens.
+        if matches!(graph, DecodeGraph::NotTried) && cache.capacity - cache.len < RECORD_MIN_STEPS {
+            *graph = DecodeGraph::Direct;
         }
         if matches!(graph, DecodeGraph::NotTried) {
             *graph = match be.record(&mut || self.decode_ops(cache, inp)) {
