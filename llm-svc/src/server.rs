@@ -225,25 +225,15 @@ pub async fn serve<B: Backend>(
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "llm-svc listening");
-    let model = cfg.model.clone();
-    let random_weights = cfg.random_weights;
-    let max_context = cfg.max_context;
-    let load = async move {
-        tokio::task::spawn_blocking(move || -> Result<(), Error> {
-            let weights = Weights::open_or_random(&model, random_weights)?;
-            let e = Engine::load(&model, &weights, backend()?, max_context)?;
-            weights.finish();
-            let _ = engine.set(e);
-            Ok(())
-        })
-        .await?
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot load the language model from {}: {e}",
-                cfg.model.display()
-            )
-        })
-    };
+    let (model, random_weights, max_context) =
+        (cfg.model.clone(), cfg.random_weights, cfg.max_context);
+    let what = format!("the language model from {}", cfg.model.display());
+    let load = vlm_proto::load_model(engine, what, move || -> Result<_, Error> {
+        let weights = Weights::open_or_random(&model, random_weights)?;
+        let e = Engine::load(&model, &weights, backend()?, max_context)?;
+        weights.finish();
+        Ok(e)
+    });
     let name = <LlmServiceServer<LlmServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
 }

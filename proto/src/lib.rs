@@ -43,6 +43,25 @@ pub async fn grpc_server() -> (
     (reporter, router)
 }
 
+/// The `load` of [`run_service`] for a model service: `build` runs on a blocking thread
+/// (reading weights, compiling kernels) and its model goes into `cell`, where the handlers
+/// find it; a failure names `what` was being loaded.
+pub async fn load_model<M, E>(
+    cell: std::sync::Arc<std::sync::OnceLock<M>>,
+    what: String,
+    build: impl FnOnce() -> Result<M, E> + Send + 'static,
+) -> anyhow::Result<()>
+where
+    M: Send + Sync + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let model = tokio::task::spawn_blocking(build)
+        .await?
+        .map_err(|e| anyhow::anyhow!("cannot load {what}: {e}"))?;
+    let _ = cell.set(model);
+    Ok(())
+}
+
 /// Runs a service's life: serve `router` on `listener` at once (health NOT_SERVING), run
 /// `load` (the model), then mark `service` and the server SERVING until `shutdown`; then mark
 /// NOT_SERVING, stop accepting, and drain in-flight calls. A failed load stops the server and

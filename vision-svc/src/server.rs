@@ -111,24 +111,14 @@ pub async fn serve<B: Backend>(
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "vision-svc listening");
-    let model = cfg.model.clone();
-    let random_weights = cfg.random_weights;
-    let load = async move {
-        tokio::task::spawn_blocking(move || -> Result<(), Error> {
-            let weights = Weights::open_or_random(&model, random_weights)?;
-            let enc = VisionEncoder::load(&model, &weights, backend()?)?;
-            weights.finish();
-            let _ = encoder.set(enc);
-            Ok(())
-        })
-        .await?
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot load the vision model from {}: {e}",
-                cfg.model.display()
-            )
-        })
-    };
+    let (model, random_weights) = (cfg.model.clone(), cfg.random_weights);
+    let what = format!("the vision model from {}", cfg.model.display());
+    let load = vlm_proto::load_model(encoder, what, move || -> Result<_, Error> {
+        let weights = Weights::open_or_random(&model, random_weights)?;
+        let enc = VisionEncoder::load(&model, &weights, backend()?)?;
+        weights.finish();
+        Ok(enc)
+    });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
 }
