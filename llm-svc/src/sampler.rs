@@ -87,8 +87,8 @@ impl Sampler {
     /// Picks a token: temperature, then the `top_k` best, then the smallest best-first set
     /// holding `top_p` of their probability (HF's order of warpers), then a draw. At the 8B
     /// vocabulary (151,936) this must not sort everything: a full sort per token costs
-    /// milliseconds, as much as a decode step on a GPU. It selects (O(n)) and sorts only the
-    /// front that the cut needs.
+    /// milliseconds, as much as a decode step on a GPU. It drops what can never be drawn,
+    /// selects (O(n)) and sorts only the front that the cut needs.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if self.is_greedy() {
@@ -99,9 +99,15 @@ impl Sampler {
         fn better(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
             b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
         }
+        // Tokens more than 30 temperatures below the best weigh under e^-30 (1e-13) of it:
+        // even all 151,936 of them together stay below f32's resolution of the total, so they
+        // can never be drawn. Leaving them out makes the rest small enough to select and sort.
+        let best = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+        let floor = best - 30.0 * p.temperature;
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
+            .filter(|(_, &l)| l >= floor)
             .map(|(i, &l)| (i as u32, l / p.temperature))
             .collect();
         if p.top_k > 0 && p.top_k < cand.len() {
