@@ -23,6 +23,17 @@ pub enum AttnMask {
     Causal { first_query_slot: usize },
 }
 
+/// Index of the largest value; the first one on ties, as `torch.argmax`.
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A recorded sequence of ops ([`Backend::record`]), e.g. a CUDA graph; `()` where there
     /// is none.
@@ -70,14 +81,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Index of the largest value of `x` (one row of logits), the first on ties, as
     /// `torch.argmax`: greedy decoding on the device, so only the token id comes back.
     fn argmax(&self, x: &Self::Tensor) -> Result<u32> {
-        let host = self.download(x)?;
-        let mut best = 0;
-        for (i, &v) in host.data().iter().enumerate() {
-            if v > host.data()[best] {
-                best = i;
-            }
-        }
-        Ok(best as u32)
+        Ok(argmax(self.download(x)?.data()))
     }
 
     // ---- recording ----

@@ -21,7 +21,7 @@ pub mod random;
 mod tensor;
 mod weights;
 
-pub use backend::{AttnMask, Backend, GeluKind};
+pub use backend::{argmax, AttnMask, Backend, GeluKind};
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaTensor, CudaWeight};
 pub use error::{Error, Result};

@@ -58,16 +58,8 @@ pub struct Sampler {
     rng: ChaCha8Rng,
 }
 
-/// Index of the largest value; the first one on ties, as `torch.argmax`.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Greedy decoding's pick, shared with the backends' on-device argmax reference.
+pub use vlm_compute::argmax;
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
