@@ -371,27 +371,13 @@ async fn through_gateway<B: Backend + Clone>(
     let grpc_addr = grpc_l.local_addr()?;
     let token = tokio_util::sync::CancellationToken::new();
     let mut services = tokio::task::JoinSet::new();
-    services.spawn(vision_svc::server::serve(
-        vision_svc::server::ServeConfig {
-            model: dir.to_path_buf(),
-            random_weights: opts.random_weights,
-            max_concurrent: 1,
-        },
-        open,
-        vision_l,
-        token.clone().cancelled_owned(),
-    ));
-    services.spawn(llm_svc::server::serve(
-        llm_svc::server::ServeConfig {
-            model: dir.to_path_buf(),
-            random_weights: opts.random_weights,
-            max_concurrent: 1,
-            max_context: None,
-        },
-        open,
-        llm_l,
-        token.clone().cancelled_owned(),
-    ));
+    let models = crate::serve::ModelServices {
+        model: dir.to_path_buf(),
+        random_weights: opts.random_weights,
+        max_concurrent: 1,
+        max_context: None,
+    };
+    models.spawn(&mut services, open, (vision_l, llm_l), &token);
     services.spawn(crate::serve::serve(
         crate::serve::GatewayConfig {
             model: dir.to_path_buf(),
@@ -409,8 +395,19 @@ async fn through_gateway<B: Backend + Clone>(
         token.clone(),
     ));
     let result = async {
-        for addr in [vision_addr, llm_addr] {
-            wait_serving(&addr.to_string(), &mut services).await?;
+        // The model services load for as long as weights and kernels take.
+        let health =
+            crate::serve::UpstreamHealth::new(&[vision_addr.to_string()], &[llm_addr.to_string()]);
+        let deadline = Instant::now() + Duration::from_secs(1800);
+        while !health.check().await.0 {
+            if let Some(ended) = services.try_join_next() {
+                anyhow::bail!("a service stopped while starting: {:?}", ended?.err());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the services did not become ready"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let client = GatewayClient::connect(format!("http://{grpc_addr}")).await?;
         let parts = request.messages[0]
@@ -461,35 +458,6 @@ async fn through_gateway<B: Backend + Clone>(
     token.cancel();
     while services.join_next().await.is_some() {}
     result
-}
-
-/// Polls a service's grpc.health.v1 until it says SERVING; fails if a service task ends first.
-async fn wait_serving(
-    addr: &str,
-    services: &mut tokio::task::JoinSet<anyhow::Result<()>>,
-) -> anyhow::Result<()> {
-    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
-    let deadline = Instant::now() + Duration::from_secs(1800);
-    while Instant::now() < deadline {
-        if let Some(ended) = services.try_join_next() {
-            anyhow::bail!("a service stopped while starting: {:?}", ended?.err());
-        }
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?;
-        if let Ok(channel) = channel.connect().await {
-            let mut c = HealthClient::new(channel);
-            let serving = c
-                .check(HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-                .is_ok_and(|r| r.into_inner().status == 1);
-            if serving {
-                return Ok(());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("{addr} did not become ready")
 }
 
 /// Parameters of the text decoder (what decoding reads per token), lm_head included.

@@ -43,6 +43,19 @@ pub struct UpstreamHealth {
 }
 
 impl UpstreamHealth {
+    /// The replicas of both stages.
+    pub fn new(vision_addrs: &[String], llm_addrs: &[String]) -> Self {
+        let named = |service: &str, addrs: &[String]| {
+            addrs
+                .iter()
+                .map(|a| (service.to_string(), a.clone()))
+                .collect::<Vec<_>>()
+        };
+        let mut targets = named("vision-svc", vision_addrs);
+        targets.extend(named("llm-svc", llm_addrs));
+        Self { targets }
+    }
+
     /// Whether every upstream service has at least one SERVING replica (requests can be
     /// served), and a per-replica report.
     pub async fn check(&self) -> (bool, Value) {
@@ -73,6 +86,48 @@ impl UpstreamHealth {
     }
 }
 
+/// vision-svc and llm-svc in this process (`vlm serve`, the benchmark's gateway row).
+pub struct ModelServices {
+    pub model: PathBuf,
+    pub random_weights: Option<u64>,
+    pub max_concurrent: usize,
+    pub max_context: Option<usize>,
+}
+
+impl ModelServices {
+    /// Spawns both on `(vision, llm)` listeners into `services`, each on a backend `open`
+    /// opens while it loads, until `stop` is cancelled.
+    pub fn spawn<B: vlm_compute::Backend + Clone>(
+        &self,
+        services: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+        open: fn() -> vlm_compute::Result<B>,
+        (vision, llm): (TcpListener, TcpListener),
+        stop: &CancellationToken,
+    ) {
+        services.spawn(vision_svc::server::serve(
+            vision_svc::server::ServeConfig {
+                model: self.model.clone(),
+                random_weights: self.random_weights,
+                max_concurrent: self.max_concurrent,
+            },
+            open,
+            vision,
+            stop.clone().cancelled_owned(),
+        ));
+        services.spawn(llm_svc::server::serve(
+            llm_svc::server::ServeConfig {
+                model: self.model.clone(),
+                random_weights: self.random_weights,
+                max_concurrent: self.max_concurrent,
+                max_context: self.max_context,
+            },
+            open,
+            llm,
+            stop.clone().cancelled_owned(),
+        ));
+    }
+}
+
 /// Serves the gateway until `shutdown` is cancelled, then drains both APIs.
 pub async fn serve(
     cfg: GatewayConfig,
@@ -93,18 +148,7 @@ pub async fn serve(
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
     let orchestrator = Arc::new(orchestrator);
-    let health = Arc::new(UpstreamHealth {
-        targets: cfg
-            .vision_addrs
-            .iter()
-            .map(|a| ("vision-svc".to_string(), a.clone()))
-            .chain(
-                cfg.llm_addrs
-                    .iter()
-                    .map(|a| ("llm-svc".to_string(), a.clone())),
-            )
-            .collect(),
-    });
+    let health = Arc::new(UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs));
     let http_state = HttpState {
         orchestrator: orchestrator.clone(),
         model_name: cfg.model_name.clone(),

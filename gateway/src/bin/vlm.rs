@@ -293,21 +293,16 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
 
     let token = CancellationToken::new();
     let mut services = tokio::task::JoinSet::new();
+    let models = gateway::serve::ModelServices {
+        model: args.model.clone(),
+        random_weights: args.random_weights.then_some(0),
+        max_concurrent: args.max_concurrent,
+        max_context: args.max_context,
+    };
+    let listeners = (vision_l, llm_l);
     match args.device {
-        Device::Cpu => spawn_model_services(
-            &mut services,
-            || Ok(CpuBackend::new()),
-            &args,
-            (vision_l, llm_l),
-            &token,
-        ),
-        Device::Cuda => spawn_model_services(
-            &mut services,
-            || CudaBackend::new(0),
-            &args,
-            (vision_l, llm_l),
-            &token,
-        ),
+        Device::Cpu => models.spawn(&mut services, || Ok(CpuBackend::new()), listeners, &token),
+        Device::Cuda => models.spawn(&mut services, || CudaBackend::new(0), listeners, &token),
     }
     let model_name = args
         .model
@@ -356,37 +351,6 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
         Some(e) => Err(e),
         None => Ok(()),
     }
-}
-
-/// vision-svc and llm-svc on `backend`s opened (in the background) by `open`.
-fn spawn_model_services<B: Backend + Clone>(
-    services: &mut tokio::task::JoinSet<anyhow::Result<()>>,
-    open: fn() -> vlm_compute::Result<B>,
-    args: &ServeArgs,
-    (vision_l, llm_l): (tokio::net::TcpListener, tokio::net::TcpListener),
-    token: &tokio_util::sync::CancellationToken,
-) {
-    services.spawn(vision_svc::server::serve(
-        vision_svc::server::ServeConfig {
-            model: args.model.clone(),
-            random_weights: args.random_weights.then_some(0),
-            max_concurrent: args.max_concurrent,
-        },
-        open,
-        vision_l,
-        token.clone().cancelled_owned(),
-    ));
-    services.spawn(llm_svc::server::serve(
-        llm_svc::server::ServeConfig {
-            model: args.model.clone(),
-            random_weights: args.random_weights.then_some(0),
-            max_concurrent: args.max_concurrent,
-            max_context: args.max_context,
-        },
-        open,
-        llm_l,
-        token.clone().cancelled_owned(),
-    ));
 }
 
 #[derive(Clone, Copy, ValueEnum)]
