@@ -19,7 +19,6 @@ using namespace nvcuda;
 #define FA_WARPS 4
 #define FA_BQ 64  // queries per block: 16 per warp
 #define FA_BK 64  // keys per tile
-#define FA_NEG_INF __int_as_float(0xff800000)
 
 // Shared memory for head dim padded to DP (dynamic; the host opts in above 48 KB). Must match
 // flash_smem_bytes in cuda/src/cuda/mod.rs: 512 * DP + 25088 bytes.
@@ -61,7 +60,7 @@ __device__ void flash_attention(const float* __restrict__ q, const float* __rest
     }
     for (int idx = threadIdx.x; idx < FA_WARPS * 16 * DP; idx += blockDim.x) O[idx] = 0.0f;
     if (threadIdx.x < FA_BQ) {
-        row_max[threadIdx.x] = FA_NEG_INF;
+        row_max[threadIdx.x] = NEG_INF;
         row_sum[threadIdx.x] = 0.0f;
     }
     __syncthreads();
@@ -104,16 +103,16 @@ __device__ void flash_attention(const float* __restrict__ q, const float* __rest
             int i = q0 + warp * 16 + r;
             int visible = causal ? min(kv_len, first_slot + i + 1) : kv_len;
             int j0 = kt + lane, j1 = kt + lane + 32;
-            float s0 = j0 < visible ? Sw[r * FA_BK + lane] : FA_NEG_INF;
-            float s1 = j1 < visible ? Sw[r * FA_BK + lane + 32] : FA_NEG_INF;
+            float s0 = j0 < visible ? Sw[r * FA_BK + lane] : NEG_INF;
+            float s1 = j1 < visible ? Sw[r * FA_BK + lane + 32] : NEG_INF;
             float mx = fmaxf(s0, s1);
             for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
             float m_old = row_max[warp * 16 + r];
             float m_new = fmaxf(m_old, mx);
             // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
-            float corr = m_new == FA_NEG_INF ? 1.0f : expf(m_old - m_new);
-            float p0 = m_new == FA_NEG_INF ? 0.0f : expf(s0 - m_new);
-            float p1 = m_new == FA_NEG_INF ? 0.0f : expf(s1 - m_new);
+            float corr = m_new == NEG_INF ? 1.0f : expf(m_old - m_new);
+            float p0 = m_new == NEG_INF ? 0.0f : expf(s0 - m_new);
+            float p1 = m_new == NEG_INF ? 0.0f : expf(s1 - m_new);
             float sum = p0 + p1;
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
             Pw[r * FA_BK + lane] = __float2half_rn(p0);

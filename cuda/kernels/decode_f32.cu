@@ -3,16 +3,9 @@
 // split-K ("flash-decoding") attention over the f32 KV cache. CPU twins: write_row_at and
 // decode_attention in cuda/src/cpu.rs.
 
-#define WARP 32
 // Head dims up to 32 * DEC_MAX_PER_LANE (256) are held in registers.
 #define DEC_MAX_PER_LANE 8
 #define DEC_WARPS 4
-#define NEG_INF __int_as_float(0xff800000)  // -inf without math headers
-
-__device__ __forceinline__ float dec_warp_sum(float v) {
-    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
 
 // dst[slot, :] = src[0, :], slot = *slot_at (a whole number held as f32). A slot outside the
 // cache writes nothing; the host keeps it inside.
@@ -57,7 +50,7 @@ extern "C" __global__ void decode_attention_partial_f32(
             int c = lane + e * WARP;
             if (c < d) dot += qr[e] * __ldg(kr + c);
         }
-        float score = dec_warp_sum(dot);
+        float score = warp_sum(dot);
         float m_new = fmaxf(m, score);
         float corr = expf(m - m_new), p = expf(score - m_new);
         l = l * corr + p;

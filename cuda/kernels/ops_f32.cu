@@ -4,12 +4,7 @@
 //
 // Layout conventions follow the ops interface: row-major, "rows" are the leading dimension.
 
-#define WARP 32
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
+// WARP, NEG_INF, warp_sum and random_uniform come from common.cuh.
 
 // Sum over a block of up to 1024 threads; every thread gets the result.
 __device__ float block_sum(float v) {
@@ -122,7 +117,7 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
         qr[r] = idx < d ? qv[idx] : 0.0f;
         acc[r] = 0.0f;
     }
-    float m = __int_as_float(0xff800000), denom = 0.0f;  // -inf without math headers
+    float m = NEG_INF, denom = 0.0f;
     for (int j = 0; j < visible; j++) {
         const float* kr = k + ((size_t)j * hkv + kvh) * d;
         float dot = 0.0f;
@@ -177,21 +172,12 @@ extern "C" __global__ void broadcast_rows_f32(const float* __restrict__ bias, fl
     if (i < n * cols) out[i] = bias[i % cols];
 }
 
-// Random-weight matrices generated on the GPU: element i is a pure function of (key, i), the
-// same SplitMix64 hash as cuda/src/random.rs, so the values equal the CPU's bit for bit.
-__device__ __forceinline__ unsigned long long splitmix_mix(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
+// Random-weight matrices generated on the GPU: element i is random_uniform(key, i, bound).
 extern "C" __global__ void fill_uniform_f32(float* __restrict__ out, unsigned long long n,
                                             unsigned long long key, float bound) {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += stride) {
-        unsigned long long h = splitmix_mix(key ^ (i * 0x9E3779B97F4A7C15ull));
-        float u = (float)(h >> 40) * (1.0f / 16777216.0f);
-        out[i] = __fmul_rn(__fsub_rn(__fmul_rn(2.0f, u), 1.0f), bound);  // no FMA: match the CPU
+        out[i] = random_uniform(key, i, bound);
     }
 }

@@ -10,15 +10,9 @@
 
 #include <cuda_fp16.h>
 
-#define WARP 32
 // Rows of x one GEMV launch handles (decode is 1; a few speculative or batched rows still fit
 // in registers). Must match GEMV_MAX_ROWS in cuda/src/cuda/mod.rs.
 #define GEMV_MAX_ROWS 4
-
-__device__ __forceinline__ float warp_sum_f(float v) {
-    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
 
 // Eight consecutive weights, one 128-bit load.
 __device__ __forceinline__ void load8(const __half* __restrict__ p, float f[8]) {
@@ -69,7 +63,7 @@ __device__ __forceinline__ void row_dots(const float* __restrict__ x, const __ha
             if (r < rows) acc[r] += wv * x[(size_t)r * k + c];
     }
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = warp_sum_f(acc[r]);
+    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = warp_sum(acc[r]);
 }
 
 // out[r, j] = x[r, :] . w[j, :] (+ bias[j]): x [rows, k] f32, w [m, k] f16, out [rows, m] f32.
@@ -135,21 +129,13 @@ extern "C" __global__ void embedding_f16w(const __half* __restrict__ table,
     for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = __half2float(__ldg(src + c));
 }
 
-// Random-weight matrices in f16: the f32 value of fill_uniform_f32 (cuda/src/random.rs's
-// hash), rounded to nearest, as the CPU's upload would round it.
-__device__ __forceinline__ unsigned long long splitmix_mix16(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
+// Random-weight matrices in f16: fill_uniform_f32's value (common.cuh's random_uniform),
+// rounded to nearest, as the CPU's upload would round it.
 extern "C" __global__ void fill_uniform_f16(__half* __restrict__ out, unsigned long long n,
                                             unsigned long long key, float bound) {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += stride) {
-        unsigned long long h = splitmix_mix16(key ^ (i * 0x9E3779B97F4A7C15ull));
-        float u = (float)(h >> 40) * (1.0f / 16777216.0f);
-        out[i] = __float2half_rn(__fmul_rn(__fsub_rn(__fmul_rn(2.0f, u), 1.0f), bound));
+        out[i] = __float2half_rn(random_uniform(key, i, bound));
     }
 }

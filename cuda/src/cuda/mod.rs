@@ -27,6 +27,16 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use crate::backend::{AttnMask, Backend, GeluKind};
 use crate::{Error, HostTensor, Result};
 
+/// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
+macro_rules! with_common {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../kernels/common.cuh"),
+            include_str!(concat!("../../kernels/", $file))
+        )
+    };
+}
+
 /// A `.cu` file and the kernels it defines.
 struct KernelSource {
     file: &'static str,
@@ -37,12 +47,12 @@ struct KernelSource {
 const SOURCES: [KernelSource; 4] = [
     KernelSource {
         file: "ops_f32.cu",
-        source: include_str!("../../kernels/ops_f32.cu"),
+        source: with_common!("ops_f32.cu"),
         kernels: &OPS_KERNELS,
     },
     KernelSource {
         file: "weights_f16.cu",
-        source: include_str!("../../kernels/weights_f16.cu"),
+        source: with_common!("weights_f16.cu"),
         kernels: &[
             "gemv_f16w",
             "swiglu_gemv_f16w",
@@ -53,7 +63,7 @@ const SOURCES: [KernelSource; 4] = [
     },
     KernelSource {
         file: "decode_f32.cu",
-        source: include_str!("../../kernels/decode_f32.cu"),
+        source: with_common!("decode_f32.cu"),
         kernels: &[
             "write_row_at_f32",
             "decode_attention_partial_f32",
@@ -64,7 +74,7 @@ const SOURCES: [KernelSource; 4] = [
     },
     KernelSource {
         file: "attention_f16.cu",
-        source: include_str!("../../kernels/attention_f16.cu"),
+        source: with_common!("attention_f16.cu"),
         kernels: &FLASH_KERNELS,
     },
 ];

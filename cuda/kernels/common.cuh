@@ -1,0 +1,22 @@
+// Shared by every kernel file. Each .cu is its own NVRTC program, so cuda/src/cuda/mod.rs
+// puts this text in front of each one (compile errors' line numbers count it).
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000)  // -inf without math headers
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+// Element i of a random-weight matrix with `key`: cuda/src/random.rs's SplitMix64 hash, so the
+// values equal the CPU's bit for bit.
+__device__ __forceinline__ float random_uniform(unsigned long long key, unsigned long long i,
+                                                float bound) {
+    unsigned long long z = key ^ (i * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+    return __fmul_rn(__fsub_rn(__fmul_rn(2.0f, u), 1.0f), bound);  // no FMA: match the CPU
+}
