@@ -135,6 +135,11 @@ impl Backend for CpuBackend {
         self.write(dst, src.data())
     }
 
+    fn argmax(&self, x: &HostTensor) -> Result<u32> {
+        // In place: the default would copy the row (600 KB at the 8B vocabulary) every token.
+        Ok(crate::backend::argmax(x.data()))
+    }
+
     fn replay(&self, _: &()) -> Result<()> {
         // Nothing is ever recorded on the CPU (`record` returns None).
         Ok(())
