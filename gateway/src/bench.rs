@@ -442,17 +442,9 @@ async fn through_gateway<B: Backend + Clone>(
                 anyhow::Ok(t.elapsed())
             }
         };
-        for _ in 0..opts.warmup {
-            run().await?;
-            bar.inc(1);
-        }
-        let mut s = Vec::new();
-        for _ in 0..opts.repeats.max(1) {
-            s.push(run().await?.as_secs_f64());
-            bar.inc(1);
-        }
-        s.sort_by(f64::total_cmp);
-        anyhow::Ok(s)
+        // The same warm-up, repeats and sorting as every other row.
+        let handle = tokio::runtime::Handle::current();
+        tokio::task::block_in_place(|| time(opts, bar, || handle.block_on(run())))
     }
     .await;
     token.cancel();
