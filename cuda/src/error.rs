@@ -42,6 +42,10 @@ pub enum Error {
     /// The GPU, its driver or a CUDA library failed or is missing.
     #[error("CUDA: {what}")]
     Cuda { what: String },
+    /// A device backend disagreed with the CPU reference (or failed) in its startup self-check
+    /// ([`crate::twin::self_check`]): it must not serve.
+    #[error("{backend} self-check against the CPU reference failed: {what}; refusing to serve from this device (use --device cpu, and please report the GPU and driver)")]
+    SelfCheck { backend: &'static str, what: String },
     /// NVRTC refused a kernel (or the driver could not load it); `log` is the compiler's.
     #[error("kernel {kernel} failed to compile or load:\n{log}")]
     KernelCompile { kernel: String, log: String },

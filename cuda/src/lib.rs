@@ -4,6 +4,8 @@
 //!   against, once. Each op has a CPU reference ([`CpuBackend`]); the CUDA backend implements the
 //!   same trait and is tested op by op against it.
 //! - [`HostTensor`]: a row-major f32 tensor in host memory, what goes in and out of a backend.
+//! - [`twin`]: a device backend compared with the CPU reference op by op: the GPU twin tests and
+//!   the self-check every GPU passes before it serves.
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
 //!   converted from f32/f16/bf16 to f32 by name with shape checks.
 //! - [`files`]: reading the JSON files of a checkpoint directory with errors that name the file
@@ -19,6 +21,7 @@ pub mod nn;
 pub mod npy;
 pub mod random;
 mod tensor;
+pub mod twin;
 mod weights;
 
 pub use backend::{argmax, AttnMask, Backend, GeluKind};

@@ -1,14 +1,13 @@
 //! Every CUDA op against its CPU twin, on random inputs at the real Qwen3-VL-8B and ViT sizes
-//! and at odd ones. Skipped (with a message) where no GPU is present; on the GPU machine:
+//! and at odd ones (the startup self-check, `vlm_compute::twin::self_check`, runs the same
+//! comparison at small sizes). Skipped (with a message) where no GPU is present; on the GPU
+//! machine:
 //!
 //!     cargo test --release -p vlm-compute --test cuda_twin -- --nocapture
 //!
-//! Tolerance: both sides are f32; only summation order differs (cuBLAS blocking, warp
-//! reductions, online softmax), so results agree to ~1e-6 relative per op; we allow 1e-4 of the
-//! largest magnitude (2e-4 for GEMMs with k >= 4096, whose sums are long).
+//! Tolerances are `Case::tolerance`'s, stated there with their reasons.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use vlm_compute::twin::{compare, Case};
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
 
 fn gpu() -> Option<CudaBackend> {
@@ -23,275 +22,137 @@ fn gpu() -> Option<CudaBackend> {
     }
 }
 
-fn rand(shape: &[usize], seed: u64) -> HostTensor {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let n = shape.iter().product();
-    HostTensor::new(
-        shape.to_vec(),
-        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
-    )
-    .unwrap()
-}
-
-/// |cuda - cpu| <= rel * max|cpu| (with a floor for all-small outputs).
-fn assert_close(op: &str, cpu: &HostTensor, cuda: &HostTensor, rel: f32) {
-    assert_eq!(cpu.shape(), cuda.shape(), "{op}: shape");
-    let scale = cpu.data().iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-    let diff = cpu.max_abs_diff(cuda).unwrap();
+/// Runs every case, prints each outcome, and fails naming all that are outside tolerance.
+fn check_all(g: &CudaBackend, cases: impl IntoIterator<Item = Case>) {
+    let mut failed = Vec::new();
+    for case in cases {
+        let outcome = compare(g, &case).unwrap_or_else(|e| panic!("{}: {e}", case.name()));
+        eprintln!("{outcome}");
+        if !outcome.passed() {
+            failed.push(outcome.to_string());
+        }
+    }
     assert!(
-        diff <= rel * scale,
-        "{op}: max diff {diff} vs scale {scale}"
+        failed.is_empty(),
+        "outside tolerance:\n{}",
+        failed.join("\n")
     );
-    eprintln!("{op}: max diff {diff:.2e} (scale {scale:.2})");
 }
 
-/// Runs one body on the CPU backend and on the GPU with the same host inputs, and compares.
-macro_rules! both {
-    ($gpu:expr, $op:expr, $rel:expr, |$be:ident, $t:ident| $body:expr, $inputs:expr) => {{
-        let inputs: Vec<HostTensor> = $inputs;
-        let cpu_out = {
-            let $be = &CpuBackend::new();
-            let $t: Vec<_> = inputs.iter().map(|h| $be.upload(h).unwrap()).collect();
-            $be.download(&$body).unwrap()
-        };
-        let cuda_out = {
-            let $be = $gpu;
-            let $t: Vec<_> = inputs.iter().map(|h| $be.upload(h).unwrap()).collect();
-            $be.download(&$body).unwrap()
-        };
-        assert_close($op, &cpu_out, &cuda_out, $rel);
-    }};
+#[test]
+fn the_startup_self_check_passes() {
+    let Some(g) = gpu() else { return };
+    vlm_compute::twin::self_check(&g, |o| eprintln!("{o}")).unwrap();
 }
 
 #[test]
 fn elementwise_and_norms() {
     let Some(g) = gpu() else { return };
-    for (rows, cols) in [
-        (1, 4096),
-        (17, 1152),
-        (3, 4608),
-        (5, 4304),
-        (96, 128),
-        (1, 7),
-    ] {
-        let tag = format!("[{rows},{cols}]");
-        both!(
-            &g,
-            &format!("add {tag}"),
-            1e-6,
-            |be, t| be.add(&t[0], &t[1]).unwrap(),
-            vec![rand(&[rows, cols], 1), rand(&[rows, cols], 2)]
-        );
-        both!(
-            &g,
-            &format!("silu_mul {tag}"),
-            1e-5,
-            |be, t| be.silu_mul(&t[0], &t[1]).unwrap(),
-            vec![rand(&[rows, cols], 3), rand(&[rows, cols], 4)]
-        );
-        both!(
-            &g,
-            &format!("gelu tanh {tag}"),
-            1e-5,
-            |be, t| be.gelu(&t[0], GeluKind::Tanh).unwrap(),
-            vec![rand(&[rows, cols], 5)]
-        );
-        both!(
-            &g,
-            &format!("gelu erf {tag}"),
-            1e-5,
-            |be, t| be.gelu(&t[0], GeluKind::Erf).unwrap(),
-            vec![rand(&[rows, cols], 6)]
-        );
-        both!(
-            &g,
-            &format!("layer_norm {tag}"),
-            1e-4,
-            |be, t| be.layer_norm(&t[0], &t[1], &t[2], 1e-6).unwrap(),
-            vec![rand(&[rows, cols], 7), rand(&[cols], 8), rand(&[cols], 9)]
-        );
-        both!(
-            &g,
-            &format!("rms_norm {tag}"),
-            1e-4,
-            |be, t| be.rms_norm(&t[0], &t[1], 1e-6).unwrap(),
-            vec![rand(&[rows, cols], 10), rand(&[cols], 11)]
-        );
-    }
-}
-
-/// `t` with every value rounded to the nearest f16: the weights the GPU stores, and (for the
-/// cuBLAS path) the activations it multiplies them with, so the CPU twin sees the same inputs.
-fn f16_exact(t: HostTensor) -> HostTensor {
-    let data = t
-        .data()
-        .iter()
-        .map(|&v| half::f16::from_f32(v).to_f32())
-        .collect();
-    HostTensor::new(t.shape().to_vec(), data).unwrap()
-}
-
-/// `linear` / `swiglu` on both backends with the same f16-exact inputs.
-fn compare_matmul(g: &CudaBackend, op: &str, rel: f32, n: usize, k: usize, m: usize, seed: u64) {
-    let x = f16_exact(rand(&[n, k], seed));
-    let (w, w2, b) = (
-        f16_exact(rand(&[m, k], seed + 1)),
-        f16_exact(rand(&[m, k], seed + 2)),
-        rand(&[m], seed + 3),
+    check_all(
+        &g,
+        [
+            (1, 4096),
+            (17, 1152),
+            (3, 4608),
+            (5, 4304),
+            (96, 128),
+            (1, 7),
+        ]
+        .into_iter()
+        .flat_map(|(rows, cols)| {
+            [
+                Case::Add { rows, cols },
+                Case::SiluMul { rows, cols },
+                Case::Gelu {
+                    rows,
+                    cols,
+                    kind: GeluKind::Tanh,
+                },
+                Case::Gelu {
+                    rows,
+                    cols,
+                    kind: GeluKind::Erf,
+                },
+                Case::LayerNorm { rows, cols },
+                Case::RmsNorm { rows, cols },
+            ]
+        }),
     );
-    fn run<B: Backend>(
-        be: &B,
-        op: &str,
-        x: &HostTensor,
-        w: &HostTensor,
-        w2: &HostTensor,
-        b: &HostTensor,
-    ) -> HostTensor {
-        let (x, wt, w2t, bt) = (
-            be.upload(x).unwrap(),
-            be.upload_weight(w).unwrap(),
-            be.upload_weight(w2).unwrap(),
-            be.upload(b).unwrap(),
-        );
-        let y = match op {
-            "linear" => be.linear(&x, &wt, None),
-            "linear+bias" => be.linear(&x, &wt, Some(&bt)),
-            _ => be.swiglu(&x, &wt, &w2t),
-        };
-        be.download(&y.unwrap()).unwrap()
-    }
-    let cpu = run(&CpuBackend::new(), op, &x, &w, &w2, &b);
-    let cuda = run(g, op, &x, &w, &w2, &b);
-    assert_close(&format!("{op} {n}x{k}->{m}"), &cpu, &cuda, rel);
 }
 
 #[test]
 fn linear_and_swiglu_at_real_sizes() {
     let Some(g) = gpu() else { return };
-    // Weights are f16 on the GPU and x is f16-exact here, so both sides multiply the same
-    // values; they differ only in summation order (f32 accumulation both). n <= 4 runs our
-    // GEMV (decode), larger n cuBLAS. (rows, in, out): 8B decode and prefill, ViT, odd sizes
+    // Weights are f16 on the GPU and x is f16-exact, so both sides multiply the same values;
+    // they differ only in summation order (f32 accumulation both). n <= 4 runs our GEMV
+    // (decode), larger n cuBLAS. (rows, in, out): 8B decode and prefill, ViT, odd sizes
     // (k % 8 != 0 takes the GEMV's scalar path).
-    for (n, k, m) in [
-        (1, 4096, 12288),
-        (1, 12288, 4096),
-        (4, 4096, 151936),
-        (2, 4096, 4096),
-        (33, 4096, 1024),
-        (17, 1152, 4304),
-        (196, 4608, 4096),
-        (3, 7, 5),
-        (1, 4100, 9),
-    ] {
-        let rel = if k >= 4096 { 2e-4 } else { 1e-4 };
-        for op in ["linear", "linear+bias", "swiglu"] {
-            compare_matmul(&g, op, rel, n, k, m, 12);
-        }
-    }
+    check_all(
+        &g,
+        [
+            (1, 4096, 12288),
+            (1, 12288, 4096),
+            (4, 4096, 151936),
+            (2, 4096, 4096),
+            (33, 4096, 1024),
+            (17, 1152, 4304),
+            (196, 4608, 4096),
+            (3, 7, 5),
+            (1, 4100, 9),
+        ]
+        .into_iter()
+        .flat_map(|(n, k, m)| {
+            [
+                Case::Linear {
+                    n,
+                    k,
+                    m,
+                    bias: false,
+                },
+                Case::Linear {
+                    n,
+                    k,
+                    m,
+                    bias: true,
+                },
+                Case::Swiglu { n, k, m },
+            ]
+        }),
+    );
 }
 
 #[test]
 fn rope_and_attention_at_real_sizes() {
     let Some(g) = gpu() else { return };
-    for (n, h, d) in [(1, 32, 128), (37, 8, 128), (784, 16, 72), (5, 4, 32)] {
-        both!(
-            &g,
-            &format!("rope [{n},{h},{d}]"),
-            1e-5,
-            |be, t| be.rope(&t[0], &t[1], &t[2]).unwrap(),
-            vec![rand(&[n, h, d], 17), rand(&[n, d], 18), rand(&[n, d], 19)]
-        );
-    }
-    // (queries, q heads, kv heads, head dim, kv slots, valid, mask)
-    let cases = [
-        (
-            1,
-            32,
-            8,
-            128,
-            4096,
-            4096,
-            AttnMask::Causal {
-                first_query_slot: 4095,
-            },
-        ),
-        (
-            1,
-            32,
-            8,
-            128,
-            600,
-            513,
-            AttnMask::Causal {
-                first_query_slot: 512,
-            },
-        ),
-        (
-            37,
-            32,
-            8,
-            128,
-            64,
-            37,
-            AttnMask::Causal {
-                first_query_slot: 0,
-            },
-        ),
+    let rope = [(1, 32, 128), (37, 8, 128), (784, 16, 72), (5, 4, 32)]
+        .map(|(tokens, heads, dim)| Case::Rope { tokens, heads, dim });
+    let causal = |first_query_slot| AttnMask::Causal { first_query_slot };
+    // (queries, q heads, kv heads, head dim, kv slots, valid, mask): 8B decode at 4096 and
+    // 513, prefill, the ViT at 448², prefill after a cached prefix (queries start at slot
+    // 512), 8B prefill at 1024, the tiny fixture's head dim (padded to 64) with a partial
+    // query tile, and the f32 kernel below 16 queries.
+    let attention = [
+        (1, 32, 8, 128, 4096, 4096, causal(4095)),
+        (1, 32, 8, 128, 600, 513, causal(512)),
+        (37, 32, 8, 128, 64, 37, causal(0)),
         (784, 16, 16, 72, 784, 784, AttnMask::Full),
-        // Prefill after a cached prefix (queries start at slot 512), and 8B prefill at 1024.
-        (
-            100,
-            32,
-            8,
-            128,
-            700,
-            612,
-            AttnMask::Causal {
-                first_query_slot: 512,
-            },
-        ),
-        (
-            1024,
-            32,
-            8,
-            128,
-            1024,
-            1024,
-            AttnMask::Causal {
-                first_query_slot: 0,
-            },
-        ),
-        // The tiny fixture's head dim, padded to 64, and a partial query tile.
+        (100, 32, 8, 128, 700, 612, causal(512)),
+        (1024, 32, 8, 128, 1024, 1024, causal(0)),
         (65, 4, 2, 16, 65, 65, AttnMask::Full),
-        (
-            7,
-            4,
-            2,
-            32,
-            9,
-            9,
-            AttnMask::Causal {
-                first_query_slot: 2,
-            },
-        ),
-    ];
-    for (nq, hq, hkv, d, slots, len, mask) in cases {
-        // 16 queries and up run the flash kernel: Q (scaled), K, V and the probabilities are
-        // rounded to f16 for the tensor cores (2^-11 relative each), f32 accumulation; fewer
-        // run the f32 kernel, which differs from the CPU in summation order only.
-        let rel = if nq >= 16 { 2e-3 } else { 1e-4 };
-        both!(
-            &g,
-            &format!("attention q{nq} h{hq}/{hkv} d{d} kv{len} {mask:?}"),
-            rel,
-            |be, t| be.attention(&t[0], &t[1], &t[2], len, mask).unwrap(),
-            vec![
-                rand(&[nq, hq, d], 20),
-                rand(&[slots, hkv, d], 21),
-                rand(&[slots, hkv, d], 22)
-            ]
-        );
-    }
+        (7, 4, 2, 32, 9, 9, causal(2)),
+    ]
+    .map(
+        |(queries, q_heads, kv_heads, dim, slots, kv_len, mask)| Case::Attention {
+            queries,
+            q_heads,
+            kv_heads,
+            dim,
+            slots,
+            kv_len,
+            mask,
+        },
+    );
+    check_all(&g, rope.into_iter().chain(attention));
 }
 
 #[test]
@@ -299,126 +160,78 @@ fn decode_step_ops_read_the_slot_from_device_memory() {
     let Some(g) = gpu() else { return };
     // (q heads, kv heads, head dim, cache slots, slot): 8B at short and long context (one and
     // 16 key splits), a slot in the last split, the tiny fixture's sizes, odd ones.
-    for (hq, hkv, d, slots, slot) in [
+    let steps = [
         (32, 8, 128, 4096, 4095),
         (32, 8, 128, 4096, 100),
         (32, 8, 128, 600, 512),
         (32, 8, 128, 512, 0),
         (4, 2, 16, 64, 33),
         (6, 3, 40, 700, 257),
-    ] {
-        let slot_t = HostTensor::new(vec![1], vec![slot as f32]).unwrap();
-        let tag = format!("h{hq}/{hkv} d{d} slots{slots} at {slot}");
-        both!(
-            &g,
-            &format!("decode_attention {tag}"),
-            1e-4,
-            |be, t| be.decode_attention(&t[0], &t[1], &t[2], &t[3]).unwrap(),
-            vec![
-                rand(&[1, hq, d], 30),
-                rand(&[slots, hkv, d], 31),
-                rand(&[slots, hkv, d], 32),
-                slot_t.clone()
-            ]
-        );
-        both!(
-            &g,
-            &format!("write_row_at {tag}"),
-            0.0,
-            |be, t| {
-                let mut cache = t[0].clone();
-                be.write_row_at(&mut cache, &t[2], &t[1]).unwrap();
-                cache
-            },
-            vec![
-                rand(&[slots, hkv, d], 33),
-                rand(&[1, hkv, d], 34),
-                slot_t.clone()
-            ]
-        );
-    }
+    ];
+    check_all(
+        &g,
+        steps
+            .into_iter()
+            .flat_map(|(q_heads, kv_heads, dim, slots, slot)| {
+                [
+                    Case::DecodeAttention {
+                        q_heads,
+                        kv_heads,
+                        dim,
+                        slots,
+                        slot,
+                    },
+                    Case::WriteRowAt {
+                        kv_heads,
+                        dim,
+                        slots,
+                        slot,
+                    },
+                ]
+            }),
+    );
     // Greedy picks on the device: the 8B vocabulary, a tie (the first wins), a short row.
-    for (n, tie) in [
-        (151_936usize, None),
-        (151_936, Some((70_000usize, 90_000usize))),
-        (7, None),
-    ] {
-        let mut logits = rand(&[1, n], 36);
-        if let Some((a, b)) = tie {
-            logits.data_mut()[a] = 5.0;
-            logits.data_mut()[b] = 5.0;
-        }
-        let cpu = CpuBackend::new().argmax(&logits).unwrap();
-        let cuda = g.argmax(&g.upload(&logits).unwrap()).unwrap();
-        assert_eq!(cpu, cuda, "argmax over {n} (tie {tie:?})");
-    }
+    check_all(
+        &g,
+        [
+            Case::Argmax {
+                n: 151_936,
+                tie: None,
+            },
+            Case::Argmax {
+                n: 151_936,
+                tie: Some((70_000, 90_000)),
+            },
+            Case::Argmax { n: 7, tie: None },
+        ],
+    );
     // `write` refreshes a buffer in place: a clone taken before keeps the old values.
-    let mut t = g.upload(&rand(&[1, 128], 35)).unwrap();
+    let values = HostTensor::new(vec![1, 128], (0..128).map(|i| i as f32).collect()).unwrap();
+    let mut t = g.upload(&values).unwrap();
     let before = t.clone();
     g.write(&mut t, &[0.5; 128]).unwrap();
     assert_eq!(g.download(&t).unwrap().data(), &[0.5; 128]);
-    assert_eq!(g.download(&before).unwrap(), rand(&[1, 128], 35));
+    assert_eq!(g.download(&before).unwrap(), values);
 }
 
 #[test]
 fn gathers_and_row_updates() {
     let Some(g) = gpu() else { return };
-    let ids = HostTensor::new(vec![5], vec![3., 0., 999., 3., 17.]).unwrap();
-    let table = f16_exact(rand(&[1000, 4096], 23));
-    let cpu = CpuBackend::new();
-    let rows = cpu.embedding(&table, &ids).unwrap();
-    let on_gpu = g
-        .embedding(&g.upload_weight(&table).unwrap(), &g.upload(&ids).unwrap())
-        .unwrap();
-    // f16 table values are exact in f32: the gathered rows are equal.
-    assert_close("embedding", &rows, &g.download(&on_gpu).unwrap(), 0.0);
-    let idx: Vec<u32> = (0..4 * 50).map(|i| (i * 37 % 2304) as u32).collect();
-    let w: Vec<f32> = (0..4 * 50).map(|i| (i % 7) as f32 / 7.0).collect();
-    both!(
+    check_all(
         &g,
-        "weighted_gather",
-        1e-6,
-        |be, t| be.weighted_gather(&t[0], &idx, &w, 4).unwrap(),
-        vec![rand(&[2304, 1152], 24)]
-    );
-    both!(
-        &g,
-        "slice_rows",
-        0.0,
-        |be, t| be.slice_rows(&t[0], 3, 9).unwrap(),
-        vec![rand(&[10, 64], 25)]
-    );
-    both!(
-        &g,
-        "write/scatter/add rows",
-        1e-6,
-        |be, t| {
-            let mut cache = be.zeros(&[12, 8, 128]).unwrap();
-            be.write_rows(
-                &mut cache,
-                4,
-                &be.reshape(t[0].clone(), &[3, 8, 128]).unwrap(),
-            )
-            .unwrap();
-            let mut x = t[1].clone();
-            be.scatter_rows(&mut x, &[5, 0], &t[2]).unwrap();
-            be.add_rows(&mut x, &[1, 5], &t[2]).unwrap();
-            // The tensor `x` was cloned from is untouched by the in-place updates.
-            let untouched = be.add(&t[1], &t[1]).unwrap();
-            let flat = be.reshape(cache, &[12, 1024]).unwrap();
-            let parts = [
-                be.download(&flat).unwrap(),
-                be.download(&x).unwrap(),
-                be.download(&untouched).unwrap(),
-            ];
-            be.upload(&HostTensor::concat_rows(&parts).unwrap())
-                .unwrap()
-        },
-        vec![
-            rand(&[3, 1024], 26),
-            rand(&[6, 1024], 27),
-            rand(&[2, 1024], 28)
-        ]
+        [
+            Case::Embedding {
+                vocab: 1000,
+                width: 4096,
+            },
+            Case::WeightedGather {
+                rows: 2304,
+                width: 1152,
+                out: 50,
+                taps: 4,
+            },
+            Case::RowUpdates,
+        ],
     );
 }
 

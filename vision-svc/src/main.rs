@@ -41,9 +41,6 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    if args.device == "cuda" {
-        vlm_compute::cuda::ensure_enabled()?;
-    }
     let telemetry = vlm_proto::telemetry::init("vision-svc");
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let cfg = ServeConfig {
@@ -53,7 +50,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     let shutdown = vlm_proto::shutdown_signal();
     let result = if args.device == "cuda" {
-        serve(cfg, || vlm_compute::CudaBackend::new(0), listener, shutdown).await
+        serve(
+            cfg,
+            || vlm_compute::CudaBackend::open_verified(0),
+            listener,
+            shutdown,
+        )
+        .await
     } else {
         serve(
             cfg,

@@ -1,5 +1,6 @@
 //! The CUDA backend: every op of [`Backend`] on an NVIDIA GPU, each checked against its CPU
-//! twin (`cuda/tests/cuda_twin.rs`).
+//! twin (`cuda/tests/cuda_twin.rs` at the real model sizes; [`CudaBackend::open_verified`] at
+//! every start, on the GPU at hand).
 //!
 //! Weights (the matrices of `linear` and the embedding table) are f16 on the device: decoding a
 //! token reads each once, so half the bytes is twice the tokens/s, and prefill GEMMs run on
@@ -186,14 +187,6 @@ fn nvrtc_version() -> (i32, i32) {
     (major, minor)
 }
 
-/// The gate every `--device cuda` goes through. The backend stays off until `cuda_twin.rs` and
-/// the golden stage tests have passed on a GPU; enabling it is this one function.
-pub fn ensure_enabled() -> Result<()> {
-    Err(Error::Cuda {
-        what: "--device cuda is not enabled yet: the CUDA backend (cuda/src/cuda) awaits verification on a GPU; use --device cpu".into(),
-    })
-}
-
 /// Whether NVRTC can be loaded (it needs no GPU: kernels can be compiled anywhere it is).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -236,7 +229,45 @@ pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal`, compiling (or loading from the disk cache) every kernel.
+    /// Opens GPU `ordinal` for serving: [`CudaBackend::new`], then the self-check
+    /// ([`crate::twin::self_check`]) that runs every kernel against the CPU reference on this
+    /// GPU, with this driver, and refuses the device if any disagrees. About a second; what
+    /// `--device cuda` does everywhere.
+    pub fn open_verified(ordinal: usize) -> Result<Self> {
+        let gpu = Self::new(ordinal)?;
+        let cases = crate::twin::self_check_cases().len();
+        let bar = indicatif::ProgressBar::new(cases as u64).with_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {pos}/{len} ops match the CPU reference",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.set_message(format!("self-check on {}", gpu.device_name()));
+        let started = std::time::Instant::now();
+        let mut worst = 0.0f32;
+        let checked = crate::twin::self_check(&gpu, |outcome| {
+            tracing::debug!(%outcome, "self-check");
+            if outcome.limit > 0.0 {
+                worst = worst.max(outcome.max_diff / outcome.limit);
+            }
+            bar.inc(1);
+        });
+        bar.finish_and_clear();
+        checked?;
+        tracing::info!(
+            device = %gpu.device_name(),
+            ops = cases,
+            worst_diff_over_allowed = worst,
+            seconds = started.elapsed().as_secs_f32(),
+            "CUDA self-check passed: every kernel matches the CPU reference"
+        );
+        Ok(gpu)
+    }
+
+    /// Opens GPU `ordinal`, compiling (or loading from the disk cache) every kernel. Unchecked:
+    /// tests compare it with the CPU themselves; serving goes through
+    /// [`CudaBackend::open_verified`].
     pub fn new(ordinal: usize) -> Result<Self> {
         // SAFETY: these only try to dlopen the libraries.
         let (driver, nvrtc, cublas) = unsafe {

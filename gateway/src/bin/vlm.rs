@@ -121,6 +121,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             );
             drop(gpu);
             let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
+            // Checked by open_cuda above: the stages' own handles skip a second self-check.
             bench_on(&args, || CudaBackend::new(0), copy, device)
         }
     }
@@ -178,10 +179,9 @@ fn bench_on<B: Backend + Clone>(
     Ok(())
 }
 
-/// GPU 0, through the one gate that keeps `--device cuda` off until the backend is verified.
+/// GPU 0, once every kernel has matched the CPU reference on it (the self-check).
 fn open_cuda() -> anyhow::Result<CudaBackend> {
-    vlm_compute::cuda::ensure_enabled()?;
-    Ok(CudaBackend::new(0)?)
+    Ok(CudaBackend::open_verified(0)?)
 }
 
 #[derive(clap::Args)]
@@ -261,10 +261,6 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     use tokio::net::TcpListener;
     use tokio_util::sync::CancellationToken;
 
-    if matches!(args.device, Device::Cuda) {
-        // The services open the GPU themselves, in the background, while health says loading.
-        vlm_compute::cuda::ensure_enabled()?;
-    }
     gateway::pipeline::check_model_dir(&args.model).with_context(|| {
         "vlm serve needs a model; run it from the repository root or pass --model DIR"
     })?;
@@ -302,7 +298,12 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
     let listeners = (vision_l, llm_l);
     match args.device {
         Device::Cpu => models.spawn(&mut services, || Ok(CpuBackend::new()), listeners, &token),
-        Device::Cuda => models.spawn(&mut services, || CudaBackend::new(0), listeners, &token),
+        Device::Cuda => models.spawn(
+            &mut services,
+            || CudaBackend::open_verified(0),
+            listeners,
+            &token,
+        ),
     }
     let model_name = args
         .model
