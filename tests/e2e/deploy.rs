@@ -79,14 +79,50 @@ fn listen_var(svc: &str) -> &'static str {
     }
 }
 
+/// A Dockerfile build stage: the stage or image it is built `FROM`, its ENTRYPOINT and ENV.
+#[derive(Clone, Default)]
+struct Stage {
+    from: String,
+    entrypoint: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+/// The named stages of a Dockerfile (`FROM image AS name`).
+fn dockerfile_stages(path: &Path) -> BTreeMap<String, Stage> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut stages = BTreeMap::new();
+    let mut current = None;
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["FROM", from, "AS", name] => {
+                let stage = Stage {
+                    from: from.to_string(),
+                    ..Default::default()
+                };
+                current = Some(name.to_string());
+                stages.insert(name.to_string(), stage);
+            }
+            ["ENV", pairs @ ..] => {
+                let stage: &mut Stage = stages.get_mut(current.as_ref().unwrap()).unwrap();
+                for kv in pairs {
+                    let (k, v) = kv.split_once('=').expect("ENV K=V");
+                    stage.env.push((k.to_string(), v.to_string()));
+                }
+            }
+            ["ENTRYPOINT", ..] => {
+                let json = line.trim_start_matches("ENTRYPOINT").trim();
+                let stage: &mut Stage = stages.get_mut(current.as_ref().unwrap()).unwrap();
+                stage.entrypoint = serde_json::from_str(json).expect("ENTRYPOINT [...]");
+            }
+            _ => {}
+        }
+    }
+    stages
+}
+
 fn dockerfile_targets(path: &Path) -> BTreeSet<String> {
-    std::fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("FROM "))
-        .filter_map(|l| l.split(" AS ").nth(1))
-        .map(|t| t.trim().to_string())
-        .collect()
+    dockerfile_stages(path).into_keys().collect()
 }
 
 #[test]
@@ -473,4 +509,282 @@ fn kubernetes_manifests_pass_the_api_schema_when_the_validator_is_installed() {
             .arg(&path),
         &path,
     );
+}
+
+// ---- the CPU stack, run as written --------------------------------------------------------
+
+/// `${NAME:-default}` and `${NAME}` as compose resolves them with nothing set in the
+/// environment (what a newcomer's `docker compose up` sees).
+fn interpolate(v: &str) -> String {
+    let mut out = String::new();
+    let mut rest = v;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let end = rest[start..].find('}').expect("closing brace") + start;
+        let inner = &rest[start + 2..end];
+        out.push_str(inner.split_once(":-").map_or("", |(_, default)| default));
+        rest = &rest[end + 1..];
+    }
+    out + rest
+}
+
+/// What an image built to `target` runs: the ENTRYPOINT and ENV of the stage, with those of
+/// the stages it is built `FROM` (a later ENV wins, as in Docker).
+fn image_of(dockerfile: &Path, target: &str) -> Stage {
+    let stages = dockerfile_stages(dockerfile);
+    let stage = stages
+        .get(target)
+        .unwrap_or_else(|| panic!("no stage {target}"))
+        .clone();
+    if !stages.contains_key(&stage.from) {
+        return stage;
+    }
+    let mut parent = image_of(dockerfile, &stage.from);
+    parent.env.extend(stage.env);
+    if !stage.entrypoint.is_empty() {
+        parent.entrypoint = stage.entrypoint;
+    }
+    parent
+}
+
+/// "4g" -> bytes.
+fn memory_bytes(limit: &str) -> u64 {
+    let (n, unit) = limit.split_at(limit.len() - 1);
+    let scale = match unit {
+        "k" => 1 << 10,
+        "m" => 1 << 20,
+        "g" => 1 << 30,
+        _ => panic!("memory limit {limit}"),
+    };
+    n.parse::<u64>().unwrap() * scale
+}
+
+/// Peak resident memory of a process, from /proc.
+fn peak_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .expect("VmHWM")
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse::<u64>()
+        .unwrap();
+    kb * 1024
+}
+
+/// Where a Docker engine exists, `deploy/smoke.sh` builds the images and runs this stack for
+/// real. Where none does (CI), this runs the same stack from the same files: each of our
+/// services is started as its image would start it (the Dockerfile stage's ENTRYPOINT and ENV,
+/// then the compose `environment` with its defaults), each on its own loopback address standing
+/// in for its place on the compose network (so the addresses and ports are the files' own),
+/// the model directory from the bind mount's source, the OTLP collector played by an in-test
+/// receiver at the collector's address. Services start in `depends_on` order once their compose
+/// health checks pass; then one image request through the published HTTP port must be
+/// answered and traced across all three, and every process stays within its memory limit.
+/// What it cannot check: the images themselves, the container network and runtime.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
+    use std::time::{Duration, Instant};
+
+    let compose_dir = deploy();
+    let doc = load(&compose_dir.join("docker-compose.cpu.yml"));
+    let services = doc["services"].as_mapping().unwrap();
+    // Each compose service gets an address of its own on loopback (127.0.0.0/8 is all lo).
+    let ip: BTreeMap<String, String> = services
+        .keys()
+        .enumerate()
+        .map(|(i, k)| {
+            (
+                k.as_str().unwrap().to_string(),
+                format!("127.0.0.{}", 40 + i),
+            )
+        })
+        .collect();
+    // A value as the container sees it: defaults filled in, its own 0.0.0.0/127.0.0.1 and the
+    // other services' names turned into their addresses, the model mount into its source.
+    let resolve = |svc: &str, value: &str| -> String {
+        let mut v = interpolate(value)
+            .replace("0.0.0.0:", &format!("{}:", ip[svc]))
+            .replace("127.0.0.1:", &format!("{}:", ip[svc]));
+        for (name, addr) in &ip {
+            v = v.replace(&format!("{name}:"), &format!("{addr}:"));
+        }
+        for mount in services[svc]["volumes"].as_sequence().into_iter().flatten() {
+            if mount["target"].as_str() == Some(v.as_str()) {
+                let source = interpolate(mount["source"].as_str().unwrap());
+                v = compose_dir.join(source).display().to_string();
+            }
+        }
+        v
+    };
+
+    let otel = resolve(
+        "gateway",
+        &env_map(&services["gateway"])["OTEL_EXPORTER_OTLP_ENDPOINT"],
+    );
+    let (recv, _) = e2e::OtlpReceiver::start_at(otel.trim_start_matches("http://")).await;
+
+    let dir = std::env::temp_dir().join(format!("vlm-compose-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut running: BTreeMap<&str, e2e::Proc> = BTreeMap::new();
+    // Upstreams first; the gateway once they are healthy (its depends_on).
+    let mut order: Vec<&str> = OURS.to_vec();
+    order.sort_by_key(|s| !services[*s]["depends_on"].is_null());
+    for svc in order {
+        let spec = &services[svc];
+        for (dep, cond) in spec["depends_on"].as_mapping().into_iter().flatten() {
+            assert_eq!(cond["condition"].as_str(), Some("service_healthy"));
+            assert!(
+                running.contains_key(dep.as_str().unwrap()),
+                "{svc} depends on {dep:?}, which is not started yet"
+            );
+        }
+        let build = &spec["build"];
+        let dockerfile = compose_dir
+            .join(build["context"].as_str().unwrap())
+            .join(build["dockerfile"].as_str().unwrap());
+        let image = image_of(&dockerfile, build["target"].as_str().unwrap());
+        let entrypoint = image.entrypoint;
+        let mut env: BTreeMap<String, String> = image.env.into_iter().collect();
+        env.extend(env_map(spec));
+        let env: Vec<(&str, String)> = env
+            .iter()
+            .map(|(k, v)| (k.as_str(), resolve(svc, v)))
+            .collect();
+        let proc = e2e::Proc::spawn(&entrypoint[0], &entrypoint[1..], &env, &dir);
+
+        // The compose health check, as the engine runs it inside the container.
+        let check = spec["healthcheck"]["test"].as_sequence().unwrap();
+        assert_eq!(check[0].as_str(), Some("CMD"));
+        let args: Vec<String> = check[2..]
+            .iter()
+            .map(|a| resolve(svc, a.as_str().unwrap()))
+            .collect();
+        let start_period: u64 = spec["healthcheck"]["start_period"]
+            .as_str()
+            .unwrap()
+            .trim_end_matches('s')
+            .parse()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(start_period);
+        loop {
+            let healthy = Command::new(e2e::bin(check[1].as_str().unwrap()))
+                .args(&args)
+                .output()
+                .unwrap()
+                .status
+                .success();
+            if healthy {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{svc} not healthy within its start_period ({start_period} s); log:\n{}",
+                proc.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        running.insert(svc, proc);
+    }
+
+    // One request with an image through the published HTTP port (README's example).
+    let gateway_env = env_map(&services["gateway"]);
+    let http_port = port_of(&gateway_env["VLM_HTTP_LISTEN"]);
+    let published: Vec<String> = services["gateway"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| interpolate(p.as_str().unwrap()))
+        .collect();
+    assert!(
+        published.contains(&format!("8080:{http_port}")),
+        "{published:?}"
+    );
+    let png = std::fs::read(e2e::fixture().join("images/cat.png")).unwrap();
+    let url = format!(
+        "data:image/png;base64,{}",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, png)
+    );
+    let body = serde_json::json!({
+        "model": "vlm",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe this image."}
+        ]}]
+    });
+    let resp = reqwest::Client::new()
+        .post(format!(
+            "http://{}:{http_port}/v1/chat/completions",
+            ip["gateway"]
+        ))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let answer: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["choices"][0]["message"]["content"].is_string(),
+        "{answer}"
+    );
+    assert!(
+        answer["usage"]["completion_tokens"].as_u64().unwrap() > 0,
+        "{answer}"
+    );
+    let trace_id = answer["id"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("chatcmpl-")
+        .unwrap()
+        .to_string();
+
+    // The trace reaches the collector from all three (at the exporters' default batch delay).
+    let end = Instant::now() + Duration::from_secs(20);
+    let services_in_trace = loop {
+        let seen: BTreeSet<String> = recv
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| {
+                s.trace_id
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+                    == trace_id
+            })
+            .map(|s| s.service.clone())
+            .collect();
+        if seen.len() == 3 || Instant::now() > end {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        services_in_trace,
+        OURS.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>(),
+        "trace {trace_id}"
+    );
+
+    for (svc, proc) in &running {
+        let limit = memory_bytes(
+            services[*svc]["deploy"]["resources"]["limits"]["memory"]
+                .as_str()
+                .unwrap(),
+        );
+        let peak = peak_rss_bytes(proc.pid());
+        assert!(
+            peak < limit,
+            "{svc}: peak RSS {peak} over its limit {limit}"
+        );
+        eprintln!(
+            "{svc}: healthy, peak RSS {} MiB (limit {} MiB)",
+            peak >> 20,
+            limit >> 20
+        );
+    }
 }

@@ -83,6 +83,11 @@ impl Proc {
         }
     }
 
+    /// The process id (for reading its memory use from /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// Everything the process logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
@@ -322,12 +327,17 @@ impl TraceService for OtlpReceiver {
 }
 
 impl OtlpReceiver {
-    /// Starts the receiver; returns it and its endpoint URL.
+    /// Starts the receiver on a free loopback port; returns it and its endpoint URL.
     pub async fn start() -> (OtlpReceiver, String) {
+        Self::start_at("127.0.0.1:0").await
+    }
+
+    /// Starts the receiver on `addr` (host:port); returns it and its endpoint URL.
+    pub async fn start_at(addr: &str) -> (OtlpReceiver, String) {
         let recv = OtlpReceiver::default();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .expect("bind");
+            .unwrap_or_else(|e| panic!("cannot bind the OTLP receiver to {addr}: {e}"));
         let addr = listener.local_addr().expect("addr");
         let svc = TraceServiceServer::new(recv.clone());
         tokio::spawn(
