@@ -53,6 +53,15 @@ impl<B: Backend> KvCache<B> {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+
+    /// Device memory one cached token takes: keys and values of every layer, f32 on every
+    /// backend today. What sizing `--max-context` x `--max-concurrent` against memory needs.
+    pub fn bytes_per_token(cfg: &TextConfig) -> usize {
+        2 * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * std::mem::size_of::<f32>()
+    }
 }
 
 /// The per-token inputs and the output of a decode step, in buffers allocated once per request

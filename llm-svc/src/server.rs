@@ -225,13 +225,28 @@ pub async fn serve<B: Backend>(
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "llm-svc listening");
-    let (model, random_weights, max_context) =
-        (cfg.model.clone(), cfg.random_weights, cfg.max_context);
+    let (model, random_weights, max_context, max_concurrent) = (
+        cfg.model.clone(),
+        cfg.random_weights,
+        cfg.max_context,
+        cfg.max_concurrent,
+    );
     let what = format!("the language model from {}", cfg.model.display());
     let load = vlm_proto::load_model(engine, what, move || -> Result<_, Error> {
         let weights = Weights::open_or_random(&model, random_weights)?;
         let e = Engine::load(&model, &weights, backend()?, max_context)?;
         weights.finish();
+        // Each request allocates its cache for prompt + max_tokens (up to max_context) when it
+        // starts: the worst case is what a memory budget (Jetson's shared pool) must hold.
+        let per_token = crate::KvCache::<B>::bytes_per_token(&e.config().text);
+        tracing::info!(
+            kib_per_token = per_token / 1024,
+            max_context = e.max_context(),
+            max_concurrent,
+            worst_case_gib =
+                (per_token * e.max_context() * max_concurrent) as f64 / (1u64 << 30) as f64,
+            "KV cache budget (--max-context x --max-concurrent)"
+        );
         Ok(e)
     });
     let name = <LlmServiceServer<LlmServer<B>> as tonic::server::NamedService>::NAME;
