@@ -28,7 +28,8 @@ struct Args {
     /// benchmarks and smoke tests of sizes whose weights are not at hand. Answers are noise.
     #[arg(long)]
     random_weights: bool,
-    /// Where to run the model: cpu, or cuda (NVIDIA GPU; needs the CUDA backend).
+    /// Where to run the model: cpu, or cuda (GPU 0; kernels are compiled by NVRTC and checked
+    /// against the CPU reference before the service reports SERVING).
     #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
     /// Generations running at the same time; more get RESOURCE_EXHAUSTED.

@@ -358,7 +358,8 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
 enum Device {
     /// The CPU reference path (any machine).
     Cpu,
-    /// An NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC).
+    /// An NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC, each checked against
+    /// the CPU reference on this GPU first).
     Cuda,
 }
 
