@@ -103,6 +103,11 @@ pub enum Case {
     RandomUniform {
         shape: Vec<usize>,
     },
+    /// A decode-like step (embedding of a token read from the device, a GEMV, a cache row
+    /// written at a slot read from the device) recorded once ([`Backend::record`]: a CUDA
+    /// graph) and replayed twice with other token and slot values written in between: the
+    /// replays must read the new values and write where they say, as every decoded token does.
+    RecordReplay,
 }
 
 /// How one case came out.
@@ -205,6 +210,7 @@ impl Case {
             } => format!("weighted_gather [{rows},{width}] -> {out} x{taps}"),
             Case::RowUpdates => "slice/write/scatter/add rows".into(),
             Case::RandomUniform { shape } => format!("random_uniform {shape:?}"),
+            Case::RecordReplay => "record once, replay with new inputs".into(),
         }
     }
 
@@ -217,6 +223,8 @@ impl Case {
             | Case::Embedding { .. }
             | Case::RowUpdates
             | Case::RandomUniform { .. } => 0.0,
+            // A GEMV and copies: summation order only.
+            Case::RecordReplay => 1e-4,
             // One rounding per element, or a short sum.
             Case::Add { .. } | Case::WeightedGather { .. } => 1e-6,
             // Transcendentals: the device's expf/tanhf/erff are within a few ulp.
@@ -366,9 +374,40 @@ impl Case {
                 return HostTensor::concat_rows(&parts);
             }
             Case::RandomUniform { ref shape } => be.random_uniform(shape, 34, 0.027)?,
+            Case::RecordReplay => return record_and_replay(be),
         };
         be.download(&out)
     }
+}
+
+/// [`Case::RecordReplay`]: what `TextModel::decode` relies on, in miniature.
+fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
+    let (vocab, width, out_width, slots) = (64, 256, 96, 8);
+    let table = be.upload_weight(&f16_exact(input(&[vocab, width], 35)))?;
+    let w = be.upload_weight(&f16_exact(input(&[out_width, width], 36)))?;
+    let scalar = |v: f32| be.upload(&HostTensor::new(vec![1], vec![v])?);
+    let (mut token, mut slot) = (scalar(0.0)?, scalar(0.0)?);
+    let mut cache = be.zeros(&[slots, out_width])?;
+    let mut out = be.zeros(&[1, out_width])?;
+    let step = |token: &B::Tensor, slot: &B::Tensor, cache: &mut B::Tensor, out: &mut B::Tensor| {
+        let y = be.linear(&be.embedding(&table, token)?, &w, None)?;
+        be.write_row_at(cache, slot, &y)?;
+        be.copy(out, &y)
+    };
+    // Backends that do not record (the CPU) run the step directly each time instead.
+    let graph = be.record(&mut || step(&token, &slot, &mut cache, &mut out))?;
+    let mut parts = Vec::new();
+    for (t, s) in [(5.0, 2.0), (63.0, 7.0)] {
+        be.write(&mut token, &[t])?;
+        be.write(&mut slot, &[s])?;
+        match &graph {
+            Some(g) => be.replay(g)?,
+            None => step(&token, &slot, &mut cache, &mut out)?,
+        }
+        parts.push(be.download(&out)?);
+    }
+    parts.push(be.download(&cache)?);
+    HostTensor::concat_rows(&parts)
 }
 
 /// The inputs of a case: uniform in [-1, 1), a pure function of (shape, key).
@@ -517,6 +556,7 @@ pub fn self_check_cases() -> Vec<Case> {
         RandomUniform {
             shape: vec![1000, 513],
         },
+        RecordReplay,
     ]);
     cases
 }
