@@ -232,9 +232,15 @@ impl CudaBackend {
     /// Opens GPU `ordinal` for serving: [`CudaBackend::new`], then the self-check
     /// ([`crate::twin::self_check`]) that runs every kernel against the CPU reference on this
     /// GPU, with this driver, and refuses the device if any disagrees. About a second; what
-    /// `--device cuda` does everywhere.
+    /// `--device cuda` does everywhere. Once per GPU per process (`vlm serve` opens it twice).
     pub fn open_verified(ordinal: usize) -> Result<Self> {
+        static VERIFIED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+        // Held through the check: a second opener waits for the first's verdict.
+        let mut verified = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
         let gpu = Self::new(ordinal)?;
+        if verified.contains(&ordinal) {
+            return Ok(gpu);
+        }
         let cases = crate::twin::self_check_cases().len();
         let bar = indicatif::ProgressBar::new(cases as u64).with_style(
             indicatif::ProgressStyle::with_template(
@@ -262,6 +268,7 @@ impl CudaBackend {
             seconds = started.elapsed().as_secs_f32(),
             "CUDA self-check passed: every kernel matches the CPU reference"
         );
+        verified.push(ordinal);
         Ok(gpu)
     }
 

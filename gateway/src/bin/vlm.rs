@@ -121,8 +121,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             );
             drop(gpu);
             let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
-            // Checked by open_cuda above: the stages' own handles skip a second self-check.
-            bench_on(&args, || CudaBackend::new(0), copy, device)
+            bench_on(&args, || CudaBackend::open_verified(0), copy, device)
         }
     }
 }
