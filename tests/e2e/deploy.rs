@@ -534,16 +534,17 @@ fn kubernetes_manifests_pass_the_api_schema_when_the_validator_is_installed() {
 
 // ---- the CPU stack, run as written --------------------------------------------------------
 
-/// `${NAME:-default}` and `${NAME}` as compose resolves them with nothing set in the
-/// environment (what a newcomer's `docker compose up` sees).
-fn interpolate(v: &str) -> String {
+/// `${NAME:-default}` and `${NAME}` as compose resolves them, from `vars` (an `--env-file`)
+/// or else the default: what a newcomer's `docker compose up` sees.
+fn interpolate(v: &str, vars: &BTreeMap<String, String>) -> String {
     let mut out = String::new();
     let mut rest = v;
     while let Some(start) = rest.find("${") {
         out.push_str(&rest[..start]);
         let end = rest[start..].find('}').expect("closing brace") + start;
         let inner = &rest[start + 2..end];
-        out.push_str(inner.split_once(":-").map_or("", |(_, default)| default));
+        let (name, default) = inner.split_once(":-").unwrap_or((inner, ""));
+        out.push_str(vars.get(name).map_or(default, String::as_str));
         rest = &rest[end + 1..];
     }
     out + rest
@@ -595,22 +596,53 @@ fn peak_rss_bytes(pid: u32) -> u64 {
     kb * 1024
 }
 
-/// Where a Docker engine exists, `deploy/smoke.sh` builds the images and runs this stack for
-/// real. Where none does (CI), this runs the same stack from the same files: each of our
-/// services is started as its image would start it (the Dockerfile stage's ENTRYPOINT and ENV,
-/// then the compose `environment` with its defaults), each on its own loopback address standing
-/// in for its place on the compose network (so the addresses and ports are the files' own),
-/// the model directory from the bind mount's source, the OTLP collector played by an in-test
-/// receiver at the collector's address. Services start in `depends_on` order once their compose
-/// health checks pass; then one image request through the published HTTP port must be
-/// answered and traced across all three, and every process stays within its memory limit.
-/// What it cannot check: the images themselves, the container network and runtime.
+/// Where a Docker engine exists, `deploy/smoke.sh` builds the images and runs the CPU stack
+/// for real. Where none does (CI), these run each stack from its files: each of our services
+/// is started as its image would start it (the Dockerfile stage's ENTRYPOINT and ENV, then the
+/// compose `environment` with its `${VAR:-default}`s or the stack's env file), each on its own
+/// loopback address standing in for its place on the compose network (so the addresses and
+/// ports are the files' own), the model directory from the bind mount's source, the OTLP
+/// collector played by an in-test receiver at the collector's address. Services start in
+/// `depends_on` order once their compose health checks pass; then one image request through
+/// the published HTTP port must be answered and traced across all three, and every process
+/// stays within its memory limit. What it cannot check: the images themselves, the container
+/// network and runtime, and (for the GPU stacks, run with `VLM_DEVICE=cpu`) the GPU.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
+    run_compose_stack("docker-compose.cpu.yml", BTreeMap::new(), 1, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gpu_compose_stack_runs_as_written_on_the_cpu() {
+    run_compose_stack("docker-compose.gpu.yml", BTreeMap::new(), 2, Some("cpu")).await;
+}
+
+/// With its env file, as the Jetson README line runs it; the model is the bundled one.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_jetson_compose_stack_runs_as_written_with_its_env_file_on_the_cpu() {
+    let mut vars: BTreeMap<String, String> = std::fs::read_to_string(deploy().join("jetson.env"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    vars.insert("VLM_MODEL_DIR".into(), e2e::fixture().display().to_string());
+    run_compose_stack("docker-compose.jetson.yml", vars, 3, Some("cpu")).await;
+}
+
+/// Runs the stack of compose `file` with `vars` for interpolation, on loopback addresses
+/// 127.0.`subnet`.x, with `VLM_DEVICE` replaced by `device` when given.
+async fn run_compose_stack(
+    file: &str,
+    vars: BTreeMap<String, String>,
+    subnet: u8,
+    device: Option<&str>,
+) {
     use std::time::{Duration, Instant};
 
     let compose_dir = deploy();
-    let doc = load(&compose_dir.join("docker-compose.cpu.yml"));
+    let doc = load(&compose_dir.join(file));
     let services = doc["services"].as_mapping().unwrap();
     // Each compose service gets an address of its own on loopback (127.0.0.0/8 is all lo).
     let ip: BTreeMap<String, String> = services
@@ -619,14 +651,14 @@ async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
         .map(|(i, k)| {
             (
                 k.as_str().unwrap().to_string(),
-                format!("127.0.0.{}", 40 + i),
+                format!("127.0.{subnet}.{}", 10 + i),
             )
         })
         .collect();
     // A value as the container sees it: defaults filled in, its own 0.0.0.0/127.0.0.1 and the
     // other services' names turned into their addresses, the model mount into its source.
     let resolve = |svc: &str, value: &str| -> String {
-        let mut v = interpolate(value)
+        let mut v = interpolate(value, &vars)
             .replace("0.0.0.0:", &format!("{}:", ip[svc]))
             .replace("127.0.0.1:", &format!("{}:", ip[svc]));
         for (name, addr) in &ip {
@@ -634,7 +666,7 @@ async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
         }
         for mount in services[svc]["volumes"].as_sequence().into_iter().flatten() {
             if mount["target"].as_str() == Some(v.as_str()) {
-                let source = interpolate(mount["source"].as_str().unwrap());
+                let source = interpolate(mount["source"].as_str().unwrap(), &vars);
                 v = compose_dir.join(source).display().to_string();
             }
         }
@@ -691,6 +723,9 @@ async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
         let entrypoint = image.entrypoint;
         let mut env: BTreeMap<String, String> = image.env.into_iter().collect();
         env.extend(env_map(spec));
+        if let (Some(device), Some(set)) = (device, env.get_mut("VLM_DEVICE")) {
+            *set = device.to_string();
+        }
         let env: Vec<(&str, String)> = env
             .iter()
             .map(|(k, v)| (k.as_str(), resolve(svc, v)))
@@ -738,7 +773,7 @@ async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
         .as_sequence()
         .unwrap()
         .iter()
-        .map(|p| interpolate(p.as_str().unwrap()))
+        .map(|p| interpolate(p.as_str().unwrap(), &vars))
         .collect();
     assert!(
         published.contains(&format!("8080:{http_port}")),
@@ -813,11 +848,12 @@ async fn the_cpu_compose_stack_runs_as_written_and_traces_a_request() {
     );
 
     for (svc, proc) in &running {
-        let limit = memory_bytes(
+        let limit = memory_bytes(&interpolate(
             services[*svc]["deploy"]["resources"]["limits"]["memory"]
                 .as_str()
                 .unwrap(),
-        );
+            &vars,
+        ));
         let peak = peak_rss_bytes(proc.pid());
         assert!(
             peak < limit,
