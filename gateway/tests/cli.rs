@@ -399,3 +399,39 @@ fn random_weights_run_from_the_config_alone_and_follow_the_seed() {
     let err = fails(&["run", "--model", dir.to_str().unwrap(), "--prompt", "hi"]);
     assert!(err.contains("safetensors"), "{err}");
 }
+
+#[test]
+fn doctor_lists_what_cuda_needs_and_fails_where_something_is_missing() {
+    let out = vlm(&["doctor", "--arch", "sm_87"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for what in [
+        "NVIDIA driver (libcuda)",
+        "NVRTC (libnvrtc)",
+        "cuBLAS (libcublas)",
+        "CUDA headers for NVRTC",
+        "kernel cache",
+    ] {
+        assert!(text.contains(what), "no {what} line:\n{text}");
+    }
+    let line = |start: &str, what: &str| {
+        text.lines()
+            .any(|l| l.starts_with(start) && l.contains(what))
+    };
+    if vlm_compute::CudaBackend::new(0).is_err() {
+        assert!(!out.status.success(), "{text}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("cannot run here"),
+            "{out:?}"
+        );
+        assert!(
+            line("PROBLEM", "libcuda") || line("PROBLEM", "GPU 0"),
+            "{text}"
+        );
+    }
+    // Compiling needs NVRTC and the headers only (CI installs both): the Orin build is checked.
+    if vlm_compute::cuda::nvrtc_available()
+        && vlm_compute::cuda::compile::cuda_include_dir().is_ok()
+    {
+        assert!(line("ok", "kernels compile for sm_87"), "{text}");
+    }
+}

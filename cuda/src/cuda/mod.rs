@@ -14,6 +14,7 @@
 //! instead of a crash.
 
 pub mod compile;
+pub mod doctor;
 
 use std::collections::HashMap;
 use std::sync::Arc;

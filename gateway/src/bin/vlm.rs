@@ -41,6 +41,44 @@ enum Command {
     /// Ask a service's grpc.health.v1 whether it is SERVING (exit 0) or not (exit 1); for
     /// container health checks.
     Health(HealthArgs),
+    /// Check what --device cuda needs here (driver, NVRTC, cuBLAS, headers, kernel cache), compile
+    /// the kernels for target GPUs, and run the GPU self-check op by op; exit 0 if all is in order.
+    Doctor(DoctorArgs),
+}
+
+#[derive(clap::Args)]
+struct DoctorArgs {
+    /// GPU architectures to compile every kernel for (no GPU needed), comma-separated: sm_87
+    /// is Jetson Orin, sm_90 H100, sm_89 L4/L40, sm_80 A100.
+    #[arg(long, value_delimiter = ',', default_value = "sm_87,sm_90")]
+    arch: Vec<String>,
+}
+
+fn doctor(args: DoctorArgs) -> anyhow::Result<()> {
+    let archs = args
+        .arch
+        .iter()
+        .map(|a| {
+            let digits = a.trim_start_matches("sm_");
+            match (digits.len(), digits.parse::<i32>()) {
+                (2..=3, Ok(n)) => Ok((n / 10, n % 10)),
+                _ => bail!("--arch {a}: expected sm_XY, e.g. sm_87 (Orin) or sm_90 (H100)"),
+            }
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let ok = vlm_compute::cuda::doctor::run(&archs, |f| {
+        println!(
+            "{:<8} {:<38} {}",
+            if f.ok { "ok" } else { "PROBLEM" },
+            f.what,
+            f.detail
+        );
+    });
+    if !ok {
+        bail!("--device cuda cannot run here until the problems above are fixed");
+    }
+    println!("--device cuda can run here.");
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -568,6 +606,10 @@ fn main() -> ExitCode {
             .build()
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(health(args))),
+        Command::Doctor(args) => {
+            init_logs("warn");
+            doctor(args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

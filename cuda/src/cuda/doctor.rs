@@ -1,0 +1,159 @@
+//! `vlm doctor`: what `--device cuda` needs on this machine, checked one at a time, each with
+//! what to do about it. Useful where a service refuses to start (a Jetson image missing its
+//! headers, a host whose driver is too old) and before deploying an image at all: the kernels
+//! can be compiled for a target GPU without one.
+
+use super::{compile, compile_all_ptx, nvrtc_version, CudaBackend};
+
+/// One finding: what was checked, whether it is in order, and the detail (a version, a path,
+/// or what to do).
+#[derive(Clone, Debug)]
+pub struct Finding {
+    pub what: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+/// Runs every check, handing each finding to `report` as it comes (some take seconds), and
+/// returns whether `--device cuda` can work here. `archs` are compute capabilities to compile
+/// the kernels for besides the GPU's own (e.g. (8, 7) for Jetson Orin).
+pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
+    let mut all_ok = true;
+    let mut note = |what: &str, ok: bool, detail: String| {
+        all_ok &= ok;
+        report(&Finding {
+            what: what.to_string(),
+            ok,
+            detail,
+        });
+    };
+    // SAFETY: these only try to dlopen the libraries.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    let toolkit_hint = "install the CUDA toolkit's libraries (or the nvidia-*-cu12 wheels) and put them on LD_LIBRARY_PATH";
+    note(
+        "NVIDIA driver (libcuda)",
+        driver,
+        if driver {
+            "loaded".into()
+        } else {
+            "not found: is there an NVIDIA GPU and driver here (and, in a container, the NVIDIA runtime)?".into()
+        },
+    );
+    note(
+        "NVRTC (libnvrtc)",
+        nvrtc,
+        if nvrtc {
+            let (major, minor) = nvrtc_version();
+            format!("{major}.{minor}")
+        } else {
+            format!("not found: {toolkit_hint}")
+        },
+    );
+    note(
+        "cuBLAS (libcublas)",
+        cublas,
+        if cublas {
+            "loaded".into()
+        } else {
+            format!("not found: {toolkit_hint}")
+        },
+    );
+    let headers = compile::cuda_include_dir();
+    let headers_ok = headers.is_ok();
+    note(
+        "CUDA headers for NVRTC",
+        headers_ok,
+        match headers {
+            Ok(dir) => dir.display().to_string(),
+            Err(e) => e.to_string(),
+        },
+    );
+    let cache = compile::cache_dir();
+    let writable = std::fs::create_dir_all(&cache).is_ok() && {
+        let probe = cache.join(format!(".doctor-{}", std::process::id()));
+        let ok = std::fs::write(&probe, b"ok").is_ok();
+        let _ = std::fs::remove_file(&probe);
+        ok
+    };
+    note(
+        "kernel cache",
+        writable,
+        if writable {
+            cache.display().to_string()
+        } else {
+            format!(
+                "{} is not writable: kernels will be compiled at every start; set VLM_KERNEL_CACHE",
+                cache.display()
+            )
+        },
+    );
+    if nvrtc && headers_ok {
+        for &(major, minor) in archs {
+            let spinner = indicatif::ProgressBar::new_spinner()
+                .with_message(format!("compiling every kernel for sm_{major}{minor}"));
+            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+            let compiled = compile_all_ptx((major, minor));
+            spinner.finish_and_clear();
+            note(
+                &format!("kernels compile for sm_{major}{minor}"),
+                compiled.is_ok(),
+                match compiled {
+                    Ok(files) => format!("{} files", files.len()),
+                    Err(e) => e.to_string(),
+                },
+            );
+        }
+    }
+    if !(driver && nvrtc && cublas && headers_ok) {
+        return all_ok;
+    }
+    // A GPU: open it (compiling for it) and run the serving self-check, op by op.
+    match CudaBackend::new(0) {
+        Ok(gpu) => {
+            let (major, minor) = gpu.compute_capability();
+            note(
+                "GPU 0",
+                true,
+                format!(
+                    "{} (sm_{major}{minor}, driver supports CUDA {})",
+                    gpu.device_name(),
+                    gpu.driver_version()
+                ),
+            );
+            let mut worst = String::new();
+            let mut worst_ratio = 0.0f32;
+            let checked = crate::twin::self_check(&gpu, |o| {
+                let ratio = if o.limit > 0.0 {
+                    o.max_diff / o.limit
+                } else if o.max_diff > 0.0 {
+                    f32::INFINITY
+                } else {
+                    0.0
+                };
+                if ratio >= worst_ratio {
+                    worst_ratio = ratio;
+                    worst = o.to_string();
+                }
+            });
+            note(
+                "self-check against the CPU reference",
+                checked.is_ok(),
+                match checked {
+                    Ok(()) => format!(
+                        "{} ops pass; closest to its tolerance: {worst}",
+                        crate::twin::self_check_cases().len()
+                    ),
+                    Err(e) => e.to_string(),
+                },
+            );
+        }
+        Err(e) => note("GPU 0", false, e.to_string()),
+    }
+    all_ok
+}
