@@ -128,6 +128,40 @@ impl ModelServices {
     }
 }
 
+/// How often the gateway's gRPC readiness re-asks the upstreams.
+const UPSTREAM_POLL: Duration = Duration::from_secs(2);
+
+/// Keeps grpc.health.v1's status for `service` (the gateway's own name) equal to what `/health`
+/// says: SERVING while each stage has a SERVING replica. That is readiness for gRPC load
+/// balancers and probes; the server-wide status ("") stays liveness, SERVING while the process
+/// is up (what the compose health check and the Kubernetes liveness probe ask).
+fn follow_upstreams(
+    service: &'static str,
+    reporter: tonic_health::server::HealthReporter,
+    upstreams: Arc<UpstreamHealth>,
+    stop: CancellationToken,
+) {
+    tokio::spawn(async move {
+        while !stop.is_cancelled() {
+            let (ready, _) = upstreams.check().await;
+            // The shutdown marks everything NOT_SERVING; never mark it back.
+            if stop.is_cancelled() {
+                break;
+            }
+            let status = if ready {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            reporter.set_service_status(service, status).await;
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(UPSTREAM_POLL) => {}
+            }
+        }
+    });
+}
+
 /// Serves the gateway until `shutdown` is cancelled, then drains both APIs.
 pub async fn serve(
     cfg: GatewayConfig,
@@ -154,7 +188,7 @@ pub async fn serve(
         model_name: cfg.model_name.clone(),
         default_max_tokens: cfg.default_max_tokens,
         request_timeout: cfg.request_timeout,
-        health,
+        health: health.clone(),
     };
     tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, vision = ?cfg.vision_addrs, llm = ?cfg.llm_addrs, "gateway listening");
 
@@ -178,6 +212,7 @@ pub async fn serve(
     .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
     .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     let name = <GatewayServer<GatewayService> as tonic::server::NamedService>::NAME;
+    follow_upstreams(name, reporter.clone(), health, shutdown.clone());
     let grpc_stop = shutdown.clone();
     let grpc_result = vlm_proto::run_service(
         grpc_router.add_service(svc),

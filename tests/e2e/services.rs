@@ -452,8 +452,32 @@ async fn over_the_concurrency_limit_fails_fast_with_resource_exhausted_and_429()
     assert!(ok, "the gateway did not recover its permit");
 }
 
+/// Polls `service`'s grpc.health.v1 status at `addr` until it is `want` (or 10 s pass).
+async fn grpc_health_becomes(addr: &str, service: &str, want: i32) -> bool {
+    let ch = tonic::transport::Endpoint::from_shared(addr.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = tonic_health::pb::health_client::HealthClient::new(ch);
+    for _ in 0..100 {
+        let status = client
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .map(|r| r.into_inner().status);
+        if status.ok() == Some(want) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_upstream_is_unavailable_503_and_the_gateway_recovers() {
+    use tonic_health::pb::health_check_response::ServingStatus;
     let mut stack = Stack::start(StackOptions {
         without_llm: true,
         ..Default::default()
@@ -474,9 +498,17 @@ async fn a_dead_upstream_is_unavailable_503_and_the_gateway_recovers() {
         .await
         .unwrap();
     assert_eq!(h.status(), 503, "health reports the missing upstream");
+    // Over gRPC too: the gateway's own service is not ready, the process is alive.
+    let not_serving = ServingStatus::NotServing as i32;
+    assert!(grpc_health_becomes(&stack.grpc, "vlm.v1.Gateway", not_serving).await);
+    assert!(grpc_health_becomes(&stack.grpc, "", ServingStatus::Serving as i32).await);
 
     stack.start_llm();
     stack.wait_healthy(Duration::from_secs(30)).await;
+    assert!(
+        grpc_health_becomes(&stack.grpc, "vlm.v1.Gateway", ServingStatus::Serving as i32).await,
+        "gRPC readiness follows the upstream back"
+    );
     let mut ok = None;
     for _ in 0..50 {
         match c.chat(grpc_request(&cases()[2])).await {
