@@ -437,7 +437,8 @@ pub fn compare<B: Backend>(device: &B, case: &Case) -> Result<Outcome> {
 /// Small sizes that reach every device kernel and the branches inside them: both GEMV paths
 /// (k a multiple of 8 or not) and the GEMM, flash attention at every padded head dim (64, 80,
 /// 96, 128) with full, causal and cached-prefix masks and the f32 attention below 16 queries,
-/// split-K decode attention with one and many splits, the vocabulary-sized argmax with a tie.
+/// split-K decode attention with one and many splits, the vocabulary-sized argmax with a tie,
+/// and a decode-like step recorded once and replayed with new inputs.
 /// Sized to run in about a second on the CPU side.
 pub fn self_check_cases() -> Vec<Case> {
     use Case::*;
