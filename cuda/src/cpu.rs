@@ -73,9 +73,6 @@ fn gelu_erf(x: f32) -> f32 {
     0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
 }
 
-/// Rows here are slots of the first dimension (a KV cache `[slots, heads, d]` is written with
-/// `[n, heads * d]` rows): checks that `src` holds `rows.len()` such slots and that every row
-/// index is in range, and returns the slot width.
 /// A token id or cache slot held as f32: must be a whole number below `limit`.
 fn index_value(op: &'static str, v: f32, limit: usize) -> Result<usize> {
     if v >= 0.0 && v.fract() == 0.0 && (v as usize) < limit {
@@ -85,6 +82,9 @@ fn index_value(op: &'static str, v: f32, limit: usize) -> Result<usize> {
     }
 }
 
+/// Rows here are slots of the first dimension (a KV cache `[slots, heads, d]` is written with
+/// `[n, heads * d]` rows): checks that `src` holds `rows.len()` such slots and that every row
+/// index is in range, and returns the slot width.
 fn check_rows(
     op: &'static str,
     dst: &HostTensor,
