@@ -3,7 +3,7 @@
 //! headers, a host whose driver is too old) and before deploying an image at all: the kernels
 //! can be compiled for a target GPU without one.
 
-use super::{compile, compile_all_ptx, nvrtc_version, CudaBackend};
+use super::{compile, compile_all_ptx, cuda_libraries, nvrtc_version, CudaBackend};
 
 /// One finding: what was checked, whether it is in order, and the detail (a version, a path,
 /// or what to do).
@@ -27,43 +27,19 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
             detail,
         });
     };
-    // SAFETY: these only try to dlopen the libraries.
-    let (driver, nvrtc, cublas) = unsafe {
-        (
-            cudarc::driver::sys::is_culib_present(),
-            cudarc::nvrtc::sys::is_culib_present(),
-            cudarc::cublas::sys::is_culib_present(),
-        )
-    };
-    let toolkit_hint = "install the CUDA toolkit's libraries (or the nvidia-*-cu12 wheels) and put them on LD_LIBRARY_PATH";
-    note(
-        "NVIDIA driver (libcuda)",
-        driver,
-        if driver {
-            "loaded".into()
-        } else {
-            "not found: is there an NVIDIA GPU and driver here (and, in a container, the NVIDIA runtime)?".into()
-        },
-    );
-    note(
-        "NVRTC (libnvrtc)",
-        nvrtc,
-        if nvrtc {
-            let (major, minor) = nvrtc_version();
-            format!("{major}.{minor}")
-        } else {
-            format!("not found: {toolkit_hint}")
-        },
-    );
-    note(
-        "cuBLAS (libcublas)",
-        cublas,
-        if cublas {
-            "loaded".into()
-        } else {
-            format!("not found: {toolkit_hint}")
-        },
-    );
+    let libraries = cuda_libraries();
+    for lib in &libraries {
+        let detail = match (lib.present, lib.name.starts_with("NVRTC")) {
+            (true, true) => {
+                let (major, minor) = nvrtc_version();
+                format!("{major}.{minor}")
+            }
+            (true, false) => "loaded".into(),
+            (false, _) => format!("not found: {}", lib.hint),
+        };
+        note(lib.name, lib.present, detail);
+    }
+    let [driver, nvrtc, cublas] = libraries.map(|l| l.present);
     let headers = compile::cuda_include_dir();
     let headers_ok = headers.is_ok();
     note(

@@ -188,6 +188,39 @@ fn nvrtc_version() -> (i32, i32) {
     (major, minor)
 }
 
+/// A CUDA library the backend loads at run time: whether it could be, and what to do if not.
+pub struct CudaLibrary {
+    pub name: &'static str,
+    pub present: bool,
+    pub hint: &'static str,
+}
+
+/// The driver, NVRTC and cuBLAS, each tried with dlopen only: what [`CudaBackend::new`] needs
+/// before it touches a GPU, and the first lines of `vlm doctor`.
+pub fn cuda_libraries() -> [CudaLibrary; 3] {
+    let toolkit = "install the CUDA toolkit's libraries (or the nvidia-*-cu12 wheels) and put them on LD_LIBRARY_PATH";
+    // SAFETY: these only try to dlopen the libraries.
+    unsafe {
+        [
+            CudaLibrary {
+                name: "NVIDIA driver (libcuda)",
+                present: cudarc::driver::sys::is_culib_present(),
+                hint: "is there an NVIDIA GPU and driver here (and, in a container, the NVIDIA runtime)?",
+            },
+            CudaLibrary {
+                name: "NVRTC (libnvrtc)",
+                present: cudarc::nvrtc::sys::is_culib_present(),
+                hint: toolkit,
+            },
+            CudaLibrary {
+                name: "cuBLAS (libcublas)",
+                present: cudarc::cublas::sys::is_culib_present(),
+                hint: toolkit,
+            },
+        ]
+    }
+}
+
 /// Whether NVRTC can be loaded (it needs no GPU: kernels can be compiled anywhere it is).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -277,36 +310,10 @@ impl CudaBackend {
     /// tests compare it with the CPU themselves; serving goes through
     /// [`CudaBackend::open_verified`].
     pub fn new(ordinal: usize) -> Result<Self> {
-        // SAFETY: these only try to dlopen the libraries.
-        let (driver, nvrtc, cublas) = unsafe {
-            (
-                cudarc::driver::sys::is_culib_present(),
-                cudarc::nvrtc::sys::is_culib_present(),
-                cudarc::cublas::sys::is_culib_present(),
-            )
-        };
-        for (present, lib, hint) in [
-            (
-                driver,
-                "libcuda (the NVIDIA driver)",
-                "is there an NVIDIA GPU and driver on this machine?",
-            ),
-            (
-                nvrtc,
-                "libnvrtc",
-                "install the CUDA toolkit and set CUDA_HOME or LD_LIBRARY_PATH",
-            ),
-            (
-                cublas,
-                "libcublas",
-                "install the CUDA toolkit and set CUDA_HOME or LD_LIBRARY_PATH",
-            ),
-        ] {
-            if !present {
-                return Err(Error::Cuda {
-                    what: format!("{lib} could not be loaded: {hint}"),
-                });
-            }
+        if let Some(lib) = cuda_libraries().into_iter().find(|l| !l.present) {
+            return Err(Error::Cuda {
+                what: format!("{} could not be loaded: {}", lib.name, lib.hint),
+            });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU")(&e))?;
         let device_name = ctx.name().map_err(|e| cuda_err("device name")(&e))?;
