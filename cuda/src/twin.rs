@@ -152,6 +152,18 @@ impl Outcome {
     pub fn passed(&self) -> bool {
         self.max_diff <= self.limit
     }
+
+    /// How much of the allowed difference was used: 1 is at the tolerance (infinite for any
+    /// difference in an exact case), for reporting how close a passing run came.
+    pub fn share_of_allowed(&self) -> f32 {
+        if self.max_diff == 0.0 {
+            0.0
+        } else if self.limit == 0.0 {
+            f32::INFINITY
+        } else {
+            self.max_diff / self.limit
+        }
+    }
 }
 
 impl std::fmt::Display for Outcome {
@@ -615,6 +627,15 @@ mod tests {
         assert!(!Outcome::of("shape".into(), &cpu, &short, 1.0).passed());
         // Exact cases allow nothing.
         assert!(!Outcome::of("exact".into(), &cpu, &with(0, 1.0 + 1e-7), 0.0).passed());
+        // How close a run came, for the logs and vlm doctor.
+        let near = Outcome::of("near".into(), &cpu, &with(2, 0.5 + 1.5e-4), 1e-4);
+        assert!((near.share_of_allowed() - 0.75).abs() < 0.01, "{near}");
+        assert_eq!(
+            Outcome::of("same".into(), &cpu, &cpu, 0.0).share_of_allowed(),
+            0.0
+        );
+        let off = Outcome::of("off".into(), &cpu, &with(0, 1.0 + 1e-7), 0.0);
+        assert_eq!(off.share_of_allowed(), f32::INFINITY);
     }
 
     #[test]

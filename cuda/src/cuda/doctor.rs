@@ -105,15 +105,8 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
             let mut worst = String::new();
             let mut worst_ratio = 0.0f32;
             let checked = crate::twin::self_check(&gpu, |o| {
-                let ratio = if o.limit > 0.0 {
-                    o.max_diff / o.limit
-                } else if o.max_diff > 0.0 {
-                    f32::INFINITY
-                } else {
-                    0.0
-                };
-                if ratio >= worst_ratio {
-                    worst_ratio = ratio;
+                if o.share_of_allowed() >= worst_ratio {
+                    worst_ratio = o.share_of_allowed();
                     worst = o.to_string();
                 }
             });

@@ -288,9 +288,7 @@ impl CudaBackend {
         let mut worst = 0.0f32;
         let checked = crate::twin::self_check(&gpu, |outcome| {
             tracing::debug!(%outcome, "self-check");
-            if outcome.limit > 0.0 {
-                worst = worst.max(outcome.max_diff / outcome.limit);
-            }
+            worst = worst.max(outcome.share_of_allowed());
             bar.inc(1);
         });
         bar.finish_and_clear();
