@@ -1276,12 +1276,9 @@ impl Backend for CudaBackend {
         let buf = Arc::make_mut(&mut dst.buf);
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(buf).arg(&*slot.buf).arg(&*src.buf).arg(&w).arg(&sl);
-        let cfg = LaunchConfig {
-            grid_dim: ((width as u32).div_ceil(ROW_THREADS).max(1), 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches write_row_at_f32; the kernel checks the slot against `slots`.
+        let cfg = Self::fill_config(width as u64);
+        // SAFETY: matches write_row_at_f32 (a grid-stride loop over the row); the kernel checks
+        // the slot against `slots`.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 
