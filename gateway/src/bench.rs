@@ -20,9 +20,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use llm_svc::{Engine, GenerateRequest, SamplingParams};
+use llm_svc::{GenerateRequest, SamplingParams};
 use serde_json::{json, Value};
-use vision_svc::{Patches, VisionConfig, VisionEncoder};
+use vision_svc::{Patches, VisionConfig};
 use vlm_compute::{Backend, HostTensor, Weights};
 
 use crate::chat::{ChatTokenizer, Message, Part};
@@ -116,12 +116,9 @@ pub fn run<B: Backend + Clone>(
     let backend = open()?;
     let base_memory = backend.memory_in_use();
     let weights = Weights::open_or_random(dir, opts.random_weights)?;
-    let vision = VisionEncoder::load(dir, &weights, backend.clone())?;
-    let engine = Engine::load(dir, &weights, backend.clone(), None)?;
-    weights.finish();
-    let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id)?;
-    let vcfg = vision.model.config().clone();
-    let tcfg = engine.config().text.clone();
+    let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), None)?;
+    let vcfg = pipeline.vision.model.config().clone();
+    let tcfg = pipeline.engine.config().text.clone();
 
     let per_measure = opts.warmup + opts.repeats.max(1);
     let measures = 2
@@ -183,7 +180,7 @@ pub fn run<B: Backend + Clone>(
         bar.set_message(format!("ViT {side}x{side}"));
         let s = time(opts, &bar, || {
             let t = Instant::now();
-            vision.model.forward(&patches)?;
+            pipeline.vision.model.forward(&patches)?;
             Ok(t.elapsed())
         })?;
         let mut meas = Measurement {
@@ -198,7 +195,7 @@ pub fn run<B: Backend + Clone>(
     }
     memory_row(
         &mut out,
-        "memory: vision model and activations",
+        "memory: both models' weights and ViT activations",
         &backend,
         base_memory,
     );
@@ -217,7 +214,8 @@ pub fn run<B: Backend + Clone>(
             return_logits: false,
         };
         let s = time(opts, &bar, || {
-            Ok(engine
+            Ok(pipeline
+                .engine
                 .generate(&req, |_| std::ops::ControlFlow::Continue(()))?
                 .prefill)
         })?;
@@ -233,12 +231,6 @@ pub fn run<B: Backend + Clone>(
     }
 
     // Time to first token of an image request, in this process.
-    let pipeline = Pipeline {
-        chat,
-        vision,
-        engine,
-        limits: RequestLimits::default(),
-    };
     let image_request = ttft_request(&pipeline.chat, opts)?;
     let ttft_name = format!(
         "image {0}x{0} + {1} text tokens: time to first token",
@@ -276,8 +268,8 @@ pub fn run<B: Backend + Clone>(
             Ok(g.decode / (g.tokens.len().saturating_sub(1).max(1)) as u32)
         })?;
         let kv_bytes = (context + opts.decode_tokens / 2) as f64
-            * (tcfg.num_hidden_layers * 2 * tcfg.num_key_value_heads * tcfg.head_dim * 4) as f64;
-        // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), the KV cache f32.
+            * llm_svc::KvCache::<B>::bytes_per_token(&tcfg) as f64;
+        // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), and the cache.
         let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
         let mut meas = Measurement {
             name: format!("decode: batch 1 at context {context}"),
