@@ -142,7 +142,7 @@ fn follow_upstreams(
     stop: CancellationToken,
 ) {
     tokio::spawn(async move {
-        while !stop.is_cancelled() {
+        loop {
             let (ready, _) = upstreams.check().await;
             // The shutdown marks everything NOT_SERVING; never mark it back.
             if stop.is_cancelled() {
