@@ -7,9 +7,11 @@
 // running max and sum per row, the output rows rescaled), then O += P V on tensor cores. Head
 // dims are padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
 //
-// Layouts follow the ops interface: q [nq, hq, d], k and v [slots, hkv, d] (the KV cache, f32),
-// out [nq, hq * d]. Query i sits in cache slot first_slot + i; causal: it sees slots up to
-// that; otherwise slots < kv_len.
+// Layouts follow the ops interface: q [nq, hq, d], out [nq, hq * d]. Keys and values come
+// through a loader: contiguous f32 [slots, hkv, d] (`attention`: the ViT), or the paged f16 KV
+// cache through a sequence's block list (`paged_attention`: prefill chunks of an engine step;
+// see paged_f16.cu for the layout). Query i sits at key position first_slot + i; causal: it
+// sees keys up to that; otherwise keys < kv_len.
 
 #include <mma.h>
 #include <cuda_fp16.h>
@@ -31,11 +33,70 @@ struct FaShared {
     static constexpr int bytes = 2 * kv * 2 + s * 4 + p * 2 + o * 4 + 2 * FA_BQ * 4;
 };
 
-template <int DP>
-__device__ void flash_attention(const float* __restrict__ q, const float* __restrict__ k,
-                                const float* __restrict__ v, float* __restrict__ out, int nq,
-                                int hq, int hkv, int d, int kv_len, int causal, int first_slot,
-                                float scale) {
+// Keys and values of contiguous f32 rows [slots, hkv, d], rounded to f16 as they are staged.
+struct ContiguousF32Kv {
+    const float* __restrict__ k;
+    const float* __restrict__ v;
+    int hkv, d;
+
+    // K and V rows kt.. of head kvh into Ks, Vs [FA_BK, DP] (zeros past kv_end and d).
+    template <int DP>
+    __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
+        for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
+            int r = idx / DP, c = idx % DP, j = kt + r;
+            bool in = j < kv_end && c < d;
+            size_t at = ((size_t)j * hkv + kvh) * d + c;
+            Ks[idx] = __float2half_rn(in ? __ldg(k + at) : 0.0f);
+            Vs[idx] = __float2half_rn(in ? __ldg(v + at) : 0.0f);
+        }
+    }
+};
+
+// Keys and values of one sequence in the paged f16 cache (paged_f16.cu's layout): already
+// f16, copied 16 bytes at a time when rows are a multiple of 8 halves.
+struct PagedF16Kv {
+    const half* __restrict__ k;
+    const half* __restrict__ v;
+    const unsigned* __restrict__ blocks;
+    unsigned off;
+    int block_size, hkv, d;
+
+    __device__ size_t row(int j, int kvh) const {
+        unsigned slot = blocks[off + j / block_size] * (unsigned)block_size + (unsigned)(j % block_size);
+        return ((size_t)slot * hkv + kvh) * d;
+    }
+
+    template <int DP>
+    __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
+        if (d == DP) {
+            constexpr int V8 = DP / 8;
+            for (int idx = threadIdx.x; idx < FA_BK * V8; idx += blockDim.x) {
+                int r = idx / V8, c = (idx % V8) * 8, j = kt + r;
+                uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
+                if (j < kv_end) {
+                    size_t at = row(j, kvh) + c;
+                    kr = __ldg(reinterpret_cast<const uint4*>(k + at));
+                    vr = __ldg(reinterpret_cast<const uint4*>(v + at));
+                }
+                *reinterpret_cast<uint4*>(Ks + r * DP + c) = kr;
+                *reinterpret_cast<uint4*>(Vs + r * DP + c) = vr;
+            }
+            return;
+        }
+        for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
+            int r = idx / DP, c = idx % DP, j = kt + r;
+            bool in = j < kv_end && c < d;
+            size_t at = in ? row(j, kvh) + c : 0;
+            Ks[idx] = in ? k[at] : __float2half_rn(0.0f);
+            Vs[idx] = in ? v[at] : __float2half_rn(0.0f);
+        }
+    }
+};
+
+template <int DP, typename Kv>
+__device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, float* __restrict__ out,
+                                int q0, int nq, int hq, int hkv, int d, int kv_len, int causal,
+                                int first_slot, float scale) {
     extern __shared__ __align__(128) unsigned char fa_smem[];  // WMMA wants 256-bit aligned tiles
     half* Ks = reinterpret_cast<half*>(fa_smem);
     half* Vs = Ks + FaShared<DP>::kv;
@@ -45,7 +106,7 @@ __device__ void flash_attention(const float* __restrict__ q, const float* __rest
     float* row_max = O + FaShared<DP>::o;
     float* row_sum = row_max + FA_BQ;
 
-    const int h = blockIdx.y, q0 = blockIdx.x * FA_BQ;
+    const int h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kvh = h / (hq / hkv);
     float* Sw = S + warp * 16 * FA_BK;
@@ -74,13 +135,7 @@ __device__ void flash_attention(const float* __restrict__ q, const float* __rest
     int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
 
     for (int kt = 0; kt < kv_end; kt += FA_BK) {
-        for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
-            int r = idx / DP, c = idx % DP, j = kt + r;
-            bool in = j < kv_end && c < d;
-            size_t at = ((size_t)j * hkv + kvh) * d + c;
-            Ks[idx] = __float2half_rn(in ? __ldg(k + at) : 0.0f);
-            Vs[idx] = __float2half_rn(in ? __ldg(v + at) : 0.0f);
-        }
+        kvs.template stage<DP>(Ks, Vs, kt, kv_end, kvh);
         __syncthreads();
 
         // S (16 x 64 for this warp) = Q Kᵀ; Kᵀ read column-major straight from K's rows.
@@ -159,10 +214,31 @@ __device__ void flash_attention(const float* __restrict__ q, const float* __rest
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,  \
         float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,        \
         int first_slot, float scale) {                                                          \
-        flash_attention<DP>(q, k, v, out, nq, hq, hkv, d, kv_len, causal, first_slot, scale);  \
+        ContiguousF32Kv kvs{k, v, hkv, d};                                                      \
+        flash_attention<DP>(q, kvs, out, blockIdx.x * FA_BQ, nq, hq, hkv, d, kv_len, causal,    \
+                            first_slot, scale);                                                 \
+    }
+
+// The prefill chunks of an engine step: sequence seq0 + blockIdx.z, its queries from row
+// seqs[4s] on (see paged_f16.cu), causal over its cached keys.
+#define PAGED_FA_KERNEL(DP)                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) paged_flash_attention_d##DP(      \
+        const float* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,  \
+        const unsigned* __restrict__ seqs, const unsigned* __restrict__ blocks,                 \
+        float* __restrict__ out, int seq0, int hq, int hkv, int d, int block_size, float scale) { \
+        const unsigned* m = seqs + 4 * (seq0 + blockIdx.z);                                     \
+        const int row0 = m[0], n = m[1], kv_len = m[2];                                         \
+        if ((int)(blockIdx.x * FA_BQ) >= n) return;                                             \
+        PagedF16Kv kvs{kc, vc, blocks, m[3], block_size, hkv, d};                               \
+        flash_attention<DP>(q + (size_t)row0 * hq * d, kvs, out + (size_t)row0 * hq * d,        \
+                            blockIdx.x * FA_BQ, n, hq, hkv, d, kv_len, 1, kv_len - n, scale);   \
     }
 
 FA_KERNEL(64)
 FA_KERNEL(80)
 FA_KERNEL(96)
 FA_KERNEL(128)
+PAGED_FA_KERNEL(64)
+PAGED_FA_KERNEL(80)
+PAGED_FA_KERNEL(96)
+PAGED_FA_KERNEL(128)

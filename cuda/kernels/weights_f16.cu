@@ -113,15 +113,15 @@ extern "C" __global__ void cast_f32_to_f16(const float* __restrict__ x, __half* 
         out[i] = __float2half_rn(x[i]);
 }
 
-// Rows of the f16 table picked by ids, as f32: out[i, :] = table[ids[i], :]. Ids are whole
-// numbers held as f32 (a decode step reads its token from device memory). The host checks them;
-// one outside the table anyway gives a row of NaN, which shows in the logits.
+// Rows of the f16 table picked by ids, as f32: out[i, :] = table[ids[i], :]. The ids come from
+// device memory (a recorded step reads its new tokens there). The host checks them; one
+// outside the table anyway gives a row of NaN, which shows in the logits.
 extern "C" __global__ void embedding_f16w(const __half* __restrict__ table,
-                                          const float* __restrict__ ids, float* __restrict__ out,
-                                          int width, int vocab) {
-    int id = (int)ids[blockIdx.x];
+                                          const unsigned* __restrict__ ids, float* __restrict__ out,
+                                          int width, unsigned vocab) {
+    unsigned id = ids[blockIdx.x];
     float* dst = out + (size_t)blockIdx.x * width;
-    if (id < 0 || id >= vocab) {
+    if (id >= vocab) {
         for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = __int_as_float(0x7fc00000);
         return;
     }

@@ -34,6 +34,30 @@ pub fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
+/// How the query rows of a batched step map onto sequences, and which cached keys each
+/// sequence's queries see: the paged attention of an engine step (vLLM's `PagedAttention`).
+///
+/// The cache holds keys and values in fixed-size blocks; slot `b * block_size + o` is offset
+/// `o` of block `b`. A sequence's `i`-th key is in block `blocks[off + i / block_size]` at
+/// offset `i % block_size`.
+pub struct PagedBatch<'a, B: Backend + ?Sized> {
+    /// `[num_seqs * 4]`: for each sequence its first query row, its query count `n`, its keys
+    /// in the cache counting this step's (`kv_len`), and where its block list starts in
+    /// `blocks`. Query `i` sits at position `kv_len - n + i` and sees keys `0..=` that.
+    pub seqs: &'a B::Ids,
+    /// The block lists of every sequence, back to back.
+    pub blocks: &'a B::Ids,
+    pub num_seqs: usize,
+    /// The first `decode_seqs` sequences have exactly one query (a GPU runs them through its
+    /// split-K decode kernel; the rest through flash attention).
+    pub decode_seqs: usize,
+    /// Upper bounds over the sequences: queries of one, and keys of one. Kernel grids are
+    /// sized by them (a recorded step keeps its grid, so these bound every replay).
+    pub max_queries: usize,
+    pub max_keys: usize,
+    pub block_size: usize,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A recorded sequence of ops ([`Backend::record`]), e.g. a CUDA graph; `()` where there
     /// is none.
@@ -44,9 +68,18 @@ pub trait Backend: Send + Sync + 'static {
     /// f32 on the CPU (the reference), f16 on the GPU (half the bytes each decoded token reads,
     /// tensor-core GEMMs).
     type Weight: Clone + Send + Sync;
+    /// Whole numbers in device memory: token ids, KV cache slots, block tables, picked tokens.
+    /// Steps read them from buffers that stay put, which is what lets a step be recorded once
+    /// and replayed.
+    type Ids: Send + Sync;
+    /// One layer's keys (or values) in the paged KV cache, `[slots, kv_heads, head_dim]`:
+    /// f32 on the CPU, f16 on the GPU (half the bytes that attention reads per token).
+    type Cache: Send + Sync;
 
     /// Bytes per element of a [`Backend::Weight`]: what decoding reads per parameter.
     const WEIGHT_BYTES: usize;
+    /// Bytes per element of a [`Backend::Cache`].
+    const CACHE_BYTES: usize;
 
     /// Short name for logs and errors ("cpu", "cuda").
     fn name(&self) -> &'static str;
@@ -54,6 +87,11 @@ pub trait Backend: Send + Sync + 'static {
     /// benchmark's memory rows). With CUDA's pool allocator, memory freed stays reserved, so
     /// after a stage has run this is its peak.
     fn memory_in_use(&self) -> Option<usize> {
+        self.device_memory().map(|(free, total)| total - free)
+    }
+    /// Free and total bytes of the device's own memory, where it has one (a GPU): what the
+    /// KV cache is sized from.
+    fn device_memory(&self) -> Option<(usize, usize)> {
         None
     }
 
@@ -78,11 +116,21 @@ pub trait Backend: Send + Sync + 'static {
     /// Same data viewed with another shape of the same element count.
     fn reshape(&self, t: Self::Tensor, shape: &[usize]) -> Result<Self::Tensor>;
 
-    /// Index of the largest value of `x` (one row of logits), the first on ties, as
-    /// `torch.argmax`: greedy decoding on the device, so only the token id comes back.
-    fn argmax(&self, x: &Self::Tensor) -> Result<u32> {
-        Ok(argmax(self.download(x)?.data()))
-    }
+    /// `values` as device ids.
+    fn upload_ids(&self, values: &[u32]) -> Result<Self::Ids>;
+    /// Overwrites the first `values.len()` ids of `dst` (a step's input buffer that stays put).
+    fn write_ids(&self, dst: &mut Self::Ids, values: &[u32]) -> Result<()>;
+    /// The first `n` ids of `ids`.
+    fn download_ids(&self, ids: &Self::Ids, n: usize) -> Result<Vec<u32>>;
+    /// A zeroed cache for one layer's keys or values: `[slots, heads, dim]`.
+    fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<Self::Cache>;
+    /// A cache's contents as f32 (tests and the self-check).
+    fn download_cache(&self, cache: &Self::Cache) -> Result<HostTensor>;
+
+    /// `out[i]` = the index of the largest value in row `i` of `x [n, cols]`, the first on
+    /// ties (as `torch.argmax`): greedy decoding on the device, so only ids come back.
+    /// `out` holds at least `n` ids.
+    fn argmax_rows(&self, x: &Self::Tensor, out: &mut Self::Ids) -> Result<()>;
 
     // ---- recording ----
     /// Records what `ops` enqueues, without running it, for [`Backend::replay`]: one launch
@@ -152,11 +200,55 @@ pub trait Backend: Send + Sync + 'static {
         mask: AttnMask,
     ) -> Result<Self::Tensor>;
 
+    /// Full attention within each run of `lens` consecutive rows (several images in one ViT
+    /// pass, each seeing only itself): `q`, `k`, `v` `[n, heads, d]` with `n = Σ lens`.
+    /// Returns `[n, heads * d]`. The default runs [`Backend::attention`] per run.
+    fn attention_segments(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        lens: &[usize],
+    ) -> Result<Self::Tensor> {
+        let shape = self.shape(q).to_vec();
+        let [n, heads, d] = shape[..] else {
+            return Err(crate::Error::shape(
+                "attention_segments",
+                format!("q must be [n, heads, d], got {shape:?}"),
+            ));
+        };
+        if lens.iter().sum::<usize>() != n {
+            return Err(crate::Error::shape(
+                "attention_segments",
+                format!("segments {lens:?} do not cover {n} rows"),
+            ));
+        }
+        if let [_] = lens {
+            return self.attention(q, k, v, n, AttnMask::Full);
+        }
+        let flat = |t: &Self::Tensor| self.reshape(t.clone(), &[n, heads * d]);
+        let (qf, kf, vf) = (flat(q)?, flat(k)?, flat(v)?);
+        let mut out = self.zeros(&[n, heads * d])?;
+        let mut start = 0;
+        for &len in lens.iter().filter(|&&l| l > 0) {
+            let part = |t: &Self::Tensor| {
+                self.reshape(self.slice_rows(t, start, start + len)?, &[len, heads, d])
+            };
+            let a = self.attention(&part(&qf)?, &part(&kf)?, &part(&vf)?, len, AttnMask::Full)?;
+            let rows: Vec<usize> = (start..start + len).collect();
+            self.scatter_rows(&mut out, &rows, &a)?;
+            start += len;
+        }
+        Ok(out)
+    }
+
     // ---- gathers and row updates ----
-    /// Rows of `table [vocab, h]` picked by the token ids in `ids [n]` -> `[n, h]`. Ids are
-    /// held as f32 (exact below 2^24, far above any vocabulary) so that a decode step can read
-    /// its token from device memory; callers check them against the vocabulary first.
-    fn embedding(&self, table: &Self::Weight, ids: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Rows of `table [vocab, h]` picked by the token ids in `ids [n]` -> `[n, h]`. Ids come
+    /// from device memory so that a recorded step reads new tokens; callers check them
+    /// against the vocabulary first.
+    fn embedding(&self, table: &Self::Weight, ids: &Self::Ids) -> Result<Self::Tensor>;
+    /// Rows of `x [n, c]` picked by `rows` -> `[rows, c]` (the rows whose logits a step needs).
+    fn gather_rows(&self, x: &Self::Tensor, rows: &Self::Ids) -> Result<Self::Tensor>;
     /// `out[i] = Σ_t weights[i*taps + t] · table[index[i*taps + t]]`: interpolating a learned
     /// position table onto an image grid.
     fn weighted_gather(
@@ -172,27 +264,24 @@ pub trait Backend: Send + Sync + 'static {
     /// step (token id, cache slot, rotary row) are written this way into buffers that stay put,
     /// so the step's kernels read the same addresses every time (what a CUDA graph replays).
     fn write(&self, dst: &mut Self::Tensor, values: &[f32]) -> Result<()>;
-    /// `dst[slot] = src` for the one row of `src`, `slot` read from `slot [1]` (decode's KV
-    /// cache write; the caller keeps the slot within `dst`).
-    fn write_row_at(
+    /// `cache[slots[i]] = rows[i]` for every row of `rows [n, heads * dim]` (or `[n, heads,
+    /// dim]`): a step's keys or values into the paged cache, at slots read from the device.
+    fn write_kv(
         &self,
-        dst: &mut Self::Tensor,
-        slot: &Self::Tensor,
-        src: &Self::Tensor,
+        cache: &mut Self::Cache,
+        slots: &Self::Ids,
+        rows: &Self::Tensor,
     ) -> Result<()>;
-    /// Decode attention: `q [1, hq, d]`, the token in cache slot `slot` (read from `slot [1]`),
-    /// attends to slots `0..=slot` of `k`, `v` `[slots, hkv, d]`. Same result as
-    /// [`Backend::attention`] with `Causal { first_query_slot: slot }`; GPUs split the keys
-    /// across blocks for long contexts (seeds 000, 001). Returns `[1, hq * d]`.
-    fn decode_attention(
+    /// Attention of every sequence's queries `q [rows, hq, d]` over its cached keys and
+    /// values (GQA: `hq` a multiple of the cache's heads), laid out by `batch`. Returns
+    /// `[rows, hq * d]`; rows that belong to no sequence are zero.
+    fn paged_attention(
         &self,
         q: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        slot: &Self::Tensor,
+        k: &Self::Cache,
+        v: &Self::Cache,
+        batch: &PagedBatch<Self>,
     ) -> Result<Self::Tensor>;
-    /// `dst[start + i] = src[i]` for every row of `src` (writing the KV cache).
-    fn write_rows(&self, dst: &mut Self::Tensor, start: usize, src: &Self::Tensor) -> Result<()>;
     /// `dst[rows[i]] = src[i]` (placing image embeddings at the image-token positions).
     fn scatter_rows(
         &self,

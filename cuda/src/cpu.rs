@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{AttnMask, Backend, GeluKind};
+use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch};
 use crate::{Error, HostTensor, Result};
 
 /// Rows per rayon task for cheap elementwise/row ops: below this, threading costs more than it saves.
@@ -73,9 +73,9 @@ fn gelu_erf(x: f32) -> f32 {
     0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
 }
 
-/// A token id or cache slot held as f32: must be a whole number below `limit`.
-fn index_value(op: &'static str, v: f32, limit: usize) -> Result<usize> {
-    if v >= 0.0 && v.fract() == 0.0 && (v as usize) < limit {
+/// A token id, row or cache slot: must be below `limit`.
+fn index_value(op: &'static str, v: u32, limit: usize) -> Result<usize> {
+    if (v as usize) < limit {
         Ok(v as usize)
     } else {
         Err(Error::shape(op, format!("index {v} is outside 0..{limit}")))
@@ -117,7 +117,10 @@ impl Backend for CpuBackend {
     type Tensor = HostTensor;
     type Weight = HostTensor;
     type Graph = ();
+    type Ids = Vec<u32>;
+    type Cache = HostTensor;
     const WEIGHT_BYTES: usize = 4;
+    const CACHE_BYTES: usize = 4;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -135,9 +138,51 @@ impl Backend for CpuBackend {
         self.write(dst, src.data())
     }
 
-    fn argmax(&self, x: &HostTensor) -> Result<u32> {
-        // In place: the default would copy the row (600 KB at the 8B vocabulary) every token.
-        Ok(crate::backend::argmax(x.data()))
+    fn upload_ids(&self, values: &[u32]) -> Result<Vec<u32>> {
+        Ok(values.to_vec())
+    }
+
+    fn write_ids(&self, dst: &mut Vec<u32>, values: &[u32]) -> Result<()> {
+        if values.len() > dst.len() {
+            return Err(Error::shape(
+                "write_ids",
+                format!("{} ids into a buffer of {}", values.len(), dst.len()),
+            ));
+        }
+        dst[..values.len()].copy_from_slice(values);
+        Ok(())
+    }
+
+    fn download_ids(&self, ids: &Vec<u32>, n: usize) -> Result<Vec<u32>> {
+        ids.get(..n).map(<[u32]>::to_vec).ok_or_else(|| {
+            Error::shape(
+                "download_ids",
+                format!("{n} ids from a buffer of {}", ids.len()),
+            )
+        })
+    }
+
+    fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<HostTensor> {
+        Ok(HostTensor::zeros(vec![slots, heads, dim]))
+    }
+
+    fn download_cache(&self, cache: &HostTensor) -> Result<HostTensor> {
+        Ok(cache.clone())
+    }
+
+    fn argmax_rows(&self, x: &HostTensor, out: &mut Vec<u32>) -> Result<()> {
+        let n = x.rows();
+        if out.len() < n || x.cols() == 0 {
+            return Err(Error::shape(
+                "argmax_rows",
+                format!("{n} rows of {:?} into {} ids", x.shape(), out.len()),
+            ));
+        }
+        // In place: no copy of the rows (600 KB each at the 8B vocabulary).
+        for (i, o) in out.iter_mut().take(n).enumerate() {
+            *o = crate::backend::argmax(x.row(i));
+        }
+        Ok(())
     }
 
     fn replay(&self, _: &()) -> Result<()> {
@@ -395,13 +440,22 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn embedding(&self, table: &HostTensor, ids: &HostTensor) -> Result<HostTensor> {
+    fn embedding(&self, table: &HostTensor, ids: &Vec<u32>) -> Result<HostTensor> {
         let (vocab, h) = (table.rows(), table.cols());
         let mut data = Vec::with_capacity(ids.len() * h);
-        for &id in ids.data() {
+        for &id in ids {
             data.extend_from_slice(table.row(index_value("embedding", id, vocab)?));
         }
         HostTensor::new(vec![ids.len(), h], data)
+    }
+
+    fn gather_rows(&self, x: &HostTensor, rows: &Vec<u32>) -> Result<HostTensor> {
+        let (n, c) = (x.rows(), x.cols());
+        let mut data = Vec::with_capacity(rows.len() * c);
+        for &r in rows {
+            data.extend_from_slice(x.row(index_value("gather_rows", r, n)?));
+        }
+        HostTensor::new(vec![rows.len(), c], data)
     }
 
     fn weighted_gather(
@@ -459,41 +513,128 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn write_row_at(
-        &self,
-        dst: &mut HostTensor,
-        slot: &HostTensor,
-        src: &HostTensor,
-    ) -> Result<()> {
-        let slots = dst.shape().first().copied().unwrap_or(0);
-        let row = index_value("write_row_at", slot.data()[0], slots)?;
-        self.scatter_rows(dst, &[row], src)
+    fn write_kv(&self, cache: &mut HostTensor, slots: &Vec<u32>, rows: &HostTensor) -> Result<()> {
+        let limit = cache.shape().first().copied().unwrap_or(0);
+        let rows_at = slots
+            .iter()
+            .map(|&s| index_value("write_kv", s, limit))
+            .collect::<Result<Vec<_>>>()?;
+        self.scatter_rows(cache, &rows_at, rows)
     }
 
-    fn decode_attention(
+    fn paged_attention(
         &self,
         q: &HostTensor,
         k: &HostTensor,
         v: &HostTensor,
-        slot: &HostTensor,
+        batch: &PagedBatch<Self>,
     ) -> Result<HostTensor> {
-        let slots = k.shape().first().copied().unwrap_or(0);
-        let s = index_value("decode_attention", slot.data()[0], slots)?;
-        self.attention(
-            q,
-            k,
-            v,
-            s + 1,
-            AttnMask::Causal {
-                first_query_slot: s,
+        let [rows, hq, d] = *q.shape() else {
+            return Err(Error::shape(
+                "paged_attention",
+                format!("q must be [rows, heads, d], got {:?}", q.shape()),
+            ));
+        };
+        let [slots, hkv, dk] = *k.shape() else {
+            return Err(Error::shape(
+                "paged_attention",
+                format!("the cache must be [slots, heads, d], got {:?}", k.shape()),
+            ));
+        };
+        let bs = batch.block_size;
+        if v.shape() != k.shape() || dk != d || hkv == 0 || hq % hkv != 0 || bs == 0 {
+            return Err(Error::shape(
+                "paged_attention",
+                format!(
+                    "q {:?}, k {:?}, v {:?}, block size {bs}",
+                    q.shape(),
+                    k.shape(),
+                    v.shape()
+                ),
+            ));
+        }
+        // Each query row's key slots (its sequence's) and how many it sees, checked up front.
+        let mut per_row: Vec<Option<std::sync::Arc<Vec<usize>>>> = vec![None; rows];
+        let mut visible = vec![0usize; rows];
+        let meta = batch.seqs;
+        if meta.len() < batch.num_seqs * 4 {
+            return Err(Error::shape(
+                "paged_attention",
+                format!(
+                    "{} sequences, {} metadata entries",
+                    batch.num_seqs,
+                    meta.len()
+                ),
+            ));
+        }
+        for s in 0..batch.num_seqs {
+            let [q0, n, kv_len, off] = [0, 1, 2, 3].map(|i| meta[4 * s + i] as usize);
+            if q0 + n > rows || n > kv_len {
+                return Err(Error::shape(
+                    "paged_attention",
+                    format!("sequence {s}: {n} queries at row {q0} of {rows}, {kv_len} keys"),
+                ));
+            }
+            let key_slots = (0..kv_len)
+                .map(|j| {
+                    let block = *batch.blocks.get(off + j / bs).ok_or_else(|| {
+                        Error::shape(
+                            "paged_attention",
+                            format!("sequence {s}: block list too short"),
+                        )
+                    })? as usize;
+                    let slot = block * bs + j % bs;
+                    if slot >= slots {
+                        return Err(Error::shape(
+                            "paged_attention",
+                            format!("sequence {s}: slot {slot} outside a cache of {slots}"),
+                        ));
+                    }
+                    Ok(slot)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let key_slots = std::sync::Arc::new(key_slots);
+            for i in 0..n {
+                per_row[q0 + i] = Some(key_slots.clone());
+                visible[q0 + i] = kv_len - n + i + 1;
+            }
+        }
+        let group = hq / hkv;
+        let scale = 1.0 / (d as f32).sqrt();
+        let (kd, vd) = (k.data(), v.data());
+        let mut out = HostTensor::zeros(vec![rows, hq * d]);
+        // One task per (row, head), as `attention`: the same sums in the same order whatever
+        // else is in the batch, so a sequence's result does not depend on its neighbours.
+        out.data_mut().par_chunks_mut(d).enumerate().for_each_init(
+            Vec::new,
+            |scores: &mut Vec<f32>, (task, o)| {
+                let (i, h) = (task / hq, task % hq);
+                let Some(keys) = &per_row[i] else { return };
+                let kvh = h / group;
+                let qv = &q.data()[(i * hq + h) * d..][..d];
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for &slot in &keys[..visible[i]] {
+                    let kv = &kd[(slot * hkv + kvh) * d..][..d];
+                    let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut denom = 0.0;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    denom += *s;
+                }
+                for (&slot, p) in keys.iter().zip(scores.iter()) {
+                    let vv = &vd[(slot * hkv + kvh) * d..][..d];
+                    let p = p / denom;
+                    for (o, x) in o.iter_mut().zip(vv) {
+                        *o += p * x;
+                    }
+                }
             },
-        )
-    }
-
-    fn write_rows(&self, dst: &mut HostTensor, start: usize, src: &HostTensor) -> Result<()> {
-        let n = src.shape().first().copied().unwrap_or(0);
-        let rows: Vec<usize> = (start..start + n).collect();
-        self.scatter_rows(dst, &rows, src)
+        );
+        Ok(out)
     }
 
     fn scatter_rows(&self, dst: &mut HostTensor, rows: &[usize], src: &HostTensor) -> Result<()> {
@@ -637,19 +778,77 @@ mod tests {
     }
 
     #[test]
-    fn row_updates_write_scatter_and_add() {
+    fn row_updates_write_kv_scatter_and_add() {
         let b = CpuBackend;
-        let mut cache = b.zeros(&[3, 2, 1]).unwrap();
-        b.write_rows(&mut cache, 1, &t(&[2, 2], &[1., 2., 3., 4.]))
+        let mut cache = b.zeros_cache(3, 2, 1).unwrap();
+        b.write_kv(&mut cache, &vec![2, 0], &t(&[2, 2], &[1., 2., 3., 4.]))
             .unwrap();
-        assert_eq!(cache.data(), &[0., 0., 1., 2., 3., 4.]);
-        assert_eq!(cache.shape(), &[3, 2, 1]);
+        assert_eq!(cache.data(), &[3., 4., 0., 0., 1., 2.]);
+        assert!(b
+            .write_kv(&mut cache, &vec![3], &t(&[1, 2], &[0.; 2]))
+            .is_err());
         let mut x = t(&[3, 2], &[0.; 6]);
         b.scatter_rows(&mut x, &[2, 0], &t(&[2, 2], &[1., 1., 2., 2.]))
             .unwrap();
         b.add_rows(&mut x, &[2], &t(&[1, 2], &[10., 10.])).unwrap();
         assert_eq!(x.data(), &[2., 2., 0., 0., 11., 11.]);
-        assert!(b.write_rows(&mut cache, 2, &t(&[2, 2], &[0.; 4])).is_err());
+        assert_eq!(
+            b.gather_rows(&x, &vec![2, 2, 0]).unwrap().data(),
+            &[11., 11., 11., 11., 2., 2.]
+        );
+    }
+
+    #[test]
+    fn paged_attention_reads_each_sequence_through_its_block_list() {
+        let b = CpuBackend;
+        // Blocks of 2 slots; 4 blocks. The decoding sequence owns block [0] (one key), the
+        // other blocks [3, 1] (three keys). Values tell which keys were read.
+        let mut k = b.zeros_cache(8, 1, 1).unwrap();
+        let mut v = b.zeros_cache(8, 1, 1).unwrap();
+        // Keys all equal: attention averages the visible values.
+        b.write_kv(&mut k, &(0..8).collect(), &t(&[8, 1], &[0.; 8]))
+            .unwrap();
+        // slot: 0 1 2 3 4 5 6 7
+        b.write_kv(
+            &mut v,
+            &(0..8).collect(),
+            &t(&[8, 1], &[9., 0., 3., 0., 0., 0., 1., 2.]),
+        )
+        .unwrap();
+        // Rows: the decoding sequence's one query first, then the other's two queries at
+        // positions 1 and 2 (a prefill chunk after one cached key).
+        let seqs = vec![0, 1, 1, 0, 1, 2, 3, 1];
+        let blocks = vec![0, 3, 1];
+        let batch = PagedBatch::<CpuBackend> {
+            seqs: &seqs,
+            blocks: &blocks,
+            num_seqs: 2,
+            decode_seqs: 1,
+            max_queries: 2,
+            max_keys: 3,
+            block_size: 2,
+        };
+        let q = t(&[4, 1, 1], &[1.; 4]);
+        let y = b.paged_attention(&q, &k, &v, &batch).unwrap();
+        // Row 0 sees slot 0 (9). Row 1, at position 1, sees slots 6, 7 -> 1.5.
+        // Row 2: position 2 sees slots 6, 7, 2 -> 2. Row 3 belongs to no sequence.
+        assert_eq!(y.data(), &[9., 1.5, 2., 0.]);
+        let bad = vec![0, 1, 1, 9];
+        let batch = PagedBatch::<CpuBackend> {
+            seqs: &bad,
+            num_seqs: 1,
+            ..batch
+        };
+        assert!(b.paged_attention(&q, &k, &v, &batch).is_err());
+    }
+
+    #[test]
+    fn argmax_rows_takes_the_first_maximum_of_each_row() {
+        let b = CpuBackend;
+        let mut out = vec![7; 3];
+        b.argmax_rows(&t(&[2, 3], &[0., 2., 2., -1., -3., -2.]), &mut out)
+            .unwrap();
+        assert_eq!(out, [1, 0, 7]);
     }
 
     #[test]
@@ -657,10 +856,9 @@ mod tests {
         let b = CpuBackend;
         let table = t(&[2, 2], &[1., 2., 3., 4.]);
         assert_eq!(
-            b.embedding(&table, &t(&[2], &[1., 0.])).unwrap().data(),
+            b.embedding(&table, &vec![1, 0]).unwrap().data(),
             &[3., 4., 1., 2.]
         );
-        assert!(b.embedding(&table, &t(&[1], &[2.])).is_err());
-        assert!(b.embedding(&table, &t(&[1], &[0.5])).is_err());
+        assert!(b.embedding(&table, &vec![2]).is_err());
     }
 }

@@ -24,9 +24,9 @@ mod tensor;
 pub mod twin;
 mod weights;
 
-pub use backend::{argmax, AttnMask, Backend, GeluKind};
+pub use backend::{argmax, AttnMask, Backend, GeluKind, PagedBatch};
 pub use cpu::CpuBackend;
-pub use cuda::{CudaBackend, CudaTensor, CudaWeight};
+pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

@@ -67,24 +67,42 @@ pub enum Case {
         kv_len: usize,
         mask: AttnMask,
     },
-    /// One decoded token attending to cache slots `0..=slot` (the slot read from the device).
-    DecodeAttention {
+    /// Full attention within each of several images of one ViT pass.
+    AttentionSegments {
+        lens: Vec<usize>,
+        heads: usize,
+        dim: usize,
+    },
+    /// An engine step's attention over the paged cache: sequences of `(queries, keys)`, the
+    /// first `decode` of them with one query (the GPU's split-K decode kernel), the rest
+    /// prefill chunks (flash attention from 16 queries, the per-row kernel below). Blocks are
+    /// handed out shuffled, as a long-running cache hands them out.
+    PagedAttention {
+        seqs: Vec<(usize, usize)>,
+        decode: usize,
         q_heads: usize,
         kv_heads: usize,
         dim: usize,
-        slots: usize,
-        slot: usize,
+        block_size: usize,
     },
-    WriteRowAt {
-        kv_heads: usize,
+    /// Rows written into a cache at scattered slots read from the device.
+    WriteKv {
+        slots: usize,
+        heads: usize,
         dim: usize,
-        slots: usize,
-        slot: usize,
+        rows: usize,
     },
-    /// Greedy pick over `n` logits; `tie` puts the same largest value at two places.
-    Argmax {
+    /// Greedy picks over `rows` rows of `n` logits; `tie` puts the same largest value at two
+    /// places of the last row.
+    ArgmaxRows {
+        rows: usize,
         n: usize,
         tie: Option<(usize, usize)>,
+    },
+    /// Rows picked from a matrix by device ids (the rows whose logits a step needs).
+    GatherRows {
+        rows: usize,
+        cols: usize,
     },
     Embedding {
         vocab: usize,
@@ -96,17 +114,18 @@ pub enum Case {
         out: usize,
         taps: usize,
     },
-    /// `slice_rows`, `write_rows`, `scatter_rows`, `add_rows` together, and that a tensor
-    /// cloned before an in-place update keeps its values.
+    /// `slice_rows`, `scatter_rows`, `add_rows` together, and that a tensor cloned before an
+    /// in-place update keeps its values.
     RowUpdates,
     /// Random-weight generation: bit for bit on every backend.
     RandomUniform {
         shape: Vec<usize>,
     },
-    /// A decode-like step (embedding of a token read from the device, a GEMV, a cache row
-    /// written at a slot read from the device) recorded once ([`Backend::record`]: a CUDA
-    /// graph) and replayed twice with other token and slot values written in between: the
-    /// replays must read the new values and write where they say, as every decoded token does.
+    /// A decode-like step (embeddings of tokens read from the device, a GEMM, rows written
+    /// into a cache at slots read from the device, attention over it, greedy picks) recorded
+    /// once ([`Backend::record`]: a CUDA graph) and replayed twice with other tokens, slots
+    /// and block lists written in between: the replays must read the new values and write
+    /// where they say, as every batched decode step does.
     RecordReplay,
 }
 
@@ -199,20 +218,29 @@ impl Case {
                 mask,
                 ..
             } => format!("attention q{queries} h{q_heads}/{kv_heads} d{dim} kv{kv_len} {mask:?}"),
-            Case::DecodeAttention {
+            Case::AttentionSegments { lens, heads, dim } => {
+                format!("attention_segments {lens:?} h{heads} d{dim}")
+            }
+            Case::PagedAttention {
+                seqs,
+                decode,
                 q_heads,
                 kv_heads,
                 dim,
+                block_size,
+            } => format!(
+                "paged_attention {seqs:?} ({decode} decoding) h{q_heads}/{kv_heads} d{dim} blocks of {block_size}"
+            ),
+            Case::WriteKv {
                 slots,
-                slot,
-            } => format!("decode_attention h{q_heads}/{kv_heads} d{dim} slots{slots} at {slot}"),
-            Case::WriteRowAt {
-                kv_heads,
+                heads,
                 dim,
-                slots,
-                slot,
-            } => format!("write_row_at h{kv_heads} d{dim} slots{slots} at {slot}"),
-            Case::Argmax { n, tie } => format!("argmax over {n} (tie {tie:?})"),
+                rows,
+            } => format!("write_kv {rows} rows into [{slots},{heads},{dim}]"),
+            Case::ArgmaxRows { rows, n, tie } => {
+                format!("argmax_rows {rows} x {n} (tie {tie:?})")
+            }
+            Case::GatherRows { rows, cols } => format!("gather_rows [{rows},{cols}]"),
             Case::Embedding { vocab, width } => format!("embedding [{vocab},{width}]"),
             Case::WeightedGather {
                 rows,
@@ -230,19 +258,20 @@ impl Case {
     pub fn tolerance(&self) -> f32 {
         match self {
             // Exact on every backend: gathers, copies, comparisons, integer hashing.
-            Case::WriteRowAt { .. }
-            | Case::Argmax { .. }
+            Case::WriteKv { .. }
+            | Case::ArgmaxRows { .. }
+            | Case::GatherRows { .. }
             | Case::Embedding { .. }
             | Case::RowUpdates
             | Case::RandomUniform { .. } => 0.0,
-            // A GEMV and copies: summation order only.
+            // GEMMs, attention and copies: summation order only (f16-exact operands).
             Case::RecordReplay => 1e-4,
             // One rounding per element, or a short sum.
             Case::Add { .. } | Case::WeightedGather { .. } => 1e-6,
             // Transcendentals: the device's expf/tanhf/erff are within a few ulp.
             Case::SiluMul { .. } | Case::Gelu { .. } | Case::Rope { .. } => 1e-5,
             // Reductions over a row, in another order.
-            Case::LayerNorm { .. } | Case::RmsNorm { .. } | Case::DecodeAttention { .. } => 1e-4,
+            Case::LayerNorm { .. } | Case::RmsNorm { .. } => 1e-4,
             // Long dot products in another order; k >= 4096 sums are long enough to need more.
             Case::Linear { k, .. } | Case::Swiglu { k, .. } => {
                 if *k >= 4096 {
@@ -256,6 +285,22 @@ impl Case {
             // f32 kernel, which differs in summation order only.
             Case::Attention { queries, .. } => {
                 if *queries >= 16 {
+                    2e-3
+                } else {
+                    1e-4
+                }
+            }
+            Case::AttentionSegments { lens, .. } => {
+                if lens.iter().any(|&l| l >= 16) {
+                    2e-3
+                } else {
+                    1e-4
+                }
+            }
+            // The cache holds f16-exact keys and values on both sides; prefill chunks of 16
+            // queries and more also round Q and the probabilities to f16 (flash attention).
+            Case::PagedAttention { seqs, decode, .. } => {
+                if seqs[*decode..].iter().any(|&(q, _)| q >= 16) {
                     2e-3
                 } else {
                     1e-4
@@ -314,46 +359,62 @@ impl Case {
                 kv_len,
                 mask,
             )?,
-            Case::DecodeAttention {
+            Case::AttentionSegments {
+                ref lens,
+                heads,
+                dim,
+            } => {
+                let n = lens.iter().sum();
+                be.attention_segments(
+                    &up(&[n, heads, dim], 23)?,
+                    &up(&[n, heads, dim], 24)?,
+                    &up(&[n, heads, dim], 25)?,
+                    lens,
+                )?
+            }
+            Case::PagedAttention {
+                ref seqs,
+                decode,
                 q_heads,
                 kv_heads,
                 dim,
+                block_size,
+            } => return paged_attention(be, seqs, decode, [q_heads, kv_heads, dim], block_size),
+            Case::WriteKv {
                 slots,
-                slot,
-            } => be.decode_attention(
-                &up(&[1, q_heads, dim], 23)?,
-                &up(&[slots, kv_heads, dim], 24)?,
-                &up(&[slots, kv_heads, dim], 25)?,
-                &be.upload(&HostTensor::new(vec![1], vec![slot as f32])?)?,
-            )?,
-            Case::WriteRowAt {
-                kv_heads,
+                heads,
                 dim,
-                slots,
-                slot,
+                rows,
             } => {
-                let mut cache = up(&[slots, kv_heads, dim], 26)?;
-                let slot = be.upload(&HostTensor::new(vec![1], vec![slot as f32])?)?;
-                be.write_row_at(&mut cache, &slot, &up(&[1, kv_heads, dim], 27)?)?;
-                cache
+                let mut cache = be.zeros_cache(slots, heads, dim)?;
+                // Scattered, distinct slots.
+                let at: Vec<u32> = (0..rows).map(|i| ((i * 7 + 3) % slots) as u32).collect();
+                let values = be.upload(&f16_exact(input(&[rows, heads, dim], 26)))?;
+                be.write_kv(&mut cache, &be.upload_ids(&at)?, &values)?;
+                return be.download_cache(&cache);
             }
-            Case::Argmax { n, tie } => {
-                let mut logits = input(&[1, n], 28);
+            Case::ArgmaxRows { rows, n, tie } => {
+                let mut logits = input(&[rows, n], 28);
                 if let Some((a, b)) = tie {
-                    logits.data_mut()[a] = 5.0;
-                    logits.data_mut()[b] = 5.0;
+                    let last = (rows - 1) * n;
+                    logits.data_mut()[last + a] = 5.0;
+                    logits.data_mut()[last + b] = 5.0;
                 }
-                let best = be.argmax(&be.upload(&logits)?)?;
-                return HostTensor::new(vec![1], vec![best as f32]);
+                let mut out = be.upload_ids(&vec![0; rows])?;
+                be.argmax_rows(&be.upload(&logits)?, &mut out)?;
+                let ids = be.download_ids(&out, rows)?;
+                return HostTensor::new(vec![rows], ids.iter().map(|&i| i as f32).collect());
+            }
+            Case::GatherRows { rows, cols } => {
+                let x = up(&[rows, cols], 27)?;
+                let pick: Vec<u32> = [rows - 1, 0, rows / 2, rows - 1].map(|r| r as u32).into();
+                be.gather_rows(&x, &be.upload_ids(&pick)?)?
             }
             Case::Embedding { vocab, width } => {
                 let table = be.upload_weight(&f16_exact(input(&[vocab, width], 29)))?;
                 // Repeats, the first and the last row.
-                let ids = [3, 0, vocab - 1, 3, vocab / 2].map(|i| i as f32);
-                be.embedding(
-                    &table,
-                    &be.upload(&HostTensor::new(vec![5], ids.to_vec())?)?,
-                )?
+                let ids = [3, 0, vocab - 1, 3, vocab / 2].map(|i| i as u32);
+                be.embedding(&table, &be.upload_ids(&ids)?)?
             }
             Case::WeightedGather {
                 rows,
@@ -371,13 +432,11 @@ impl Case {
                     up(&[6, 1024], 32)?,
                     up(&[2, 1024], 33)?,
                 );
-                let mut cache = be.zeros(&[12, 8, 128])?;
-                be.write_rows(&mut cache, 4, &be.reshape(rows, &[3, 8, 128])?)?;
                 let mut x = x0.clone();
                 be.scatter_rows(&mut x, &[5, 0], &extra)?;
                 be.add_rows(&mut x, &[1, 5], &extra)?;
+                be.scatter_rows(&mut x, &[2, 4, 3], &rows)?;
                 let parts = [
-                    be.download(&be.reshape(cache, &[12, 1024])?)?,
                     be.download(&x)?,
                     // Untouched by the in-place updates of the tensor cloned from it.
                     be.download(&x0)?,
@@ -392,33 +451,123 @@ impl Case {
     }
 }
 
-/// [`Case::RecordReplay`]: what `TextModel::decode` relies on, in miniature.
+/// The inputs of [`Case::PagedAttention`]: a cache of shuffled blocks holding f16-exact keys
+/// and values, queries for every sequence's last `queries` positions; returns the output.
+fn paged_attention<B: Backend>(
+    be: &B,
+    seqs: &[(usize, usize)],
+    decode: usize,
+    [q_heads, kv_heads, dim]: [usize; 3],
+    block_size: usize,
+) -> Result<HostTensor> {
+    let blocks_each: Vec<usize> = seqs.iter().map(|&(_, k)| k.div_ceil(block_size)).collect();
+    let total_blocks: usize = blocks_each.iter().sum::<usize>() + 3;
+    let slots = total_blocks * block_size;
+    // A fixed shuffle of the blocks (block 0 left unused, as the engine's null block).
+    let mut order: Vec<u32> = (1..total_blocks as u32).collect();
+    for i in (1..order.len()).rev() {
+        let j =
+            (crate::random::uniform(7, i as u64, 1.0).abs() * (i + 1) as f32) as usize % (i + 1);
+        order.swap(i, j);
+    }
+    let all_slots: Vec<u32> = (0..slots as u32).collect();
+    let slots_ids = be.upload_ids(&all_slots)?;
+    let mut k = be.zeros_cache(slots, kv_heads, dim)?;
+    let mut v = be.zeros_cache(slots, kv_heads, dim)?;
+    let fill = |key| be.upload(&f16_exact(input(&[slots, kv_heads, dim], key)));
+    be.write_kv(&mut k, &slots_ids, &fill(40)?)?;
+    be.write_kv(&mut v, &slots_ids, &fill(41)?)?;
+    let (mut meta, mut blocks, mut row) = (Vec::new(), Vec::new(), 0);
+    let mut next = order.iter();
+    for (&(queries, keys), &nb) in seqs.iter().zip(&blocks_each) {
+        meta.extend([row, queries, keys, blocks.len()].map(|v| v as u32));
+        blocks.extend(next.by_ref().take(nb));
+        row += queries;
+    }
+    let q = be.upload(&input(&[row, q_heads, dim], 42))?;
+    let (seqs_ids, block_ids) = (be.upload_ids(&meta)?, be.upload_ids(&blocks)?);
+    let batch = crate::PagedBatch {
+        seqs: &seqs_ids,
+        blocks: &block_ids,
+        num_seqs: seqs.len(),
+        decode_seqs: decode,
+        max_queries: seqs.iter().map(|s| s.0).max().unwrap_or(0),
+        max_keys: seqs.iter().map(|s| s.1).max().unwrap_or(0),
+        block_size,
+    };
+    be.download(&be.paged_attention(&q, &k, &v, &batch)?)
+}
+
+/// [`Case::RecordReplay`]: what a batched decode step (`TextModel::decode`) relies on, in
+/// miniature: two sequences, blocks of 4 slots.
 fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
-    let (vocab, width, out_width, slots) = (64, 256, 96, 8);
+    let (vocab, width, heads, dim, bs) = (64, 256, 2, 64, 4);
     let table = be.upload_weight(&f16_exact(input(&[vocab, width], 35)))?;
-    let w = be.upload_weight(&f16_exact(input(&[out_width, width], 36)))?;
-    let scalar = |v: f32| be.upload(&HostTensor::new(vec![1], vec![v])?);
-    let (mut token, mut slot) = (scalar(0.0)?, scalar(0.0)?);
-    let mut cache = be.zeros(&[slots, out_width])?;
-    let mut out = be.zeros(&[1, out_width])?;
-    let step = |token: &B::Tensor, slot: &B::Tensor, cache: &mut B::Tensor, out: &mut B::Tensor| {
-        let y = be.linear(&be.embedding(&table, token)?, &w, None)?;
-        be.write_row_at(cache, slot, &y)?;
-        be.copy(out, &y)
+    let w = be.upload_weight(&f16_exact(input(&[heads * dim, width], 36)))?;
+    let mut tokens = be.upload_ids(&[0, 0])?;
+    let mut slots = be.upload_ids(&[0, 0])?;
+    let mut seqs = be.upload_ids(&[0; 8])?;
+    let mut blocks = be.upload_ids(&[0; 8])?;
+    let mut cache = be.zeros_cache(8 * bs, heads, dim)?;
+    let mut out = be.zeros(&[2, heads * dim])?;
+    let mut picks = be.upload_ids(&[0, 0])?;
+    let step = |tokens: &B::Ids,
+                slots: &B::Ids,
+                seqs: &B::Ids,
+                blocks: &B::Ids,
+                cache: &mut B::Cache,
+                out: &mut B::Tensor,
+                picks: &mut B::Ids| {
+        let y = be.linear(&be.embedding(&table, tokens)?, &w, None)?;
+        be.write_kv(cache, slots, &y)?;
+        let batch = crate::PagedBatch {
+            seqs,
+            blocks,
+            num_seqs: 2,
+            decode_seqs: 2,
+            max_queries: 1,
+            max_keys: 8,
+            block_size: bs,
+        };
+        let q = be.reshape(y, &[2, heads, dim])?;
+        let a = be.paged_attention(&q, cache, cache, &batch)?;
+        be.argmax_rows(&a, picks)?;
+        be.copy(out, &a)
     };
     // Backends that do not record (the CPU) run the step directly each time instead.
-    let graph = be.record(&mut || step(&token, &slot, &mut cache, &mut out))?;
+    let graph = be.record(&mut || {
+        step(
+            &tokens, &slots, &seqs, &blocks, &mut cache, &mut out, &mut picks,
+        )
+    })?;
     let mut parts = Vec::new();
-    for (t, s) in [(5.0, 2.0), (63.0, 7.0)] {
-        be.write(&mut token, &[t])?;
-        be.write(&mut slot, &[s])?;
+    // Step 1: sequence A's first token at block 5 slot 0; B's third token at block 2 slot 2
+    // (its first two keys were never written: zeros). Step 2: each one key further on.
+    // (tokens, slots, sequences, block lists)
+    let steps: [(_, _, _, [u32; 3]); 2] = [
+        ([5, 63], [20, 10], [0, 1, 1, 0, 1, 1, 3, 1], [5, 2, 0]),
+        ([17, 1], [21, 11], [0, 1, 2, 0, 1, 1, 4, 1], [5, 2, 0]),
+    ];
+    for (t, s, m, b) in steps {
+        be.write_ids(&mut tokens, &t)?;
+        be.write_ids(&mut slots, &s)?;
+        be.write_ids(&mut seqs, &m)?;
+        be.write_ids(&mut blocks, &b)?;
         match &graph {
             Some(g) => be.replay(g)?,
-            None => step(&token, &slot, &mut cache, &mut out)?,
+            None => step(
+                &tokens, &slots, &seqs, &blocks, &mut cache, &mut out, &mut picks,
+            )?,
         }
         parts.push(be.download(&out)?);
+        let p = be.download_ids(&picks, 2)?;
+        parts.push(HostTensor::new(
+            vec![1, heads * dim],
+            (0..heads * dim)
+                .map(|i| p.get(i).map_or(0.0, |&v| v as f32))
+                .collect(),
+        )?);
     }
-    parts.push(be.download(&cache)?);
     HostTensor::concat_rows(&parts)
 }
 
@@ -449,8 +598,9 @@ pub fn compare<B: Backend>(device: &B, case: &Case) -> Result<Outcome> {
 /// Small sizes that reach every device kernel and the branches inside them: both GEMV paths
 /// (k a multiple of 8 or not) and the GEMM, flash attention at every padded head dim (64, 80,
 /// 96, 128) with full, causal and cached-prefix masks and the f32 attention below 16 queries,
-/// split-K decode attention with one and many splits, the vocabulary-sized argmax with a tie,
-/// and a decode-like step recorded once and replayed with new inputs.
+/// paged attention over shuffled blocks (split-K decode with one and many splits, flash and
+/// per-row prefill chunks, mixed batches), cache writes, the vocabulary-sized argmax with a
+/// tie, and a batched decode step recorded once and replayed with new inputs.
 /// Sized to run in about a second on the CPU side.
 pub fn self_check_cases() -> Vec<Case> {
     use Case::*;
@@ -526,35 +676,70 @@ pub fn self_check_cases() -> Vec<Case> {
             mask,
         });
     }
-    for (q_heads, kv_heads, dim, slots, slot) in [
-        (32, 8, 128, 4096, 4095),
-        (32, 8, 128, 600, 100),
-        (6, 3, 40, 700, 257),
+    cases.extend([
+        AttentionSegments {
+            lens: vec![20, 36, 4],
+            heads: 4,
+            dim: 72,
+        },
+        AttentionSegments {
+            lens: vec![5, 3],
+            heads: 2,
+            dim: 32,
+        },
+    ]);
+    // Paged attention: decode-only batches with long contexts (split-K with many splits, one
+    // split, a key count off the block grid), mixed batches whose prefill chunks take flash
+    // attention (16+ queries, every padded head dim) or the per-row kernel, GQA groups of
+    // 1, 2, 4 and 8, the 8B shapes (32/8 heads of 128), blocks of 16.
+    for (seqs, decode, q_heads, kv_heads, dim, block_size) in [
+        (vec![(1, 4096), (1, 600)], 2, 32, 8, 128, 16),
+        (vec![(1, 1); 6], 6, 32, 8, 128, 16),
+        (vec![(1, 70), (1, 3), (40, 90), (17, 17)], 2, 32, 8, 128, 16),
+        (vec![(1, 33), (5, 20), (3, 3)], 1, 8, 2, 64, 16),
+        (vec![(1, 300), (20, 50)], 1, 16, 2, 32, 8),
+        (vec![(30, 30), (64, 100)], 0, 4, 4, 80, 16),
+        (vec![(1, 200), (18, 40)], 1, 4, 2, 96, 16),
+        (vec![(2, 9)], 0, 6, 3, 40, 4),
     ] {
-        cases.push(DecodeAttention {
+        cases.push(PagedAttention {
+            seqs,
+            decode,
             q_heads,
             kv_heads,
             dim,
-            slots,
-            slot,
+            block_size,
         });
     }
     cases.extend([
-        WriteRowAt {
-            kv_heads: 8,
-            dim: 128,
+        WriteKv {
             slots: 600,
-            slot: 512,
+            heads: 8,
+            dim: 128,
+            rows: 37,
         },
-        Argmax {
+        WriteKv {
+            slots: 50,
+            heads: 3,
+            dim: 5,
+            rows: 7,
+        },
+        ArgmaxRows {
+            rows: 1,
             n: 151_936,
             tie: None,
         },
-        Argmax {
+        ArgmaxRows {
+            rows: 3,
             n: 151_936,
             tie: Some((70_000, 90_000)),
         },
-        Argmax { n: 7, tie: None },
+        ArgmaxRows {
+            rows: 5,
+            n: 7,
+            tie: None,
+        },
+        GatherRows { rows: 9, cols: 700 },
         Embedding {
             vocab: 1000,
             width: 512,

@@ -127,13 +127,11 @@ fn rope_and_attention_at_real_sizes() {
     let rope = [(1, 32, 128), (37, 8, 128), (784, 16, 72), (5, 4, 32)]
         .map(|(tokens, heads, dim)| Case::Rope { tokens, heads, dim });
     let causal = |first_query_slot| AttnMask::Causal { first_query_slot };
-    // (queries, q heads, kv heads, head dim, kv slots, valid, mask): 8B decode at 4096 and
-    // 513, prefill, the ViT at 448², prefill after a cached prefix (queries start at slot
-    // 512), 8B prefill at 1024, the tiny fixture's head dim (padded to 64) with a partial
-    // query tile, and the f32 kernel below 16 queries.
+    // (queries, q heads, kv heads, head dim, kv slots, valid, mask): prefill, the ViT at 448²,
+    // prefill after a cached prefix (queries start at slot 512), 8B prefill at 1024, the tiny
+    // fixture's head dim (padded to 64) with a partial query tile, and the f32 kernel below
+    // 16 queries.
     let attention = [
-        (1, 32, 8, 128, 4096, 4096, causal(4095)),
-        (1, 32, 8, 128, 600, 513, causal(512)),
         (37, 32, 8, 128, 64, 37, causal(0)),
         (784, 16, 16, 72, 784, 784, AttnMask::Full),
         (100, 32, 8, 128, 700, 612, causal(512)),
@@ -156,53 +154,69 @@ fn rope_and_attention_at_real_sizes() {
 }
 
 #[test]
-fn decode_step_ops_read_the_slot_from_device_memory() {
+fn paged_kv_cache_at_real_sizes() {
     let Some(g) = gpu() else { return };
-    // (q heads, kv heads, head dim, cache slots, slot): 8B at short and long context (one and
-    // 16 key splits), a slot in the last split, the tiny fixture's sizes, odd ones.
-    let steps = [
-        (32, 8, 128, 4096, 4095),
-        (32, 8, 128, 4096, 100),
-        (32, 8, 128, 600, 512),
-        (32, 8, 128, 512, 0),
-        (4, 2, 16, 64, 33),
-        (6, 3, 40, 700, 257),
-    ];
-    check_all(
-        &g,
-        steps
-            .into_iter()
-            .flat_map(|(q_heads, kv_heads, dim, slots, slot)| {
-                [
-                    Case::DecodeAttention {
-                        q_heads,
-                        kv_heads,
-                        dim,
-                        slots,
-                        slot,
-                    },
-                    Case::WriteRowAt {
-                        kv_heads,
-                        dim,
-                        slots,
-                        slot,
-                    },
-                ]
-            }),
+    // (sequences as (queries, keys), decoding, q heads, kv heads, head dim, block size): 8B
+    // decode at batch 1 (4096 and 513 keys), at batch 64 (600 keys each, one split), a mixed
+    // step of 32 decodes and two prefill chunks (a 512-token chunk after 1536 cached keys), the
+    // tiny fixture's sizes, the ViT-like 72 (padded to 80) through the per-row kernel.
+    let paged = [
+        (vec![(1, 4096)], 1, 32, 8, 128, 16),
+        (vec![(1, 513)], 1, 32, 8, 128, 16),
+        (vec![(1, 600); 64], 64, 32, 8, 128, 16),
+        (
+            [vec![(1, 700); 32], vec![(512, 2048), (100, 100)]].concat(),
+            32,
+            32,
+            8,
+            128,
+            16,
+        ),
+        (vec![(1, 40), (1, 2), (33, 33)], 2, 4, 2, 32, 16),
+        (vec![(1, 90), (9, 30)], 1, 16, 16, 72, 16),
+    ]
+    .map(
+        |(seqs, decode, q_heads, kv_heads, dim, block_size)| Case::PagedAttention {
+            seqs,
+            decode,
+            q_heads,
+            kv_heads,
+            dim,
+            block_size,
+        },
     );
-    // Greedy picks on the device: the 8B vocabulary, a tie (the first wins), a short row.
+    let writes =
+        [(4096, 8, 128, 256), (64, 2, 32, 17)].map(|(slots, heads, dim, rows)| Case::WriteKv {
+            slots,
+            heads,
+            dim,
+            rows,
+        });
+    check_all(&g, paged.into_iter().chain(writes));
+    // Greedy picks on the device: the 8B vocabulary at batch 1 and 128, a tie (the first
+    // wins), short rows; the rows a step's logits come from.
     check_all(
         &g,
         [
-            Case::Argmax {
+            Case::ArgmaxRows {
+                rows: 1,
                 n: 151_936,
                 tie: None,
             },
-            Case::Argmax {
+            Case::ArgmaxRows {
+                rows: 128,
                 n: 151_936,
                 tie: Some((70_000, 90_000)),
             },
-            Case::Argmax { n: 7, tie: None },
+            Case::ArgmaxRows {
+                rows: 3,
+                n: 7,
+                tie: None,
+            },
+            Case::GatherRows {
+                rows: 200,
+                cols: 4096,
+            },
         ],
     );
     // `write` refreshes a buffer in place: a clone taken before keeps the old values.
@@ -231,6 +245,11 @@ fn gathers_and_row_updates() {
                 taps: 4,
             },
             Case::RowUpdates,
+            Case::AttentionSegments {
+                lens: vec![196, 784, 64],
+                heads: 16,
+                dim: 72,
+            },
         ],
     );
 }
@@ -304,13 +323,16 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "swiglu_gemv_f16w",
             "embedding_f16w",
             "fill_uniform_f16",
-            "write_row_at_f32",
-            "decode_attention_partial_f32",
-            "decode_attention_combine_f32",
-            "argmax_partial_f32",
-            "argmax_final_f32",
+            "write_kv_f16",
+            "paged_decode_partial_d128",
+            "paged_decode_combine",
+            "paged_attention_rows_f16",
+            "argmax_rows_f32",
+            "gather_rows_f32",
             "flash_attention_d80",
             "flash_attention_d128",
+            "paged_flash_attention_d64",
+            "paged_flash_attention_d128",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {k}")),

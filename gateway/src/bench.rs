@@ -116,7 +116,21 @@ pub fn run<B: Backend + Clone>(
     let backend = open()?;
     let base_memory = backend.memory_in_use();
     let weights = Weights::open_or_random(dir, opts.random_weights)?;
-    let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), None)?;
+    // Prompts prefilled in one step (the rows measure prefill, not chunking), and a cache
+    // that holds the longest request.
+    let longest = opts
+        .prefill_tokens
+        .iter()
+        .chain(&opts.decode_contexts)
+        .copied()
+        .max()
+        .unwrap_or(0);
+    let engine = llm_svc::EngineConfig {
+        max_batch_tokens: longest.max(2048),
+        kv_cache: llm_svc::KvCacheSize::Tokens(longest + opts.decode_tokens + 4096),
+        ..llm_svc::EngineConfig::default()
+    };
+    let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), engine)?;
     let vcfg = pipeline.vision.model.config().clone();
     let tcfg = pipeline.engine.config().text.clone();
 
@@ -268,7 +282,7 @@ pub fn run<B: Backend + Clone>(
             Ok(g.decode / (g.tokens.len().saturating_sub(1).max(1)) as u32)
         })?;
         let kv_bytes = (context + opts.decode_tokens / 2) as f64
-            * llm_svc::KvCache::<B>::bytes_per_token(&tcfg) as f64;
+            * llm_svc::PagedKv::<B>::bytes_per_token(&tcfg) as f64;
         // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), and the cache.
         let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
         let mut meas = Measurement {
@@ -366,8 +380,10 @@ async fn through_gateway<B: Backend + Clone>(
     let models = crate::serve::ModelServices {
         model: dir.to_path_buf(),
         random_weights: opts.random_weights,
-        max_concurrent: 1,
-        max_context: None,
+        vision_max_concurrent: 1,
+        llm_max_concurrent: 1,
+        engine: llm_svc::EngineConfig::default(),
+        registry: prometheus::Registry::new(),
     };
     models.spawn(&mut services, open, (vision_l, llm_l), &token);
     services.spawn(crate::serve::serve(
@@ -381,6 +397,7 @@ async fn through_gateway<B: Backend + Clone>(
             default_max_tokens: 1,
             request_timeout: Duration::from_secs(600),
             embedding_dtype: vlm_proto::pb::Dtype::F16,
+            also_metrics: Vec::new(),
         },
         grpc_l,
         http_l,

@@ -1,8 +1,8 @@
-//! Prometheus metrics of the gateway, served at `GET /metrics`.
+//! Prometheus metrics of the gateway, served at `GET /metrics` (with, under `vlm serve`, the
+//! metrics of the model services running in the same process).
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
 };
 
 /// Latency buckets from 1 ms to ~30 s.
@@ -13,6 +13,8 @@ fn buckets() -> Vec<f64> {
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
+    /// Other registries shown on the same page (the model services of `vlm serve`).
+    also: Vec<Registry>,
     /// Finished requests by API ("grpc", "http") and outcome (the error type, or "ok").
     pub requests: IntCounterVec,
     /// Requests being served now.
@@ -82,6 +84,7 @@ impl Metrics {
         }
         Self {
             registry,
+            also: Vec::new(),
             requests,
             in_flight,
             time_to_first_token: ttft,
@@ -92,13 +95,16 @@ impl Metrics {
         }
     }
 
+    /// Shows the metrics of `registry` too (services in this process).
+    pub fn also_show(&mut self, registry: Registry) {
+        self.also.push(registry);
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .expect("text encoding of gathered metrics");
-        String::from_utf8(buf).expect("Prometheus text is UTF-8")
+        let mut all = vec![self.registry.clone()];
+        all.extend(self.also.iter().cloned());
+        vlm_proto::metrics::render(&all)
     }
 }
 

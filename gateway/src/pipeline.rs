@@ -6,7 +6,9 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use llm_svc::{Engine, FinishReason, GenerateRequest, ImageInput, SamplingParams, TokenEvent};
+use llm_svc::{
+    Engine, EngineConfig, FinishReason, GenerateRequest, ImageInput, SamplingParams, TokenEvent,
+};
 use vision_svc::VisionEncoder;
 use vlm_compute::{Backend, Weights};
 
@@ -65,7 +67,8 @@ pub struct ChatOutput {
 pub struct Pipeline<B: Backend> {
     pub chat: ChatTokenizer,
     pub vision: VisionEncoder<B>,
-    pub engine: Engine<B>,
+    /// The language stage's engine (its loop runs on a thread of its own).
+    pub engine: Engine,
     pub limits: RequestLimits,
 }
 
@@ -124,9 +127,9 @@ pub fn image_parts(messages: &[Message]) -> impl Iterator<Item = &Vec<u8>> {
 
 impl<B: Backend + Clone> Pipeline<B> {
     /// Loads tokenizer, template, vision tower and text decoder from one checkpoint directory.
-    pub fn load(dir: &Path, backend: B, max_context: Option<usize>) -> Result<Self> {
+    pub fn load(dir: &Path, backend: B, engine: EngineConfig) -> Result<Self> {
         check_model_dir(dir)?;
-        Self::with_weights(dir, &Weights::open(dir)?, backend, max_context)
+        Self::with_weights(dir, &Weights::open(dir)?, backend, engine)
     }
 
     /// As [`Pipeline::load`], with the weights given (e.g. [`Weights::random`]): only the
@@ -135,11 +138,11 @@ impl<B: Backend + Clone> Pipeline<B> {
         dir: &Path,
         weights: &Weights,
         backend: B,
-        max_context: Option<usize>,
+        engine: EngineConfig,
     ) -> Result<Self> {
         check_model_dir(dir)?;
         let vision = VisionEncoder::load(dir, weights, backend.clone())?;
-        let engine = Engine::load(dir, weights, backend, max_context)?;
+        let engine = Engine::load(dir, weights, backend, engine, &prometheus::Registry::new())?;
         weights.finish();
         let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id)?;
         Ok(Self {

@@ -35,6 +35,9 @@ pub struct GatewayConfig {
     pub request_timeout: Duration,
     /// How image embeddings travel from vision-svc to llm-svc.
     pub embedding_dtype: vlm_proto::pb::Dtype,
+    /// Metrics of other services to show on the gateway's `/metrics` (`vlm serve` runs the
+    /// model services in its process).
+    pub also_metrics: Vec<prometheus::Registry>,
 }
 
 /// Asks each upstream replica's `grpc.health.v1` for its status.
@@ -90,8 +93,13 @@ impl UpstreamHealth {
 pub struct ModelServices {
     pub model: PathBuf,
     pub random_weights: Option<u64>,
-    pub max_concurrent: usize,
-    pub max_context: Option<usize>,
+    /// Images encoded at once by vision-svc.
+    pub vision_max_concurrent: usize,
+    /// Requests held at once by llm-svc (running or queued).
+    pub llm_max_concurrent: usize,
+    pub engine: llm_svc::EngineConfig,
+    /// Where both services register their metrics.
+    pub registry: prometheus::Registry,
 }
 
 impl ModelServices {
@@ -108,7 +116,8 @@ impl ModelServices {
             vision_svc::server::ServeConfig {
                 model: self.model.clone(),
                 random_weights: self.random_weights,
-                max_concurrent: self.max_concurrent,
+                max_concurrent: self.vision_max_concurrent,
+                registry: self.registry.clone(),
             },
             open,
             vision,
@@ -118,8 +127,9 @@ impl ModelServices {
             llm_svc::server::ServeConfig {
                 model: self.model.clone(),
                 random_weights: self.random_weights,
-                max_concurrent: self.max_concurrent,
-                max_context: self.max_context,
+                max_concurrent: self.llm_max_concurrent,
+                engine: self.engine.clone(),
+                registry: self.registry.clone(),
             },
             open,
             llm,
@@ -172,13 +182,17 @@ pub async fn serve(
     check_model_dir(&cfg.model)?;
     let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
     let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id)?;
+    let mut metrics = Metrics::new();
+    for r in &cfg.also_metrics {
+        metrics.also_show(r.clone());
+    }
     let mut orchestrator = Orchestrator::new(
         chat,
         Upstreams::new("vision-svc", &cfg.vision_addrs)?,
         Upstreams::new("llm-svc", &cfg.llm_addrs)?,
         cfg.limits.clone(),
         cfg.max_concurrent,
-        Metrics::new(),
+        metrics,
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
     let orchestrator = Arc::new(orchestrator);

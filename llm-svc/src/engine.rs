@@ -1,19 +1,41 @@
-//! The generation loop: validate a request, place image embeddings, prefill, then decode one
-//! token at a time until an eos token, the token budget, the context, or the caller says stop.
+//! The engine: one loop per device that owns the model and the paged KV cache, and serves every
+//! request by continuous batching (as vLLM, SGLang and llama.cpp's server do).
 //!
-//! Callers see every token as it is chosen (with the logits it was chosen from), which is how
-//! the CLI streams text, writes `--logits-out`, and checks stop strings, and how a server
-//! streams to its client and notices the client has gone.
+//! ```text
+//! Engine::submit ─validate─▶ queue ─▶ loop: admit, schedule (scheduler.rs: running decodes +
+//!   prefill chunks under a token budget, blocks from kv_cache.rs), one forward over the batch
+//!   (step.rs), sample per sequence, send each its token ─▶ RequestStream
+//! ```
+//! No request thread touches the device: callers hold an [`Engine`] (a cheap handle) and get
+//! their tokens through a [`RequestStream`]. Dropping the stream cancels the request; its cache
+//! blocks are freed at the next step. A step that fails ends the requests in it with an error
+//! and the others go on.
+//!
+//! A sequence's tokens do not depend on what else is in the batch: on the CPU they are equal
+//! bit for bit to the same request run alone (every op computes each row, and each sequence's
+//! attention, independently of the others); on a GPU batched GEMMs may round differently from
+//! the one-row kernels, within the stated tolerances.
 
+use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tracing::Span;
 use vlm_compute::{Backend, HostTensor, Weights};
 
-use crate::model::{DecodeGraph, DecodeInputs, KvCache, StepInput, TextModel};
-use crate::mrope::{self, image_spans, prompt_positions, ImageSpan};
+use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
+use crate::metrics::EngineMetrics;
+use crate::model::TextModel;
+use crate::mrope::{image_spans, prompt_positions, ImageSpan};
 use crate::sampler::{Sampler, SamplingParams};
+use crate::scheduler::{Planned, Scheduler, SchedulerConfig};
+use crate::sequence::{image_hash, PlacedImage, Sequence, SequenceLimits};
+use crate::step::{StepOutput, StepRunner};
 use crate::{Error, ModelConfig, Result};
 
 /// One image as the vision stage produced it.
@@ -36,8 +58,8 @@ pub struct GenerateRequest {
     pub max_new_tokens: usize,
     /// Keep generating through eos tokens (benchmarks that need a fixed length).
     pub ignore_eos: bool,
-    /// Bring every step's logits to the host for [`TokenEvent::logits`]. Otherwise greedy
-    /// requests pick their token on the device and only its id comes back.
+    /// Send every step's logits with its token ([`Event::Token`]). Otherwise greedy requests
+    /// pick their token on the device and only its id comes back.
     pub return_logits: bool,
 }
 
@@ -47,7 +69,7 @@ pub enum FinishReason {
     Eos,
     /// `max_new_tokens` or the context was reached.
     Length,
-    /// The caller's callback asked to stop (a stop string matched, the client left).
+    /// The caller stopped reading (a stop string matched, the client left).
     Stopped,
 }
 
@@ -61,7 +83,7 @@ impl FinishReason {
     }
 }
 
-/// A token as it is generated.
+/// A token as [`Engine::generate`] hands it to its callback.
 pub struct TokenEvent<'a> {
     pub token: u32,
     /// 0 for the first generated token.
@@ -75,46 +97,194 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
-    /// Prefill time, until the first token's logits.
+    /// Prompt tokens found in the prefix cache (not computed again).
+    pub cached_tokens: usize,
+    /// From submission to the first token (queueing included).
     pub prefill: Duration,
-    /// Time spent in the decode steps after the first token.
+    /// From the first token to the last.
     pub decode: Duration,
 }
 
-pub struct Engine<B: Backend> {
-    model: TextModel<B>,
-    inv_freq: Vec<f32>,
-    /// Most tokens (prompt + generated) one sequence may hold.
-    max_context: usize,
+/// What a request's stream carries, in order: its tokens, then one `Finished` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    Token { id: u32, logits: Option<Vec<f32>> },
+    Finished(Generation),
+    Failed(Error),
 }
 
-impl<B: Backend> Engine<B> {
-    /// Loads the text decoder of the checkpoint in `dir`. `max_context` caps the model's own
-    /// `max_position_embeddings` (memory for the KV cache is sized from it).
-    pub fn load(
+/// A request's tokens as they are generated. Dropping it cancels the request.
+pub struct RequestStream {
+    rx: UnboundedReceiver<Event>,
+}
+
+impl RequestStream {
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// For callers outside an async runtime (the CLI, tests).
+    pub fn blocking_recv(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+}
+
+/// How much memory the paged KV cache gets.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvCacheSize {
+    /// This many tokens.
+    Tokens(usize),
+    /// This fraction of the device's memory for everything of this engine's (weights
+    /// included), as vLLM's `--gpu-memory-utilization`; only for backends with their own
+    /// memory (a GPU).
+    DeviceFraction(f32),
+    /// 0.9 of a GPU; on the CPU, 1 GiB (at most what `max_batch_seqs` full-length sequences
+    /// need).
+    Auto,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Cap on prompt + generated tokens per sequence (the model's own, and the cache's size,
+    /// cap it too).
+    pub max_context: Option<usize>,
+    pub kv_cache: KvCacheSize,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// Most sequences in one step.
+    pub max_batch_seqs: usize,
+    /// Most tokens in one step: prompts longer than this are prefilled in chunks between
+    /// decode steps.
+    pub max_batch_tokens: usize,
+    /// Reuse computed blocks of earlier requests that began with the same tokens and images.
+    pub prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_context: None,
+            kv_cache: KvCacheSize::Auto,
+            block_size: 16,
+            max_batch_seqs: 128,
+            max_batch_tokens: 2048,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// What the handles share with the loop.
+struct Shared {
+    cfg: ModelConfig,
+    max_context: usize,
+    kv_tokens: usize,
+    block_size: usize,
+    metrics: EngineMetrics,
+    next_id: AtomicU64,
+}
+
+/// A handle on the engine loop: cheap to clone, safe to use from any thread.
+#[derive(Clone)]
+pub struct Engine {
+    tx: Sender<Sequence>,
+    shared: Arc<Shared>,
+}
+
+impl Engine {
+    /// Loads the text decoder of the checkpoint in `dir` onto `backend`, allocates the KV
+    /// cache, and starts the loop on a thread of its own. Metrics go to `registry`.
+    pub fn load<B: Backend>(
         dir: &Path,
         weights: &Weights,
         backend: B,
-        max_context: Option<usize>,
+        cfg: EngineConfig,
+        registry: &prometheus::Registry,
     ) -> Result<Self> {
-        let cfg = ModelConfig::from_dir(dir)?;
-        let model_max = cfg.text.max_position_embeddings;
-        let max_context = max_context.map_or(model_max, |m| m.min(model_max));
-        let inv_freq = mrope::inv_freq(&cfg.text);
-        let model = TextModel::new(cfg, weights, backend)?;
-        Ok(Self {
-            model,
-            inv_freq,
+        let model_cfg = ModelConfig::from_dir(dir)?;
+        if cfg.block_size == 0 || cfg.max_batch_seqs == 0 || cfg.max_batch_tokens == 0 {
+            return Err(Error::Config(format!(
+                "block size, batch sequences and batch tokens must be at least 1, got {}, {}, {}",
+                cfg.block_size, cfg.max_batch_seqs, cfg.max_batch_tokens
+            )));
+        }
+        let model = TextModel::new(model_cfg.clone(), weights, backend)?;
+        let text = &model_cfg.text;
+        let model_max = cfg.max_context.map_or(text.max_position_embeddings, |m| {
+            m.min(text.max_position_embeddings)
+        });
+        let blocks = kv_blocks(model.backend(), &model_cfg, &cfg, model_max)?;
+        let bs = cfg.block_size;
+        let kv = PagedKv::new(model.backend(), text, blocks, bs)?;
+        let kv_tokens = (blocks - 1) * bs;
+        let max_context = model_max.min(kv_tokens);
+        let per_token = PagedKv::<B>::bytes_per_token(text);
+        tracing::info!(
+            blocks = blocks - 1,
+            block_size = bs,
+            tokens = kv_tokens,
+            gib = (kv_tokens * per_token) as f64 / (1u64 << 30) as f64,
+            kib_per_token = per_token / 1024,
             max_context,
-        })
+            max_batch_seqs = cfg.max_batch_seqs,
+            max_batch_tokens = cfg.max_batch_tokens,
+            prefix_caching = cfg.prefix_caching,
+            "KV cache allocated"
+        );
+        let metrics = EngineMetrics::new(registry);
+        metrics.kv_blocks_total.set((blocks - 1) as i64);
+        let shared = Arc::new(Shared {
+            cfg: model_cfg.clone(),
+            max_context,
+            kv_tokens,
+            block_size: bs,
+            metrics,
+            next_id: AtomicU64::new(0),
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pool = BlockPool::new(blocks, bs);
+        let sched = Scheduler::new(SchedulerConfig {
+            max_seqs: cfg.max_batch_seqs,
+            max_tokens: cfg.max_batch_tokens,
+            prefix_caching: cfg.prefix_caching,
+        });
+        let text = text.clone();
+        let loop_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("llm-engine".into())
+            .spawn(move || {
+                // Built here: recorded steps (CUDA graphs) stay on the thread that made them.
+                let steps = StepRunner::new(&text, bs, max_context, cfg.max_batch_seqs);
+                EngineLoop {
+                    model,
+                    kv,
+                    pool,
+                    sched,
+                    steps,
+                    shared: loop_shared,
+                    reported: Reported::default(),
+                }
+                .run(rx)
+            })
+            .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self { tx, shared })
     }
 
     pub fn config(&self) -> &ModelConfig {
-        self.model.config()
+        &self.shared.cfg
     }
 
+    /// Most tokens (prompt + generated) one sequence may hold.
     pub fn max_context(&self) -> usize {
-        self.max_context
+        self.shared.max_context
+    }
+
+    /// Tokens the KV cache holds, all sequences together.
+    pub fn kv_cache_tokens(&self) -> usize {
+        self.shared.kv_tokens
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.shared.metrics
     }
 
     /// Checks a request without running it.
@@ -125,13 +295,14 @@ impl<B: Backend> Engine<B> {
     /// Checks a request and returns where its images sit in the prompt.
     fn check(&self, req: &GenerateRequest) -> Result<Vec<ImageSpan>> {
         let cfg = self.config();
+        let max_context = self.shared.max_context;
         if req.prompt.is_empty() {
             return Err(Error::EmptyPrompt);
         }
-        if req.prompt.len() >= self.max_context {
+        if req.prompt.len() >= max_context {
             return Err(Error::PromptTooLong {
                 prompt_tokens: req.prompt.len(),
-                context: self.max_context,
+                context: max_context,
             });
         }
         let vocab = cfg.text.vocab_size;
@@ -190,127 +361,489 @@ impl<B: Backend> Engine<B> {
         image_spans(&req.prompt, cfg.image_token_id, &grids)
     }
 
-    /// The next token from `logits` on the device: greedy requests that do not want the
-    /// logits take the argmax there; the others bring the logits to the host and sample.
-    fn pick(
+    /// Queues a request: its tokens arrive on the returned stream. `span` is the request's
+    /// (the engine's prefill and decode spans and its log lines about the request go under
+    /// it); past `deadline` the request ends with [`Error::DeadlineExceeded`].
+    pub fn submit(
         &self,
-        logits: &B::Tensor,
-        sampler: &mut Sampler,
-        keep_logits: bool,
-    ) -> Result<(u32, Option<HostTensor>)> {
-        let be = self.model.backend();
-        if sampler.is_greedy() && !keep_logits {
-            return Ok((be.argmax(logits)?, None));
-        }
-        let host = be.download(logits)?;
-        Ok((sampler.sample(host.data()), keep_logits.then_some(host)))
+        req: GenerateRequest,
+        deadline: Option<Instant>,
+        span: Span,
+    ) -> Result<RequestStream> {
+        let spans = self.check(&req)?;
+        let sampler = Sampler::new(req.sampling.clone())?;
+        let positions = prompt_positions(req.prompt.len(), &spans);
+        let images = spans
+            .iter()
+            .zip(req.images)
+            .map(|(s, img)| PlacedImage {
+                start: s.start,
+                len: s.len(),
+                hash: image_hash(&img.embeds, img.grid_thw),
+                embeds: img.embeds,
+                deepstack: img.deepstack,
+            })
+            .collect();
+        let (tx, rx) = unbounded_channel();
+        let prompt_len = req.prompt.len();
+        let seq = Sequence {
+            id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
+            tokens: req.prompt,
+            prompt_len,
+            positions,
+            images,
+            sampler,
+            limits: SequenceLimits {
+                max_new_tokens: req.max_new_tokens,
+                max_len: self.shared.max_context,
+                ignore_eos: req.ignore_eos,
+                return_logits: req.return_logits,
+                deadline,
+            },
+            blocks: Vec::new(),
+            computed: 0,
+            registered: 0,
+            hashes: Vec::new(),
+            events: tx,
+            arrived: Instant::now(),
+            first_token: None,
+            cached_tokens: None,
+            preemptions: 0,
+            phase: Some(
+                tracing::info_span!(parent: &span, "prefill", tokens = prompt_len, cached_tokens = tracing::field::Empty),
+            ),
+            span,
+        };
+        self.tx
+            .send(seq)
+            .map_err(|_| Error::Engine("the engine has stopped".into()))?;
+        Ok(RequestStream { rx })
     }
 
-    /// Runs a request to completion, calling `on_token` for every generated token.
+    /// Runs a request to completion from a thread outside any async runtime, calling
+    /// `on_token` for every generated token; `Break` stops the request (finish `Stopped`).
     pub fn generate(
         &self,
         req: &GenerateRequest,
         mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
     ) -> Result<Generation> {
-        let spans = self.check(req)?;
-        let be = self.model.backend();
-        let cfg = self.config();
-        let pos = prompt_positions(req.prompt.len(), &spans);
-        let mut sampler = Sampler::new(req.sampling.clone())?;
-        let capacity = (req.prompt.len() + req.max_new_tokens).min(self.max_context);
-        let mut cache = KvCache::new(be, &cfg.text, capacity)?;
-
-        // Prefill: token embeddings with the images' embeddings in place of the placeholders.
-        let prefill_span = tracing::info_span!(
-            "prefill",
-            tokens = req.prompt.len(),
-            images = req.images.len()
-        );
-        let prefill_guard = prefill_span.enter();
         let started = Instant::now();
-        let mut embeds = self.model.embed(&req.prompt)?;
-        let image_rows: Vec<usize> = spans
-            .iter()
-            .flat_map(|s| s.start..s.start + s.len())
-            .collect();
-        let mut deepstack = Vec::new();
-        if !req.images.is_empty() {
-            let all: Vec<HostTensor> = req.images.iter().map(|i| i.embeds.clone()).collect();
-            be.scatter_rows(
-                &mut embeds,
-                &image_rows,
-                &be.upload(&HostTensor::concat_rows(&all)?)?,
-            )?;
-            for j in 0..req.images[0].deepstack.len() {
-                let layer: Vec<HostTensor> =
-                    req.images.iter().map(|i| i.deepstack[j].clone()).collect();
-                deepstack.push(be.upload(&HostTensor::concat_rows(&layer)?)?);
+        let mut stream = self.submit(req.clone(), None, Span::current())?;
+        let (mut tokens, mut first) = (Vec::new(), None);
+        loop {
+            match stream.blocking_recv() {
+                Some(Event::Token { id, logits }) => {
+                    let now = Instant::now();
+                    first.get_or_insert(now);
+                    tokens.push(id);
+                    let flow = on_token(&TokenEvent {
+                        token: id,
+                        index: tokens.len() - 1,
+                        logits: logits.as_deref(),
+                    });
+                    if flow.is_break() {
+                        let first = first.unwrap_or(now);
+                        return Ok(Generation {
+                            tokens,
+                            finish: FinishReason::Stopped,
+                            prompt_tokens: req.prompt.len(),
+                            cached_tokens: 0,
+                            prefill: first - started,
+                            decode: now - first,
+                        });
+                    }
+                }
+                Some(Event::Finished(g)) => return Ok(g),
+                Some(Event::Failed(e)) => return Err(e),
+                None => return Err(Error::Engine("the engine has stopped".into())),
             }
         }
-        let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &pos.positions)?;
-        let logits = self.model.forward(
-            &mut cache,
-            &StepInput {
-                embeds,
-                cos: be.upload(&cos)?,
-                sin: be.upload(&sin)?,
-                image_rows: &image_rows,
-                deepstack: &deepstack,
-            },
-        )?;
-        // The first token ends the prefill (and waits for the device to finish it).
-        let mut picked = self.pick(&logits, &mut sampler, req.return_logits)?;
-        drop(logits);
-        let prefill = started.elapsed();
-        drop(prefill_guard);
-        let decode_span = tracing::info_span!(
-            "decode",
-            tokens = tracing::field::Empty,
-            tokens_per_s = tracing::field::Empty
-        );
-        let decode_guard = decode_span.enter();
-        let decode_started = Instant::now();
+    }
+}
 
-        let mut inputs = DecodeInputs::new(be, &cfg.text)?;
-        let mut graph = DecodeGraph::NotTried;
-        let mut tokens = Vec::new();
-        let finish = loop {
-            let (token, logits) = picked;
-            tokens.push(token);
-            let flow = on_token(&TokenEvent {
-                token,
-                index: tokens.len() - 1,
-                logits: logits.as_ref().map(|l| l.data()),
-            });
-            if !req.ignore_eos && cfg.eos_token_ids.contains(&token) {
-                break FinishReason::Eos;
-            }
-            if flow.is_break() {
-                break FinishReason::Stopped;
-            }
-            if tokens.len() >= req.max_new_tokens || cache.len() >= cache.capacity() {
-                break FinishReason::Length;
-            }
-            // Decode: all three M-RoPE streams are slot + delta.
-            let p = (cache.len() as i64 + pos.delta) as u32;
-            let (cos, sin) = mrope::rope_tables(&cfg.text, &self.inv_freq, &[[p; 3]])?;
-            inputs.set(be, token, cache.len(), cos.data(), sin.data())?;
-            self.model.decode(&mut cache, &mut inputs, &mut graph)?;
-            picked = self.pick(inputs.logits(), &mut sampler, req.return_logits)?;
-        };
-        let decode = decode_started.elapsed();
-        decode_span.record("tokens", tokens.len());
-        if tokens.len() > 1 {
-            let rate = (tokens.len() - 1) as f64 / decode.as_secs_f64().max(1e-9);
-            decode_span.record("tokens_per_s", format!("{rate:.1}"));
+/// How many blocks (the null block included) the KV cache gets.
+fn kv_blocks<B: Backend>(
+    be: &B,
+    cfg: &ModelConfig,
+    ec: &EngineConfig,
+    max_context: usize,
+) -> Result<usize> {
+    let text = &cfg.text;
+    let per_token = PagedKv::<B>::bytes_per_token(text);
+    let bs = ec.block_size;
+    // Never more than every sequence of a full batch at full length needs.
+    let most = ec.max_batch_seqs.saturating_mul(max_context);
+    let tokens = match (ec.kv_cache, be.device_memory()) {
+        (KvCacheSize::Tokens(n), _) => n,
+        (KvCacheSize::DeviceFraction(f), Some(mem)) => device_tokens(text, ec, per_token, f, mem)?,
+        (KvCacheSize::Auto, Some(mem)) => device_tokens(text, ec, per_token, 0.9, mem)?,
+        (KvCacheSize::DeviceFraction(_), None) => {
+            return Err(Error::Config(format!(
+                "the {} backend has no device memory to take a fraction of; give the KV cache in tokens",
+                be.name()
+            )))
         }
-        drop(decode_guard);
-        Ok(Generation {
-            tokens,
-            finish,
-            prompt_tokens: req.prompt.len(),
-            prefill,
-            decode,
-        })
+        (KvCacheSize::Auto, None) => ((1usize << 30) / per_token).min(most),
+    };
+    if tokens < bs {
+        return Err(Error::Config(format!(
+            "the KV cache would hold {tokens} tokens, less than one block of {bs}"
+        )));
+    }
+    Ok(tokens.div_ceil(bs) + 1)
+}
+
+/// Tokens that fit in `fraction` of the device's memory, after what is in use now (the
+/// weights) and room for a step's activations and the recorded steps' logits.
+fn device_tokens(
+    text: &crate::TextConfig,
+    ec: &EngineConfig,
+    per_token: usize,
+    fraction: f32,
+    (free, total): (usize, usize),
+) -> Result<usize> {
+    if !(0.05..=1.0).contains(&fraction) {
+        return Err(Error::Config(format!(
+            "the device memory fraction must be in [0.05, 1], got {fraction}"
+        )));
+    }
+    let (h, i) = (text.hidden_size, text.intermediate_size);
+    let q = text.num_attention_heads * text.head_dim;
+    let kv = text.num_key_value_heads * text.head_dim;
+    // f32 activations alive at once in a layer (x, norms, q/k/v and their rotations, the
+    // attention output, gate, up and their product), with f16 copies for the GEMMs: twice
+    // that for the allocator's slack.
+    let activations = 2 * ec.max_batch_tokens * (8 * h + 3 * q + 6 * kv + 4 * i) * 4;
+    // Logits of every recorded batch size up to the largest batch, and of an eager step.
+    let logits = 3 * ec.max_batch_seqs.next_power_of_two() * text.vocab_size * 4;
+    let reserve = activations + logits + (1usize << 30);
+    let budget = (fraction as f64 * total as f64) as usize;
+    let used = total - free;
+    let left = budget.saturating_sub(used).saturating_sub(reserve);
+    if left < per_token * 1024 {
+        return Err(Error::Config(format!(
+            "no room for a KV cache: {:.1} GiB of {:.1} GiB allowed ({fraction}) with {:.1} GiB in use and {:.1} GiB kept for activations",
+            budget as f64 / 1e9 * 0.931,
+            total as f64 / (1u64 << 30) as f64,
+            used as f64 / (1u64 << 30) as f64,
+            reserve as f64 / (1u64 << 30) as f64,
+        )));
+    }
+    Ok(left / per_token)
+}
+
+/// Counter values already reported (Prometheus counters only go up by deltas).
+#[derive(Default)]
+struct Reported {
+    prefix: PrefixStats,
+    preemptions: u64,
+    last_log: Option<Instant>,
+    tokens_since_log: u64,
+}
+
+/// The loop's state; lives on the engine thread.
+struct EngineLoop<B: Backend> {
+    model: TextModel<B>,
+    kv: PagedKv<B>,
+    pool: BlockPool,
+    sched: Scheduler,
+    steps: StepRunner<B>,
+    shared: Arc<Shared>,
+    reported: Reported,
+}
+
+/// How a sequence left the engine.
+enum Exit {
+    Finished(FinishReason),
+    Cancelled,
+    Failed(Error),
+}
+
+impl<B: Backend> EngineLoop<B> {
+    fn run(mut self, rx: Receiver<Sequence>) {
+        let mut open = true;
+        loop {
+            if self.sched.is_idle() {
+                self.report();
+                if !open {
+                    break;
+                }
+                match rx.recv() {
+                    Ok(seq) => self.admit(seq),
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(seq) => self.admit(seq),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            self.reap();
+            let plan = self.sched.schedule(&mut self.pool);
+            if plan.is_empty() {
+                // Nothing can run: only possible if the queue's head can never fit (the
+                // context is capped by the cache's size, so this is a guard, not a path).
+                if self.sched.running.is_empty() {
+                    if let Some(seq) = self.sched.waiting.pop_front() {
+                        let e = Error::Engine("the request does not fit in the KV cache".into());
+                        self.exit(seq, Exit::Failed(e));
+                    }
+                }
+                continue;
+            }
+            self.step(&plan);
+            self.report();
+        }
+        tracing::debug!("engine loop stopped");
+    }
+
+    fn admit(&mut self, seq: Sequence) {
+        self.shared
+            .metrics
+            .prompt_tokens
+            .inc_by(seq.prompt_len as u64);
+        self.sched.waiting.push_back(seq);
+    }
+
+    /// Ends sequences whose client has gone or whose deadline has passed.
+    fn reap(&mut self) {
+        let now = Instant::now();
+        let expired = |s: &Sequence| s.limits.deadline.is_some_and(|d| now > d);
+        let mut gone = Vec::new();
+        let waiting = std::mem::take(&mut self.sched.waiting);
+        let (out, keep): (VecDeque<_>, VecDeque<_>) = waiting
+            .into_iter()
+            .partition(|s| s.abandoned() || expired(s));
+        self.sched.waiting = keep;
+        gone.extend(out);
+        let mut i = 0;
+        while i < self.sched.running.len() {
+            let s = &self.sched.running[i];
+            if s.abandoned() || expired(s) {
+                gone.push(self.sched.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        for seq in gone {
+            let why = if seq.abandoned() {
+                Exit::Cancelled
+            } else {
+                Exit::Failed(Error::DeadlineExceeded {
+                    generated: seq.generated(),
+                })
+            };
+            self.exit(seq, why);
+        }
+    }
+
+    /// Runs one step and hands out its tokens.
+    fn step(&mut self, plan: &[Planned]) {
+        let started = Instant::now();
+        let running = &self.sched.running;
+        let samples =
+            |p: &&Planned| running[p.index].computed + p.tokens == running[p.index].tokens.len();
+        let need_logits: Vec<bool> = plan
+            .iter()
+            .filter(samples)
+            .map(|p| {
+                let s = &running[p.index];
+                s.limits.return_logits || !s.sampler.is_greedy()
+            })
+            .collect();
+        let result = self
+            .steps
+            .run(&self.model, &mut self.kv, plan, running, &need_logits);
+        let m = &self.shared.metrics;
+        m.step_seconds.observe(started.elapsed().as_secs_f64());
+        m.step_tokens
+            .observe(plan.iter().map(|p| p.tokens).sum::<usize>() as f64);
+        match result {
+            Ok(out) => self.advance(plan, out),
+            Err(e) => {
+                tracing::error!(error = %e, sequences = plan.len(), "engine step failed; ending its requests");
+                let mut indices: Vec<usize> = plan.iter().map(|p| p.index).collect();
+                indices.sort_unstable();
+                for &i in indices.iter().rev() {
+                    let seq = self.sched.running.remove(i);
+                    let err =
+                        Error::Engine(format!("the engine step running this request failed: {e}"));
+                    self.exit(seq, Exit::Failed(err));
+                }
+            }
+        }
+    }
+
+    /// Applies a step's results: computed tokens, cache blocks to register, sampled tokens.
+    fn advance(&mut self, plan: &[Planned], mut out: StepOutput) {
+        let bs = self.shared.block_size;
+        let eos = &self.shared.cfg.eos_token_ids;
+        let mut sampled = 0;
+        let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        for p in plan {
+            let seq = &mut self.sched.running[p.index];
+            seq.computed += p.tokens;
+            seq.hash_full_blocks(bs);
+            let full = seq.computed / bs;
+            for b in seq.registered..full {
+                self.pool.register(seq.blocks[b], seq.hashes[b]);
+            }
+            seq.registered = seq.registered.max(full);
+            if seq.computed < seq.tokens.len() {
+                continue;
+            }
+            let logits = out.logits[sampled].take();
+            let token = match &logits {
+                Some(l) if !seq.sampler.is_greedy() => seq.sampler.sample(l),
+                _ => out.greedy[sampled],
+            };
+            sampled += 1;
+            let now = Instant::now();
+            if seq.first_token.is_none() {
+                seq.first_token = Some(now);
+                if let Some(prefill) = seq.phase.take() {
+                    prefill.record("cached_tokens", seq.cached_tokens.unwrap_or(0));
+                }
+                seq.phase = Some(
+                    tracing::info_span!(parent: &seq.span, "decode", tokens = tracing::field::Empty, tokens_per_s = tracing::field::Empty),
+                );
+            }
+            seq.tokens.push(token);
+            self.reported.tokens_since_log += 1;
+            let _ = seq.events.send(Event::Token { id: token, logits });
+            let generated = seq.generated();
+            let finish = if !seq.limits.ignore_eos && eos.contains(&token) {
+                Some(FinishReason::Eos)
+            } else if generated >= seq.limits.max_new_tokens
+                || seq.tokens.len() > seq.limits.max_len
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(f) = finish {
+                done.push((p.index, f));
+            }
+        }
+        self.shared.metrics.generated_tokens.inc_by(sampled as u64);
+        done.sort_unstable_by_key(|d| d.0);
+        for &(i, f) in done.iter().rev() {
+            let seq = self.sched.running.remove(i);
+            self.exit(seq, Exit::Finished(f));
+        }
+    }
+
+    /// Frees a sequence's blocks and sends (or logs) how it ended.
+    fn exit(&mut self, mut seq: Sequence, why: Exit) {
+        self.pool.release(seq.blocks.drain(..).rev());
+        let generated = seq.generated();
+        let _guard = seq.span.enter();
+        let id = seq.id;
+        let now = Instant::now();
+        let first = seq.first_token.unwrap_or(now);
+        let decode = now - first;
+        if let Some(phase) = seq.phase.take() {
+            if seq.first_token.is_some() {
+                phase.record("tokens", generated);
+                if generated > 1 {
+                    let rate = (generated - 1) as f64 / decode.as_secs_f64().max(1e-9);
+                    phase.record("tokens_per_s", format!("{rate:.1}"));
+                }
+            }
+        }
+        let requests = &self.shared.metrics.requests;
+        match why {
+            Exit::Finished(finish) => {
+                let g = Generation {
+                    tokens: seq.tokens[seq.prompt_len..].to_vec(),
+                    finish,
+                    prompt_tokens: seq.prompt_len,
+                    cached_tokens: seq.cached_tokens.unwrap_or(0),
+                    prefill: first - seq.arrived,
+                    decode,
+                };
+                tracing::info!(
+                    seq = id,
+                    generated,
+                    cached_tokens = g.cached_tokens,
+                    preemptions = seq.preemptions,
+                    prefill_ms = g.prefill.as_secs_f64() * 1e3,
+                    decode_ms = g.decode.as_secs_f64() * 1e3,
+                    finish = finish.as_str(),
+                    "generation finished"
+                );
+                requests.with_label_values(&[finish.as_str()]).inc();
+                let _ = seq.events.send(Event::Finished(g));
+            }
+            Exit::Cancelled => {
+                tracing::info!(
+                    seq = id,
+                    generated,
+                    "client went away; generation cancelled"
+                );
+                requests.with_label_values(&["cancelled"]).inc();
+            }
+            Exit::Failed(e) => {
+                let label = match e {
+                    Error::DeadlineExceeded { .. } => {
+                        tracing::warn!(
+                            seq = id,
+                            generated,
+                            "deadline exceeded; generation stopped"
+                        );
+                        "deadline"
+                    }
+                    _ => {
+                        tracing::error!(seq = id, generated, error = %e, "generation failed");
+                        "error"
+                    }
+                };
+                requests.with_label_values(&[label]).inc();
+                let _ = seq.events.send(Event::Failed(e));
+            }
+        }
+    }
+
+    /// Gauges to the present, counters up to date, and a summary line every 10 s of work.
+    fn report(&mut self) {
+        let m = &self.shared.metrics;
+        m.kv_blocks_in_use.set(self.pool.num_in_use() as i64);
+        m.sequences
+            .with_label_values(&["running"])
+            .set(self.sched.running.len() as i64);
+        m.sequences
+            .with_label_values(&["waiting"])
+            .set(self.sched.waiting.len() as i64);
+        let stats = self.pool.stats();
+        let r = &mut self.reported;
+        m.prefix_queried_tokens
+            .inc_by(stats.queried_tokens - r.prefix.queried_tokens);
+        m.prefix_hit_tokens
+            .inc_by(stats.hit_tokens - r.prefix.hit_tokens);
+        m.preemptions.inc_by(self.sched.preemptions - r.preemptions);
+        r.prefix = stats;
+        r.preemptions = self.sched.preemptions;
+        let now = Instant::now();
+        let since = *r.last_log.get_or_insert(now);
+        if now - since >= Duration::from_secs(10) && r.tokens_since_log > 0 {
+            tracing::info!(
+                running = self.sched.running.len(),
+                waiting = self.sched.waiting.len(),
+                kv_blocks_in_use = self.pool.num_in_use(),
+                kv_use_pct = format!("{:.1}", 100.0 * self.pool.num_in_use() as f64 / self.pool.capacity() as f64),
+                generated_tok_per_s = format!("{:.1}", r.tokens_since_log as f64 / (now - since).as_secs_f64()),
+                prefix_hit_pct = format!("{:.1}", 100.0 * stats.hit_tokens as f64 / stats.queried_tokens.max(1) as f64),
+                preemptions = self.sched.preemptions,
+                recorded_batch_sizes = ?self.steps.recorded_buckets(),
+                "engine"
+            );
+            r.last_log = Some(now);
+            r.tokens_since_log = 0;
+        }
     }
 }

@@ -22,6 +22,11 @@ pub enum Error {
     InvalidParameter(String),
     #[error("text config: {0}")]
     Config(String),
+    #[error("deadline exceeded after {generated} generated tokens")]
+    DeadlineExceeded { generated: usize },
+    /// The engine could not run a step this request was in (a device error), or has stopped.
+    #[error("{0}")]
+    Engine(String),
     #[error(transparent)]
     Compute(#[from] vlm_compute::Error),
 }
@@ -31,6 +36,12 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// True when the request, not the server, is at fault (maps to INVALID_ARGUMENT / HTTP 400).
     pub fn is_invalid_input(&self) -> bool {
-        !matches!(self, Error::Config(_) | Error::Compute(_))
+        !matches!(
+            self,
+            Error::Config(_)
+                | Error::Compute(_)
+                | Error::DeadlineExceeded { .. }
+                | Error::Engine(_)
+        )
     }
 }

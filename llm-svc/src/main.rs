@@ -5,17 +5,24 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use llm_svc::server::{serve, ServeConfig};
+use llm_svc::EngineArgs;
 
 #[derive(Parser)]
 #[command(
     name = "llm-svc",
     version,
-    about = "Qwen3-VL language service: prefill and decode with a KV cache, tokens streamed over gRPC (vlm.v1.LlmService)",
-    long_about = "Qwen3-VL language service: prefill and decode with a KV cache, tokens streamed over gRPC \
+    about = "Qwen3-VL language service: continuous batching over a paged KV cache, tokens streamed over gRPC (vlm.v1.LlmService)",
+    long_about = "Qwen3-VL language service: continuous batching over a paged KV cache, tokens streamed over gRPC \
         (vlm.v1.LlmService, plus grpc.health.v1 and reflection).\n\n\
+        One engine loop owns the device: every step it runs the decoding requests together with chunks of \
+        waiting prompts (--max-batch-seqs, --max-batch-tokens). The KV cache is a pool of blocks allocated once \
+        at start-up (--gpu-memory-utilization or --kv-cache-tokens; the size is logged); prompts that begin like \
+        an earlier one reuse its blocks (prefix caching). When blocks run out the youngest request waits and is \
+        recomputed later; none is lost.\n\n\
         Health is NOT_SERVING until the model is loaded. A client that drops its stream cancels its generation; \
-        grpc-timeout deadlines are enforced per token. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
-        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info)."
+        grpc-timeout deadlines are enforced per step. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info); Prometheus \
+        metrics at --metrics-listen."
 )]
 struct Args {
     /// Address to listen on.
@@ -32,12 +39,19 @@ struct Args {
     /// against the CPU reference before the service reports SERVING).
     #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
-    /// Generations running at the same time; more get RESOURCE_EXHAUSTED.
-    #[arg(long, env = "VLM_LLM_MAX_CONCURRENT", default_value_t = 4)]
+    /// Requests held at once (running or queued); more get RESOURCE_EXHAUSTED at once.
+    #[arg(long, env = "VLM_LLM_MAX_CONCURRENT", default_value_t = 256)]
     max_concurrent: usize,
-    /// Cap on prompt + generated tokens per request (default: the model's max_position_embeddings).
+    /// Cap on prompt + generated tokens per request (default: the model's
+    /// max_position_embeddings, and at most what the KV cache holds).
     #[arg(long, env = "VLM_MAX_CONTEXT")]
     max_context: Option<usize>,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Serve Prometheus metrics (KV blocks in use, sequences running/waiting, prefix-cache
+    /// hits, step times) at http://ADDR/metrics.
+    #[arg(long, env = "VLM_LLM_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[tokio::main]
@@ -48,12 +62,24 @@ async fn main() -> std::process::ExitCode {
 async fn run(args: Args) -> anyhow::Result<()> {
     let telemetry = vlm_proto::telemetry::init("llm-svc");
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let registry = prometheus::Registry::new();
     let cfg = ServeConfig {
         model: args.model,
         random_weights: args.random_weights.then_some(0),
         max_concurrent: args.max_concurrent,
-        max_context: args.max_context,
+        engine: args.engine.config(args.max_context, args.device == "cuda"),
+        registry: registry.clone(),
     };
+    let stop = tokio_util::sync::CancellationToken::new();
+    if let Some(addr) = args.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let stop = stop.clone();
+        tokio::spawn(vlm_proto::metrics::serve(
+            listener,
+            vec![registry],
+            async move { stop.cancelled().await },
+        ));
+    }
     let shutdown = vlm_proto::shutdown_signal();
     let result = if args.device == "cuda" {
         serve(
@@ -72,6 +98,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         )
         .await
     };
+    stop.cancel();
     telemetry.shutdown();
     result
 }

@@ -12,124 +12,44 @@
 //! tokens' embeddings before layer 0.
 
 use vlm_compute::nn::Linear;
-use vlm_compute::{AttnMask, Backend, HostTensor, WeightPrefix, Weights};
+use vlm_compute::{Backend, PagedBatch, WeightPrefix, Weights};
 
+use crate::kv_cache::PagedKv;
 use crate::{ModelConfig, Result, TextConfig};
 
-/// Keys and values of one sequence, for every layer: `[capacity, kv_heads, head_dim]` each,
-/// allocated once for the whole request so that decoding never allocates cache memory.
-pub struct KvCache<B: Backend> {
-    k: Vec<B::Tensor>,
-    v: Vec<B::Tensor>,
-    len: usize,
-    capacity: usize,
-}
-
-impl<B: Backend> KvCache<B> {
-    pub fn new(backend: &B, cfg: &TextConfig, capacity: usize) -> Result<Self> {
-        let shape = [capacity, cfg.num_key_value_heads, cfg.head_dim];
-        let layers = cfg.num_hidden_layers;
-        Ok(Self {
-            k: (0..layers)
-                .map(|_| backend.zeros(&shape))
-                .collect::<vlm_compute::Result<_>>()?,
-            v: (0..layers)
-                .map(|_| backend.zeros(&shape))
-                .collect::<vlm_compute::Result<_>>()?,
-            len: 0,
-            capacity,
-        })
-    }
-
-    /// Tokens already cached.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Device memory one cached token takes: keys and values of every layer, f32 on every
-    /// backend today. What sizing `--max-context` x `--max-concurrent` against memory needs.
-    pub fn bytes_per_token(cfg: &TextConfig) -> usize {
-        2 * cfg.num_hidden_layers
-            * cfg.num_key_value_heads
-            * cfg.head_dim
-            * std::mem::size_of::<f32>()
-    }
-}
-
-/// The per-token inputs and the output of a decode step, in buffers allocated once per request
-/// and rewritten before each step ([`DecodeInputs::set`]): the step's kernels then read the
-/// token and the position from, and write the logits to, the same device addresses every time,
-/// as a CUDA graph replay requires.
-pub struct DecodeInputs<B: Backend> {
-    /// `[1]`: the token id (as f32).
-    token: B::Tensor,
-    /// `[1]`: the cache slot this token goes to (as f32).
-    slot: B::Tensor,
-    /// `[1, head_dim]`: the rotary row for this token's position.
-    cos: B::Tensor,
-    sin: B::Tensor,
-    /// `[1, vocab]`: what the step computes.
-    logits: B::Tensor,
-}
-
-impl<B: Backend> DecodeInputs<B> {
-    pub fn new(be: &B, cfg: &TextConfig) -> Result<Self> {
-        Ok(Self {
-            token: be.zeros(&[1])?,
-            slot: be.zeros(&[1])?,
-            cos: be.zeros(&[1, cfg.head_dim])?,
-            sin: be.zeros(&[1, cfg.head_dim])?,
-            logits: be.zeros(&[1, cfg.vocab_size])?,
-        })
-    }
-
-    /// The logits of the last step. Borrow, do not clone: the next step writes into this
-    /// buffer in place (a recorded step writes to its address), and a clone would split it.
-    pub fn logits(&self) -> &B::Tensor {
-        &self.logits
-    }
-
-    /// Token `token` at cache slot `slot` with the rotary row `cos`, `sin`.
-    pub fn set(&mut self, be: &B, token: u32, slot: usize, cos: &[f32], sin: &[f32]) -> Result<()> {
-        be.write(&mut self.token, &[token as f32])?;
-        be.write(&mut self.slot, &[slot as f32])?;
-        be.write(&mut self.cos, cos)?;
-        be.write(&mut self.sin, sin)?;
-        Ok(())
-    }
-}
-
-/// Fewer decode steps than this left in the cache: run them op by op rather than record.
-const RECORD_MIN_STEPS: usize = 4;
-
-/// Where a request's decode step stands with respect to recording (see [`TextModel::decode`]).
-pub enum DecodeGraph<B: Backend> {
-    NotTried,
-    /// Recorded on the first step; replayed since.
-    Recorded(B::Graph),
-    /// The backend does not record (or recording failed): ops run one by one.
-    Direct,
-}
-
-/// What one forward pass adds to the sequence.
-pub struct StepInput<'a, B: Backend> {
-    /// Input embeddings `[n, hidden]` (token embeddings with image embeddings placed).
-    pub embeds: B::Tensor,
-    /// Rotary tables `[n, head_dim]` for these tokens' positions.
-    pub cos: B::Tensor,
-    pub sin: B::Tensor,
-    /// Rows (within this step) holding image tokens, and the DeepStack features for them,
-    /// one `[rows, hidden]` tensor per early layer.
-    pub image_rows: &'a [usize],
+/// A step's image tokens: their rows in the step, their embeddings (which replace the
+/// placeholder tokens' before layer 0) and DeepStack features (one `[rows, hidden]` per early
+/// layer, added after it).
+pub struct ImageRows<'a, B: Backend> {
+    pub rows: &'a [usize],
+    pub embeds: &'a B::Tensor,
     pub deepstack: &'a [B::Tensor],
+}
+
+/// One forward pass over the tokens of several sequences at once (an engine step): every row
+/// is one token of one sequence, each row's keys and values go to its cache slot, and each
+/// sequence's queries attend to its own cached keys ([`PagedBatch`]).
+pub struct StepInput<'a, B: Backend> {
+    /// `[rows]` token ids.
+    pub ids: &'a B::Ids,
+    /// `[rows, head_dim]` rotary tables at each row's M-RoPE position.
+    pub cos: &'a B::Tensor,
+    pub sin: &'a B::Tensor,
+    /// `[rows]` cache slot of each row.
+    pub slots: &'a B::Ids,
+    pub attn: PagedBatch<'a, B>,
+    pub images: Option<ImageRows<'a, B>>,
+    pub logits: LogitsOf<'a, B>,
+}
+
+/// Which rows' logits a step computes.
+pub enum LogitsOf<'a, B: Backend> {
+    /// None: every sequence in the step is mid-prompt.
+    Nothing,
+    /// Every row (a decode step: each row is a sequence's last).
+    AllRows,
+    /// These rows (each sampling sequence's last).
+    Rows(&'a B::Ids),
 }
 
 struct Attention<B: Backend> {
@@ -182,44 +102,20 @@ impl<B: Backend> Attention<B> {
         Ok([q, k, v])
     }
 
+    /// The step's rows `x` through attention: their keys and values into the cache (at
+    /// their slots), then each sequence's queries over its cached keys.
     fn forward(
         &self,
         be: &B,
         x: &B::Tensor,
         step: &StepInput<B>,
-        k_cache: &mut B::Tensor,
-        v_cache: &mut B::Tensor,
-        start: usize,
-    ) -> Result<B::Tensor> {
-        let n = be.shape(x)[0];
-        let [q, k, v] = self.project(be, x, &step.cos, &step.sin)?;
-        be.write_rows(k_cache, start, &k)?;
-        be.write_rows(v_cache, start, &v)?;
-        let a = be.attention(
-            &q,
-            k_cache,
-            v_cache,
-            start + n,
-            AttnMask::Causal {
-                first_query_slot: start,
-            },
-        )?;
-        Ok(self.o.forward(be, &a)?)
-    }
-
-    /// One decoded token: its slot and rotary row come from `inp`'s device buffers.
-    fn decode(
-        &self,
-        be: &B,
-        x: &B::Tensor,
-        inp: &DecodeInputs<B>,
-        k_cache: &mut B::Tensor,
-        v_cache: &mut B::Tensor,
+        k_cache: &mut B::Cache,
+        v_cache: &mut B::Cache,
     ) -> vlm_compute::Result<B::Tensor> {
-        let [q, k, v] = self.project(be, x, &inp.cos, &inp.sin)?;
-        be.write_row_at(k_cache, &inp.slot, &k)?;
-        be.write_row_at(v_cache, &inp.slot, &v)?;
-        let a = be.decode_attention(&q, k_cache, v_cache, &inp.slot)?;
+        let [q, k, v] = self.project(be, x, step.cos, step.sin)?;
+        be.write_kv(k_cache, step.slots, &k)?;
+        be.write_kv(v_cache, step.slots, &v)?;
+        let a = be.paged_attention(&q, k_cache, v_cache, &step.attn)?;
         self.o.forward(be, &a)
     }
 }
@@ -300,106 +196,40 @@ impl<B: Backend> TextModel<B> {
         &self.backend
     }
 
-    /// Token embeddings `[ids.len(), hidden]`.
-    pub fn embed(&self, ids: &[u32]) -> Result<B::Tensor> {
+    /// Runs a step's rows through every layer, writing their keys and values into `kv`, and
+    /// returns the logits of the rows asked for, `[rows, vocab]`, on the device.
+    ///
+    /// Every buffer it reads is named by `step`, and with fixed buffers and no images the
+    /// whole pass can be recorded once ([`Backend::record`]) and replayed for new tokens: the
+    /// engine does so for decode steps, one recording per batch size.
+    pub fn forward(
+        &self,
+        kv: &mut PagedKv<B>,
+        step: &StepInput<B>,
+    ) -> vlm_compute::Result<Option<B::Tensor>> {
         let be = &self.backend;
-        let ids = HostTensor::new(vec![ids.len()], ids.iter().map(|&t| t as f32).collect())?;
-        Ok(be.embedding(&self.embed_tokens, &be.upload(&ids)?)?)
-    }
-
-    /// Runs the step's tokens through every layer, appending them to `cache`, and returns the
-    /// logits of the last token `[1, vocab]`, on the device.
-    pub fn forward(&self, cache: &mut KvCache<B>, step: &StepInput<B>) -> Result<B::Tensor> {
-        let be = &self.backend;
-        let n = be.shape(&step.embeds)[0];
-        let start = cache.len;
-        if start + n > cache.capacity {
-            return Err(crate::Error::PromptTooLong {
-                prompt_tokens: start + n,
-                context: cache.capacity,
-            });
+        let mut x = be.embedding(&self.embed_tokens, step.ids)?;
+        if let Some(img) = &step.images {
+            be.scatter_rows(&mut x, img.rows, img.embeds)?;
         }
-        let mut x = step.embeds.clone();
         for (i, layer) in self.layers.iter().enumerate() {
             let h = be.rms_norm(&x, &layer.input_norm, layer.eps)?;
             let a = layer
                 .attn
-                .forward(be, &h, step, &mut cache.k[i], &mut cache.v[i], start)?;
+                .forward(be, &h, step, &mut kv.k[i], &mut kv.v[i])?;
             x = layer.mlp(be, be.add(&x, &a)?)?;
-            if let Some(ds) = step.deepstack.get(i) {
-                be.add_rows(&mut x, step.image_rows, ds)?;
+            if let Some(img) = &step.images {
+                if let Some(ds) = img.deepstack.get(i) {
+                    be.add_rows(&mut x, img.rows, ds)?;
+                }
             }
         }
-        cache.len = start + n;
-        let last = be.slice_rows(&x, n - 1, n)?;
-        Ok(self.logits(&last)?)
-    }
-
-    /// One decode step: the token, its cache slot and rotary row are in `inp` (set by the
-    /// caller), its keys and values go to that slot, its logits to `inp.logits()`.
-    ///
-    /// The first step is recorded if the backend can ([`Backend::record`], a CUDA graph) and
-    /// every later one replays that recording: all the buffers the step touches stay put, and
-    /// only their contents change. `graph` keeps the request's state between steps: start it
-    /// at [`DecodeGraph::NotTried`].
-    pub fn decode(
-        &self,
-        cache: &mut KvCache<B>,
-        inp: &mut DecodeInputs<B>,
-        graph: &mut DecodeGraph<B>,
-    ) -> Result<()> {
-        let be = &self.backend;
-        if cache.len >= cache.capacity {
-            return Err(crate::Error::PromptTooLong {
-                prompt_tokens: cache.len + 1,
-                context: cache.capacity,
-            });
-        }
-        // Recording costs about what a few steps do: not worth it for the last few tokens.
-        if matches!(graph, DecodeGraph::NotTried) && cache.capacity - cache.len < RECORD_MIN_STEPS {
-            *graph = DecodeGraph::Direct;
-        }
-        if matches!(graph, DecodeGraph::NotTried) {
-            *graph = match be.record(&mut || self.decode_ops(cache, inp)) {
-                Ok(Some(g)) => DecodeGraph::Recorded(g),
-                Ok(None) => DecodeGraph::Direct,
-                Err(e) => {
-                    // Slower, not wrong: the same ops run one by one.
-                    tracing::warn!(error = %e, "decode step could not be recorded; running it op by op");
-                    DecodeGraph::Direct
-                }
-            };
-        }
-        match graph {
-            DecodeGraph::Recorded(g) => be.replay(g)?,
-            _ => self.decode_ops(cache, inp)?,
-        }
-        cache.len += 1;
-        Ok(())
-    }
-
-    /// The device work of a decode step (no host-side state changes, so it can be recorded).
-    fn decode_ops(
-        &self,
-        cache: &mut KvCache<B>,
-        inp: &mut DecodeInputs<B>,
-    ) -> vlm_compute::Result<()> {
-        let be = &self.backend;
-        let mut x = be.embedding(&self.embed_tokens, &inp.token)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let h = be.rms_norm(&x, &layer.input_norm, layer.eps)?;
-            let a = layer
-                .attn
-                .decode(be, &h, inp, &mut cache.k[i], &mut cache.v[i])?;
-            x = layer.mlp(be, be.add(&x, &a)?)?;
-        }
-        be.copy(&mut inp.logits, &self.logits(&x)?)
-    }
-
-    /// `lm_head(RMSNorm(x))`.
-    fn logits(&self, x: &B::Tensor) -> vlm_compute::Result<B::Tensor> {
-        let be = &self.backend;
-        let h = be.rms_norm(x, &self.norm, self.cfg.text.rms_norm_eps)?;
-        be.linear(&h, &self.lm_head, None)
+        let last = match step.logits {
+            LogitsOf::Nothing => return Ok(None),
+            LogitsOf::AllRows => x,
+            LogitsOf::Rows(rows) => be.gather_rows(&x, rows)?,
+        };
+        let h = be.rms_norm(&last, &self.norm, self.cfg.text.rms_norm_eps)?;
+        be.linear(&h, &self.lm_head, None).map(Some)
     }
 }

@@ -1,12 +1,14 @@
 //! The LlmService gRPC server: `Generate(prompt ids + image embeddings) -> stream of tokens`.
 //!
-//! Each generation runs on a blocking thread and sends tokens through a small channel; when the
-//! client goes away the channel closes, the next send fails, and decoding stops at once. The
-//! caller's deadline (`grpc-timeout`) is checked at every token. At most `max_concurrent`
-//! generations run; more get RESOURCE_EXHAUSTED at once.
+//! Handlers never touch the device: a request is checked, then handed to the [`Engine`] (one
+//! loop per device that batches every request it holds), and a small task relays its tokens to
+//! the client. When the client goes away the relay stops, drops the engine's stream, and the
+//! engine frees the request's cache blocks at its next step. The caller's deadline
+//! (`grpc-timeout`) goes to the engine with the request. At most `max_concurrent` requests are
+//! in the engine (running or queued); more get RESOURCE_EXHAUSTED at once. A bad request gets
+//! INVALID_ARGUMENT before it takes a place.
 
 use std::future::Future;
-use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
@@ -21,11 +23,16 @@ use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{telemetry, tensor};
 
-use crate::{Engine, Error, FinishReason, GenerateRequest, ImageInput, SamplingParams};
+use crate::{
+    Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, SamplingParams,
+};
 
 /// The one place language-stage errors become gRPC statuses.
 pub fn to_status(e: &Error) -> Status {
-    vlm_proto::error_status(e.is_invalid_input(), e.to_string())
+    match e {
+        Error::DeadlineExceeded { .. } => Status::deadline_exceeded(e.to_string()),
+        _ => vlm_proto::error_status(e.is_invalid_input(), e.to_string()),
+    }
 }
 
 pub struct ServeConfig {
@@ -33,15 +40,19 @@ pub struct ServeConfig {
     /// Random weights of the model's config from this seed instead of its checkpoint (for
     /// benchmarks and smoke tests of sizes whose weights are not at hand).
     pub random_weights: Option<u64>,
-    /// Generations running at the same time; more get RESOURCE_EXHAUSTED.
+    /// Requests in the engine at once (running or queued); more get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
-    /// Cap on prompt + generated tokens per sequence (the model's own limit if unset).
-    pub max_context: Option<usize>,
+    /// Context, KV cache size, batch limits, prefix caching.
+    pub engine: EngineConfig,
+    /// Where the engine's metrics are registered (the service's own, or one `vlm serve`
+    /// shares between its services).
+    pub registry: prometheus::Registry,
 }
 
-pub struct LlmServer<B: Backend> {
-    engine: Arc<OnceLock<Engine<B>>>,
+pub struct LlmServer {
+    engine: Arc<OnceLock<Engine>>,
     permits: Arc<Semaphore>,
+    max_concurrent: usize,
 }
 
 fn image_from_pb(i: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Status> {
@@ -94,7 +105,7 @@ type TokenStream =
     Pin<Box<dyn tokio_stream::Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
-impl<B: Backend> LlmService for LlmServer<B> {
+impl LlmService for LlmServer {
     type GenerateStream = TokenStream;
 
     async fn generate(
@@ -113,95 +124,65 @@ impl<B: Backend> LlmService for LlmServer<B> {
         telemetry::adopt_remote_parent(&span, request.metadata());
         let deadline = vlm_proto::grpc_timeout(request.metadata()).map(|d| Instant::now() + d);
         let setup = async {
-            if self.engine.get().is_none() {
+            let Some(engine) = self.engine.get() else {
                 return Err(Status::unavailable("the language model is still loading"));
-            }
-            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Status::resource_exhausted(
-                    "the LLM service is at its concurrent-generation limit; retry later",
-                )
-            })?;
+            };
             let req = request_from_pb(request.into_inner())?;
-            self.engine
-                .get()
-                .expect("checked")
-                .validate(&req)
+            engine.validate(&req).map_err(|e| to_status(&e))?;
+            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+                Status::resource_exhausted(format!(
+                    "the LLM service holds its limit of {} requests (running and queued); retry later",
+                    self.max_concurrent
+                ))
+            })?;
+            let stream = engine
+                .submit(req, deadline, tracing::Span::current())
                 .map_err(|e| to_status(&e))?;
-            Ok((permit, req))
+            Ok((permit, stream))
         };
-        let (permit, req) = setup.instrument(span.clone()).await?;
+        let (permit, mut stream) = setup.instrument(span.clone()).await?;
 
         let (tx, rx) = mpsc::channel::<Result<GenerateResponse, Status>>(32);
-        let engine = self.engine.clone();
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            let _guard = span.enter();
-            let engine = engine.get().expect("checked");
-            let mut client_gone = false;
-            let mut timed_out = false;
-            let result = engine.generate(&req, |ev| {
-                if deadline.is_some_and(|d| Instant::now() > d) {
-                    timed_out = true;
-                    return ControlFlow::Break(());
-                }
-                let msg = GenerateResponse {
-                    token_ids: vec![ev.token],
-                    ..Default::default()
-                };
-                if tx.blocking_send(Ok(msg)).is_err() {
-                    client_gone = true;
-                    return ControlFlow::Break(());
-                }
-                ControlFlow::Continue(())
-            });
-            let last = match result {
-                Ok(gen) => {
-                    span.record("generated_tokens", gen.tokens.len());
-                    if client_gone {
-                        tracing::info!(
-                            generated = gen.tokens.len(),
-                            "client went away; generation cancelled"
-                        );
-                        return;
-                    }
-                    if timed_out {
-                        tracing::warn!(
-                            generated = gen.tokens.len(),
-                            "deadline exceeded; generation stopped"
-                        );
-                        Err(Status::deadline_exceeded(format!(
-                            "deadline exceeded after {} generated tokens",
-                            gen.tokens.len()
-                        )))
-                    } else {
-                        span.record("finish_reason", gen.finish.as_str());
-                        tracing::info!(
-                            generated = gen.tokens.len(),
-                            prefill_ms = gen.prefill.as_secs_f64() * 1e3,
-                            decode_ms = gen.decode.as_secs_f64() * 1e3,
-                            "generation finished"
-                        );
-                        let finish = match gen.finish {
-                            FinishReason::Length => PbFinish::Length,
-                            FinishReason::Eos | FinishReason::Stopped => PbFinish::Stop,
-                        };
-                        Ok(GenerateResponse {
-                            token_ids: vec![],
-                            finish_reason: finish as i32,
-                            usage: Some(Usage {
-                                prompt_tokens: gen.prompt_tokens as u32,
-                                completion_tokens: gen.tokens.len() as u32,
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                while let Some(event) = stream.recv().await {
+                    let (msg, last) = match event {
+                        Event::Token { id, .. } => (
+                            Ok(GenerateResponse {
+                                token_ids: vec![id],
+                                ..Default::default()
                             }),
-                        })
+                            false,
+                        ),
+                        Event::Finished(gen) => {
+                            let span = tracing::Span::current();
+                            span.record("generated_tokens", gen.tokens.len());
+                            span.record("finish_reason", gen.finish.as_str());
+                            let finish = match gen.finish {
+                                FinishReason::Length => PbFinish::Length,
+                                FinishReason::Eos | FinishReason::Stopped => PbFinish::Stop,
+                            };
+                            let msg = GenerateResponse {
+                                token_ids: vec![],
+                                finish_reason: finish as i32,
+                                usage: Some(Usage {
+                                    prompt_tokens: gen.prompt_tokens as u32,
+                                    completion_tokens: gen.tokens.len() as u32,
+                                }),
+                            };
+                            (Ok(msg), true)
+                        }
+                        Event::Failed(e) => (Err(to_status(&e)), true),
+                    };
+                    // The client has gone: dropping `stream` tells the engine to stop.
+                    if tx.send(msg).await.is_err() || last {
+                        break;
                     }
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "generation failed");
-                    Err(to_status(&e))
-                }
-            };
-            let _ = tx.blocking_send(last);
-        });
+            }
+            .instrument(span),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -215,9 +196,11 @@ pub async fn serve<B: Backend>(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let engine = Arc::new(OnceLock::new());
+    let max_concurrent = cfg.max_concurrent.max(1);
     let server = LlmServer {
         engine: engine.clone(),
-        permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
+        permits: Arc::new(Semaphore::new(max_concurrent)),
+        max_concurrent,
     };
     let (health, router) = vlm_proto::grpc_server().await;
     let svc = LlmServiceServer::new(server)
@@ -225,30 +208,20 @@ pub async fn serve<B: Backend>(
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "llm-svc listening");
-    let (model, random_weights, max_context, max_concurrent) = (
-        cfg.model.clone(),
-        cfg.random_weights,
-        cfg.max_context,
-        cfg.max_concurrent,
-    );
     let what = format!("the language model from {}", cfg.model.display());
+    let ServeConfig {
+        model,
+        random_weights,
+        engine: engine_cfg,
+        registry,
+        ..
+    } = cfg;
     let load = vlm_proto::load_model(engine, what, move || -> Result<_, Error> {
         let weights = Weights::open_or_random(&model, random_weights)?;
-        let e = Engine::load(&model, &weights, backend()?, max_context)?;
+        let e = Engine::load(&model, &weights, backend()?, engine_cfg, &registry)?;
         weights.finish();
-        // Each request allocates its cache for prompt + max_tokens (up to max_context) when it
-        // starts: the worst case is what a memory budget (Jetson's shared pool) must hold.
-        let per_token = crate::KvCache::<B>::bytes_per_token(&e.config().text);
-        tracing::info!(
-            kib_per_token = per_token / 1024,
-            max_context = e.max_context(),
-            max_concurrent,
-            worst_case_gib =
-                (per_token * e.max_context() * max_concurrent) as f64 / (1u64 << 30) as f64,
-            "KV cache budget (--max-context x --max-concurrent)"
-        );
         Ok(e)
     });
-    let name = <LlmServiceServer<LlmServer<B>> as tonic::server::NamedService>::NAME;
+    let name = <LlmServiceServer<LlmServer> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
 }

@@ -2,10 +2,12 @@
 //!
 //! - [`pb`]: the generated `vlm.v1` messages, clients and servers (`proto/vlm/v1/vlm.proto`).
 //! - [`tensor`]: raw little-endian f32/f16/bf16 tensors on the wire.
+//! - [`metrics`]: Prometheus metrics served over HTTP.
 //! - [`telemetry`]: logs and traces for every process, OpenTelemetry export, and W3C trace
 //!   context carried in gRPC metadata so one request is one trace across processes.
 //! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
 
+pub mod metrics;
 pub mod telemetry;
 pub mod tensor;
 

@@ -430,12 +430,12 @@ fn kubernetes_manifests_match_the_binaries() {
 }
 
 /// The Jetson memory split is arithmetic in a comment; this keeps its KV cache figure equal to
-/// what llm-svc allocates for the 8B model (it said 144 KiB, the f16 figure, while the cache
-/// is f32: a Jetson sized from it would run out of memory at half the context it planned).
+/// what llm-svc allocates on a GPU for the 8B model (a Jetson sized from a wrong figure runs
+/// out of memory, or leaves it idle).
 #[test]
 fn jetson_env_states_the_kv_cache_llm_svc_allocates_at_8b() {
     let cfg = llm_svc::ModelConfig::from_dir(&deploy().join("models/qwen3-vl-8b")).unwrap();
-    let kib = llm_svc::KvCache::<vlm_compute::CpuBackend>::bytes_per_token(&cfg.text) / 1024;
+    let kib = llm_svc::PagedKv::<vlm_compute::CudaBackend>::bytes_per_token(&cfg.text) / 1024;
     let knobs = std::fs::read_to_string(deploy().join("jetson.env")).unwrap();
     let stated = format!("KV cache {kib} KiB per token");
     assert!(
@@ -443,8 +443,8 @@ fn jetson_env_states_the_kv_cache_llm_svc_allocates_at_8b() {
         "jetson.env should say \"{stated}\""
     );
     assert!(
-        knobs.contains(&format!("VLM_MAX_CONTEXT x {kib} KiB")),
-        "jetson.env's per-sequence cost should use {kib} KiB"
+        knobs.contains(&format!("VLM_KV_CACHE_TOKENS x {kib} KiB")),
+        "jetson.env's cache cost should use {kib} KiB"
     );
     let readme = std::fs::read_to_string(deploy().join("README.md")).unwrap();
     assert!(readme.contains(&format!("KV cache {kib} KiB per token")));

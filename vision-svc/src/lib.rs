@@ -8,6 +8,7 @@
 
 mod config;
 mod error;
+pub mod metrics;
 mod model;
 pub mod preprocess;
 pub mod server;

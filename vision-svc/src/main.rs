@@ -14,7 +14,8 @@ use vision_svc::server::{serve, ServeConfig};
     long_about = "Qwen3-VL vision service: encodes images into embeddings for the LLM service, over gRPC \
         (vlm.v1.VisionService, plus grpc.health.v1 and reflection).\n\n\
         Health is NOT_SERVING until the model is loaded. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
-        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info)."
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info); Prometheus \
+        metrics at --metrics-listen."
 )]
 struct Args {
     /// Address to listen on.
@@ -34,6 +35,10 @@ struct Args {
     /// Images encoded at the same time; more get RESOURCE_EXHAUSTED.
     #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 4)]
     max_concurrent: usize,
+    /// Serve Prometheus metrics (images by outcome, in flight, encode time) at
+    /// http://ADDR/metrics.
+    #[arg(long, env = "VLM_VISION_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[tokio::main]
@@ -44,11 +49,23 @@ async fn main() -> std::process::ExitCode {
 async fn run(args: Args) -> anyhow::Result<()> {
     let telemetry = vlm_proto::telemetry::init("vision-svc");
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let registry = prometheus::Registry::new();
     let cfg = ServeConfig {
         model: args.model,
         random_weights: args.random_weights.then_some(0),
         max_concurrent: args.max_concurrent,
+        registry: registry.clone(),
     };
+    let stop = tokio_util::sync::CancellationToken::new();
+    if let Some(addr) = args.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let stop = stop.clone();
+        tokio::spawn(vlm_proto::metrics::serve(
+            listener,
+            vec![registry],
+            async move { stop.cancelled().await },
+        ));
+    }
     let shutdown = vlm_proto::shutdown_signal();
     let result = if args.device == "cuda" {
         serve(
@@ -67,6 +84,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         )
         .await
     };
+    stop.cancel();
     telemetry.shutdown();
     result
 }

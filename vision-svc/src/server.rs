@@ -16,6 +16,7 @@ use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{telemetry, tensor};
 
+use crate::metrics::VisionMetrics;
 use crate::{preprocess, Error, VisionEncoder};
 
 /// The one place vision errors become gRPC statuses.
@@ -30,12 +31,45 @@ pub struct ServeConfig {
     pub random_weights: Option<u64>,
     /// Images encoded at the same time; further requests get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
+    /// Where the service's metrics are registered (its own, or one `vlm serve` shares).
+    pub registry: prometheus::Registry,
 }
 
 pub struct VisionServer<B: Backend> {
     encoder: Arc<OnceLock<VisionEncoder<B>>>,
     permits: Arc<Semaphore>,
     max_concurrent: usize,
+    metrics: VisionMetrics,
+}
+
+/// Counts an image in flight and, however its request ends, its outcome and time.
+struct ImageGuard {
+    metrics: VisionMetrics,
+    started: std::time::Instant,
+    outcome: &'static str,
+}
+
+impl ImageGuard {
+    fn new(metrics: &VisionMetrics) -> Self {
+        metrics.in_flight.inc();
+        Self {
+            metrics: metrics.clone(),
+            started: std::time::Instant::now(),
+            outcome: "cancelled",
+        }
+    }
+}
+
+impl Drop for ImageGuard {
+    fn drop(&mut self) {
+        self.metrics.in_flight.dec();
+        self.metrics.images.with_label_values(&[self.outcome]).inc();
+        if self.outcome == "ok" {
+            self.metrics
+                .encode_seconds
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -52,7 +86,8 @@ impl<B: Backend> VisionService for VisionServer<B> {
             tokens = Empty
         );
         telemetry::adopt_remote_parent(&span, request.metadata());
-        async move {
+        let mut guard = ImageGuard::new(&self.metrics);
+        let result = async move {
             let Some(_) = self.encoder.get() else {
                 return Err(Status::unavailable("the vision model is still loading"));
             };
@@ -87,7 +122,14 @@ impl<B: Backend> VisionService for VisionServer<B> {
             }))
         }
         .instrument(span)
-        .await
+        .await;
+        guard.outcome = match &result {
+            Ok(_) => "ok",
+            Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => "overloaded",
+            Err(_) => "error",
+        };
+        result
     }
 }
 
@@ -104,6 +146,7 @@ pub async fn serve<B: Backend>(
         encoder: encoder.clone(),
         permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
         max_concurrent: cfg.max_concurrent.max(1),
+        metrics: VisionMetrics::new(&cfg.registry),
     };
     let (health, router) = vlm_proto::grpc_server().await;
     let svc = VisionServiceServer::new(server)

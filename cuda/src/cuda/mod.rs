@@ -2,10 +2,11 @@
 //! twin (`cuda/tests/cuda_twin.rs` at the real model sizes; [`CudaBackend::open_verified`] at
 //! every start, on the GPU at hand).
 //!
-//! Weights (the matrices of `linear` and the embedding table) are f16 on the device: decoding a
-//! token reads each once, so half the bytes is twice the tokens/s, and prefill GEMMs run on
-//! tensor cores. A checkpoint's bf16/f32 values are rounded to f16 at load. Activations, norm
-//! weights, biases and the KV cache are f32, and every sum accumulates in f32.
+//! Weights (the matrices of `linear` and the embedding table) and the paged KV cache are f16 on
+//! the device: decoding a token reads each weight once and its sequence's cache once, so half
+//! the bytes is twice the tokens/s, and prefill GEMMs run on tensor cores. A checkpoint's
+//! bf16/f32 values are rounded to f16 at load. Activations, norm weights and biases are f32,
+//! and every sum accumulates in f32.
 //!
 //! Kernels are `cuda/kernels/*.cu`, embedded with `include_str!`, compiled at first use by
 //! NVRTC for the GPU present (see [`compile`]) and loaded once per backend; large GEMMs go to
@@ -26,7 +27,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use crate::backend::{AttnMask, Backend, GeluKind};
+use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch};
 use crate::{Error, HostTensor, Result};
 
 /// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
@@ -64,20 +65,33 @@ const SOURCES: [KernelSource; 4] = [
         ],
     },
     KernelSource {
-        file: "decode_f32.cu",
-        source: with_common!("decode_f32.cu"),
+        file: "paged_f16.cu",
+        source: with_common!("paged_f16.cu"),
         kernels: &[
-            "write_row_at_f32",
-            "decode_attention_partial_f32",
-            "decode_attention_combine_f32",
-            "argmax_partial_f32",
-            "argmax_final_f32",
+            "write_kv_f16",
+            "paged_decode_partial_d32",
+            "paged_decode_partial_d64",
+            "paged_decode_partial_d128",
+            "paged_decode_partial_d256",
+            "paged_decode_combine",
+            "paged_attention_rows_f16",
+            "gather_rows_f32",
+            "argmax_rows_f32",
         ],
     },
     KernelSource {
         file: "attention_f16.cu",
         source: with_common!("attention_f16.cu"),
-        kernels: &FLASH_KERNELS,
+        kernels: &[
+            FLASH_KERNELS[0],
+            FLASH_KERNELS[1],
+            FLASH_KERNELS[2],
+            FLASH_KERNELS[3],
+            PAGED_FLASH_KERNELS[0],
+            PAGED_FLASH_KERNELS[1],
+            PAGED_FLASH_KERNELS[2],
+            PAGED_FLASH_KERNELS[3],
+        ],
     },
 ];
 
@@ -89,8 +103,26 @@ const FLASH_KERNELS: [&str; 4] = [
     "flash_attention_d96",
     "flash_attention_d128",
 ];
+/// The same for the chunks of prefills in an engine step, reading the paged f16 cache.
+const PAGED_FLASH_KERNELS: [&str; 4] = [
+    "paged_flash_attention_d64",
+    "paged_flash_attention_d80",
+    "paged_flash_attention_d96",
+    "paged_flash_attention_d128",
+];
 /// Below this many queries (decode-like), the one-warp-per-query kernel wastes less.
 const FLASH_MIN_QUERIES: usize = 16;
+/// Head dims the paged split-K decode kernel is instantiated for (paged_decode_partial_d*).
+const DECODE_DIMS: [usize; 4] = [32, 64, 128, 256];
+/// Query heads per KV head the decode kernel holds at once (PD_MAX_GROUP).
+const DECODE_MAX_GROUP: usize = 8;
+/// Warps per decode block (PD_WARPS) and fewest keys per split (PD_MIN_CHUNK).
+const DECODE_WARPS: u32 = 4;
+const DECODE_MIN_CHUNK: usize = 64;
+/// At most this many splits of one sequence's keys.
+const DECODE_MAX_SPLITS: usize = 32;
+/// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Dynamic shared memory of flash_attention_d{dp} (FaShared in attention_f16.cu).
 fn flash_smem_bytes(dp: usize) -> usize {
@@ -120,13 +152,6 @@ const MAX_HEAD_DIM: usize = 256;
 const GEMV_MAX_ROWS: usize = 4;
 /// Output rows per GEMV block: one warp each.
 const GEMV_WARPS: u32 = 8;
-/// Decode attention splits the keys into chunks of about this many per block (seed 001)...
-const DECODE_KEYS_PER_SPLIT: usize = 256;
-/// ...into at most this many chunks. The count depends on the cache's capacity, not on the
-/// position, so one request's decode steps all launch the same grid.
-const DECODE_MAX_SPLITS: usize = 32;
-/// Warps per decode-attention block; must match DEC_WARPS in decode_f32.cu.
-const DECODE_WARPS: u32 = 4;
 
 /// A tensor in device memory. Clones share the buffer; the in-place row ops copy it first when
 /// it is shared, so a clone never sees another's writes.
@@ -141,6 +166,18 @@ pub struct CudaTensor {
 pub struct CudaWeight {
     shape: Vec<usize>,
     buf: Arc<CudaSlice<half::f16>>,
+}
+
+/// Ids in device memory (token ids, cache slots, block lists, picked tokens).
+pub struct CudaIds {
+    len: usize,
+    buf: CudaSlice<u32>,
+}
+
+/// One layer's keys or values of the paged KV cache, f16 `[slots, heads, dim]`.
+pub struct CudaCache {
+    shape: [usize; 3],
+    buf: CudaSlice<half::f16>,
 }
 
 impl CudaTensor {
@@ -164,6 +201,10 @@ struct Inner {
     compute_capability: (i32, i32),
     /// Whether the flash-attention kernels could be given their shared memory.
     flash: bool,
+    /// Multiprocessors: how many blocks it takes to fill the GPU.
+    sm_count: usize,
+    /// cuBLAS's workspace (set on the handle), kept alive with it.
+    _blas_workspace: CudaSlice<u8>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -357,7 +398,11 @@ impl CudaBackend {
         }
         // The flash kernels need more than the default 48 KB of shared memory: opt in. A GPU
         // that refuses falls back to the plain attention kernel.
-        let flash = FLASH_KERNELS.iter().zip(FLASH_DIMS).all(|(k, dp)| {
+        let flash = FLASH_KERNELS
+            .iter()
+            .zip(FLASH_DIMS)
+            .chain(PAGED_FLASH_KERNELS.iter().zip(FLASH_DIMS))
+            .all(|(k, dp)| {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
             let set = kernels[k].set_attribute(MAX_SMEM, flash_smem_bytes(dp) as i32);
             if let Err(e) = &set {
@@ -366,6 +411,26 @@ impl CudaBackend {
             set.is_ok()
         });
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
+        // A workspace of our own: without one cuBLAS allocates on first use, which a GEMM
+        // being recorded into a CUDA graph (a batched decode step) must not do.
+        let mut workspace = stream
+            .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+            .map_err(|e| cuda_err("allocating the cuBLAS workspace")(&e))?;
+        {
+            let (ptr, _guard) = workspace.device_ptr_mut(&stream);
+            // SAFETY: the workspace lives as long as the handle (both in Inner).
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut _,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()
+            .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
+        }
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        let sm_count = ctx.attribute(SMS).map_err(|e| cuda_err("SM count")(&e))? as usize;
         Ok(Self {
             inner: Arc::new(Inner {
                 stream,
@@ -374,6 +439,8 @@ impl CudaBackend {
                 device_name,
                 compute_capability: cc,
                 flash,
+                sm_count,
+                _blas_workspace: workspace,
             }),
         })
     }
@@ -614,8 +681,11 @@ pub struct CudaStepGraph(cudarc::driver::CudaGraph);
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Graph = CudaStepGraph;
-    const WEIGHT_BYTES: usize = 2;
     type Tensor = CudaTensor;
+    type Ids = CudaIds;
+    type Cache = CudaCache;
+    const WEIGHT_BYTES: usize = 2;
+    const CACHE_BYTES: usize = 2;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -648,53 +718,10 @@ impl Backend for CudaBackend {
         self.alloc(shape.to_vec())
     }
 
-    fn argmax(&self, x: &CudaTensor) -> Result<u32> {
-        let n = x.len();
-        if n == 0 {
-            return Err(Error::shape(
-                "argmax",
-                "an empty tensor has no largest value",
-            ));
-        }
-        const THREADS: u32 = 1024;
-        let parts = n.div_ceil(THREADS as usize).min(128);
-        let stream = &self.inner.stream;
-        let alloc_err = |e: cudarc::driver::DriverError| cuda_err("allocating device memory")(&e);
-        let mut part_v = stream.alloc_zeros::<f32>(parts).map_err(alloc_err)?;
-        let mut part_i = stream.alloc_zeros::<i32>(parts).map_err(alloc_err)?;
-        let mut out = stream.alloc_zeros::<u32>(1).map_err(alloc_err)?;
-        let (nn, pp) = (n as i32, parts as i32);
-        let name = "argmax_partial_f32";
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&nn).arg(&mut part_v).arg(&mut part_i);
-        let cfg = LaunchConfig {
-            grid_dim: (parts as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches argmax_partial_f32; the partial buffers hold `parts` entries.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        let name = "argmax_final_f32";
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&part_v).arg(&part_i).arg(&pp).arg(&mut out);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches argmax_final_f32 over the partials just written.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        let id = stream
-            .clone_dtoh(&out)
-            .map_err(|e| cuda_err("reading the token id")(&e))?;
-        Ok(id[0])
-    }
-
-    fn memory_in_use(&self) -> Option<usize> {
+    fn device_memory(&self) -> Option<(usize, usize)> {
         self.synchronize().ok()?;
-        // Device-wide (other processes included): the benchmark reads it alone on the GPU.
-        let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
-        Some(total - free)
+        // Device-wide (other processes included).
+        cudarc::driver::result::mem_get_info().ok()
     }
 
     fn copy(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
@@ -1116,28 +1143,50 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn embedding(&self, table: &CudaWeight, ids: &CudaTensor) -> Result<CudaTensor> {
+    fn embedding(&self, table: &CudaWeight, ids: &CudaIds) -> Result<CudaTensor> {
         let [vocab, h] = table.shape[..] else {
             return Err(Error::shape(
                 "embedding",
                 format!("table must be 2-D, got {:?}", table.shape),
             ));
         };
-        let n = ids.len();
+        let n = ids.len;
         let mut out = self.alloc(vec![n, h])?;
         if n == 0 {
             return Ok(out);
         }
-        let (hh, vv) = (h as i32, vocab as i32);
+        let (hh, vv) = (h as i32, vocab as u32);
         let name = "embedding_f16w";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&*table.buf)
-            .arg(&*ids.buf)
+            .arg(&ids.buf)
             .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
             .arg(&hh)
             .arg(&vv);
         // SAFETY: matches embedding_f16w; the kernel bounds-checks every id.
         self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &CudaIds) -> Result<CudaTensor> {
+        let c = x.cols();
+        let mut out = self.alloc(vec![rows.len, c])?;
+        if rows.len == 0 {
+            return Ok(out);
+        }
+        let (cc, nr) = (c as i32, x.rows() as u32);
+        let name = "gather_rows_f32";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(&rows.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&cc)
+            .arg(&nr);
+        // SAFETY: matches gather_rows_f32; rows outside x give NaN rows, never a stray read.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(rows.len)) }.map(|_| ()),
+        )?;
         Ok(out)
     }
 
@@ -1213,30 +1262,6 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn write_rows(&self, dst: &mut CudaTensor, start: usize, src: &CudaTensor) -> Result<()> {
-        let n = src.shape.first().copied().unwrap_or(0);
-        let slots = dst.shape.first().copied().unwrap_or(0);
-        let width = dst.len().checked_div(slots).unwrap_or(0);
-        if start + n > slots || src.len() != n * width {
-            return Err(Error::shape(
-                "write_rows",
-                format!(
-                    "{n} rows at {start} into {:?} from {:?}",
-                    dst.shape, src.shape
-                ),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let buf = Arc::make_mut(&mut dst.buf);
-        let mut target = buf.slice_mut(start * width..(start + n) * width);
-        self.inner
-            .stream
-            .memcpy_dtod(&*src.buf, &mut target)
-            .map_err(|e| cuda_err("write_rows")(&e))
-    }
-
     fn write(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {
         if values.len() != dst.len() {
             return Err(Error::shape(
@@ -1254,106 +1279,287 @@ impl Backend for CudaBackend {
             .map_err(|e| cuda_err("write")(&e))
     }
 
-    fn write_row_at(
-        &self,
-        dst: &mut CudaTensor,
-        slot: &CudaTensor,
-        src: &CudaTensor,
-    ) -> Result<()> {
-        let slots = dst.shape.first().copied().unwrap_or(0);
-        let width = dst.len().checked_div(slots).unwrap_or(0);
-        if src.len() != width || slot.len() != 1 {
+    fn upload_ids(&self, values: &[u32]) -> Result<CudaIds> {
+        let buf = self
+            .inner
+            .stream
+            .clone_htod(if values.is_empty() {
+                &[0u32][..]
+            } else {
+                values
+            })
+            .map_err(|e| cuda_err("uploading ids")(&e))?;
+        Ok(CudaIds {
+            len: values.len(),
+            buf,
+        })
+    }
+
+    fn write_ids(&self, dst: &mut CudaIds, values: &[u32]) -> Result<()> {
+        if values.len() > dst.len {
             return Err(Error::shape(
-                "write_row_at",
-                format!(
-                    "row {:?} into {:?} at slot {:?}",
-                    src.shape, dst.shape, slot.shape
-                ),
+                "write_ids",
+                format!("{} ids into a buffer of {}", values.len(), dst.len),
             ));
         }
-        let (w, sl) = (width as i32, slots as i32);
-        let name = "write_row_at_f32";
-        let buf = Arc::make_mut(&mut dst.buf);
+        if values.is_empty() {
+            return Ok(());
+        }
+        let mut target = dst.buf.slice_mut(..values.len());
+        self.inner
+            .stream
+            .memcpy_htod(values, &mut target)
+            .map_err(|e| cuda_err("write_ids")(&e))
+    }
+
+    fn download_ids(&self, ids: &CudaIds, n: usize) -> Result<Vec<u32>> {
+        if n > ids.len {
+            return Err(Error::shape(
+                "download_ids",
+                format!("{n} ids from a buffer of {}", ids.len),
+            ));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.inner
+            .stream
+            .clone_dtoh(&ids.buf.slice(..n))
+            .map_err(|e| cuda_err("download_ids")(&e))
+    }
+
+    fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<CudaCache> {
+        let buf = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>((slots * heads * dim).max(1))
+            .map_err(|e| cuda_err("allocating the KV cache")(&e))?;
+        Ok(CudaCache {
+            shape: [slots, heads, dim],
+            buf,
+        })
+    }
+
+    fn download_cache(&self, cache: &CudaCache) -> Result<HostTensor> {
+        let halves = self
+            .inner
+            .stream
+            .clone_dtoh(&cache.buf)
+            .map_err(|e| cuda_err("download_cache")(&e))?;
+        let n: usize = cache.shape.iter().product();
+        HostTensor::new(
+            cache.shape.to_vec(),
+            halves[..n].iter().map(|h| h.to_f32()).collect(),
+        )
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor, out: &mut CudaIds) -> Result<()> {
+        let (n, cols) = (x.rows(), x.cols());
+        if out.len < n || cols == 0 {
+            return Err(Error::shape(
+                "argmax_rows",
+                format!("{n} rows of {:?} into {} ids", x.shape, out.len),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let name = "argmax_rows_f32";
+        let c = cols as i32;
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(buf).arg(&*slot.buf).arg(&*src.buf).arg(&w).arg(&sl);
-        let cfg = Self::fill_config(width as u64);
-        // SAFETY: matches write_row_at_f32 (a grid-stride loop over the row); the kernel checks
-        // the slot against `slots`.
+        l.arg(&*x.buf).arg(&c).arg(&mut out.buf);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches argmax_rows_f32, one block per row; out holds at least n ids.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 
-    fn decode_attention(
-        &self,
-        q: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        slot: &CudaTensor,
-    ) -> Result<CudaTensor> {
-        let (&[1, hq, d], &[slots, hkv, dk]) = (&q.shape[..], &k.shape[..]) else {
+    fn write_kv(&self, cache: &mut CudaCache, slots: &CudaIds, rows: &CudaTensor) -> Result<()> {
+        let [num_slots, heads, dim] = cache.shape;
+        let width = heads * dim;
+        if rows.len() != slots.len * width {
             return Err(Error::shape(
-                "decode_attention",
+                "write_kv",
                 format!(
-                    "q {:?} must be [1, heads, d], k {:?} [slots, kv_heads, d]",
-                    q.shape, k.shape
+                    "{} rows {:?} into a cache of {:?}",
+                    slots.len, rows.shape, cache.shape
                 ),
             ));
+        }
+        if slots.len == 0 {
+            return Ok(());
+        }
+        let (w, ns) = (width as i32, num_slots as u32);
+        let name = "write_kv_f16";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&mut cache.buf)
+            .arg(&slots.buf)
+            .arg(&*rows.buf)
+            .arg(&w)
+            .arg(&ns);
+        // SAFETY: matches write_kv_f16, one block per row; the kernel checks every slot.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(slots.len)) }.map(|_| ()),
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaCache,
+        v: &CudaCache,
+        batch: &PagedBatch<Self>,
+    ) -> Result<CudaTensor> {
+        let [rows, hq, d] = q.shape[..] else {
+            return Err(Error::shape(
+                "paged_attention",
+                format!("q must be [rows, heads, d], got {:?}", q.shape),
+            ));
         };
+        let [_, hkv, dk] = k.shape;
         if v.shape != k.shape
             || dk != d
             || hkv == 0
             || hq % hkv != 0
             || d > MAX_HEAD_DIM
-            || slot.len() != 1
+            || batch.block_size == 0
+            || batch.seqs.len < batch.num_seqs * 4
+            || batch.decode_seqs > batch.num_seqs
         {
             return Err(Error::shape(
-                "decode_attention",
+                "paged_attention",
                 format!(
-                    "q {:?}, k {:?}, v {:?}, slot {:?}",
-                    q.shape, k.shape, v.shape, slot.shape
+                    "q {:?}, cache {:?}, {} sequences ({} decoding), block size {}",
+                    q.shape, k.shape, batch.num_seqs, batch.decode_seqs, batch.block_size
                 ),
             ));
         }
-        let splits = slots
-            .div_ceil(DECODE_KEYS_PER_SPLIT)
-            .clamp(1, DECODE_MAX_SPLITS);
-        let mut part_o = self.alloc(vec![hq, splits, d])?;
-        let mut part_ml = self.alloc(vec![hq, splits, 2])?;
-        let mut out = self.alloc(vec![1, hq * d])?;
-        let (hq_i, hkv_i, d_i) = (hq as i32, hkv as i32, d as i32);
-        let scale = 1.0 / (d as f32).sqrt();
-        let name = "decode_attention_partial_f32";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        let mut out = self.alloc(vec![rows, hq * d])?;
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
+        let stream = &self.inner.stream;
+        let group = hq / hkv;
+        let mut first_rest = 0;
+        // Decoding sequences: split-K over their keys, every KV row read once per head group.
+        if batch.decode_seqs > 0 && group <= DECODE_MAX_GROUP && DECODE_DIMS.contains(&d) {
+            let nd = batch.decode_seqs;
+            // Enough blocks to fill the GPU twice, no split shorter than DECODE_MIN_CHUNK keys.
+            let want = (2 * self.inner.sm_count).div_ceil(nd * hkv);
+            let splits = want
+                .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
+                .clamp(1, DECODE_MAX_SPLITS);
+            let mut part_o = self.alloc(vec![nd * hq * splits, d])?;
+            let mut part_ml = self.alloc(vec![nd * hq * splits, 2])?;
+            let name = match d {
+                32 => "paged_decode_partial_d32",
+                64 => "paged_decode_partial_d64",
+                128 => "paged_decode_partial_d128",
+                _ => "paged_decode_partial_d256",
+            };
+            let mut l = stream.launch_builder(self.kernel(name));
+            l.arg(&*q.buf)
+                .arg(&k.buf)
+                .arg(&v.buf)
+                .arg(&batch.seqs.buf)
+                .arg(&batch.blocks.buf)
+                .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
+                .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
+                .arg(&hq_i)
+                .arg(&hkv_i)
+                .arg(&bs_i)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (nd as u32, hkv as u32, splits as u32),
+                block_dim: (DECODE_WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches paged_decode_partial_d{d}: d is the instantiated head dim, the
+            // group fits PD_MAX_GROUP, the partials hold nd * hq * splits rows.
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            let name = "paged_decode_combine";
+            let splits_i = splits as i32;
+            let mut l = stream.launch_builder(self.kernel(name));
+            l.arg(&*part_o.buf)
+                .arg(&*part_ml.buf)
+                .arg(&batch.seqs.buf)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+                .arg(&hq_i)
+                .arg(&d_i)
+                .arg(&splits_i);
+            let cfg = LaunchConfig {
+                grid_dim: (nd as u32, hq as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches paged_decode_combine over the partials just written.
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            first_rest = nd;
+        }
+        let rest = batch.num_seqs - first_rest;
+        if rest == 0 {
+            return Ok(out);
+        }
+        let seq0 = first_rest as i32;
+        let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
+        if let (true, true, Some(at)) = (
+            self.inner.flash,
+            batch.max_queries >= FLASH_MIN_QUERIES,
+            flash_dim,
+        ) {
+            let name = PAGED_FLASH_KERNELS[at];
+            let mut l = stream.launch_builder(self.kernel(name));
+            l.arg(&*q.buf)
+                .arg(&k.buf)
+                .arg(&v.buf)
+                .arg(&batch.seqs.buf)
+                .arg(&batch.blocks.buf)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+                .arg(&seq0)
+                .arg(&hq_i)
+                .arg(&hkv_i)
+                .arg(&d_i)
+                .arg(&bs_i)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    batch.max_queries.div_ceil(64) as u32,
+                    hq as u32,
+                    rest as u32,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at]) as u32,
+            };
+            // SAFETY: matches paged_flash_attention_d{dp}: 64 queries of one head of one
+            // sequence per 4-warp block (blocks past a sequence's queries return), d <= dp,
+            // shared memory opted in at load.
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            return Ok(out);
+        }
+        let name = "paged_attention_rows_f16";
+        let mut l = stream.launch_builder(self.kernel(name));
         l.arg(&*q.buf)
-            .arg(&*k.buf)
-            .arg(&*v.buf)
-            .arg(&*slot.buf)
-            .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
-            .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
+            .arg(&k.buf)
+            .arg(&v.buf)
+            .arg(&batch.seqs.buf)
+            .arg(&batch.blocks.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&seq0)
             .arg(&hq_i)
             .arg(&hkv_i)
             .arg(&d_i)
+            .arg(&bs_i)
             .arg(&scale);
         let cfg = LaunchConfig {
-            grid_dim: (hq as u32, splits as u32, 1),
-            block_dim: (DECODE_WARPS * 32, 1, 1),
+            grid_dim: (batch.max_queries.max(1) as u32, hq as u32, rest as u32),
+            block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches decode_attention_partial_f32; shapes checked, d <= MAX_HEAD_DIM.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        let name = "decode_attention_combine_f32";
-        let splits_i = splits as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*part_o.buf)
-            .arg(&*part_ml.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&splits_i)
-            .arg(&d_i);
-        let cfg = LaunchConfig {
-            grid_dim: (hq as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches decode_attention_combine_f32 over the partials just written.
+        // SAFETY: matches paged_attention_rows_f16: one warp per (query, head, sequence),
+        // d <= MAX_HEAD_DIM (8 values per lane).
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
     }

@@ -87,6 +87,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .map_or("model".into(), |n| n.to_string_lossy().into_owned())
     });
     let cfg = GatewayConfig {
+        also_metrics: Vec::new(),
         model: args.model,
         model_name,
         vision_addrs: args.vision_addr,

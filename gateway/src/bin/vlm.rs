@@ -285,12 +285,19 @@ struct ServeArgs {
     /// Port of the public gRPC API (vlm.v1.Gateway).
     #[arg(long, default_value_t = 50050)]
     grpc_port: u16,
-    /// Requests served at once by the gateway (and generations by the LLM service).
-    #[arg(long, default_value_t = 8)]
+    /// Requests served at once by the gateway and held by the LLM service (running or
+    /// queued); more get RESOURCE_EXHAUSTED / 429 at once.
+    #[arg(long, default_value_t = 256)]
     max_concurrent: usize,
-    /// Cap on prompt + generated tokens per request (default: the model's own).
+    /// Images encoded at once by the vision service.
+    #[arg(long, default_value_t = 8)]
+    vision_max_concurrent: usize,
+    /// Cap on prompt + generated tokens per request (default: the model's own, and at most
+    /// what the KV cache holds).
     #[arg(long)]
     max_context: Option<usize>,
+    #[command(flatten)]
+    engine: llm_svc::EngineArgs,
 }
 
 async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
@@ -326,11 +333,16 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
 
     let token = CancellationToken::new();
     let mut services = tokio::task::JoinSet::new();
+    let registry = prometheus::Registry::new();
     let models = gateway::serve::ModelServices {
         model: args.model.clone(),
         random_weights: args.random_weights.then_some(0),
-        max_concurrent: args.max_concurrent,
-        max_context: args.max_context,
+        vision_max_concurrent: args.vision_max_concurrent,
+        llm_max_concurrent: args.max_concurrent,
+        engine: args
+            .engine
+            .config(args.max_context, matches!(args.device, Device::Cuda)),
+        registry: registry.clone(),
     };
     let listeners = (vision_l, llm_l);
     match args.device {
@@ -357,6 +369,7 @@ async fn serve_all(args: ServeArgs) -> anyhow::Result<()> {
             default_max_tokens: 256,
             request_timeout: std::time::Duration::from_secs(600),
             embedding_dtype: vlm_proto::pb::Dtype::F32,
+            also_metrics: vec![registry],
         },
         grpc_l,
         http_l,
@@ -452,7 +465,8 @@ struct RunArgs {
     /// Seed of the random weights (the same seed gives the same model).
     #[arg(long, default_value_t = 0, requires = "random_weights")]
     weights_seed: u64,
-    /// Cap on prompt + generated tokens (defaults to the model's max_position_embeddings).
+    /// Cap on prompt + generated tokens (defaults to the model's max_position_embeddings, at
+    /// most 32768: the KV cache `vlm run` allocates).
     #[arg(long)]
     max_context: Option<usize>,
     /// Print one JSON object (prompt_token_ids, generated_token_ids, text, ...) instead of text.
@@ -500,11 +514,17 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
         return_logits: args.logits_out.is_some(),
     };
 
+    // One request: a cache for one sequence of the longest context asked for.
+    let engine = llm_svc::EngineConfig {
+        max_context: args.max_context,
+        kv_cache: llm_svc::KvCacheSize::Tokens(args.max_context.unwrap_or(32768)),
+        ..llm_svc::EngineConfig::default()
+    };
     let pipeline = if args.random_weights {
         let weights = vlm_compute::Weights::random(&args.model, args.weights_seed);
-        Pipeline::with_weights(&args.model, &weights, backend, args.max_context)
+        Pipeline::with_weights(&args.model, &weights, backend, engine)
     } else {
-        Pipeline::load(&args.model, backend, args.max_context)
+        Pipeline::load(&args.model, backend, engine)
     }
     .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
     let vocab = pipeline.engine.config().text.vocab_size;

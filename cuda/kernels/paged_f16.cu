@@ -1,0 +1,304 @@
+// The paged KV cache (f16) and the kernels of a batched engine step that read or write it, plus
+// the step's per-row gathers. CPU twins in cuda/src/cpu.rs: write_kv, paged_attention,
+// gather_rows, argmax_rows.
+//
+// Cache layout, per layer: [slots, hkv, d] f16, slot = block * block_size + offset. A step's
+// sequences are described by `seqs` ([num_seqs * 4] u32: first query row, query count n, keys
+// in the cache counting this step's (kv_len), offset of its block list in `blocks`); query i
+// of a sequence sits at position kv_len - n + i and sees keys 0..=that. Every index comes from
+// device memory, so a recorded step (CUDA graph) replays with new tokens, slots and tables.
+
+#include <cuda_fp16.h>
+
+#define PD_WARPS 4      // warps per decode block
+#define PD_MAX_GROUP 8  // query heads per KV head a decode block holds
+#define PD_MIN_CHUNK 64 // fewest keys a decode split takes (fewer: merging costs more than it saves)
+
+__device__ __forceinline__ unsigned key_slot(const unsigned* __restrict__ blocks, unsigned off,
+                                             int j, int block_size) {
+    return blocks[off + j / block_size] * (unsigned)block_size + (unsigned)(j % block_size);
+}
+
+// cache[slots[r], :] = rows[r, :] as f16. One block per row; width = hkv * d. A slot outside the
+// cache writes nothing (the host never sends one).
+extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsigned* __restrict__ slots,
+                                        const float* __restrict__ rows, int width,
+                                        unsigned num_slots) {
+    unsigned slot = slots[blockIdx.x];
+    if (slot >= num_slots) return;
+    const float* src = rows + (size_t)blockIdx.x * width;
+    __half* dst = cache + (size_t)slot * width;
+    if (width % 4 == 0) {
+        for (int c = threadIdx.x * 4; c < width; c += blockDim.x * 4) {
+            float4 x = *reinterpret_cast<const float4*>(src + c);
+            __half2* d2 = reinterpret_cast<__half2*>(dst + c);
+            d2[0] = __floats2half2_rn(x.x, x.y);
+            d2[1] = __floats2half2_rn(x.z, x.w);
+        }
+    } else {
+        for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = __float2half_rn(src[c]);
+    }
+}
+
+// E consecutive halves at p (E = D / 32 per lane) as floats.
+template <int E>
+__device__ __forceinline__ void load_halves(const __half* __restrict__ p, float f[E]) {
+    if constexpr (E == 8) {
+        uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+        const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 v = __half22float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
+    } else if constexpr (E == 4) {
+        uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+        const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float2 v = __half22float2(h[i]);
+            f[2 * i] = v.x;
+            f[2 * i + 1] = v.y;
+        }
+    } else if constexpr (E == 2) {
+        float2 v = __half22float2(__ldg(reinterpret_cast<const __half2*>(p)));
+        f[0] = v.x;
+        f[1] = v.y;
+    } else {
+        f[0] = __half2float(__ldg(p));
+    }
+}
+
+// Split-K decode attention over the paged cache, pass 1 (seeds 000/001, flash-decoding). Block
+// (s, kvh, split) takes sequence s's one query for the G = hq / hkv query heads that share KV
+// head kvh, and the split-th chunk of its keys: each key row is read once for all G heads. Each
+// warp walks every PD_WARPS-th key with an online softmax per head; lanes hold D / 32
+// consecutive dims. The warps merge through shared memory; the block writes its unnormalized
+// output and (max, sum) per head: part_o [seqs, hq, splits, D], part_ml [seqs, hq, splits, 2].
+template <int D>
+__device__ void paged_decode_partial(const float* __restrict__ q, const __half* __restrict__ kc,
+                                     const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
+                                     const unsigned* __restrict__ blocks, float* __restrict__ part_o,
+                                     float* __restrict__ part_ml, int hq, int hkv, int block_size,
+                                     float scale) {
+    constexpr int E = D / WARP;
+    const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int G = hq / hkv;
+    const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
+    int chunk = ((int)kv_len + splits - 1) / splits;
+    chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
+    const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
+
+    float qr[PD_MAX_GROUP][E], acc[PD_MAX_GROUP][E], m[PD_MAX_GROUP], l[PD_MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < PD_MAX_GROUP; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            acc[g][e] = 0.0f;
+            qr[g][e] = g < G ? q[((size_t)row * hq + kvh * G + g) * D + lane * E + e] * scale : 0.0f;
+        }
+    }
+    for (int j = begin + warp; j < end; j += PD_WARPS) {
+        size_t at = ((size_t)key_slot(blocks, off, j, block_size) * hkv + kvh) * D + lane * E;
+        float kf[E], vf[E];
+        load_halves<E>(kc + at, kf);
+        load_halves<E>(vc + at, vf);
+#pragma unroll
+        for (int g = 0; g < PD_MAX_GROUP; ++g) {
+            if (g < G) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) dot += qr[g][e] * kf[e];
+                float score = warp_sum(dot);
+                float m_new = fmaxf(m[g], score);
+                float corr = expf(m[g] - m_new), p = expf(score - m_new);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
+                m[g] = m_new;
+            }
+        }
+    }
+
+    __shared__ float sm_m[PD_WARPS][PD_MAX_GROUP], sm_l[PD_WARPS][PD_MAX_GROUP];
+    __shared__ float sm_o[PD_WARPS][PD_MAX_GROUP][D];
+#pragma unroll
+    for (int g = 0; g < PD_MAX_GROUP; ++g) {
+        if (g < G) {
+            if (lane == 0) {
+                sm_m[warp][g] = m[g];
+                sm_l[warp][g] = l[g];
+            }
+#pragma unroll
+            for (int e = 0; e < E; ++e) sm_o[warp][g][lane * E + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    // One thread per (head, dim) of the block's G heads.
+    for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+        int g = t / D, c = t % D;
+        float mb = NEG_INF;
+        for (int w = 0; w < PD_WARPS; ++w) mb = fmaxf(mb, sm_m[w][g]);
+        // A warp (or the whole split) that saw no key has max -inf and weighs nothing.
+        float lb = 0.0f, o = 0.0f;
+        for (int w = 0; w < PD_WARPS; ++w) {
+            if (sm_m[w][g] == NEG_INF) continue;
+            float f = expf(sm_m[w][g] - mb);
+            lb += sm_l[w][g] * f;
+            o += sm_o[w][g][c] * f;
+        }
+        size_t part = ((size_t)s * hq + kvh * G + g) * splits + split;
+        part_o[part * D + c] = o;
+        if (c == 0) {
+            part_ml[part * 2] = mb;
+            part_ml[part * 2 + 1] = lb;
+        }
+    }
+}
+
+#define PD_KERNEL(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, 1) paged_decode_partial_d##D(    \
+        const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc, \
+        const unsigned* __restrict__ seqs, const unsigned* __restrict__ blocks,                   \
+        float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int block_size, \
+        float scale) {                                                                            \
+        paged_decode_partial<D>(q, kc, vc, seqs, blocks, part_o, part_ml, hq, hkv, block_size,    \
+                                scale);                                                           \
+    }
+
+PD_KERNEL(32)
+PD_KERNEL(64)
+PD_KERNEL(128)
+PD_KERNEL(256)
+
+// Pass 2: out[row, h, :] = Σ_s part_o e^(m_s - M) / Σ_s l_s e^(m_s - M), M = max_s m_s. One block
+// per (sequence, head).
+extern "C" __global__ void paged_decode_combine(const float* __restrict__ part_o,
+                                                const float* __restrict__ part_ml,
+                                                const unsigned* __restrict__ seqs,
+                                                float* __restrict__ out, int hq, int d, int splits) {
+    const int s = blockIdx.x, h = blockIdx.y;
+    const unsigned row = seqs[4 * s];
+    const size_t base = ((size_t)s * hq + h) * splits;
+    const float* ml = part_ml + base * 2;
+    float mx = NEG_INF;
+    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, ml[2 * i]);
+    float total = 0.0f;
+    for (int i = 0; i < splits; ++i)
+        if (ml[2 * i] != NEG_INF) total += ml[2 * i + 1] * expf(ml[2 * i] - mx);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float o = 0.0f;
+        for (int i = 0; i < splits; ++i)
+            if (ml[2 * i] != NEG_INF) o += part_o[(base + i) * d + c] * expf(ml[2 * i] - mx);
+        out[((size_t)row * hq + h) * d + c] = o / total;
+    }
+}
+
+// Any head dim up to 256, any number of queries: one warp per (sequence, query, head), online
+// softmax over the sequence's keys; lanes hold dims lane, lane + 32, ... Sequence seq0 + z of
+// the grid (x: query, y: head). What runs where the tensor-core and split-K kernels do not
+// (few queries of a prefill chunk, odd head dims).
+extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
+                                                    const __half* __restrict__ kc,
+                                                    const __half* __restrict__ vc,
+                                                    const unsigned* __restrict__ seqs,
+                                                    const unsigned* __restrict__ blocks,
+                                                    float* __restrict__ out, int seq0, int hq,
+                                                    int hkv, int d, int block_size, float scale) {
+    const int s = seq0 + blockIdx.z, i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+    const unsigned row0 = seqs[4 * s], n = seqs[4 * s + 1], kv_len = seqs[4 * s + 2],
+                   off = seqs[4 * s + 3];
+    if (i >= (int)n) return;
+    const int visible = (int)(kv_len - n) + i + 1, kvh = h / (hq / hkv);
+    const size_t row = row0 + i;
+    const float* qv = q + (row * hq + h) * d;
+    float qr[8], acc[8];
+    const int per = (d + WARP - 1) / WARP;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        int c = lane + r * WARP;
+        qr[r] = (r < per && c < d) ? qv[c] * scale : 0.0f;
+        acc[r] = 0.0f;
+    }
+    float m = NEG_INF, denom = 0.0f;
+    for (int j = 0; j < visible; ++j) {
+        size_t at = ((size_t)key_slot(blocks, off, j, block_size) * hkv + kvh) * d;
+        float dot = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            int c = lane + r * WARP;
+            if (r < per && c < d) dot += qr[r] * __half2float(kc[at + c]);
+        }
+        float score = warp_sum(dot);
+        float m_new = fmaxf(m, score);
+        float corr = expf(m - m_new), p = expf(score - m_new);
+        denom = denom * corr + p;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            int c = lane + r * WARP;
+            if (r < per && c < d) acc[r] = acc[r] * corr + p * __half2float(vc[at + c]);
+        }
+        m = m_new;
+    }
+    float* o = out + (row * hq + h) * d;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        int c = lane + r * WARP;
+        if (r < per && c < d) o[c] = acc[r] / denom;
+    }
+}
+
+// out[i, :] = x[rows[i], :]: the rows whose logits a step needs. One block per output row.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ x,
+                                           const unsigned* __restrict__ rows,
+                                           float* __restrict__ out, int cols, unsigned num_rows) {
+    unsigned r = rows[blockIdx.x];
+    float* dst = out + (size_t)blockIdx.x * cols;
+    if (r >= num_rows) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const float* src = x + (size_t)r * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+}
+
+// Greedy picks for a batch: out[r] = the index of the largest value in row r of x [rows, n],
+// the lowest on ties (as torch.argmax). One block per row.
+__device__ __forceinline__ void argmax_merge_rows(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, int n,
+                                           unsigned* __restrict__ out) {
+    const float* row = x + (size_t)blockIdx.x * n;
+    float v = NEG_INF;
+    int i = 0x7fffffff;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) argmax_merge_rows(v, i, row[j], j);
+    __shared__ float sv[WARP];
+    __shared__ int si[WARP];
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        argmax_merge_rows(v, i, __shfl_xor_sync(0xffffffff, v, o), __shfl_xor_sync(0xffffffff, i, o));
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        int warps = (blockDim.x + WARP - 1) / WARP;
+        v = lane < warps ? sv[lane] : NEG_INF;
+        i = lane < warps ? si[lane] : 0x7fffffff;
+        for (int o = WARP / 2; o > 0; o >>= 1)
+            argmax_merge_rows(v, i, __shfl_xor_sync(0xffffffff, v, o),
+                              __shfl_xor_sync(0xffffffff, i, o));
+        // A row of NaN (or all -inf) has no largest value: report 0, as the CPU's first index.
+        if (lane == 0) out[blockIdx.x] = (unsigned)(i == 0x7fffffff ? 0 : i);
+    }
+}

@@ -1,0 +1,44 @@
+//! The engine's command-line flags, shared by the `llm-svc` binary and `vlm serve`.
+
+use crate::{EngineConfig, KvCacheSize};
+
+/// The engine's knobs as command-line flags, for `llm-svc` and `vlm serve`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// Fraction of the GPU's memory this service may use, weights included; the KV cache
+    /// gets what is left after the weights and room for a step's activations.
+    #[arg(long, env = "VLM_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
+    /// Size the KV cache in tokens instead (any device; default on the CPU: 1 GiB).
+    #[arg(long, env = "VLM_KV_CACHE_TOKENS")]
+    pub kv_cache_tokens: Option<usize>,
+    /// Most sequences in one engine step.
+    #[arg(long, env = "VLM_MAX_BATCH_SEQS", default_value_t = 128)]
+    pub max_batch_seqs: usize,
+    /// Most tokens in one engine step; longer prompts are prefilled in chunks between decode
+    /// steps, so running streams keep a steady pace.
+    #[arg(long, env = "VLM_MAX_BATCH_TOKENS", default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Do not reuse cache blocks of earlier prompts that began the same way.
+    #[arg(long, env = "VLM_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
+}
+
+impl EngineArgs {
+    /// The engine configuration these flags give, on a GPU (`on_gpu`) or the CPU.
+    pub fn config(&self, max_context: Option<usize>, on_gpu: bool) -> EngineConfig {
+        let kv_cache = match self.kv_cache_tokens {
+            Some(n) => KvCacheSize::Tokens(n),
+            None if on_gpu => KvCacheSize::DeviceFraction(self.gpu_memory_utilization),
+            None => KvCacheSize::Auto,
+        };
+        EngineConfig {
+            max_context,
+            kv_cache,
+            max_batch_seqs: self.max_batch_seqs,
+            max_batch_tokens: self.max_batch_tokens,
+            prefix_caching: !self.no_prefix_caching,
+            ..EngineConfig::default()
+        }
+    }
+}

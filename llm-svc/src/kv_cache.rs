@@ -1,0 +1,339 @@
+//! The paged KV cache: one pool of fixed-size blocks allocated once at start-up, handed to
+//! sequences as they grow, and shared between sequences that begin with the same tokens.
+//!
+//! - [`PagedKv`]: the device memory, one key and one value cache per layer, each
+//!   `[blocks * block_size, kv_heads, head_dim]` (f16 on a GPU). Slot `b * block_size + o` is
+//!   offset `o` of block `b`.
+//! - [`BlockPool`]: which blocks are free, which are referenced (and by how many sequences),
+//!   and the prefix cache: a full block is keyed by a hash of the previous block's hash, its
+//!   token ids and the identity of any image among them (vLLM's automatic prefix caching), so
+//!   a chat that resends its history and images finds those blocks already computed.
+//!
+//! Block 0 is never handed out: padding rows of a recorded batch write there.
+//! A block whose last reference goes keeps its contents and its hash until it is reused, so a
+//! later request can still hit it; free blocks are reused least recently freed first.
+
+use std::collections::HashMap;
+
+use vlm_compute::Backend;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::{Result, TextConfig};
+
+/// Identity of a block's contents, as a chain: equal hashes mean equal tokens, images and
+/// prefix. 128 bits, so a collision between distinct prefixes is not a practical concern.
+pub type BlockHash = u128;
+
+/// The block no sequence owns; padding rows of a recorded step read and write it.
+pub const NULL_BLOCK: u32 = 0;
+
+/// Keys and values of every layer, in blocks.
+pub struct PagedKv<B: Backend> {
+    pub k: Vec<B::Cache>,
+    pub v: Vec<B::Cache>,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl<B: Backend> PagedKv<B> {
+    /// Allocates `num_blocks` blocks of `block_size` slots for every layer (zeroed).
+    pub fn new(be: &B, cfg: &TextConfig, num_blocks: usize, block_size: usize) -> Result<Self> {
+        let slots = num_blocks * block_size;
+        let (heads, dim) = (cfg.num_key_value_heads, cfg.head_dim);
+        let layer = || be.zeros_cache(slots, heads, dim);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for _ in 0..cfg.num_hidden_layers {
+            k.push(layer()?);
+            v.push(layer()?);
+        }
+        Ok(Self {
+            k,
+            v,
+            block_size,
+            num_blocks,
+        })
+    }
+
+    /// Memory one cached token takes: keys and values of every layer, at the backend's
+    /// cache width (f16 on a GPU, f32 on the CPU).
+    pub fn bytes_per_token(cfg: &TextConfig) -> usize {
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * B::CACHE_BYTES
+    }
+}
+
+/// The hash of a full block: the previous block's hash, the block's token ids, and the
+/// identities of the images whose tokens it holds (their placeholder ids are all alike).
+pub fn block_hash(prev: Option<BlockHash>, tokens: &[u32], images: &[BlockHash]) -> BlockHash {
+    let mut h = Xxh3::new();
+    h.update(&prev.unwrap_or(0).to_le_bytes());
+    h.update(&[prev.is_some() as u8]);
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    for i in images {
+        h.update(&i.to_le_bytes());
+    }
+    h.digest128()
+}
+
+/// Counts the prefix cache keeps, for metrics and logs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompt tokens looked up, and how many of them were found computed.
+    pub queried_tokens: u64,
+    pub hit_tokens: u64,
+}
+
+/// An end of the free list.
+const NIL: u32 = u32::MAX;
+
+/// Free blocks, references and the prefix cache. Not thread-safe: the engine loop owns it.
+pub struct BlockPool {
+    block_size: usize,
+    /// Sequences holding each block.
+    refs: Vec<u32>,
+    /// The hash each cached block is registered under.
+    hash: Vec<Option<BlockHash>>,
+    /// Free blocks as a doubly linked list, least recently freed at `head`: O(1) to take
+    /// the oldest, to append, and to pull a cached block back out when it is hit.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    free: usize,
+    cached: HashMap<BlockHash, u32>,
+    stats: PrefixStats,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks (block 0 reserved) of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        assert!(
+            num_blocks >= 2 && block_size > 0,
+            "a pool needs a block to give"
+        );
+        let mut pool = Self {
+            block_size,
+            refs: vec![0; num_blocks],
+            hash: vec![None; num_blocks],
+            prev: vec![NIL; num_blocks],
+            next: vec![NIL; num_blocks],
+            head: NIL,
+            tail: NIL,
+            free: 0,
+            cached: HashMap::new(),
+            stats: PrefixStats::default(),
+        };
+        // Block 0 holds a permanent reference: never free, never handed out.
+        pool.refs[NULL_BLOCK as usize] = 1;
+        for b in 1..num_blocks as u32 {
+            pool.push_back(b);
+        }
+        pool
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks a sequence could be given now (free, including cached ones not in use).
+    pub fn num_free(&self) -> usize {
+        self.free
+    }
+
+    /// Blocks sequences hold now.
+    pub fn num_in_use(&self) -> usize {
+        self.refs.len() - 1 - self.free
+    }
+
+    /// Blocks there are to give, in all.
+    pub fn capacity(&self) -> usize {
+        self.refs.len() - 1
+    }
+
+    pub fn stats(&self) -> PrefixStats {
+        self.stats
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    fn push_back(&mut self, b: u32) {
+        self.prev[b as usize] = self.tail;
+        self.next[b as usize] = NIL;
+        if self.tail == NIL {
+            self.head = b;
+        } else {
+            self.next[self.tail as usize] = b;
+        }
+        self.tail = b;
+        self.free += 1;
+    }
+
+    fn unlink(&mut self, b: u32) {
+        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[b as usize] = NIL;
+        self.next[b as usize] = NIL;
+        self.free -= 1;
+    }
+
+    /// `n` fresh blocks, least recently freed first (their cached contents are forgotten), or
+    /// `None` (and nothing taken) if fewer are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.free {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = self.head;
+            self.unlink(b);
+            if let Some(h) = self.hash[b as usize].take() {
+                self.cached.remove(&h);
+            }
+            self.refs[b as usize] = 1;
+            out.push(b);
+        }
+        Some(out)
+    }
+
+    /// Drops one reference to each block; a block no longer referenced becomes free, keeping
+    /// its cached contents until reused. Blocks are queued for reuse in the order given, so
+    /// callers pass a sequence's blocks last first: its tail, least likely to be shared, goes
+    /// first.
+    pub fn release(&mut self, blocks: impl IntoIterator<Item = u32>) {
+        for b in blocks {
+            let r = &mut self.refs[b as usize];
+            debug_assert!(*r > 0 && b != NULL_BLOCK, "block {b} released twice");
+            *r -= 1;
+            if *r == 0 {
+                self.push_back(b);
+            }
+        }
+    }
+
+    /// The longest run of `hashes` (a prompt's full blocks, in order) already computed: those
+    /// blocks, each now referenced once more.
+    pub fn lookup(&mut self, hashes: &[BlockHash]) -> Vec<u32> {
+        let mut hit = Vec::new();
+        for h in hashes {
+            let Some(&b) = self.cached.get(h) else { break };
+            if self.refs[b as usize] == 0 {
+                self.unlink(b);
+            }
+            self.refs[b as usize] += 1;
+            hit.push(b);
+        }
+        hit
+    }
+
+    /// Counts one admitted prompt of `queried` tokens of which `hit` were found cached.
+    pub fn count_lookup(&mut self, queried: usize, hit: usize) {
+        self.stats.queried_tokens += queried as u64;
+        self.stats.hit_tokens += hit as u64;
+    }
+
+    /// Records that `block`, now full and computed, holds the contents `hash` names. A block
+    /// with the same contents already registered keeps the entry (this one stays private).
+    pub fn register(&mut self, block: u32, hash: BlockHash) {
+        if self.hash[block as usize].is_some() {
+            return;
+        }
+        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
+            e.insert(block);
+            self.hash[block as usize] = Some(hash);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_handed_out_once_and_come_back_when_released() {
+        let mut pool = BlockPool::new(5, 16);
+        assert_eq!(pool.capacity(), 4);
+        let a = pool.allocate(3).unwrap();
+        assert!(!a.contains(&NULL_BLOCK));
+        assert_eq!((pool.num_free(), pool.num_in_use()), (1, 3));
+        assert!(pool.allocate(2).is_none(), "only one left");
+        assert_eq!(pool.num_free(), 1, "a failed allocation takes nothing");
+        let b = pool.allocate(1).unwrap();
+        assert!(a.iter().all(|x| !b.contains(x)));
+        pool.release(a.iter().rev().copied());
+        pool.release(b);
+        assert_eq!((pool.num_free(), pool.num_in_use()), (4, 0));
+    }
+
+    #[test]
+    fn free_blocks_are_reused_least_recently_freed_first() {
+        let mut pool = BlockPool::new(5, 4);
+        let all = pool.allocate(4).unwrap();
+        pool.release([all[2], all[0], all[3], all[1]]);
+        assert_eq!(pool.allocate(4).unwrap(), [all[2], all[0], all[3], all[1]]);
+    }
+
+    #[test]
+    fn the_prefix_cache_finds_registered_chains_until_their_blocks_are_reused() {
+        let mut pool = BlockPool::new(4, 2);
+        let h0 = block_hash(None, &[1, 2], &[]);
+        let h1 = block_hash(Some(h0), &[3, 4], &[]);
+        // Another prefix with the same second block's tokens hashes differently.
+        let other = block_hash(Some(block_hash(None, &[9, 9], &[])), &[3, 4], &[]);
+        assert_ne!(h1, other);
+        // An image changes the hash of the block holding its tokens.
+        assert_ne!(
+            block_hash(None, &[7, 7], &[1]),
+            block_hash(None, &[7, 7], &[2])
+        );
+
+        let seq = pool.allocate(2).unwrap();
+        pool.register(seq[0], h0);
+        pool.register(seq[1], h1);
+        // Still referenced: a second sequence shares both blocks.
+        assert_eq!(pool.lookup(&[h0, h1, 77]), seq);
+        assert_eq!(pool.num_in_use(), 2);
+        pool.release(seq.iter().rev().copied());
+        pool.release(seq.iter().rev().copied());
+        assert_eq!(pool.num_in_use(), 0);
+        // Released but cached: a hit takes them back out of the free list.
+        assert_eq!(pool.lookup(&[h0, other]), [seq[0]]);
+        assert_eq!((pool.num_in_use(), pool.num_free()), (1, 2));
+        pool.count_lookup(4, 2);
+        assert_eq!(
+            pool.stats(),
+            PrefixStats {
+                queried_tokens: 4,
+                hit_tokens: 2
+            }
+        );
+        pool.release([seq[0]]);
+        // Reusing every block forgets what they held.
+        let fresh = pool.allocate(3).unwrap();
+        assert!(pool.lookup(&[h0]).is_empty());
+        pool.release(fresh);
+    }
+
+    #[test]
+    fn a_duplicate_block_stays_private() {
+        let mut pool = BlockPool::new(4, 2);
+        let h = block_hash(None, &[1, 2], &[]);
+        let a = pool.allocate(2).unwrap();
+        pool.register(a[0], h);
+        pool.register(a[1], h);
+        pool.release([a[1], a[0]]);
+        assert_eq!(pool.lookup(&[h]), [a[0]]);
+    }
+}

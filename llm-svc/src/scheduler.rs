@@ -1,0 +1,349 @@
+//! Which sequences run in the next engine step, and how many of their tokens.
+//!
+//! Continuous batching in the manner of vLLM's scheduler, under two limits per step: at most
+//! `max_seqs` sequences and `max_tokens` tokens (the budget that bounds a step's time, so a
+//! long prompt is prefilled in chunks between decode steps instead of stalling them).
+//!
+//! 1. Running sequences first, oldest first: a decoding one takes one token, one still
+//!    prefilling takes as much of its prompt as the budget leaves. Each gets the cache blocks
+//!    its new tokens need; when none are free, the youngest running sequence is preempted:
+//!    its blocks go back (their contents stay cached) and it waits at the front of the queue,
+//!    to be recomputed when there is room again.
+//! 2. Then waiting sequences, first come first served, while the budget, the sequence limit
+//!    and free blocks (less a small reserve for the running ones to grow into) allow. A newly
+//!    admitted prompt starts after the longest prefix found in the prefix cache.
+//!
+//! Sequences with one token to compute come first in the plan: a GPU runs them through its
+//! split-K decode kernel and the rest through flash attention.
+
+use std::collections::VecDeque;
+
+use crate::kv_cache::BlockPool;
+use crate::sequence::Sequence;
+
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Most sequences in one step.
+    pub max_seqs: usize,
+    /// Most tokens in one step (decodes count one each).
+    pub max_tokens: usize,
+    /// Look prompts up in the prefix cache when they are admitted.
+    pub prefix_caching: bool,
+}
+
+/// One sequence's share of a step: its next `tokens` uncomputed tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planned {
+    /// Index into [`Scheduler::running`].
+    pub index: usize,
+    pub tokens: usize,
+}
+
+pub struct Scheduler {
+    pub cfg: SchedulerConfig,
+    /// Admitted, in admission order (the oldest first; the youngest is preempted first).
+    pub running: Vec<Sequence>,
+    /// Not yet admitted (or preempted), in the order they will be.
+    pub waiting: VecDeque<Sequence>,
+    /// Preemptions so far.
+    pub preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Self {
+            cfg,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            preemptions: 0,
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Gives `seq`'s blocks back (last first, so its tail is reused first) and resets it to
+    /// be computed again from the start.
+    fn preempt(seq: &mut Sequence, pool: &mut BlockPool) {
+        pool.release(seq.blocks.drain(..).rev());
+        seq.computed = 0;
+        seq.registered = 0;
+        seq.preemptions += 1;
+    }
+
+    /// Plans the next step, allocating the blocks it needs. Empty when there is nothing to do.
+    pub fn schedule(&mut self, pool: &mut BlockPool) -> Vec<Planned> {
+        let mut budget = self.cfg.max_tokens;
+        let mut plan = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let seq = &self.running[i];
+            let n = seq.uncomputed().min(budget);
+            let need = pool
+                .blocks_for(seq.computed + n)
+                .saturating_sub(seq.blocks.len());
+            let granted = loop {
+                if let Some(blocks) = pool.allocate(need) {
+                    break Some(blocks);
+                }
+                preempted = true;
+                self.preemptions += 1;
+                // The youngest goes; if that is this one, it waits and the step is what it is.
+                let mut victim = self.running.pop().expect("sequence i is running");
+                Self::preempt(&mut victim, pool);
+                self.waiting.push_front(victim);
+                if self.running.len() == i {
+                    break None;
+                }
+            };
+            let Some(blocks) = granted else { break };
+            self.running[i].blocks.extend(blocks);
+            plan.push(Planned {
+                index: i,
+                tokens: n,
+            });
+            budget -= n;
+            i += 1;
+        }
+        // New admissions only when nothing had to give way this step.
+        let reserve = pool.capacity() / 100;
+        while !preempted && budget > 0 && self.running.len() < self.cfg.max_seqs {
+            let Some(seq) = self.waiting.front_mut() else {
+                break;
+            };
+            let bs = pool.block_size();
+            let mut hit = Vec::new();
+            if self.cfg.prefix_caching && seq.computed == 0 {
+                seq.hash_full_blocks(bs);
+                // At least the last token is computed: its logits pick the next one.
+                let usable = (seq.tokens.len() - 1) / bs;
+                hit = pool.lookup(&seq.hashes[..usable]);
+            }
+            let computed = hit.len() * bs;
+            let n = (seq.tokens.len() - computed).min(budget);
+            let need = pool.blocks_for(computed + n) - hit.len();
+            let fresh = if pool.num_free() >= need + reserve {
+                pool.allocate(need)
+            } else {
+                None
+            };
+            let Some(fresh) = fresh else {
+                // Wait for room; do not hold cached blocks meanwhile.
+                pool.release(hit.into_iter().rev());
+                break;
+            };
+            let mut seq = self.waiting.pop_front().expect("front exists");
+            if seq.cached_tokens.is_none() {
+                pool.count_lookup(seq.prompt_len, computed.min(seq.prompt_len));
+                seq.cached_tokens = Some(computed.min(seq.prompt_len));
+            }
+            seq.registered = hit.len();
+            seq.blocks = hit;
+            seq.blocks.extend(fresh);
+            seq.computed = computed;
+            self.running.push(seq);
+            plan.push(Planned {
+                index: self.running.len() - 1,
+                tokens: n,
+            });
+            budget -= n;
+        }
+        // Single-token work first (stable: otherwise oldest first).
+        plan.sort_by_key(|p| p.tokens != 1);
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::mrope::PromptPositions;
+    use crate::sampler::{Sampler, SamplingParams};
+    use crate::sequence::SequenceLimits;
+
+    fn seq(id: u64, prompt: usize) -> Sequence {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        std::mem::forget(rx);
+        Sequence {
+            id,
+            tokens: (0..prompt as u32).map(|t| t + 100 * id as u32).collect(),
+            prompt_len: prompt,
+            positions: PromptPositions {
+                positions: (0..prompt as u32).map(|p| [p; 3]).collect(),
+                delta: 0,
+            },
+            images: Vec::new(),
+            sampler: Sampler::new(SamplingParams::greedy()).unwrap(),
+            limits: SequenceLimits {
+                max_new_tokens: 100,
+                max_len: 1000,
+                ignore_eos: true,
+                return_logits: false,
+                deadline: None,
+            },
+            blocks: Vec::new(),
+            computed: 0,
+            registered: 0,
+            hashes: Vec::new(),
+            events: tx,
+            arrived: Instant::now(),
+            first_token: None,
+            cached_tokens: None,
+            preemptions: 0,
+            span: tracing::Span::none(),
+            phase: None,
+        }
+    }
+
+    fn sched(max_seqs: usize, max_tokens: usize) -> Scheduler {
+        Scheduler::new(SchedulerConfig {
+            max_seqs,
+            max_tokens,
+            prefix_caching: true,
+        })
+    }
+
+    /// What the engine does after a step: the planned tokens are computed and each sequence
+    /// that reached its end gets one more token.
+    fn run(s: &mut Scheduler, plan: &[Planned]) {
+        for p in plan {
+            let seq = &mut s.running[p.index];
+            seq.computed += p.tokens;
+            if seq.computed == seq.tokens.len() {
+                seq.tokens.push(7);
+            }
+        }
+    }
+
+    #[test]
+    fn long_prompts_are_chunked_under_the_token_budget_and_decodes_go_first() {
+        let mut pool = BlockPool::new(64, 4);
+        let mut s = sched(8, 10);
+        s.waiting.push_back(seq(0, 3));
+        s.waiting.push_back(seq(1, 25));
+        let plan = s.schedule(&mut pool);
+        assert_eq!(
+            plan,
+            [
+                Planned {
+                    index: 0,
+                    tokens: 3
+                },
+                Planned {
+                    index: 1,
+                    tokens: 7
+                }
+            ]
+        );
+        run(&mut s, &plan);
+        // Sequence 0 decodes (one token, first); sequence 1 continues its prompt.
+        let plan = s.schedule(&mut pool);
+        assert_eq!(
+            plan,
+            [
+                Planned {
+                    index: 0,
+                    tokens: 1
+                },
+                Planned {
+                    index: 1,
+                    tokens: 9
+                }
+            ]
+        );
+        assert_eq!(s.running[1].blocks.len(), 4, "16 tokens in blocks of 4");
+        assert_eq!(s.running[0].blocks.len(), 1);
+    }
+
+    #[test]
+    fn the_youngest_is_preempted_when_blocks_run_out_and_resumes_later() {
+        // 4 usable blocks of 2 tokens: two sequences of 3-token prompts take 2 blocks each.
+        let mut pool = BlockPool::new(5, 2);
+        let mut s = sched(8, 100);
+        s.waiting.push_back(seq(0, 3));
+        s.waiting.push_back(seq(1, 3));
+        let plan = s.schedule(&mut pool);
+        assert_eq!(plan.len(), 2);
+        run(&mut s, &plan);
+        // Both decode: token 4 fits in their second blocks.
+        let plan = s.schedule(&mut pool);
+        assert_eq!(plan.len(), 2);
+        run(&mut s, &plan);
+        // Token 5 needs a third block each: none free, so sequence 1 gives way.
+        let plan = s.schedule(&mut pool);
+        assert_eq!(
+            plan,
+            [Planned {
+                index: 0,
+                tokens: 1
+            }]
+        );
+        assert_eq!(s.preemptions, 1);
+        assert_eq!(s.waiting.len(), 1);
+        let waiting = &s.waiting[0];
+        assert_eq!(
+            (waiting.id, waiting.computed, waiting.blocks.len()),
+            (1, 0, 0)
+        );
+        assert_eq!(waiting.tokens.len(), 5, "its generated tokens are kept");
+        run(&mut s, &plan);
+        // Sequence 0 finishes: its blocks come back and sequence 1 is recomputed.
+        let done = s.running.remove(0);
+        pool.release(done.blocks.iter().rev().copied());
+        let plan = s.schedule(&mut pool);
+        assert_eq!(
+            plan,
+            [Planned {
+                index: 0,
+                tokens: 5
+            }]
+        );
+    }
+
+    #[test]
+    fn admission_stops_at_the_sequence_limit_and_keeps_order() {
+        let mut pool = BlockPool::new(64, 4);
+        let mut s = sched(2, 100);
+        for id in 0..4 {
+            s.waiting.push_back(seq(id, 2));
+        }
+        let plan = s.schedule(&mut pool);
+        assert_eq!(plan.len(), 2);
+        let ids: Vec<u64> = s.running.iter().map(|q| q.id).collect();
+        assert_eq!(ids, [0, 1]);
+        assert_eq!(s.waiting.front().unwrap().id, 2);
+    }
+
+    #[test]
+    fn a_shared_prefix_is_found_in_the_cache_and_not_recomputed() {
+        let mut pool = BlockPool::new(64, 4);
+        let mut s = sched(8, 100);
+        s.waiting.push_back(seq(0, 10));
+        let plan = s.schedule(&mut pool);
+        run(&mut s, &plan);
+        // What the engine does once blocks are computed: register them.
+        let first = &mut s.running[0];
+        first.hash_full_blocks(4);
+        for (b, h) in first.blocks.iter().zip(&first.hashes) {
+            pool.register(*b, *h);
+        }
+        // The same 10-token prompt: its two full blocks are hits, 2 tokens remain.
+        s.waiting.push_back(seq(0, 10));
+        let plan = s.schedule(&mut pool);
+        assert_eq!(
+            plan[1],
+            Planned {
+                index: 1,
+                tokens: 2
+            }
+        );
+        let again = &s.running[1];
+        assert_eq!(again.cached_tokens, Some(8));
+        assert_eq!(again.blocks[..2], s.running[0].blocks[..2]);
+        assert_eq!(pool.stats().hit_tokens, 8);
+    }
+}

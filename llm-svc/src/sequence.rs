@@ -1,0 +1,135 @@
+//! One request inside the engine: its tokens (prompt, then what it has generated), where its
+//! images sit, how far its keys and values are computed, the cache blocks holding them, its
+//! sampler, and the channel its tokens go back through.
+
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+use vlm_compute::HostTensor;
+
+use crate::engine::Event;
+use crate::kv_cache::{block_hash, BlockHash};
+use crate::mrope::PromptPositions;
+use crate::sampler::Sampler;
+
+/// An image's embeddings and where its tokens are in the prompt.
+pub struct PlacedImage {
+    /// First prompt index of its tokens, and how many.
+    pub start: usize,
+    pub len: usize,
+    /// `[len, hidden]`, and one `[len, hidden]` per DeepStack layer.
+    pub embeds: HostTensor,
+    pub deepstack: Vec<HostTensor>,
+    /// Identity of the embeddings (a hash of their bytes and grid), for the prefix cache.
+    pub hash: BlockHash,
+}
+
+/// What a sequence asked for, fixed at submission.
+pub struct SequenceLimits {
+    pub max_new_tokens: usize,
+    /// Most tokens (prompt + generated) the sequence may hold.
+    pub max_len: usize,
+    pub ignore_eos: bool,
+    pub return_logits: bool,
+    pub deadline: Option<Instant>,
+}
+
+pub struct Sequence {
+    pub id: u64,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub positions: PromptPositions,
+    pub images: Vec<PlacedImage>,
+    pub sampler: Sampler,
+    pub limits: SequenceLimits,
+    /// Cache blocks holding this sequence's keys and values, in order.
+    pub blocks: Vec<u32>,
+    /// Tokens whose keys and values are in `blocks`.
+    pub computed: usize,
+    /// Leading blocks registered in the prefix cache.
+    pub registered: usize,
+    /// Hashes of the full blocks so far (a chain: each covers the one before).
+    pub hashes: Vec<BlockHash>,
+    pub events: UnboundedSender<Event>,
+    pub arrived: Instant,
+    pub first_token: Option<Instant>,
+    /// Prompt tokens found in the prefix cache when it was first admitted.
+    pub cached_tokens: Option<usize>,
+    /// Times it gave its blocks back to let others run (and recomputed them later).
+    pub preemptions: usize,
+    /// The request's span (`llm.generate`), and the phase under way in it: `prefill` until
+    /// the first token, then `decode`.
+    pub span: tracing::Span,
+    pub phase: Option<tracing::Span>,
+}
+
+impl Sequence {
+    /// M-RoPE position of token `i`: the prompt's own, then `i + delta` on all three streams.
+    pub fn position(&self, i: usize) -> [u32; 3] {
+        if i < self.prompt_len {
+            self.positions.positions[i]
+        } else {
+            [(i as i64 + self.positions.delta) as u32; 3]
+        }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens whose keys and values are still to compute (1 while decoding).
+    pub fn uncomputed(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Whether the client has gone (its stream dropped).
+    pub fn abandoned(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// Identities of the images with tokens in `range` (prompt indices).
+    fn images_in(&self, range: std::ops::Range<usize>) -> Vec<BlockHash> {
+        self.images
+            .iter()
+            .filter(|img| img.start < range.end && range.start < img.start + img.len)
+            .map(|img| img.hash)
+            .collect()
+    }
+
+    /// Extends `hashes` over every full block of the known tokens.
+    pub fn hash_full_blocks(&mut self, block_size: usize) {
+        let full = self.tokens.len() / block_size;
+        while self.hashes.len() < full {
+            let b = self.hashes.len();
+            let range = b * block_size..(b + 1) * block_size;
+            let images = self.images_in(range.clone());
+            let prev = self.hashes.last().copied();
+            self.hashes
+                .push(block_hash(prev, &self.tokens[range], &images));
+        }
+    }
+
+    /// Rows `range` (token indices) of the sequence that are image tokens, each as (token
+    /// index, image, row of that image).
+    pub fn image_rows(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (usize, &PlacedImage, usize)> {
+        self.images.iter().flat_map(move |img| {
+            let from = range.start.max(img.start);
+            let to = range.end.min(img.start + img.len);
+            (from..to).map(move |i| (i, img, i - img.start))
+        })
+    }
+}
+
+/// An image's identity for the prefix cache: its embeddings' bytes and grid.
+pub fn image_hash(embeds: &HostTensor, grid: [usize; 3]) -> BlockHash {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for g in grid {
+        h.update(&(g as u64).to_le_bytes());
+    }
+    h.update(bytemuck::cast_slice(embeds.data()));
+    h.digest128()
+}
