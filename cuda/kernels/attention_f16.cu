@@ -1,37 +1,73 @@
-// Flash attention for prefill and the ViT (seeds 001 and 003): tiled, online softmax, tensor
-// cores (WMMA, f16 inputs, f32 accumulation), causal or bidirectional, GQA. The score matrix
-// never leaves shared memory. CPU twin: `attention` in cuda/src/cpu.rs (through the Backend op).
+// Flash attention for prefill and the ViT (seeds 001 and 003, in the FlashAttention-2 form):
+// tiled, online softmax, tensor cores (mma.sync m16n8k16: f16 inputs, f32 accumulation), causal
+// or bidirectional, GQA. Scores, probabilities and the output stay in registers; only Q, K and
+// V tiles pass through shared memory. CPU twin: `attention` / `paged_attention` in
+// cuda/src/cpu.rs (through the Backend ops). Runs on sm_80 and later (Jetson Orin's sm_87, H100).
 //
 // A block takes 64 queries of one head; each of its 4 warps owns 16 query rows. Per tile of 64
-// keys: S = Q Kᵀ on tensor cores into shared memory, the online softmax on S row by row (the
-// running max and sum per row, the output rows rescaled), then O += P V on tensor cores. Head
-// dims are padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
+// keys: S = Q Kᵀ (a warp's 16 x 64 scores, 32 floats per thread), masked, the online softmax
+// per row (each thread holds two rows' values; a row's max and sum are reduced over the four
+// threads that share it), P rounded to f16 straight from S's registers into the A operand of
+// O += P V. Q is pre-scaled by 1/sqrt(d) * log2(e) so the exponentials are exp2. Head dims are
+// padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
 //
-// Layouts follow the ops interface: q [nq, hq, d], out [nq, hq * d]. Keys and values come
-// through a loader: contiguous f32 [slots, hkv, d] (`attention`: the ViT), or the paged f16 KV
-// cache through a sequence's block list (`paged_attention`: prefill chunks of an engine step;
-// see paged_f16.cu for the layout). Query i sits at key position first_slot + i; causal: it
-// sees keys up to that; otherwise keys < kv_len.
+// Layouts follow the ops interface: q [nq, hq, d], out [nq, hq * d], both f32. Keys and values
+// come through a loader: contiguous f32 [slots, hkv, d] (`attention`: the ViT), or the paged
+// f16 KV cache through a sequence's block list (`paged_attention`: prefill chunks of an engine
+// step; see paged_f16.cu for the layout). Query i sits at key position first_slot + i; causal:
+// it sees keys up to that; otherwise keys < kv_len.
 
-#include <mma.h>
 #include <cuda_fp16.h>
-
-using namespace nvcuda;
 
 #define FA_WARPS 4
 #define FA_BQ 64  // queries per block: 16 per warp
 #define FA_BK 64  // keys per tile
 
-// Shared memory for head dim padded to DP (dynamic; the host opts in above 48 KB). Must match
-// flash_smem_bytes in cuda/src/cuda/mod.rs: 512 * DP + 25088 bytes.
+// Shared memory, dynamic (the host opts in above 48 KB): Q, K and V tiles of 64 rows, each row
+// DP + 8 halves (the 16-byte pad keeps ldmatrix's eight row reads in distinct banks). Must
+// match flash_smem_bytes in cuda/src/cuda/mod.rs: 384 * (DP + 8) bytes.
 template <int DP>
 struct FaShared {
-    static constexpr int kv = FA_BK * DP;              // halves, each of K and V
-    static constexpr int s = FA_WARPS * 16 * FA_BK;    // floats: scores
-    static constexpr int p = FA_WARPS * 16 * FA_BK;    // halves: probabilities
-    static constexpr int o = FA_WARPS * 16 * DP;       // floats: output rows
-    static constexpr int bytes = 2 * kv * 2 + s * 4 + p * 2 + o * 4 + 2 * FA_BQ * 4;
+    static constexpr int row = DP + 8;          // halves per row
+    static constexpr int tile = 64 * row;       // halves per tile
+    static constexpr int bytes = 3 * tile * 2;
 };
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(unsigned r[2], const half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// d (16x8, f32) += a (16x16, f16, row-major) * b (16x8, f16, column-major).
+__device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
 
 // Keys and values of contiguous f32 rows [slots, hkv, d], rounded to f16 as they are staged.
 struct ContiguousF32Kv {
@@ -39,15 +75,15 @@ struct ContiguousF32Kv {
     const float* __restrict__ v;
     int hkv, d;
 
-    // K and V rows kt.. of head kvh into Ks, Vs [FA_BK, DP] (zeros past kv_end and d).
+    // K and V rows kt.. of head kvh into Ks, Vs [64][DP + 8] (zeros past kv_end and d).
     template <int DP>
     __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
         for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
             int r = idx / DP, c = idx % DP, j = kt + r;
             bool in = j < kv_end && c < d;
             size_t at = ((size_t)j * hkv + kvh) * d + c;
-            Ks[idx] = __float2half_rn(in ? __ldg(k + at) : 0.0f);
-            Vs[idx] = __float2half_rn(in ? __ldg(v + at) : 0.0f);
+            Ks[r * FaShared<DP>::row + c] = __float2half_rn(in ? __ldg(k + at) : 0.0f);
+            Vs[r * FaShared<DP>::row + c] = __float2half_rn(in ? __ldg(v + at) : 0.0f);
         }
     }
 };
@@ -68,6 +104,7 @@ struct PagedF16Kv {
 
     template <int DP>
     __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
+        constexpr int R = FaShared<DP>::row;
         if (d == DP) {
             constexpr int V8 = DP / 8;
             for (int idx = threadIdx.x; idx < FA_BK * V8; idx += blockDim.x) {
@@ -78,8 +115,8 @@ struct PagedF16Kv {
                     kr = __ldg(reinterpret_cast<const uint4*>(k + at));
                     vr = __ldg(reinterpret_cast<const uint4*>(v + at));
                 }
-                *reinterpret_cast<uint4*>(Ks + r * DP + c) = kr;
-                *reinterpret_cast<uint4*>(Vs + r * DP + c) = vr;
+                *reinterpret_cast<uint4*>(Ks + r * R + c) = kr;
+                *reinterpret_cast<uint4*>(Vs + r * R + c) = vr;
             }
             return;
         }
@@ -87,49 +124,56 @@ struct PagedF16Kv {
             int r = idx / DP, c = idx % DP, j = kt + r;
             bool in = j < kv_end && c < d;
             size_t at = in ? row(j, kvh) + c : 0;
-            Ks[idx] = in ? k[at] : __float2half_rn(0.0f);
-            Vs[idx] = in ? v[at] : __float2half_rn(0.0f);
+            Ks[r * R + c] = in ? k[at] : __float2half_rn(0.0f);
+            Vs[r * R + c] = in ? v[at] : __float2half_rn(0.0f);
         }
     }
 };
 
+// Queries q0.. (up to 64, of nq) of head blockIdx.y; `kvs` stages their keys and values.
 template <int DP, typename Kv>
 __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, float* __restrict__ out,
                                 int q0, int nq, int hq, int hkv, int d, int kv_len, int causal,
                                 int first_slot, float scale) {
-    extern __shared__ __align__(128) unsigned char fa_smem[];  // WMMA wants 256-bit aligned tiles
-    half* Ks = reinterpret_cast<half*>(fa_smem);
-    half* Vs = Ks + FaShared<DP>::kv;
-    float* S = reinterpret_cast<float*>(Vs + FaShared<DP>::kv);
-    half* P = reinterpret_cast<half*>(S + FaShared<DP>::s);
-    float* O = reinterpret_cast<float*>(P + FaShared<DP>::p);
-    float* row_max = O + FaShared<DP>::o;
-    float* row_sum = row_max + FA_BQ;
+    constexpr int R = FaShared<DP>::row;
+    constexpr int KD = DP / 16;      // k-steps of Q Kᵀ
+    constexpr int ND = DP / 8;       // n-tiles of the output
+    constexpr int NK = FA_BK / 8;    // n-tiles of the scores
+    extern __shared__ __align__(128) unsigned char fa_smem[];
+    half* Qs = reinterpret_cast<half*>(fa_smem);
+    half* Ks = Qs + FaShared<DP>::tile;
+    half* Vs = Ks + FaShared<DP>::tile;
 
     const int h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;  // the fragment row and column pair of this thread
     const int kvh = h / (hq / hkv);
-    float* Sw = S + warp * 16 * FA_BK;
-    half* Pw = P + warp * 16 * FA_BK;
-    float* Ow = O + warp * 16 * DP;
+    // exp(x) = exp2(x log2 e): fold log2 e into Q's scale.
+    const float qscale = scale * 1.4426950408889634f;
 
-    // Q, scaled, as f16 fragments held in registers for the whole block (staged through Ks).
     for (int idx = threadIdx.x; idx < FA_BQ * DP; idx += blockDim.x) {
         int r = idx / DP, c = idx % DP, i = q0 + r;
-        float val = (i < nq && c < d) ? q[((size_t)i * hq + h) * d + c] * scale : 0.0f;
-        Ks[idx] = __float2half_rn(val);
-    }
-    for (int idx = threadIdx.x; idx < FA_WARPS * 16 * DP; idx += blockDim.x) O[idx] = 0.0f;
-    if (threadIdx.x < FA_BQ) {
-        row_max[threadIdx.x] = NEG_INF;
-        row_sum[threadIdx.x] = 0.0f;
+        float val = (i < nq && c < d) ? q[((size_t)i * hq + h) * d + c] * qscale : 0.0f;
+        Qs[r * R + c] = __float2half_rn(val);
     }
     __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf[DP / 16];
+    // This warp's 16 query rows as A fragments, one per 16 dims.
+    unsigned qf[KD][4];
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) wmma::load_matrix_sync(qf[kk], Ks + warp * 16 * DP + kk * 16, DP);
-    __syncthreads();
+    for (int kk = 0; kk < KD; ++kk)
+        ldmatrix_x4(qf[kk], Qs + (warp * 16 + lane % 16) * R + kk * 16 + 8 * (lane / 16));
 
+    float o[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    // The two query rows this thread holds, and the keys each may see.
+    int qi[2], visible[2];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        qi[hrow] = q0 + warp * 16 + g + 8 * hrow;
+        visible[hrow] = causal ? min(kv_len, first_slot + qi[hrow] + 1) : kv_len;
+    }
     // Keys any query of this block can see.
     int last_q = min(q0 + FA_BQ, nq) - 1;
     int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
@@ -138,74 +182,96 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
         kvs.template stage<DP>(Ks, Vs, kt, kv_end, kvh);
         __syncthreads();
 
-        // S (16 x 64 for this warp) = Q Kᵀ; Kᵀ read column-major straight from K's rows.
+        // S (16 x 64 for this warp) = Q Kᵀ.
+        float s[NK][4];
 #pragma unroll
-        for (int nb = 0; nb < FA_BK / 16; ++nb) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.0f);
+        for (int n = 0; n < NK; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < DP / 16; ++kk) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, Ks + nb * 16 * DP + kk * 16, DP);
-                wmma::mma_sync(acc, qf[kk], kf, acc);
+            for (int kk = 0; kk < KD; ++kk) {
+                unsigned b[2];
+                ldmatrix_x2(b, Ks + (n * 8 + lane % 8) * R + kk * 16 + 8 * ((lane / 8) % 2));
+                mma_16816(s[n], qf[kk], b[0], b[1]);
             }
-            wmma::store_matrix_sync(Sw + nb * 16, acc, FA_BK, wmma::mem_row_major);
         }
-        __syncwarp();
-
-        // Online softmax, one row at a time; each lane holds two of the row's 64 scores.
-        for (int r = 0; r < 16; ++r) {
-            int i = q0 + warp * 16 + r;
-            int visible = causal ? min(kv_len, first_slot + i + 1) : kv_len;
-            int j0 = kt + lane, j1 = kt + lane + 32;
-            float s0 = j0 < visible ? Sw[r * FA_BK + lane] : NEG_INF;
-            float s1 = j1 < visible ? Sw[r * FA_BK + lane + 32] : NEG_INF;
-            float mx = fmaxf(s0, s1);
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-            float m_old = row_max[warp * 16 + r];
-            float m_new = fmaxf(m_old, mx);
+        // Mask, then the running max of each of this thread's two rows over the quad.
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < NK; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int hrow = e / 2, key = kt + n * 8 + 2 * t + (e % 2);
+                if (key >= visible[hrow]) s[n][e] = NEG_INF;
+                tile_max[hrow] = fmaxf(tile_max[hrow], s[n][e]);
+            }
+        }
+        float corr[2], m_use[2];
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            float mx = tile_max[hrow];
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            float m_new = fmaxf(m_run[hrow], mx);
             // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
-            float corr = m_new == NEG_INF ? 1.0f : expf(m_old - m_new);
-            float p0 = m_new == NEG_INF ? 0.0f : expf(s0 - m_new);
-            float p1 = m_new == NEG_INF ? 0.0f : expf(s1 - m_new);
-            float sum = p0 + p1;
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-            Pw[r * FA_BK + lane] = __float2half_rn(p0);
-            Pw[r * FA_BK + lane + 32] = __float2half_rn(p1);
-            for (int c = lane; c < DP; c += 32) Ow[r * DP + c] *= corr;
-            __syncwarp();
-            if (lane == 0) {
-                row_max[warp * 16 + r] = m_new;
-                row_sum[warp * 16 + r] = row_sum[warp * 16 + r] * corr + sum;
-            }
+            m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
+            corr[hrow] = m_new == NEG_INF ? 1.0f : exp2f(m_run[hrow] - m_new);
+            m_run[hrow] = m_new;
         }
-        __syncwarp();
-
-        // O (16 x DP) += P (16 x 64) V (64 x DP).
+        float tile_sum[2] = {0.0f, 0.0f};
+        unsigned pf[FA_BK / 16][4];
 #pragma unroll
-        for (int nb = 0; nb < DP / 16; ++nb) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::load_matrix_sync(acc, Ow + nb * 16, DP, wmma::mem_row_major);
+        for (int n = 0; n < NK; ++n) {
+            float p[4];
 #pragma unroll
-            for (int kk = 0; kk < FA_BK / 16; ++kk) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> pf;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::row_major> vf;
-                wmma::load_matrix_sync(pf, Pw + kk * 16, FA_BK);
-                wmma::load_matrix_sync(vf, Vs + kk * 16 * DP + nb * 16, DP);
-                wmma::mma_sync(acc, pf, vf, acc);
+            for (int e = 0; e < 4; ++e) {
+                p[e] = exp2f(s[n][e] - m_use[e / 2]);  // exp2(-inf) = 0 for masked keys
+                tile_sum[e / 2] += p[e];
             }
-            wmma::store_matrix_sync(Ow + nb * 16, acc, DP, wmma::mem_row_major);
+            // The C layout of tile n is the A layout of keys 16(n/2).. (halves a0/a1 or a2/a3).
+            pf[n / 2][(n % 2) * 2 + 0] = pack_half2(p[0], p[1]);
+            pf[n / 2][(n % 2) * 2 + 1] = pack_half2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            float sum = tile_sum[hrow];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            l_run[hrow] = l_run[hrow] * corr[hrow] + sum;
+        }
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            o[n][0] *= corr[0];
+            o[n][1] *= corr[0];
+            o[n][2] *= corr[1];
+            o[n][3] *= corr[1];
+        }
+        // O (16 x DP) += P (16 x 64) V (64 x DP); V read transposed, two dim tiles at a time.
+#pragma unroll
+        for (int kk = 0; kk < FA_BK / 16; ++kk) {
+#pragma unroll
+            for (int n = 0; n < ND; n += 2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, Vs + (kk * 16 + lane % 16) * R + (n + lane / 16) * 8);
+                mma_16816(o[n], pf[kk], b[0], b[1]);
+                mma_16816(o[n + 1], pf[kk], b[2], b[3]);
+            }
         }
         __syncthreads();  // before the next tile overwrites K and V
     }
 
-    __syncwarp();
-    for (int r = 0; r < 16; ++r) {
-        int i = q0 + warp * 16 + r;
-        if (i >= nq) break;
-        float total = row_sum[warp * 16 + r];
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;  // no key at all (kv_len 0): zeros
-        for (int c = lane; c < d; c += 32) out[((size_t)i * hq + h) * d + c] = Ow[r * DP + c] * inv;
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        int i = qi[hrow];
+        if (i >= nq) continue;
+        // No key at all (kv_len 0): zeros.
+        float inv = l_run[hrow] > 0.0f ? 1.0f / l_run[hrow] : 0.0f;
+        float* dst = out + ((size_t)i * hq + h) * d;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            int c = n * 8 + 2 * t;
+            if (c < d) dst[c] = o[n][2 * hrow] * inv;
+            if (c + 1 < d) dst[c + 1] = o[n][2 * hrow + 1] * inv;
+        }
     }
 }
 

@@ -54,6 +54,17 @@ extern "C" __global__ void silu_mul_f32(const float* __restrict__ gate, const fl
     }
 }
 
+// SwiGLU after one GEMM over gate and up stacked: out[r, j] = silu(y[r, j]) * y[r, m + j] for
+// y [n, 2m], out [n, m].
+extern "C" __global__ void silu_mul_halves_f32(const float* __restrict__ y, float* __restrict__ out,
+                                               int m, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n * m) return;
+    int r = i / m, j = i % m;
+    float g = y[(size_t)r * 2 * m + j];
+    out[i] = g / (1.0f + expf(-g)) * y[(size_t)r * 2 * m + m + j];
+}
+
 // One block per row.
 extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                           const float* __restrict__ b, float* __restrict__ out,

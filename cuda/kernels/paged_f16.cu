@@ -40,6 +40,64 @@ extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsign
     }
 }
 
+#define QK_WARPS 4     // heads handled at once per row by qkv_to_cache
+#define QK_MAX_DIM 256
+
+// A step's attention inputs from the fused projection qkv [n, (hq + 2 hkv) d] (q heads, k
+// heads, v heads): q and k RMS-normed per head (q_norm, k_norm [d]) and rotated (rotate-half,
+// cos/sin [n, d]); q to q_out [n, hq, d]; k and v into the caches at slots[r]. One block per
+// row, one warp per head at a time; a head's normed values go through shared memory, since
+// rotate-half pairs dims i and i + d/2. A slot outside the cache writes nothing.
+extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
+                                            const float* __restrict__ q_norm,
+                                            const float* __restrict__ k_norm, float eps,
+                                            const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t,
+                                            const unsigned* __restrict__ slots,
+                                            float* __restrict__ q_out, __half* __restrict__ k_cache,
+                                            __half* __restrict__ v_cache, int hq, int hkv, int d,
+                                            unsigned num_slots) {
+    __shared__ float buf[QK_WARPS][QK_MAX_DIM];
+    const int r = blockIdx.x, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const float* row = qkv + (size_t)r * (hq + 2 * hkv) * d;
+    const float* c = cos_t + (size_t)r * d;
+    const float* s = sin_t + (size_t)r * d;
+    const unsigned slot = slots[r];
+    const bool cached = slot < num_slots;
+    const int half = d / 2;
+    for (int h = warp; h < hq + 2 * hkv; h += QK_WARPS) {
+        const float* x = row + (size_t)h * d;
+        if (h >= hq + hkv) {
+            if (cached) {
+                __half* dst = v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * d;
+                for (int i = lane; i < d; i += WARP) dst[i] = __float2half_rn(x[i]);
+            }
+            continue;
+        }
+        const float* w = h < hq ? q_norm : k_norm;
+        float ss = 0.0f;
+        for (int i = lane; i < d; i += WARP) ss += x[i] * x[i];
+        float inv = rsqrtf(warp_sum(ss) / d + eps);
+        for (int i = lane; i < d; i += WARP) buf[warp][i] = w[i] * (x[i] * inv);
+        __syncwarp();
+        for (int i = lane; i < half; i += WARP) {
+            float x1 = buf[warp][i], x2 = buf[warp][i + half];
+            float o1 = x1 * c[i] - x2 * s[i];
+            float o2 = x2 * c[i + half] + x1 * s[i + half];
+            if (h < hq) {
+                float* dst = q_out + ((size_t)r * hq + h) * d;
+                dst[i] = o1;
+                dst[i + half] = o2;
+            } else if (cached) {
+                __half* dst = k_cache + ((size_t)slot * hkv + (h - hq)) * d;
+                dst[i] = __float2half_rn(o1);
+                dst[i + half] = __float2half_rn(o2);
+            }
+        }
+        __syncwarp();
+    }
+}
+
 // E consecutive halves at p (E = D / 32 per lane) as floats.
 template <int E>
 __device__ __forceinline__ void load_halves(const __half* __restrict__ p, float f[E]) {

@@ -84,18 +84,18 @@ extern "C" __global__ void gemv_f16w(const float* __restrict__ x, const __half* 
     }
 }
 
-// The text MLP's first half in one pass over both matrices (seed 002):
-// out[r, j] = silu(x[r] . gate[j]) * (x[r] . up[j]), with silu(g) = g / (1 + exp(-g)).
+// The text MLP's first half in one pass over both matrices (seed 002), stacked in one weight
+// gate_up [2m, k] (gate's rows first): out[r, j] = silu(x[r] . gate[j]) * (x[r] . up[j]), with
+// silu(g) = g / (1 + exp(-g)).
 extern "C" __global__ void swiglu_gemv_f16w(const float* __restrict__ x,
-                                            const __half* __restrict__ gate,
-                                            const __half* __restrict__ up,
+                                            const __half* __restrict__ gate_up,
                                             float* __restrict__ out, int rows, int m, int k) {
     int j = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     int lane = threadIdx.x % WARP;
     if (j >= m) return;
     float g[GEMV_MAX_ROWS], u[GEMV_MAX_ROWS];
-    row_dots(x, gate + (size_t)j * k, rows, k, lane, g);
-    row_dots(x, up + (size_t)j * k, rows, k, lane, u);
+    row_dots(x, gate_up + (size_t)j * k, rows, k, lane, g);
+    row_dots(x, gate_up + (size_t)(m + j) * k, rows, k, lane, u);
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < GEMV_MAX_ROWS; ++r)

@@ -34,6 +34,30 @@ pub fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
+/// How [`Backend::qkv_to_cache`] turns a fused q/k/v projection into attention inputs.
+pub struct QkvToCache<'a, B: Backend + ?Sized> {
+    /// Query heads; the cache's shape gives the KV heads and the head dim.
+    pub q_heads: usize,
+    /// Per-head RMSNorm weights `[d]` of q and k, and its epsilon.
+    pub q_norm: &'a B::Tensor,
+    pub k_norm: &'a B::Tensor,
+    pub eps: f32,
+    /// Rotary tables `[n, d]` at each row's position (rotate-half form, both halves filled).
+    pub cos: &'a B::Tensor,
+    pub sin: &'a B::Tensor,
+    /// `[n]` cache slot of each row.
+    pub slots: &'a B::Ids,
+}
+
+/// Where device time went, per op ([`Backend::op_times`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTime {
+    /// The kernel (or library call) name.
+    pub op: &'static str,
+    pub launches: usize,
+    pub ms: f64,
+}
+
 /// How the query rows of a batched step map onto sequences, and which cached keys each
 /// sequence's queries see: the paged attention of an engine step (vLLM's `PagedAttention`).
 ///
@@ -132,6 +156,23 @@ pub trait Backend: Send + Sync + 'static {
     /// `out` holds at least `n` ids.
     fn argmax_rows(&self, x: &Self::Tensor, out: &mut Self::Ids) -> Result<()>;
 
+    // ---- profiling ----
+    /// Starts (`on`) or stops timing every op on the device (`vlm bench --profile`); `false`
+    /// where the backend cannot. While ops are timed, [`Backend::record`] records nothing, so
+    /// steps run op by op and each op is timed on its own.
+    fn time_ops(&self, on: bool) -> Result<bool> {
+        let _ = on;
+        Ok(false)
+    }
+    /// Whether ops are being timed now (then steps are not replayed from recordings either).
+    fn timing_ops(&self) -> bool {
+        false
+    }
+    /// Device time per op (kernel name) since timing started or was last read, slowest first.
+    fn op_times(&self) -> Result<Vec<OpTime>> {
+        Ok(Vec::new())
+    }
+
     // ---- recording ----
     /// Records what `ops` enqueues, without running it, for [`Backend::replay`]: one launch
     /// instead of hundreds per decoded token. Only ops whose every input and output buffer
@@ -152,16 +193,13 @@ pub trait Backend: Send + Sync + 'static {
         w: &Self::Weight,
         b: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
-    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, the text MLP's SwiGLU before `down_proj`. Backends may
-    /// fuse it (one pass over both matrices when decoding, seed 002); this is the reference.
-    fn swiglu(
-        &self,
-        x: &Self::Tensor,
-        gate: &Self::Weight,
-        up: &Self::Weight,
-    ) -> Result<Self::Tensor> {
-        self.silu_mul(&self.linear(x, gate, None)?, &self.linear(x, up, None)?)
-    }
+    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`, the text MLP's SwiGLU before `down_proj`, with `gate`
+    /// and `up` stacked in one weight `gate_up [2m, k]` (gate's rows first): one GEMM over both
+    /// (one pass over both matrices when decoding, seed 002). Returns `[n, m]`.
+    fn swiglu(&self, x: &Self::Tensor, gate_up: &Self::Weight) -> Result<Self::Tensor>;
+    /// The weights `parts` (same row width) stacked into one, rows of the first first: the
+    /// fused projections the text model loads (q/k/v, gate/up).
+    fn stack_weights(&self, parts: &[&Self::Weight]) -> Result<Self::Weight>;
     /// Elementwise `a + b`, same shapes.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor>;
     /// LayerNorm over the last dim with weight and bias.
@@ -272,6 +310,17 @@ pub trait Backend: Send + Sync + 'static {
         slots: &Self::Ids,
         rows: &Self::Tensor,
     ) -> Result<()>;
+    /// The attention inputs of a step, from the fused projection `qkv [n, (hq + 2 hkv) d]`
+    /// (q heads, then k, then v): q and k RMS-normed per head and rotated as `how` says, k and
+    /// v written into `k_cache`, `v_cache` at its slots (as [`Backend::write_kv`]). Returns q
+    /// `[n, hq, d]`. One pass instead of a split, two norms, two rotations and two writes.
+    fn qkv_to_cache(
+        &self,
+        qkv: &Self::Tensor,
+        how: &QkvToCache<Self>,
+        k_cache: &mut Self::Cache,
+        v_cache: &mut Self::Cache,
+    ) -> Result<Self::Tensor>;
     /// Attention of every sequence's queries `q [rows, hq, d]` over its cached keys and
     /// values (GQA: `hq` a multiple of the cache's heads), laid out by `batch`. Returns
     /// `[rows, hq * d]`; rows that belong to no sequence are zero.

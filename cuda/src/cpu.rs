@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch};
+use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache};
 use crate::{Error, HostTensor, Result};
 
 /// Rows per rayon task for cheap elementwise/row ops: below this, threading costs more than it saves.
@@ -322,6 +322,85 @@ impl Backend for CpuBackend {
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
         HostTensor::new(gate.shape().to_vec(), data)
+    }
+
+    fn swiglu(&self, x: &HostTensor, gate_up: &HostTensor) -> Result<HostTensor> {
+        let m2 = gate_up.shape().first().copied().unwrap_or(0);
+        if gate_up.shape().len() != 2 || m2 % 2 != 0 {
+            return Err(Error::shape(
+                "swiglu",
+                format!("gate_up must be [2m, k], got {:?}", gate_up.shape()),
+            ));
+        }
+        let y = self.linear(x, gate_up, None)?;
+        let m = m2 / 2;
+        let mut out = HostTensor::zeros(vec![y.rows(), m]);
+        out.data_mut()
+            .par_chunks_mut(m.max(1))
+            .zip(y.data().par_chunks(m2.max(1)))
+            .for_each(|(o, r)| {
+                let (gate, up) = r.split_at(m);
+                for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            });
+        Ok(out)
+    }
+
+    fn stack_weights(&self, parts: &[&HostTensor]) -> Result<HostTensor> {
+        let owned: Vec<HostTensor> = parts.iter().map(|&p| p.clone()).collect();
+        HostTensor::concat_rows(&owned)
+    }
+
+    fn qkv_to_cache(
+        &self,
+        qkv: &HostTensor,
+        how: &QkvToCache<Self>,
+        k_cache: &mut HostTensor,
+        v_cache: &mut HostTensor,
+    ) -> Result<HostTensor> {
+        let [_, hkv, d] = *k_cache.shape() else {
+            return Err(Error::shape(
+                "qkv_to_cache",
+                format!(
+                    "the cache must be [slots, heads, d], got {:?}",
+                    k_cache.shape()
+                ),
+            ));
+        };
+        let hq = how.q_heads;
+        let n = qkv.rows();
+        if qkv.cols() != (hq + 2 * hkv) * d
+            || how.slots.len() != n
+            || v_cache.shape() != k_cache.shape()
+        {
+            return Err(Error::shape(
+                "qkv_to_cache",
+                format!(
+                    "qkv {:?} for {hq} + 2 x {hkv} heads of {d}, {} slots, caches {:?} and {:?}",
+                    qkv.shape(),
+                    how.slots.len(),
+                    k_cache.shape(),
+                    v_cache.shape()
+                ),
+            ));
+        }
+        // Split the columns, then the same steps as the unfused model: norm, rotate, write.
+        let cols = |from: usize, heads: usize| -> Result<HostTensor> {
+            let mut data = Vec::with_capacity(n * heads * d);
+            for r in 0..n {
+                data.extend_from_slice(&qkv.row(r)[from * d..(from + heads) * d]);
+            }
+            HostTensor::new(vec![n, heads, d], data)
+        };
+        let normed_rotated = |x: HostTensor, w: &HostTensor| {
+            self.rope(&self.rms_norm(&x, w, how.eps)?, how.cos, how.sin)
+        };
+        let q = normed_rotated(cols(0, hq)?, how.q_norm)?;
+        let k = normed_rotated(cols(hq, hkv)?, how.k_norm)?;
+        self.write_kv(k_cache, how.slots, &k)?;
+        self.write_kv(v_cache, how.slots, &cols(hq + hkv, hkv)?)?;
+        Ok(q)
     }
 
     fn rope(&self, x: &HostTensor, cos: &HostTensor, sin: &HostTensor) -> Result<HostTensor> {

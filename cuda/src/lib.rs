@@ -24,7 +24,7 @@ mod tensor;
 pub mod twin;
 mod weights;
 
-pub use backend::{argmax, AttnMask, Backend, GeluKind, PagedBatch};
+pub use backend::{argmax, AttnMask, Backend, GeluKind, OpTime, PagedBatch, QkvToCache};
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 pub use error::{Error, Result};

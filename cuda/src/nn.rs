@@ -21,6 +21,35 @@ impl<B: Backend> Linear<B> {
         })
     }
 
+    /// Several projections of the same input stacked into one (`parts`: each prefix with its
+    /// output size, in order), so one GEMM computes them all: q/k/v, gate/up. Outputs come in
+    /// the parts' order along the last dim.
+    pub fn load_stacked(
+        be: &B,
+        parts: &[(&WeightPrefix, usize)],
+        inp: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let weights = parts
+            .iter()
+            .map(|(w, out)| w.load_weight(be, "weight", &[*out, inp]))
+            .collect::<Result<Vec<_>>>()?;
+        let b = if bias {
+            let mut all = Vec::new();
+            for (w, out) in parts {
+                all.extend(w.get("bias", &[*out])?.into_data());
+            }
+            let n = all.len();
+            Some(be.upload(&HostTensor::new(vec![n], all)?)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            w: be.stack_weights(&weights.iter().collect::<Vec<_>>())?,
+            b,
+        })
+    }
+
     /// From host tensors already in shape (for weights the checkpoint stores differently).
     pub fn from_host(be: &B, w: &HostTensor, b: Option<&HostTensor>) -> Result<Self> {
         Ok(Self {

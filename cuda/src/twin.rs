@@ -85,6 +85,13 @@ pub enum Case {
         dim: usize,
         block_size: usize,
     },
+    /// A fused q/k/v projection's rows normed, rotated and written into the caches.
+    QkvToCache {
+        tokens: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        dim: usize,
+    },
     /// Rows written into a cache at scattered slots read from the device.
     WriteKv {
         slots: usize,
@@ -237,6 +244,12 @@ impl Case {
                 dim,
                 rows,
             } => format!("write_kv {rows} rows into [{slots},{heads},{dim}]"),
+            Case::QkvToCache {
+                tokens,
+                q_heads,
+                kv_heads,
+                dim,
+            } => format!("qkv_to_cache {tokens} tokens h{q_heads}/{kv_heads} d{dim}"),
             Case::ArgmaxRows { rows, n, tie } => {
                 format!("argmax_rows {rows} x {n} (tie {tie:?})")
             }
@@ -297,6 +310,8 @@ impl Case {
                     1e-4
                 }
             }
+            // Normed, rotated keys rounded to f16 in the cache (2^-11 relative).
+            Case::QkvToCache { .. } => 1e-3,
             // The cache holds f16-exact keys and values on both sides; prefill chunks of 16
             // queries and more also round Q and the probabilities to f16 (flash attention).
             Case::PagedAttention { seqs, decode, .. } => {
@@ -337,7 +352,7 @@ impl Case {
                 let x = be.upload(&f16_exact(input(&[n, k], 14)))?;
                 let gate = be.upload_weight(&f16_exact(input(&[m, k], 15)))?;
                 let upw = be.upload_weight(&f16_exact(input(&[m, k], 16)))?;
-                be.swiglu(&x, &gate, &upw)?
+                be.swiglu(&x, &be.stack_weights(&[&gate, &upw])?)?
             }
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
@@ -380,6 +395,35 @@ impl Case {
                 dim,
                 block_size,
             } => return paged_attention(be, seqs, decode, [q_heads, kv_heads, dim], block_size),
+            Case::QkvToCache {
+                tokens,
+                q_heads,
+                kv_heads,
+                dim,
+            } => {
+                let slots = tokens * 3 + 5;
+                let mut k = be.zeros_cache(slots, kv_heads, dim)?;
+                let mut v = be.zeros_cache(slots, kv_heads, dim)?;
+                let at: Vec<u32> = (0..tokens).map(|i| ((i * 3 + 2) % slots) as u32).collect();
+                let (q_norm, k_norm) = (up(&[dim], 43)?, up(&[dim], 44)?);
+                let (cos, sin) = (up(&[tokens, dim], 45)?, up(&[tokens, dim], 46)?);
+                let ids = be.upload_ids(&at)?;
+                let how = crate::QkvToCache {
+                    q_heads,
+                    q_norm: &q_norm,
+                    k_norm: &k_norm,
+                    eps: 1e-6,
+                    cos: &cos,
+                    sin: &sin,
+                    slots: &ids,
+                };
+                let qkv = up(&[tokens, (q_heads + 2 * kv_heads) * dim], 47)?;
+                let q = be.qkv_to_cache(&qkv, &how, &mut k, &mut v)?;
+                let mut all = be.download(&q)?.into_data();
+                all.extend(be.download_cache(&k)?.into_data());
+                all.extend(be.download_cache(&v)?.into_data());
+                return HostTensor::new(vec![all.len()], all);
+            }
             Case::WriteKv {
                 slots,
                 heads,
@@ -712,6 +756,18 @@ pub fn self_check_cases() -> Vec<Case> {
         });
     }
     cases.extend([
+        QkvToCache {
+            tokens: 3,
+            q_heads: 32,
+            kv_heads: 8,
+            dim: 128,
+        },
+        QkvToCache {
+            tokens: 5,
+            q_heads: 4,
+            kv_heads: 2,
+            dim: 40,
+        },
         WriteKv {
             slots: 600,
             heads: 8,

@@ -192,7 +192,16 @@ fn paged_kv_cache_at_real_sizes() {
             dim,
             rows,
         });
-    check_all(&g, paged.into_iter().chain(writes));
+    // The fused q/k/v step of the 8B model at a prefill chunk, and the tiny fixture's sizes.
+    let qkv = [(512, 32, 8, 128), (7, 4, 2, 32)].map(|(tokens, q_heads, kv_heads, dim)| {
+        Case::QkvToCache {
+            tokens,
+            q_heads,
+            kv_heads,
+            dim,
+        }
+    });
+    check_all(&g, paged.into_iter().chain(writes).chain(qkv));
     // Greedy picks on the device: the 8B vocabulary at batch 1 and 128, a tie (the first
     // wins), short rows; the rows a step's logits come from.
     check_all(
@@ -324,6 +333,7 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "embedding_f16w",
             "fill_uniform_f16",
             "write_kv_f16",
+            "qkv_to_cache_f32",
             "paged_decode_partial_d128",
             "paged_decode_combine",
             "paged_attention_rows_f16",

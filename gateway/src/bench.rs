@@ -38,6 +38,11 @@ pub struct BenchOptions {
     /// Contexts at which decoding is measured, and how many tokens are decoded each time.
     pub decode_contexts: Vec<usize>,
     pub decode_tokens: usize,
+    /// Batch sizes of the batched-decode rows (sequences decoding together, each at the first
+    /// of `decode_contexts`).
+    pub decode_batches: Vec<usize>,
+    /// Also print where a prefill and a batched decode step spend device time, op by op.
+    pub profile: bool,
     /// The time-to-first-token request: one square image of this side and about this many
     /// text tokens.
     pub ttft_image_side: usize,
@@ -125,9 +130,17 @@ pub fn run<B: Backend + Clone>(
         .copied()
         .max()
         .unwrap_or(0);
+    let batch_context = opts.decode_contexts.first().copied().unwrap_or(512);
+    let most_seqs = opts.decode_batches.iter().copied().max().unwrap_or(1);
     let engine = llm_svc::EngineConfig {
         max_batch_tokens: longest.max(2048),
-        kv_cache: llm_svc::KvCacheSize::Tokens(longest + opts.decode_tokens + 4096),
+        max_batch_seqs: most_seqs.max(1),
+        kv_cache: llm_svc::KvCacheSize::Tokens(
+            (longest + opts.decode_tokens + 64)
+                .max(most_seqs * (batch_context + opts.decode_tokens + 64)),
+        ),
+        // Every run repeats its prompt: cached blocks would make prefill look free.
+        prefix_caching: false,
         ..llm_svc::EngineConfig::default()
     };
     let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), engine)?;
@@ -140,6 +153,7 @@ pub fn run<B: Backend + Clone>(
         + opts.prefill_tokens.len()
         + 1
         + opts.decode_contexts.len()
+        + opts.decode_batches.len()
         + opts.through_gateway as usize;
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
@@ -295,6 +309,35 @@ pub fn run<B: Backend + Clone>(
         meas.roofline = Some(meas.throughput() * bytes_per_token / bandwidth);
         out.push(meas);
     }
+    for &batch in &opts.decode_batches {
+        bar.set_message(format!("decode batch {batch}"));
+        let s = time(opts, &bar, || {
+            batched_decode(
+                &pipeline.engine,
+                batch,
+                batch_context,
+                opts.decode_tokens,
+                || Ok(()),
+            )
+        })?;
+        let kv_bytes = batch as f64
+            * (batch_context + opts.decode_tokens / 2) as f64
+            * llm_svc::PagedKv::<B>::bytes_per_token(&tcfg) as f64;
+        let mut meas = Measurement {
+            name: format!("decode: batch {batch} at context {batch_context}"),
+            seconds: s,
+            work: batch as f64,
+            unit: "token",
+            roofline: None,
+        };
+        // One step reads the weights once and every sequence's cache.
+        let step_bytes = params * B::WEIGHT_BYTES as f64 + kv_bytes;
+        meas.roofline = Some(meas.throughput() / batch as f64 * step_bytes / bandwidth);
+        out.push(meas);
+    }
+    if opts.profile {
+        profile_steps(&backend, &pipeline, batch_context, most_seqs)?;
+    }
     memory_row(
         &mut out,
         "memory: both models, KV cache, activations",
@@ -318,6 +361,112 @@ pub fn run<B: Backend + Clone>(
     }
     bar.finish_and_clear();
     Ok(out)
+}
+
+/// Seconds per decode step with `batch` sequences decoding together at about `context` tokens:
+/// all are prefilled first, then the time from the last first token to the end is divided by
+/// the steps run (`tokens` each).
+/// `prefilled` runs once every sequence has its first token.
+fn batched_decode(
+    engine: &llm_svc::Engine,
+    batch: usize,
+    context: usize,
+    tokens: usize,
+    mut prefilled: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<Duration> {
+    let mut streams = Vec::with_capacity(batch);
+    for b in 0..batch {
+        // Distinct prompts (no shared prefix), ids away from the special tokens.
+        let prompt = (0..context)
+            .map(|i| ((i * 7 + b * 13) % 200 + 10) as u32)
+            .collect();
+        let req = GenerateRequest {
+            prompt,
+            images: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: tokens + 1,
+            ignore_eos: true,
+            return_logits: false,
+        };
+        streams.push(engine.submit(req, None, tracing::Span::none())?);
+    }
+    // Every sequence's first token (the prefills), then the decode steps.
+    let mut firsts = Vec::with_capacity(batch);
+    for s in &mut streams {
+        match s.blocking_recv() {
+            Some(llm_svc::Event::Token { .. }) => firsts.push(Instant::now()),
+            other => anyhow::bail!("batched decode: expected a first token, got {other:?}"),
+        }
+    }
+    prefilled()?;
+    let started = firsts.into_iter().max().expect("batch >= 1");
+    let mut ended = started;
+    for s in &mut streams {
+        loop {
+            match s.blocking_recv() {
+                Some(llm_svc::Event::Token { .. }) => {}
+                Some(llm_svc::Event::Finished(_)) => break,
+                other => anyhow::bail!("batched decode: {other:?}"),
+            }
+        }
+        ended = ended.max(Instant::now());
+    }
+    Ok((ended - started) / tokens.max(1) as u32)
+}
+
+/// `vlm bench --profile`: device time per op of a 512- and a 2048-token prefill and of a
+/// decode step of `batch` sequences, printed slowest first (steps run op by op meanwhile).
+fn profile_steps<B: Backend + Clone>(
+    be: &B,
+    pipeline: &Pipeline<B>,
+    context: usize,
+    batch: usize,
+) -> anyhow::Result<()> {
+    if !be.time_ops(true)? {
+        eprintln!("profile: the {} backend does not time ops", be.name());
+        return Ok(());
+    }
+    let report = |what: String| -> anyhow::Result<()> {
+        let times = be.op_times()?;
+        let total: f64 = times.iter().map(|t| t.ms).sum();
+        println!("\nprofile: {what}: {total:.2} ms of device time");
+        println!("{:<32} {:>8} {:>10} {:>7}", "op", "launches", "ms", "share");
+        for t in times.iter().take(14) {
+            println!(
+                "{:<32} {:>8} {:>10.3} {:>6.1}%",
+                t.op,
+                t.launches,
+                t.ms,
+                100.0 * t.ms / total.max(1e-9)
+            );
+        }
+        Ok(())
+    };
+    for tokens in [512, 2048] {
+        let req = GenerateRequest {
+            prompt: (0..tokens).map(|i| (i % 100 + 10) as u32).collect(),
+            images: Vec::new(),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 1,
+            ignore_eos: true,
+            return_logits: false,
+        };
+        be.op_times()?;
+        pipeline
+            .engine
+            .generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
+        report(format!("prefill of {tokens} tokens (one step)"))?;
+    }
+    let steps = 8;
+    // Times from the moment every sequence is prefilled: decode steps only.
+    batched_decode(&pipeline.engine, batch, context, steps, || {
+        be.op_times().map(|_| ()).map_err(anyhow::Error::from)
+    })?;
+    report(format!(
+        "{steps} decode steps of {batch} sequences at context {context}"
+    ))?;
+    be.time_ops(false)?;
+    Ok(())
 }
 
 /// A row for the device memory in use above `base`, when the backend can tell.

@@ -49,6 +49,9 @@ fn the_8b_directory_reads_as_a_qwen3_vl_model() {
         chat.decode(&chat.encode("héllo").unwrap(), true).unwrap(),
         "héllo"
     );
+    // Every other id decodes to a word of its own, so random weights' output streams as text.
+    assert_eq!(chat.decode(&[123_456], true).unwrap(), " t123456");
+    assert_eq!(chat.decode(&[151_935], true).unwrap(), " t151935");
     // <|im_end|> is eos, as in the real tokenizer.
     assert_eq!(chat.tokenizer().token_to_id("<|im_end|>"), Some(151645));
 }

@@ -3,16 +3,18 @@
 //! Reference: transformers `models/qwen3_vl/modeling_qwen3_vl.py` (`Qwen3VLTextModel`,
 //! `Qwen3VLForConditionalGeneration`). Per layer:
 //! ```text
-//! h = RMSNorm(x);  q, k, v = h·Wq, h·Wk, h·Wv   (GQA: fewer k/v heads)
+//! h = RMSNorm(x);  q, k, v = h·Wq, h·Wk, h·Wv   (GQA: fewer k/v heads; one GEMM, the three
+//!                                               matrices stacked at load)
 //! q, k = M-RoPE(RMSNorm_head(q)), M-RoPE(RMSNorm_head(k));  append k, v to the KV cache
 //! x += Wo · attn(q, K, V)  (causal);  x += W_down · (silu(h·W_gate) ⊙ h·W_up) with h = RMSNorm(x)
+//!                                               (gate and up stacked: one GEMM)
 //! after layer i < len(DeepStack): x[image positions] += DeepStack feature i
 //! ```
 //! and at the end `logits = lm_head(RMSNorm(x_last))`. Image embeddings replace the placeholder
 //! tokens' embeddings before layer 0.
 
 use vlm_compute::nn::Linear;
-use vlm_compute::{Backend, PagedBatch, WeightPrefix, Weights};
+use vlm_compute::{Backend, PagedBatch, QkvToCache, WeightPrefix, Weights};
 
 use crate::kv_cache::PagedKv;
 use crate::{ModelConfig, Result, TextConfig};
@@ -53,15 +55,12 @@ pub enum LogitsOf<'a, B: Backend> {
 }
 
 struct Attention<B: Backend> {
-    q: Linear<B>,
-    k: Linear<B>,
-    v: Linear<B>,
+    /// q, k and v stacked: `[(heads + 2 kv_heads) head_dim, hidden]`.
+    qkv: Linear<B>,
     o: Linear<B>,
     q_norm: B::Tensor,
     k_norm: B::Tensor,
     heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
     eps: f32,
 }
 
@@ -70,40 +69,20 @@ impl<B: Backend> Attention<B> {
         let (h, d) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let bias = c.attention_bias;
+        let (q, k, v) = (w.pp("q_proj"), w.pp("k_proj"), w.pp("v_proj"));
         Ok(Self {
-            q: Linear::load(be, &w.pp("q_proj"), nq * d, h, bias)?,
-            k: Linear::load(be, &w.pp("k_proj"), nkv * d, h, bias)?,
-            v: Linear::load(be, &w.pp("v_proj"), nkv * d, h, bias)?,
+            qkv: Linear::load_stacked(be, &[(&q, nq * d), (&k, nkv * d), (&v, nkv * d)], h, bias)?,
             o: Linear::load(be, &w.pp("o_proj"), h, nq * d, bias)?,
             q_norm: w.load(be, "q_norm.weight", &[d])?,
             k_norm: w.load(be, "k_norm.weight", &[d])?,
             heads: nq,
-            kv_heads: nkv,
-            head_dim: d,
             eps: c.rms_norm_eps,
         })
     }
 
-    /// q, k, v of the tokens `x [n, hidden]`, q and k normed per head and rotated.
-    fn project(
-        &self,
-        be: &B,
-        x: &B::Tensor,
-        cos: &B::Tensor,
-        sin: &B::Tensor,
-    ) -> vlm_compute::Result<[B::Tensor; 3]> {
-        let n = be.shape(x)[0];
-        let d = self.head_dim;
-        let q = be.reshape(self.q.forward(be, x)?, &[n, self.heads, d])?;
-        let k = be.reshape(self.k.forward(be, x)?, &[n, self.kv_heads, d])?;
-        let v = be.reshape(self.v.forward(be, x)?, &[n, self.kv_heads, d])?;
-        let q = be.rope(&be.rms_norm(&q, &self.q_norm, self.eps)?, cos, sin)?;
-        let k = be.rope(&be.rms_norm(&k, &self.k_norm, self.eps)?, cos, sin)?;
-        Ok([q, k, v])
-    }
-
-    /// The step's rows `x` through attention: their keys and values into the cache (at
-    /// their slots), then each sequence's queries over its cached keys.
+    /// The step's rows `x` through attention: q, k, v in one GEMM; k and v into the cache (at
+    /// their slots) with q and k normed and rotated on the way; then each sequence's queries
+    /// over its cached keys.
     fn forward(
         &self,
         be: &B,
@@ -112,9 +91,17 @@ impl<B: Backend> Attention<B> {
         k_cache: &mut B::Cache,
         v_cache: &mut B::Cache,
     ) -> vlm_compute::Result<B::Tensor> {
-        let [q, k, v] = self.project(be, x, step.cos, step.sin)?;
-        be.write_kv(k_cache, step.slots, &k)?;
-        be.write_kv(v_cache, step.slots, &v)?;
+        let qkv = self.qkv.forward(be, x)?;
+        let how = QkvToCache {
+            q_heads: self.heads,
+            q_norm: &self.q_norm,
+            k_norm: &self.k_norm,
+            eps: self.eps,
+            cos: step.cos,
+            sin: step.sin,
+            slots: step.slots,
+        };
+        let q = be.qkv_to_cache(&qkv, &how, k_cache, v_cache)?;
         let a = be.paged_attention(&q, k_cache, v_cache, &step.attn)?;
         self.o.forward(be, &a)
     }
@@ -124,8 +111,8 @@ struct DecoderLayer<B: Backend> {
     input_norm: B::Tensor,
     attn: Attention<B>,
     post_attn_norm: B::Tensor,
-    gate: Linear<B>,
-    up: Linear<B>,
+    /// gate and up stacked: `[2 intermediate, hidden]`.
+    gate_up: Linear<B>,
     down: Linear<B>,
     eps: f32,
 }
@@ -134,7 +121,7 @@ impl<B: Backend> DecoderLayer<B> {
     /// The residual stream after attention, `x`, through the MLP half of the layer.
     fn mlp(&self, be: &B, x: B::Tensor) -> vlm_compute::Result<B::Tensor> {
         let h = be.rms_norm(&x, &self.post_attn_norm, self.eps)?;
-        let g = be.swiglu(&h, self.gate.weight(), self.up.weight())?;
+        let g = be.swiglu(&h, self.gate_up.weight())?;
         be.add(&x, &self.down.forward(be, &g)?)
     }
 
@@ -144,8 +131,12 @@ impl<B: Backend> DecoderLayer<B> {
             input_norm: w.load(be, "input_layernorm.weight", &[h])?,
             attn: Attention::new(be, &w.pp("self_attn"), c)?,
             post_attn_norm: w.load(be, "post_attention_layernorm.weight", &[h])?,
-            gate: Linear::load(be, &w.pp("mlp.gate_proj"), i, h, false)?,
-            up: Linear::load(be, &w.pp("mlp.up_proj"), i, h, false)?,
+            gate_up: Linear::load_stacked(
+                be,
+                &[(&w.pp("mlp.gate_proj"), i), (&w.pp("mlp.up_proj"), i)],
+                h,
+                false,
+            )?,
             down: Linear::load(be, &w.pp("mlp.down_proj"), h, i, false)?,
             eps: c.rms_norm_eps,
         })

@@ -184,7 +184,10 @@ impl<B: Backend> StepRunner<B> {
         let decode_only = host.decode_seqs == plan.len()
             && host.sample_rows.len() == plan.len()
             && host.image_rows.is_empty();
-        if decode_only && !matches!(self.recording, Recording::Unsupported) {
+        // While ops are timed (`vlm bench --profile`), every step runs op by op.
+        let replayable =
+            !matches!(self.recording, Recording::Unsupported) && !model.backend().timing_ops();
+        if decode_only && replayable {
             if let Some(rows) = self.bucket(plan.len()) {
                 host.pad_to(rows);
                 if let Some(out) = self.replay(model, kv, &host, rows, plan.len(), need_logits)? {

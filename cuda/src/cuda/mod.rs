@@ -27,7 +27,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch};
+use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache};
 use crate::{Error, HostTensor, Result};
 
 /// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
@@ -75,6 +75,7 @@ const SOURCES: [KernelSource; 4] = [
             "paged_decode_partial_d256",
             "paged_decode_combine",
             "paged_attention_rows_f16",
+            "qkv_to_cache_f32",
             "gather_rows_f32",
             "argmax_rows_f32",
         ],
@@ -124,16 +125,18 @@ const DECODE_MAX_SPLITS: usize = 32;
 /// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Dynamic shared memory of flash_attention_d{dp} (FaShared in attention_f16.cu).
+/// Dynamic shared memory of flash_attention_d{dp}: Q, K and V tiles of 64 rows of dp + 8
+/// halves (FaShared in attention_f16.cu).
 fn flash_smem_bytes(dp: usize) -> usize {
-    512 * dp + 25088
+    384 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 12] = [
+const OPS_KERNELS: [&str; 13] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
     "silu_mul_f32",
+    "silu_mul_halves_f32",
     "layer_norm_f32",
     "rms_norm_f32",
     "rope_f32",
@@ -205,6 +208,8 @@ struct Inner {
     sm_count: usize,
     /// cuBLAS's workspace (set on the handle), kept alive with it.
     _blas_workspace: CudaSlice<u8>,
+    /// Per-op timing ([`Backend::time_ops`]): an event recorded after each op, named.
+    op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -441,6 +446,7 @@ impl CudaBackend {
                 flash,
                 sm_count,
                 _blas_workspace: workspace,
+                op_events: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -519,12 +525,32 @@ impl CudaBackend {
 
     fn launched(
         &self,
-        name: &str,
+        name: &'static str,
         r: std::result::Result<(), cudarc::driver::DriverError>,
     ) -> Result<()> {
         r.map_err(|e| Error::Cuda {
             what: format!("launching {name}: {e}"),
-        })
+        })?;
+        self.op_done(name)
+    }
+
+    /// While ops are timed, marks the end of op `name` on the stream.
+    fn op_done(&self, name: &'static str) -> Result<()> {
+        let mut events = self
+            .inner
+            .op_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(events) = events.as_mut() {
+            use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+            let e = self
+                .inner
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(|e| cuda_err("recording a timing event")(&e))?;
+            events.push((name, e));
+        }
+        Ok(())
     }
 
     /// An elementwise op `out = f(a[, b])` over `n` elements.
@@ -740,6 +766,11 @@ impl Backend for CudaBackend {
 
     fn record(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaStepGraph>> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        // Timing events cannot be recorded inside a graph: while ops are timed, steps run op
+        // by op.
+        if self.timing_ops() {
+            return Ok(None);
+        }
         let stream = &self.inner.stream;
         // Thread-local: other threads' CUDA calls (another service in the same process) go on.
         stream
@@ -909,30 +940,45 @@ impl Backend for CudaBackend {
             }
             .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16 -> f32)")(&e))?;
         }
+        self.op_done("cublas_gemm_f16")?;
         Ok(out)
     }
 
-    fn swiglu(&self, x: &CudaTensor, gate: &CudaWeight, up: &CudaWeight) -> Result<CudaTensor> {
-        let m = self.check_linear("swiglu", x, gate, None)?;
-        if gate.shape != up.shape {
+    fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
+        let m2 = self.check_linear("swiglu", x, gate_up, None)?;
+        if m2 % 2 != 0 {
             return Err(Error::shape(
                 "swiglu",
-                format!("gate {:?} and up {:?} differ", gate.shape, up.shape),
+                format!("gate_up must be [2m, k], got {:?}", gate_up.shape),
             ));
         }
-        let n = x.rows();
-        if n > GEMV_MAX_ROWS || m == 0 {
-            return self.silu_mul(&self.linear(x, gate, None)?, &self.linear(x, up, None)?);
-        }
+        let (n, m) = (x.rows(), m2 / 2);
         let mut shape = x.shape[..x.shape.len() - 1].to_vec();
         shape.push(m);
         let mut out = self.alloc(shape)?;
+        if n == 0 || m == 0 {
+            return Ok(out);
+        }
+        if n > GEMV_MAX_ROWS {
+            // One GEMM over both halves, then silu(gate) * up.
+            let y = self.linear(x, gate_up, None)?;
+            let name = "silu_mul_halves_f32";
+            let (mm, nn) = (m as i32, n as i32);
+            let mut l = self.inner.stream.launch_builder(self.kernel(name));
+            l.arg(&*y.buf)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
+                .arg(&mm)
+                .arg(&nn);
+            let cfg = LaunchConfig::for_num_elems((n * m) as u32);
+            // SAFETY: matches silu_mul_halves_f32; y is [n, 2m], out [n, m].
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            return Ok(out);
+        }
         let name = "swiglu_gemv_f16w";
         let (rows, mm, kk) = (n as i32, m as i32, x.cols() as i32);
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&*x.buf)
-            .arg(&*gate.buf)
-            .arg(&*up.buf)
+            .arg(&*gate_up.buf)
             .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
             .arg(&rows)
             .arg(&mm)
@@ -940,6 +986,101 @@ impl Backend for CudaBackend {
         // SAFETY: matches swiglu_gemv_f16w; shapes checked, rows <= GEMV_MAX_ROWS.
         self.launched(name, unsafe { l.launch(Self::gemv_config(m)) }.map(|_| ()))?;
         Ok(out)
+    }
+
+    fn stack_weights(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
+        let Some(first) = parts.first() else {
+            return Err(Error::shape("stack_weights", "nothing to stack"));
+        };
+        let cols = first.shape.last().copied().unwrap_or(0);
+        if parts
+            .iter()
+            .any(|p| p.shape.len() != 2 || p.shape[1] != cols)
+        {
+            let shapes: Vec<_> = parts.iter().map(|p| &p.shape).collect();
+            return Err(Error::shape(
+                "stack_weights",
+                format!("row widths differ: {shapes:?}"),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let mut buf = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>((rows * cols).max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let mut at = 0;
+        for p in parts {
+            let n = p.shape[0] * cols;
+            self.inner
+                .stream
+                .memcpy_dtod(&p.buf.slice(..n), &mut buf.slice_mut(at..at + n))
+                .map_err(|e| cuda_err("stack_weights")(&e))?;
+            at += n;
+        }
+        Ok(CudaWeight {
+            shape: vec![rows, cols],
+            buf: Arc::new(buf),
+        })
+    }
+
+    fn qkv_to_cache(
+        &self,
+        qkv: &CudaTensor,
+        how: &QkvToCache<Self>,
+        k_cache: &mut CudaCache,
+        v_cache: &mut CudaCache,
+    ) -> Result<CudaTensor> {
+        let [slots, hkv, d] = k_cache.shape;
+        let (hq, n) = (how.q_heads, qkv.rows());
+        if qkv.cols() != (hq + 2 * hkv) * d
+            || how.slots.len != n
+            || v_cache.shape != k_cache.shape
+            || d > 256
+            || d % 2 != 0
+            || how.cos.shape != [n, d]
+            || how.sin.shape != [n, d]
+            || how.q_norm.len() != d
+            || how.k_norm.len() != d
+        {
+            return Err(Error::shape(
+                "qkv_to_cache",
+                format!(
+                    "qkv {:?} for {hq} + 2 x {hkv} heads of {d}, {} slots, cos {:?}, caches {:?}",
+                    qkv.shape, how.slots.len, how.cos.shape, k_cache.shape
+                ),
+            ));
+        }
+        let mut q = self.alloc(vec![n, hq, d])?;
+        if n == 0 {
+            return Ok(q);
+        }
+        let name = "qkv_to_cache_f32";
+        let (hq_i, hkv_i, d_i, ns) = (hq as i32, hkv as i32, d as i32, slots as u32);
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*qkv.buf)
+            .arg(&*how.q_norm.buf)
+            .arg(&*how.k_norm.buf)
+            .arg(&how.eps)
+            .arg(&*how.cos.buf)
+            .arg(&*how.sin.buf)
+            .arg(&how.slots.buf)
+            .arg(Arc::get_mut(&mut q.buf).expect("fresh buffer"))
+            .arg(&mut k_cache.buf)
+            .arg(&mut v_cache.buf)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&d_i)
+            .arg(&ns);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (4 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches qkv_to_cache_f32 (QK_WARPS warps, head dims up to QK_MAX_DIM);
+        // shapes checked; the kernel checks every slot against the cache.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(q)
     }
 
     fn add(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
@@ -1277,6 +1418,61 @@ impl Backend for CudaBackend {
             .stream
             .memcpy_htod(values, buf)
             .map_err(|e| cuda_err("write")(&e))
+    }
+
+    fn time_ops(&self, on: bool) -> Result<bool> {
+        self.synchronize()?;
+        let mut events = self
+            .inner
+            .op_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *events = on.then(Vec::new);
+        if on {
+            drop(events);
+            self.op_done("start")?;
+        }
+        Ok(true)
+    }
+
+    fn timing_ops(&self) -> bool {
+        self.inner.op_events.lock().is_ok_and(|e| e.is_some())
+    }
+
+    fn op_times(&self) -> Result<Vec<crate::backend::OpTime>> {
+        self.synchronize()?;
+        let mut guard = self
+            .inner
+            .op_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(events) = guard.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let mut by_op: Vec<crate::backend::OpTime> = Vec::new();
+        for pair in events.windows(2) {
+            let ms = pair[0]
+                .1
+                .elapsed_ms(&pair[1].1)
+                .map_err(|e| cuda_err("reading a timing event")(&e))? as f64;
+            let name = pair[1].0;
+            match by_op.iter_mut().find(|o| o.op == name) {
+                Some(o) => {
+                    o.launches += 1;
+                    o.ms += ms;
+                }
+                None => by_op.push(crate::backend::OpTime {
+                    op: name,
+                    launches: 1,
+                    ms,
+                }),
+            }
+        }
+        let last = events.pop();
+        events.clear();
+        events.extend(last.map(|(_, e)| ("start", e)));
+        by_op.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(by_op)
     }
 
     fn upload_ids(&self, values: &[u32]) -> Result<CudaIds> {

@@ -2,11 +2,14 @@
 """Writes tokenizer.json: a byte-level stand-in for Qwen3-VL's tokenizer, for random-weight runs.
 
 Qwen's real tokenizer (151,643 BPE tokens) is part of the checkpoint, which this repository does
-not ship. This one has only the 256 byte tokens and no merges, so every byte of text is one token,
-but Qwen's special tokens sit at their real ids (151643 <|endoftext|> ... 151655 <|image_pad|>),
-which is what the chat template, the image placeholders and eos need. With it and config.json,
-`vlm run --model deploy/models/qwen3-vl-8b --random-weights` runs the real 8B shapes end to end.
-Generated ids outside the 256 bytes decode to nothing. Needs only the Python standard library.
+not ship. This one has no merges, so every byte of text is one token (ids 0-255), but Qwen's
+special tokens sit at their real ids (151643 <|endoftext|> ... 151655 <|image_pad|>), which is
+what the chat template, the image placeholders and eos need. Every other id of the model's
+vocabulary (151,936) decodes to a short word of its own (" t1234"), as a real vocabulary's ids
+decode to text: a random-weight model's output then streams token by token, with the
+detokenizing and streaming work a real checkpoint's does (no merge ever produces these, so
+encoding is unchanged). With it and config.json, `vlm run --model deploy/models/qwen3-vl-8b
+--random-weights` runs the real 8B shapes end to end. Needs only the Python standard library.
 """
 import json
 import pathlib
@@ -19,6 +22,7 @@ SPECIAL = [
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 ]
 FIRST_SPECIAL_ID = 151643
+VOCAB_SIZE = 151936  # config.json's text_config.vocab_size
 
 
 def byte_to_unicode():
@@ -40,6 +44,9 @@ def main():
     # The specials are in the model's vocab too: `tokenizers` numbers added tokens that are not
     # in it from the vocab's size up, which would move them off Qwen's ids.
     vocab.update({t: FIRST_SPECIAL_ID + i for i, t in enumerate(SPECIAL)})
+    # "Ġ" is the space in ByteLevel's alphabet.
+    taken = set(vocab.values())
+    vocab.update({f"\u0120t{i}": i for i in range(256, VOCAB_SIZE) if i not in taken})
     added = [
         {"id": FIRST_SPECIAL_ID + i, "content": t, "single_word": False, "lstrip": False,
          "rstrip": False, "normalized": False, "special": t.startswith("<|")}
@@ -60,7 +67,8 @@ def main():
                   "ignore_merges": False, "vocab": vocab, "merges": []},
     }
     out = pathlib.Path(__file__).with_name("tokenizer.json")
-    out.write_text(json.dumps(tok, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    # Compact: 151,936 entries.
+    out.write_text(json.dumps(tok, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {out}")
 
 

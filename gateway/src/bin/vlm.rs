@@ -115,6 +115,13 @@ struct BenchArgs {
     /// Tokens decoded per decode run.
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
+    /// Batch sizes for batched decode (that many sequences decoding together at the first
+    /// --decode-contexts), comma-separated; empty for none.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
+    decode_batches: Vec<usize>,
+    /// Also print, op by op, where device time goes in a prefill and a batched decode.
+    #[arg(long)]
+    profile: bool,
     /// Image side of the time-to-first-token request (with --ttft-text-tokens of text).
     #[arg(long, default_value_t = 448)]
     ttft_image_side: usize,
@@ -177,6 +184,8 @@ fn bench_on<B: Backend + Clone>(
         prefill_tokens: args.prefill_tokens.clone(),
         decode_contexts: args.decode_contexts.clone(),
         decode_tokens: args.decode_tokens,
+        decode_batches: args.decode_batches.clone(),
+        profile: args.profile,
         ttft_image_side: args.ttft_image_side,
         ttft_text_tokens: args.ttft_text_tokens,
         through_gateway: !args.no_gateway,
