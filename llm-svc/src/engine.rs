@@ -532,13 +532,17 @@ fn device_tokens(
     Ok(left / per_token)
 }
 
-/// Counter values already reported (Prometheus counters only go up by deltas).
+/// Counter values already reported (Prometheus counters only go up by deltas), and the steps
+/// since the last summary line.
 #[derive(Default)]
 struct Reported {
     prefix: PrefixStats,
     preemptions: u64,
     last_log: Option<Instant>,
     tokens_since_log: u64,
+    /// Decode-only and mixed steps: count, seconds, tokens.
+    decode_steps: (u64, f64, u64),
+    mixed_steps: (u64, f64, u64),
 }
 
 /// The loop's state; lives on the engine thread.
@@ -660,9 +664,18 @@ impl<B: Backend> EngineLoop<B> {
             .steps
             .run(&self.model, &mut self.kv, plan, running, &need_logits);
         let m = &self.shared.metrics;
-        m.step_seconds.observe(started.elapsed().as_secs_f64());
-        m.step_tokens
-            .observe(plan.iter().map(|p| p.tokens).sum::<usize>() as f64);
+        let seconds = started.elapsed().as_secs_f64();
+        let tokens = plan.iter().map(|p| p.tokens).sum::<usize>();
+        let decode_only = tokens == plan.len() && need_logits.len() == plan.len();
+        let kind = if decode_only { "decode" } else { "mixed" };
+        m.step_seconds.with_label_values(&[kind]).observe(seconds);
+        m.step_tokens.observe(tokens as f64);
+        let totals = if decode_only {
+            &mut self.reported.decode_steps
+        } else {
+            &mut self.reported.mixed_steps
+        };
+        *totals = (totals.0 + 1, totals.1 + seconds, totals.2 + tokens as u64);
         match result {
             Ok(out) => self.advance(plan, out),
             Err(e) => {
@@ -831,7 +844,16 @@ impl<B: Backend> EngineLoop<B> {
         let now = Instant::now();
         let since = *r.last_log.get_or_insert(now);
         if now - since >= Duration::from_secs(10) && r.tokens_since_log > 0 {
+            let mean = |(n, secs, tokens): (u64, f64, u64)| {
+                format!(
+                    "{n} x {:.1} ms, {:.0} tokens",
+                    1e3 * secs / n.max(1) as f64,
+                    tokens as f64 / n.max(1) as f64
+                )
+            };
             tracing::info!(
+                decode_steps = mean(r.decode_steps),
+                mixed_steps = mean(r.mixed_steps),
                 running = self.sched.running.len(),
                 waiting = self.sched.waiting.len(),
                 kv_blocks_in_use = self.pool.num_in_use(),
@@ -844,6 +866,8 @@ impl<B: Backend> EngineLoop<B> {
             );
             r.last_log = Some(now);
             r.tokens_since_log = 0;
+            r.decode_steps = Default::default();
+            r.mixed_steps = Default::default();
         }
     }
 }

@@ -3,8 +3,8 @@
 //! counters and histograms accumulate.
 
 use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry,
+    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry,
 };
 
 #[derive(Clone)]
@@ -17,7 +17,9 @@ pub struct EngineMetrics {
     pub prefix_queried_tokens: IntCounter,
     pub prefix_hit_tokens: IntCounter,
     pub preemptions: IntCounter,
-    pub step_seconds: Histogram,
+    /// Step durations by kind: "decode" (every sequence one token; replayed from a recording
+    /// where the backend records) or "mixed" (prefill chunks in it; run op by op).
+    pub step_seconds: HistogramVec,
     /// Tokens computed per step (decodes count one each).
     pub step_tokens: Histogram,
     pub prompt_tokens: IntCounter,
@@ -70,9 +72,10 @@ impl EngineMetrics {
             ),
             step_seconds: reg(
                 r,
-                Histogram::with_opts(
+                HistogramVec::new(
                     HistogramOpts::new("vlm_llm_step_seconds", "Duration of an engine step")
                         .buckets(exponential_buckets(0.0005, 2.0, 14).expect("valid")),
+                    &["kind"],
                 )
                 .expect("valid"),
             ),

@@ -364,6 +364,26 @@ impl CudaBackend {
         let cc = ctx
             .compute_capability()
             .map_err(|e| cuda_err("compute capability")(&e))?;
+        // Keep memory freed into the device's pool there (the default gives it back at every
+        // synchronization, and each step's op outputs would then be mapped afresh: tens of
+        // microseconds per allocation, more than many of the kernels take).
+        {
+            use cudarc::driver::sys;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let mut keep = u64::MAX;
+            // SAFETY: the context is current (just created); the pool handle is the device's
+            // default, the attribute a u64.
+            unsafe {
+                let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+                if got == sys::CUresult::CUDA_SUCCESS {
+                    sys::cuMemPoolSetAttribute(
+                        pool,
+                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                        (&mut keep) as *mut u64 as *mut std::ffi::c_void,
+                    );
+                }
+            }
+        }
         // Our own stream, not the legacy default one, which cannot be captured into a graph.
         // Every op of this backend runs on it, so cudarc's cross-stream event tracking (which
         // records events around each use, also while capturing) has nothing to guard.
@@ -498,7 +518,22 @@ impl CudaBackend {
         &self.inner.kernels[name]
     }
 
+    /// An op's output, not initialized: every op writes all of its output (the kernels and
+    /// the twin tests hold to that), so zeroing it first would be a wasted launch per op.
     fn alloc(&self, shape: Vec<usize>) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        // SAFETY: f32 has no invalid bit patterns; callers write every element before any
+        // read (see above).
+        let buf = unsafe { self.inner.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        Ok(CudaTensor {
+            shape,
+            buf: Arc::new(buf),
+        })
+    }
+
+    /// A zeroed tensor (for outputs some rows of which no kernel writes).
+    fn alloc_zeroed(&self, shape: Vec<usize>) -> Result<CudaTensor> {
         let n: usize = shape.iter().product();
         let buf = self
             .inner
@@ -619,10 +654,8 @@ impl CudaBackend {
     /// `x` rounded to f16, for the tensor-core GEMM.
     fn to_f16(&self, x: &CudaTensor) -> Result<CudaSlice<half::f16>> {
         let n = x.len() as u64;
-        let mut out = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>(x.len().max(1))
+        // SAFETY: every element is written by the cast below.
+        let mut out = unsafe { self.inner.stream.alloc::<half::f16>(x.len().max(1)) }
             .map_err(|e| cuda_err("allocating device memory")(&e))?;
         let name = "cast_f32_to_f16";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
@@ -741,7 +774,7 @@ impl Backend for CudaBackend {
     }
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
-        self.alloc(shape.to_vec())
+        self.alloc_zeroed(shape.to_vec())
     }
 
     fn device_memory(&self) -> Option<(usize, usize)> {
@@ -1428,8 +1461,8 @@ impl Backend for CudaBackend {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         *events = on.then(Vec::new);
+        drop(events);
         if on {
-            drop(events);
             self.op_done("start")?;
         }
         Ok(true)
@@ -1450,7 +1483,8 @@ impl Backend for CudaBackend {
             return Ok(Vec::new());
         };
         let mut by_op: Vec<crate::backend::OpTime> = Vec::new();
-        for pair in events.windows(2) {
+        // Each op's end event follows the start mark set when the op before it had finished.
+        for pair in events.windows(2).filter(|p| p[0].0 == "start" && p[1].0 != "start") {
             let ms = pair[0]
                 .1
                 .elapsed_ms(&pair[1].1)
@@ -1468,9 +1502,9 @@ impl Backend for CudaBackend {
                 }),
             }
         }
-        let last = events.pop();
         events.clear();
-        events.extend(last.map(|(_, e)| ("start", e)));
+        drop(guard);
+        self.op_done("start")?;
         by_op.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         Ok(by_op)
     }
@@ -1634,7 +1668,8 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let mut out = self.alloc(vec![rows, hq * d])?;
+        // Rows of no sequence (none in practice) stay zero, as the reference says.
+        let mut out = self.alloc_zeroed(vec![rows, hq * d])?;
         let scale = 1.0f32 / (d as f32).sqrt();
         let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
         let stream = &self.inner.stream;
