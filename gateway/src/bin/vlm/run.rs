@@ -105,11 +105,17 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
         return_logits: args.logits_out.is_some(),
     };
 
-    // One request: a cache for one sequence of the longest context asked for.
+    // One request: a cache for one sequence of the longest context asked for, in whole
+    // blocks (the engine refuses a cache smaller than one block, e.g. for --max-context 8).
+    let defaults = llm_svc::EngineConfig::default();
     let engine = llm_svc::EngineConfig {
         max_context: args.max_context,
-        kv_cache: llm_svc::KvCacheSize::Tokens(args.max_context.unwrap_or(32768)),
-        ..llm_svc::EngineConfig::default()
+        kv_cache: llm_svc::KvCacheSize::Tokens(
+            args.max_context
+                .unwrap_or(32768)
+                .next_multiple_of(defaults.block_size),
+        ),
+        ..defaults
     };
     let pipeline = if args.random_weights {
         let weights = vlm_compute::Weights::random(&args.model, args.weights_seed);
