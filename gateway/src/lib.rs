@@ -3,6 +3,7 @@
 //! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
+//! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
 
 pub mod bench;
 pub mod chat;
@@ -14,5 +15,6 @@ pub mod metrics;
 pub mod orchestrator;
 pub mod pipeline;
 pub mod serve;
+pub mod stack;
 
 pub use error::{Error, Result};

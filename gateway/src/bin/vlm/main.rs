@@ -14,7 +14,8 @@ mod serve;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use vlm_compute::CudaBackend;
+use gateway::stack::{LocalStack, StackConfig};
+use vlm_compute::{CpuBackend, CudaBackend};
 
 #[derive(Parser)]
 #[command(
@@ -68,6 +69,15 @@ impl Device {
 /// GPU 0, once every kernel has matched the CPU reference on it (the self-check).
 fn open_cuda() -> anyhow::Result<CudaBackend> {
     Ok(CudaBackend::open_verified(0)?)
+}
+
+/// vision-svc, llm-svc and the gateway on loopback in this process, on `device`
+/// (`vlm serve`, `vlm load`).
+async fn start_stack(cfg: StackConfig, device: Device) -> anyhow::Result<LocalStack> {
+    match device {
+        Device::Cpu => LocalStack::start(cfg, || Ok(CpuBackend::new())).await,
+        Device::Cuda => LocalStack::start(cfg, || CudaBackend::open_verified(0)).await,
+    }
 }
 
 /// Plain logs on stderr for the one-shot commands (`serve` sets up tracing with OpenTelemetry).

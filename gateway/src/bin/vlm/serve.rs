@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use vlm_compute::{CpuBackend, CudaBackend};
+use gateway::stack::StackConfig;
 
-use crate::Device;
+use crate::{start_stack, Device};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -49,105 +49,48 @@ pub struct ServeArgs {
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    use gateway::pipeline::RequestLimits;
-    use tokio::net::TcpListener;
-    use tokio_util::sync::CancellationToken;
-
     gateway::pipeline::check_model_dir(&args.model).with_context(|| {
         "vlm serve needs a model; run it from the repository root or pass --model DIR"
     })?;
     let telemetry = vlm_proto::telemetry::init("vlm");
-    let loopback = std::net::Ipv4Addr::LOCALHOST;
-    let vision_l = TcpListener::bind((loopback, 0)).await?;
-    let llm_l = TcpListener::bind((loopback, 0)).await?;
-    let grpc_l = TcpListener::bind((args.host, args.grpc_port))
+    let mut cfg = StackConfig::loopback(args.model.clone());
+    cfg.random_weights = args.random_weights.then_some(0);
+    cfg.grpc_addr = (args.host, args.grpc_port).into();
+    cfg.http_addr = (args.host, args.http_port).into();
+    cfg.max_concurrent = args.max_concurrent;
+    cfg.vision_max_concurrent = args.vision_max_concurrent;
+    cfg.engine = args
+        .engine
+        .config(args.max_context, matches!(args.device, Device::Cuda));
+    let model_name = cfg.model_name.clone();
+    let stack = start_stack(cfg, args.device)
         .await
-        .with_context(|| {
-            format!(
-                "cannot listen on {}:{} (--grpc-port)",
-                args.host, args.grpc_port
-            )
-        })?;
-    let http_l = TcpListener::bind((args.host, args.http_port))
-        .await
-        .with_context(|| {
-            format!(
-                "cannot listen on {}:{} (--http-port)",
-                args.host, args.http_port
-            )
-        })?;
-    let (vision_addr, llm_addr) = (vision_l.local_addr()?, llm_l.local_addr()?);
-    let (grpc_addr, http_addr) = (grpc_l.local_addr()?, http_l.local_addr()?);
-
-    let token = CancellationToken::new();
-    let mut services = tokio::task::JoinSet::new();
-    let registry = prometheus::Registry::new();
-    let models = gateway::serve::ModelServices {
-        model: args.model.clone(),
-        random_weights: args.random_weights.then_some(0),
-        vision_max_concurrent: args.vision_max_concurrent,
-        llm_max_concurrent: args.max_concurrent,
-        engine: args
-            .engine
-            .config(args.max_context, matches!(args.device, Device::Cuda)),
-        registry: registry.clone(),
-    };
-    let listeners = (vision_l, llm_l);
-    match args.device {
-        Device::Cpu => models.spawn(&mut services, || Ok(CpuBackend::new()), listeners, &token),
-        Device::Cuda => models.spawn(
-            &mut services,
-            || CudaBackend::open_verified(0),
-            listeners,
-            &token,
-        ),
-    }
-    let model_name = args
-        .model
-        .file_name()
-        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    services.spawn(gateway::serve::serve(
-        gateway::serve::GatewayConfig {
-            model: args.model.clone(),
-            model_name: model_name.clone(),
-            vision_addrs: vec![vision_addr.to_string()],
-            llm_addrs: vec![llm_addr.to_string()],
-            max_concurrent: args.max_concurrent,
-            limits: RequestLimits::default(),
-            default_max_tokens: 256,
-            request_timeout: std::time::Duration::from_secs(600),
-            embedding_dtype: vlm_proto::pb::Dtype::F32,
-            also_metrics: vec![registry],
-        },
-        grpc_l,
-        http_l,
-        token.clone(),
-    ));
+        .context("vlm serve cannot start (its ports: --host, --http-port, --grpc-port)")?;
     println!(
         "vlm serving {} ({model_name}) on {}",
         args.model.display(),
         args.device.name()
     );
-    println!("  HTTP  http://{http_addr}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)");
-    println!("  gRPC  {grpc_addr}   (vlm.v1.Gateway: Chat, ChatStream; health and reflection)");
-    println!("  internal: vision-svc {vision_addr}, llm-svc {llm_addr}");
+    println!(
+        "  HTTP  http://{}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)",
+        stack.http_addr
+    );
+    println!(
+        "  gRPC  {}   (vlm.v1.Gateway: Chat, ChatStream; health and reflection)",
+        stack.grpc_addr
+    );
+    println!(
+        "  internal: vision-svc {}, llm-svc {}",
+        stack.vision_addr, stack.llm_addr
+    );
     println!("ctrl-c to stop");
-    let stop = token.clone();
+    let stop = stack.shutdown_token();
     tokio::spawn(async move {
         vlm_proto::shutdown_signal().await;
         stop.cancel();
     });
     // Any service ending (an error, or the shutdown) stops the others.
-    let mut first_error = None;
-    while let Some(joined) = services.join_next().await {
-        token.cancel();
-        if let Err(e) = joined.map_err(anyhow::Error::from).and_then(|r| r) {
-            first_error.get_or_insert(e);
-        }
-    }
+    let result = stack.wait().await;
     telemetry.shutdown();
-    match first_error {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    result
 }
