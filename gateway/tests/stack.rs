@@ -23,26 +23,56 @@ async fn serves_the_tiny_model_and_stops() {
     let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
         .await
         .unwrap();
-    let answer = client
-        .chat(vlm_proto::pb::ChatRequest {
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: vec![ContentPart {
-                    part: Some(content_part::Part::Text("hello".into())),
-                }],
+    let request = vlm_proto::pb::ChatRequest {
+        messages: vec![ChatMessage {
+            role: "user".into(),
+            content: vec![ContentPart {
+                part: Some(content_part::Part::Text("hello".into())),
             }],
-            max_tokens: Some(3),
-            ignore_eos: true,
-            ..Default::default()
+        }],
+        max_tokens: Some(3),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let answer = client.chat(request.clone()).await.unwrap().into_inner();
+    assert_eq!(answer.token_ids.len(), 3);
+    // The same request over HTTP, streamed with the token ids: every token comes in some
+    // chunk, those whose text is still an incomplete character included.
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12,
+        "ignore_eos": true,
+        "stream": true,
+        "return_token_ids": true,
+    });
+    let sse = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", stack.http_addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut streamed: Vec<u32> = Vec::new();
+    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+        if let Some(ids) = chunk["choices"][0]["token_ids"].as_array() {
+            streamed.extend(ids.iter().map(|i| i.as_u64().unwrap() as u32));
+        }
+    }
+    let unary = client
+        .chat(vlm_proto::pb::ChatRequest {
+            max_tokens: Some(12),
+            ..request
         })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(answer.token_ids.len(), 3);
-    let models = reqwest::get(format!("http://{}/v1/models", stack.http_addr))
-        .await
-        .unwrap();
-    assert!(models.status().is_success());
+    assert_eq!(streamed, unary.token_ids, "{sse}");
     stack.stop().await.unwrap();
 }
 
