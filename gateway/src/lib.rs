@@ -4,6 +4,7 @@
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
 //! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
+//! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`.
 
 pub mod bench;
 pub mod chat;
@@ -11,6 +12,7 @@ pub mod detok;
 mod error;
 pub mod grpc;
 pub mod http;
+pub mod load;
 pub mod metrics;
 pub mod orchestrator;
 pub mod pipeline;

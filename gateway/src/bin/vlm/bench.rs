@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use vlm_compute::{Backend, CpuBackend, CudaBackend};
 
-use crate::{open_cuda, Device};
+use crate::{device_description, git_commit, Device};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -66,12 +66,9 @@ pub struct BenchArgs {
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     gateway::pipeline::check_model_dir(&args.model)?;
+    let device = device_description(args.device)?;
     match args.device {
         Device::Cpu => {
-            let device = format!(
-                "cpu ({} threads)",
-                std::thread::available_parallelism().map_or(1, |n| n.get())
-            );
             let copy = |_: &CpuBackend, bytes: usize| -> anyhow::Result<std::time::Duration> {
                 // Both buffers written first, so page faults are not timed as copying.
                 let src = vec![1u8; bytes];
@@ -85,14 +82,6 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             bench_on(&args, || Ok(CpuBackend::new()), copy, device)
         }
         Device::Cuda => {
-            let gpu = open_cuda()?;
-            let (major, minor) = gpu.compute_capability();
-            let device = format!(
-                "{} (sm_{major}{minor}, driver CUDA {})",
-                gpu.device_name(),
-                gpu.driver_version()
-            );
-            drop(gpu);
             let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
             bench_on(&args, || CudaBackend::open_verified(0), copy, device)
         }
@@ -131,14 +120,7 @@ fn bench_on<B: Backend + Clone>(
     );
     println!("device: {device}\n{}", gateway::bench::table(&rows));
     if let Some(path) = &args.json {
-        let commit = std::process::Command::new("git")
-            .args(["rev-parse", "--short", "HEAD"])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map_or("unknown".into(), |o| {
-                String::from_utf8_lossy(&o.stdout).trim().to_string()
-            });
+        let commit = git_commit();
         let items: Vec<serde_json::Value> = rows
             .iter()
             .map(|m| {

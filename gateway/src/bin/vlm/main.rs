@@ -2,12 +2,13 @@
 //!
 //! This file is the CLI (clap) and the dispatch; each subcommand lives in its own module:
 //! [`run`] (one request offline), [`serve`] (the three services on loopback), [`bench`] (the
-//! stages against the hardware limits), [`health`] (a grpc.health.v1 probe) and [`doctor`]
-//! (what `--device cuda` needs).
+//! stages against the hardware limits), [`load`] (many clients at once through the gateway),
+//! [`health`] (a grpc.health.v1 probe) and [`doctor`] (what `--device cuda` needs).
 
 mod bench;
 mod doctor;
 mod health;
+mod load;
 mod run;
 mod serve;
 
@@ -40,6 +41,9 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Measure vision, prefill and decode on this machine against its copy bandwidth and GEMM rate.
     Bench(bench::BenchArgs),
+    /// Many streamed chats at once over HTTP and gRPC, at one concurrency after another:
+    /// output tokens/s, requests/s, time to first token and inter-token latency per level.
+    Load(load::LoadArgs),
     /// Ask a service's grpc.health.v1 whether it is SERVING (exit 0) or not (exit 1); for
     /// container health checks.
     Health(health::HealthArgs),
@@ -69,6 +73,38 @@ impl Device {
 /// GPU 0, once every kernel has matched the CPU reference on it (the self-check).
 fn open_cuda() -> anyhow::Result<CudaBackend> {
     Ok(CudaBackend::open_verified(0)?)
+}
+
+/// What the run is on, for reports: the CPU's threads, or the GPU's name, compute capability
+/// and driver.
+fn device_description(device: Device) -> anyhow::Result<String> {
+    Ok(match device {
+        Device::Cpu => format!(
+            "cpu ({} threads)",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        Device::Cuda => {
+            let gpu = CudaBackend::new(0)?;
+            let (major, minor) = gpu.compute_capability();
+            format!(
+                "{} (sm_{major}{minor}, driver CUDA {})",
+                gpu.device_name(),
+                gpu.driver_version()
+            )
+        }
+    })
+}
+
+/// The checked-out commit, for reports ("unknown" outside a git checkout).
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or("unknown".into(), |o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+        })
 }
 
 /// vision-svc, llm-svc and the gateway on loopback in this process, on `device`
@@ -104,6 +140,10 @@ fn main() -> ExitCode {
         Command::Bench(args) => {
             init_logs("warn");
             bench::bench(args)
+        }
+        Command::Load(args) => {
+            init_logs("warn");
+            load::load(args)
         }
         Command::Health(args) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
