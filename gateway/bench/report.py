@@ -71,7 +71,9 @@ def main():
     for r in ours:
         name = r["name"]
         if r["unit"].startswith("B in use"):
-            cell = lambda x: f"{x['throughput'] / 1e9:.2f} GB"
+            # Bytes in "throughput" (as the peers write them); files from before that wrote
+            # null there (an amount over zero seconds).
+            cell = lambda x: "not recorded" if x.get("throughput") is None else f"{x['throughput'] / 1e9:.2f} GB"
         else:
             cell = lambda x: f"{x['median_ms']:.2f} ms"
         cells, ratios = [], []
