@@ -546,6 +546,9 @@ fn through_gateway<B: Backend + Clone>(
     cfg.vision_max_concurrent = 1;
     cfg.embedding_dtype = vlm_proto::pb::Dtype::F16;
     cfg.default_max_tokens = 1;
+    // As in process: every run repeats the request, and cached blocks would make its prefill
+    // look free, so the difference between the two rows would not be the hops alone.
+    cfg.engine.prefix_caching = false;
     let mut stack = rt.block_on(LocalStack::start(cfg, open))?;
     let result = (|| {
         // The model services load for as long as weights and kernels take.
