@@ -100,8 +100,11 @@ def main():
                 torch.tensor([[cfg.vision_start_token_id] + [cfg.image_token_id] * tokens
                               + [cfg.vision_end_token_id]]).cuda(),
                 text_ids(a.ttft_text_tokens)], dim=1)
+            # transformers 5.x places M-RoPE positions by token type (0 text, 1 image), which its
+            # processor returns; ids built by hand need it spelled out.
             out = model(input_ids=ids, pixel_values=pv["pixel_values"].cuda().to(torch.bfloat16),
-                        image_grid_thw=grid, use_cache=True)
+                        image_grid_thw=grid, mm_token_type_ids=(ids == cfg.image_token_id).int(),
+                        use_cache=True)
             return out.logits[0, -1].argmax().item()
 
         s = timed(ttft, a.repeats)

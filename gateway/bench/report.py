@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Sets `vlm bench --json` beside its peers and writes the comparison.
+"""Sets `vlm bench --json` and `vlm load --json` beside their peers and writes the comparison.
 
-Usage: report.py OURS.json [--hf HF.json] [--llama LLAMA_BENCH.json ...] --out DIR
+Usage: report.py OURS.json [--hf HF.json] [--llama LLAMA_BENCH.json ...]
+                 [--load LOAD.json] [--llama-batched BATCHED.jsonl] --out DIR
 Writes DIR/results.json (every row of every system), DIR/table.md (one line per measurement:
-each system's median and our speed-up over it) and, when matplotlib is there, DIR/benchmarks.png.
+each system's median and our speed-up over it; then, with --load, one line per concurrency) and,
+when matplotlib is there, DIR/benchmarks.png and DIR/load.png.
 A peer that did not run a measurement shows "not measured", with the reason when one is known.
 llama-bench's own JSON (-o json) is mapped onto our names: pp512/pp4096 to the prefill rows,
-tg128 at depth 0 and 4096 to the decode rows (its "context 512" row is an empty context)."""
+tg128 at depth 0 and 4096 to the decode rows (its "context 512" row is an empty context).
+llama-batched-bench's JSONL (--output-format jsonl) is matched to `vlm load`'s levels by its
+number of parallel sequences (pl) = our concurrency."""
 import argparse
 import json
 import os
@@ -30,11 +34,86 @@ def llama_rows(path):
     return rows
 
 
+def batched_rows(path):
+    """llama-batched-bench's JSONL lines (results only: its other output is not JSON)."""
+    rows = []
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("{"):
+            r = json.loads(line)
+            r["system"] = "llama.cpp (llama-batched-bench)"
+            rows.append(r)
+    return rows
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def load_table(load, batched):
+    """One line per concurrency: ours through the gateway beside llama.cpp's batched decoding."""
+    by_pl = {r["pl"]: r for r in batched}
+    levels = sorted({r["concurrency"] for r in load} | set(by_pl))
+    ours = {r["concurrency"]: r for r in load}
+    lines = [
+        "| concurrency | vlm output tok/s | vlm req/s | vlm TTFT p50 / p99 ms | vlm ITL p50 / p99 ms "
+        "| vlm errors | llama.cpp S_TG tok/s (decode only) | llama.cpp tok/s with prefill "
+        "| vlm vs llama.cpp with prefill |",
+        "|---" * 9 + "|",
+    ]
+    plot = []
+    for c in levels:
+        o, b = ours.get(c), by_pl.get(c)
+        if o:
+            errors = ", ".join(f"{n} {k}" for k, n in o["errors"].items()) or "0"
+            cells = [fmt(o["output_tokens_per_s"], ".1f"), fmt(o["requests_per_s"], ".2f"),
+                     f"{fmt(o['ttft_p50_ms'], '.0f')} / {fmt(o['ttft_p99_ms'], '.0f')}",
+                     f"{fmt(o['itl_p50_ms'], '.1f')} / {fmt(o['itl_p99_ms'], '.1f')}", errors]
+        else:
+            cells = ["not measured"] + ["-"] * 4
+        if b:
+            # Generated tokens over prefill + decode time: what a client of a batch would see.
+            with_prefill = b["pl"] * b["tg"] / b["t"]
+            cells += [fmt(b["speed_tg"], ".1f"), fmt(with_prefill, ".1f")]
+        else:
+            with_prefill = None
+            cells += ["not measured", "-"]
+        if o and with_prefill:
+            ratio = o["output_tokens_per_s"] / with_prefill
+            cells.append(f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower")
+        else:
+            cells.append("-")
+        plot.append((c, o and o["output_tokens_per_s"], b and b["speed_tg"], with_prefill))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    notes = [
+        "",
+        "vlm: `vlm load`, streamed chats through the gateway (OpenAI HTTP with SSE and gRPC "
+        "ChatStream, alternating), each client sending its next request when its last one ends. "
+        "Output tok/s is every generated token over the level's wall time, so it includes "
+        "tokenizing, the vision stage for the requests with an image, the service hops, prefill "
+        "and the ramp-up and drain of the level; TTFT is from sending a request to its first "
+        "token, ITL the gap between consecutive tokens as the client received them.",
+        "llama.cpp: `llama-batched-bench`, B sequences of random prompt tokens prefilled together "
+        "(T_PP), then decoded together in lockstep (T_TG); no HTTP, no tokenizer, no images. "
+        "S_TG = B x TG / T_TG is decode only; 'with prefill' = B x TG / (T_PP + T_TG), the rate "
+        "comparable to ours.",
+    ]
+    if load:
+        notes.append(f"vlm config: {load[0].get('config', '')}; device: {load[0].get('device', '')}")
+    if batched:
+        b = batched[0]
+        notes.append(f"llama.cpp config: PP {b['pp']}, TG {b['tg']}, n_kv_max {b['n_kv_max']}, "
+                     f"n_batch {b['n_batch']}, n_ubatch {b['n_ubatch']}, flash_attn {b['flash_attn']}")
+    return "\n".join(lines + notes) + "\n", plot
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("ours")
     ap.add_argument("--hf")
     ap.add_argument("--llama", nargs="*", default=[])
+    ap.add_argument("--load", help="vlm load --json output")
+    ap.add_argument("--llama-batched", help="llama-batched-bench --output-format jsonl output")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -47,7 +126,9 @@ def main():
     for p in a.llama:
         if os.path.exists(p):
             rows += llama_rows(p)
-    json.dump(rows, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    load = json.load(open(a.load)) if a.load and os.path.exists(a.load) else []
+    batched = batched_rows(a.llama_batched) if a.llama_batched and os.path.exists(a.llama_batched) else []
+    json.dump(rows + load + batched, open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     peers = ["llama.cpp", "hf transformers"]
     # What each peer cannot run, so the table says why instead of leaving a hole.
@@ -71,7 +152,9 @@ def main():
     for r in ours:
         name = r["name"]
         if r["unit"].startswith("B in use"):
-            cell = lambda x: f"{x['throughput'] / 1e9:.2f} GB"
+            # Bytes in "throughput" (as the peers write them); files from before that wrote
+            # null there (an amount over zero seconds).
+            cell = lambda x: "not recorded" if x.get("throughput") is None else f"{x['throughput'] / 1e9:.2f} GB"
         else:
             cell = lambda x: f"{x['median_ms']:.2f} ms"
         cells, ratios = [], []
@@ -91,6 +174,10 @@ def main():
                 ratios.append("-")
         lines.append(f"| {name} | {cell(r)} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     table = "\n".join(lines) + "\n"
+    load_plot = []
+    if load or batched:
+        section, load_plot = load_table(load, batched)
+        table += "\n## Many clients at once\n\n" + section
     open(os.path.join(a.out, "table.md"), "w").write(table)
     print(table)
 
@@ -102,6 +189,22 @@ def main():
     except ImportError:
         print("matplotlib not installed: no plot")
         return
+    if load_plot:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        cs = [c for c, *_ in load_plot]
+        for i, label in enumerate(["vlm through the gateway (prefill included)",
+                                   "llama.cpp decode only (S_TG)", "llama.cpp with prefill"]):
+            pts = [(c, v[i]) for c, *v in load_plot if v[i]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent requests (llama.cpp: parallel sequences)")
+        ax.set_ylabel("generated tokens/s")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "load.png"), dpi=120)
     if not plot:
         return
     names = sorted({n for n, _, _ in plot}, key=[r["name"] for r in ours].index)

@@ -1,48 +1,76 @@
 #!/usr/bin/env bash
-# The whole comparison on a GPU machine, in one call: vlm bench, llama.cpp (CUDA) and HF
-# transformers at Qwen3-VL-8B's sizes with random weights, then the report (table + plot).
+# The whole comparison on a GPU machine, in one call: vlm bench and vlm load, llama.cpp (CUDA:
+# llama-bench and llama-batched-bench) and HF transformers at Qwen3-VL-8B's sizes with random
+# weights, then the report (tables + plots).
 #
 #   gateway/bench/run_all.sh VLM_BINARY OUT_DIR
 #
 # Run from the repository root. PEERS (default ../shared/peers) holds llama.cpp's source and
-# GGUF writer (see its README). STEPS picks parts: "ours hf llama report" (the default: all).
-# llama.cpp builds in the background (~4.5 min on 16 cores) while ours and HF's run, so the
-# whole fits one 10-minute device command; each part's log is in OUT_DIR.
+# GGUF writer (see its README). STEPS picks parts: "ours load hf llama report" (the default: all).
+# LOAD_ARGS replaces the workload flags of vlm load (default below).
+#
+# Time on one H100 (16 cores), part by part; "measured" where a run showed it, the rest are
+# estimates until a run of this script replaces them:
+#   llama.cpp build   ~4.5 min (measured), in the background from the start, at nice 19 so
+#                     that ours take the cores first; llama-batched-bench is one more small
+#                     target on the same objects (estimate: +10 s)
+#   ours    vlm bench, 8B random weights                          ~1.5 min (estimate)
+#   load    vlm load, 8B, concurrency 1 to 128, 20 s of requests
+#           each plus the drain of the last ones                   ~2.5 min (estimate)
+#   hf      HF transformers                                       ~1.5 min (estimate)
+#   llama   GGUF 36 s (measured), llama-bench x3 ~1 min, llama-batched-bench ~40 s (estimates)
+#   report  seconds
+# About 8 minutes in all, within one 10-minute device command; each part's log is in OUT_DIR.
 set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
 peers=$(realpath "${PEERS:-../shared/peers}")
-steps=" ${STEPS:-ours hf llama report} "
+steps=" ${STEPS:-ours load hf llama report} "
 model=deploy/models/qwen3-vl-8b
 work=${WORK:-/tmp/vlm-bench}
+# The concurrencies vlm load runs and llama-batched-bench's parallel sequences: the same list.
+levels=1,8,32,64,128
+most=${levels##*,}
+# 512-token prompts (ours: drawn from 256-768, mean 512), 128 generated, as llama-batched-bench's
+# -npp 512 -ntg 128; one request in 8 carries a 448x448 image (llama-batched-bench has none).
+load_args=${LOAD_ARGS:---prompt-tokens 512 --max-tokens 128 --image-every 8 --image-side 448 --duration 20}
 mkdir -p "$out" "$work"
 has() { [[ "$steps" == *" $1 "* ]]; }
+part() { echo "== $1 (at ${SECONDS}s)"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
-if has llama && [ ! -x "$work/b/bin/llama-bench" ]; then
+built() { [ -x "$work/b/bin/llama-bench" ] && [ -x "$work/b/bin/llama-batched-bench" ]; }
+if has llama && ! built; then
   echo "building llama.cpp in the background ($out/llama-build.log)"
   tar xzf "$peers"/llama.cpp-*.tgz -C "$work"
-  setsid bash -c "cmake -S $work/llama.cpp -B $work/b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  setsid nice -n 19 bash -c "cmake -S $work/llama.cpp -B $work/b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    && cmake --build $work/b -j$(nproc) --target llama-bench" > "$out/llama-build.log" 2>&1 &
+    && cmake --build $work/b -j$(nproc) --target llama-bench llama-batched-bench" > "$out/llama-build.log" 2>&1 &
   build_pid=$!
 fi
 
 if has ours; then
-  echo "== vlm bench"
+  part "vlm bench"
   "$vlm" bench --device cuda --model "$model" --random-weights --json "$out/ours.json" \
     2>&1 | tee "$out/ours.log"
 fi
 
+if has load; then
+  part "vlm load"
+  # shellcheck disable=SC2086 # load_args is a list of flags
+  "$vlm" load --device cuda --model "$model" --random-weights --concurrency "$levels" $load_args \
+    --json "$out/load.json" 2>&1 | tee "$out/load.log" || echo "vlm load failed: see $out/load.log"
+fi
+
 if has hf; then
-  echo "== HF transformers"
+  part "HF transformers"
   python3 gateway/bench/hf_peer.py "$model" "$out/hf.json" 2>&1 | tee "$out/hf.log" \
     || echo "HF peer failed: see $out/hf.log"
 fi
 
 if has llama; then
-  echo "== llama.cpp"
+  part "llama.cpp"
   PYTHONPATH="$work/llama.cpp/gguf-py" python3 "$peers/make_qwen3_gguf.py" \
     "$work/llama.cpp/models/ggml-vocab-qwen2.gguf" "$work/q3-8b-f16.gguf" > "$out/llama-gguf.log" 2>&1
   if [ -n "${build_pid:-}" ]; then wait "$build_pid" || { tail -20 "$out/llama-build.log"; exit 1; }; fi
@@ -50,11 +78,23 @@ if has llama; then
   $bench -p 512,4096 -n 0 > "$out/llama-prefill.json" 2>> "$out/llama.log"
   $bench -p 0 -n 128 > "$out/llama-decode.json" 2>> "$out/llama.log"
   $bench -p 0 -n 128 -d 4096 > "$out/llama-decode-4096.json" 2>> "$out/llama.log"
+  # B sequences of 512 prompt tokens prefilled together, then 128 tokens decoded for all of them
+  # in lockstep, for each B in $levels; one KV stream per sequence (its default), so the context
+  # must hold B x (512 + 128) tokens for the largest B. Results are JSON lines on stdout,
+  # everything else on stderr.
+  part "llama-batched-bench"
+  "$work/b/bin/llama-batched-bench" -m "$work/q3-8b-f16.gguf" -ngl 99 -fa on \
+    -c $((most * (512 + 128))) -b 2048 -ub 512 -npp 512 -ntg 128 -npl "$levels" \
+    --output-format jsonl > "$out/llama-batched.jsonl" 2>> "$out/llama.log"
+  cat "$out/llama-batched.jsonl"
   rm -f "$work/q3-8b-f16.gguf"
 fi
 
 if has report; then
+  part "report"
   python3 gateway/bench/report.py "$out/ours.json" --hf "$out/hf.json" \
     --llama "$out/llama-prefill.json" "$out/llama-decode.json" "$out/llama-decode-4096.json" \
+    --load "$out/load.json" --llama-batched "$out/llama-batched.jsonl" \
     --out "$out"
 fi
+echo "done in ${SECONDS}s"

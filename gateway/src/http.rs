@@ -2,7 +2,8 @@
 //! events with `stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics`.
 //!
 //! Images come as `image_url` parts holding `data:` URLs (base64); the gateway fetches nothing
-//! from the network. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
+//! from the network. Beyond OpenAI's fields it accepts vLLM's `top_k`, `ignore_eos` and
+//! `return_token_ids`. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 //! with the status from [`GatewayError::http_status`].
 
 use std::convert::Infallible;
@@ -87,6 +88,22 @@ struct OpenAiRequest {
     /// Not in OpenAI's API; as vLLM: keep generating through eos.
     #[serde(default)]
     ignore_eos: bool,
+    /// Not in OpenAI's API; as vLLM: each choice carries the generated token ids.
+    #[serde(default)]
+    return_token_ids: bool,
+}
+
+/// How the client asked to be answered, besides the chat itself.
+#[derive(Debug, Default)]
+struct ResponseOptions {
+    /// Server-sent events, one chunk per step, instead of one JSON response.
+    stream: bool,
+    /// A last streamed chunk with the token counts (`stream_options.include_usage`).
+    include_usage: bool,
+    /// `token_ids` in each choice; when streaming, every step's tokens get a chunk, even
+    /// those whose text is held back (an incomplete character), so a client can count and
+    /// time each token (`vlm load` does).
+    return_token_ids: bool,
 }
 
 #[derive(Deserialize)]
@@ -126,7 +143,7 @@ fn data_url_bytes(url: &str, at: &str) -> Result<Vec<u8>, GatewayError> {
 fn parse_request(
     body: &[u8],
     default_max_tokens: usize,
-) -> Result<(ChatRequest, bool, bool), GatewayError> {
+) -> Result<(ChatRequest, ResponseOptions), GatewayError> {
     let r: OpenAiRequest = serde_json::from_slice(body).map_err(|e| {
         GatewayError::Invalid(format!(
             "request body is not a valid chat completion request: {e}"
@@ -217,7 +234,11 @@ fn parse_request(
         .max_completion_tokens
         .or(r.max_tokens)
         .map_or(default_max_tokens, |m| m as usize);
-    let include_usage = r.stream_options.is_some_and(|o| o.include_usage);
+    let options = ResponseOptions {
+        stream: r.stream,
+        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
+        return_token_ids: r.return_token_ids,
+    };
     Ok((
         ChatRequest {
             messages,
@@ -233,8 +254,7 @@ fn parse_request(
             ignore_eos: r.ignore_eos,
             return_logits: false,
         },
-        r.stream,
-        include_usage,
+        options,
     ))
 }
 
@@ -265,11 +285,11 @@ async fn chat_completions(
     );
     vlm_proto::telemetry::adopt_http_parent(&span, &headers);
     let id = format!("chatcmpl-{}", vlm_proto::telemetry::trace_id(&span));
-    let (req, stream, include_usage) = match parse_request(&body, st.default_max_tokens) {
+    let (req, options) = match parse_request(&body, st.default_max_tokens) {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
-    span.record("stream", stream);
+    span.record("stream", options.stream);
     let started = st
         .orchestrator
         .chat(req, "http", Some(st.request_timeout))
@@ -280,12 +300,19 @@ async fn chat_completions(
         Err(e) => return error_response(&e),
     };
     let created = now_secs();
-    if !stream {
+    if !options.stream {
         let mut rx = rx;
         let (mut text, mut finish, mut usage) = (String::new(), "stop", (0, 0));
+        let mut token_ids = Vec::new();
         while let Some(ev) = rx.recv().await {
             match ev {
-                Ok(ChatEvent::Delta { text: t, .. }) => text.push_str(&t),
+                Ok(ChatEvent::Delta {
+                    text: t,
+                    token_ids: ids,
+                }) => {
+                    text.push_str(&t);
+                    token_ids.extend(ids);
+                }
                 Ok(ChatEvent::Done {
                     finish: f,
                     prompt_tokens,
@@ -297,7 +324,7 @@ async fn chat_completions(
                 Err(e) => return error_response(&e),
             }
         }
-        return Json(json!({
+        let mut body = json!({
             "id": id,
             "object": "chat.completion",
             "created": created,
@@ -309,8 +336,11 @@ async fn chat_completions(
                 "finish_reason": finish,
             }],
             "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0 + usage.1},
-        }))
-        .into_response();
+        });
+        if options.return_token_ids {
+            body["choices"][0]["token_ids"] = json!(token_ids);
+        }
+        return Json(body).into_response();
     }
 
     let model = st.model_name.clone();
@@ -328,8 +358,14 @@ async fn chat_completions(
         async move { c }
     });
     let usage_chunk = chunk.clone();
+    let (include_usage, return_token_ids) = (options.include_usage, options.return_token_ids);
     let events = ReceiverStream::new(rx).flat_map(move |ev| {
         let items: Vec<Value> = match ev {
+            Ok(ChatEvent::Delta { text, token_ids }) if return_token_ids => {
+                let mut c = chunk(json!({"content": text}), None);
+                c["choices"][0]["token_ids"] = json!(token_ids);
+                vec![c]
+            }
             Ok(ChatEvent::Delta { text, .. }) if text.is_empty() => vec![],
             Ok(ChatEvent::Delta { text, .. }) => vec![chunk(json!({"content": text}), None)],
             Ok(ChatEvent::Done {
@@ -414,8 +450,8 @@ mod tests {
             "stop": "END",
             "max_tokens": 5,
         });
-        let (req, stream, usage) = parse_request(body.to_string().as_bytes(), 256).unwrap();
-        assert!(!stream && !usage);
+        let (req, options) = parse_request(body.to_string().as_bytes(), 256).unwrap();
+        assert!(!options.stream && !options.include_usage && !options.return_token_ids);
         assert_eq!(req.max_new_tokens, 5);
         assert_eq!(req.stop, vec!["END".to_string()]);
         assert_eq!(req.sampling.temperature, 0.0);
@@ -436,5 +472,21 @@ mod tests {
         assert!(e.to_string().contains("messages[0].role"), "{e}");
         let e = parse_request(b"{not json", 1).unwrap_err();
         assert_eq!(e.http_status(), 400);
+    }
+
+    #[test]
+    fn reads_the_streaming_options_and_the_vllm_extensions() {
+        let body = json!({
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "return_token_ids": true,
+            "ignore_eos": true,
+            "top_k": -1,
+        });
+        let (req, options) = parse_request(body.to_string().as_bytes(), 7).unwrap();
+        assert!(options.stream && options.include_usage && options.return_token_ids);
+        assert!(req.ignore_eos);
+        assert_eq!((req.sampling.top_k, req.max_new_tokens), (0, 7));
     }
 }

@@ -3,6 +3,8 @@
 //! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
+//! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
+//! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`.
 
 pub mod bench;
 pub mod chat;
@@ -10,9 +12,11 @@ pub mod detok;
 mod error;
 pub mod grpc;
 pub mod http;
+pub mod load;
 pub mod metrics;
 pub mod orchestrator;
 pub mod pipeline;
 pub mod serve;
+pub mod stack;
 
 pub use error::{Error, Result};

@@ -89,55 +89,6 @@ impl UpstreamHealth {
     }
 }
 
-/// vision-svc and llm-svc in this process (`vlm serve`, the benchmark's gateway row).
-pub struct ModelServices {
-    pub model: PathBuf,
-    pub random_weights: Option<u64>,
-    /// Images encoded at once by vision-svc.
-    pub vision_max_concurrent: usize,
-    /// Requests held at once by llm-svc (running or queued).
-    pub llm_max_concurrent: usize,
-    pub engine: llm_svc::EngineConfig,
-    /// Where both services register their metrics.
-    pub registry: prometheus::Registry,
-}
-
-impl ModelServices {
-    /// Spawns both on `(vision, llm)` listeners into `services`, each on a backend `open`
-    /// opens while it loads, until `stop` is cancelled.
-    pub fn spawn<B: vlm_compute::Backend + Clone>(
-        &self,
-        services: &mut tokio::task::JoinSet<anyhow::Result<()>>,
-        open: fn() -> vlm_compute::Result<B>,
-        (vision, llm): (TcpListener, TcpListener),
-        stop: &CancellationToken,
-    ) {
-        services.spawn(vision_svc::server::serve(
-            vision_svc::server::ServeConfig {
-                model: self.model.clone(),
-                random_weights: self.random_weights,
-                max_concurrent: self.vision_max_concurrent,
-                registry: self.registry.clone(),
-            },
-            open,
-            vision,
-            stop.clone().cancelled_owned(),
-        ));
-        services.spawn(llm_svc::server::serve(
-            llm_svc::server::ServeConfig {
-                model: self.model.clone(),
-                random_weights: self.random_weights,
-                max_concurrent: self.llm_max_concurrent,
-                engine: self.engine.clone(),
-                registry: self.registry.clone(),
-            },
-            open,
-            llm,
-            stop.clone().cancelled_owned(),
-        ));
-    }
-}
-
 /// How often the gateway's gRPC readiness re-asks the upstreams.
 const UPSTREAM_POLL: Duration = Duration::from_secs(2);
 

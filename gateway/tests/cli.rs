@@ -301,6 +301,8 @@ fn bench_reports_every_measurement_against_the_limits() {
         "16",
         "--decode-tokens",
         "2",
+        "--decode-batches",
+        "3",
         "--ttft-image-side",
         "64",
         "--json",
@@ -322,9 +324,13 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        7,
-        "two limits, one ViT size, prefill, image TTFT in process, decode, the same through \
-         the gateway: {names:?}"
+        8,
+        "two limits, one ViT size, prefill, image TTFT in process, decode, batched decode, the \
+         same through the gateway: {names:?}"
+    );
+    assert!(
+        names.contains(&"decode: batch 3 at context 16"),
+        "{names:?}"
     );
     assert!(
         names

@@ -1,0 +1,136 @@
+//! `vlm bench`: the stages measured on this machine against its copy bandwidth and GEMM rate
+//! (the measurements are in [`gateway::bench`]); prints a table and, with `--json`, one object
+//! per measurement with the device, config and commit.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use vlm_compute::{Backend, CpuBackend, CudaBackend};
+
+use crate::{device_description, git_commit, Device};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Checkpoint directory; with --random-weights only its config.json is read.
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "tests/fixtures/tiny-qwen3-vl"
+    )]
+    model: PathBuf,
+    /// Random weights of the config's shapes instead of the checkpoint's (e.g. --model
+    /// deploy/models/qwen3-vl-8b for the real 8B sizes; f32 on the CPU needs ~36 GB).
+    #[arg(long)]
+    random_weights: bool,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Unmeasured runs before each measurement.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Measured runs of each measurement (median and spread reported).
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Sides of the square images for the ViT, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "448,896,1344")]
+    image_sides: Vec<usize>,
+    /// Prompt lengths for prefill throughput, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    prefill_tokens: Vec<usize>,
+    /// Contexts at which decode tokens/s is measured, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    decode_contexts: Vec<usize>,
+    /// Tokens decoded per decode run.
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Batch sizes for batched decode (that many sequences decoding together at the first
+    /// --decode-contexts), comma-separated; empty for none.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
+    decode_batches: Vec<usize>,
+    /// Also print, op by op, where device time goes in a prefill and a batched decode.
+    #[arg(long)]
+    profile: bool,
+    /// Image side of the time-to-first-token request (with --ttft-text-tokens of text).
+    #[arg(long, default_value_t = 448)]
+    ttft_image_side: usize,
+    /// Text tokens of the time-to-first-token request.
+    #[arg(long, default_value_t = 32)]
+    ttft_text_tokens: usize,
+    /// Skip sending that request through vision-svc, llm-svc and the gateway on loopback.
+    #[arg(long)]
+    no_gateway: bool,
+    /// Also write the measurements as JSON (one object each, with device, config and commit).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    gateway::pipeline::check_model_dir(&args.model)?;
+    let device = device_description(args.device)?;
+    match args.device {
+        Device::Cpu => {
+            let copy = |_: &CpuBackend, bytes: usize| -> anyhow::Result<std::time::Duration> {
+                // Both buffers written first, so page faults are not timed as copying.
+                let src = vec![1u8; bytes];
+                let mut dst = vec![2u8; bytes];
+                let t = std::time::Instant::now();
+                dst.copy_from_slice(&src);
+                let d = t.elapsed();
+                std::hint::black_box(&dst);
+                Ok(d)
+            };
+            bench_on(&args, || Ok(CpuBackend::new()), copy, device)
+        }
+        Device::Cuda => {
+            let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
+            bench_on(&args, || CudaBackend::open_verified(0), copy, device)
+        }
+    }
+}
+
+fn bench_on<B: Backend + Clone>(
+    args: &BenchArgs,
+    open: fn() -> vlm_compute::Result<B>,
+    copy: impl Fn(&B, usize) -> anyhow::Result<std::time::Duration>,
+    device: String,
+) -> anyhow::Result<()> {
+    let opts = gateway::bench::BenchOptions {
+        warmup: args.warmup,
+        repeats: args.repeats,
+        image_sides: args.image_sides.clone(),
+        prefill_tokens: args.prefill_tokens.clone(),
+        decode_contexts: args.decode_contexts.clone(),
+        decode_tokens: args.decode_tokens,
+        decode_batches: args.decode_batches.clone(),
+        profile: args.profile,
+        ttft_image_side: args.ttft_image_side,
+        ttft_text_tokens: args.ttft_text_tokens,
+        through_gateway: !args.no_gateway,
+        random_weights: args.random_weights.then_some(0),
+    };
+    let rows = gateway::bench::run(&args.model, open, &opts, copy)?;
+    let config = format!(
+        "{}{}",
+        args.model.display(),
+        if args.random_weights {
+            " (random weights)"
+        } else {
+            ""
+        }
+    );
+    println!("device: {device}\n{}", gateway::bench::table(&rows));
+    if let Some(path) = &args.json {
+        let commit = git_commit();
+        let items: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|m| {
+                let mut v = m.to_json(&device, &config);
+                v["commit"] = commit.clone().into();
+                v
+            })
+            .collect();
+        std::fs::write(path, serde_json::to_string_pretty(&items)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}

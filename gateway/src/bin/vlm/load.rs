@@ -1,0 +1,374 @@
+//! `vlm load`: many streamed chats at once, through the gateway's HTTP and gRPC APIs, at one
+//! concurrency after another; a table of throughput and latency per level (the measuring is
+//! in [`gateway::load`]).
+//!
+//! It targets a running gateway (`--http`, `--grpc`) or starts the local stack itself, as
+//! `vlm serve` would, with the same model and engine flags. The clients run on their own
+//! tokio runtime, so the gateway's and the services' tasks do not delay the clients'
+//! timestamps (and the other way round) beyond sharing the machine's cores.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use gateway::load::{self, ApiMix, LevelLimits, LevelStats, RequestMaker, Target, Workload};
+use gateway::stack::{LocalStack, StackConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::{device_description, git_commit, start_stack, Device};
+
+/// The model `vlm load` serves when given none (as `vlm serve`).
+const DEFAULT_MODEL: &str = "tests/fixtures/tiny-qwen3-vl";
+
+#[derive(clap::Args)]
+pub struct LoadArgs {
+    /// HTTP API of a running gateway, e.g. http://127.0.0.1:8080. With neither --http nor
+    /// --grpc, vlm load starts vision-svc, llm-svc and the gateway itself (as vlm serve).
+    #[arg(long, value_name = "URL")]
+    http: Option<String>,
+    /// gRPC API of a running gateway, e.g. http://127.0.0.1:50050.
+    #[arg(long, value_name = "URL")]
+    grpc: Option<String>,
+    /// Checkpoint directory the local stack serves (default: tests/fixtures/tiny-qwen3-vl);
+    /// with --http/--grpc only its tokenizer is read, to size the prompts.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Random weights (seed 0) of the model's config for the local stack, e.g. with --model
+    /// deploy/models/qwen3-vl-8b: the real 8B shapes, no download.
+    #[arg(long, conflicts_with_all = ["http", "grpc"])]
+    random_weights: bool,
+    /// Where the local stack runs the models.
+    #[arg(long, value_enum, default_value = "cpu", conflicts_with_all = ["http", "grpc"])]
+    device: Device,
+    /// Concurrency levels, run one after another: this many clients, each sending its next
+    /// request as soon as its last one has ended (a closed loop).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
+    concurrency: Vec<usize>,
+    /// Requests per level, all clients together (default: 4 per client and at least 16,
+    /// unless --duration is given).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Seconds per level: no request is started after this; those under way finish and are
+    /// counted. With --requests, whichever comes first ends the level.
+    #[arg(long, value_name = "SECS")]
+    duration: Option<f64>,
+    /// Mean text tokens per prompt; each prompt's length is drawn uniformly from [0.5x,
+    /// 1.5x] (counted with the model's tokenizer when --model or the local stack gives one,
+    /// else one word per token).
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens each request generates, sent with ignore_eos so every request generates
+    /// exactly this many.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Every K-th request carries one PNG image generated here, each different (0: none).
+    #[arg(long, value_name = "K", default_value_t = 4)]
+    image_every: usize,
+    /// Side in pixels of those square images.
+    #[arg(long, value_name = "PIXELS", default_value_t = 448)]
+    image_side: u32,
+    /// APIs the requests go through: mixed alternates the OpenAI HTTP API (SSE streaming)
+    /// and gRPC ChatStream.
+    #[arg(long, value_enum, default_value = "mixed")]
+    api: ApiMix,
+    /// Seed of the prompts and images: the same seed sends the same requests.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Requests sent one at a time before the first level, not measured (connections,
+    /// kernels and caches warm up).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Also write one JSON object per level, with device, model, config and commit.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Local stack: requests served at once by the gateway and held by llm-svc (default:
+    /// 256, or the largest --concurrency if more; never less than that).
+    #[arg(long)]
+    max_concurrent: Option<usize>,
+    /// Local stack: images encoded at once by vision-svc.
+    #[arg(long, default_value_t = 8)]
+    vision_max_concurrent: usize,
+    /// Local stack: cap on prompt + generated tokens per request.
+    #[arg(long)]
+    max_context: Option<usize>,
+    #[command(flatten)]
+    engine: llm_svc::EngineArgs,
+}
+
+/// `http://host:port` from what a user may type: a bare host:port, a trailing `/` or `/v1`.
+fn base_url(url: &str) -> String {
+    let url = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("http://{url}")
+    };
+    let url = url.trim_end_matches('/');
+    url.strip_suffix("/v1").unwrap_or(url).to_string()
+}
+
+fn check(args: &LoadArgs) -> anyhow::Result<()> {
+    ensure!(
+        !args.concurrency.is_empty() && !args.concurrency.contains(&0),
+        "--concurrency must list levels of at least 1 client, got {:?}",
+        args.concurrency
+    );
+    ensure!(
+        args.max_tokens > 0,
+        "--max-tokens must be at least 1, got 0"
+    );
+    ensure!(
+        args.prompt_tokens > 0,
+        "--prompt-tokens must be at least 1, got 0"
+    );
+    ensure!(
+        args.requests != Some(0),
+        "--requests must be at least 1, got 0"
+    );
+    if let Some(d) = args.duration {
+        ensure!(
+            d.is_finite() && d > 0.0,
+            "--duration must be a positive number of seconds, got {d}"
+        );
+    }
+    if args.http.is_some() || args.grpc.is_some() {
+        match (args.api, &args.http, &args.grpc) {
+            (ApiMix::Mixed, Some(_), Some(_)) | (ApiMix::Http, Some(_), _) => {}
+            (ApiMix::Grpc, _, Some(_)) => {}
+            (ApiMix::Mixed, ..) => {
+                bail!("--api mixed needs both --http and --grpc (or pass --api http or --api grpc)")
+            }
+            (ApiMix::Http, ..) => bail!("--api http needs --http URL"),
+            (ApiMix::Grpc, ..) => bail!("--api grpc needs --grpc URL"),
+        }
+    }
+    Ok(())
+}
+
+/// The model directory's tokenizer, to size the prompts.
+fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
+    let path = dir.join("tokenizer.json");
+    tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| anyhow::anyhow!("cannot load the tokenizer {}: {e}", path.display()))
+}
+
+pub fn load(args: LoadArgs) -> anyhow::Result<()> {
+    check(&args)?;
+    let remote = args.http.is_some() || args.grpc.is_some();
+    let largest = args.concurrency.iter().copied().max().unwrap_or(1);
+    let model = match (&args.model, remote) {
+        (Some(dir), _) => Some(dir.clone()),
+        (None, false) => Some(PathBuf::from(DEFAULT_MODEL)),
+        (None, true) => None,
+    };
+    if let Some(dir) = &model {
+        gateway::pipeline::check_model_dir(dir).with_context(|| {
+            "vlm load needs a model; run it from the repository root or pass --model DIR"
+        })?;
+    }
+    let stack_rt = tokio::runtime::Runtime::new()?;
+    let client_threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(client_threads)
+        .thread_name("vlm-load-client")
+        .enable_all()
+        .build()?;
+
+    let mut stack: Option<LocalStack> = None;
+    let (target, device, model_desc, served_by) = if remote {
+        let http = args.http.as_deref().map(base_url);
+        let grpc = args.grpc.as_deref().map(base_url);
+        let served_name = match &http {
+            Some(url) => client_rt.block_on(served_model(url)),
+            None => None,
+        };
+        let addresses = [http.as_deref(), grpc.as_deref()]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(", ");
+        let target = Target {
+            http,
+            grpc,
+            model_name: served_name.clone().unwrap_or_else(|| "vlm".into()),
+        };
+        let model_desc = served_name.unwrap_or_else(|| "unknown".into());
+        (
+            target,
+            "unknown (a running gateway)".to_string(),
+            model_desc,
+            format!("a running gateway at {addresses}"),
+        )
+    } else {
+        let dir = model.clone().expect("the local stack has a model");
+        let max_concurrent = args.max_concurrent.unwrap_or(256.max(largest));
+        ensure!(
+            max_concurrent >= largest,
+            "--max-concurrent {max_concurrent} is below the largest --concurrency {largest}: \
+             the clients past it would get RESOURCE_EXHAUSTED / 429"
+        );
+        let device = device_description(args.device)?;
+        let mut cfg = StackConfig::loopback(dir.clone());
+        cfg.random_weights = args.random_weights.then_some(0);
+        cfg.max_concurrent = max_concurrent;
+        cfg.vision_max_concurrent = args.vision_max_concurrent;
+        cfg.engine = args
+            .engine
+            .config(args.max_context, matches!(args.device, Device::Cuda));
+        let e = &cfg.engine;
+        let served_by = format!(
+            "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \
+             max_batch_tokens {}, prefix caching {}, KV cache {})",
+            args.device.name(),
+            e.max_batch_seqs,
+            e.max_batch_tokens,
+            if e.prefix_caching { "on" } else { "off" },
+            match e.kv_cache {
+                llm_svc::KvCacheSize::Tokens(n) => format!("{n} tokens"),
+                llm_svc::KvCacheSize::DeviceFraction(f) => format!("{f} of the GPU's memory"),
+                llm_svc::KvCacheSize::Auto => "sized by the engine".into(),
+            },
+        );
+        let target_name = cfg.model_name.clone();
+        eprintln!("starting {served_by} with {}", dir.display());
+        let mut started = stack_rt.block_on(start_stack(cfg, args.device))?;
+        // Weights and the GPU's self-check take their time at the 8B sizes.
+        stack_rt.block_on(started.ready(Duration::from_secs(1800)))?;
+        let target = Target {
+            http: Some(format!("http://{}", started.http_addr)),
+            grpc: Some(format!("http://{}", started.grpc_addr)),
+            model_name: target_name,
+        };
+        stack = Some(started);
+        let model_desc = format!(
+            "{}{}",
+            dir.display(),
+            if args.random_weights {
+                " (random weights)"
+            } else {
+                ""
+            }
+        );
+        (target, device, model_desc, served_by)
+    };
+
+    let workload = Workload {
+        prompt_tokens: args.prompt_tokens,
+        max_tokens: args.max_tokens,
+        image_every: args.image_every,
+        image_side: args.image_side,
+        api: args.api,
+        seed: args.seed,
+    };
+    let tokenizer = model.as_deref().map(tokenizer).transpose()?;
+    let counted_by = if tokenizer.is_some() {
+        "the model's tokenizer"
+    } else {
+        "words, about one token each"
+    };
+    let maker = Arc::new(RequestMaker::new(workload, tokenizer));
+    let run = client_rt.block_on(run_levels(&args, &target, &maker));
+    if let Some(stack) = stack {
+        let stopped = stack_rt.block_on(stack.stop());
+        if run.is_ok() {
+            stopped.context("the local stack did not stop cleanly")?;
+        }
+    }
+    let levels = run?;
+
+    let config = format!(
+        "prompts of {}-{} text tokens (mean {}, counted by {counted_by}), {} generated with \
+         ignore_eos, {}, api {}, seed {}; {served_by}",
+        args.prompt_tokens.div_ceil(2).max(1),
+        (args.prompt_tokens * 3 / 2).max(1),
+        args.prompt_tokens,
+        args.max_tokens,
+        match args.image_every {
+            0 => "no images".to_string(),
+            1 => format!("a {0}x{0} PNG in every request", args.image_side),
+            k => format!("a {0}x{0} PNG in 1 of every {k} requests", args.image_side),
+        },
+        args.api.name(),
+        args.seed,
+    );
+    println!("device: {device}\nmodel: {model_desc}\nconfig: {config}");
+    print!("{}", load::table(&levels));
+    if let Some(path) = &args.json {
+        let commit = git_commit();
+        let items: Vec<serde_json::Value> = levels
+            .iter()
+            .map(|level| {
+                let mut v = level.to_json();
+                v["system"] = "vlm".into();
+                v["device"] = device.clone().into();
+                v["model"] = model_desc.clone().into();
+                v["config"] = config.clone().into();
+                v["commit"] = commit.clone().into();
+                v["api"] = args.api.name().into();
+                v["prompt_tokens_mean"] = args.prompt_tokens.into();
+                v["max_tokens"] = args.max_tokens.into();
+                v["image_every"] = args.image_every.into();
+                v["image_side"] = args.image_side.into();
+                v["seed"] = args.seed.into();
+                v
+            })
+            .collect();
+        std::fs::write(path, serde_json::to_string_pretty(&items)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The id the gateway's `/v1/models` lists, if it answers.
+async fn served_model(http: &str) -> Option<String> {
+    let models: serde_json::Value = reqwest::get(format!("{http}/v1/models"))
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
+    models["data"][0]["id"].as_str().map(str::to_string)
+}
+
+/// The warm-up, then every level in turn, with a progress bar on stderr (hidden when stderr
+/// is not a terminal).
+async fn run_levels(
+    args: &LoadArgs,
+    target: &Target,
+    maker: &Arc<RequestMaker>,
+) -> anyhow::Result<Vec<LevelStats>> {
+    let duration = args.duration.map(Duration::from_secs_f64);
+    let requests_for = |c: usize| match (args.requests, duration) {
+        (Some(n), _) => Some(n),
+        (None, None) => Some((4 * c).max(16)),
+        (None, Some(_)) => None,
+    };
+    let total: Option<usize> = args.concurrency.iter().map(|&c| requests_for(c)).sum();
+    let bar = match total {
+        Some(n) => ProgressBar::new(n as u64).with_style(
+            ProgressStyle::with_template("load {bar:30} {pos}/{len} requests {msg}")
+                .expect("valid template"),
+        ),
+        None => ProgressBar::new_spinner().with_style(
+            ProgressStyle::with_template("load {spinner} {pos} requests {msg}")
+                .expect("valid template"),
+        ),
+    };
+    bar.set_message("warming up");
+    load::warm_up(target, maker, 0, args.warmup).await?;
+    // Request numbers run on across levels: no level resends an earlier level's prompts.
+    let mut next = args.warmup as u64;
+    let mut levels = Vec::new();
+    for &concurrency in &args.concurrency {
+        bar.set_message(format!("at concurrency {concurrency}"));
+        let limits = LevelLimits {
+            requests: requests_for(concurrency),
+            duration,
+        };
+        let (level, used) = load::run_level(target, maker, concurrency, limits, next, &bar).await?;
+        next += used;
+        levels.push(level);
+    }
+    bar.finish_and_clear();
+    Ok(levels)
+}

@@ -1,0 +1,96 @@
+//! `vlm serve`: vision-svc, llm-svc and the gateway on loopback in this process, with the
+//! addresses printed, until ctrl-c or SIGTERM.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use gateway::stack::StackConfig;
+
+use crate::{start_stack, Device};
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory (Hugging Face layout).
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "tests/fixtures/tiny-qwen3-vl"
+    )]
+    model: PathBuf,
+    /// Where to run the models.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: Device,
+    /// Random weights (seed 0) of the model's config instead of its checkpoint, e.g. with
+    /// --model deploy/models/qwen3-vl-8b: the real 8B shapes behind the real API, answering noise.
+    #[arg(long)]
+    random_weights: bool,
+    /// Interface the public ports listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// Port of the OpenAI-compatible HTTP API.
+    #[arg(long, default_value_t = 8080)]
+    http_port: u16,
+    /// Port of the public gRPC API (vlm.v1.Gateway).
+    #[arg(long, default_value_t = 50050)]
+    grpc_port: u16,
+    /// Requests served at once by the gateway and held by the LLM service (running or
+    /// queued); more get RESOURCE_EXHAUSTED / 429 at once.
+    #[arg(long, default_value_t = 256)]
+    max_concurrent: usize,
+    /// Images encoded at once by the vision service.
+    #[arg(long, default_value_t = 8)]
+    vision_max_concurrent: usize,
+    /// Cap on prompt + generated tokens per request (default: the model's own, and at most
+    /// what the KV cache holds).
+    #[arg(long)]
+    max_context: Option<usize>,
+    #[command(flatten)]
+    engine: llm_svc::EngineArgs,
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    gateway::pipeline::check_model_dir(&args.model).with_context(|| {
+        "vlm serve needs a model; run it from the repository root or pass --model DIR"
+    })?;
+    let telemetry = vlm_proto::telemetry::init("vlm");
+    let mut cfg = StackConfig::loopback(args.model.clone());
+    cfg.random_weights = args.random_weights.then_some(0);
+    cfg.grpc_addr = (args.host, args.grpc_port).into();
+    cfg.http_addr = (args.host, args.http_port).into();
+    cfg.max_concurrent = args.max_concurrent;
+    cfg.vision_max_concurrent = args.vision_max_concurrent;
+    cfg.engine = args
+        .engine
+        .config(args.max_context, matches!(args.device, Device::Cuda));
+    let model_name = cfg.model_name.clone();
+    let stack = start_stack(cfg, args.device)
+        .await
+        .context("vlm serve cannot start (its ports: --host, --http-port, --grpc-port)")?;
+    println!(
+        "vlm serving {} ({model_name}) on {}",
+        args.model.display(),
+        args.device.name()
+    );
+    println!(
+        "  HTTP  http://{}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)",
+        stack.http_addr
+    );
+    println!(
+        "  gRPC  {}   (vlm.v1.Gateway: Chat, ChatStream; health and reflection)",
+        stack.grpc_addr
+    );
+    println!(
+        "  internal: vision-svc {}, llm-svc {}",
+        stack.vision_addr, stack.llm_addr
+    );
+    println!("ctrl-c to stop");
+    let stop = stack.shutdown_token();
+    tokio::spawn(async move {
+        vlm_proto::shutdown_signal().await;
+        stop.cancel();
+    });
+    // Any service ending (an error, or the shutdown) stops the others.
+    let result = stack.wait().await;
+    telemetry.shutdown();
+    result
+}

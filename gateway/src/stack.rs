@@ -1,0 +1,252 @@
+//! The whole system in one process: vision-svc, llm-svc and the gateway started on loopback
+//! with one shutdown token. `vlm serve` runs it until ctrl-c; the benchmarks (`vlm bench`'s
+//! through-the-gateway row, `vlm load`) start it, wait until it serves, send their requests
+//! through the public ports and stop it.
+//!
+//! The model services listen on loopback ports the kernel picks; the public gRPC and HTTP
+//! ports are the configured ones (port 0: any). Every listener is bound before anything is
+//! spawned, so the addresses are known, and connectable, as soon as [`LocalStack::start`]
+//! returns; requests get UNAVAILABLE / 503 until the models are loaded ([`LocalStack::ready`]).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::task::{Id, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::pipeline::RequestLimits;
+use crate::serve::{GatewayConfig, UpstreamHealth};
+
+/// What to start, and how.
+#[derive(Clone, Debug)]
+pub struct StackConfig {
+    /// Checkpoint directory (with `random_weights`, only its config, tokenizer and template
+    /// are read).
+    pub model: PathBuf,
+    /// Random weights from this seed instead of the checkpoint's.
+    pub random_weights: Option<u64>,
+    /// Name served in `/v1/models` and responses.
+    pub model_name: String,
+    /// Where the public gRPC API (vlm.v1.Gateway) listens; port 0 for any free port.
+    pub grpc_addr: SocketAddr,
+    /// Where the OpenAI-compatible HTTP API listens; port 0 for any free port.
+    pub http_addr: SocketAddr,
+    /// Requests served at once by the gateway and held by llm-svc (running or queued); more
+    /// get RESOURCE_EXHAUSTED / 429.
+    pub max_concurrent: usize,
+    /// Images encoded at once by vision-svc.
+    pub vision_max_concurrent: usize,
+    pub engine: llm_svc::EngineConfig,
+    /// How image embeddings travel from vision-svc to llm-svc.
+    pub embedding_dtype: vlm_proto::pb::Dtype,
+    /// `max_tokens` of a request that does not say.
+    pub default_max_tokens: usize,
+    /// Longest a request may take.
+    pub request_timeout: Duration,
+}
+
+impl StackConfig {
+    /// `vlm serve`'s settings for `model`, with every port picked by the kernel on loopback.
+    pub fn loopback(model: PathBuf) -> Self {
+        let any_port = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let model_name = model
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        Self {
+            model,
+            random_weights: None,
+            model_name,
+            grpc_addr: any_port,
+            http_addr: any_port,
+            max_concurrent: 256,
+            vision_max_concurrent: 8,
+            engine: llm_svc::EngineConfig::default(),
+            embedding_dtype: vlm_proto::pb::Dtype::F32,
+            default_max_tokens: 256,
+            request_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// vision-svc, llm-svc and the gateway running in this process.
+pub struct LocalStack {
+    pub vision_addr: SocketAddr,
+    pub llm_addr: SocketAddr,
+    pub grpc_addr: SocketAddr,
+    pub http_addr: SocketAddr,
+    stop: CancellationToken,
+    services: JoinSet<anyhow::Result<()>>,
+    /// Which service each task is, for the message when one ends.
+    names: Vec<(Id, &'static str)>,
+}
+
+impl LocalStack {
+    /// Binds every listener and spawns the three services on the current tokio runtime, each
+    /// model service on a backend that `open` opens while it loads. Returns at once; the
+    /// models load in the background (see [`LocalStack::ready`]).
+    pub async fn start<B: vlm_compute::Backend + Clone>(
+        cfg: StackConfig,
+        open: fn() -> vlm_compute::Result<B>,
+    ) -> anyhow::Result<Self> {
+        let internal = || TcpListener::bind((Ipv4Addr::LOCALHOST, 0));
+        let vision = internal()
+            .await
+            .context("cannot listen on a loopback port for vision-svc")?;
+        let llm = internal()
+            .await
+            .context("cannot listen on a loopback port for llm-svc")?;
+        let grpc = TcpListener::bind(cfg.grpc_addr)
+            .await
+            .with_context(|| format!("cannot listen on {} for the gRPC API", cfg.grpc_addr))?;
+        let http = TcpListener::bind(cfg.http_addr)
+            .await
+            .with_context(|| format!("cannot listen on {} for the HTTP API", cfg.http_addr))?;
+        let mut stack = Self {
+            vision_addr: vision.local_addr()?,
+            llm_addr: llm.local_addr()?,
+            grpc_addr: grpc.local_addr()?,
+            http_addr: http.local_addr()?,
+            stop: CancellationToken::new(),
+            services: JoinSet::new(),
+            names: Vec::new(),
+        };
+        // Both model services and the gateway show their metrics on the gateway's /metrics.
+        let registry = prometheus::Registry::new();
+        let vision_task = vision_svc::server::serve(
+            vision_svc::server::ServeConfig {
+                model: cfg.model.clone(),
+                random_weights: cfg.random_weights,
+                max_concurrent: cfg.vision_max_concurrent,
+                registry: registry.clone(),
+            },
+            open,
+            vision,
+            stack.stop.clone().cancelled_owned(),
+        );
+        stack.spawn("vision-svc", vision_task);
+        let llm_task = llm_svc::server::serve(
+            llm_svc::server::ServeConfig {
+                model: cfg.model.clone(),
+                random_weights: cfg.random_weights,
+                max_concurrent: cfg.max_concurrent,
+                engine: cfg.engine.clone(),
+                registry: registry.clone(),
+            },
+            open,
+            llm,
+            stack.stop.clone().cancelled_owned(),
+        );
+        stack.spawn("llm-svc", llm_task);
+        let gateway_task = crate::serve::serve(
+            GatewayConfig {
+                model: cfg.model.clone(),
+                model_name: cfg.model_name.clone(),
+                vision_addrs: vec![stack.vision_addr.to_string()],
+                llm_addrs: vec![stack.llm_addr.to_string()],
+                max_concurrent: cfg.max_concurrent,
+                limits: RequestLimits::default(),
+                default_max_tokens: cfg.default_max_tokens,
+                request_timeout: cfg.request_timeout,
+                embedding_dtype: cfg.embedding_dtype,
+                also_metrics: vec![registry],
+            },
+            grpc,
+            http,
+            stack.stop.clone(),
+        );
+        stack.spawn("gateway", gateway_task);
+        Ok(stack)
+    }
+
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+    ) {
+        let id = self.services.spawn(task).id();
+        self.names.push((id, name));
+    }
+
+    fn name_of(&self, id: Id) -> &'static str {
+        self.names
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map_or("a service", |(_, n)| n)
+    }
+
+    /// Waits until both model services say SERVING (their models are loaded), at most
+    /// `timeout`. A service that ends meanwhile (a missing checkpoint, a failed GPU self-check,
+    /// a cache that does not fit) fails this with its name and its error.
+    pub async fn ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let health = UpstreamHealth::new(
+            &[self.vision_addr.to_string()],
+            &[self.llm_addr.to_string()],
+        );
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(ended) = self.services.try_join_next_with_id() {
+                let (name, why) = match ended {
+                    Ok((id, Ok(()))) => (self.name_of(id), "it stopped".to_string()),
+                    Ok((id, Err(e))) => (self.name_of(id), format!("{e:#}")),
+                    Err(e) => (self.name_of(e.id()), format!("its task failed: {e}")),
+                };
+                self.stop.cancel();
+                anyhow::bail!("{name} ended while the local stack was starting: {why}");
+            }
+            if health.check().await.0 {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the local stack was not serving within {}s (vision-svc {}, llm-svc {})",
+                timeout.as_secs(),
+                self.vision_addr,
+                self.llm_addr
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Cancelling this token stops the whole stack (e.g. on ctrl-c).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Runs until a service ends (an error, or the shutdown token cancelled); then stops the
+    /// others, waits for them to drain, and returns the first error.
+    pub async fn wait(mut self) -> anyhow::Result<()> {
+        let mut first_error = None;
+        while let Some(joined) = self.services.join_next_with_id().await {
+            self.stop.cancel();
+            let failed = match joined {
+                Ok((_, Ok(()))) => None,
+                Ok((id, Err(e))) => Some(e.context(self.name_of(id))),
+                Err(e) => Some(anyhow::anyhow!(
+                    "{}: its task failed: {e}",
+                    self.name_of(e.id())
+                )),
+            };
+            if let Some(e) = failed {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Stops every service and waits until they have drained.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.stop.cancel();
+        self.wait().await
+    }
+}
+
+impl Drop for LocalStack {
+    /// A stack dropped without [`LocalStack::stop`] (an early return) still shuts down: the
+    /// token is cancelled and the services' tasks are aborted with the set that holds them.
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

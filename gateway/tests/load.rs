@@ -1,0 +1,148 @@
+//! `vlm load` as a user runs it: the real binary starts the local stack on the bundled tiny
+//! model, sends streamed chats with images over HTTP and gRPC at two concurrencies, and
+//! reports every request answered with all its tokens. Timings are not asserted (benchmarks
+//! report, they do not fail CI); only that each number is there and consistent.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+}
+
+fn vlm_load(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vlm"))
+        .arg("load")
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("the vlm binary runs")
+}
+
+#[test]
+fn load_answers_every_request_over_both_apis_and_writes_one_object_per_level() {
+    let dir = std::env::temp_dir().join(format!("vlm-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("load.json");
+    let model = fixture();
+    let out = vlm_load(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--concurrency",
+        "1,4",
+        "--requests",
+        "8",
+        "--max-tokens",
+        "8",
+        "--prompt-tokens",
+        "40",
+        "--image-every",
+        "2",
+        "--image-side",
+        "64",
+        "--api",
+        "mixed",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for column in [
+        "concurrency",
+        "output tok/s",
+        "req/s",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+    ] {
+        assert!(stdout.contains(column), "no {column} column:\n{stdout}");
+    }
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .filter(|cells: &Vec<&str>| cells.len() == 10 && cells[0].parse::<usize>().is_ok())
+        .collect();
+    assert_eq!(rows.len(), 2, "one table line per level:\n{stdout}");
+    for (row, concurrency) in rows.iter().zip(["1", "4"]) {
+        assert_eq!(&row[..3], [concurrency, "8", "0"], "{stdout}");
+    }
+
+    let levels: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let levels = levels.as_array().expect("a list of levels");
+    assert_eq!(levels.len(), 2);
+    for (level, concurrency) in levels.iter().zip([1, 4]) {
+        let num = |key: &str| {
+            level[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key} missing in {level}"))
+        };
+        assert_eq!(num("concurrency"), concurrency as f64);
+        assert_eq!(num("requests_ok"), 8.0, "{level}");
+        assert_eq!(num("error_count"), 0.0, "{level}");
+        assert_eq!(level["errors"], serde_json::json!({}));
+        // ignore_eos: every request streams exactly max_tokens, over HTTP as over gRPC.
+        assert_eq!(num("output_tokens"), 64.0, "{level}");
+        // At least the 20 text tokens of the shortest prompt each, images and template on top.
+        assert!(num("prompt_tokens") >= 8.0 * 20.0, "{level}");
+        let wall = num("wall_s");
+        assert!(wall > 0.0);
+        let rate = num("output_tokens_per_s");
+        assert!((rate * wall - 64.0).abs() < 1e-6 * 64.0, "{level}");
+        assert!((num("requests_per_s") * wall - 8.0).abs() < 1e-6 * 8.0);
+        assert!(num("prompt_tokens_per_s") > 0.0);
+        assert!(num("ttft_p50_ms") > 0.0 && num("ttft_p99_ms") >= num("ttft_p50_ms"));
+        assert!(num("itl_p50_ms") >= 0.0 && num("itl_p99_ms") >= num("itl_p50_ms"));
+        assert!(num("ttft_p99_ms") <= wall * 1e3, "{level}");
+        assert!(level["device"].as_str().unwrap().starts_with("cpu"));
+        assert!(level["model"].as_str().unwrap().contains("tiny-qwen3-vl"));
+        assert!(level["config"].as_str().unwrap().contains("ignore_eos"));
+        for key in ["commit", "system", "name", "api"] {
+            assert!(
+                !level[key].as_str().unwrap_or_default().is_empty(),
+                "{key} missing in {level}"
+            );
+        }
+        assert_eq!((num("max_tokens"), num("image_every")), (8.0, 2.0));
+    }
+}
+
+#[test]
+fn load_names_what_is_wrong_with_its_flags() {
+    let fails = |args: &[&str]| {
+        let out = vlm_load(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let err = fails(&["--http", "http://127.0.0.1:9"]);
+    assert!(
+        err.contains("--api mixed needs both --http and --grpc"),
+        "{err}"
+    );
+    let err = fails(&["--concurrency", "1,0"]);
+    assert!(err.contains("--concurrency"), "{err}");
+    let model = fixture();
+    let err = fails(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--concurrency",
+        "8",
+        "--max-concurrent",
+        "4",
+    ]);
+    assert!(err.contains("--max-concurrent 4 is below"), "{err}");
+    // Nothing listens on the discard port: the run stops at once and says where it looked.
+    let err = fails(&[
+        "--http",
+        "http://127.0.0.1:9",
+        "--api",
+        "http",
+        "--warmup",
+        "0",
+    ]);
+    assert!(err.contains("127.0.0.1:9"), "{err}");
+}

@@ -1,0 +1,110 @@
+//! `gateway::stack::LocalStack`, the one way `vlm serve`, `vlm bench` and `vlm load` start the
+//! three services in process: it serves the bundled tiny model through both public APIs and
+//! stops cleanly, and a model that cannot load fails `ready` with the service's name and its
+//! error instead of waiting out the timeout.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gateway::stack::{LocalStack, StackConfig};
+use vlm_compute::CpuBackend;
+use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ChatMessage, ContentPart};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_the_tiny_model_and_stops() {
+    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
+        .await
+        .unwrap();
+    let request = vlm_proto::pb::ChatRequest {
+        messages: vec![ChatMessage {
+            role: "user".into(),
+            content: vec![ContentPart {
+                part: Some(content_part::Part::Text("hello".into())),
+            }],
+        }],
+        max_tokens: Some(3),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let answer = client.chat(request.clone()).await.unwrap().into_inner();
+    assert_eq!(answer.token_ids.len(), 3);
+    // The same request over HTTP, streamed with the token ids: every token comes in some
+    // chunk, those whose text is still an incomplete character included.
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12,
+        "ignore_eos": true,
+        "stream": true,
+        "return_token_ids": true,
+    });
+    let sse = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", stack.http_addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut streamed: Vec<u32> = Vec::new();
+    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+        if let Some(ids) = chunk["choices"][0]["token_ids"].as_array() {
+            streamed.extend(ids.iter().map(|i| i.as_u64().unwrap() as u32));
+        }
+    }
+    let unary = client
+        .chat(vlm_proto::pb::ChatRequest {
+            max_tokens: Some(12),
+            ..request
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(streamed, unary.token_ids, "{sse}");
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_cannot_load_fails_ready_with_the_service_named() {
+    // The fixture without its weights: config, tokenizer and template only.
+    let dir = std::env::temp_dir().join(format!("vlm-stack-noweights-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(fixture()).unwrap() {
+        let p = f.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        if p.is_file() && !name.contains("safetensors") {
+            std::fs::copy(&p, dir.join(&name)).unwrap();
+        }
+    }
+    let mut stack = LocalStack::start(StackConfig::loopback(dir), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    let err = stack
+        .ready(Duration::from_secs(60))
+        .await
+        .expect_err("no weights, no service");
+    let msg = format!("{err:#}");
+    assert!(
+        (msg.contains("vision-svc") || msg.contains("llm-svc"))
+            && msg.contains("while the local stack was starting")
+            && msg.contains("safetensors"),
+        "{msg}"
+    );
+    assert!(
+        stack.stop().await.is_err(),
+        "the failed service's error comes back"
+    );
+}
