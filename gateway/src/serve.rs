@@ -117,6 +117,7 @@ impl ModelServices {
                 model: self.model.clone(),
                 random_weights: self.random_weights,
                 max_concurrent: self.vision_max_concurrent,
+                max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
                 registry: self.registry.clone(),
             },
             open,
