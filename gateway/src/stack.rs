@@ -120,6 +120,7 @@ impl LocalStack {
                 model: cfg.model.clone(),
                 random_weights: cfg.random_weights,
                 max_concurrent: cfg.vision_max_concurrent,
+                max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
                 registry: registry.clone(),
             },
             open,

@@ -6,6 +6,7 @@
 //! ```
 //! [`VisionEncoder`] bundles both for callers (the `vlm` CLI, the VisionService server).
 
+mod batcher;
 mod config;
 mod error;
 pub mod metrics;

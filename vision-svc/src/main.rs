@@ -13,6 +13,9 @@ use vision_svc::server::{serve, ServeConfig};
     about = "Qwen3-VL vision service: encodes images into embeddings for the LLM service, over gRPC (vlm.v1.VisionService)",
     long_about = "Qwen3-VL vision service: encodes images into embeddings for the LLM service, over gRPC \
         (vlm.v1.VisionService, plus grpc.health.v1 and reflection).\n\n\
+        Images are batched: each request's image is decoded and preprocessed on its own thread, then queued; \
+        one encoder loop runs the ViT over every queued image in one pass (up to --max-batch-patches patches, \
+        attention within each image), so concurrent requests share the device's work.\n\n\
         Health is NOT_SERVING until the model is loaded. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
         Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info); Prometheus \
         metrics at --metrics-listen."
@@ -32,10 +35,17 @@ struct Args {
     /// against the CPU reference before the service reports SERVING).
     #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
-    /// Images encoded at the same time; more get RESOURCE_EXHAUSTED.
-    #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 4)]
+    /// Images in the service at once (being preprocessed, queued or encoded); more get
+    /// RESOURCE_EXHAUSTED at once. Images queued while a pass runs are encoded together in the
+    /// next, so a higher limit gives fuller passes.
+    #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 16)]
     max_concurrent: usize,
-    /// Serve Prometheus metrics (images by outcome, in flight, encode time) at
+    /// Most patches in one ViT pass over several images (Qwen3-VL: one patch per 16x16 pixels);
+    /// an image with more runs alone. The default holds one 1344x1344 image (7056 patches) or
+    /// ten 448x448 ones.
+    #[arg(long, env = "VLM_VISION_MAX_BATCH_PATCHES", default_value_t = vision_svc::server::DEFAULT_MAX_BATCH_PATCHES)]
+    max_batch_patches: usize,
+    /// Serve Prometheus metrics (images by outcome, in flight, encode time, images per pass) at
     /// http://ADDR/metrics.
     #[arg(long, env = "VLM_VISION_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
@@ -54,6 +64,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         model: args.model,
         random_weights: args.random_weights.then_some(0),
         max_concurrent: args.max_concurrent,
+        max_batch_patches: args.max_batch_patches,
         registry: registry.clone(),
     };
     let stop = tokio_util::sync::CancellationToken::new();

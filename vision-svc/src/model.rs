@@ -8,11 +8,14 @@
 //!        └─ after blocks in deepstack_visual_indexes: DeepStack merger (LN after 2×2 grouping)
 //!   ─▶ merger: LN ─▶ group 2×2 ─▶ Linear ─▶ GELU ─▶ Linear → [tokens, out_hidden]
 //! ```
-//! Attention is full (non-causal) within an image; images are encoded one at a time, which is
-//! what HF's per-image `cu_seqlens` split computes.
+//! Several images go through one pass together ([`VisionModel::forward_batch`]): their patches
+//! are concatenated row-wise, every op but attention works row by row, and attention is full
+//! (non-causal) within each image and never across them, which is what HF's per-image
+//! `cu_seqlens` split computes. On the CPU an image's outputs are therefore bit for bit the
+//! same whatever else is in its pass.
 
 use vlm_compute::nn::Linear;
-use vlm_compute::{AttnMask, Backend, GeluKind, HostTensor, WeightPrefix, Weights};
+use vlm_compute::{Backend, GeluKind, HostTensor, WeightPrefix, Weights};
 
 use crate::{Error, Patches, Result, VisionConfig};
 
@@ -79,13 +82,13 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    fn forward(&self, be: &B, x: &B::Tensor, rope: &Rope<B>) -> Result<B::Tensor> {
+    fn forward(&self, be: &B, x: &B::Tensor, pass: &Pass<B>) -> Result<B::Tensor> {
         let n = be.shape(x)[0];
         let heads = |t: B::Tensor| be.reshape(t, &[n, self.heads, self.head_dim]);
-        let q = be.rope(&heads(self.q.forward(be, x)?)?, &rope.cos, &rope.sin)?;
-        let k = be.rope(&heads(self.k.forward(be, x)?)?, &rope.cos, &rope.sin)?;
+        let q = be.rope(&heads(self.q.forward(be, x)?)?, &pass.cos, &pass.sin)?;
+        let k = be.rope(&heads(self.k.forward(be, x)?)?, &pass.cos, &pass.sin)?;
         let v = heads(self.v.forward(be, x)?)?;
-        let a = be.attention(&q, &k, &v, n, AttnMask::Full)?;
+        let a = be.attention_segments(&q, &k, &v, &pass.patches_per_image)?;
         Ok(self.proj.forward(be, &a)?)
     }
 }
@@ -116,8 +119,8 @@ impl<B: Backend> Block<B> {
         })
     }
 
-    fn forward(&self, be: &B, x: &B::Tensor, rope: &Rope<B>) -> Result<B::Tensor> {
-        let a = self.attn.forward(be, &self.norm1.forward(be, x)?, rope)?;
+    fn forward(&self, be: &B, x: &B::Tensor, pass: &Pass<B>) -> Result<B::Tensor> {
+        let a = self.attn.forward(be, &self.norm1.forward(be, x)?, pass)?;
         let x = be.add(x, &a)?;
         let h = self.fc1.forward(be, &self.norm2.forward(be, &x)?)?;
         let m = self.fc2.forward(be, &be.gelu(&h, self.act)?)?;
@@ -170,8 +173,12 @@ impl<B: Backend> Merger<B> {
     }
 }
 
-/// 2-D rotary tables for one image: `[patches, head_dim]` each.
-struct Rope<B: Backend> {
+/// What every block of a pass needs besides the activations: where each image's rows are, and
+/// the 2-D rotary tables of all rows.
+struct Pass<B: Backend> {
+    /// Rows of each image, in pass order; attention stays within each run.
+    patches_per_image: Vec<usize>,
+    /// `[rows, head_dim]` each, every image's tables one after the other.
     cos: B::Tensor,
     sin: B::Tensor,
 }
@@ -279,7 +286,8 @@ impl<B: Backend> VisionModel<B> {
         (idx, wts)
     }
 
-    fn rope_tables(&self, pos: &[(usize, usize)]) -> Result<Rope<B>> {
+    /// 2-D rotary tables for patches at `pos`: cos and sin, `[patches, head_dim]` each.
+    fn rope_tables(&self, pos: &[(usize, usize)]) -> (Vec<f32>, Vec<f32>) {
         let d = self.cfg.head_dim();
         let q = self.inv_freq.len();
         let (mut cos, mut sin) = (vec![0f32; pos.len() * d], vec![0f32; pos.len() * d]);
@@ -294,16 +302,11 @@ impl<B: Backend> VisionModel<B> {
                 }
             }
         }
-        let be = &self.backend;
-        Ok(Rope {
-            cos: be.upload(&HostTensor::new(vec![pos.len(), d], cos)?)?,
-            sin: be.upload(&HostTensor::new(vec![pos.len(), d], sin)?)?,
-        })
+        (cos, sin)
     }
 
-    /// Encodes one image's patches.
-    pub fn forward(&self, patches: &Patches) -> Result<VisionOutput> {
-        let be = &self.backend;
+    /// Checks that `patches` came from this tower's preprocessing; returns its patch count.
+    fn check(&self, patches: &Patches) -> Result<usize> {
         let cfg = &self.cfg;
         let grid = patches.grid_thw;
         let m = cfg.spatial_merge_size;
@@ -315,25 +318,86 @@ impl<B: Backend> VisionModel<B> {
                 cfg.patch_dim()
             )));
         }
-        let pos = self.patch_positions(grid);
-        let (idx, wts) = self.pos_embed_taps(grid, &pos);
-        let rope = self.rope_tables(&pos)?;
+        Ok(n)
+    }
 
-        let x = self.patch_embed.forward(be, &be.upload(&patches.pixels)?)?;
-        let mut x = be.add(&x, &be.weighted_gather(&self.pos_embed, &idx, &wts, 4)?)?;
+    /// Encodes one image's patches: [`Self::forward_batch`] of one.
+    pub fn forward(&self, patches: &Patches) -> Result<VisionOutput> {
+        let mut out = self.forward_batch(std::slice::from_ref(patches))?;
+        Ok(out.pop().expect("one output per image"))
+    }
+
+    /// Encodes several images in one pass and returns their outputs in the same order. Each
+    /// output equals (on the CPU, bit for bit) what [`Self::forward`] gives for that image
+    /// alone; the pass just runs every GEMM over all images' rows at once.
+    pub fn forward_batch(&self, images: &[Patches]) -> Result<Vec<VisionOutput>> {
+        let be = &self.backend;
+        let cfg = &self.cfg;
+        if images.is_empty() {
+            return Ok(Vec::new());
+        }
+        let patches_per_image = images
+            .iter()
+            .map(|p| self.check(p))
+            .collect::<Result<Vec<_>>>()?;
+        let rows: usize = patches_per_image.iter().sum();
+
+        // Position inputs, image by image: each image's patches get the pos-embed taps and
+        // rotary angles of its own grid, as if it were alone.
+        let (mut taps, mut tap_weights, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        for p in images {
+            let image_pos = self.patch_positions(p.grid_thw);
+            let (idx, wts) = self.pos_embed_taps(p.grid_thw, &image_pos);
+            taps.extend(idx);
+            tap_weights.extend(wts);
+            pos.extend(image_pos);
+        }
+        let (cos, sin) = self.rope_tables(&pos);
+        let d = cfg.head_dim();
+        let pass = Pass {
+            patches_per_image,
+            cos: be.upload(&HostTensor::new(vec![rows, d], cos)?)?,
+            sin: be.upload(&HostTensor::new(vec![rows, d], sin)?)?,
+        };
+
+        // From here on every op sees one matrix of all images' rows.
+        let mut pixels = Vec::with_capacity(rows * cfg.patch_dim());
+        for p in images {
+            pixels.extend_from_slice(p.pixels.data());
+        }
+        let pixels = HostTensor::new(vec![rows, cfg.patch_dim()], pixels)?;
+        let x = self.patch_embed.forward(be, &be.upload(&pixels)?)?;
+        let mut x = be.add(
+            &x,
+            &be.weighted_gather(&self.pos_embed, &taps, &tap_weights, 4)?,
+        )?;
         let mut deepstack = Vec::new();
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward(be, &x, &rope)?;
+            x = block.forward(be, &x, &pass)?;
             if let Some(j) = cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
                 let f = self.deepstack_mergers[j].forward(be, &x)?;
                 deepstack.push(be.download(&f)?);
             }
         }
         let embeds = be.download(&self.merger.forward(be, &x)?)?;
-        Ok(VisionOutput {
-            embeds,
-            deepstack,
-            grid_thw: grid,
-        })
+
+        // Mergers turn each 2×2 window (4 consecutive rows, never straddling two images) into
+        // one token, so image i's tokens are its patches / merge² rows, in pass order.
+        let group = cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let mut outputs = Vec::with_capacity(images.len());
+        let mut start = 0;
+        for (p, &n) in images.iter().zip(&pass.patches_per_image) {
+            let end = start + n / group;
+            outputs.push(VisionOutput {
+                embeds: embeds.slice_rows(start, end)?,
+                deepstack: deepstack
+                    .iter()
+                    .map(|f| f.slice_rows(start, end))
+                    .collect::<vlm_compute::Result<_>>()?,
+                grid_thw: p.grid_thw,
+            });
+            start = end;
+        }
+        Ok(outputs)
     }
 }

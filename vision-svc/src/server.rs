@@ -1,8 +1,11 @@
 //! The VisionService gRPC server: `Encode(image bytes) -> embeddings + DeepStack + grid`.
 //!
-//! The model loads in the background while health reports NOT_SERVING; image decoding and the
-//! ViT run on blocking threads, at most `max_concurrent` at a time (more fail fast with
-//! RESOURCE_EXHAUSTED rather than queue without bound).
+//! The model loads in the background while health reports NOT_SERVING. Each request decodes
+//! and preprocesses its image on a blocking thread, then queues it for the encoder loop
+//! (batcher.rs), which runs the ViT over every queued image together, up to
+//! `max_batch_patches` patches per pass. At most `max_concurrent` images are in the service
+//! at once (preprocessing, queued or encoding); more fail fast with RESOURCE_EXHAUSTED rather
+//! than queue without bound. A request whose client has gone leaves the queue before its pass.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -16,8 +19,16 @@ use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{telemetry, tensor};
 
+use crate::batcher::Batcher;
 use crate::metrics::VisionMetrics;
 use crate::{preprocess, Error, VisionEncoder};
+
+/// Default of [`ServeConfig::max_batch_patches`]: a 1344×1344 image (84×84 = 7056 patches)
+/// fits alone, and so do ten 448×448 ones (784 each). A pass of this many rows already
+/// gives the ViT's GEMMs thousands of rows, enough to keep a GPU's tensor cores busy; a larger
+/// pass would add latency to every image in it (and activation memory, ~64 KB per row at 8B
+/// sizes) for little more throughput.
+pub const DEFAULT_MAX_BATCH_PATCHES: usize = 8192;
 
 /// The one place vision errors become gRPC statuses.
 pub fn to_status(e: &Error) -> Status {
@@ -29,17 +40,27 @@ pub struct ServeConfig {
     /// Random weights of the model's config from this seed instead of its checkpoint (for
     /// benchmarks and smoke tests of sizes whose weights are not at hand).
     pub random_weights: Option<u64>,
-    /// Images encoded at the same time; further requests get RESOURCE_EXHAUSTED.
+    /// Images in the service at once (preprocessing, queued or encoding); further requests
+    /// get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
+    /// Most patches in one ViT pass over several images; an image with more runs alone.
+    pub max_batch_patches: usize,
     /// Where the service's metrics are registered (its own, or one `vlm serve` shares).
     pub registry: prometheus::Registry,
 }
 
 pub struct VisionServer<B: Backend> {
-    encoder: Arc<OnceLock<VisionEncoder<B>>>,
+    loaded: Arc<OnceLock<LoadedEncoder<B>>>,
     permits: Arc<Semaphore>,
     max_concurrent: usize,
     metrics: VisionMetrics,
+}
+
+/// What the handlers use once the model is loaded: its preprocessing settings, and the
+/// encoder loop that runs its ViT.
+struct LoadedEncoder<B: Backend> {
+    encoder: Arc<VisionEncoder<B>>,
+    batcher: Batcher,
 }
 
 /// Counts an image in flight and, however its request ends, its outcome and time.
@@ -88,30 +109,35 @@ impl<B: Backend> VisionService for VisionServer<B> {
         telemetry::adopt_remote_parent(&span, request.metadata());
         let mut guard = ImageGuard::new(&self.metrics);
         let result = async move {
-            let Some(_) = self.encoder.get() else {
+            let Some(loaded) = self.loaded.get() else {
                 return Err(Status::unavailable("the vision model is still loading"));
             };
-            let _permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
                 Status::resource_exhausted(format!(
-                    "the vision service is encoding {} images already; retry later",
+                    "the vision service holds its limit of {} images (preprocessing, queued or encoding); retry later",
                     self.max_concurrent
                 ))
             })?;
             let req = request.into_inner();
             let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
-            let encoder = self.encoder.clone();
+            let encoder = loaded.encoder.clone();
             let parent = tracing::Span::current();
-            let out = tokio::task::spawn_blocking(move || {
-                let enc = encoder.get().expect("checked above");
-                let patches = info_span!(parent: &parent, "preprocess").in_scope(|| {
-                    preprocess::preprocess(&req.image, &enc.preprocess, &enc.limits)
-                })?;
-                info_span!(parent: &parent, "vision_encode", patches = patches.pixels.shape()[0])
-                    .in_scope(|| enc.model.forward(&patches))
+            // The permit goes along: an image still being decoded for a client that has
+            // gone keeps its place until the decoding ends.
+            let (patches, permit) = tokio::task::spawn_blocking(move || {
+                info_span!(parent: &parent, "preprocess")
+                    .in_scope(|| {
+                        preprocess::preprocess(&req.image, &encoder.preprocess, &encoder.limits)
+                    })
+                    .map(|patches| (patches, permit))
             })
             .await
-            .map_err(|e| Status::internal(format!("vision worker failed: {e}")))?
+            .map_err(|e| Status::internal(format!("image preprocessing failed: {e}")))?
             .map_err(|e| to_status(&e))?;
+            let out = loaded
+                .batcher
+                .encode(patches, permit, tracing::Span::current())
+                .await?;
             tracing::Span::current().record("tokens", out.embeds.shape()[0]);
             tracing::info!(tokens = out.embeds.shape()[0], grid = ?out.grid_thw, "image encoded");
             let pack = |t: &vlm_compute::HostTensor| tensor::encode(t.shape(), t.data(), dtype);
@@ -141,12 +167,13 @@ pub async fn serve<B: Backend>(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let encoder = Arc::new(OnceLock::new());
+    let loaded = Arc::new(OnceLock::new());
+    let metrics = VisionMetrics::new(&cfg.registry);
     let server = VisionServer {
-        encoder: encoder.clone(),
+        loaded: loaded.clone(),
         permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
         max_concurrent: cfg.max_concurrent.max(1),
-        metrics: VisionMetrics::new(&cfg.registry),
+        metrics: metrics.clone(),
     };
     let (health, router) = vlm_proto::grpc_server().await;
     let svc = VisionServiceServer::new(server)
@@ -155,12 +182,15 @@ pub async fn serve<B: Backend>(
     let router = router.add_service(svc);
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "vision-svc listening");
     let (model, random_weights) = (cfg.model.clone(), cfg.random_weights);
+    let max_batch_patches = cfg.max_batch_patches;
     let what = format!("the vision model from {}", cfg.model.display());
-    let load = vlm_proto::load_model(encoder, what, move || -> Result<_, Error> {
+    let load = vlm_proto::load_model(loaded, what, move || -> anyhow::Result<_> {
         let weights = Weights::open_or_random(&model, random_weights)?;
-        let enc = VisionEncoder::load(&model, &weights, backend()?)?;
+        let encoder = Arc::new(VisionEncoder::load(&model, &weights, backend()?)?);
         weights.finish();
-        Ok(enc)
+        let batcher = Batcher::start(encoder.clone(), max_batch_patches, metrics)
+            .map_err(|e| anyhow::anyhow!("cannot start the vision encoder thread: {e}"))?;
+        Ok(LoadedEncoder { encoder, batcher })
     });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
