@@ -143,6 +143,13 @@ pub fn run<B: Backend + Clone>(
         .max()
         .unwrap_or(0);
     let batch_context = opts.decode_contexts.first().copied().unwrap_or(512);
+    // Batch 1 at that context is the single-sequence decode row already.
+    let batched: Vec<usize> = opts
+        .decode_batches
+        .iter()
+        .copied()
+        .filter(|&b| b > 1 || !opts.decode_contexts.contains(&batch_context))
+        .collect();
     let most_seqs = opts.decode_batches.iter().copied().max().unwrap_or(1);
     let engine = llm_svc::EngineConfig {
         max_batch_tokens: longest.max(2048),
@@ -165,7 +172,7 @@ pub fn run<B: Backend + Clone>(
         + opts.prefill_tokens.len()
         + 1
         + opts.decode_contexts.len()
-        + opts.decode_batches.len()
+        + batched.len()
         + opts.through_gateway as usize;
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
@@ -329,7 +336,7 @@ pub fn run<B: Backend + Clone>(
         meas.roofline = Some(meas.throughput() * bytes_per_token / bandwidth);
         out.push(meas);
     }
-    for &batch in &opts.decode_batches {
+    for &batch in &batched {
         bar.set_message(format!("decode batch {batch}"));
         let s = time(opts, &bar, || {
             batched_decode(
