@@ -13,7 +13,6 @@
 #define PD_WARPS 4      // warps per decode block
 #define PD_MAX_GROUP 8  // query heads per KV head a decode block holds
 #define PD_MIN_CHUNK 64 // fewest keys a decode split takes (fewer: merging costs more than it saves)
-#define PD_UNROLL 4     // keys whose loads a warp has in flight at once
 
 __device__ __forceinline__ unsigned key_slot(const unsigned* __restrict__ blocks, unsigned off,
                                              int j, int block_size) {
@@ -161,36 +160,26 @@ __device__ void paged_decode_partial(const float* __restrict__ q, const __half* 
             qr[g][e] = g < G ? q[((size_t)row * hq + kvh * G + g) * D + lane * E + e] * scale : 0.0f;
         }
     }
-    // Each warp takes PD_UNROLL consecutive keys at a time and issues all their K and V loads
-    // before using any: one key at a time leaves too few loads in flight to cover memory
-    // latency (the kernel ran at a quarter of the bandwidth that way).
-    for (int j0 = begin + warp * PD_UNROLL; j0 < end; j0 += PD_WARPS * PD_UNROLL) {
-        float kf[PD_UNROLL][E], vf[PD_UNROLL][E];
+    // One key at a time per warp. Four keys' loads in flight per warp (more registers, half
+    // the warps per SM) measured slower on an H200: 15.3 vs 11.5 ms a step at batch 64.
+    for (int j = begin + warp; j < end; j += PD_WARPS) {
+        size_t at = ((size_t)key_slot(blocks, off, j, block_size) * hkv + kvh) * D + lane * E;
+        float kf[E], vf[E];
+        load_halves<E>(kc + at, kf);
+        load_halves<E>(vc + at, vf);
 #pragma unroll
-        for (int u = 0; u < PD_UNROLL; ++u) {
-            if (j0 + u < end) {
-                size_t at = ((size_t)key_slot(blocks, off, j0 + u, block_size) * hkv + kvh) * D + lane * E;
-                load_halves<E>(kc + at, kf[u]);
-                load_halves<E>(vc + at, vf[u]);
-            }
-        }
+        for (int g = 0; g < PD_MAX_GROUP; ++g) {
+            if (g < G) {
+                float dot = 0.0f;
 #pragma unroll
-        for (int u = 0; u < PD_UNROLL; ++u) {
-            if (j0 + u >= end) break;
+                for (int e = 0; e < E; ++e) dot += qr[g][e] * kf[e];
+                float score = warp_sum(dot);
+                float m_new = fmaxf(m[g], score);
+                float corr = expf(m[g] - m_new), p = expf(score - m_new);
+                l[g] = l[g] * corr + p;
 #pragma unroll
-            for (int g = 0; g < PD_MAX_GROUP; ++g) {
-                if (g < G) {
-                    float dot = 0.0f;
-#pragma unroll
-                    for (int e = 0; e < E; ++e) dot += qr[g][e] * kf[u][e];
-                    float score = warp_sum(dot);
-                    float m_new = fmaxf(m[g], score);
-                    float corr = expf(m[g] - m_new), p = expf(score - m_new);
-                    l[g] = l[g] * corr + p;
-#pragma unroll
-                    for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[u][e];
-                    m[g] = m_new;
-                }
+                for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
+                m[g] = m_new;
             }
         }
     }

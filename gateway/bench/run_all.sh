@@ -24,7 +24,7 @@
 set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
-peers=$(realpath "${PEERS:-../shared/peers}")
+peers=$(realpath -m "${PEERS:-../shared/peers}")
 steps=" ${STEPS:-ours load hf llama report} "
 model=deploy/models/qwen3-vl-8b
 work=${WORK:-/tmp/vlm-bench}

@@ -16,8 +16,10 @@ pub struct EngineArgs {
     #[arg(long, env = "VLM_MAX_BATCH_SEQS", default_value_t = 128)]
     pub max_batch_seqs: usize,
     /// Most tokens in one engine step; longer prompts are prefilled in chunks between decode
-    /// steps, so running streams keep a steady pace.
-    #[arg(long, env = "VLM_MAX_BATCH_TOKENS", default_value_t = 2048)]
+    /// steps, so running streams keep a steady pace. A step's time grows with it: 512 keeps
+    /// an 8B model's inter-token latency near 40 ms under load on an H100/H200 class GPU,
+    /// 2048 prefills faster at about twice the latency.
+    #[arg(long, env = "VLM_MAX_BATCH_TOKENS", default_value_t = 512)]
     pub max_batch_tokens: usize,
     /// Do not reuse cache blocks of earlier prompts that began the same way.
     #[arg(long, env = "VLM_NO_PREFIX_CACHING")]

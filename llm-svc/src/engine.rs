@@ -167,7 +167,7 @@ impl Default for EngineConfig {
             kv_cache: KvCacheSize::Auto,
             block_size: 16,
             max_batch_seqs: 128,
-            max_batch_tokens: 2048,
+            max_batch_tokens: 512,
             prefix_caching: true,
         }
     }

@@ -38,7 +38,7 @@ struct Args {
     /// Images in the service at once (being preprocessed, queued or encoded); more get
     /// RESOURCE_EXHAUSTED at once. Images queued while a pass runs are encoded together in the
     /// next, so a higher limit gives fuller passes.
-    #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 16)]
+    #[arg(long, env = "VLM_VISION_MAX_CONCURRENT", default_value_t = 64)]
     max_concurrent: usize,
     /// Most patches in one ViT pass over several images (Qwen3-VL: one patch per 16x16 pixels);
     /// an image with more runs alone. The default holds one 1344x1344 image (7056 patches) or

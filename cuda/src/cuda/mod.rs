@@ -1484,7 +1484,10 @@ impl Backend for CudaBackend {
         };
         let mut by_op: Vec<crate::backend::OpTime> = Vec::new();
         // Each op's end event follows the start mark set when the op before it had finished.
-        for pair in events.windows(2).filter(|p| p[0].0 == "start" && p[1].0 != "start") {
+        for pair in events
+            .windows(2)
+            .filter(|p| p[0].0 == "start" && p[1].0 != "start")
+        {
             let ms = pair[0]
                 .1
                 .elapsed_ms(&pair[1].1)

@@ -53,7 +53,7 @@ struct Args {
     )]
     llm_addr: Vec<String>,
     /// Requests served at once; more get RESOURCE_EXHAUSTED (HTTP 429).
-    #[arg(long, env = "VLM_MAX_CONCURRENT", default_value_t = 16)]
+    #[arg(long, env = "VLM_MAX_CONCURRENT", default_value_t = 256)]
     max_concurrent: usize,
     /// Most images in one request.
     #[arg(long, env = "VLM_MAX_IMAGES", default_value_t = 8)]

@@ -86,8 +86,9 @@ pub struct LoadArgs {
     /// 256, or the largest --concurrency if more; never less than that).
     #[arg(long)]
     max_concurrent: Option<usize>,
-    /// Local stack: images encoded at once by vision-svc.
-    #[arg(long, default_value_t = 8)]
+    /// Local stack: images held at once by vision-svc (preprocessing, queued or encoding;
+    /// queued ones are encoded together).
+    #[arg(long, default_value_t = 64)]
     vision_max_concurrent: usize,
     /// Local stack: cap on prompt + generated tokens per request.
     #[arg(long)]

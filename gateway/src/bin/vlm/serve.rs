@@ -37,8 +37,9 @@ pub struct ServeArgs {
     /// queued); more get RESOURCE_EXHAUSTED / 429 at once.
     #[arg(long, default_value_t = 256)]
     max_concurrent: usize,
-    /// Images encoded at once by the vision service.
-    #[arg(long, default_value_t = 8)]
+    /// Images held at once by the vision service (preprocessing, queued or encoding; queued
+    /// ones are encoded together in one ViT pass); more get RESOURCE_EXHAUSTED / 429.
+    #[arg(long, default_value_t = 64)]
     vision_max_concurrent: usize,
     /// Cap on prompt + generated tokens per request (default: the model's own, and at most
     /// what the KV cache holds).
