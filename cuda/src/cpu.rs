@@ -113,6 +113,52 @@ fn check_rows(
     Ok(width)
 }
 
+/// One KV head's rows in a cache `[slots, heads, d]` (keys and values alike).
+struct KvRows<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    heads: usize,
+    head: usize,
+    d: usize,
+}
+
+/// `out = softmax(q · K[keys]ᵀ · scale) · V[keys]` for one query and head, keys in order:
+/// the one attention loop of `attention` and `paged_attention`, so both sum alike.
+fn attend(
+    q: &[f32],
+    keys: impl Iterator<Item = usize> + Clone,
+    kv: &KvRows,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let row = |slot: usize| {
+        let at = (slot * kv.heads + kv.head) * kv.d;
+        at..at + kv.d
+    };
+    scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for slot in keys.clone() {
+        let k = &kv.k[row(slot)];
+        let s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        max = max.max(s);
+        scores.push(s);
+    }
+    let mut denom = 0.0;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        denom += *s;
+    }
+    out.fill(0.0);
+    for (slot, p) in keys.zip(scores.iter()) {
+        let v = &kv.v[row(slot)];
+        let p = p / denom;
+        for (o, x) in out.iter_mut().zip(v) {
+            *o += p * x;
+        }
+    }
+}
+
 impl Backend for CpuBackend {
     type Tensor = HostTensor;
     type Weight = HostTensor;
@@ -493,27 +539,14 @@ impl Backend for CpuBackend {
                     AttnMask::Causal { first_query_slot } => first_query_slot + i + 1,
                 };
                 let qv = &q.data()[(i * hq + h) * d..][..d];
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for j in 0..visible {
-                    let kv = &kd[(j * hkv + kvh) * d..][..d];
-                    let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut denom = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    denom += *s;
-                }
-                o.fill(0.0);
-                for (j, p) in scores.iter().enumerate() {
-                    let vv = &vd[(j * hkv + kvh) * d..][..d];
-                    let p = p / denom;
-                    for (o, x) in o.iter_mut().zip(vv) {
-                        *o += p * x;
-                    }
-                }
+                let kv = KvRows {
+                    k: kd,
+                    v: vd,
+                    heads: hkv,
+                    head: kvh,
+                    d,
+                };
+                attend(qv, 0..visible, &kv, scale, scores, o);
             },
         );
         Ok(out)
@@ -691,26 +724,21 @@ impl Backend for CpuBackend {
                 let Some(keys) = &per_row[i] else { return };
                 let kvh = h / group;
                 let qv = &q.data()[(i * hq + h) * d..][..d];
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for &slot in &keys[..visible[i]] {
-                    let kv = &kd[(slot * hkv + kvh) * d..][..d];
-                    let s = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut denom = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    denom += *s;
-                }
-                for (&slot, p) in keys.iter().zip(scores.iter()) {
-                    let vv = &vd[(slot * hkv + kvh) * d..][..d];
-                    let p = p / denom;
-                    for (o, x) in o.iter_mut().zip(vv) {
-                        *o += p * x;
-                    }
-                }
+                let kv = KvRows {
+                    k: kd,
+                    v: vd,
+                    heads: hkv,
+                    head: kvh,
+                    d,
+                };
+                attend(
+                    qv,
+                    keys[..visible[i]].iter().copied(),
+                    &kv,
+                    scale,
+                    scores,
+                    o,
+                );
             },
         );
         Ok(out)

@@ -385,35 +385,15 @@ impl Engine {
             })
             .collect();
         let (tx, rx) = unbounded_channel();
-        let prompt_len = req.prompt.len();
-        let seq = Sequence {
-            id: self.shared.next_id.fetch_add(1, Ordering::Relaxed),
-            tokens: req.prompt,
-            prompt_len,
-            positions,
-            images,
-            sampler,
-            limits: SequenceLimits {
-                max_new_tokens: req.max_new_tokens,
-                max_len: self.shared.max_context,
-                ignore_eos: req.ignore_eos,
-                return_logits: req.return_logits,
-                deadline,
-            },
-            blocks: Vec::new(),
-            computed: 0,
-            registered: 0,
-            hashes: Vec::new(),
-            events: tx,
-            arrived: Instant::now(),
-            first_token: None,
-            cached_tokens: None,
-            preemptions: 0,
-            phase: Some(
-                tracing::info_span!(parent: &span, "prefill", tokens = prompt_len, cached_tokens = tracing::field::Empty),
-            ),
-            span,
+        let limits = SequenceLimits {
+            max_new_tokens: req.max_new_tokens,
+            max_len: self.shared.max_context,
+            ignore_eos: req.ignore_eos,
+            return_logits: req.return_logits,
+            deadline,
         };
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let seq = Sequence::new(id, req.prompt, positions, images, sampler, limits, tx, span);
         self.tx
             .send(seq)
             .map_err(|_| Error::Engine("the engine has stopped".into()))?;

@@ -71,15 +71,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         registry: registry.clone(),
     };
     let stop = tokio_util::sync::CancellationToken::new();
-    if let Some(addr) = args.metrics_listen {
-        let listener = tokio::net::TcpListener::bind(addr).await?;
-        let stop = stop.clone();
-        tokio::spawn(vlm_proto::metrics::serve(
-            listener,
-            vec![registry],
-            async move { stop.cancelled().await },
-        ));
-    }
+    let metrics_stop = stop.clone();
+    vlm_proto::metrics::listen(args.metrics_listen, vec![registry], async move {
+        metrics_stop.cancelled().await
+    })
+    .await?;
     let shutdown = vlm_proto::shutdown_signal();
     let result = if args.device == "cuda" {
         serve(

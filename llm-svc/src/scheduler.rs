@@ -158,8 +158,6 @@ impl Scheduler {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
-
     use super::*;
     use crate::mrope::PromptPositions;
     use crate::sampler::{Sampler, SamplingParams};
@@ -168,35 +166,25 @@ mod tests {
     fn seq(id: u64, prompt: usize) -> Sequence {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         std::mem::forget(rx);
-        Sequence {
+        Sequence::new(
             id,
-            tokens: (0..prompt as u32).map(|t| t + 100 * id as u32).collect(),
-            prompt_len: prompt,
-            positions: PromptPositions {
+            (0..prompt as u32).map(|t| t + 100 * id as u32).collect(),
+            PromptPositions {
                 positions: (0..prompt as u32).map(|p| [p; 3]).collect(),
                 delta: 0,
             },
-            images: Vec::new(),
-            sampler: Sampler::new(SamplingParams::greedy()).unwrap(),
-            limits: SequenceLimits {
+            Vec::new(),
+            Sampler::new(SamplingParams::greedy()).unwrap(),
+            SequenceLimits {
                 max_new_tokens: 100,
                 max_len: 1000,
                 ignore_eos: true,
                 return_logits: false,
                 deadline: None,
             },
-            blocks: Vec::new(),
-            computed: 0,
-            registered: 0,
-            hashes: Vec::new(),
-            events: tx,
-            arrived: Instant::now(),
-            first_token: None,
-            cached_tokens: None,
-            preemptions: 0,
-            span: tracing::Span::none(),
-            phase: None,
-        }
+            tx,
+            tracing::Span::none(),
+        )
     }
 
     fn sched(max_seqs: usize, max_tokens: usize) -> Scheduler {

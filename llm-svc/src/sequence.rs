@@ -65,6 +65,48 @@ pub struct Sequence {
 }
 
 impl Sequence {
+    /// A request as it enters the engine: nothing computed, no blocks, its prefill phase
+    /// opened under `span`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: u64,
+        prompt: Vec<u32>,
+        positions: PromptPositions,
+        images: Vec<PlacedImage>,
+        sampler: Sampler,
+        limits: SequenceLimits,
+        events: UnboundedSender<Event>,
+        span: tracing::Span,
+    ) -> Self {
+        let prompt_len = prompt.len();
+        let prefill = tracing::info_span!(
+            parent: &span,
+            "prefill",
+            tokens = prompt_len,
+            cached_tokens = tracing::field::Empty
+        );
+        Self {
+            id,
+            tokens: prompt,
+            prompt_len,
+            positions,
+            images,
+            sampler,
+            limits,
+            blocks: Vec::new(),
+            computed: 0,
+            registered: 0,
+            hashes: Vec::new(),
+            events,
+            arrived: Instant::now(),
+            first_token: None,
+            cached_tokens: None,
+            preemptions: 0,
+            span,
+            phase: Some(prefill),
+        }
+    }
+
     /// M-RoPE position of token `i`: the prompt's own, then `i + delta` on all three streams.
     pub fn position(&self, i: usize) -> [u32; 3] {
         if i < self.prompt_len {

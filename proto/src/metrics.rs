@@ -46,3 +46,23 @@ pub async fn serve(
         .await?;
     Ok(())
 }
+
+/// Binds `addr` (when given) and serves `registries` there in the background until
+/// `shutdown`: a service binary's `--metrics-listen`. Fails only if the address cannot be bound.
+pub async fn listen(
+    addr: Option<std::net::SocketAddr>,
+    registries: Vec<Registry>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    if let Some(addr) = addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
+        tokio::spawn(async move {
+            if let Err(e) = serve(listener, registries, shutdown).await {
+                tracing::error!(error = %e, "metrics server stopped");
+            }
+        });
+    }
+    Ok(())
+}

@@ -836,3 +836,59 @@ async fn half_precision_embeddings_on_the_wire_still_answer() {
         r.usage.unwrap().completion_tokens as usize
     );
 }
+
+/// Reads one sample of a Prometheus text page (0 when absent).
+fn metric(page: &str, sample: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn llm_svc_serves_its_own_metrics_and_frees_the_cache_of_a_cancelled_stream() {
+    let port = e2e::free_port();
+    let stack = Stack::start(StackOptions {
+        llm_args: vec!["--metrics-listen".into(), format!("127.0.0.1:{port}")],
+        ..Default::default()
+    })
+    .await;
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let page = || async { reqwest::get(&url).await.unwrap().text().await.unwrap() };
+    let mut c = client(&stack).await;
+    c.chat(grpc_request(&cases()[0])).await.unwrap();
+    let mut s = c
+        .chat_stream(long_request(1900))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..3 {
+        s.next().await.expect("chunk").unwrap();
+    }
+    let during = page().await;
+    assert!(
+        metric(&during, "vlm_llm_kv_blocks_in_use") > 0.0,
+        "{during}"
+    );
+    assert_eq!(metric(&during, "vlm_llm_sequences{state=\"running\"}"), 1.0);
+    assert!(metric(&during, "vlm_llm_kv_blocks_total") > 0.0);
+    drop(s);
+    // The engine frees the blocks at its next step once the client has gone.
+    let mut after = String::new();
+    for _ in 0..100 {
+        after = page().await;
+        if metric(&after, "vlm_llm_kv_blocks_in_use") == 0.0
+            && metric(&after, "vlm_llm_requests_total{outcome=\"cancelled\"}") == 1.0
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(metric(&after, "vlm_llm_kv_blocks_in_use"), 0.0, "{after}");
+    assert_eq!(metric(&after, "vlm_llm_sequences{state=\"running\"}"), 0.0);
+    assert_eq!(
+        metric(&after, "vlm_llm_requests_total{outcome=\"cancelled\"}"),
+        1.0
+    );
+    assert!(metric(&after, "vlm_llm_requests_total{outcome=\"length\"}") >= 1.0);
+    assert!(metric(&after, "vlm_llm_prefix_cache_queried_tokens_total") > 0.0);
+}

@@ -1738,42 +1738,31 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let seq0 = first_rest as i32;
+        // Prefill chunks: flash attention on tensor cores from 16 queries, else one warp per
+        // (query, head). Both take the same arguments.
         let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
-        if let (true, true, Some(at)) = (
-            self.inner.flash,
-            batch.max_queries >= FLASH_MIN_QUERIES,
-            flash_dim,
-        ) {
-            let name = PAGED_FLASH_KERNELS[at];
-            let mut l = stream.launch_builder(self.kernel(name));
-            l.arg(&*q.buf)
-                .arg(&k.buf)
-                .arg(&v.buf)
-                .arg(&batch.seqs.buf)
-                .arg(&batch.blocks.buf)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-                .arg(&seq0)
-                .arg(&hq_i)
-                .arg(&hkv_i)
-                .arg(&d_i)
-                .arg(&bs_i)
-                .arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    batch.max_queries.div_ceil(64) as u32,
-                    hq as u32,
-                    rest as u32,
-                ),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at]) as u32,
-            };
-            // SAFETY: matches paged_flash_attention_d{dp}: 64 queries of one head of one
-            // sequence per 4-warp block (blocks past a sequence's queries return), d <= dp,
-            // shared memory opted in at load.
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-            return Ok(out);
-        }
-        let name = "paged_attention_rows_f16";
+        let (name, cfg) = match flash_dim {
+            Some(at) if self.inner.flash && batch.max_queries >= FLASH_MIN_QUERIES => (
+                PAGED_FLASH_KERNELS[at],
+                LaunchConfig {
+                    grid_dim: (
+                        batch.max_queries.div_ceil(64) as u32,
+                        hq as u32,
+                        rest as u32,
+                    ),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at]) as u32,
+                },
+            ),
+            _ => (
+                "paged_attention_rows_f16",
+                LaunchConfig {
+                    grid_dim: (batch.max_queries.max(1) as u32, hq as u32, rest as u32),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            ),
+        };
         let mut l = stream.launch_builder(self.kernel(name));
         l.arg(&*q.buf)
             .arg(&k.buf)
@@ -1787,13 +1776,10 @@ impl Backend for CudaBackend {
             .arg(&d_i)
             .arg(&bs_i)
             .arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (batch.max_queries.max(1) as u32, hq as u32, rest as u32),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches paged_attention_rows_f16: one warp per (query, head, sequence),
-        // d <= MAX_HEAD_DIM (8 values per lane).
+        // SAFETY: matches paged_flash_attention_d{dp} (64 queries of one head of one sequence
+        // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
+        // opted in at load) or paged_attention_rows_f16 (one warp per query, head and
+        // sequence; d <= MAX_HEAD_DIM).
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
     }
