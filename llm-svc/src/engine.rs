@@ -501,12 +501,13 @@ fn device_tokens(
     let used = total - free;
     let left = budget.saturating_sub(used).saturating_sub(reserve);
     if left < per_token * 1024 {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         return Err(Error::Config(format!(
-            "no room for a KV cache: {:.1} GiB of {:.1} GiB allowed ({fraction}) with {:.1} GiB in use and {:.1} GiB kept for activations",
-            budget as f64 / 1e9 * 0.931,
-            total as f64 / (1u64 << 30) as f64,
-            used as f64 / (1u64 << 30) as f64,
-            reserve as f64 / (1u64 << 30) as f64,
+            "no room for a KV cache: {:.1} GiB of {:.1} GiB allowed (--gpu-memory-utilization {fraction}) with {:.1} GiB in use and {:.1} GiB kept for activations; raise the fraction or size the cache with --kv-cache-tokens",
+            gib(budget),
+            gib(total),
+            gib(used),
+            gib(reserve),
         )));
     }
     Ok(left / per_token)
