@@ -156,7 +156,7 @@ pub fn run<B: Backend + Clone>(
         max_batch_seqs: most_seqs.max(1),
         kv_cache: llm_svc::KvCacheSize::Tokens(
             (longest + opts.decode_tokens + 64)
-                .max(most_seqs * (batch_context + opts.decode_tokens + 64)),
+                .max(most_seqs * (batch_context + opts.decode_tokens + 160)),
         ),
         // Every run repeats its prompt: cached blocks would make prefill look free.
         prefix_caching: false,
@@ -389,10 +389,11 @@ pub fn run<B: Backend + Clone>(
     Ok(out)
 }
 
-/// Seconds per decode step with `batch` sequences decoding together at about `context` tokens:
-/// all are prefilled first, then the time from the last first token to the end is divided by
-/// the steps run (`tokens` each).
-/// `prefilled` runs once every sequence has its first token.
+/// Seconds per decode step with `batch` sequences decoding together at about `context` tokens.
+/// All are submitted at once; the last one submitted is prefilled last, so from its first token
+/// on every sequence decodes. The clock then runs over `tokens` of its decode steps, while the
+/// others (prefilled earlier, with tokens to spare) decode beside it: a full batch every step.
+/// `prefilled` runs once every sequence has its first token. The requests are cancelled after.
 fn batched_decode(
     engine: &llm_svc::Engine,
     batch: usize,
@@ -400,6 +401,9 @@ fn batched_decode(
     tokens: usize,
     mut prefilled: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Duration> {
+    // More than any sequence can generate before the last one is prefilled: at least one
+    // prompt's worth of prefill per step, so at most `batch` steps of head start each.
+    let budget = tokens + 1 + batch + 16;
     let mut streams = Vec::with_capacity(batch);
     for b in 0..batch {
         // Distinct prompts (no shared prefix), ids away from the special tokens.
@@ -410,34 +414,31 @@ fn batched_decode(
             prompt,
             images: Vec::new(),
             sampling: SamplingParams::greedy(),
-            max_new_tokens: tokens + 1,
+            max_new_tokens: budget,
             ignore_eos: true,
             return_logits: false,
         };
         streams.push(engine.submit(req, None, tracing::Span::none())?);
     }
-    // Every sequence's first token (the prefills), then the decode steps.
-    let mut firsts = Vec::with_capacity(batch);
+    // Every sequence's first token (the prefills), the last one's last.
     for s in &mut streams {
         match s.blocking_recv() {
-            Some(llm_svc::Event::Token { .. }) => firsts.push(Instant::now()),
+            Some(llm_svc::Event::Token { .. }) => {}
             other => anyhow::bail!("batched decode: expected a first token, got {other:?}"),
         }
     }
     prefilled()?;
-    let started = firsts.into_iter().max().expect("batch >= 1");
-    let mut ended = started;
-    for s in &mut streams {
-        loop {
-            match s.blocking_recv() {
-                Some(llm_svc::Event::Token { .. }) => {}
-                Some(llm_svc::Event::Finished(_)) => break,
-                other => anyhow::bail!("batched decode: {other:?}"),
-            }
+    let started = Instant::now();
+    let last = streams.last_mut().expect("batch >= 1");
+    for _ in 0..tokens {
+        match last.blocking_recv() {
+            Some(llm_svc::Event::Token { .. }) => {}
+            other => anyhow::bail!("batched decode: {other:?}"),
         }
-        ended = ended.max(Instant::now());
     }
-    Ok((ended - started) / tokens.max(1) as u32)
+    let elapsed = started.elapsed();
+    drop(streams);
+    Ok(elapsed / tokens.max(1) as u32)
 }
 
 /// `vlm bench --profile`: device time per op of a 512- and a 2048-token prefill and of a
