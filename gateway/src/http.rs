@@ -42,11 +42,19 @@ pub struct HttpState {
     pub health: Arc<crate::serve::UpstreamHealth>,
 }
 
-pub fn router(state: HttpState) -> Router {
-    Router::new()
+/// The HTTP API; with `api_key`, `/v1/*` needs it (checked before the body is read), while
+/// `/health` and `/metrics` stay open for probes and scrapers.
+pub fn router(state: HttpState, api_key: Option<crate::auth::ApiKey>) -> Router {
+    let mut api = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .route("/v1/models", get(models));
+    if let Some(key) = api_key {
+        api = api.route_layer(axum::middleware::from_fn_with_state(
+            key,
+            crate::auth::require_key,
+        ));
+    }
+    api.route("/health", get(health))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(vlm_proto::MAX_MESSAGE_BYTES))
         .with_state(state)

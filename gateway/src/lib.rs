@@ -1,11 +1,13 @@
 //! The gateway: everything between a user's chat and the two model stages.
 //!
+//! - [`auth`]: the optional API key, and the access and TLS flags of the public ports.
 //! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
 //! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
 //! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`.
 
+pub mod auth;
 pub mod bench;
 pub mod chat;
 pub mod detok;

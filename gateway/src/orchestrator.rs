@@ -14,9 +14,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use futures::future::try_join_all;
 use tokio::sync::{mpsc, Semaphore};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 use tracing::{info_span, Instrument};
 use vlm_proto::pb::llm_service_client::LlmServiceClient;
@@ -109,6 +110,29 @@ impl From<crate::Error> for GatewayError {
     }
 }
 
+/// The endpoint of an upstream at `addr` (`host:port`, or a URL): plaintext, or with `tls`
+/// TLS (a bare `host:port` then means `https://`, and the certificate must name the host).
+pub fn upstream_endpoint(addr: &str, tls: Option<&ClientTlsConfig>) -> anyhow::Result<Endpoint> {
+    let uri = match (addr.contains("://"), tls) {
+        (true, _) => addr.to_string(),
+        (false, None) => format!("http://{addr}"),
+        (false, Some(_)) => format!("https://{addr}"),
+    };
+    // An explicit http:// would silently bypass the TLS the flags ask for.
+    anyhow::ensure!(
+        tls.is_none() || uri.starts_with("https://"),
+        "upstream address {addr:?} is not https://, but upstream TLS is configured"
+    );
+    let endpoint = Endpoint::from_shared(uri.clone())
+        .with_context(|| format!("bad upstream address {addr:?}"))?;
+    match tls {
+        Some(tls) => endpoint
+            .tls_config(tls.clone())
+            .with_context(|| format!("cannot set up TLS to {uri}")),
+        None => Ok(endpoint),
+    }
+}
+
 /// One or more replicas of an upstream service, tried round-robin; a replica that answers
 /// UNAVAILABLE is skipped for the next one. Channels connect lazily and reconnect on their
 /// own, so the gateway starts before its upstreams and recovers when they return.
@@ -119,17 +143,17 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
-    pub fn new(service: &'static str, addrs: &[String]) -> anyhow::Result<Self> {
+    /// Replicas at `addrs`, over TLS when `tls` is given.
+    pub fn new(
+        service: &'static str,
+        addrs: &[String],
+        tls: Option<&ClientTlsConfig>,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(!addrs.is_empty(), "no {service} address given");
         let replicas = addrs
             .iter()
             .map(|a| {
-                let uri = if a.contains("://") {
-                    a.clone()
-                } else {
-                    format!("http://{a}")
-                };
-                let ch = Endpoint::from_shared(uri)?
+                let ch = upstream_endpoint(a, tls)?
                     .connect_timeout(Duration::from_secs(2))
                     .tcp_nodelay(true)
                     .connect_lazy();

@@ -13,11 +13,15 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 use vlm_proto::pb::gateway_server::GatewayServer;
 
+use tonic::transport::ClientTlsConfig;
+use vlm_proto::tls::ServerIdentity;
+
+use crate::auth::{ApiKey, GrpcAuth};
 use crate::chat::ChatTokenizer;
 use crate::grpc::GatewayService;
 use crate::http::{router, HttpState};
 use crate::metrics::Metrics;
-use crate::orchestrator::{Orchestrator, Upstreams};
+use crate::orchestrator::{upstream_endpoint, Orchestrator, Upstreams};
 use crate::pipeline::{check_model_dir, RequestLimits};
 
 pub struct GatewayConfig {
@@ -38,11 +42,18 @@ pub struct GatewayConfig {
     /// Metrics of other services to show on the gateway's `/metrics` (`vlm serve` runs the
     /// model services in its process).
     pub also_metrics: Vec<prometheus::Registry>,
+    /// The key `/v1/*` and `vlm.v1.Gateway` require; `None`: open.
+    pub api_key: Option<ApiKey>,
+    /// HTTPS and gRPC over TLS on the public ports; `None`: plaintext.
+    pub tls: Option<ServerIdentity>,
+    /// TLS (with a client certificate: mutual TLS) to vision-svc and llm-svc.
+    pub upstream_tls: Option<ClientTlsConfig>,
 }
 
 /// Asks each upstream replica's `grpc.health.v1` for its status.
 pub struct UpstreamHealth {
     targets: Vec<(String, String)>,
+    tls: Option<ClientTlsConfig>,
 }
 
 impl UpstreamHealth {
@@ -56,7 +67,13 @@ impl UpstreamHealth {
         };
         let mut targets = named("vision-svc", vision_addrs);
         targets.extend(named("llm-svc", llm_addrs));
-        Self { targets }
+        Self { targets, tls: None }
+    }
+
+    /// Asks over TLS (the upstreams' own configuration).
+    pub fn with_tls(mut self, tls: Option<ClientTlsConfig>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Whether every upstream service has at least one SERVING replica (requests can be
@@ -65,7 +82,7 @@ impl UpstreamHealth {
         let mut serving: std::collections::BTreeMap<&str, bool> = std::collections::BTreeMap::new();
         let mut report = Vec::new();
         for (service, addr) in &self.targets {
-            let status = match tonic::transport::Endpoint::from_shared(format!("http://{addr}")) {
+            let status = match upstream_endpoint(addr, self.tls.as_ref()) {
                 Ok(ep) => match tokio::time::timeout(Duration::from_secs(1), ep.connect()).await {
                     Ok(Ok(ch)) => match HealthClient::new(ch)
                         .check(HealthCheckRequest {
@@ -80,7 +97,7 @@ impl UpstreamHealth {
                     },
                     _ => "unreachable".to_string(),
                 },
-                Err(e) => format!("bad address: {e}"),
+                Err(e) => format!("bad address: {e:#}"),
             };
             *serving.entry(service.as_str()).or_default() |= status == "SERVING";
             report.push(json!({"service": service, "addr": addr, "status": status}));
@@ -139,15 +156,17 @@ pub async fn serve(
     }
     let mut orchestrator = Orchestrator::new(
         chat,
-        Upstreams::new("vision-svc", &cfg.vision_addrs)?,
-        Upstreams::new("llm-svc", &cfg.llm_addrs)?,
+        Upstreams::new("vision-svc", &cfg.vision_addrs, cfg.upstream_tls.as_ref())?,
+        Upstreams::new("llm-svc", &cfg.llm_addrs, cfg.upstream_tls.as_ref())?,
         cfg.limits.clone(),
         cfg.max_concurrent,
         metrics,
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
     let orchestrator = Arc::new(orchestrator);
-    let health = Arc::new(UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs));
+    let health = Arc::new(
+        UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),
+    );
     let http_state = HttpState {
         orchestrator: orchestrator.clone(),
         model_name: cfg.model_name.clone(),
@@ -155,20 +174,48 @@ pub async fn serve(
         request_timeout: cfg.request_timeout,
         health: health.clone(),
     };
-    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, vision = ?cfg.vision_addrs, llm = ?cfg.llm_addrs, "gateway listening");
+    let scheme = if cfg.tls.is_some() {
+        "TLS"
+    } else {
+        "plaintext"
+    };
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, vision = ?cfg.vision_addrs, llm = ?cfg.llm_addrs, scheme, api_key = cfg.api_key.is_some(), "gateway listening");
 
     let http_stop = shutdown.clone();
-    let http_task = tokio::spawn(async move {
-        use axum::serve::ListenerExt;
-        // No Nagle delay on small SSE chunks (see vlm_proto::run_service).
-        let http = http.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(http, router(http_state))
-            .with_graceful_shutdown(async move { http_stop.cancelled().await })
-            .await
-    });
-    let (reporter, grpc_router) = vlm_proto::grpc_server().await;
+    let app = router(http_state, cfg.api_key.clone());
+    let http_task = match &cfg.tls {
+        None => tokio::spawn(async move {
+            use axum::serve::ListenerExt;
+            // No Nagle delay on small SSE chunks (see vlm_proto::run_service).
+            let http = http.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            axum::serve(http, app)
+                .with_graceful_shutdown(async move { http_stop.cancelled().await })
+                .await
+        }),
+        Some(identity) => {
+            let tls = axum_server::tls_rustls::RustlsAcceptor::new(
+                axum_server::tls_rustls::RustlsConfig::from_config(identity.rustls_config()),
+            )
+            .handshake_timeout(vlm_proto::tls::HANDSHAKE_TIMEOUT)
+            .acceptor(axum_server::accept::NoDelayAcceptor::new());
+            let handle = axum_server::Handle::new();
+            let server = axum_server::from_tcp(http.into_std()?)?
+                .acceptor(tls)
+                .handle(handle.clone());
+            tokio::spawn(async move {
+                tokio::spawn(async move {
+                    http_stop.cancelled().await;
+                    // Like axum::serve's: stop accepting, let in-flight requests finish.
+                    handle.graceful_shutdown(None);
+                });
+                server.serve(app.into_make_service()).await
+            })
+        }
+    };
+    let (reporter, grpc_router) =
+        vlm_proto::grpc_server(cfg.tls.as_ref().map(|id| id.grpc_config(None))).await?;
     let svc = GatewayServer::new(GatewayService {
         orchestrator,
         default_max_tokens: cfg.default_max_tokens,
@@ -176,6 +223,8 @@ pub async fn serve(
     })
     .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
     .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+    // The key guards the Gateway service only: health and reflection stay open.
+    let svc = tonic::service::interceptor::InterceptedService::new(svc, GrpcAuth(cfg.api_key));
     let name = <GatewayServer<GatewayService> as tonic::server::NamedService>::NAME;
     follow_upstreams(name, reporter.clone(), health, shutdown.clone());
     let grpc_stop = shutdown.clone();

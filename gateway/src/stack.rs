@@ -46,6 +46,10 @@ pub struct StackConfig {
     pub default_max_tokens: usize,
     /// Longest a request may take.
     pub request_timeout: Duration,
+    /// The key the public APIs require; `None`: open.
+    pub api_key: Option<crate::auth::ApiKey>,
+    /// HTTPS and gRPC over TLS on the public ports.
+    pub tls: Option<vlm_proto::tls::ServerIdentity>,
 }
 
 impl StackConfig {
@@ -67,6 +71,8 @@ impl StackConfig {
             embedding_dtype: vlm_proto::pb::Dtype::F32,
             default_max_tokens: 256,
             request_timeout: Duration::from_secs(600),
+            api_key: None,
+            tls: None,
         }
     }
 }
@@ -122,6 +128,7 @@ impl LocalStack {
                 max_concurrent: cfg.vision_max_concurrent,
                 max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
                 registry: registry.clone(),
+                tls: None,
             },
             open,
             vision,
@@ -135,6 +142,7 @@ impl LocalStack {
                 max_concurrent: cfg.max_concurrent,
                 engine: cfg.engine.clone(),
                 registry: registry.clone(),
+                tls: None,
             },
             open,
             llm,
@@ -153,6 +161,10 @@ impl LocalStack {
                 request_timeout: cfg.request_timeout,
                 embedding_dtype: cfg.embedding_dtype,
                 also_metrics: vec![registry],
+                api_key: cfg.api_key.clone(),
+                tls: cfg.tls.clone(),
+                // The model services are this process's own, on loopback.
+                upstream_tls: None,
             },
             grpc,
             http,

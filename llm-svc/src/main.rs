@@ -21,8 +21,10 @@ use llm_svc::EngineArgs;
         recomputed later; none is lost.\n\n\
         Health is NOT_SERVING until the model is loaded. A client that drops its stream cancels its generation; \
         grpc-timeout deadlines are enforced per step. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
-        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info); Prometheus \
-        metrics at --metrics-listen."
+        Listens on loopback unless --listen says otherwise; --tls-cert/--tls-key serve TLS, and \
+        --tls-client-ca admits only clients (the gateway) whose certificate that CA signed (mutual TLS).\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info; \
+        --log-format json for collectors); Prometheus metrics at --metrics-listen."
 )]
 struct Args {
     /// Address to listen on.
@@ -52,6 +54,10 @@ struct Args {
     /// hits, step times) at http://ADDR/metrics.
     #[arg(long, env = "VLM_LLM_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    tls: vlm_proto::tls::ServiceTlsArgs,
+    #[command(flatten)]
+    log: vlm_proto::telemetry::LogArgs,
 }
 
 #[tokio::main]
@@ -60,7 +66,8 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let telemetry = vlm_proto::telemetry::init("llm-svc");
+    let telemetry = vlm_proto::telemetry::init("llm-svc", args.log.log_format);
+    let tls = args.tls.server_config()?;
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let registry = prometheus::Registry::new();
     let cfg = ServeConfig {
@@ -69,6 +76,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_concurrent: args.max_concurrent,
         engine: args.engine.config(args.max_context, args.device == "cuda"),
         registry: registry.clone(),
+        tls,
     };
     let stop = tokio_util::sync::CancellationToken::new();
     let metrics_stop = stop.clone();

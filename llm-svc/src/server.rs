@@ -47,6 +47,8 @@ pub struct ServeConfig {
     /// Where the engine's metrics are registered (the service's own, or one `vlm serve`
     /// shares between its services).
     pub registry: prometheus::Registry,
+    /// TLS (or mutual TLS) on the gRPC port; `None`: plaintext.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 pub struct LlmServer {
@@ -202,7 +204,7 @@ pub async fn serve<B: Backend>(
         permits: Arc::new(Semaphore::new(max_concurrent)),
         max_concurrent,
     };
-    let (health, router) = vlm_proto::grpc_server().await;
+    let (health, router) = vlm_proto::grpc_server(cfg.tls.clone()).await?;
     let svc = LlmServiceServer::new(server)
         .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);

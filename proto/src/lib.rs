@@ -5,11 +5,13 @@
 //! - [`metrics`]: Prometheus metrics served over HTTP.
 //! - [`telemetry`]: logs and traces for every process, OpenTelemetry export, and W3C trace
 //!   context carried in gRPC metadata so one request is one trace across processes.
+//! - [`tls`]: TLS and mutual TLS on the gRPC hops and the gateway's HTTPS port.
 //! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
 
 pub mod metrics;
 pub mod telemetry;
 pub mod tensor;
+pub mod tls;
 
 /// Generated from `proto/vlm/v1/vlm.proto`.
 pub mod pb {
@@ -25,24 +27,37 @@ pub mod pb {
 pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
 /// A gRPC server with the parts every service has: `grpc.health.v1` (the returned reporter
-/// starts NOT_SERVING; set it once the model is loaded) and reflection for `vlm.v1` and health.
-pub async fn grpc_server() -> (
+/// starts NOT_SERVING; set it once the model is loaded) and reflection for `vlm.v1` and health,
+/// in both versions clients use (`grpc.reflection.v1`: grpcurl and grpcui of late, Postman;
+/// `v1alpha`: older grpcurl, Python's grpcio-reflection). With `tls`, every connection is TLS
+/// (and, if it names a client CA, mutual TLS).
+pub async fn grpc_server(
+    tls: Option<tonic::transport::ServerTlsConfig>,
+) -> anyhow::Result<(
     tonic_health::server::HealthReporter,
     tonic::transport::server::Router,
-) {
+)> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("descriptor sets are generated at build time and valid");
-    let router = tonic::transport::Server::builder()
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    const VALID: &str = "descriptor sets are generated at build time and valid";
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| anyhow::anyhow!("cannot set up TLS: {e}"))?;
+    }
+    let router = builder
         .add_service(health)
-        .add_service(reflection);
-    (reporter, router)
+        .add_service(reflection().build_v1().expect(VALID))
+        .add_service(reflection().build_v1alpha().expect(VALID));
+    Ok((reporter, router))
 }
 
 /// The `load` of [`run_service`] for a model service: `build` runs on a blocking thread

@@ -1,7 +1,8 @@
 //! Logs and traces for every process.
 //!
-//! [`init`] installs a `tracing` subscriber that writes human-readable logs to stderr (level
-//! from `RUST_LOG`, default `info`) and feeds spans to OpenTelemetry. When
+//! [`init`] installs a `tracing` subscriber that writes logs to stderr (level from `RUST_LOG`,
+//! default `info`) as text, coloured only when stderr is a terminal, or as one JSON object a
+//! line for log collectors ([`LogFormat`]), and feeds spans to OpenTelemetry. When
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` is set, spans are exported over OTLP/gRPC (batched; the batch
 //! delay follows `OTEL_BSP_SCHEDULE_DELAY`); otherwise they still get trace ids, which the
 //! request spans record as a `trace_id` field so every log line of a request carries it.
@@ -21,6 +22,49 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
+/// How log lines are written to stderr.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (ANSI colours only when stderr is a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line (`timestamp`, `level`, `fields`, `target`, `span`, `spans`),
+    /// for log collectors.
+    Json,
+}
+
+/// The `--log-format` flag every binary takes.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct LogArgs {
+    /// Log lines on stderr as text, or as one JSON object per line for log collectors.
+    #[arg(
+        long,
+        env = "VLM_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
+    pub log_format: LogFormat,
+}
+
+/// The stderr log layer for `format`: colours only on a terminal (and without `NO_COLOR`), so
+/// piped or collected logs carry no escape codes.
+pub fn log_layer<S>(format: LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use std::io::IsTerminal;
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => {
+            // NO_COLOR (https://no-color.org) wins even on a terminal.
+            let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+            Box::new(layer.with_ansi(std::io::stderr().is_terminal() && !no_color))
+        }
+        LogFormat::Json => Box::new(layer.json().with_ansi(false)),
+    }
+}
+
 /// Keeps the tracer provider alive; [`Telemetry::shutdown`] flushes spans not yet exported.
 pub struct Telemetry {
     provider: SdkTracerProvider,
@@ -35,9 +79,10 @@ impl Telemetry {
     }
 }
 
-/// Installs logging and tracing for a process named `service` (e.g. "vision-svc"). Must run
-/// inside the tokio runtime (the OTLP exporter's connection lives there).
-pub fn init(service: &str) -> Telemetry {
+/// Installs logging (in `format`) and tracing for a process named `service` (e.g.
+/// "vision-svc"). Must run inside the tokio runtime (the OTLP exporter's connection lives
+/// there).
+pub fn init(service: &str, format: LogFormat) -> Telemetry {
     global::set_text_map_propagator(TraceContextPropagator::new());
     let resource = Resource::builder()
         .with_service_name(service.to_string())
@@ -62,7 +107,7 @@ pub fn init(service: &str) -> Telemetry {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let _ = tracing_subscriber::registry()
         .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(log_layer(format))
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .try_init();
     match (endpoint, export_error) {

@@ -17,8 +17,10 @@ use vision_svc::server::{serve, ServeConfig};
         one encoder loop runs the ViT over every queued image in one pass (up to --max-batch-patches patches, \
         attention within each image), so concurrent requests share the device's work.\n\n\
         Health is NOT_SERVING until the model is loaded. SIGTERM or ctrl-c drain in-flight requests, then exit 0.\n\
-        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info); Prometheus \
-        metrics at --metrics-listen."
+        Listens on loopback unless --listen says otherwise; --tls-cert/--tls-key serve TLS, and \
+        --tls-client-ca admits only clients (the gateway) whose certificate that CA signed (mutual TLS).\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info; \
+        --log-format json for collectors); Prometheus metrics at --metrics-listen."
 )]
 struct Args {
     /// Address to listen on.
@@ -49,6 +51,10 @@ struct Args {
     /// http://ADDR/metrics.
     #[arg(long, env = "VLM_VISION_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    tls: vlm_proto::tls::ServiceTlsArgs,
+    #[command(flatten)]
+    log: vlm_proto::telemetry::LogArgs,
 }
 
 #[tokio::main]
@@ -57,7 +63,8 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let telemetry = vlm_proto::telemetry::init("vision-svc");
+    let telemetry = vlm_proto::telemetry::init("vision-svc", args.log.log_format);
+    let tls = args.tls.server_config()?;
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let registry = prometheus::Registry::new();
     let cfg = ServeConfig {
@@ -66,6 +73,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_concurrent: args.max_concurrent,
         max_batch_patches: args.max_batch_patches,
         registry: registry.clone(),
+        tls,
     };
     let stop = tokio_util::sync::CancellationToken::new();
     let metrics_stop = stop.clone();

@@ -47,6 +47,8 @@ pub struct ServeConfig {
     pub max_batch_patches: usize,
     /// Where the service's metrics are registered (its own, or one `vlm serve` shares).
     pub registry: prometheus::Registry,
+    /// TLS (or mutual TLS) on the gRPC port; `None`: plaintext.
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 pub struct VisionServer<B: Backend> {
@@ -175,7 +177,7 @@ pub async fn serve<B: Backend>(
         max_concurrent: cfg.max_concurrent.max(1),
         metrics: metrics.clone(),
     };
-    let (health, router) = vlm_proto::grpc_server().await;
+    let (health, router) = vlm_proto::grpc_server(cfg.tls.clone()).await?;
     let svc = VisionServiceServer::new(server)
         .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);

@@ -210,6 +210,7 @@ async fn concurrent_requests_are_batched_and_each_gets_what_its_image_gives_alon
         max_concurrent: 64,
         max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
         registry: registry.clone(),
+        tls: None,
     };
     let server = tokio::spawn(serve(
         cfg,

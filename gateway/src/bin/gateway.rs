@@ -21,7 +21,12 @@ use tokio_util::sync::CancellationToken;
         streams tokens from the LLM service, and carries one trace per request across all three \
         (W3C traceparent in gRPC metadata). Upstreams may be lists (comma-separated): calls rotate over \
         the replicas and skip one that is unavailable.\n\
-        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info)."
+        Access: with --api-key (or VLM_API_KEY, or --api-key-file) /v1/* and vlm.v1.Gateway need \
+        `Authorization: Bearer <key>` (401 / UNAUTHENTICATED otherwise); /health, /metrics, grpc.health.v1 \
+        and reflection stay open. --tls-cert/--tls-key serve HTTPS and gRPC over TLS on the public ports; \
+        --upstream-tls-* speak TLS, or mutual TLS, to the services.\n\
+        Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info; \
+        --log-format json for collectors)."
 )]
 struct Args {
     /// Address of the public gRPC API.
@@ -70,6 +75,12 @@ struct Args {
     /// How image embeddings travel between the services: f32 (exact), or f16/bf16 (half the bytes).
     #[arg(long, env = "VLM_EMBEDDING_DTYPE", default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     embedding_dtype: String,
+    #[command(flatten)]
+    access: gateway::auth::AccessArgs,
+    #[command(flatten)]
+    upstream_tls: gateway::auth::UpstreamTlsArgs,
+    #[command(flatten)]
+    log: vlm_proto::telemetry::LogArgs,
 }
 
 #[tokio::main]
@@ -78,7 +89,11 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let telemetry = vlm_proto::telemetry::init("gateway");
+    let telemetry = vlm_proto::telemetry::init("gateway", args.log.log_format);
+    // Every key and certificate file is read now, so a bad one stops the start with its name.
+    let api_key = args.access.api_key()?;
+    let tls = args.access.tls()?;
+    let upstream_tls = args.upstream_tls.client_config()?;
     let grpc = tokio::net::TcpListener::bind(args.grpc_listen).await?;
     let http = tokio::net::TcpListener::bind(args.http_listen).await?;
     let model_name = args.model_name.unwrap_or_else(|| {
@@ -104,6 +119,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "bf16" => vlm_proto::pb::Dtype::Bf16,
             _ => vlm_proto::pb::Dtype::F32,
         },
+        api_key,
+        tls,
+        upstream_tls,
     };
     let token = CancellationToken::new();
     let stop = token.clone();

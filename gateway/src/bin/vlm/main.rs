@@ -26,11 +26,14 @@ use vlm_compute::{CpuBackend, CudaBackend};
     long_about = "Serve and run Qwen3-VL vision-language models.\n\n\
         A model is a Hugging Face checkpoint directory: config.json, model*.safetensors, \
         tokenizer.json, a chat template and the image-processor settings.\n\
-        Log detail is set with RUST_LOG (e.g. RUST_LOG=debug)."
+        Log detail is set with RUST_LOG (e.g. RUST_LOG=debug); --log-format json writes one JSON \
+        object per line."
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: vlm_proto::telemetry::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -116,33 +119,36 @@ async fn start_stack(cfg: StackConfig, device: Device) -> anyhow::Result<LocalSt
     }
 }
 
-/// Plain logs on stderr for the one-shot commands (`serve` sets up tracing with OpenTelemetry).
-fn init_logs(default_level: &str) {
-    tracing_subscriber::fmt()
-        .with_env_filter(
+/// Logs on stderr for the one-shot commands (`serve` sets up tracing with OpenTelemetry).
+fn init_logs(default_level: &str, format: vlm_proto::telemetry::LogFormat) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    tracing_subscriber::registry()
+        .with(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
-        .with_writer(std::io::stderr)
+        .with(vlm_proto::telemetry::log_layer(format))
         .init();
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let format = cli.log.log_format;
     let result = match cli.command {
         Command::Run(args) => {
-            init_logs("info");
+            init_logs("info", format);
             run::run(args)
         }
         Command::Serve(args) => tokio::runtime::Runtime::new()
             .map_err(anyhow::Error::from)
-            .and_then(|rt| rt.block_on(serve::serve(args))),
+            .and_then(|rt| rt.block_on(serve::serve(args, format))),
         Command::Bench(args) => {
-            init_logs("warn");
+            init_logs("warn", format);
             bench::bench(args)
         }
         Command::Load(args) => {
-            init_logs("warn");
+            init_logs("warn", format);
             load::load(args)
         }
         Command::Health(args) => tokio::runtime::Builder::new_current_thread()
@@ -151,7 +157,7 @@ fn main() -> ExitCode {
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(health::health(args))),
         Command::Doctor(args) => {
-            init_logs("warn");
+            init_logs("warn", format);
             doctor::doctor(args)
         }
     };

@@ -47,14 +47,31 @@ pub struct ServeArgs {
     max_context: Option<usize>,
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
+    #[command(flatten)]
+    access: gateway::auth::AccessArgs,
 }
 
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+pub async fn serve(
+    args: ServeArgs,
+    log_format: vlm_proto::telemetry::LogFormat,
+) -> anyhow::Result<()> {
     gateway::pipeline::check_model_dir(&args.model).with_context(|| {
         "vlm serve needs a model; run it from the repository root or pass --model DIR"
     })?;
-    let telemetry = vlm_proto::telemetry::init("vlm");
+    let telemetry = vlm_proto::telemetry::init("vlm", log_format);
     let mut cfg = StackConfig::loopback(args.model.clone());
+    cfg.api_key = args.access.api_key()?;
+    cfg.tls = args.access.tls()?;
+    let (http, tls_note) = if cfg.tls.is_some() {
+        ("https", "TLS")
+    } else {
+        ("http", "plaintext")
+    };
+    let key_note = if cfg.api_key.is_some() {
+        "; /v1/* and vlm.v1.Gateway need the API key"
+    } else {
+        ""
+    };
     cfg.random_weights = args.random_weights.then_some(0);
     cfg.grpc_addr = (args.host, args.grpc_port).into();
     cfg.http_addr = (args.host, args.http_port).into();
@@ -73,11 +90,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         args.device.name()
     );
     println!(
-        "  HTTP  http://{}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)",
+        "  HTTP  {http}://{}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)",
         stack.http_addr
     );
     println!(
-        "  gRPC  {}   (vlm.v1.Gateway: Chat, ChatStream; health and reflection)",
+        "  gRPC  {}   ({tls_note}; vlm.v1.Gateway: Chat, ChatStream; health and reflection{key_note})",
         stack.grpc_addr
     );
     println!(
