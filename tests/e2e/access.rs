@@ -504,6 +504,34 @@ async fn tls_on_the_public_ports_and_mutual_tls_to_the_services() {
             health_status(ch).await.unwrap(),
             tonic_health::pb::health_check_response::ServingStatus::Serving as i32
         );
+        // `vlm health`, the containers' check, with and without a client certificate.
+        let mut check = vec![
+            s("health"),
+            s("--addr"),
+            format!("127.0.0.1:{port}"),
+            s("--tls-ca"),
+            path(&c.ca),
+        ];
+        let alone = std::process::Command::new(e2e::bin("vlm"))
+            .args(&check)
+            .output()
+            .unwrap();
+        assert!(!alone.status.success(), "vlm health without a certificate");
+        check.extend([
+            s("--tls-cert"),
+            path(&c.client_cert),
+            s("--tls-key"),
+            path(&c.client_key),
+        ]);
+        let out = std::process::Command::new(e2e::bin("vlm"))
+            .args(&check)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "vlm health {check:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
