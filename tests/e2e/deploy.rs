@@ -867,3 +867,51 @@ async fn run_compose_stack(
         );
     }
 }
+
+/// The compose stacks pass the gateway its secrets from `deploy/gateway.env` (git-ignored,
+/// made from `gateway.env.example`), marked optional so a stack runs (with no key) without it;
+/// the model services never get it, and every variable the example names is one the gateway
+/// reads.
+#[test]
+fn the_gateway_env_file_is_optional_ignored_and_names_what_the_gateway_reads() {
+    let known = env_vars_of("gateway");
+    let example = std::fs::read_to_string(deploy().join("gateway.env.example")).unwrap();
+    let keys: Vec<&str> = example
+        .lines()
+        .map(|l| l.trim_start_matches('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, _)| k.trim())
+        .filter(|k| k.starts_with("VLM_"))
+        .collect();
+    assert!(keys.contains(&"VLM_API_KEY"), "{keys:?}");
+    for k in keys {
+        assert!(
+            known.contains(k),
+            "gateway.env.example names {k}, which the gateway never reads"
+        );
+    }
+    for file in COMPOSE_FILES {
+        let doc = load(&deploy().join(file));
+        let entries = doc["services"]["gateway"]["env_file"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{file}: the gateway has no env_file list"));
+        assert!(
+            entries
+                .iter()
+                .any(|e| e["path"].as_str() == Some("./gateway.env")
+                    && e["required"].as_bool() == Some(false)),
+            "{file}: the gateway must read ./gateway.env with required: false"
+        );
+        for svc in ["vision-svc", "llm-svc"] {
+            assert!(
+                doc["services"][svc]["env_file"].is_null(),
+                "{file}: {svc} must not get the gateway's secrets"
+            );
+        }
+    }
+    let ignored = std::fs::read_to_string(deploy().join("../.gitignore")).unwrap();
+    assert!(
+        ignored.lines().any(|l| l.trim() == "deploy/gateway.env"),
+        "deploy/gateway.env must be git-ignored"
+    );
+}
