@@ -532,6 +532,16 @@ async fn tls_on_the_public_ports_and_mutual_tls_to_the_services() {
             "vlm health {check:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // --tls-domain is the name checked: one the certificate does not carry fails.
+        let misnamed = std::process::Command::new(e2e::bin("vlm"))
+            .args(&check)
+            .args(["--tls-domain", "vision-svc"])
+            .output()
+            .unwrap();
+        assert!(
+            !misnamed.status.success(),
+            "a certificate for another name passed"
+        );
     }
 }
 
