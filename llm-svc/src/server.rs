@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, HostTensor, Weights};
+use vlm_compute::{Backend, HostTensor, OnDevice, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{telemetry, tensor};
@@ -26,14 +26,6 @@ use vlm_proto::{telemetry, tensor};
 use crate::{
     Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, SamplingParams,
 };
-
-/// The one place language-stage errors become gRPC statuses.
-pub fn to_status(e: &Error) -> Status {
-    match e {
-        Error::DeadlineExceeded { .. } => Status::deadline_exceeded(e.to_string()),
-        _ => vlm_proto::error_status(e.is_invalid_input(), e.to_string()),
-    }
-}
 
 pub struct ServeConfig {
     pub model: PathBuf,
@@ -55,9 +47,9 @@ pub struct LlmServer {
     max_concurrent: usize,
 }
 
-fn image_from_pb(i: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Status> {
-    let bad = |m: String| Status::invalid_argument(format!("images[{i}]: {m}"));
-    let host = |t: &pb::Tensor| -> Result<HostTensor, Status> {
+fn image_from_pb(index: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Error> {
+    let bad = |message: String| Error::BadImage { index, message };
+    let host = |t: &pb::Tensor| -> Result<HostTensor, Error> {
         let (shape, data) = tensor::decode(t).map_err(bad)?;
         HostTensor::new(shape, data).map_err(|e| bad(e.to_string()))
     };
@@ -79,7 +71,7 @@ fn image_from_pb(i: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Stat
     })
 }
 
-fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
     let s = req.sampling.unwrap_or_default();
     Ok(GenerateRequest {
         images: req
@@ -125,19 +117,18 @@ impl LlmService for LlmServer {
         let deadline = vlm_proto::grpc_timeout(request.metadata()).map(|d| Instant::now() + d);
         let setup = async {
             let Some(engine) = self.engine.get() else {
-                return Err(Status::unavailable("the language model is still loading"));
+                return Err(Error::Loading);
             };
+            // Checked before it takes a place: a bad request is INVALID_ARGUMENT even when
+            // the service is full.
             let req = request_from_pb(request.into_inner())?;
-            engine.validate(&req).map_err(|e| to_status(&e))?;
+            engine.validate(&req)?;
             let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Status::resource_exhausted(format!(
-                    "the LLM service holds its limit of {} requests (running and queued); retry later",
-                    self.max_concurrent
-                ))
+                Error::Overloaded {
+                    limit: self.max_concurrent,
+                }
             })?;
-            let stream = engine
-                .submit(req, deadline, tracing::Span::current())
-                .map_err(|e| to_status(&e))?;
+            let stream = engine.submit(req, deadline, tracing::Span::current())?;
             Ok((permit, stream))
         };
         let (permit, mut stream) = setup.instrument(span.clone()).await?;
@@ -173,7 +164,7 @@ impl LlmService for LlmServer {
                             };
                             (Ok(msg), true)
                         }
-                        Event::Failed(e) => (Err(to_status(&e)), true),
+                        Event::Failed(e) => (Err(Status::from(e)), true),
                     };
                     // The client has gone: dropping `stream` tells the engine to stop.
                     if tx.send(msg).await.is_err() || last {
@@ -184,6 +175,21 @@ impl LlmService for LlmServer {
             .instrument(span),
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// [`serve`] as work for a [`vlm_compute::Device`], which picks the backend:
+/// `device.run(Serve { cfg, listener, shutdown }).await`.
+pub struct Serve<S> {
+    pub cfg: ServeConfig,
+    pub listener: tokio::net::TcpListener,
+    pub shutdown: S,
+}
+
+impl<S: Future<Output = ()> + 'static> OnDevice for Serve<S> {
+    type Output = Pin<Box<dyn Future<Output = anyhow::Result<()>>>>;
+    fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+        Box::pin(serve(self.cfg, open, self.listener, self.shutdown))
     }
 }
 

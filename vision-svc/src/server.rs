@@ -5,16 +5,19 @@
 //! (batcher.rs), which runs the ViT over every queued image together, up to
 //! `max_batch_patches` patches per pass. At most `max_concurrent` images are in the service
 //! at once (preprocessing, queued or encoding); more fail fast with RESOURCE_EXHAUSTED rather
-//! than queue without bound. A request whose client has gone leaves the queue before its pass.
+//! than queue without bound. An image whose header is bad or over the limits gets
+//! INVALID_ARGUMENT before it takes a place. A request whose client has gone leaves the queue
+//! before its pass. Every failure is an [`Error`], which becomes a status in one place.
 
 use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, Weights};
+use vlm_compute::{Backend, OnDevice, Weights};
 use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{telemetry, tensor};
@@ -29,11 +32,6 @@ use crate::{preprocess, Error, VisionEncoder};
 /// pass would add latency to every image in it (and activation memory, ~64 KB per row at 8B
 /// sizes) for little more throughput.
 pub const DEFAULT_MAX_BATCH_PATCHES: usize = 8192;
-
-/// The one place vision errors become gRPC statuses.
-pub fn to_status(e: &Error) -> Status {
-    vlm_proto::error_status(e.is_invalid_input(), e.to_string())
-}
 
 pub struct ServeConfig {
     pub model: PathBuf,
@@ -110,15 +108,17 @@ impl<B: Backend> VisionService for VisionServer<B> {
         let mut guard = ImageGuard::new(&self.metrics);
         let result = async move {
             let Some(loaded) = self.loaded.get() else {
-                return Err(Status::unavailable("the vision model is still loading"));
+                return Err(Error::Loading);
             };
-            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Status::resource_exhausted(format!(
-                    "the vision service holds its limit of {} images (preprocessing, queued or encoding); retry later",
-                    self.max_concurrent
-                ))
-            })?;
             let req = request.into_inner();
+            // A bad or oversized image is refused before it takes a place: the header alone
+            // says so, and reading it costs next to nothing.
+            preprocess::check_header(&req.image, &loaded.encoder.limits)?;
+            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+                Error::Overloaded {
+                    limit: self.max_concurrent,
+                }
+            })?;
             let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
             let encoder = loaded.encoder.clone();
             let parent = tracing::Span::current();
@@ -132,8 +132,7 @@ impl<B: Backend> VisionService for VisionServer<B> {
                     .map(|patches| (patches, permit))
             })
             .await
-            .map_err(|e| Status::internal(format!("image preprocessing failed: {e}")))?
-            .map_err(|e| to_status(&e))?;
+            .map_err(|e| Error::Encoder(format!("image preprocessing failed: {e}")))??;
             let out = loaded
                 .batcher
                 .encode(patches, permit, tracing::Span::current())
@@ -151,11 +150,26 @@ impl<B: Backend> VisionService for VisionServer<B> {
         .await;
         guard.outcome = match &result {
             Ok(_) => "ok",
-            Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
-            Err(s) if s.code() == tonic::Code::ResourceExhausted => "overloaded",
+            Err(e) if e.is_invalid_input() => "invalid",
+            Err(Error::Overloaded { .. }) => "overloaded",
             Err(_) => "error",
         };
-        result
+        result.map_err(Status::from)
+    }
+}
+
+/// [`serve`] as work for a [`vlm_compute::Device`], which picks the backend:
+/// `device.run(Serve { cfg, listener, shutdown }).await`.
+pub struct Serve<S> {
+    pub cfg: ServeConfig,
+    pub listener: tokio::net::TcpListener,
+    pub shutdown: S,
+}
+
+impl<S: Future<Output = ()> + 'static> OnDevice for Serve<S> {
+    type Output = Pin<Box<dyn Future<Output = anyhow::Result<()>>>>;
+    fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+        Box::pin(serve(self.cfg, open, self.listener, self.shutdown))
     }
 }
 
