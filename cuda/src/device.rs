@@ -101,9 +101,12 @@ mod tests {
         match Device::Cuda.run(BackendName) {
             Ok(name) => assert_eq!(name, "cuda"),
             Err(e) => assert!(
-                matches!(e, crate::Error::Cuda { .. }
+                matches!(
+                    e,
+                    crate::Error::Cuda { .. }
                         | crate::Error::SelfCheck { .. }
-                        | crate::Error::KernelCompile { .. }),
+                        | crate::Error::KernelCompile { .. }
+                ),
                 "{e}"
             ),
         }

@@ -28,8 +28,8 @@ mod weights;
 
 pub use backend::{argmax, AttnMask, Backend, GeluKind, OpTime, PagedBatch, QkvToCache};
 pub use cpu::CpuBackend;
-pub use device::{Device, OnDevice};
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
+pub use device::{Device, OnDevice};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

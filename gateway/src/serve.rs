@@ -174,7 +174,7 @@ pub async fn serve(
         default_max_tokens: cfg.default_max_tokens,
         request_timeout: cfg.request_timeout,
     })
-    .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+    .max_decoding_message_size(cfg.limits.max_body_bytes)
     .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     let name = <GatewayServer<GatewayService> as tonic::server::NamedService>::NAME;
     follow_upstreams(name, reporter.clone(), health, shutdown.clone());

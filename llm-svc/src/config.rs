@@ -412,7 +412,8 @@ mod tests {
         let cfg = ModelConfig::from_dir(&as_string).unwrap();
         assert_eq!(cfg.eos_token_ids, vec![want]);
         // transformers also writes it as an AddedToken object.
-        let added = serde_json::json!({"__type": "AddedToken", "content": "<|im_end|>", "special": true});
+        let added =
+            serde_json::json!({"__type": "AddedToken", "content": "<|im_end|>", "special": true});
         let as_object = fixture_without_eos_ids("object", Some(added));
         assert_eq!(
             ModelConfig::from_dir(&as_object).unwrap().eos_token_ids,
@@ -437,5 +438,4 @@ mod tests {
         assert!(cfg.eos_token_ids.is_empty(), "{:?}", cfg.eos_token_ids);
         let _ = std::fs::remove_dir_all(dir);
     }
-
 }

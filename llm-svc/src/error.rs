@@ -37,7 +37,9 @@ pub enum Error {
     #[error("the language model is still loading")]
     Loading,
     /// The service holds its limit of requests; the caller should retry later.
-    #[error("the LLM service holds its limit of {limit} requests (running and queued); retry later")]
+    #[error(
+        "the LLM service holds its limit of {limit} requests (running and queued); retry later"
+    )]
     Overloaded { limit: usize },
 }
 

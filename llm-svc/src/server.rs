@@ -123,11 +123,11 @@ impl LlmService for LlmServer {
             // the service is full.
             let req = request_from_pb(request.into_inner())?;
             engine.validate(&req)?;
-            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Error::Overloaded {
-                    limit: self.max_concurrent,
-                }
-            })?;
+            let overloaded = Error::Overloaded {
+                limit: self.max_concurrent,
+            };
+            let permit = self.permits.clone().try_acquire_owned();
+            let permit = permit.map_err(|_| overloaded)?;
             let stream = engine.submit(req, deadline, tracing::Span::current())?;
             Ok((permit, stream))
         };
@@ -230,4 +230,48 @@ pub async fn serve<B: Backend>(
     });
     let name = <LlmServiceServer<LlmServer> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_bad_request_gets_invalid_argument_even_when_every_place_is_taken() {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let weights = Weights::open(&dir).unwrap();
+        let engine = Engine::load(
+            &dir,
+            &weights,
+            vlm_compute::CpuBackend::new(),
+            EngineConfig::default(),
+            &prometheus::Registry::new(),
+        )
+        .unwrap();
+        let vocab = engine.config().text.vocab_size as u32;
+        let cell = Arc::new(OnceLock::new());
+        let _ = cell.set(engine);
+        let server = LlmServer {
+            engine: cell,
+            permits: Arc::new(Semaphore::new(1)),
+            max_concurrent: 1,
+        };
+        let generate = |prompt: Vec<u32>, max_new_tokens: u32| {
+            server.generate(Request::new(pb::GenerateRequest {
+                prompt_token_ids: prompt,
+                max_new_tokens,
+                ..Default::default()
+            }))
+        };
+        let full = server.permits.clone().try_acquire_owned().unwrap();
+        for (what, prompt) in [("empty", vec![]), ("out of vocabulary", vec![1, vocab])] {
+            let s = generate(prompt, 2).await.err().unwrap();
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{what}: {s:?}");
+        }
+        let s = generate(vec![1, 2, 3], 2).await.err().unwrap();
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+        assert!(s.message().contains("limit of 1 requests"), "{s:?}");
+        drop(full);
+        assert!(generate(vec![1, 2, 3], 2).await.is_ok());
+    }
 }

@@ -268,7 +268,10 @@ fn fixture_with_tokenizer_eos(name: &str, eos_token: Option<&str>) -> PathBuf {
     };
     edit("config.json", &|v| {
         v.as_object_mut().unwrap().remove("eos_token_id");
-        v["text_config"].as_object_mut().unwrap().remove("eos_token_id");
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("eos_token_id");
     });
     edit("tokenizer_config.json", &|v| match eos_token {
         Some(t) => v["eos_token"] = t.into(),
@@ -304,16 +307,31 @@ fn eos_from_tokenizer_config_stops_generation_and_no_eos_runs_to_the_budget() {
         .map(|a| a["content"].as_str().unwrap().to_string())
         .or_else(|| {
             let vocab = tokenizer["model"]["vocab"].as_object().unwrap();
-            vocab.iter().find(|(_, id)| **id == first).map(|(t, _)| t.clone())
+            vocab
+                .iter()
+                .find(|(_, id)| **id == first)
+                .map(|(t, _)| t.clone())
         })
         .unwrap();
     let dir = fixture_with_tokenizer_eos("named", Some(&name));
     let weights = Weights::open(&dir).unwrap();
-    let e = Engine::load(&dir, &weights, CpuBackend::new(), cfg(), &prometheus::Registry::new())
-        .unwrap();
+    let e = Engine::load(
+        &dir,
+        &weights,
+        CpuBackend::new(),
+        cfg(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
     assert_eq!(e.config().eos_token_ids, vec![through[0]]);
-    let gen = e.generate(&req, |_| std::ops::ControlFlow::Continue(())).unwrap();
-    assert_eq!(gen.tokens, vec![through[0]], "stops at the eos token `{name}`");
+    let gen = e
+        .generate(&req, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
+    assert_eq!(
+        gen.tokens,
+        vec![through[0]],
+        "stops at the eos token `{name}`"
+    );
     assert_eq!(gen.finish, llm_svc::FinishReason::Eos);
     drop(e);
     let _ = std::fs::remove_dir_all(dir);
@@ -321,10 +339,18 @@ fn eos_from_tokenizer_config_stops_generation_and_no_eos_runs_to_the_budget() {
     // No eos anywhere: the same tokens as ignoring eos, to the budget.
     let dir = fixture_with_tokenizer_eos("none", None);
     let weights = Weights::open(&dir).unwrap();
-    let e = Engine::load(&dir, &weights, CpuBackend::new(), cfg(), &prometheus::Registry::new())
-        .unwrap();
+    let e = Engine::load(
+        &dir,
+        &weights,
+        CpuBackend::new(),
+        cfg(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
     assert!(e.config().eos_token_ids.is_empty());
-    let gen = e.generate(&req, |_| std::ops::ControlFlow::Continue(())).unwrap();
+    let gen = e
+        .generate(&req, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
     assert_eq!(gen.tokens, through);
     assert_eq!(gen.finish, llm_svc::FinishReason::Length);
     drop(e);

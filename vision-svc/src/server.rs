@@ -114,11 +114,11 @@ impl<B: Backend> VisionService for VisionServer<B> {
             // A bad or oversized image is refused before it takes a place: the header alone
             // says so, and reading it costs next to nothing.
             preprocess::check_header(&req.image, &loaded.encoder.limits)?;
-            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Error::Overloaded {
-                    limit: self.max_concurrent,
-                }
-            })?;
+            let overloaded = Error::Overloaded {
+                limit: self.max_concurrent,
+            };
+            let permit = self.permits.clone().try_acquire_owned();
+            let permit = permit.map_err(|_| overloaded)?;
             let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
             let encoder = loaded.encoder.clone();
             let parent = tracing::Span::current();
@@ -208,4 +208,65 @@ pub async fn serve<B: Backend>(
     });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loaded server on the tiny fixture with one place.
+    fn server() -> VisionServer<vlm_compute::CpuBackend> {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let weights = Weights::open(&dir).unwrap();
+        let encoder =
+            Arc::new(VisionEncoder::load(&dir, &weights, vlm_compute::CpuBackend::new()).unwrap());
+        let metrics = VisionMetrics::new(&prometheus::Registry::new());
+        let batcher =
+            Batcher::start(encoder.clone(), DEFAULT_MAX_BATCH_PATCHES, metrics.clone()).unwrap();
+        let loaded = Arc::new(OnceLock::new());
+        let _ = loaded.set(LoadedEncoder { encoder, batcher });
+        VisionServer {
+            loaded,
+            permits: Arc::new(Semaphore::new(1)),
+            max_concurrent: 1,
+            metrics,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_image_gets_invalid_argument_even_when_every_place_is_taken() {
+        let server = server();
+        let encode = |image: Vec<u8>| {
+            server.encode(Request::new(EncodeRequest {
+                image,
+                dtype: Dtype::F32 as i32,
+            }))
+        };
+        let mut png = Vec::new();
+        image::RgbImage::from_pixel(40, 40, image::Rgb([1, 2, 3]))
+            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        // A JPEG frame header declaring 60000x60000: the header alone refuses it.
+        let mut bomb = Vec::new();
+        image::RgbImage::from_pixel(16, 16, image::Rgb([1, 2, 3]))
+            .write_to(
+                &mut std::io::Cursor::new(&mut bomb),
+                image::ImageFormat::Jpeg,
+            )
+            .unwrap();
+        let sof = bomb.windows(2).position(|w| w == [0xFF, 0xC0]).unwrap();
+        bomb[sof + 5..sof + 9].copy_from_slice(&[0xEA, 0x60, 0xEA, 0x60]);
+
+        let full = server.permits.clone().try_acquire_owned().unwrap();
+        for (what, image) in [("garbage", b"not an image".to_vec()), ("bomb", bomb)] {
+            let s = encode(image).await.unwrap_err();
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{what}: {s:?}");
+        }
+        let s = encode(png.clone()).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+        assert!(s.message().contains("limit of 1 images"), "{s:?}");
+        drop(full);
+        let out = encode(png).await.unwrap().into_inner();
+        assert!(out.embeddings.is_some());
+    }
 }

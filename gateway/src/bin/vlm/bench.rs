@@ -67,7 +67,10 @@ pub struct BenchArgs {
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     gateway::pipeline::check_model_dir(&args.model)?;
     let device = args.device.describe()?;
-    args.device.run(Bench { args: &args, device })
+    args.device.run(Bench {
+        args: &args,
+        device,
+    })
 }
 
 /// The bench, written once for any backend.

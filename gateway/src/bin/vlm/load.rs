@@ -215,9 +215,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         cfg.random_weights = args.random_weights.then_some(0);
         cfg.max_concurrent = max_concurrent;
         cfg.vision_max_concurrent = args.vision_max_concurrent;
-        cfg.engine = args
-            .engine
-            .config(args.max_context, args.device.is_gpu());
+        cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
         let e = &cfg.engine;
         let served_by = format!(
             "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \

@@ -62,9 +62,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.http_addr = (args.host, args.http_port).into();
     cfg.max_concurrent = args.max_concurrent;
     cfg.vision_max_concurrent = args.vision_max_concurrent;
-    cfg.engine = args
-        .engine
-        .config(args.max_context, args.device.is_gpu());
+    cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
     let model_name = cfg.model_name.clone();
     let stack = start_stack(cfg, args.device)
         .await
