@@ -132,13 +132,14 @@ fn webp_canvas_bomb() -> Vec<u8> {
     webp
 }
 
-/// A simple lossless WebP (VP8L) at the format's largest size, 16384x16384 (268 Mpx).
+/// A simple lossless WebP (VP8L) at 16383x16383 (268 Mpx; the format's 14-bit fields allow
+/// 16384, which image-webp reads as 0).
 fn webp_lossless_bomb() -> Vec<u8> {
     let mut webp = small(ImageFormat::WebP);
     assert_eq!(&webp[12..16], b"VP8L", "image encodes WebP lossless");
     // Chunk header (8), signature 0x2f (1), then 14 bits width - 1, 14 bits height - 1.
     let bits = u32::from_le_bytes(webp[21..25].try_into().unwrap());
-    let bits = (bits & !((1 << 28) - 1)) | (16383 << 14) | 16383;
+    let bits = (bits & !((1 << 28) - 1)) | (16382 << 14) | 16382;
     webp[21..25].copy_from_slice(&bits.to_le_bytes());
     webp
 }
@@ -154,6 +155,14 @@ fn the_small_originals_decode() {
         let img = decode(&small(format), &DecodeLimits::default()).unwrap();
         assert_eq!((img.width, img.height), (16, 16), "{format:?}");
     }
+    // The counter sees a real image's pixel buffer: the bounds below measure something.
+    let mut png = Vec::new();
+    image::RgbImage::from_pixel(1024, 1024, image::Rgb([9, 9, 9]))
+        .write_to(&mut Cursor::new(&mut png), ImageFormat::Png)
+        .unwrap();
+    let (result, largest) = decode_measured(&png);
+    result.unwrap();
+    assert!(largest >= 1024 * 1024 * 3, "largest allocation {largest}");
 }
 
 #[test]
@@ -163,7 +172,7 @@ fn bombs_declaring_a_huge_image_are_refused_from_the_header_alone() {
         ("JPEG", jpeg_bomb(), "60000x60000"),
         ("GIF", gif_screen_bomb(), "60000x60000"),
         ("WebP VP8X", webp_canvas_bomb(), "60000x60000"),
-        ("WebP VP8L", webp_lossless_bomb(), "16384x16384"),
+        ("WebP VP8L", webp_lossless_bomb(), "16383x16383"),
     ] {
         let err = check_header(&bomb, &DecodeLimits::default()).unwrap_err();
         assert!(matches!(err, Error::ImageTooLarge(_)), "{name}: {err}");
