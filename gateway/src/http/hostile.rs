@@ -111,7 +111,10 @@ async fn deeply_nested_json_is_a_400_not_a_stack_overflow() {
     // Fields that take any JSON (content, stop) stop at serde_json's depth limit.
     for body in [
         format!("{{\"messages\": [{{\"role\": \"user\", \"content\": {open}"),
-        format!("{{\"messages\": [], \"stop\": {}", "{\"a\":".repeat(100_000)),
+        format!(
+            "{{\"messages\": [], \"stop\": {}",
+            "{\"a\":".repeat(100_000)
+        ),
     ] {
         let (status, msg) = post(&st, Body::from(body)).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{msg}");
