@@ -118,6 +118,19 @@ pub trait Backend: Send + Sync + 'static {
     fn device_memory(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Times one copy of `bytes` bytes within the backend's own memory (the bandwidth limit
+    /// `vlm bench` measures decode against; it moves 2 x `bytes`, read and write). Host
+    /// memory here; a GPU times a device-to-device copy.
+    fn time_copy(&self, bytes: usize) -> Result<std::time::Duration> {
+        // Both buffers written first, so page faults are not timed as copying.
+        let src = vec![1u8; bytes];
+        let mut dst = vec![2u8; bytes];
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        let d = t.elapsed();
+        std::hint::black_box(&dst);
+        Ok(d)
+    }
 
     // ---- memory ----
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;

@@ -3,6 +3,7 @@
 //! - [`Backend`]: the narrow ops interface the vision tower and the text decoder are written
 //!   against, once. Each op has a CPU reference ([`CpuBackend`]); the CUDA backend implements the
 //!   same trait and is tested op by op against it.
+//! - [`Device`]: the `--device` flag and the one dispatcher that picks the backend for it.
 //! - [`HostTensor`]: a row-major f32 tensor in host memory, what goes in and out of a backend.
 //! - [`twin`]: a device backend compared with the CPU reference op by op: the GPU twin tests and
 //!   the self-check every GPU passes before it serves.
@@ -14,6 +15,7 @@
 mod backend;
 mod cpu;
 pub mod cuda;
+mod device;
 mod error;
 pub mod files;
 pub mod golden;
@@ -27,6 +29,7 @@ mod weights;
 pub use backend::{argmax, AttnMask, Backend, GeluKind, OpTime, PagedBatch, QkvToCache};
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
+pub use device::{Device, OnDevice};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

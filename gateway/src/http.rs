@@ -5,12 +5,17 @@
 //! from the network. Beyond OpenAI's fields it accepts vLLM's `top_k`, `ignore_eos` and
 //! `return_token_ids`. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 //! with the status from [`GatewayError::http_status`].
+//!
+//! Hostile input is refused before it costs much: a body over `--max-body-bytes` gets 413
+//! without being read further; JSON nested past serde_json's depth limit (128) or not UTF-8
+//! gets 400; images are counted, and their base64 sized, before any is decoded.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
@@ -28,7 +33,7 @@ use vlm_proto::pb;
 
 use crate::chat::{Message, Part};
 use crate::orchestrator::{ChatEvent, GatewayError, Orchestrator};
-use crate::pipeline::ChatRequest;
+use crate::pipeline::{ChatRequest, RequestLimits};
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -45,6 +50,7 @@ pub struct HttpState {
 /// The HTTP API; with `api_key`, `/v1/*` needs it (checked before the body is read), while
 /// `/health` and `/metrics` stay open for probes and scrapers.
 pub fn router(state: HttpState, api_key: Option<crate::auth::ApiKey>) -> Router {
+    let max_body = state.orchestrator.limits.max_body_bytes;
     let mut api = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models));
@@ -56,7 +62,7 @@ pub fn router(state: HttpState, api_key: Option<crate::auth::ApiKey>) -> Router 
     }
     api.route("/health", get(health))
         .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(vlm_proto::MAX_MESSAGE_BYTES))
+        .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
 
@@ -127,8 +133,9 @@ struct OpenAiMessage {
     content: Value,
 }
 
-/// Bytes of a `data:[<mime>][;base64],<data>` URL.
-fn data_url_bytes(url: &str, at: &str) -> Result<Vec<u8>, GatewayError> {
+/// Bytes of a `data:[<mime>][;base64],<data>` URL, refused unread when its base64 alone
+/// says the image is over `max_bytes`.
+fn data_url_bytes(url: &str, at: &str, max_bytes: usize) -> Result<Vec<u8>, GatewayError> {
     let Some(rest) = url.strip_prefix("data:") else {
         let scheme = url.split(':').next().unwrap_or_default();
         return Err(GatewayError::Invalid(format!(
@@ -143,14 +150,23 @@ fn data_url_bytes(url: &str, at: &str) -> Result<Vec<u8>, GatewayError> {
             "{at}: data: URL must be base64-encoded"
         )));
     }
+    let data = data.trim();
+    // Four base64 characters hold three bytes; padding takes off at most two.
+    let at_least = (data.len() / 4 * 3).saturating_sub(2);
+    if at_least > max_bytes {
+        return Err(GatewayError::Invalid(format!(
+            "{at}: the image has about {at_least} bytes; an image may have at most {max_bytes} (--max-image-bytes)"
+        )));
+    }
     base64::engine::general_purpose::STANDARD
-        .decode(data.trim())
+        .decode(data)
         .map_err(|e| GatewayError::Invalid(format!("{at}: invalid base64: {e}")))
 }
 
 fn parse_request(
     body: &[u8],
     default_max_tokens: usize,
+    limits: &RequestLimits,
 ) -> Result<(ChatRequest, ResponseOptions), GatewayError> {
     let r: OpenAiRequest = serde_json::from_slice(body).map_err(|e| {
         GatewayError::Invalid(format!(
@@ -160,6 +176,20 @@ fn parse_request(
     let _ = r.model; // one model per gateway: any name is accepted
     if r.n.is_some_and(|n| n != 1) {
         return Err(GatewayError::Invalid("`n` must be 1".into()));
+    }
+    // Counted before any image is decoded (validate_request counts again, for gRPC too).
+    let images = r
+        .messages
+        .iter()
+        .filter_map(|m| m.content.as_array())
+        .flatten()
+        .filter(|item| item.get("type").and_then(Value::as_str) == Some("image_url"))
+        .count();
+    if images > limits.max_images {
+        return Err(GatewayError::Invalid(format!(
+            "a request may carry at most {} images (--max-images), got {images}",
+            limits.max_images
+        )));
     }
     let mut messages = Vec::with_capacity(r.messages.len());
     for (i, m) in r.messages.into_iter().enumerate() {
@@ -199,7 +229,11 @@ fn parse_request(
                                 .ok_or_else(|| {
                                     GatewayError::Invalid(format!("{at}.image_url.url is missing"))
                                 })?;
-                            Ok(Part::Image(data_url_bytes(url, &at)?))
+                            Ok(Part::Image(data_url_bytes(
+                                url,
+                                &at,
+                                limits.max_image_bytes,
+                            )?))
                         }
                         other => Err(GatewayError::Invalid(format!(
                             "{at}.type must be text or image_url, got {other:?}"
@@ -266,6 +300,18 @@ fn parse_request(
     ))
 }
 
+/// Why a body could not be read: over the limit (413, naming it), or cut off or unreadable.
+fn body_rejected(e: &BytesRejection, limits: &RequestLimits) -> GatewayError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        GatewayError::TooLarge(format!(
+            "the request body is over the limit of {} bytes (--max-body-bytes)",
+            limits.max_body_bytes
+        ))
+    } else {
+        GatewayError::Invalid(format!("cannot read the request body: {}", e.body_text()))
+    }
+}
+
 fn finish_str(f: pb::FinishReason) -> &'static str {
     match f {
         pb::FinishReason::Length => "length",
@@ -282,7 +328,7 @@ fn now_secs() -> u64 {
 async fn chat_completions(
     State(st): State<HttpState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let span = info_span!(
         "gateway.chat",
@@ -293,7 +339,12 @@ async fn chat_completions(
     );
     vlm_proto::telemetry::adopt_http_parent(&span, &headers);
     let id = format!("chatcmpl-{}", vlm_proto::telemetry::trace_id(&span));
-    let (req, options) = match parse_request(&body, st.default_max_tokens) {
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return error_response(&body_rejected(&e, &st.orchestrator.limits)),
+    };
+    let (req, options) = match parse_request(&body, st.default_max_tokens, &st.orchestrator.limits)
+    {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
@@ -440,6 +491,9 @@ async fn metrics(State(st): State<HttpState>) -> Response {
 }
 
 #[cfg(test)]
+mod hostile;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -458,7 +512,8 @@ mod tests {
             "stop": "END",
             "max_tokens": 5,
         });
-        let (req, options) = parse_request(body.to_string().as_bytes(), 256).unwrap();
+        let (req, options) =
+            parse_request(body.to_string().as_bytes(), 256, &RequestLimits::default()).unwrap();
         assert!(!options.stream && !options.include_usage && !options.return_token_ids);
         assert_eq!(req.max_new_tokens, 5);
         assert_eq!(req.stop, vec!["END".to_string()]);
@@ -470,15 +525,17 @@ mod tests {
     fn rejects_remote_urls_bad_roles_and_bad_json_with_the_field() {
         let remote = json!({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]});
-        let e = parse_request(remote.to_string().as_bytes(), 1).unwrap_err();
+        let e =
+            parse_request(remote.to_string().as_bytes(), 1, &RequestLimits::default()).unwrap_err();
         assert!(
             e.to_string().contains("messages[0].content[0]") && e.to_string().contains("https"),
             "{e}"
         );
         let role = json!({"messages": [{"role": "robot", "content": "hi"}]});
-        let e = parse_request(role.to_string().as_bytes(), 1).unwrap_err();
+        let e =
+            parse_request(role.to_string().as_bytes(), 1, &RequestLimits::default()).unwrap_err();
         assert!(e.to_string().contains("messages[0].role"), "{e}");
-        let e = parse_request(b"{not json", 1).unwrap_err();
+        let e = parse_request(b"{not json", 1, &RequestLimits::default()).unwrap_err();
         assert_eq!(e.http_status(), 400);
     }
 
@@ -492,7 +549,8 @@ mod tests {
             "ignore_eos": true,
             "top_k": -1,
         });
-        let (req, options) = parse_request(body.to_string().as_bytes(), 7).unwrap();
+        let (req, options) =
+            parse_request(body.to_string().as_bytes(), 7, &RequestLimits::default()).unwrap();
         assert!(options.stream && options.include_usage && options.return_token_ids);
         assert!(req.ignore_eos);
         assert_eq!((req.sampling.top_k, req.max_new_tokens), (0, 7));

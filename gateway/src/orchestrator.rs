@@ -35,6 +35,9 @@ use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits}
 pub enum GatewayError {
     #[error("{0}")]
     Invalid(String),
+    /// The request is bigger than the gateway accepts (`--max-body-bytes`).
+    #[error("{0}")]
+    TooLarge(String),
     #[error("{0}")]
     Overloaded(String),
     #[error("{0}")]
@@ -50,6 +53,7 @@ impl GatewayError {
     pub fn kind(&self) -> &'static str {
         match self {
             GatewayError::Invalid(_) => "invalid_request",
+            GatewayError::TooLarge(_) => "request_too_large",
             GatewayError::Overloaded(_) => "overloaded",
             GatewayError::Unavailable(_) => "unavailable",
             GatewayError::DeadlineExceeded(_) => "deadline_exceeded",
@@ -61,6 +65,7 @@ impl GatewayError {
     pub fn http_status(&self) -> u16 {
         match self {
             GatewayError::Invalid(_) => 400,
+            GatewayError::TooLarge(_) => 413,
             GatewayError::Overloaded(_) => 429,
             GatewayError::Unavailable(_) => 503,
             GatewayError::DeadlineExceeded(_) => 504,
@@ -91,6 +96,8 @@ impl From<GatewayError> for Status {
     fn from(e: GatewayError) -> Self {
         let code = match e {
             GatewayError::Invalid(_) => Code::InvalidArgument,
+            // gRPC's code for a message over the size limit.
+            GatewayError::TooLarge(_) => Code::ResourceExhausted,
             GatewayError::Overloaded(_) => Code::ResourceExhausted,
             GatewayError::Unavailable(_) => Code::Unavailable,
             GatewayError::DeadlineExceeded(_) => Code::DeadlineExceeded,
@@ -380,12 +387,13 @@ impl Orchestrator {
     ) -> Result<Started, GatewayError> {
         let arrived = Instant::now();
         let deadline = timeout.map(|t| arrived + t);
+        // Checked before it takes a place: a bad request is a 400 even when the gateway is full.
+        validate_request(&req, &self.limits)?;
         let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
             GatewayError::Overloaded(
                 "the gateway is serving its limit of concurrent requests; retry later".into(),
             )
         })?;
-        validate_request(&req, &self.limits)?;
 
         let images: Vec<Vec<u8>> = image_parts(&req.messages).cloned().collect();
         let encoded = try_join_all(
@@ -461,6 +469,16 @@ impl Orchestrator {
             arrived,
             span,
         })
+    }
+}
+
+#[cfg(test)]
+impl Orchestrator {
+    /// Takes every free place, as that many requests in flight would (for tests of a full
+    /// gateway); the places come back when the permit is dropped.
+    pub(crate) fn fill(&self) -> tokio::sync::OwnedSemaphorePermit {
+        let free = self.permits.available_permits() as u32;
+        self.permits.clone().try_acquire_many_owned(free).unwrap()
     }
 }
 

@@ -23,6 +23,12 @@ pub struct RequestLimits {
     pub max_images: usize,
     /// Most new tokens one request may ask for.
     pub max_new_tokens: usize,
+    /// Most messages in one request.
+    pub max_messages: usize,
+    /// Largest encoded image (PNG, JPEG, ... bytes) in a request.
+    pub max_image_bytes: usize,
+    /// Largest request: an HTTP body (larger gets 413) or a gRPC message (OUT_OF_RANGE).
+    pub max_body_bytes: usize,
 }
 
 impl Default for RequestLimits {
@@ -30,6 +36,9 @@ impl Default for RequestLimits {
         Self {
             max_images: 8,
             max_new_tokens: 8192,
+            max_messages: 1024,
+            max_image_bytes: 32 * 1024 * 1024,
+            max_body_bytes: vlm_proto::MAX_MESSAGE_BYTES,
         }
     }
 }
@@ -94,14 +103,31 @@ pub fn validate_request(req: &ChatRequest, limits: &RequestLimits) -> Result<()>
     if req.messages.is_empty() {
         return Err(Error::InvalidRequest("`messages` is empty".into()));
     }
+    if req.messages.len() > limits.max_messages {
+        return Err(Error::InvalidRequest(format!(
+            "a request may carry at most {} messages (--max-messages), got {}",
+            limits.max_messages,
+            req.messages.len()
+        )));
+    }
     if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
         return Err(Error::InvalidRequest(format!("message {i} has no content")));
     }
     let images = image_parts(&req.messages).count();
     if images > limits.max_images {
         return Err(Error::InvalidRequest(format!(
-            "a request may carry at most {} images, got {images}",
+            "a request may carry at most {} images (--max-images), got {images}",
             limits.max_images
+        )));
+    }
+    if let Some((i, bytes)) = image_parts(&req.messages)
+        .enumerate()
+        .find(|(_, b)| b.len() > limits.max_image_bytes)
+    {
+        return Err(Error::InvalidRequest(format!(
+            "image {i} has {} bytes; an image may have at most {} (--max-image-bytes)",
+            bytes.len(),
+            limits.max_image_bytes
         )));
     }
     if req.max_new_tokens == 0 || req.max_new_tokens > limits.max_new_tokens {

@@ -221,7 +221,7 @@ pub async fn serve(
         default_max_tokens: cfg.default_max_tokens,
         request_timeout: cfg.request_timeout,
     })
-    .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+    .max_decoding_message_size(cfg.limits.max_body_bytes)
     .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
     // The key guards the Gateway service only: health and reflection stay open.
     let svc = tonic::service::interceptor::InterceptedService::new(svc, GrpcAuth(cfg.api_key));

@@ -1,6 +1,6 @@
 //! What the language stage reads from a checkpoint: `config.json` (`text_config`, the special
 //! token ids, `tie_word_embeddings`, the vision merge size) and the stop tokens from
-//! `generation_config.json`. Both the transformers 4.x keys (`rope_scaling` + `rope_theta`) and
+//! `generation_config.json` (or, as in HF transformers, wherever else a checkpoint names them). Both the transformers 4.x keys (`rope_scaling` + `rope_theta`) and
 //! the 5.x keys (`rope_parameters`) are read.
 
 use std::path::Path;
@@ -38,7 +38,9 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Patches per merged image token along each side (2): turns a patch grid into LLM positions.
     pub spatial_merge_size: usize,
-    /// Generation stops at any of these (generation_config.json, else text_config).
+    /// Generation stops at any of these (generation_config.json, else config.json, else
+    /// tokenizer_config.json's `eos_token`); empty when no file names one, and then only the
+    /// token budget ends a generation.
     pub eos_token_ids: Vec<u32>,
 }
 
@@ -97,6 +99,98 @@ struct RawTop {
     eos_token_id: Value,
 }
 
+/// The stop tokens, from the first file that names any, in the order HF transformers
+/// consults them: `generation_config.json`'s `eos_token_id`, `config.json`'s (in `text_config`,
+/// then at the top), then the tokenizer's `eos_token` (`tokenizer_config.json`, a string or an
+/// added-token object, looked up in `tokenizer.json`). A checkpoint that names none still loads,
+/// as in transformers: generation then ends only at the token budget. Either fallback is
+/// logged as a warning naming the files that lacked it.
+fn eos_token_ids(dir: &Path, text_eos: &Value, top_eos: &Value) -> Result<Vec<u32>> {
+    let gen_path = dir.join("generation_config.json");
+    if gen_path.is_file() {
+        let g = files::read_json(&gen_path)?;
+        let ids = g
+            .get("eos_token_id")
+            .map(files::id_list)
+            .unwrap_or_default();
+        if !ids.is_empty() {
+            return Ok(ids);
+        }
+    }
+    let ids = files::id_list(text_eos);
+    if !ids.is_empty() {
+        return Ok(ids);
+    }
+    let ids = files::id_list(top_eos);
+    if !ids.is_empty() {
+        return Ok(ids);
+    }
+    let tok_cfg_path = dir.join("tokenizer_config.json");
+    let token = if tok_cfg_path.is_file() {
+        let t = files::read_json(&tok_cfg_path)?;
+        match t.get("eos_token") {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_string),
+            _ => None,
+        }
+    } else {
+        None
+    };
+    let Some(token) = token else {
+        tracing::warn!(
+            dir = %dir.display(),
+            "no eos token in generation_config.json, config.json (eos_token_id) or \
+             tokenizer_config.json (eos_token): generation stops only at the token budget"
+        );
+        return Ok(Vec::new());
+    };
+    let tok_path = dir.join("tokenizer.json");
+    let id = token_id(&tok_path, &token)?.ok_or_else(|| {
+        Error::Config(format!(
+            "{} names eos_token `{token}`, which {} does not have",
+            tok_cfg_path.display(),
+            tok_path.display()
+        ))
+    })?;
+    tracing::warn!(
+        dir = %dir.display(),
+        eos_token = %token,
+        id,
+        "no eos_token_id in generation_config.json or config.json; generation stops at \
+         tokenizer_config.json's eos_token"
+    );
+    Ok(vec![id])
+}
+
+/// The id of `token` in a `tokenizer.json`: among its added tokens, else in its model's
+/// vocabulary.
+fn token_id(path: &Path, token: &str) -> Result<Option<u32>> {
+    #[derive(Deserialize)]
+    struct Added {
+        id: u32,
+        content: String,
+    }
+    #[derive(Deserialize)]
+    struct Model {
+        /// BPE and WordPiece: token -> id (Unigram's list of pairs has no ids by name).
+        #[serde(default)]
+        vocab: Value,
+    }
+    #[derive(Deserialize)]
+    struct Tokenizer {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+        model: Option<Model>,
+    }
+    let t: Tokenizer = files::read_json_as(path)?;
+    if let Some(a) = t.added_tokens.iter().find(|a| a.content == token) {
+        return Ok(Some(a.id));
+    }
+    Ok(t.model
+        .and_then(|m| m.vocab.get(token).and_then(Value::as_u64))
+        .map(|id| id as u32))
+}
+
 fn default_eps() -> f64 {
     1e-6
 }
@@ -120,29 +214,7 @@ impl ModelConfig {
             .unwrap_or(2) as usize;
         let text = TextConfig::from_raw(&raw, &path)?;
 
-        // Stop tokens: generation_config.json decides when present, as in HF's generate().
-        let gen_path = dir.join("generation_config.json");
-        let mut eos = Vec::new();
-        if gen_path.is_file() {
-            let g = files::read_json(&gen_path)?;
-            eos = g
-                .get("eos_token_id")
-                .map(files::id_list)
-                .unwrap_or_default();
-        }
-        if eos.is_empty() {
-            eos = files::id_list(&raw.eos_token_id);
-        }
-        if eos.is_empty() {
-            eos = files::id_list(&top.eos_token_id);
-        }
-        if eos.is_empty() {
-            return Err(Error::Config(format!(
-                "no eos_token_id in {} or {}",
-                gen_path.display(),
-                path.display()
-            )));
-        }
+        let eos = eos_token_ids(dir, &raw.eos_token_id, &top.eos_token_id)?;
         let cfg = Self {
             image_token_id: top.image_token_id,
             vision_start_token_id: top.vision_start_token_id,
@@ -298,5 +370,72 @@ mod tests {
                 && err.contains("hidden_size"),
             "{err}"
         );
+    }
+
+    /// A copy of the tiny fixture's JSON files in a fresh directory, with `generation_config.json`
+    /// dropped, `eos_token_id` taken out of `config.json` and `tokenizer_config.json`'s
+    /// `eos_token` set to `eos_token` (removed when `None`).
+    fn fixture_without_eos_ids(name: &str, eos_token: Option<Value>) -> std::path::PathBuf {
+        let src = repo("tests/fixtures/tiny-qwen3-vl");
+        let dir = std::env::temp_dir().join(format!("vlm-eos-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        let read = |f: &str| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(src.join(f)).unwrap()).unwrap()
+        };
+        let mut config = read("config.json");
+        config.as_object_mut().unwrap().remove("eos_token_id");
+        config["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("eos_token_id");
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let mut tok = read("tokenizer_config.json");
+        match eos_token {
+            Some(v) => tok["eos_token"] = v,
+            None => {
+                tok.as_object_mut().unwrap().remove("eos_token");
+            }
+        }
+        std::fs::write(dir.join("tokenizer_config.json"), tok.to_string()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn eos_named_only_in_tokenizer_config_is_looked_up_in_the_tokenizer() {
+        // The fixture's <|im_end|> is id 402 (its generation_config.json lists it first).
+        let want = ModelConfig::from_dir(&repo("tests/fixtures/tiny-qwen3-vl"))
+            .unwrap()
+            .eos_token_ids[0];
+        let as_string = fixture_without_eos_ids("string", Some("<|im_end|>".into()));
+        let cfg = ModelConfig::from_dir(&as_string).unwrap();
+        assert_eq!(cfg.eos_token_ids, vec![want]);
+        // transformers also writes it as an AddedToken object.
+        let added =
+            serde_json::json!({"__type": "AddedToken", "content": "<|im_end|>", "special": true});
+        let as_object = fixture_without_eos_ids("object", Some(added));
+        assert_eq!(
+            ModelConfig::from_dir(&as_object).unwrap().eos_token_ids,
+            vec![want]
+        );
+        // A token the tokenizer does not have is an inconsistent checkpoint, named as such.
+        let unknown = fixture_without_eos_ids("unknown", Some("<|no such token|>".into()));
+        let err = ModelConfig::from_dir(&unknown).unwrap_err().to_string();
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("<|no such token|>"),
+            "{err}"
+        );
+        for d in [as_string, as_object, unknown] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_naming_no_eos_loads_and_stops_only_at_the_budget() {
+        let dir = fixture_without_eos_ids("none", None);
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        assert!(cfg.eos_token_ids.is_empty(), "{:?}", cfg.eos_token_ids);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

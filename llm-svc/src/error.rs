@@ -1,5 +1,6 @@
 //! Errors of the language stage. `is_invalid_input` separates the caller's mistakes (bad token
-//! ids, prompt past the context, bad sampling values) from the deployment's and ours.
+//! ids, prompt past the context, bad sampling values) from the deployment's and ours; the one
+//! mapping to gRPC statuses is `From<Error> for tonic::Status` below.
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -18,6 +19,9 @@ pub enum Error {
     },
     #[error("images do not match the prompt: {0}")]
     ImageMismatch(String),
+    /// An image's embeddings on the wire are malformed.
+    #[error("images[{index}]: {message}")]
+    BadImage { index: usize, message: String },
     #[error("invalid parameter: {0}")]
     InvalidParameter(String),
     #[error("text config: {0}")]
@@ -29,6 +33,14 @@ pub enum Error {
     Engine(String),
     #[error(transparent)]
     Compute(#[from] vlm_compute::Error),
+    /// The service is up but its model is not loaded yet.
+    #[error("the language model is still loading")]
+    Loading,
+    /// The service holds its limit of requests; the caller should retry later.
+    #[error(
+        "the LLM service holds its limit of {limit} requests (running and queued); retry later"
+    )]
+    Overloaded { limit: usize },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -42,6 +54,23 @@ impl Error {
                 | Error::Compute(_)
                 | Error::DeadlineExceeded { .. }
                 | Error::Engine(_)
+                | Error::Loading
+                | Error::Overloaded { .. }
         )
+    }
+}
+
+/// The one place language-stage errors become gRPC statuses.
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        use tonic::Code;
+        let code = match &e {
+            _ if e.is_invalid_input() => Code::InvalidArgument,
+            Error::Loading => Code::Unavailable,
+            Error::Overloaded { .. } => Code::ResourceExhausted,
+            Error::DeadlineExceeded { .. } => Code::DeadlineExceeded,
+            _ => Code::Internal,
+        };
+        tonic::Status::new(code, e.to_string())
     }
 }

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
-use llm_svc::server::{serve, ServeConfig};
+use llm_svc::server::{Serve, ServeConfig};
 use llm_svc::EngineArgs;
 
 #[derive(Parser)]
@@ -39,8 +39,8 @@ struct Args {
     random_weights: bool,
     /// Where to run the model: cpu, or cuda (GPU 0; kernels are compiled by NVRTC and checked
     /// against the CPU reference before the service reports SERVING).
-    #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    device: String,
+    #[arg(long, env = "VLM_DEVICE", value_enum, default_value = "cpu")]
+    device: vlm_compute::Device,
     /// Requests held at once (running or queued); more get RESOURCE_EXHAUSTED at once.
     #[arg(long, env = "VLM_LLM_MAX_CONCURRENT", default_value_t = 256)]
     max_concurrent: usize,
@@ -74,7 +74,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         model: args.model,
         random_weights: args.random_weights.then_some(0),
         max_concurrent: args.max_concurrent,
-        engine: args.engine.config(args.max_context, args.device == "cuda"),
+        engine: args.engine.config(args.max_context, args.device.is_gpu()),
         registry: registry.clone(),
         tls,
     };
@@ -85,23 +85,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     })
     .await?;
     let shutdown = vlm_proto::shutdown_signal();
-    let result = if args.device == "cuda" {
-        serve(
+    let result = args
+        .device
+        .run(Serve {
             cfg,
-            || vlm_compute::CudaBackend::open_verified(0),
             listener,
             shutdown,
-        )
-        .await
-    } else {
-        serve(
-            cfg,
-            || Ok(vlm_compute::CpuBackend::new()),
-            listener,
-            shutdown,
-        )
-        .await
-    };
+        })
+        .await;
     stop.cancel();
     telemetry.shutdown();
     result

@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, HostTensor, Weights};
+use vlm_compute::{Backend, HostTensor, OnDevice, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{telemetry, tensor};
@@ -26,14 +26,6 @@ use vlm_proto::{telemetry, tensor};
 use crate::{
     Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, SamplingParams,
 };
-
-/// The one place language-stage errors become gRPC statuses.
-pub fn to_status(e: &Error) -> Status {
-    match e {
-        Error::DeadlineExceeded { .. } => Status::deadline_exceeded(e.to_string()),
-        _ => vlm_proto::error_status(e.is_invalid_input(), e.to_string()),
-    }
-}
 
 pub struct ServeConfig {
     pub model: PathBuf,
@@ -57,9 +49,9 @@ pub struct LlmServer {
     max_concurrent: usize,
 }
 
-fn image_from_pb(i: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Status> {
-    let bad = |m: String| Status::invalid_argument(format!("images[{i}]: {m}"));
-    let host = |t: &pb::Tensor| -> Result<HostTensor, Status> {
+fn image_from_pb(index: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Error> {
+    let bad = |message: String| Error::BadImage { index, message };
+    let host = |t: &pb::Tensor| -> Result<HostTensor, Error> {
         let (shape, data) = tensor::decode(t).map_err(bad)?;
         HostTensor::new(shape, data).map_err(|e| bad(e.to_string()))
     };
@@ -81,7 +73,7 @@ fn image_from_pb(i: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Stat
     })
 }
 
-fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
     let s = req.sampling.unwrap_or_default();
     Ok(GenerateRequest {
         images: req
@@ -127,19 +119,18 @@ impl LlmService for LlmServer {
         let deadline = vlm_proto::grpc_timeout(request.metadata()).map(|d| Instant::now() + d);
         let setup = async {
             let Some(engine) = self.engine.get() else {
-                return Err(Status::unavailable("the language model is still loading"));
+                return Err(Error::Loading);
             };
+            // Checked before it takes a place: a bad request is INVALID_ARGUMENT even when
+            // the service is full.
             let req = request_from_pb(request.into_inner())?;
-            engine.validate(&req).map_err(|e| to_status(&e))?;
-            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Status::resource_exhausted(format!(
-                    "the LLM service holds its limit of {} requests (running and queued); retry later",
-                    self.max_concurrent
-                ))
-            })?;
-            let stream = engine
-                .submit(req, deadline, tracing::Span::current())
-                .map_err(|e| to_status(&e))?;
+            engine.validate(&req)?;
+            let overloaded = Error::Overloaded {
+                limit: self.max_concurrent,
+            };
+            let permit = self.permits.clone().try_acquire_owned();
+            let permit = permit.map_err(|_| overloaded)?;
+            let stream = engine.submit(req, deadline, tracing::Span::current())?;
             Ok((permit, stream))
         };
         let (permit, mut stream) = setup.instrument(span.clone()).await?;
@@ -175,7 +166,7 @@ impl LlmService for LlmServer {
                             };
                             (Ok(msg), true)
                         }
-                        Event::Failed(e) => (Err(to_status(&e)), true),
+                        Event::Failed(e) => (Err(Status::from(e)), true),
                     };
                     // The client has gone: dropping `stream` tells the engine to stop.
                     if tx.send(msg).await.is_err() || last {
@@ -186,6 +177,21 @@ impl LlmService for LlmServer {
             .instrument(span),
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// [`serve`] as work for a [`vlm_compute::Device`], which picks the backend:
+/// `device.run(Serve { cfg, listener, shutdown }).await`.
+pub struct Serve<S> {
+    pub cfg: ServeConfig,
+    pub listener: tokio::net::TcpListener,
+    pub shutdown: S,
+}
+
+impl<S: Future<Output = ()> + 'static> OnDevice for Serve<S> {
+    type Output = Pin<Box<dyn Future<Output = anyhow::Result<()>>>>;
+    fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+        Box::pin(serve(self.cfg, open, self.listener, self.shutdown))
     }
 }
 
@@ -226,4 +232,48 @@ pub async fn serve<B: Backend>(
     });
     let name = <LlmServiceServer<LlmServer> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_bad_request_gets_invalid_argument_even_when_every_place_is_taken() {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let weights = Weights::open(&dir).unwrap();
+        let engine = Engine::load(
+            &dir,
+            &weights,
+            vlm_compute::CpuBackend::new(),
+            EngineConfig::default(),
+            &prometheus::Registry::new(),
+        )
+        .unwrap();
+        let vocab = engine.config().text.vocab_size as u32;
+        let cell = Arc::new(OnceLock::new());
+        let _ = cell.set(engine);
+        let server = LlmServer {
+            engine: cell,
+            permits: Arc::new(Semaphore::new(1)),
+            max_concurrent: 1,
+        };
+        let generate = |prompt: Vec<u32>, max_new_tokens: u32| {
+            server.generate(Request::new(pb::GenerateRequest {
+                prompt_token_ids: prompt,
+                max_new_tokens,
+                ..Default::default()
+            }))
+        };
+        let full = server.permits.clone().try_acquire_owned().unwrap();
+        for (what, prompt) in [("empty", vec![]), ("out of vocabulary", vec![1, vocab])] {
+            let s = generate(prompt, 2).await.err().unwrap();
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{what}: {s:?}");
+        }
+        let s = generate(vec![1, 2, 3], 2).await.err().unwrap();
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+        assert!(s.message().contains("limit of 1 requests"), "{s:?}");
+        drop(full);
+        assert!(generate(vec![1, 2, 3], 2).await.is_ok());
+    }
 }

@@ -246,6 +246,117 @@ fn a_dropped_stream_or_a_passed_deadline_frees_its_blocks_at_once() {
     wait_idle(&e);
 }
 
+/// A copy of the fixture whose only eos is tokenizer_config.json's `eos_token` (a string;
+/// none when `None`): generation_config.json dropped, `eos_token_id` taken out of config.json.
+fn fixture_with_tokenizer_eos(name: &str, eos_token: Option<&str>) -> PathBuf {
+    let src = fixture();
+    let dir = std::env::temp_dir().join(format!("vlm-eos-engine-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::remove_file(dir.join("generation_config.json")).unwrap();
+    let edit = |file: &str, f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(dir.join(file), v.to_string()).unwrap();
+    };
+    edit("config.json", &|v| {
+        v.as_object_mut().unwrap().remove("eos_token_id");
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("eos_token_id");
+    });
+    edit("tokenizer_config.json", &|v| match eos_token {
+        Some(t) => v["eos_token"] = t.into(),
+        None => {
+            v.as_object_mut().unwrap().remove("eos_token");
+        }
+    });
+    dir
+}
+
+/// HF transformers' behaviour for checkpoints that name eos only in tokenizer_config.json, or
+/// nowhere: the first stops at that token, the second runs to the budget.
+#[test]
+fn eos_from_tokenizer_config_stops_generation_and_no_eos_runs_to_the_budget() {
+    let cfg = EngineConfig::default;
+    let mut req = requests().remove(0);
+    req.max_new_tokens = 6;
+    let through = engine(cfg()).generate(&req, |_| std::ops::ControlFlow::Continue(()));
+    let through = through.unwrap().tokens;
+    assert_eq!(through.len(), 6);
+    req.ignore_eos = false;
+
+    // Make the first token the model picks the tokenizer's eos: generation stops right there.
+    let tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("tokenizer.json")).unwrap())
+            .unwrap();
+    let first = u64::from(through[0]);
+    let name = tokenizer["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["id"] == first)
+        .map(|a| a["content"].as_str().unwrap().to_string())
+        .or_else(|| {
+            let vocab = tokenizer["model"]["vocab"].as_object().unwrap();
+            vocab
+                .iter()
+                .find(|(_, id)| **id == first)
+                .map(|(t, _)| t.clone())
+        })
+        .unwrap();
+    let dir = fixture_with_tokenizer_eos("named", Some(&name));
+    let weights = Weights::open(&dir).unwrap();
+    let e = Engine::load(
+        &dir,
+        &weights,
+        CpuBackend::new(),
+        cfg(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
+    assert_eq!(e.config().eos_token_ids, vec![through[0]]);
+    let gen = e
+        .generate(&req, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
+    assert_eq!(
+        gen.tokens,
+        vec![through[0]],
+        "stops at the eos token `{name}`"
+    );
+    assert_eq!(gen.finish, llm_svc::FinishReason::Eos);
+    drop(e);
+    let _ = std::fs::remove_dir_all(dir);
+
+    // No eos anywhere: the same tokens as ignoring eos, to the budget.
+    let dir = fixture_with_tokenizer_eos("none", None);
+    let weights = Weights::open(&dir).unwrap();
+    let e = Engine::load(
+        &dir,
+        &weights,
+        CpuBackend::new(),
+        cfg(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
+    assert!(e.config().eos_token_ids.is_empty());
+    let gen = e
+        .generate(&req, |_| std::ops::ControlFlow::Continue(()))
+        .unwrap();
+    assert_eq!(gen.tokens, through);
+    assert_eq!(gen.finish, llm_svc::FinishReason::Length);
+    drop(e);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// The same checks with the CUDA backend, where greedy tokens must agree up to near ties.
 #[test]
 fn on_cuda_batched_greedy_tokens_match_alone() {

@@ -169,16 +169,6 @@ pub async fn shutdown_signal() {
     tracing::info!("shutdown signal received");
 }
 
-/// The status of a failed request: the caller's fault (INVALID_ARGUMENT) or ours (INTERNAL).
-/// Each service decides which with its error type's `is_invalid_input`.
-pub fn error_status(invalid_input: bool, message: String) -> tonic::Status {
-    if invalid_input {
-        tonic::Status::invalid_argument(message)
-    } else {
-        tonic::Status::internal(message)
-    }
-}
-
 /// Reads the `grpc-timeout` header (the caller's deadline), as a duration from now.
 pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
     let v = metadata.get("grpc-timeout")?.to_str().ok()?;

@@ -19,13 +19,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
-use tonic::Status;
 use tracing::{info_span, Span};
 use vlm_compute::Backend;
 
 use crate::metrics::VisionMetrics;
-use crate::server::to_status;
-use crate::{Patches, VisionEncoder, VisionOutput};
+use crate::{Error, Patches, VisionEncoder, VisionOutput};
 
 /// An image waiting for its pass.
 struct QueuedImage {
@@ -38,7 +36,7 @@ struct Caller {
     /// The request's span (`vision.encode`); the image's `vision_encode` span goes under it.
     span: Span,
     queued_at: Instant,
-    reply: oneshot::Sender<Result<VisionOutput, Status>>,
+    reply: oneshot::Sender<Result<VisionOutput, Error>>,
     /// The image's place in the service's `max_concurrent`, given back when the image leaves
     /// the queue: answered, failed, or skipped because its caller has gone.
     _permit: OwnedSemaphorePermit,
@@ -73,7 +71,7 @@ impl Batcher {
         patches: Patches,
         permit: OwnedSemaphorePermit,
         span: Span,
-    ) -> Result<VisionOutput, Status> {
+    ) -> Result<VisionOutput, Error> {
         let (reply, output) = oneshot::channel();
         let caller = Caller {
             span,
@@ -83,10 +81,10 @@ impl Batcher {
         };
         self.queue
             .send(QueuedImage { patches, caller })
-            .map_err(|_| Status::internal("the vision encoder loop has stopped"))?;
-        output
-            .await
-            .map_err(|_| Status::internal("the vision encoder loop dropped the image unanswered"))?
+            .map_err(|_| Error::Encoder("the vision encoder loop has stopped".into()))?;
+        output.await.map_err(|_| {
+            Error::Encoder("the vision encoder loop dropped the image unanswered".into())
+        })?
     }
 }
 
@@ -171,22 +169,27 @@ fn run_pass<B: Backend>(
         .collect();
     let result =
         std::panic::catch_unwind(AssertUnwindSafe(|| encoder.model.forward_batch(&patches)));
-    let outputs: Vec<Result<VisionOutput, Status>> = match result {
+    // Every caller of a failed pass gets the same message (the error itself is not Clone).
+    let failed = |what: String| -> Vec<Result<VisionOutput, Error>> {
+        (0..callers.len())
+            .map(|_| Err(Error::Encoder(what.clone())))
+            .collect()
+    };
+    let outputs: Vec<Result<VisionOutput, Error>> = match result {
         Ok(Ok(outputs)) => outputs.into_iter().map(Ok).collect(),
-        Ok(Err(e)) => vec![Err(to_status(&e)); callers.len()],
+        Ok(Err(e)) => failed(format!("the vision encoder failed: {e}")),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<String>()
                 .map(String::as_str)
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("a panic");
-            let status = Status::internal(format!("the vision encoder failed: {what}"));
-            vec![Err(status); callers.len()]
+            failed(format!("the vision encoder failed: {what}"))
         }
     };
     for ((caller, span), output) in callers.into_iter().zip(spans).zip(outputs) {
-        if let Err(status) = &output {
-            tracing::error!(parent: &span, error = %status.message(), "vision pass failed");
+        if let Err(e) = &output {
+            tracing::error!(parent: &span, error = %e, "vision pass failed");
         }
         // The span ends with the pass, before the caller goes on.
         drop(span);

@@ -1,5 +1,6 @@
 //! Errors of the vision stage. Image errors are the caller's fault (bad input); the others are
-//! the deployment's (bad checkpoint) or ours.
+//! the deployment's (bad checkpoint), the service's state (loading, at its limit) or ours. The
+//! one mapping to gRPC statuses is `From<Error> for tonic::Status` below.
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -16,6 +17,15 @@ pub enum Error {
     Config(String),
     #[error(transparent)]
     Compute(#[from] vlm_compute::Error),
+    /// The service is up but its model is not loaded yet.
+    #[error("the vision model is still loading")]
+    Loading,
+    /// The service holds its limit of images; the caller should retry later.
+    #[error("the vision service holds its limit of {limit} images (preprocessing, queued or encoding); retry later")]
+    Overloaded { limit: usize },
+    /// The encoder loop failed, panicked or has stopped.
+    #[error("{0}")]
+    Encoder(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -27,5 +37,19 @@ impl Error {
             self,
             Error::BadImage(_) | Error::ImageTooLarge(_) | Error::BadAspectRatio(_)
         )
+    }
+}
+
+/// The one place vision errors become gRPC statuses.
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        use tonic::Code;
+        let code = match &e {
+            _ if e.is_invalid_input() => Code::InvalidArgument,
+            Error::Loading => Code::Unavailable,
+            Error::Overloaded { .. } => Code::ResourceExhausted,
+            _ => Code::Internal,
+        };
+        tonic::Status::new(code, e.to_string())
     }
 }

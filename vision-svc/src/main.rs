@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
-use vision_svc::server::{serve, ServeConfig};
+use vision_svc::server::{Serve, ServeConfig};
 
 #[derive(Parser)]
 #[command(
@@ -35,8 +35,8 @@ struct Args {
     random_weights: bool,
     /// Where to run the model: cpu, or cuda (GPU 0; kernels are compiled by NVRTC and checked
     /// against the CPU reference before the service reports SERVING).
-    #[arg(long, env = "VLM_DEVICE", default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    device: String,
+    #[arg(long, env = "VLM_DEVICE", value_enum, default_value = "cpu")]
+    device: vlm_compute::Device,
     /// Images in the service at once (being preprocessed, queued or encoded); more get
     /// RESOURCE_EXHAUSTED at once. Images queued while a pass runs are encoded together in the
     /// next, so a higher limit gives fuller passes.
@@ -82,23 +82,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     })
     .await?;
     let shutdown = vlm_proto::shutdown_signal();
-    let result = if args.device == "cuda" {
-        serve(
+    let result = args
+        .device
+        .run(Serve {
             cfg,
-            || vlm_compute::CudaBackend::open_verified(0),
             listener,
             shutdown,
-        )
-        .await
-    } else {
-        serve(
-            cfg,
-            || Ok(vlm_compute::CpuBackend::new()),
-            listener,
-            shutdown,
-        )
-        .await
-    };
+        })
+        .await;
     stop.cancel();
     telemetry.shutdown();
     result

@@ -58,8 +58,11 @@ pub struct RgbImage {
     pub data: Vec<u8>,
 }
 
-/// Decodes `bytes` into RGB under `limits`; the format is sniffed from the content.
-pub fn decode(bytes: &[u8], limits: &DecodeLimits) -> Result<RgbImage> {
+/// Checks what the image's header declares against `limits`, reading the header only: the
+/// format must be one we decode, the size nonzero and within the limits. A decompression bomb
+/// (a small file declaring a huge image) is refused here, before anything is allocated for
+/// its pixels, and cheaply enough for a server to check a request before it takes a place.
+pub fn check_header(bytes: &[u8], limits: &DecodeLimits) -> Result<(ImageFormat, u32, u32)> {
     if bytes.is_empty() {
         return Err(Error::BadImage("the image is empty (0 bytes)".into()));
     }
@@ -87,10 +90,18 @@ pub fn decode(bytes: &[u8], limits: &DecodeLimits) -> Result<RgbImage> {
     }
     if w > limits.max_side || h > limits.max_side || (w as u64) * (h as u64) > limits.max_pixels {
         return Err(Error::ImageTooLarge(format!(
-            "{w}x{h} pixels exceeds the limit of {} per side and {} in total",
+            "{format:?} declares {w}x{h} pixels, over the limit of {} per side and {} in total",
             limits.max_side, limits.max_pixels
         )));
     }
+    Ok((format, w, h))
+}
+
+/// Decodes `bytes` into RGB under `limits`; the format is sniffed from the content. The header
+/// is checked first ([`check_header`]); the decoder then runs under `image::Limits`, so a
+/// file whose data disagrees with its header cannot allocate past `max_alloc` either.
+pub fn decode(bytes: &[u8], limits: &DecodeLimits) -> Result<RgbImage> {
+    let (format, _, _) = check_header(bytes, limits)?;
     let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
     let mut l = image::Limits::default();
     l.max_image_width = Some(limits.max_side);

@@ -5,16 +5,19 @@
 //! (batcher.rs), which runs the ViT over every queued image together, up to
 //! `max_batch_patches` patches per pass. At most `max_concurrent` images are in the service
 //! at once (preprocessing, queued or encoding); more fail fast with RESOURCE_EXHAUSTED rather
-//! than queue without bound. A request whose client has gone leaves the queue before its pass.
+//! than queue without bound. An image whose header is bad or over the limits gets
+//! INVALID_ARGUMENT before it takes a place. A request whose client has gone leaves the queue
+//! before its pass. Every failure is an [`Error`], which becomes a status in one place.
 
 use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, Weights};
+use vlm_compute::{Backend, OnDevice, Weights};
 use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{telemetry, tensor};
@@ -29,11 +32,6 @@ use crate::{preprocess, Error, VisionEncoder};
 /// pass would add latency to every image in it (and activation memory, ~64 KB per row at 8B
 /// sizes) for little more throughput.
 pub const DEFAULT_MAX_BATCH_PATCHES: usize = 8192;
-
-/// The one place vision errors become gRPC statuses.
-pub fn to_status(e: &Error) -> Status {
-    vlm_proto::error_status(e.is_invalid_input(), e.to_string())
-}
 
 pub struct ServeConfig {
     pub model: PathBuf,
@@ -112,15 +110,17 @@ impl<B: Backend> VisionService for VisionServer<B> {
         let mut guard = ImageGuard::new(&self.metrics);
         let result = async move {
             let Some(loaded) = self.loaded.get() else {
-                return Err(Status::unavailable("the vision model is still loading"));
+                return Err(Error::Loading);
             };
-            let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-                Status::resource_exhausted(format!(
-                    "the vision service holds its limit of {} images (preprocessing, queued or encoding); retry later",
-                    self.max_concurrent
-                ))
-            })?;
             let req = request.into_inner();
+            // A bad or oversized image is refused before it takes a place: the header alone
+            // says so, and reading it costs next to nothing.
+            preprocess::check_header(&req.image, &loaded.encoder.limits)?;
+            let overloaded = Error::Overloaded {
+                limit: self.max_concurrent,
+            };
+            let permit = self.permits.clone().try_acquire_owned();
+            let permit = permit.map_err(|_| overloaded)?;
             let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
             let encoder = loaded.encoder.clone();
             let parent = tracing::Span::current();
@@ -134,8 +134,7 @@ impl<B: Backend> VisionService for VisionServer<B> {
                     .map(|patches| (patches, permit))
             })
             .await
-            .map_err(|e| Status::internal(format!("image preprocessing failed: {e}")))?
-            .map_err(|e| to_status(&e))?;
+            .map_err(|e| Error::Encoder(format!("image preprocessing failed: {e}")))??;
             let out = loaded
                 .batcher
                 .encode(patches, permit, tracing::Span::current())
@@ -153,11 +152,26 @@ impl<B: Backend> VisionService for VisionServer<B> {
         .await;
         guard.outcome = match &result {
             Ok(_) => "ok",
-            Err(s) if s.code() == tonic::Code::InvalidArgument => "invalid",
-            Err(s) if s.code() == tonic::Code::ResourceExhausted => "overloaded",
+            Err(e) if e.is_invalid_input() => "invalid",
+            Err(Error::Overloaded { .. }) => "overloaded",
             Err(_) => "error",
         };
-        result
+        result.map_err(Status::from)
+    }
+}
+
+/// [`serve`] as work for a [`vlm_compute::Device`], which picks the backend:
+/// `device.run(Serve { cfg, listener, shutdown }).await`.
+pub struct Serve<S> {
+    pub cfg: ServeConfig,
+    pub listener: tokio::net::TcpListener,
+    pub shutdown: S,
+}
+
+impl<S: Future<Output = ()> + 'static> OnDevice for Serve<S> {
+    type Output = Pin<Box<dyn Future<Output = anyhow::Result<()>>>>;
+    fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+        Box::pin(serve(self.cfg, open, self.listener, self.shutdown))
     }
 }
 
@@ -196,4 +210,65 @@ pub async fn serve<B: Backend>(
     });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     vlm_proto::run_service(router, listener, health, name, load, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loaded server on the tiny fixture with one place.
+    fn server() -> VisionServer<vlm_compute::CpuBackend> {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let weights = Weights::open(&dir).unwrap();
+        let encoder =
+            Arc::new(VisionEncoder::load(&dir, &weights, vlm_compute::CpuBackend::new()).unwrap());
+        let metrics = VisionMetrics::new(&prometheus::Registry::new());
+        let batcher =
+            Batcher::start(encoder.clone(), DEFAULT_MAX_BATCH_PATCHES, metrics.clone()).unwrap();
+        let loaded = Arc::new(OnceLock::new());
+        let _ = loaded.set(LoadedEncoder { encoder, batcher });
+        VisionServer {
+            loaded,
+            permits: Arc::new(Semaphore::new(1)),
+            max_concurrent: 1,
+            metrics,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_image_gets_invalid_argument_even_when_every_place_is_taken() {
+        let server = server();
+        let encode = |image: Vec<u8>| {
+            server.encode(Request::new(EncodeRequest {
+                image,
+                dtype: Dtype::F32 as i32,
+            }))
+        };
+        let mut png = Vec::new();
+        image::RgbImage::from_pixel(40, 40, image::Rgb([1, 2, 3]))
+            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        // A JPEG frame header declaring 60000x60000: the header alone refuses it.
+        let mut bomb = Vec::new();
+        image::RgbImage::from_pixel(16, 16, image::Rgb([1, 2, 3]))
+            .write_to(
+                &mut std::io::Cursor::new(&mut bomb),
+                image::ImageFormat::Jpeg,
+            )
+            .unwrap();
+        let sof = bomb.windows(2).position(|w| w == [0xFF, 0xC0]).unwrap();
+        bomb[sof + 5..sof + 9].copy_from_slice(&[0xEA, 0x60, 0xEA, 0x60]);
+
+        let full = server.permits.clone().try_acquire_owned().unwrap();
+        for (what, image) in [("garbage", b"not an image".to_vec()), ("bomb", bomb)] {
+            let s = encode(image).await.unwrap_err();
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{what}: {s:?}");
+        }
+        let s = encode(png.clone()).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+        assert!(s.message().contains("limit of 1 images"), "{s:?}");
+        drop(full);
+        let out = encode(png).await.unwrap().into_inner();
+        assert!(out.embeddings.is_some());
+    }
 }

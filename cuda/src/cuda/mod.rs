@@ -487,25 +487,6 @@ impl CudaBackend {
         self.inner.compute_capability
     }
 
-    /// Times one device-to-device copy of `bytes` bytes (the bandwidth limit `vlm bench`
-    /// measures decode against; it moves 2 x `bytes`, read and write).
-    pub fn time_copy(&self, bytes: usize) -> Result<std::time::Duration> {
-        let stream = &self.inner.stream;
-        let alloc = |what| {
-            stream
-                .alloc_zeros::<u8>(bytes.max(1))
-                .map_err(|e| cuda_err(what)(&e))
-        };
-        let (src, mut dst) = (alloc("copy source")?, alloc("copy destination")?);
-        self.synchronize()?;
-        let t = std::time::Instant::now();
-        stream
-            .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| cuda_err("device copy")(&e))?;
-        self.synchronize()?;
-        Ok(t.elapsed())
-    }
-
     /// Waits for all queued work (for timing and tests).
     pub fn synchronize(&self) -> Result<()> {
         self.inner
@@ -748,6 +729,23 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn time_copy(&self, bytes: usize) -> Result<std::time::Duration> {
+        let stream = &self.inner.stream;
+        let alloc = |what| {
+            stream
+                .alloc_zeros::<u8>(bytes.max(1))
+                .map_err(|e| cuda_err(what)(&e))
+        };
+        let (src, mut dst) = (alloc("copy source")?, alloc("copy destination")?);
+        self.synchronize()?;
+        let t = std::time::Instant::now();
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| cuda_err("device copy")(&e))?;
+        self.synchronize()?;
+        Ok(t.elapsed())
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {

@@ -63,6 +63,17 @@ struct Args {
     /// Most images in one request.
     #[arg(long, env = "VLM_MAX_IMAGES", default_value_t = 8)]
     max_images: usize,
+    /// Most messages in one request.
+    #[arg(long, env = "VLM_MAX_MESSAGES", default_value_t = RequestLimits::default().max_messages)]
+    max_messages: usize,
+    /// Largest image in a request, in bytes as encoded (PNG, JPEG, WebP, GIF); base64 data
+    /// over it is refused before it is decoded.
+    #[arg(long, env = "VLM_MAX_IMAGE_BYTES", default_value_t = RequestLimits::default().max_image_bytes)]
+    max_image_bytes: usize,
+    /// Largest request in bytes: an HTTP body (more gets 413) or a gRPC message (more gets
+    /// OUT_OF_RANGE).
+    #[arg(long, env = "VLM_MAX_BODY_BYTES", default_value_t = RequestLimits::default().max_body_bytes)]
+    max_body_bytes: usize,
     /// Most tokens one request may ask to generate.
     #[arg(long, env = "VLM_MAX_TOKENS_LIMIT", default_value_t = 8192)]
     max_tokens_limit: usize,
@@ -111,6 +122,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         limits: RequestLimits {
             max_images: args.max_images,
             max_new_tokens: args.max_tokens_limit,
+            max_messages: args.max_messages,
+            max_image_bytes: args.max_image_bytes,
+            max_body_bytes: args.max_body_bytes,
         },
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout_secs),

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use vlm_compute::{Backend, CpuBackend, CudaBackend};
+use vlm_compute::{Backend, Device, OnDevice};
 
-use crate::{device_description, git_commit, Device};
+use crate::git_commit;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -66,25 +66,25 @@ pub struct BenchArgs {
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     gateway::pipeline::check_model_dir(&args.model)?;
-    let device = device_description(args.device)?;
-    match args.device {
-        Device::Cpu => {
-            let copy = |_: &CpuBackend, bytes: usize| -> anyhow::Result<std::time::Duration> {
-                // Both buffers written first, so page faults are not timed as copying.
-                let src = vec![1u8; bytes];
-                let mut dst = vec![2u8; bytes];
-                let t = std::time::Instant::now();
-                dst.copy_from_slice(&src);
-                let d = t.elapsed();
-                std::hint::black_box(&dst);
-                Ok(d)
-            };
-            bench_on(&args, || Ok(CpuBackend::new()), copy, device)
-        }
-        Device::Cuda => {
-            let copy = |g: &CudaBackend, bytes: usize| Ok(g.time_copy(bytes)?);
-            bench_on(&args, || CudaBackend::open_verified(0), copy, device)
-        }
+    let device = args.device.describe()?;
+    args.device.run(Bench {
+        args: &args,
+        device,
+    })
+}
+
+/// The bench, written once for any backend.
+struct Bench<'a> {
+    args: &'a BenchArgs,
+    /// What it runs on, for the report.
+    device: String,
+}
+
+impl OnDevice for Bench<'_> {
+    type Output = anyhow::Result<()>;
+    fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+        let copy = |b: &B, bytes: usize| Ok(b.time_copy(bytes)?);
+        bench_on(self.args, open, copy, self.device)
     }
 }
 

@@ -16,7 +16,9 @@ use gateway::load::{self, ApiMix, LevelLimits, LevelStats, RequestMaker, Target,
 use gateway::stack::{LocalStack, StackConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::{device_description, git_commit, start_stack, Device};
+use vlm_compute::Device;
+
+use crate::{git_commit, start_stack};
 
 /// The model `vlm load` serves when given none (as `vlm serve`).
 const DEFAULT_MODEL: &str = "tests/fixtures/tiny-qwen3-vl";
@@ -208,14 +210,12 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
             "--max-concurrent {max_concurrent} is below the largest --concurrency {largest}: \
              the clients past it would get RESOURCE_EXHAUSTED / 429"
         );
-        let device = device_description(args.device)?;
+        let device = args.device.describe()?;
         let mut cfg = StackConfig::loopback(dir.clone());
         cfg.random_weights = args.random_weights.then_some(0);
         cfg.max_concurrent = max_concurrent;
         cfg.vision_max_concurrent = args.vision_max_concurrent;
-        cfg.engine = args
-            .engine
-            .config(args.max_context, matches!(args.device, Device::Cuda));
+        cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
         let e = &cfg.engine;
         let served_by = format!(
             "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \

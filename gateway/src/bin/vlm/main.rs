@@ -14,9 +14,12 @@ mod serve;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use std::future::Future;
+use std::pin::Pin;
+
+use clap::{Parser, Subcommand};
 use gateway::stack::{LocalStack, StackConfig};
-use vlm_compute::{CpuBackend, CudaBackend};
+use vlm_compute::{Backend, Device, OnDevice};
 
 #[derive(Parser)]
 #[command(
@@ -55,49 +58,6 @@ enum Command {
     Doctor(doctor::DoctorArgs),
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum Device {
-    /// The CPU reference path (any machine).
-    Cpu,
-    /// An NVIDIA GPU through CUDA (kernels compiled at run time by NVRTC, each checked against
-    /// the CPU reference on this GPU first).
-    Cuda,
-}
-
-impl Device {
-    fn name(self) -> &'static str {
-        match self {
-            Device::Cpu => "cpu",
-            Device::Cuda => "cuda",
-        }
-    }
-}
-
-/// GPU 0, once every kernel has matched the CPU reference on it (the self-check).
-fn open_cuda() -> anyhow::Result<CudaBackend> {
-    Ok(CudaBackend::open_verified(0)?)
-}
-
-/// What the run is on, for reports: the CPU's threads, or the GPU's name, compute capability
-/// and driver.
-fn device_description(device: Device) -> anyhow::Result<String> {
-    Ok(match device {
-        Device::Cpu => format!(
-            "cpu ({} threads)",
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        ),
-        Device::Cuda => {
-            let gpu = CudaBackend::new(0)?;
-            let (major, minor) = gpu.compute_capability();
-            format!(
-                "{} (sm_{major}{minor}, driver CUDA {})",
-                gpu.device_name(),
-                gpu.driver_version()
-            )
-        }
-    })
-}
-
 /// The checked-out commit, for reports ("unknown" outside a git checkout).
 fn git_commit() -> String {
     std::process::Command::new("git")
@@ -113,10 +73,14 @@ fn git_commit() -> String {
 /// vision-svc, llm-svc and the gateway on loopback in this process, on `device`
 /// (`vlm serve`, `vlm load`).
 async fn start_stack(cfg: StackConfig, device: Device) -> anyhow::Result<LocalStack> {
-    match device {
-        Device::Cpu => LocalStack::start(cfg, || Ok(CpuBackend::new())).await,
-        Device::Cuda => LocalStack::start(cfg, || CudaBackend::open_verified(0)).await,
+    struct Start(StackConfig);
+    impl OnDevice for Start {
+        type Output = Pin<Box<dyn Future<Output = anyhow::Result<LocalStack>>>>;
+        fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+            Box::pin(LocalStack::start(self.0, open))
+        }
     }
+    device.run(Start(cfg)).await
 }
 
 /// Logs on stderr for the one-shot commands (`serve` sets up tracing with OpenTelemetry).

@@ -9,9 +9,7 @@ use anyhow::Context;
 use gateway::chat::{Message, Part};
 use gateway::pipeline::{ChatRequest, Pipeline};
 use llm_svc::SamplingParams;
-use vlm_compute::{npy, Backend, CpuBackend, HostTensor};
-
-use crate::{open_cuda, Device};
+use vlm_compute::{npy, Backend, Device, HostTensor, OnDevice};
 
 #[derive(clap::Args)]
 pub struct RunArgs {
@@ -69,9 +67,13 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    match args.device {
-        Device::Cpu => run_on(args, CpuBackend::new()),
-        Device::Cuda => run_on(args, open_cuda()?),
+    args.device.run(args)
+}
+
+impl OnDevice for RunArgs {
+    type Output = anyhow::Result<()>;
+    fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
+        run_on(self, open()?)
     }
 }
 

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use gateway::stack::StackConfig;
 
-use crate::{start_stack, Device};
+use vlm_compute::Device;
+
+use crate::start_stack;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -77,9 +79,7 @@ pub async fn serve(
     cfg.http_addr = (args.host, args.http_port).into();
     cfg.max_concurrent = args.max_concurrent;
     cfg.vision_max_concurrent = args.vision_max_concurrent;
-    cfg.engine = args
-        .engine
-        .config(args.max_context, matches!(args.device, Device::Cuda));
+    cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
     let model_name = cfg.model_name.clone();
     let stack = start_stack(cfg, args.device)
         .await
