@@ -33,8 +33,8 @@ fn state(limits: RequestLimits) -> HttpState {
     let nowhere = [NOWHERE.to_string()];
     let orchestrator = Orchestrator::new(
         chat,
-        Upstreams::new("vision-svc", &nowhere).unwrap(),
-        Upstreams::new("llm-svc", &nowhere).unwrap(),
+        Upstreams::new("vision-svc", &nowhere, None).unwrap(),
+        Upstreams::new("llm-svc", &nowhere, None).unwrap(),
         limits,
         2,
         Metrics::new(),
@@ -254,6 +254,9 @@ async fn a_grpc_message_over_the_limit_is_refused_naming_it() {
         request_timeout: Duration::from_secs(5),
         embedding_dtype: pb::Dtype::F32,
         also_metrics: Vec::new(),
+        api_key: None,
+        tls: None,
+        upstream_tls: None,
     };
     let server = tokio::spawn(crate::serve::serve(cfg, grpc, http, stop.clone()));
     let mut client = None;
