@@ -76,7 +76,11 @@ async fn killing_vision_svc_fails_its_requests_fast_and_the_gateway_recovers_whe
     let cat = fixture_image("cat.png");
     let t = Instant::now();
     let err = c
-        .chat(grpc_chat(&[cat.clone()], "Describe this image.", 4))
+        .chat(grpc_chat(
+            std::slice::from_ref(&cat),
+            "Describe this image.",
+            4,
+        ))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
@@ -86,7 +90,12 @@ async fn killing_vision_svc_fails_its_requests_fast_and_the_gateway_recovers_whe
     let t = Instant::now();
     let r = http
         .post(&url)
-        .json(&http_chat(&[cat.clone()], "Describe this image.", 4, false))
+        .json(&http_chat(
+            std::slice::from_ref(&cat),
+            "Describe this image.",
+            4,
+            false,
+        ))
         .send()
         .await
         .unwrap();
@@ -101,7 +110,11 @@ async fn killing_vision_svc_fails_its_requests_fast_and_the_gateway_recovers_whe
     let back = Instant::now();
     let r = loop {
         match c
-            .chat(grpc_chat(&[cat.clone()], "Describe this image.", 4))
+            .chat(grpc_chat(
+                std::slice::from_ref(&cat),
+                "Describe this image.",
+                4,
+            ))
             .await
         {
             Ok(r) => break r.into_inner(),
