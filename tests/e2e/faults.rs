@@ -329,6 +329,69 @@ async fn a_client_that_stops_reading_is_cut_off_and_its_generation_cancelled() {
     c.chat(grpc_chat(&[], "hi", 4)).await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_client_that_stops_reading_holds_bounded_memory_and_nothing_else() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stack = Stack::start(StackOptions {
+        gateway_args: vec!["--client-send-timeout-secs".into(), "1".into()],
+        service_metrics: true,
+        ..Default::default()
+    })
+    .await;
+    let rss_before = stack.gateway.rss_kib().unwrap();
+    // A raw HTTP/1.1 client with a 4 KiB receive buffer that reads the response head and
+    // then nothing. The tiny model's longest stream (1900 events, ~420 KB) fits in hyper's
+    // write buffer (~400 KiB per connection), so the gateway's sends never wait a whole second
+    // and the generation runs to its end; what must hold is that it ends, and that the
+    // request gives back its permit, its KV blocks and its memory. (The gRPC test above, with
+    // a small HTTP/2 window, backs the stream up into the send timeout.)
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let addr = stack.http.trim_start_matches("http://").parse().unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    let mut body = http_long(1900);
+    body["return_token_ids"] = serde_json::json!(true);
+    let body = body.to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut first = [0u8; 512];
+    let n = conn.read(&mut first).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    let llm = stack.llm_metrics.clone().unwrap();
+    // Ends by running out of tokens (or, on a slower machine, by the send timeout).
+    let end = Instant::now() + HANG;
+    loop {
+        let page = metrics_page(&llm).await;
+        let ended = metric(&page, "vlm_llm_requests_total{outcome=\"cancelled\"}")
+            + metric(&page, "vlm_llm_requests_total{outcome=\"length\"}");
+        if ended == 1.0 {
+            break;
+        }
+        assert!(Instant::now() < end, "the generation never ended:\n{page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_metric(&llm, "vlm_llm_kv_blocks_in_use", |v| v == 0.0).await;
+    let gw = format!("{}/metrics", stack.http);
+    wait_metric(&gw, "vlm_requests_in_flight", |v| v == 0.0).await;
+    let growth = stack.gateway.rss_kib().unwrap() as i64 - rss_before as i64;
+    assert!(
+        growth < 32 * 1024,
+        "gateway RSS grew {growth} KiB for one stalled client"
+    );
+    // The permit came back while the client still holds its connection.
+    let mut c = grpc_client(&stack.grpc).await;
+    c.chat(grpc_chat(&[], "hi", 4)).await.unwrap();
+    drop(conn);
+}
+
 /// Accepts TCP connections on `port` and holds them open without reading or writing: a
 /// process that is wedged, or a port that belongs to something else.
 fn black_hole(port: u16) -> std::thread::JoinHandle<()> {
