@@ -118,8 +118,9 @@ impl From<crate::Error> for GatewayError {
 }
 
 /// One or more replicas of an upstream service, tried round-robin; a replica that answers
-/// UNAVAILABLE (or whose connection breaks) is skipped for the next one. Channels connect lazily and reconnect on their
-/// own, so the gateway starts before its upstreams and recovers when they return.
+/// UNAVAILABLE (or whose connection breaks) is skipped for the next one. Channels connect
+/// lazily and reconnect on their own, so the gateway starts before its upstreams and recovers
+/// when they return.
 pub struct Upstreams {
     service: &'static str,
     replicas: Vec<(String, Channel)>,
@@ -158,8 +159,8 @@ impl Upstreams {
         (0..n).map(move |i| &self.replicas[(start + i) % n])
     }
 
-    /// Runs `call` on replicas until one is not gone ([`upstream_gone`]); returns its answer and
-    /// the replica's address.
+    /// Runs `call` on replicas until one is not gone ([`upstream_gone`]); returns its answer
+    /// and the replica's address.
     async fn call<T, F, Fut>(&self, mut call: F) -> Result<(T, String), GatewayError>
     where
         F: FnMut(Channel) -> Fut,
