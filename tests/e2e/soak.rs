@@ -420,7 +420,7 @@ async fn soak_mixed_load_loses_nothing_and_leaks_nothing() {
             0.0
         };
         let mid = ys.first().copied().unwrap_or(0.0);
-        let tolerance = rss_tolerance_kib(mid);
+        let tolerance = rss_tolerance_kib(name, mid);
         out += &format!(
             "{name:<10} RSS start {:>7.1} MiB, end {:>7.1} MiB, peak {:>7.1} MiB; second-half trend {:+.1} MiB (tolerance {:.1} MiB)\n",
             first as f64 / 1024.0,
@@ -478,8 +478,14 @@ async fn soak_mixed_load_loses_nothing_and_leaks_nothing() {
 /// How much a process's resident memory may drift upward over the second half of the run
 /// without it counting as growth: 8 MiB plus 5% of its size. The allocator's per-thread
 /// arenas and tokio's and h2's buffers grow in steps of a few MiB as load shifts between
-/// threads and never shrink, while a leak of even 1 KiB per request grows steadily by
-/// megabytes over the thousands of requests of a half (and more in longer runs).
-fn rss_tolerance_kib(mid_kib: f64) -> f64 {
-    8.0 * 1024.0 + 0.05 * mid_kib
+/// threads, while a leak of even 1 KiB per request grows steadily by megabytes over the
+/// thousands of requests of a half (and more in longer runs).
+///
+/// vision-svc gets 32 MiB: it frees image buffers of megabytes, which glibc hands back to the
+/// system in batches, so its RSS rises and falls in a sawtooth of up to ~30 MiB over minutes
+/// (a 300 s run: 64 to 92 MiB, back and forth). Two minutes see one rising flank of it; longer
+/// runs (`VLM_SOAK_SECS=600`) average it out and bound a leak more tightly.
+fn rss_tolerance_kib(process: &str, mid_kib: f64) -> f64 {
+    let base = if process == "vision-svc" { 32.0 } else { 8.0 };
+    base * 1024.0 + 0.05 * mid_kib
 }
