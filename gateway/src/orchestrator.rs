@@ -7,8 +7,9 @@
 //! ```
 //! Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
 //! stream. When the client goes away its receiver closes, the forwarding task ends, the
-//! upstream stream is dropped, and the LLM service stops decoding. The caller's deadline is
-//! passed on to every upstream call.
+//! upstream stream is dropped, and the LLM service stops decoding. A client that stays but
+//! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
+//! The caller's deadline is passed on to every upstream call.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -81,7 +82,7 @@ impl GatewayError {
                 GatewayError::Invalid(s.message().to_string())
             }
             Code::ResourceExhausted => GatewayError::Overloaded(msg),
-            Code::Unavailable => GatewayError::Unavailable(format!(
+            _ if upstream_gone(s) => GatewayError::Unavailable(format!(
                 "{service} unavailable at {addr}: {}",
                 s.message()
             )),
@@ -89,6 +90,13 @@ impl GatewayError {
             _ => GatewayError::Internal(msg),
         }
     }
+}
+
+/// Whether an upstream call failed because the service is not there: UNAVAILABLE, or UNKNOWN,
+/// which tonic reports when the connection breaks under a call (the process died or was
+/// killed) and never comes from our services, which answer every failure with a code.
+fn upstream_gone(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::Unknown)
 }
 
 /// The one place gateway errors become gRPC statuses.
@@ -141,8 +149,9 @@ pub fn upstream_endpoint(addr: &str, tls: Option<&ClientTlsConfig>) -> anyhow::R
 }
 
 /// One or more replicas of an upstream service, tried round-robin; a replica that answers
-/// UNAVAILABLE is skipped for the next one. Channels connect lazily and reconnect on their
-/// own, so the gateway starts before its upstreams and recovers when they return.
+/// UNAVAILABLE (or whose connection breaks) is skipped for the next one. Channels connect
+/// lazily and reconnect on their own, so the gateway starts before its upstreams and recovers
+/// when they return.
 pub struct Upstreams {
     service: &'static str,
     replicas: Vec<(String, Channel)>,
@@ -181,8 +190,8 @@ impl Upstreams {
         (0..n).map(move |i| &self.replicas[(start + i) % n])
     }
 
-    /// Runs `call` on replicas until one does not answer UNAVAILABLE; returns its answer and
-    /// the replica's address.
+    /// Runs `call` on replicas until one is not gone ([`upstream_gone`]); returns its answer
+    /// and the replica's address.
     async fn call<T, F, Fut>(&self, mut call: F) -> Result<(T, String), GatewayError>
     where
         F: FnMut(Channel) -> Fut,
@@ -192,7 +201,7 @@ impl Upstreams {
         for (addr, ch) in self.order() {
             match call(ch.clone()).await {
                 Ok(v) => return Ok((v, addr.clone())),
-                Err(s) if s.code() == Code::Unavailable => {
+                Err(s) if upstream_gone(&s) => {
                     tracing::warn!(service = self.service, %addr, error = %s.message(), "replica unavailable");
                     last = Some(GatewayError::upstream(self.service, addr, &s));
                 }
@@ -225,8 +234,15 @@ pub struct Orchestrator {
     pub llm: Upstreams,
     pub limits: RequestLimits,
     pub metrics: Metrics,
+    /// Longest a stream waits for its client to take the next event; past it the generation
+    /// is cancelled, so a client that stops reading holds no permit, KV cache or task.
+    pub client_send_timeout: Duration,
     permits: Arc<Semaphore>,
 }
+
+/// Default of [`Orchestrator::client_send_timeout`]: far longer than any pause of a client
+/// that is reading (a GC, a slow network hop), far shorter than a request's timeout.
+pub const DEFAULT_CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Keeps the in-flight gauge and the outcome counter honest however a request ends: the
 /// outcome is "client_gone" unless a path sets another.
@@ -285,6 +301,7 @@ impl Orchestrator {
             llm,
             limits,
             metrics,
+            client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
         }
     }
@@ -374,6 +391,7 @@ impl Orchestrator {
                 guard,
                 self.chat.clone(),
                 self.metrics.clone(),
+                self.client_send_timeout,
             )
             .instrument(span),
         );
@@ -502,8 +520,9 @@ async fn forward(
     mut guard: RequestGuard,
     chat: Arc<ChatTokenizer>,
     metrics: Metrics,
+    send_timeout: Duration,
 ) {
-    let _permit = s.permit;
+    let permit = s.permit;
     let mut text = TextStream::new(chat.tokenizer(), stop);
     let mut last_token: Option<Instant> = None;
     let mut ttft: Option<Duration> = None;
@@ -521,7 +540,7 @@ async fn forward(
                     &mut guard,
                     GatewayError::Internal("the LLM stream ended without a finish reason".into()),
                 );
-                let _ = tx.send(Err(e)).await;
+                let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
                 return;
             }
             Err(st) => {
@@ -529,7 +548,7 @@ async fn forward(
                     &mut guard,
                     GatewayError::upstream("llm-svc", &s.llm_addr, &st),
                 );
-                let _ = tx.send(Err(e)).await;
+                let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
                 return;
             }
         };
@@ -557,7 +576,7 @@ async fn forward(
                 }
                 Err(e) => {
                     let e = fail(&mut guard, e.into());
-                    let _ = tx.send(Err(e)).await;
+                    let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
                     return;
                 }
             }
@@ -571,7 +590,7 @@ async fn forward(
                 Ok(tail) => visible.push_str(&tail),
                 Err(e) => {
                     let e = fail(&mut guard, e.into());
-                    let _ = tx.send(Err(e)).await;
+                    let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
                     return;
                 }
             }
@@ -581,12 +600,29 @@ async fn forward(
                 text: visible,
                 token_ids: msg.token_ids.clone(),
             };
-            if tx.send(Ok(delta)).await.is_err() {
-                tracing::info!(
-                    generated,
-                    "client went away; cancelling the generation upstream"
-                );
-                return;
+            match tokio::time::timeout(send_timeout, tx.send(Ok(delta))).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    tracing::info!(
+                        generated,
+                        "client went away; cancelling the generation upstream"
+                    );
+                    return;
+                }
+                Err(_) => {
+                    // Cancel upstream and free the permit now; the error is offered to the
+                    // client for one more timeout, in case it resumes reading.
+                    drop(s.upstream);
+                    drop(permit);
+                    let e = GatewayError::DeadlineExceeded(format!(
+                        "the client read nothing for {send_timeout:?}; the generation was cancelled"
+                    ));
+                    guard.outcome = "client_stalled";
+                    tracing::warn!(generated, error = %e, "client stopped reading");
+                    drop(guard);
+                    let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
+                    return;
+                }
             }
         }
         if done {
@@ -604,17 +640,16 @@ async fn forward(
                 ttft_ms = ttft.map_or(0.0, |t| t.as_secs_f64() * 1e3),
                 "request done"
             );
-            let _ = tx
-                .send(Ok(ChatEvent::Done {
-                    finish: if stop_hit {
-                        pb::FinishReason::Stop
-                    } else {
-                        finish
-                    },
-                    prompt_tokens: s.prompt_tokens,
-                    completion_tokens: generated,
-                }))
-                .await;
+            let done = tx.send(Ok(ChatEvent::Done {
+                finish: if stop_hit {
+                    pb::FinishReason::Stop
+                } else {
+                    finish
+                },
+                prompt_tokens: s.prompt_tokens,
+                completion_tokens: generated,
+            }));
+            let _ = tokio::time::timeout(send_timeout, done).await;
             return;
         }
     }

@@ -37,6 +37,8 @@ pub struct GatewayConfig {
     pub default_max_tokens: usize,
     /// Longest a request may take (a client's shorter deadline wins).
     pub request_timeout: Duration,
+    /// Longest a stream waits for its client to read; then the generation is cancelled.
+    pub client_send_timeout: Duration,
     /// How image embeddings travel from vision-svc to llm-svc.
     pub embedding_dtype: vlm_proto::pb::Dtype,
     /// Metrics of other services to show on the gateway's `/metrics` (`vlm serve` runs the
@@ -49,6 +51,9 @@ pub struct GatewayConfig {
     /// TLS (with a client certificate: mutual TLS) to vision-svc and llm-svc.
     pub upstream_tls: Option<ClientTlsConfig>,
 }
+
+/// Longest one upstream replica's health probe (connect and check) may take.
+const HEALTH_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Asks each upstream replica's `grpc.health.v1` for its status.
 pub struct UpstreamHealth {
@@ -82,22 +87,27 @@ impl UpstreamHealth {
         let mut serving: std::collections::BTreeMap<&str, bool> = std::collections::BTreeMap::new();
         let mut report = Vec::new();
         for (service, addr) in &self.targets {
-            let status = match upstream_endpoint(addr, self.tls.as_ref()) {
-                Ok(ep) => match tokio::time::timeout(Duration::from_secs(1), ep.connect()).await {
-                    Ok(Ok(ch)) => match HealthClient::new(ch)
-                        .check(HealthCheckRequest {
-                            service: String::new(),
-                        })
-                        .await
-                    {
-                        Ok(r) => ServingStatus::try_from(r.into_inner().status)
-                            .map(|s| s.as_str_name().to_string())
-                            .unwrap_or_default(),
-                        Err(s) => format!("error: {}", s.message()),
-                    },
-                    _ => "unreachable".to_string(),
-                },
-                Err(e) => format!("bad address: {e:#}"),
+            let probe = async {
+                let ep = upstream_endpoint(addr, self.tls.as_ref())
+                    .map_err(|e| format!("bad address: {e:#}"))?;
+                let ch = ep.connect().await.map_err(|_| "unreachable".to_string())?;
+                let r = HealthClient::new(ch)
+                    .check(HealthCheckRequest {
+                        service: String::new(),
+                    })
+                    .await
+                    .map_err(|s| format!("error: {}", s.message()))?;
+                Ok::<_, String>(
+                    ServingStatus::try_from(r.into_inner().status)
+                        .map(|s| s.as_str_name().to_string())
+                        .unwrap_or_default(),
+                )
+            };
+            // The whole probe is bounded: an upstream that accepts connections and never
+            // answers must not hang `/health` or the readiness loop.
+            let status = match tokio::time::timeout(HEALTH_PROBE_TIMEOUT, probe).await {
+                Ok(Ok(s) | Err(s)) => s,
+                Err(_) => format!("no answer within {HEALTH_PROBE_TIMEOUT:?}"),
             };
             *serving.entry(service.as_str()).or_default() |= status == "SERVING";
             report.push(json!({"service": service, "addr": addr, "status": status}));
@@ -163,6 +173,7 @@ pub async fn serve(
         metrics,
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
+    orchestrator.client_send_timeout = cfg.client_send_timeout;
     let orchestrator = Arc::new(orchestrator);
     let health = Arc::new(
         UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),

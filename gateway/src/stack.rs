@@ -159,6 +159,7 @@ impl LocalStack {
                 limits: RequestLimits::default(),
                 default_max_tokens: cfg.default_max_tokens,
                 request_timeout: cfg.request_timeout,
+                client_send_timeout: crate::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT,
                 embedding_dtype: cfg.embedding_dtype,
                 also_metrics: vec![registry],
                 api_key: cfg.api_key.clone(),

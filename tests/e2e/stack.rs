@@ -6,6 +6,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub mod clients;
+
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -17,13 +19,19 @@ pub fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-qwen3-vl")
 }
 
-/// A workspace binary, built next to this test executable by `cargo test --workspace`.
+/// A workspace binary, built next to this test executable by `cargo test --workspace` (or in
+/// `VLM_E2E_BIN_DIR`, for a cargo whose `build-dir` keeps test executables elsewhere).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/..");
+    let dir = std::env::var_os("VLM_E2E_BIN_DIR").map_or_else(
+        || {
+            exe.parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>/deps/..")
+                .to_path_buf()
+        },
+        PathBuf::from,
+    );
     let path = dir.join(name);
     assert!(
         path.is_file(),
@@ -105,6 +113,57 @@ impl Proc {
         false
     }
 
+    /// Sends `signal` (a `kill` name: "TERM", "KILL", "STOP") without waiting.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().to_string();
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} {pid} ({}) failed", self.name);
+    }
+
+    /// `kill -9`, then reaps the process (its port is free when this returns).
+    pub fn kill9(&mut self) {
+        self.signal("KILL");
+        let mut child = self.child.take().expect("running");
+        let _ = child.wait();
+    }
+
+    /// Whether the process is still running (false once it has exited or been killed).
+    pub fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// The exit status once the process exits, or `None` if it is still running after
+    /// `timeout` (it is left running).
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .expect("running")
+                .try_wait()
+                .expect("wait")
+            {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() > end {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Resident memory, in KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        rss_kib(self.pid())
+    }
+
     /// SIGTERM, then the exit status (killed after 10 s).
     pub async fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("running");
@@ -142,6 +201,10 @@ pub struct StackOptions {
     pub otlp: Option<String>,
     /// Leave llm-svc out (its port is still reserved in `llm_port`).
     pub without_llm: bool,
+    pub vision_args: Vec<String>,
+    /// Give vision-svc and llm-svc a `--metrics-listen` port each (`Stack::vision_metrics`,
+    /// `Stack::llm_metrics`).
+    pub service_metrics: bool,
 }
 
 pub struct Stack {
@@ -153,8 +216,57 @@ pub struct Stack {
     pub http: String,
     pub llm_port: u16,
     pub dir: PathBuf,
+    /// URL of vision-svc's `/metrics` (with `StackOptions::service_metrics`).
+    pub vision_metrics: Option<String>,
+    /// URL of llm-svc's `/metrics` (with `StackOptions::service_metrics`).
+    pub llm_metrics: Option<String>,
     env: Vec<(&'static str, String)>,
     llm_args: Vec<String>,
+    vision_args: Vec<String>,
+}
+
+fn spawn_vision(port: u16, extra: &[String], env: &[(&str, String)], dir: &Path) -> Proc {
+    let mut args = vec![
+        "--listen".to_string(),
+        format!("127.0.0.1:{port}"),
+        "--model".to_string(),
+        fixture().display().to_string(),
+    ];
+    args.extend(extra.iter().cloned());
+    Proc::spawn("vision-svc", &args, env, dir)
+}
+
+/// Resident memory of process `pid` (VmRSS of /proc/<pid>/status), in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The text of a Prometheus `/metrics` page.
+pub async fn metrics_page(url: &str) -> String {
+    reqwest::get(url)
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+}
+
+/// One sample of a Prometheus text page, by its full name with labels (0 when absent, as
+/// Prometheus shows a labelled series only once it has been touched).
+pub fn metric(page: &str, sample: &str) -> f64 {
+    page.lines()
+        .find_map(|l| {
+            l.strip_prefix(sample)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0)
 }
 
 fn tmpdir() -> PathBuf {
@@ -173,17 +285,16 @@ impl Stack {
             env.push(("OTEL_EXPORTER_OTLP_ENDPOINT", ep.clone()));
         }
         let s = |v: &str| v.to_string();
-        let vision = Proc::spawn(
-            "vision-svc",
-            &[
-                s("--listen"),
-                format!("127.0.0.1:{vp}"),
-                s("--model"),
-                model.clone(),
-            ],
-            &env,
-            &dir,
-        );
+        let (mut vision_args, mut llm_args) = (opts.vision_args.clone(), opts.llm_args.clone());
+        let (mut vision_metrics, mut llm_metrics) = (None, None);
+        if opts.service_metrics {
+            let (vm, lm) = (free_port(), free_port());
+            vision_args.extend([s("--metrics-listen"), format!("127.0.0.1:{vm}")]);
+            llm_args.extend([s("--metrics-listen"), format!("127.0.0.1:{lm}")]);
+            vision_metrics = Some(format!("http://127.0.0.1:{vm}/metrics"));
+            llm_metrics = Some(format!("http://127.0.0.1:{lm}/metrics"));
+        }
+        let vision = spawn_vision(vp, &vision_args, &env, &dir);
         let mut gw_args = vec![
             s("--grpc-listen"),
             format!("127.0.0.1:{gp}"),
@@ -207,8 +318,11 @@ impl Stack {
             http: format!("http://127.0.0.1:{hp}"),
             llm_port: lp,
             dir,
+            vision_metrics,
+            llm_metrics,
             env,
-            llm_args: opts.llm_args.clone(),
+            llm_args,
+            vision_args,
         };
         if opts.without_llm {
             stack.wait_listening(Duration::from_secs(30)).await;
@@ -222,6 +336,11 @@ impl Stack {
     /// URL of vision-svc's gRPC port.
     pub fn vision_addr(&self) -> String {
         format!("http://127.0.0.1:{}", self.vision_port)
+    }
+
+    /// Starts vision-svc again on its port (after it was killed or stopped).
+    pub fn restart_vision(&mut self) {
+        self.vision = spawn_vision(self.vision_port, &self.vision_args, &self.env, &self.dir);
     }
 
     /// Starts llm-svc on the reserved port (again).

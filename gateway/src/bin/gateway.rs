@@ -83,6 +83,10 @@ struct Args {
     /// Longest a request may take, in seconds (a client's shorter grpc-timeout wins).
     #[arg(long, env = "VLM_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
     request_timeout_secs: u64,
+    /// Longest a streamed response waits for its client to read the next chunk, in seconds;
+    /// a client that reads nothing for this long has its generation cancelled.
+    #[arg(long, env = "VLM_CLIENT_SEND_TIMEOUT_SECS", default_value_t = gateway::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT.as_secs_f64())]
+    client_send_timeout_secs: f64,
     /// How image embeddings travel between the services: f32 (exact), or f16/bf16 (half the bytes).
     #[arg(long, env = "VLM_EMBEDDING_DTYPE", default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     embedding_dtype: String,
@@ -128,6 +132,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
+        client_send_timeout: Duration::try_from_secs_f64(args.client_send_timeout_secs)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--client-send-timeout-secs must be a positive number of seconds, got {}",
+                    args.client_send_timeout_secs
+                )
+            })?,
         embedding_dtype: match args.embedding_dtype.as_str() {
             "f16" => vlm_proto::pb::Dtype::F16,
             "bf16" => vlm_proto::pb::Dtype::Bf16,
