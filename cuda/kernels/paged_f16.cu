@@ -10,9 +10,9 @@
 
 #include <cuda_fp16.h>
 
-#define PD_WARPS 4      // warps per decode block
-#define PD_MAX_GROUP 8  // query heads per KV head a decode block holds
-#define PD_MIN_CHUNK 64 // fewest keys a decode split takes (fewer: merging costs more than it saves)
+// PD_WARPS (warps per decode block), PD_KEYS (keys whose loads a decode warp keeps in flight)
+// and PD_MIN_CHUNK (fewest keys a decode split takes: fewer, and merging costs more than it
+// saves) are #defined by the host before this source (shared_defines in cuda/src/cuda/mod.rs).
 
 __device__ __forceinline__ unsigned key_slot(const unsigned* __restrict__ blocks, unsigned off,
                                              int j, int block_size) {
@@ -128,73 +128,146 @@ __device__ __forceinline__ void load_halves(const __half* __restrict__ p, float 
     }
 }
 
+// E consecutive halves at p as floats, E in {2, 4, 8, 16} (16: two 128-bit loads).
+template <int E>
+__device__ __forceinline__ void load_halves_wide(const __half* __restrict__ p, float f[E]) {
+    if constexpr (E == 16) {
+        load_halves<8>(p, f);
+        load_halves<8>(p + 8, f + 8);
+    } else {
+        load_halves<E>(p, f);
+    }
+}
+
+// Sum over the 16 lanes of a half-warp (each half gets its own total).
+__device__ __forceinline__ float half_warp_sum(float v) {
+    for (int o = WARP / 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
 // Split-K decode attention over the paged cache, pass 1 (seeds 000/001, flash-decoding). Block
 // (s, kvh, split) takes sequence s's one query for the G = hq / hkv query heads that share KV
-// head kvh, and the split-th chunk of its keys: each key row is read once for all G heads. Each
-// warp walks every PD_WARPS-th key with an online softmax per head; lanes hold D / 32
-// consecutive dims. The warps merge through shared memory; the block writes its unnormalized
-// output and (max, sum) per head: part_o [seqs, hq, splits, D], part_ml [seqs, hq, splits, 2].
-template <int D>
+// head kvh, and the split-th chunk of its keys: each key row is read once for all G heads.
+//
+// Each half-warp takes a key (16 lanes of D / 16 consecutive dims: 16-byte loads at D = 128),
+// so one shuffle tree reduces two keys' scores. A warp takes PD_KEYS consecutive keys at a
+// time, every PD_WARPS-th such group, all their loads issued before any math, and the halves
+// keep separate online softmaxes (base 2: q is scaled by log2 e) merged at the end. Measured
+// with ncu on an H100 (8B shapes, 64 sequences at 512 keys): the kernel this replaces, a whole
+// warp per key, issued ~235 instructions a key (five-level shuffle trees, a division per key for
+// the block table) and reached 23% of DRAM bandwidth. GP, the heads per KV head the kernel is
+// compiled for, is the power of two at or above G (registers scale with it; heads g >= G are
+// skipped). The warps merge through shared memory; the block writes its unnormalized output and
+// (max, sum) per head, natural log: part_o [seqs, hq, splits, D], part_ml [seqs, hq, splits, 2].
+template <int D, int GP>
 __device__ void paged_decode_partial(const float* __restrict__ q, const __half* __restrict__ kc,
                                      const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
                                      const unsigned* __restrict__ blocks, float* __restrict__ part_o,
                                      float* __restrict__ part_ml, int hq, int hkv, int block_size,
                                      float scale) {
-    constexpr int E = D / WARP;
+    constexpr int H = WARP / 2;      // lanes per key
+    constexpr int E = D / H;         // dims per lane
+    constexpr int KH = PD_KEYS / 2;  // keys per half-warp per step
     const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int half = lane / H, hl = lane % H;
     const int G = hq / hkv;
     const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
     int chunk = ((int)kv_len + splits - 1) / splits;
     chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
     const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
+    // Block sizes are powers of two in practice: a shift, not a division, per key.
+    const bool pow2 = (block_size & (block_size - 1)) == 0;
+    const int shift = __ffs(block_size) - 1;
 
-    float qr[PD_MAX_GROUP][E], acc[PD_MAX_GROUP][E], m[PD_MAX_GROUP], l[PD_MAX_GROUP];
+    float qr[GP][E], acc[GP][E], m[GP], l[GP];
 #pragma unroll
-    for (int g = 0; g < PD_MAX_GROUP; ++g) {
+    for (int g = 0; g < GP; ++g) {
         m[g] = NEG_INF;
         l[g] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             acc[g][e] = 0.0f;
-            qr[g][e] = g < G ? q[((size_t)row * hq + kvh * G + g) * D + lane * E + e] * scale : 0.0f;
+            qr[g][e] = g < G ? q[((size_t)row * hq + kvh * G + g) * D + hl * E + e] * scale *
+                                   1.4426950408889634f
+                             : 0.0f;
         }
     }
-    // One key at a time per warp. Four keys' loads in flight per warp (more registers, half
-    // the warps per SM) measured slower on an H200: 15.3 vs 11.5 ms a step at batch 64.
-    for (int j = begin + warp; j < end; j += PD_WARPS) {
-        size_t at = ((size_t)key_slot(blocks, off, j, block_size) * hkv + kvh) * D + lane * E;
-        float kf[E], vf[E];
-        load_halves<E>(kc + at, kf);
-        load_halves<E>(vc + at, vf);
+    for (int j0 = begin + warp * PD_KEYS; j0 < end; j0 += PD_WARPS * PD_KEYS) {
+        float kf[KH][E], vf[KH][E];
 #pragma unroll
-        for (int g = 0; g < PD_MAX_GROUP; ++g) {
-            if (g < G) {
+        for (int u = 0; u < KH; ++u) {
+            int j = j0 + 2 * u + half;
+            if (j < end) {
+                int blk = pow2 ? (j >> shift) : j / block_size;
+                unsigned slot = blocks[off + blk] * (unsigned)block_size + (unsigned)(j - blk * block_size);
+                size_t at = ((size_t)slot * hkv + kvh) * D + hl * E;
+                load_halves_wide<E>(kc + at, kf[u]);
+                load_halves_wide<E>(vc + at, vf[u]);
+            } else {
+                // Past the split: weight 0, and 0 * (whatever the registers held) could be NaN.
+#pragma unroll
+                for (int e = 0; e < E; ++e) kf[u][e] = vf[u][e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GP; ++g) {
+            if (g >= G) continue;
+            float score[KH], m_new = m[g];
+#pragma unroll
+            for (int u = 0; u < KH; ++u) {
                 float dot = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) dot += qr[g][e] * kf[e];
-                float score = warp_sum(dot);
-                float m_new = fmaxf(m[g], score);
-                float corr = expf(m[g] - m_new), p = expf(score - m_new);
-                l[g] = l[g] * corr + p;
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
-                m[g] = m_new;
+                for (int e = 0; e < E; ++e) dot += qr[g][e] * kf[u][e];
+                dot = half_warp_sum(dot);
+                score[u] = j0 + 2 * u + half < end ? dot : NEG_INF;
+                m_new = fmaxf(m_new, score[u]);
             }
+            // One rescale for the step's keys; a half that saw no key yet keeps its state.
+            float corr = m_new == NEG_INF ? 1.0f : exp2f(m[g] - m_new);
+            l[g] *= corr;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+#pragma unroll
+            for (int u = 0; u < KH; ++u) {
+                float p = score[u] == NEG_INF ? 0.0f : exp2f(score[u] - m_new);
+                l[g] += p;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] += p * vf[u][e];
+            }
+            m[g] = m_new;
         }
     }
 
-    __shared__ float sm_m[PD_WARPS][PD_MAX_GROUP], sm_l[PD_WARPS][PD_MAX_GROUP];
-    __shared__ float sm_o[PD_WARPS][PD_MAX_GROUP][D];
+    // The two halves' softmaxes into one per warp (lanes hl of both halves then agree).
 #pragma unroll
-    for (int g = 0; g < PD_MAX_GROUP; ++g) {
-        if (g < G) {
-            if (lane == 0) {
-                sm_m[warp][g] = m[g];
+    for (int g = 0; g < GP; ++g) {
+        float mo = __shfl_xor_sync(0xffffffff, m[g], H);
+        float lo = __shfl_xor_sync(0xffffffff, l[g], H);
+        float mm = fmaxf(m[g], mo);
+        float fa = m[g] == NEG_INF ? 0.0f : exp2f(m[g] - mm);
+        float fb = mo == NEG_INF ? 0.0f : exp2f(mo - mm);
+        l[g] = l[g] * fa + lo * fb;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            float ao = __shfl_xor_sync(0xffffffff, acc[g][e], H);
+            acc[g][e] = acc[g][e] * fa + ao * fb;
+        }
+        m[g] = mm;
+    }
+
+    __shared__ float sm_m[PD_WARPS][GP], sm_l[PD_WARPS][GP];
+    __shared__ float sm_o[PD_WARPS][GP][D];
+#pragma unroll
+    for (int g = 0; g < GP; ++g) {
+        if (g < G && half == 0) {
+            if (hl == 0) {
+                // Back to natural log for the merges below and paged_decode_combine.
+                sm_m[warp][g] = m[g] == NEG_INF ? NEG_INF : m[g] * 0.6931471805599453f;
                 sm_l[warp][g] = l[g];
             }
 #pragma unroll
-            for (int e = 0; e < E; ++e) sm_o[warp][g][lane * E + e] = acc[g][e];
+            for (int e = 0; e < E; ++e) sm_o[warp][g][hl * E + e] = acc[g][e];
         }
     }
     __syncthreads();
@@ -220,20 +293,37 @@ __device__ void paged_decode_partial(const float* __restrict__ q, const __half* 
     }
 }
 
-#define PD_KERNEL(D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, 1) paged_decode_partial_d##D(    \
-        const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc, \
-        const unsigned* __restrict__ seqs, const unsigned* __restrict__ blocks,                   \
-        float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int block_size, \
-        float scale) {                                                                            \
-        paged_decode_partial<D>(q, kc, vc, seqs, blocks, part_o, part_ml, hq, hkv, block_size,    \
-                                scale);                                                           \
+// paged_decode_partial_d{D}_g{GP}, with at most 65536 / (128 MINB) registers a thread so that
+// MINB blocks fit on an SM (occupancy is what hides the latency the loads in flight do not):
+// 4 where the registers allow, 2 for the larger q and output tiles. None for D = 256 with 8
+// heads per KV head (q and the output alone take 256 registers): the host uses
+// paged_attention_rows_f16 there. cuda/tests/cuda_twin.rs fails on any spill.
+#define PD_KERNEL(D, GP, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
+        paged_decode_partial_d##D##_g##GP(                                                        \
+            const float* __restrict__ q, const __half* __restrict__ kc,                           \
+            const __half* __restrict__ vc, const unsigned* __restrict__ seqs,                     \
+            const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
+            float* __restrict__ part_ml, int hq, int hkv, int block_size, float scale) {          \
+        paged_decode_partial<D, GP>(q, kc, vc, seqs, blocks, part_o, part_ml, hq, hkv,            \
+                                    block_size, scale);                                           \
     }
 
-PD_KERNEL(32)
-PD_KERNEL(64)
-PD_KERNEL(128)
-PD_KERNEL(256)
+PD_KERNEL(32, 1, 4)
+PD_KERNEL(32, 2, 4)
+PD_KERNEL(32, 4, 4)
+PD_KERNEL(32, 8, 4)
+PD_KERNEL(64, 1, 4)
+PD_KERNEL(64, 2, 4)
+PD_KERNEL(64, 4, 4)
+PD_KERNEL(64, 8, 4)
+PD_KERNEL(128, 1, 4)
+PD_KERNEL(128, 2, 4)
+PD_KERNEL(128, 4, 4)
+PD_KERNEL(128, 8, 2)
+PD_KERNEL(256, 1, 4)
+PD_KERNEL(256, 2, 2)
+PD_KERNEL(256, 4, 2)
 
 // Pass 2: out[row, h, :] = Σ_s part_o e^(m_s - M) / Σ_s l_s e^(m_s - M), M = max_s m_s. One block
 // per (sequence, head).

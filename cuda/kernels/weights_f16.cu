@@ -10,9 +10,9 @@
 
 #include <cuda_fp16.h>
 
-// Rows of x one GEMV launch handles (decode is 1; a few speculative or batched rows still fit
-// in registers). Must match GEMV_MAX_ROWS in cuda/src/cuda/mod.rs.
-#define GEMV_MAX_ROWS 4
+// GEMV_MAX_ROWS, the rows of x one GEMV launch handles (decode is 1; a few speculative or
+// batched rows still fit in registers), is #defined by the host before this source
+// (shared_defines in cuda/src/cuda/mod.rs), so the two sides cannot disagree.
 
 // Eight consecutive weights, one 128-bit load.
 __device__ __forceinline__ void load8(const __half* __restrict__ p, float f[8]) {

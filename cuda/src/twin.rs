@@ -745,6 +745,10 @@ pub fn self_check_cases() -> Vec<Case> {
         (vec![(30, 30), (64, 100)], 0, 4, 4, 80, 16),
         (vec![(1, 200), (18, 40)], 1, 4, 2, 96, 16),
         (vec![(2, 9)], 0, 6, 3, 40, 4),
+        // Decode kernels compiled for 1 and for 4 heads per KV head, the latter given 3 (the
+        // fourth head skipped); keys that end mid-way through a warp's group of loads.
+        (vec![(1, 90), (1, 5)], 2, 4, 4, 128, 16),
+        (vec![(1, 150), (1, 7), (1, 66)], 3, 12, 4, 64, 16),
     ] {
         cases.push(PagedAttention {
             seqs,

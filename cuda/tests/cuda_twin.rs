@@ -11,15 +11,7 @@ use vlm_compute::twin::{compare, Case};
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
 
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            // Straight to stderr, past the test harness's capture, so CI logs show the skip.
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
-            None
-        }
-    }
+    vlm_compute::cuda::test_gpu()
 }
 
 /// Runs every case, prints each outcome, and fails naming all that are outside tolerance.
@@ -299,15 +291,13 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
     // nvidia-cuda-nvrtc-cu12 and LD_LIBRARY_PATH is enough): it catches kernel source errors
     // before a GPU session.
     if !vlm_compute::cuda::nvrtc_available() {
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "SKIPPED: libnvrtc not found");
+        vlm_compute::cuda::skip_test(&"libnvrtc not found");
         return;
     }
     // weights_f16.cu includes cuda_fp16.h: NVRTC needs the CUDA headers (CUDA_HOME; CI
     // pip-installs them with NVRTC).
     if let Err(e) = vlm_compute::cuda::compile::cuda_include_dir() {
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "SKIPPED: {e}");
+        vlm_compute::cuda::skip_test(&e);
         return;
     }
     let ptxas = std::env::var_os("VLM_PTXAS");
@@ -334,7 +324,7 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "fill_uniform_f16",
             "write_kv_f16",
             "qkv_to_cache_f32",
-            "paged_decode_partial_d128",
+            "paged_decode_partial_d128_g4",
             "paged_decode_combine",
             "paged_attention_rows_f16",
             "argmax_rows_f32",

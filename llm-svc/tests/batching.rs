@@ -360,13 +360,8 @@ fn eos_from_tokenizer_config_stops_generation_and_no_eos_runs_to_the_budget() {
 /// The same checks with the CUDA backend, where greedy tokens must agree up to near ties.
 #[test]
 fn on_cuda_batched_greedy_tokens_match_alone() {
-    let gpu = match vlm_compute::CudaBackend::new(0) {
-        Ok(g) => g,
-        Err(e) => {
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {e}");
-            return;
-        }
+    let Some(gpu) = vlm_compute::cuda::test_gpu() else {
+        return;
     };
     let reqs: Vec<GenerateRequest> = requests()
         .into_iter()

@@ -9,7 +9,9 @@
 //! and every sum accumulates in f32.
 //!
 //! Kernels are `cuda/kernels/*.cu`, embedded with `include_str!`, compiled at first use by
-//! NVRTC for the GPU present (see [`compile`]) and loaded once per backend; large GEMMs go to
+//! NVRTC for the GPU present (see [`compile`]) and loaded once per backend (with
+//! `VLM_KERNEL_DIR=cuda/kernels` the files are read from that directory instead, so a kernel can
+//! be edited and re-measured without rebuilding); large GEMMs go to
 //! cuBLAS, decode GEMVs to our own kernels. The CUDA libraries are loaded dynamically, so the
 //! binary builds and runs without CUDA, and [`CudaBackend::new`] answers "no GPU" with an error
 //! instead of a crash.
@@ -69,10 +71,21 @@ const SOURCES: [KernelSource; 4] = [
         source: with_common!("paged_f16.cu"),
         kernels: &[
             "write_kv_f16",
-            "paged_decode_partial_d32",
-            "paged_decode_partial_d64",
-            "paged_decode_partial_d128",
-            "paged_decode_partial_d256",
+            "paged_decode_partial_d32_g1",
+            "paged_decode_partial_d32_g2",
+            "paged_decode_partial_d32_g4",
+            "paged_decode_partial_d32_g8",
+            "paged_decode_partial_d64_g1",
+            "paged_decode_partial_d64_g2",
+            "paged_decode_partial_d64_g4",
+            "paged_decode_partial_d64_g8",
+            "paged_decode_partial_d128_g1",
+            "paged_decode_partial_d128_g2",
+            "paged_decode_partial_d128_g4",
+            "paged_decode_partial_d128_g8",
+            "paged_decode_partial_d256_g1",
+            "paged_decode_partial_d256_g2",
+            "paged_decode_partial_d256_g4",
             "paged_decode_combine",
             "paged_attention_rows_f16",
             "qkv_to_cache_f32",
@@ -113,15 +126,38 @@ const PAGED_FLASH_KERNELS: [&str; 4] = [
 ];
 /// Below this many queries (decode-like), the one-warp-per-query kernel wastes less.
 const FLASH_MIN_QUERIES: usize = 16;
-/// Head dims the paged split-K decode kernel is instantiated for (paged_decode_partial_d*).
-const DECODE_DIMS: [usize; 4] = [32, 64, 128, 256];
-/// Query heads per KV head the decode kernel holds at once (PD_MAX_GROUP).
-const DECODE_MAX_GROUP: usize = 8;
-/// Warps per decode block (PD_WARPS) and fewest keys per split (PD_MIN_CHUNK).
+/// Warps per decode block (PD_WARPS), keys whose loads a decode warp keeps in flight (PD_KEYS)
+/// and fewest keys per split (PD_MIN_CHUNK).
 const DECODE_WARPS: u32 = 4;
+const DECODE_KEYS: usize = 4;
 const DECODE_MIN_CHUNK: usize = 64;
 /// At most this many splits of one sequence's keys.
 const DECODE_MAX_SPLITS: usize = 32;
+/// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
+/// one compiled for the power of two at or above the group (paged_f16.cu instantiates head dims
+/// 32, 64, 128 and 256 with 1, 2, 4 and 8 heads, bar 256 with 8); `None` where there is none
+/// (then paged_attention_rows_f16 takes the decoding sequences too).
+fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
+    Some(match (d, group.next_power_of_two()) {
+        (32, 1) => "paged_decode_partial_d32_g1",
+        (32, 2) => "paged_decode_partial_d32_g2",
+        (32, 4) => "paged_decode_partial_d32_g4",
+        (32, 8) => "paged_decode_partial_d32_g8",
+        (64, 1) => "paged_decode_partial_d64_g1",
+        (64, 2) => "paged_decode_partial_d64_g2",
+        (64, 4) => "paged_decode_partial_d64_g4",
+        (64, 8) => "paged_decode_partial_d64_g8",
+        (128, 1) => "paged_decode_partial_d128_g1",
+        (128, 2) => "paged_decode_partial_d128_g2",
+        (128, 4) => "paged_decode_partial_d128_g4",
+        (128, 8) => "paged_decode_partial_d128_g8",
+        (256, 1) => "paged_decode_partial_d256_g1",
+        (256, 2) => "paged_decode_partial_d256_g2",
+        (256, 4) => "paged_decode_partial_d256_g4",
+        _ => return None,
+    })
+}
+
 /// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -151,10 +187,44 @@ const ROW_THREADS: u32 = 256;
 /// Largest head dim the attention kernel holds in registers (32 lanes x 8).
 const MAX_HEAD_DIM: usize = 256;
 /// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
-/// Must match GEMV_MAX_ROWS in weights_f16.cu.
 const GEMV_MAX_ROWS: usize = 4;
 /// Output rows per GEMV block: one warp each.
 const GEMV_WARPS: u32 = 8;
+
+/// The constants the kernels share with this file, as `#define` lines put before every kernel
+/// source: one definition, so the two sides cannot disagree (and the kernel cache key, a hash
+/// of the source, changes with them).
+fn shared_defines() -> String {
+    format!(
+        "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define PD_WARPS {DECODE_WARPS}\n\
+         #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n"
+    )
+}
+
+/// A kernel file's text as compiled: the shared defines, then `common.cuh` and the file, either
+/// the copies embedded at build time or, when `VLM_KERNEL_DIR` names a directory, the files
+/// there (so a kernel can be edited and re-measured on a GPU machine with the same binary).
+fn kernel_source(src: &KernelSource) -> Result<String> {
+    let Some(dir) = std::env::var_os("VLM_KERNEL_DIR") else {
+        return Ok(format!("{}{}", shared_defines(), src.source));
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).map_err(|e| Error::Cuda {
+            what: format!(
+                "VLM_KERNEL_DIR is set: reading {}: {e} (unset it to use the kernels built in)",
+                path.display()
+            ),
+        })
+    };
+    Ok(format!(
+        "{}{}{}",
+        shared_defines(),
+        read("common.cuh")?,
+        read(src.file)?
+    ))
+}
 
 /// A tensor in device memory. Clones share the buffer; the in-place row ops copy it first when
 /// it is shared, so a clone never sees another's writes.
@@ -267,6 +337,24 @@ pub fn cuda_libraries() -> [CudaLibrary; 3] {
     }
 }
 
+/// Tests that need a GPU (or NVRTC) skip where there is none, saying so on stderr (past the
+/// harness's capture, so CI logs show it). With `VLM_REQUIRE_GPU=1`, as GPU runs set it, a skip
+/// is a failure instead: a missing driver or library cannot pass as "no GPU here".
+pub fn skip_test(why: &dyn std::fmt::Display) {
+    if std::env::var("VLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("VLM_REQUIRE_GPU=1 but this test cannot run: {why}");
+    }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
+
+/// The GPU a test runs on, or `None` after [`skip_test`] when none can be opened.
+pub fn test_gpu() -> Option<CudaBackend> {
+    CudaBackend::new(0)
+        .map_err(|e| skip_test(&format!("no GPU: {e}")))
+        .ok()
+}
+
 /// Whether NVRTC can be loaded (it needs no GPU: kernels can be compiled anywhere it is).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -304,7 +392,7 @@ fn compile_ptx(file: &str, source: &str, cc: (i32, i32)) -> Result<String> {
 pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
     SOURCES
         .iter()
-        .map(|s| Ok((s.file, compile_ptx(s.file, s.source, cc)?)))
+        .map(|s| Ok((s.file, compile_ptx(s.file, &kernel_source(s)?, cc)?)))
         .collect()
 }
 
@@ -397,7 +485,8 @@ impl CudaBackend {
         let mut kernels = HashMap::new();
         for src in &SOURCES {
             let stem = src.file.trim_end_matches(".cu");
-            let path = compile::cache_path(&compile::cache_dir(), stem, src.source, cc, nv);
+            let source = kernel_source(src)?;
+            let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
             let (ptx, cached) = compile::cached_or_compile(&path, || {
                 // NVRTC takes seconds; show that something is happening (hidden off a terminal).
                 let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
@@ -405,7 +494,7 @@ impl CudaBackend {
                     src.file, cc.0, cc.1
                 ));
                 spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-                let ptx = compile_ptx(src.file, src.source, cc);
+                let ptx = compile_ptx(src.file, &source, cc);
                 spinner.finish_and_clear();
                 ptx
             })?;
@@ -550,8 +639,15 @@ impl CudaBackend {
         self.op_done(name)
     }
 
-    /// While ops are timed, marks the end of op `name` on the stream.
+    /// While ops are timed, marks the end of op `name` on the stream, and the start of the
+    /// next op (every op is timed from a start mark to its own end).
     fn op_done(&self, name: &'static str) -> Result<()> {
+        self.mark(name)?;
+        self.mark("start")
+    }
+
+    /// While ops are timed, records a named event on the stream.
+    fn mark(&self, name: &'static str) -> Result<()> {
         let mut events = self
             .inner
             .op_events
@@ -1461,7 +1557,7 @@ impl Backend for CudaBackend {
         *events = on.then(Vec::new);
         drop(events);
         if on {
-            self.op_done("start")?;
+            self.mark("start")?;
         }
         Ok(true)
     }
@@ -1505,7 +1601,7 @@ impl Backend for CudaBackend {
         }
         events.clear();
         drop(guard);
-        self.op_done("start")?;
+        self.mark("start")?;
         by_op.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         Ok(by_op)
     }
@@ -1677,7 +1773,7 @@ impl Backend for CudaBackend {
         let group = hq / hkv;
         let mut first_rest = 0;
         // Decoding sequences: split-K over their keys, every KV row read once per head group.
-        if batch.decode_seqs > 0 && group <= DECODE_MAX_GROUP && DECODE_DIMS.contains(&d) {
+        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
             let nd = batch.decode_seqs;
             // Enough blocks to fill the GPU twice, no split shorter than DECODE_MIN_CHUNK keys.
             let want = (2 * self.inner.sm_count).div_ceil(nd * hkv);
@@ -1686,12 +1782,6 @@ impl Backend for CudaBackend {
                 .clamp(1, DECODE_MAX_SPLITS);
             let mut part_o = self.alloc(vec![nd * hq * splits, d])?;
             let mut part_ml = self.alloc(vec![nd * hq * splits, 2])?;
-            let name = match d {
-                32 => "paged_decode_partial_d32",
-                64 => "paged_decode_partial_d64",
-                128 => "paged_decode_partial_d128",
-                _ => "paged_decode_partial_d256",
-            };
             let mut l = stream.launch_builder(self.kernel(name));
             l.arg(&*q.buf)
                 .arg(&k.buf)
@@ -1709,8 +1799,8 @@ impl Backend for CudaBackend {
                 block_dim: (DECODE_WARPS * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches paged_decode_partial_d{d}: d is the instantiated head dim, the
-            // group fits PD_MAX_GROUP, the partials hold nd * hq * splits rows.
+            // SAFETY: matches paged_decode_partial_d{d}_g{gp}: d is the instantiated head dim,
+            // the group fits gp, the partials hold nd * hq * splits rows.
             self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
             let name = "paged_decode_combine";
             let splits_i = splits as i32;
