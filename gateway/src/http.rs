@@ -258,6 +258,15 @@ fn parse_request(
     ))
 }
 
+/// `POST /v1/chat/completions`'s body as the handler reads it (the response options dropped),
+/// for the fuzz targets in `fuzz/`.
+pub fn parse_chat_request(
+    body: &[u8],
+    default_max_tokens: usize,
+) -> Result<ChatRequest, GatewayError> {
+    parse_request(body, default_max_tokens).map(|(req, _)| req)
+}
+
 fn finish_str(f: pb::FinishReason) -> &'static str {
     match f {
         pb::FinishReason::Length => "length",

@@ -79,7 +79,9 @@ fn image_from_pb(i: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Stat
     })
 }
 
-fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+/// A `GenerateRequest` off the wire as the engine takes it (tensors decoded); the engine's
+/// `validate` checks the rest.
+pub fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
     let s = req.sampling.unwrap_or_default();
     Ok(GenerateRequest {
         images: req
