@@ -257,6 +257,44 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                 },
             ),
         ),
+        // Found by hand while writing this target, now regressions: both multiplied past
+        // usize (a panic in debug builds).
+        (
+            "generate-shape-overflow".into(),
+            with_kind(
+                1,
+                pb::GenerateRequest {
+                    prompt_token_ids: vec![1, 2, 3],
+                    images: vec![pb::ImageEmbeddings {
+                        embeddings: Some(pb::Tensor {
+                            dtype: pb::Dtype::F32 as i32,
+                            shape: vec![1 << 40, 1 << 40],
+                            data: vec![],
+                        }),
+                        deepstack: vec![],
+                        grid_thw: vec![1, 4, 4],
+                    }],
+                    max_new_tokens: 4,
+                    ..Default::default()
+                },
+            ),
+        ),
+        (
+            "generate-grid-overflow".into(),
+            with_kind(
+                1,
+                pb::GenerateRequest {
+                    prompt_token_ids: vec![1, 2, 3],
+                    images: vec![pb::ImageEmbeddings {
+                        embeddings: Some(tensor(0)),
+                        deepstack: vec![],
+                        grid_thw: vec![4_000_000_000; 3],
+                    }],
+                    max_new_tokens: 4,
+                    ..Default::default()
+                },
+            ),
+        ),
         (
             "chat-text".into(),
             with_kind(

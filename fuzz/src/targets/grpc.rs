@@ -7,6 +7,7 @@
 //! - 1: `GenerateRequest` (llm-svc): tensors decoded, then the engine's `validate`;
 //! - 2: `ChatRequest` (the gateway's gRPC API): roles and parts, then the gateway's steps.
 
+use llm_svc::Event;
 use prost::Message;
 use vlm_proto::pb;
 use vlm_proto::tensor;
@@ -39,8 +40,32 @@ fn encode_request(body: &[u8]) -> Outcome {
 
 fn generate_request(body: &[u8]) -> Outcome {
     let req = pb::GenerateRequest::decode(body).map_err(text)?;
-    let req = llm_svc::server::request_from_pb(req).map_err(|s| s.message().to_string())?;
-    fixture().engine.validate(&req).map_err(text)
+    let mut req = llm_svc::server::request_from_pb(req).map_err(|s| s.message().to_string())?;
+    let engine = &fixture().engine;
+    engine.validate(&req).map_err(text)?;
+    // What validate accepts, the engine runs: prefill (images placed, M-RoPE positions) and
+    // two decode steps, to the end of the stream.
+    req.max_new_tokens = req.max_new_tokens.min(2);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(8);
+    let mut stream = engine
+        .submit(req, Some(deadline), tracing::Span::none())
+        .unwrap_or_else(|e| panic!("submit refuses what validate accepted: {e}"));
+    let mut tokens = 0;
+    loop {
+        match stream.blocking_recv() {
+            Some(Event::Token { .. }) => tokens += 1,
+            Some(Event::Finished(g)) => {
+                assert!(
+                    tokens <= 2 && g.tokens.len() == tokens,
+                    "{tokens} tokens streamed, {} finished",
+                    g.tokens.len()
+                );
+                return Ok(());
+            }
+            Some(Event::Failed(e)) => panic!("the engine failed a request validate accepted: {e}"),
+            None => panic!("the engine's stream ended without a last event (its loop stopped?)"),
+        }
+    }
 }
 
 fn chat_request(body: &[u8]) -> Outcome {
