@@ -73,13 +73,19 @@ fn over_cap(size: usize, live: usize, cap: usize) -> ! {
     eprintln!(
         "\nFUZZ FAILURE (unbounded allocation): an allocation of {size} bytes brings the live heap to {live} bytes, over the cap of {cap} bytes"
     );
+    // Copy `current` before running again: the next run overwrites it.
     if target.is_empty() {
         // A pool thread (rayon) working for one of the targets running now.
         eprintln!("the input each running target was given is in fuzz/artifacts/<target>/current");
+        eprintln!(
+            "replay: cargo run -p vlm-fuzz -- replay <target> fuzz/artifacts/<target>/current"
+        );
     } else {
         eprintln!("target {target}: the input is in fuzz/artifacts/{target}/current");
+        eprintln!(
+            "replay: cargo run -p vlm-fuzz -- replay {target} fuzz/artifacts/{target}/current"
+        );
     }
-    eprintln!("replay it with: cargo run -p vlm-fuzz -- replay <target> <file>");
     std::process::abort()
 }
 

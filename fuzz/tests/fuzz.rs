@@ -1,4 +1,4 @@
-//! Each fuzz target for `FUZZ_SECONDS` (default 20) under `cargo test`: its committed corpus,
+//! Each fuzz target for `FUZZ_SECONDS` (default 30) under `cargo test`: its committed corpus,
 //! then mutants (`fuzz/src/runner.rs`). Fails on a panic, a hang (one input over
 //! `FUZZ_INPUT_TIMEOUT_SECONDS`, default 10) or an allocation over 2 GiB (`FUZZ_MAX_ALLOC_MB`),
 //! with the input saved under `fuzz/artifacts/<target>/` and the command that replays it.
@@ -9,7 +9,7 @@ use vlm_fuzz::runner::{self, RunConfig};
 #[global_allocator]
 static ALLOC: CappedAlloc = CappedAlloc;
 
-const DEFAULT_SECONDS: u64 = 20;
+const DEFAULT_SECONDS: u64 = 30;
 
 fn fuzz(name: &str) {
     if let Some(mb) = std::env::var("FUZZ_MAX_ALLOC_MB")

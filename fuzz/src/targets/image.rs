@@ -43,15 +43,15 @@ pub fn encoded_image(data: &[u8]) -> Outcome {
     Ok(())
 }
 
-/// Already-decoded pixels of any size (the first four bytes: width and height, 1 to 1024,
+/// Already-decoded pixels of any size (the first four bytes: width and height, 1 to 512,
 /// then the pixels, repeated to fill the image): resize and patchify, whatever the aspect
 /// ratio, without the decoder standing in the way.
 pub fn raw_pixels(data: &[u8]) -> Outcome {
     if data.len() < 5 {
         return Err("too short: width, height and at least one byte of pixels".into());
     }
-    let width = u16::from_le_bytes([data[0], data[1]]) as usize % 1024 + 1;
-    let height = u16::from_le_bytes([data[2], data[3]]) as usize % 1024 + 1;
+    let width = u16::from_le_bytes([data[0], data[1]]) as usize % 512 + 1;
+    let height = u16::from_le_bytes([data[2], data[3]]) as usize % 512 + 1;
     let pixels = &data[4..];
     let img = RgbImage {
         width,
