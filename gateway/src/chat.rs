@@ -192,9 +192,11 @@ impl ChatTokenizer {
     /// Repeats the k-th image placeholder `tokens_per_image[k]` times.
     pub fn expand_image_tokens(&self, ids: &[u32], tokens_per_image: &[usize]) -> Result<Vec<u32>> {
         let found = ids.iter().filter(|&&t| t == self.image_token_id).count();
+        // The chat decides both counts (the template places images of some roles only, and
+        // text may spell the placeholder), so a mismatch is the request's fault: 400, not 500.
         if found != tokens_per_image.len() {
-            return Err(Error::Template(format!(
-                "the rendered prompt has {found} `{}` placeholder(s) for {} image(s)",
+            return Err(Error::InvalidRequest(format!(
+                "the chat template placed {found} image placeholder(s) `{}` for {} image(s): images are placed only where the template puts them (user messages for Qwen3-VL), and text may not contain the placeholder",
                 self.image_token,
                 tokens_per_image.len()
             )));
@@ -210,5 +212,38 @@ impl ChatTokenizer {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> ChatTokenizer {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        ChatTokenizer::from_dir(&dir, 412).unwrap()
+    }
+
+    /// Found by the chat_template fuzz target: both were internal errors (500).
+    #[test]
+    fn images_the_template_drops_and_placeholders_in_text_are_invalid_requests() {
+        let chat = tiny();
+        let image_in_assistant = [
+            Message::user(vec![Part::Text("Hi".into())]),
+            Message {
+                role: "assistant".into(),
+                parts: vec![Part::Image(Vec::new())],
+            },
+        ];
+        let err = chat.prompt_ids(&image_in_assistant, &[4]).unwrap_err();
+        assert!(matches!(err, Error::InvalidRequest(_)), "{err}");
+        assert!(
+            err.to_string().contains("placed 0 image placeholder(s)"),
+            "{err}"
+        );
+
+        let placeholder_in_text = [Message::user(vec![Part::Text("<|image_pad|>".into())])];
+        let err = chat.prompt_ids(&placeholder_in_text, &[]).unwrap_err();
+        assert!(matches!(err, Error::InvalidRequest(_)), "{err}");
     }
 }

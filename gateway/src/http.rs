@@ -312,6 +312,16 @@ fn body_rejected(e: &BytesRejection, limits: &RequestLimits) -> GatewayError {
     }
 }
 
+/// `POST /v1/chat/completions`'s body as the handler reads it (the response options dropped),
+/// for the fuzz targets in `fuzz/`.
+pub fn parse_chat_request(
+    body: &[u8],
+    default_max_tokens: usize,
+    limits: &RequestLimits,
+) -> Result<ChatRequest, GatewayError> {
+    parse_request(body, default_max_tokens, limits).map(|(req, _)| req)
+}
+
 fn finish_str(f: pb::FinishReason) -> &'static str {
     match f {
         pb::FinishReason::Length => "length",

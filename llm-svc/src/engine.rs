@@ -328,7 +328,13 @@ impl Engine {
         let m = cfg.spatial_merge_size;
         for (k, img) in req.images.iter().enumerate() {
             let [t, h, w] = img.grid_thw;
-            let tokens = t * (h / m) * (w / m);
+            // Checked: the grid comes off the wire (u32s, whose product overflows).
+            let tokens = t
+                .checked_mul(h / m)
+                .and_then(|n| n.checked_mul(w / m))
+                .ok_or_else(|| {
+                    Error::ImageMismatch(format!("image {k}: grid {:?} is too large", img.grid_thw))
+                })?;
             if img.embeds.shape() != [tokens, hidden] {
                 return Err(Error::ImageMismatch(format!(
                     "image {k}: embeddings {:?}, grid {:?} implies [{tokens}, {hidden}]",

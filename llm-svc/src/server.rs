@@ -73,7 +73,9 @@ fn image_from_pb(index: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, 
     })
 }
 
-fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
+/// A `GenerateRequest` off the wire as the engine takes it (tensors decoded); the engine's
+/// `validate` checks the rest.
+pub fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
     let s = req.sampling.unwrap_or_default();
     Ok(GenerateRequest {
         images: req

@@ -31,13 +31,18 @@ pub fn encode(shape: &[usize], values: &[f32], dtype: Dtype) -> Tensor {
 /// Unpacks a tensor to (shape, f32 values), checking that the bytes fit the shape.
 pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
     let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-    let n: usize = shape.iter().product();
     let dtype = Dtype::try_from(t.dtype).map_err(|_| format!("unknown dtype {}", t.dtype))?;
     let width = match dtype {
         Dtype::F32 => 4,
         Dtype::F16 | Dtype::Bf16 => 2,
         Dtype::Unspecified => return Err("tensor dtype is unspecified".into()),
     };
+    // Checked: the shape comes off the wire, and a product that wraps could match the data.
+    let n = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|n| n.checked_mul(width).is_some())
+        .ok_or_else(|| format!("tensor shape {shape:?} has more elements than can exist"))?;
     if t.data.len() != n * width {
         return Err(format!(
             "tensor of shape {shape:?} and dtype {dtype:?} needs {} bytes, got {}",
@@ -81,5 +86,24 @@ mod tests {
         let mut t = encode(&[2, 3], &v, Dtype::F16);
         t.data.pop();
         assert!(decode(&t).unwrap_err().contains("needs 12 bytes"));
+    }
+
+    /// Found by the grpc fuzz target: the element count overflowed (a panic in debug builds).
+    #[test]
+    fn rejects_shapes_whose_size_overflows() {
+        let t = Tensor {
+            dtype: Dtype::F32 as i32,
+            shape: vec![1 << 40, 1 << 40],
+            data: vec![],
+        };
+        assert!(decode(&t)
+            .unwrap_err()
+            .contains("more elements than can exist"));
+        let t = Tensor {
+            dtype: Dtype::F16 as i32,
+            shape: vec![1 << 63],
+            data: vec![],
+        };
+        assert!(decode(&t).is_err());
     }
 }

@@ -1,0 +1,7 @@
+//! cargo-fuzz wrapper of vlm-fuzz's `checkpoint` target (fuzz/src/targets/); refusals are fine, a
+//! panic is a crash.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let _ = (vlm_fuzz::target("checkpoint").expect("a vlm-fuzz target").run)(data);
+});
