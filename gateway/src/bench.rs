@@ -139,6 +139,11 @@ pub fn run<B: Backend + Clone>(
         .prefill_tokens
         .iter()
         .chain(&opts.decode_contexts)
+        .chain(if opts.profile {
+            &PROFILE_PREFILLS[..]
+        } else {
+            &[]
+        })
         .copied()
         .max()
         .unwrap_or(0);
@@ -441,6 +446,9 @@ fn batched_decode(
     Ok(elapsed / tokens.max(1) as u32)
 }
 
+/// The prefills `--profile` breaks down (the cache is sized to hold them).
+const PROFILE_PREFILLS: [usize; 2] = [512, 2048];
+
 /// `vlm bench --profile`: device time per op of a 512- and a 2048-token prefill and of a
 /// decode step of `batch` sequences, printed slowest first (steps run op by op meanwhile).
 fn profile_steps<B: Backend + Clone>(
@@ -469,7 +477,7 @@ fn profile_steps<B: Backend + Clone>(
         }
         Ok(())
     };
-    for tokens in [512, 2048] {
+    for tokens in PROFILE_PREFILLS {
         let req = GenerateRequest {
             prompt: (0..tokens).map(|i| (i % 100 + 10) as u32).collect(),
             images: Vec::new(),
