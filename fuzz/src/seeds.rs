@@ -43,24 +43,9 @@ fn png_bomb(w: u32, h: u32) -> Vec<u8> {
         let mut body = kind.to_vec();
         body.extend_from_slice(data);
         png.extend_from_slice(&body);
-        png.extend_from_slice(&crc32(&body).to_be_bytes());
+        png.extend_from_slice(&crc32fast::hash(&body).to_be_bytes());
     }
     png
-}
-
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
 }
 
 fn images() -> Vec<(String, Vec<u8>)> {

@@ -439,25 +439,15 @@ impl Orchestrator {
             .await
             .map_err(|e| GatewayError::Internal(format!("tokenizer task failed: {e}")))??;
 
-        let gen = pb::GenerateRequest {
-            prompt_token_ids: prompt,
-            images: encoded
-                .into_iter()
-                .map(|e| pb::ImageEmbeddings {
-                    embeddings: e.embeddings,
-                    deepstack: e.deepstack,
-                    grid_thw: e.grid_thw,
-                })
-                .collect(),
-            sampling: Some(pb::SamplingParams {
-                temperature: req.sampling.temperature,
-                top_k: req.sampling.top_k as u32,
-                top_p: req.sampling.top_p,
-                seed: req.sampling.seed,
-            }),
-            max_new_tokens: req.max_new_tokens as u32,
-            ignore_eos: req.ignore_eos,
-        };
+        let images = encoded
+            .into_iter()
+            .map(|e| pb::ImageEmbeddings {
+                embeddings: e.embeddings,
+                deepstack: e.deepstack,
+                grid_thw: e.grid_thw,
+            })
+            .collect();
+        let gen = generate_request(&req, prompt, images);
         let prompt_tokens = gen.prompt_token_ids.len() as u32;
         let span = info_span!(
             "llm.rpc",
@@ -487,6 +477,27 @@ impl Orchestrator {
             arrived,
             span,
         })
+    }
+}
+
+/// What llm-svc is sent for a chat: the prompt's ids, each image's embeddings, and the chat's
+/// sampling and token budget.
+pub fn generate_request(
+    req: &ChatRequest,
+    prompt: Vec<u32>,
+    images: Vec<pb::ImageEmbeddings>,
+) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        prompt_token_ids: prompt,
+        images,
+        sampling: Some(pb::SamplingParams {
+            temperature: req.sampling.temperature,
+            top_k: req.sampling.top_k as u32,
+            top_p: req.sampling.top_p,
+            seed: req.sampling.seed,
+        }),
+        max_new_tokens: req.max_new_tokens as u32,
+        ignore_eos: req.ignore_eos,
     }
 }
 

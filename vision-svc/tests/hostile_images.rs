@@ -52,21 +52,6 @@ fn small(format: ImageFormat) -> Vec<u8> {
     out
 }
 
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= b as u32;
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
 const HUGE: u32 = 60_000;
 
 /// A real PNG whose IHDR says 60000x60000 (CRC fixed, so the header is valid).
@@ -75,7 +60,7 @@ fn png_bomb() -> Vec<u8> {
     // Signature (8), IHDR length (4), "IHDR" (4), then width and height, big-endian.
     png[16..20].copy_from_slice(&HUGE.to_be_bytes());
     png[20..24].copy_from_slice(&HUGE.to_be_bytes());
-    let crc = crc32(&png[12..29]);
+    let crc = crc32fast::hash(&png[12..29]);
     png[29..33].copy_from_slice(&crc.to_be_bytes());
     png
 }

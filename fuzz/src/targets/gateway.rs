@@ -36,30 +36,20 @@ pub fn gateway_steps(req: &ChatRequest) -> Outcome {
             return Err(text(e));
         }
     };
-    // As the orchestrator builds it (orchestrator.rs, `start`), f16 embeddings as vision-svc
+    // As the orchestrator builds it (`generate_request`), f16 embeddings as vision-svc
     // sends them.
     let hidden = f.model.text.hidden_size;
     let deepstack = f.vision.model.config().deepstack_visual_indexes.len();
     let zeros = vec![0f32; tokens * hidden];
     let embedding = || tensor::encode(&[tokens, hidden], &zeros, pb::Dtype::F16);
-    let gen = pb::GenerateRequest {
-        prompt_token_ids: ids,
-        images: (0..n_images)
-            .map(|_| pb::ImageEmbeddings {
-                embeddings: Some(embedding()),
-                deepstack: (0..deepstack).map(|_| embedding()).collect(),
-                grid_thw: grid.to_vec(),
-            })
-            .collect(),
-        sampling: Some(pb::SamplingParams {
-            temperature: req.sampling.temperature,
-            top_k: req.sampling.top_k as u32,
-            top_p: req.sampling.top_p,
-            seed: req.sampling.seed,
-        }),
-        max_new_tokens: req.max_new_tokens as u32,
-        ignore_eos: req.ignore_eos,
-    };
+    let images = (0..n_images)
+        .map(|_| pb::ImageEmbeddings {
+            embeddings: Some(embedding()),
+            deepstack: (0..deepstack).map(|_| embedding()).collect(),
+            grid_thw: grid.to_vec(),
+        })
+        .collect();
+    let gen = ::gateway::orchestrator::generate_request(req, ids, images);
     let gen = llm_svc::server::request_from_pb(gen)
         .unwrap_or_else(|s| panic!("llm-svc cannot read what the gateway sent: {s:?}"));
     match f.engine.validate(&gen) {
