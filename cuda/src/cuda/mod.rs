@@ -205,7 +205,8 @@ fn shared_defines() -> String {
 /// the copies embedded at build time or, when `VLM_KERNEL_DIR` names a directory, the files
 /// there (so a kernel can be edited and re-measured on a GPU machine with the same binary).
 fn kernel_source(src: &KernelSource) -> Result<String> {
-    let Some(dir) = std::env::var_os("VLM_KERNEL_DIR") else {
+    // Empty counts as unset (`VLM_KERNEL_DIR= vlm ...`).
+    let Some(dir) = std::env::var_os("VLM_KERNEL_DIR").filter(|d| !d.is_empty()) else {
         return Ok(format!("{}{}", shared_defines(), src.source));
     };
     let dir = std::path::PathBuf::from(dir);
