@@ -40,14 +40,16 @@ extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsign
     }
 }
 
-#define QK_WARPS 4     // heads handled at once per row by qkv_to_cache
+// QK_WARPS, the warps of a qkv_to_cache block, is #defined by the host (shared_defines).
 #define QK_MAX_DIM 256
 
 // A step's attention inputs from the fused projection qkv [n, (hq + 2 hkv) d] (q heads, k
 // heads, v heads): q and k RMS-normed per head (q_norm, k_norm [d]) and rotated (rotate-half,
-// cos/sin [n, d]); q to q_out [n, hq, d]; k and v into the caches at slots[r]. One block per
-// row, one warp per head at a time; a head's normed values go through shared memory, since
-// rotate-half pairs dims i and i + d/2. A slot outside the cache writes nothing.
+// cos/sin [n, d]); q to q_out [n, hq, d]; k and v into the caches at slots[r]. Block (r, y)
+// takes row r's heads y * QK_WARPS .. + QK_WARPS, one warp per head (a decode step has one
+// row per sequence: one block per row left most of the GPU idle while a warp did 12 heads
+// in turn). A head's normed values go through shared memory, since rotate-half pairs dims i
+// and i + d/2. A slot outside the cache writes nothing.
 extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
                                             const float* __restrict__ q_norm,
                                             const float* __restrict__ k_norm, float eps,
@@ -65,7 +67,7 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
     const unsigned slot = slots[r];
     const bool cached = slot < num_slots;
     const int half = d / 2;
-    for (int h = warp; h < hq + 2 * hkv; h += QK_WARPS) {
+    for (int h = blockIdx.y * QK_WARPS + warp; h < hq + 2 * hkv; h += gridDim.y * QK_WARPS) {
         const float* x = row + (size_t)h * d;
         if (h >= hq + hkv) {
             if (cached) {

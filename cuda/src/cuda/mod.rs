@@ -131,6 +131,8 @@ const FLASH_MIN_QUERIES: usize = 16;
 const DECODE_WARPS: u32 = 4;
 const DECODE_KEYS: usize = 4;
 const DECODE_MIN_CHUNK: usize = 64;
+/// Warps of a qkv_to_cache block, one head each (QK_WARPS).
+const QKV_WARPS: u32 = 4;
 /// At most this many splits of one sequence's keys.
 const DECODE_MAX_SPLITS: usize = 32;
 /// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
@@ -197,7 +199,8 @@ const GEMV_WARPS: u32 = 8;
 fn shared_defines() -> String {
     format!(
         "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define PD_WARPS {DECODE_WARPS}\n\
-         #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n"
+         #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
+         #define QK_WARPS {QKV_WARPS}\n"
     )
 }
 
@@ -1200,9 +1203,10 @@ impl Backend for CudaBackend {
             .arg(&hkv_i)
             .arg(&d_i)
             .arg(&ns);
+        let heads = (hq + 2 * hkv) as u32;
         let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (4 * 32, 1, 1),
+            grid_dim: (n as u32, heads.div_ceil(QKV_WARPS), 1),
+            block_dim: (QKV_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: matches qkv_to_cache_f32 (QK_WARPS warps, head dims up to QK_MAX_DIM);
