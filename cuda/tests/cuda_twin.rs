@@ -7,12 +7,9 @@
 //!
 //! Tolerances are `Case::tolerance`'s, stated there with their reasons.
 
+use vlm_compute::cuda::test_gpu;
 use vlm_compute::twin::{compare, Case};
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
-
-fn gpu() -> Option<CudaBackend> {
-    vlm_compute::cuda::test_gpu()
-}
 
 /// Runs every case, prints each outcome, and fails naming all that are outside tolerance.
 fn check_all(g: &CudaBackend, cases: impl IntoIterator<Item = Case>) {
@@ -33,13 +30,13 @@ fn check_all(g: &CudaBackend, cases: impl IntoIterator<Item = Case>) {
 
 #[test]
 fn the_startup_self_check_passes() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     vlm_compute::twin::self_check(&g, |o| eprintln!("{o}")).unwrap();
 }
 
 #[test]
 fn elementwise_and_norms() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     check_all(
         &g,
         [
@@ -74,7 +71,7 @@ fn elementwise_and_norms() {
 
 #[test]
 fn linear_and_swiglu_at_real_sizes() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     // Weights are f16 on the GPU and x is f16-exact, so both sides multiply the same values;
     // they differ only in summation order (f32 accumulation both). n <= 4 runs our GEMV
     // (decode), larger n cuBLAS. (rows, in, out): 8B decode and prefill, ViT, odd sizes
@@ -115,7 +112,7 @@ fn linear_and_swiglu_at_real_sizes() {
 
 #[test]
 fn rope_and_attention_at_real_sizes() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     let rope = [(1, 32, 128), (37, 8, 128), (784, 16, 72), (5, 4, 32)]
         .map(|(tokens, heads, dim)| Case::Rope { tokens, heads, dim });
     let causal = |first_query_slot| AttnMask::Causal { first_query_slot };
@@ -147,7 +144,7 @@ fn rope_and_attention_at_real_sizes() {
 
 #[test]
 fn paged_kv_cache_at_real_sizes() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     // (sequences as (queries, keys), decoding, q heads, kv heads, head dim, block size): 8B
     // decode at batch 1 (4096 and 513 keys), at batch 64 (600 keys each, one split), a mixed
     // step of 32 decodes and two prefill chunks (a 512-token chunk after 1536 cached keys), the
@@ -231,7 +228,7 @@ fn paged_kv_cache_at_real_sizes() {
 
 #[test]
 fn gathers_and_row_updates() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     check_all(
         &g,
         [
@@ -257,7 +254,7 @@ fn gathers_and_row_updates() {
 
 #[test]
 fn random_weights_are_generated_on_the_gpu_bit_for_bit_as_on_the_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some(g) = test_gpu() else { return };
     let key =
         vlm_compute::random::tensor_key(0, "model.language_model.layers.0.mlp.up_proj.weight");
     // The 8B up_proj, and an odd size that leaves a partial block.

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use base64::Engine as _;
-use e2e::{fixture, OtlpReceiver, Stack, StackOptions};
+use e2e::{fixture, metric, metrics_page, OtlpReceiver, Stack, StackOptions};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tonic::Code;
@@ -837,13 +837,6 @@ async fn half_precision_embeddings_on_the_wire_still_answer() {
     );
 }
 
-/// Reads one sample of a Prometheus text page (0 when absent).
-fn metric(page: &str, sample: &str) -> f64 {
-    page.lines()
-        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn llm_svc_serves_its_own_metrics_and_frees_the_cache_of_a_cancelled_stream() {
     let port = e2e::free_port();
@@ -853,7 +846,7 @@ async fn llm_svc_serves_its_own_metrics_and_frees_the_cache_of_a_cancelled_strea
     })
     .await;
     let url = format!("http://127.0.0.1:{port}/metrics");
-    let page = || async { reqwest::get(&url).await.unwrap().text().await.unwrap() };
+    let page = || metrics_page(&url);
     let mut c = client(&stack).await;
     c.chat(grpc_request(&cases()[0])).await.unwrap();
     let mut s = c
