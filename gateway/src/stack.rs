@@ -87,6 +87,9 @@ pub struct LocalStack {
     services: JoinSet<anyhow::Result<()>>,
     /// Which service each task is, for the message when one ends.
     names: Vec<(Id, &'static str)>,
+    /// A service's failure that [`LocalStack::ready`] already reported: the other services may
+    /// be stopped before they fail themselves, so [`LocalStack::wait`] returns this one too.
+    failed_while_starting: Option<String>,
 }
 
 impl LocalStack {
@@ -118,6 +121,7 @@ impl LocalStack {
             stop: CancellationToken::new(),
             services: JoinSet::new(),
             names: Vec::new(),
+            failed_while_starting: None,
         };
         // Both model services and the gateway show their metrics on the gateway's /metrics.
         let registry = prometheus::Registry::new();
@@ -208,7 +212,9 @@ impl LocalStack {
                     Err(e) => (self.name_of(e.id()), format!("its task failed: {e}")),
                 };
                 self.stop.cancel();
-                anyhow::bail!("{name} ended while the local stack was starting: {why}");
+                let failure = format!("{name} ended while the local stack was starting: {why}");
+                self.failed_while_starting = Some(failure.clone());
+                anyhow::bail!(failure);
             }
             if health.check().await.0 {
                 return Ok(());
@@ -232,7 +238,7 @@ impl LocalStack {
     /// Runs until a service ends (an error, or the shutdown token cancelled); then stops the
     /// others, waits for them to drain, and returns the first error.
     pub async fn wait(mut self) -> anyhow::Result<()> {
-        let mut first_error = None;
+        let mut first_error = self.failed_while_starting.take().map(anyhow::Error::msg);
         while let Some(joined) = self.services.join_next_with_id().await {
             self.stop.cancel();
             let failed = match joined {
