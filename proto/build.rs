@@ -5,6 +5,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var("PROTOC", protoc);
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
+        // Embeddings and images as `bytes::Bytes`: decoding slices the received buffer instead
+        // of copying it, and passing a payload on (gateway to llm-svc, a cache hit, a retry on
+        // another replica) is a reference count, not a copy of megabytes.
+        .bytes(".vlm.v1.Tensor.data")
+        .bytes(".vlm.v1.EncodeRequest.image")
         .file_descriptor_set_path(out.join("vlm_descriptor.bin"))
         .compile_protos(&["vlm/v1/vlm.proto"], &["."])?;
     println!("cargo:rerun-if-changed=vlm/v1/vlm.proto");

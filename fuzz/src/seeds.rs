@@ -204,7 +204,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
             with_kind(
                 0,
                 pb::EncodeRequest {
-                    image: png.clone(),
+                    image: png.clone().into(),
                     dtype: pb::Dtype::F16 as i32,
                 },
             ),
@@ -254,7 +254,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                         embeddings: Some(pb::Tensor {
                             dtype: pb::Dtype::F32 as i32,
                             shape: vec![1 << 40, 1 << 40],
-                            data: vec![],
+                            data: Default::default(),
                         }),
                         deepstack: vec![],
                         grid_thw: vec![1, 4, 4],

@@ -6,10 +6,12 @@
 //!   are GEMM-bound);
 //! - ViT + mergers for square images of the given sides;
 //! - prefill throughput for text prompts of the given lengths;
-//! - time to first token of an image + text request, in process;
+//! - time to first token of image + text requests, in process, and how long packing and
+//!   unpacking their embeddings for the hop between the services takes;
 //! - decode tokens/s at the given contexts (steady state, eos ignored);
-//! - the same image request through vision-svc, llm-svc and the gateway over gRPC on loopback,
-//!   to show what the service hops cost (embedding transfer included);
+//! - the same image requests through vision-svc, llm-svc and the gateway over gRPC on
+//!   loopback, to show what the service hops cost (embedding transfer included): with an
+//!   image vision-svc has not seen, and with one its embedding cache holds;
 //! - device memory in use after each stage, where the backend has its own (a GPU).
 //!
 //! Works from a checkpoint or, with random weights, from a config alone, so the real 8B shapes
@@ -44,11 +46,12 @@ pub struct BenchOptions {
     pub decode_batches: Vec<usize>,
     /// Also print where a prefill and a batched decode step spend device time, op by op.
     pub profile: bool,
-    /// The time-to-first-token request: one square image of this side and about this many
-    /// text tokens.
-    pub ttft_image_side: usize,
+    /// The time-to-first-token requests: one square image of each of these sides and about
+    /// `ttft_text_tokens` text tokens.
+    pub ttft_image_sides: Vec<usize>,
     pub ttft_text_tokens: usize,
-    /// Also send that request through the services and the gateway on loopback.
+    /// Also send those requests through the services and the gateway on loopback (a new image
+    /// each time, and one sent before), and time packing and unpacking their embeddings.
     pub through_gateway: bool,
     /// Random weights from this seed instead of the checkpoint's.
     pub random_weights: Option<u64>,
@@ -135,10 +138,28 @@ pub fn run<B: Backend + Clone>(
     let weights = Weights::open_or_random(dir, opts.random_weights)?;
     // Prompts prefilled in one step (the rows measure prefill, not chunking), and a cache
     // that holds the longest request.
+    let image_settings = vision_svc::PreprocessConfig::from_dir(dir)?;
+    let ttft_prompts = opts
+        .ttft_image_sides
+        .iter()
+        .map(|&side| {
+            let f = image_settings.factor();
+            let (h, w) = vision_svc::preprocess::smart_resize(
+                side,
+                side,
+                f,
+                image_settings.min_pixels,
+                image_settings.max_pixels,
+            )?;
+            // The chat template's own tokens on top of the image's and the text's.
+            Ok((h / f) * (w / f) + opts.ttft_text_tokens + 64)
+        })
+        .collect::<anyhow::Result<Vec<usize>>>()?;
     let longest = opts
         .prefill_tokens
         .iter()
         .chain(&opts.decode_contexts)
+        .chain(&ttft_prompts)
         .chain(if opts.profile {
             &PROFILE_PREFILLS[..]
         } else {
@@ -175,10 +196,9 @@ pub fn run<B: Backend + Clone>(
     let measures = 2
         + opts.image_sides.len()
         + opts.prefill_tokens.len()
-        + 1
+        + opts.ttft_image_sides.len() * (1 + 4 * opts.through_gateway as usize)
         + opts.decode_contexts.len()
-        + batched.len()
-        + opts.through_gateway as usize;
+        + batched.len();
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
             .expect("valid template"),
@@ -290,25 +310,31 @@ pub fn run<B: Backend + Clone>(
         out.push(meas);
     }
 
-    // Time to first token of an image request, in this process.
-    let image_request = ttft_request(&pipeline.chat, opts)?;
-    let ttft_name = format!(
-        "image {0}x{0} + {1} text tokens: time to first token",
-        opts.ttft_image_side, opts.ttft_text_tokens
-    );
-    bar.set_message("time to first token");
-    let in_process = time(opts, &bar, || {
-        let t = Instant::now();
-        pipeline.run(&image_request, |_, _| std::ops::ControlFlow::Continue(()))?;
-        Ok(t.elapsed())
-    })?;
-    out.push(Measurement {
-        name: format!("{ttft_name}, in process"),
-        seconds: in_process,
-        work: 1.0,
-        unit: "request",
-        roofline: None,
-    });
+    // Time to first token of an image request, in this process; and what moving its
+    // embeddings between the services costs on the host (one conversion pass each way).
+    for &side in &opts.ttft_image_sides {
+        let request = ttft_request(&pipeline.chat, side, opts.ttft_text_tokens, 0)?;
+        bar.set_message(format!("time to first token, {side}x{side}"));
+        let in_process = time(opts, &bar, || {
+            let t = Instant::now();
+            pipeline.run(&request, |_, _| std::ops::ControlFlow::Continue(()))?;
+            Ok(t.elapsed())
+        })?;
+        out.push(Measurement {
+            name: format!("{}, in process", ttft_name(side, opts)),
+            seconds: in_process,
+            work: 1.0,
+            unit: "request",
+            roofline: None,
+        });
+        if opts.through_gateway {
+            let image = match &request.messages[0].parts[0] {
+                Part::Image(png) => pipeline.vision.encode_image(png)?,
+                Part::Text(_) => unreachable!("the request starts with its image"),
+            };
+            out.extend(pack_and_unpack(&image, side, opts, &bar)?);
+        }
+    }
 
     for &context in &opts.decode_contexts {
         bar.set_message(format!("decode at {context}"));
@@ -378,17 +404,22 @@ pub fn run<B: Backend + Clone>(
     );
 
     if opts.through_gateway {
+        // For each side: a new image for every run, and one image for every run (after the
+        // warm-up, vision-svc has its embeddings).
+        let runs = opts.warmup + opts.repeats.max(1);
+        let mut requests = Vec::new();
+        for &side in &opts.ttft_image_sides {
+            let text = opts.ttft_text_tokens;
+            let new: Vec<ChatRequest> = (1..=runs as u32)
+                .map(|v| ttft_request(&pipeline.chat, side, text, v))
+                .collect::<anyhow::Result<_>>()?;
+            let again = ttft_request(&pipeline.chat, side, text, 0)?;
+            requests.push((side, new, again));
+        }
         // The services hold their own copies of the weights: free ours first.
         drop(pipeline);
         bar.set_message("through the gateway");
-        let hops = through_gateway(dir, open, opts, &image_request, &bar)?;
-        out.push(Measurement {
-            name: format!("{ttft_name}, through the gateway (gRPC, loopback)"),
-            seconds: hops,
-            work: 1.0,
-            unit: "request",
-            roofline: None,
-        });
+        out.extend(through_gateway(dir, open, opts, &requests, &bar)?);
     }
     bar.finish_and_clear();
     Ok(out)
@@ -518,16 +549,25 @@ fn memory_row<B: Backend>(out: &mut Vec<Measurement>, name: &str, be: &B, base: 
 }
 
 /// The time-to-first-token request: a PNG of a smooth gradient (decoding and resizing it are
-/// part of the cost, as for a client's image) and text of about the asked-for token count.
-fn ttft_request(chat: &ChatTokenizer, opts: &BenchOptions) -> anyhow::Result<ChatRequest> {
-    let side = opts.ttft_image_side as u32;
-    let img = image::RgbImage::from_fn(side, side, |x, y| {
+/// part of the cost, as for a client's image) and text of about `text_tokens` tokens.
+/// Requests of different `variant`s carry different images (one pixel differs), so no cache
+/// knows them.
+fn ttft_request(
+    chat: &ChatTokenizer,
+    side: usize,
+    text_tokens: usize,
+    variant: u32,
+) -> anyhow::Result<ChatRequest> {
+    let side = side as u32;
+    let mut img = image::RgbImage::from_fn(side, side, |x, y| {
         image::Rgb([(x * 255 / side) as u8, (y * 255 / side) as u8, 128])
     });
+    let [a, b, c, d] = variant.to_le_bytes();
+    img.put_pixel(0, 0, image::Rgb([a ^ d, b, c]));
     let mut png = Vec::new();
     img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)?;
     let mut text = String::from("Describe");
-    while chat.encode(&text)?.len() < opts.ttft_text_tokens {
+    while chat.encode(&text)?.len() < text_tokens {
         text.push_str(" the picture");
     }
     Ok(ChatRequest {
@@ -540,16 +580,80 @@ fn ttft_request(chat: &ChatTokenizer, opts: &BenchOptions) -> anyhow::Result<Cha
     })
 }
 
+fn ttft_name(side: usize, opts: &BenchOptions) -> String {
+    format!(
+        "image {side}x{side} + {} text tokens: time to first token",
+        opts.ttft_text_tokens
+    )
+}
+
+/// Rows for the host's share of an image's hop: packing its embeddings (f32 from the ViT)
+/// into an f16 message, as vision-svc does, and unpacking them, as llm-svc does.
+fn pack_and_unpack(
+    image: &vision_svc::VisionOutput,
+    side: usize,
+    opts: &BenchOptions,
+    bar: &ProgressBar,
+) -> anyhow::Result<Vec<Measurement>> {
+    use vlm_proto::{pb::Dtype, tensor};
+    let tensors: Vec<_> = std::iter::once(&image.embeds)
+        .chain(&image.deepstack)
+        .collect();
+    let pack = || -> Vec<vlm_proto::pb::Tensor> {
+        tensors
+            .iter()
+            .map(|t| tensor::encode(t.shape(), t.data(), Dtype::F16))
+            .collect()
+    };
+    let packed = pack();
+    let bytes: usize = packed.iter().map(|t| t.data.len()).sum();
+    let size = if bytes >= 1_000_000 {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    } else {
+        format!("{:.1} kB", bytes as f64 / 1e3)
+    };
+    let what = format!("image {side}x{side}: embeddings ({size} f16)");
+    let pack_s = time(opts, bar, || {
+        let t = Instant::now();
+        std::hint::black_box(pack());
+        Ok(t.elapsed())
+    })?;
+    let unpack_s = time(opts, bar, || {
+        let t = Instant::now();
+        for p in &packed {
+            std::hint::black_box(tensor::decode(p).map_err(anyhow::Error::msg)?);
+        }
+        Ok(t.elapsed())
+    })?;
+    Ok(vec![
+        Measurement {
+            name: format!("{what} packed"),
+            seconds: pack_s,
+            work: bytes as f64,
+            unit: "B",
+            roofline: None,
+        },
+        Measurement {
+            name: format!("{what} unpacked"),
+            seconds: unpack_s,
+            work: bytes as f64,
+            unit: "B",
+            roofline: None,
+        },
+    ])
+}
+
 /// Starts vision-svc, llm-svc and the gateway in this process on loopback ports
-/// ([`LocalStack`]), waits until they serve, and times `request` (one token) through the
-/// gateway's gRPC ChatStream.
+/// ([`LocalStack`]), waits until they serve, and times requests (one token each) through the
+/// gateway's gRPC ChatStream: for each `(side, new, again)`, `new[i]` in run `i` (an image
+/// vision-svc has not seen), then `again` in every run (seen since the warm-up).
 fn through_gateway<B: Backend + Clone>(
     dir: &Path,
     open: fn() -> vlm_compute::Result<B>,
     opts: &BenchOptions,
-    request: &ChatRequest,
+    requests: &[(usize, Vec<ChatRequest>, ChatRequest)],
     bar: &ProgressBar,
-) -> anyhow::Result<Vec<f64>> {
+) -> anyhow::Result<Vec<Measurement>> {
     use futures::StreamExt;
     use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ContentPart};
 
@@ -562,9 +666,28 @@ fn through_gateway<B: Backend + Clone>(
     cfg.vision_max_concurrent = 1;
     cfg.embedding_dtype = vlm_proto::pb::Dtype::F16;
     cfg.default_max_tokens = 1;
-    // As in process: every run repeats the request, and cached blocks would make its prefill
-    // look free, so the difference between the two rows would not be the hops alone.
+    // As in process: every run repeats the prompt, and cached blocks would make its prefill
+    // look free, so the difference between the rows would not be the hops alone.
     cfg.engine.prefix_caching = false;
+    let to_grpc = |request: &ChatRequest| vlm_proto::pb::ChatRequest {
+        messages: vec![vlm_proto::pb::ChatMessage {
+            role: "user".into(),
+            content: request.messages[0]
+                .parts
+                .iter()
+                .map(|p| ContentPart {
+                    part: Some(match p {
+                        Part::Image(bytes) => content_part::Part::Image(bytes.clone()),
+                        Part::Text(text) => content_part::Part::Text(text.clone()),
+                    }),
+                })
+                .collect(),
+        }],
+        max_tokens: Some(1),
+        temperature: Some(0.0),
+        ignore_eos: true,
+        ..Default::default()
+    };
     let mut stack = rt.block_on(LocalStack::start(cfg, open))?;
     let result = (|| {
         // The model services load for as long as weights and kernels take.
@@ -573,30 +696,8 @@ fn through_gateway<B: Backend + Clone>(
             "http://{}",
             stack.grpc_addr
         )))?;
-        let parts = request.messages[0]
-            .parts
-            .iter()
-            .map(|p| ContentPart {
-                part: Some(match p {
-                    Part::Image(bytes) => content_part::Part::Image(bytes.clone()),
-                    Part::Text(text) => content_part::Part::Text(text.clone()),
-                }),
-            })
-            .collect();
-        let grpc_request = vlm_proto::pb::ChatRequest {
-            messages: vec![vlm_proto::pb::ChatMessage {
-                role: "user".into(),
-                content: parts,
-            }],
-            max_tokens: Some(1),
-            temperature: Some(0.0),
-            ignore_eos: true,
-            ..Default::default()
-        };
-        // The same warm-up, repeats and sorting as every other row.
-        time(opts, bar, || {
+        let first_token = |req: vlm_proto::pb::ChatRequest| {
             let mut client = client.clone();
-            let req = grpc_request.clone();
             rt.block_on(async move {
                 let t = Instant::now();
                 let mut stream = client.chat_stream(req).await?.into_inner();
@@ -605,12 +706,38 @@ fn through_gateway<B: Backend + Clone>(
                 }
                 anyhow::Ok(t.elapsed())
             })
-        })
+        };
+        let mut rows = Vec::new();
+        for (side, new, again) in requests {
+            let name = ttft_name(*side, opts);
+            let mut new = new.iter().map(to_grpc);
+            let seconds = time(opts, bar, || {
+                let req = new.next().expect("a new image for every run");
+                first_token(req)
+            })?;
+            rows.push(Measurement {
+                name: format!("{name}, through the gateway"),
+                seconds,
+                work: 1.0,
+                unit: "request",
+                roofline: None,
+            });
+            let again = to_grpc(again);
+            let seconds = time(opts, bar, || first_token(again.clone()))?;
+            rows.push(Measurement {
+                name: format!("{name}, through the gateway, image seen before"),
+                seconds,
+                work: 1.0,
+                unit: "request",
+                roofline: None,
+            });
+        }
+        anyhow::Ok(rows)
     })();
     let stopped = rt.block_on(stack.stop());
-    let seconds = result?;
+    let rows = result?;
     stopped?;
-    Ok(seconds)
+    Ok(rows)
 }
 
 /// Parameters of the text decoder (what decoding reads per token), lm_head included.
@@ -635,8 +762,9 @@ pub fn vit_flops(c: &VisionConfig, n: usize) -> f64 {
 
 /// A table for the terminal.
 pub fn table(rows: &[Measurement]) -> String {
+    let width = rows.iter().map(|m| m.name.len()).max().unwrap_or(0).max(52);
     let mut s = format!(
-        "{:<52} {:>11} {:>11} {:>16} {:>9}\n",
+        "{:<width$} {:>11} {:>11} {:>16} {:>9}\n",
         "measurement", "median ms", "spread ms", "throughput", "of limit"
     );
     for m in rows {
@@ -648,7 +776,7 @@ pub fn table(rows: &[Measurement]) -> String {
             _ => (m.throughput(), "tok/s"),
         };
         s.push_str(&format!(
-            "{:<52} {:>11.3} {:>11.3} {:>9.1} {:<6} {:>9}\n",
+            "{:<width$} {:>11.3} {:>11.3} {:>9.1} {:<6} {:>9}\n",
             m.name,
             m.median() * 1e3,
             (m.seconds[m.seconds.len() - 1] - m.seconds[0]) * 1e3,

@@ -2,10 +2,12 @@
 //!
 //! ```text
 //! chat ─validate─▶ images ─▶ VisionService.Encode (concurrently, with failover) ─┐
-//!      ─render + tokenize + expand placeholders (blocking pool) ◀───────────────┘
+//!      ─render + tokenize + expand placeholders (blocking pool, meanwhile) ◀─────┘
 //!      ─▶ LlmService.Generate (stream) ─▶ detokenize + stop strings ─▶ ChatEvent stream
 //! ```
-//! Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
+//! The prompt is rendered and tokenized while the images are encoded, from each image's token
+//! count as its header gives it (vision-svc's own counts decide; a disagreement builds it
+//! again). Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
 //! stream. When the client goes away its receiver closes, the forwarding task ends, the
 //! upstream stream is dropped, and the LLM service stops decoding. A client that stays but
 //! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
@@ -26,7 +28,7 @@ use vlm_proto::pb::vision_service_client::VisionServiceClient;
 use vlm_proto::pb::{self, EncodeRequest, EncodeResponse};
 use vlm_proto::telemetry;
 
-use crate::chat::ChatTokenizer;
+use crate::chat::{ChatTokenizer, Message, Part};
 use crate::detok::TextStream;
 use crate::metrics::Metrics;
 use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits};
@@ -169,7 +171,7 @@ impl Upstreams {
         let replicas = addrs
             .iter()
             .map(|a| {
-                let ch = upstream_endpoint(a, tls)?
+                let ch = vlm_proto::internal_hop::endpoint(upstream_endpoint(a, tls)?)
                     .connect_timeout(Duration::from_secs(2))
                     .tcp_nodelay(true)
                     .connect_lazy();
@@ -233,6 +235,9 @@ pub struct Orchestrator {
     pub vision: Upstreams,
     pub llm: Upstreams,
     pub limits: RequestLimits,
+    /// The checkpoint's image preprocessing, to count an image's tokens from its header
+    /// before it is encoded; `None`: the prompt waits for the embeddings.
+    pub image_settings: Option<vision_svc::PreprocessConfig>,
     pub metrics: Metrics,
     /// Longest a stream waits for its client to take the next event; past it the generation
     /// is cancelled, so a client that stops reading holds no permit, KV cache or task.
@@ -300,16 +305,48 @@ impl Orchestrator {
             vision,
             llm,
             limits,
+            image_settings: None,
             metrics,
             client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
         }
     }
 
+    /// The prompt's token ids for images of `per_image` tokens each, built on the blocking pool
+    /// (rendering and tokenizing a long chat takes milliseconds).
+    async fn prompt_ids(
+        &self,
+        req: &ChatRequest,
+        per_image: Vec<usize>,
+    ) -> Result<Vec<u32>, GatewayError> {
+        let chat = self.chat.clone();
+        // The template needs where the images are, not their bytes.
+        let messages: Vec<Message> = req
+            .messages
+            .iter()
+            .map(|m| Message {
+                role: m.role.clone(),
+                parts: m
+                    .parts
+                    .iter()
+                    .map(|p| match p {
+                        Part::Text(t) => Part::Text(t.clone()),
+                        Part::Image(_) => Part::Image(Vec::new()),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let ids = tokio::task::spawn_blocking(move || chat.prompt_ids(&messages, &per_image))
+            .instrument(info_span!("tokenize"))
+            .await
+            .map_err(|e| GatewayError::Internal(format!("tokenizer task failed: {e}")))??;
+        Ok(ids)
+    }
+
     async fn encode_image(
         &self,
         index: usize,
-        image: Vec<u8>,
+        image: bytes::Bytes,
         deadline: Option<Instant>,
     ) -> Result<EncodeResponse, GatewayError> {
         let span = info_span!(
@@ -413,14 +450,32 @@ impl Orchestrator {
             )
         })?;
 
-        let images: Vec<Vec<u8>> = image_parts(&req.messages).cloned().collect();
-        let encoded = try_join_all(
+        let images: Vec<bytes::Bytes> = image_parts(&req.messages)
+            .map(|i| bytes::Bytes::copy_from_slice(i))
+            .collect();
+        // Each image's token count from its header, so the prompt is rendered and tokenized
+        // while the images are encoded; it is used if vision-svc's counts agree.
+        let expected: Option<Vec<usize>> = self.image_settings.as_ref().and_then(|cfg| {
+            let limits = vision_svc::DecodeLimits::default();
+            images
+                .iter()
+                .map(|i| vision_svc::preprocess::image_tokens(i, cfg, &limits).ok())
+                .collect()
+        });
+        let encodes = try_join_all(
             images
                 .into_iter()
                 .enumerate()
                 .map(|(i, bytes)| self.encode_image(i, bytes, deadline)),
-        )
-        .await?;
+        );
+        let early_prompt = async {
+            match &expected {
+                Some(counts) => Some(self.prompt_ids(&req, counts.clone()).await),
+                None => None,
+            }
+        };
+        let (encoded, early_prompt) = tokio::join!(encodes, early_prompt);
+        let encoded = encoded?;
 
         let per_image: Vec<usize> = encoded
             .iter()
@@ -432,12 +487,10 @@ impl Orchestrator {
                     .unwrap_or(0) as usize
             })
             .collect();
-        let chat = self.chat.clone();
-        let messages = req.messages.clone();
-        let prompt = tokio::task::spawn_blocking(move || chat.prompt_ids(&messages, &per_image))
-            .instrument(info_span!("tokenize"))
-            .await
-            .map_err(|e| GatewayError::Internal(format!("tokenizer task failed: {e}")))??;
+        let prompt = match early_prompt {
+            Some(prompt) if expected.as_ref() == Some(&per_image) => prompt?,
+            _ => self.prompt_ids(&req, per_image).await?,
+        };
 
         let images = encoded
             .into_iter()

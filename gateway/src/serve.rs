@@ -173,6 +173,13 @@ pub async fn serve(
         metrics,
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
+    orchestrator.image_settings = match vision_svc::PreprocessConfig::from_dir(&cfg.model) {
+        Ok(settings) => Some(settings),
+        Err(e) => {
+            tracing::warn!(error = %e, "prompts wait for the image embeddings to count image tokens");
+            None
+        }
+    };
     orchestrator.client_send_timeout = cfg.client_send_timeout;
     let orchestrator = Arc::new(orchestrator);
     let health = Arc::new(
@@ -225,8 +232,11 @@ pub async fn serve(
             })
         }
     };
-    let (reporter, grpc_router) =
-        vlm_proto::grpc_server(cfg.tls.as_ref().map(|id| id.grpc_config(None))).await?;
+    let (reporter, grpc_router) = vlm_proto::grpc_server(
+        cfg.tls.as_ref().map(|id| id.grpc_config(None)),
+        vlm_proto::Audience::Public,
+    )
+    .await?;
     let svc = GatewayServer::new(GatewayService {
         orchestrator,
         default_max_tokens: cfg.default_max_tokens,

@@ -39,6 +39,8 @@ pub struct StackConfig {
     pub max_concurrent: usize,
     /// Images encoded at once by vision-svc.
     pub vision_max_concurrent: usize,
+    /// Bytes of embeddings vision-svc keeps for images sent again (0: no cache).
+    pub embedding_cache_bytes: usize,
     pub engine: llm_svc::EngineConfig,
     /// How image embeddings travel from vision-svc to llm-svc.
     pub embedding_dtype: vlm_proto::pb::Dtype,
@@ -67,6 +69,7 @@ impl StackConfig {
             http_addr: any_port,
             max_concurrent: 256,
             vision_max_concurrent: 8,
+            embedding_cache_bytes: vision_svc::cache::DEFAULT_BUDGET_BYTES,
             engine: llm_svc::EngineConfig::default(),
             embedding_dtype: vlm_proto::pb::Dtype::F32,
             default_max_tokens: 256,
@@ -133,6 +136,7 @@ impl LocalStack {
                 max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
                 registry: registry.clone(),
                 tls: None,
+                embedding_cache_bytes: cfg.embedding_cache_bytes,
             },
             open,
             vision,

@@ -324,9 +324,10 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        8,
-        "two limits, one ViT size, prefill, image TTFT in process, decode, batched decode, the \
-         same through the gateway: {names:?}"
+        11,
+        "two limits, one ViT size, prefill, image TTFT in process, packing and unpacking its \
+         embeddings, decode, batched decode, the same through the gateway with a new image \
+         and with one seen before: {names:?}"
     );
     assert!(
         names.contains(&"decode: batch 3 at context 16"),
@@ -335,7 +336,17 @@ fn bench_reports_every_measurement_against_the_limits() {
     assert!(
         names
             .iter()
-            .any(|n| n.contains("time to first token, through the gateway")),
+            .any(|n| n.ends_with("time to first token, through the gateway")),
+        "{names:?}"
+    );
+    assert!(
+        names
+            .iter()
+            .any(|n| n.ends_with("through the gateway, image seen before")),
+        "{names:?}"
+    );
+    assert!(
+        names.iter().any(|n| n.ends_with("f16) unpacked")),
         "{names:?}"
     );
     for r in rows {

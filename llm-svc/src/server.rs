@@ -125,7 +125,17 @@ impl LlmService for LlmServer {
             };
             // Checked before it takes a place: a bad request is INVALID_ARGUMENT even when
             // the service is full.
-            let req = request_from_pb(request.into_inner())?;
+            let req = request.into_inner();
+            // Images' embeddings are converted to the engine's f32 off the runtime's threads
+            // (tens of megabytes for a large image).
+            let req = if req.images.is_empty() {
+                request_from_pb(req)?
+            } else {
+                let unpack = info_span!("unpack", images = req.images.len());
+                tokio::task::spawn_blocking(move || unpack.in_scope(|| request_from_pb(req)))
+                    .await
+                    .map_err(|e| Error::Engine(format!("unpacking the embeddings failed: {e}")))??
+            };
             engine.validate(&req)?;
             let overloaded = Error::Overloaded {
                 limit: self.max_concurrent,
@@ -212,7 +222,8 @@ pub async fn serve<B: Backend>(
         permits: Arc::new(Semaphore::new(max_concurrent)),
         max_concurrent,
     };
-    let (health, router) = vlm_proto::grpc_server(cfg.tls.clone()).await?;
+    let (health, router) =
+        vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
     let svc = LlmServiceServer::new(server)
         .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);

@@ -26,6 +26,37 @@ pub mod pb {
 /// decoder's 64 Mpx limit can be large too; tonic's 4 MiB default would refuse both.
 pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 
+/// HTTP/2 flow control for the hops between the services, which carry megabytes of embeddings
+/// in one message: with hyper's defaults (1-2 MiB windows, 16 KiB frames) a 448x448 image's
+/// 6.4 MB crosses in ~400 frames and several window round trips, a large image's 60 MB in
+/// thousands. Windows are credit, not buffers allocated up front. Only the model services and
+/// the gateway's clients of them use these: the public ports keep the defaults, so a client
+/// cannot make the gateway hold more for it.
+pub mod internal_hop {
+    /// Bytes a stream may have in flight before the receiver acknowledges them.
+    pub const STREAM_WINDOW: u32 = 16 << 20;
+    /// The same for all streams of one connection.
+    pub const CONNECTION_WINDOW: u32 = 64 << 20;
+    /// Largest HTTP/2 DATA frame the receiver accepts.
+    pub const MAX_FRAME: u32 = 1 << 20;
+
+    /// `endpoint` (a client of vision-svc or llm-svc) with the hop's windows and frame size.
+    pub fn endpoint(endpoint: tonic::transport::Endpoint) -> tonic::transport::Endpoint {
+        endpoint
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
+    }
+}
+
+/// Whom a gRPC server serves: the public (the gateway's port) or the other services (the
+/// model services' ports, with [`internal_hop`]'s flow control).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Audience {
+    Public,
+    Internal,
+}
+
 /// A gRPC server with the parts every service has: `grpc.health.v1` (the returned reporter
 /// starts NOT_SERVING; set it once the model is loaded) and reflection for `vlm.v1` and health,
 /// in both versions clients use (`grpc.reflection.v1`: grpcurl and grpcui of late, Postman;
@@ -33,6 +64,7 @@ pub const MAX_MESSAGE_BYTES: usize = 256 * 1024 * 1024;
 /// (and, if it names a client CA, mutual TLS).
 pub async fn grpc_server(
     tls: Option<tonic::transport::ServerTlsConfig>,
+    audience: Audience,
 ) -> anyhow::Result<(
     tonic_health::server::HealthReporter,
     tonic::transport::server::Router,
@@ -48,6 +80,12 @@ pub async fn grpc_server(
     };
     const VALID: &str = "descriptor sets are generated at build time and valid";
     let mut builder = tonic::transport::Server::builder();
+    if audience == Audience::Internal {
+        builder = builder
+            .initial_stream_window_size(internal_hop::STREAM_WINDOW)
+            .initial_connection_window_size(internal_hop::CONNECTION_WINDOW)
+            .max_frame_size(internal_hop::MAX_FRAME);
+    }
     if let Some(tls) = tls {
         builder = builder
             .tls_config(tls)

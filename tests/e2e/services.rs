@@ -602,7 +602,9 @@ async fn one_request_is_one_trace_across_the_three_services() {
         "vision.encode",
         "preprocess",
         "vision_encode",
+        "pack",
         "llm.generate",
+        "unpack",
         "prefill",
         "decode",
     ];
@@ -657,10 +659,13 @@ async fn one_request_is_one_trace_across_the_three_services() {
             (s.service.as_str(), parent_of(s)),
             ("vision-svc", Some("vision.rpc"))
         );
+        // Two different images, new to vision-svc's embedding cache.
+        assert_eq!(s.string("cache"), Some("miss"), "{s:?}");
     }
-    for n in ["preprocess", "vision_encode"] {
+    for n in ["preprocess", "vision_encode", "pack"] {
         assert_eq!(parent_of(by_name(n)[0]), Some("vision.encode"));
     }
+    assert_eq!(parent_of(by_name("unpack")[0]), Some("llm.generate"));
     let gen = by_name("llm.generate")[0];
     assert_eq!(
         (gen.service.as_str(), parent_of(gen)),
@@ -816,24 +821,63 @@ async fn every_service_serves_health_and_reflection() {
     }
 }
 
+/// f16 embeddings on the hop, and vision-svc's embedding cache: the same request again gets
+/// its image from the cache (no ViT pass) and the same tokens.
 #[tokio::test(flavor = "multi_thread")]
-async fn half_precision_embeddings_on_the_wire_still_answer() {
+async fn half_precision_embeddings_on_the_wire_and_a_cached_image_still_answer() {
     let stack = Stack::start(StackOptions {
         gateway_args: vec!["--embedding-dtype".into(), "f16".into()],
+        service_metrics: true,
         ..Default::default()
     })
     .await;
     let mut c = client(&stack).await;
-    let case = &cases()[0];
-    let r = c.chat(grpc_request(case)).await.unwrap().into_inner();
+    let case = cases()
+        .into_iter()
+        .find(|c| !c["images"].as_array().unwrap().is_empty())
+        .expect("a golden case with an image");
+    let images = case["images"].as_array().unwrap().len() as f64;
+    let first = c.chat(grpc_request(&case)).await.unwrap().into_inner();
     // f16 rounds the embeddings (relative error ~5e-4), so only the shape of the answer is fixed.
     assert_eq!(
-        r.usage.unwrap().completion_tokens as u64,
+        first.usage.unwrap().completion_tokens as u64,
         case["max_new_tokens"].as_u64().unwrap()
     );
     assert_eq!(
-        r.token_ids.len(),
-        r.usage.unwrap().completion_tokens as usize
+        first.token_ids.len(),
+        first.usage.unwrap().completion_tokens as usize
+    );
+    let url = stack.vision_metrics.clone().expect("vision-svc metrics");
+    let page = metrics_page(&url).await;
+    assert_eq!(
+        metric(&page, "vlm_vision_embedding_cache_hits_total"),
+        0.0,
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, "vlm_vision_embedding_cache_misses_total"),
+        images
+    );
+    assert!(metric(&page, "vlm_vision_embedding_cache_bytes") > 0.0);
+
+    let again = c.chat(grpc_request(&case)).await.unwrap().into_inner();
+    assert_eq!(
+        again.token_ids, first.token_ids,
+        "the cached image answers the same"
+    );
+    let page = metrics_page(&url).await;
+    assert_eq!(
+        metric(&page, "vlm_vision_embedding_cache_hits_total"),
+        images,
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, "vlm_vision_images_total{outcome=\"cached\"}"),
+        images
+    );
+    assert_eq!(
+        metric(&page, "vlm_vision_images_total{outcome=\"ok\"}"),
+        images
     );
 }
 

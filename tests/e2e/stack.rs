@@ -399,6 +399,28 @@ pub struct ReceivedSpan {
     pub trace_id: Vec<u8>,
     pub span_id: Vec<u8>,
     pub parent_span_id: Vec<u8>,
+    /// Its string attributes, as (key, value).
+    pub strings: Vec<(String, String)>,
+}
+
+impl ReceivedSpan {
+    /// The string attribute `key`, if the span has one.
+    pub fn string(&self, key: &str) -> Option<&str> {
+        self.strings
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// The value of an OTLP attribute that is a string.
+fn string_value(v: &opentelemetry_proto::tonic::common::v1::AnyValue) -> Option<String> {
+    match &v.value {
+        Some(opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s)) => {
+            Some(s.clone())
+        }
+        _ => None,
+    }
 }
 
 /// A minimal OTLP/gRPC trace collector listening on loopback.
@@ -420,12 +442,7 @@ impl TraceService for OtlpReceiver {
                 .as_ref()
                 .and_then(|r| r.attributes.iter().find(|a| a.key == "service.name"))
                 .and_then(|a| a.value.as_ref())
-                .and_then(|v| match &v.value {
-                    Some(
-                        opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s),
-                    ) => Some(s.clone()),
-                    _ => None,
-                })
+                .and_then(string_value)
                 .unwrap_or_default();
             for ss in rs.scope_spans {
                 for sp in ss.spans {
@@ -435,6 +452,11 @@ impl TraceService for OtlpReceiver {
                         trace_id: sp.trace_id,
                         span_id: sp.span_id,
                         parent_span_id: sp.parent_span_id,
+                        strings: sp
+                            .attributes
+                            .iter()
+                            .filter_map(|a| Some((a.key.clone(), string_value(a.value.as_ref()?)?)))
+                            .collect(),
                     });
                 }
             }

@@ -7,6 +7,7 @@
 //! [`VisionEncoder`] bundles both for callers (the `vlm` CLI, the VisionService server).
 
 mod batcher;
+pub mod cache;
 mod config;
 mod error;
 pub mod metrics;

@@ -47,7 +47,12 @@ struct Args {
     /// ten 448x448 ones.
     #[arg(long, env = "VLM_VISION_MAX_BATCH_PATCHES", default_value_t = vision_svc::server::DEFAULT_MAX_BATCH_PATCHES)]
     max_batch_patches: usize,
-    /// Serve Prometheus metrics (images by outcome, in flight, encode time, images per pass) at
+    /// Bytes of image embeddings kept for images sent again (a chat's history resends its
+    /// images): a repeated image skips decoding and the ViT. Least recently used go first;
+    /// 0 turns the cache off. Hits, misses and bytes held are in the metrics.
+    #[arg(long, env = "VLM_EMBEDDING_CACHE_BYTES", default_value_t = vision_svc::cache::DEFAULT_BUDGET_BYTES)]
+    embedding_cache_bytes: usize,
+    /// Serve Prometheus metrics (images by outcome, in flight, encode time, images per pass, embedding cache) at
     /// http://ADDR/metrics.
     #[arg(long, env = "VLM_VISION_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
@@ -74,6 +79,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_batch_patches: args.max_batch_patches,
         registry: registry.clone(),
         tls,
+        embedding_cache_bytes: args.embedding_cache_bytes,
     };
     let stop = tokio_util::sync::CancellationToken::new();
     let metrics_stop = stop.clone();

@@ -7,7 +7,7 @@ use prometheus::{
 
 #[derive(Clone)]
 pub struct VisionMetrics {
-    /// Images by outcome (ok, invalid, overloaded, error).
+    /// Images by outcome (ok, cached, invalid, overloaded, error, cancelled).
     pub images: IntCounterVec,
     /// Images being preprocessed or encoded now.
     pub in_flight: IntGauge,

@@ -318,6 +318,26 @@ pub fn resize_bicubic(img: &RgbImage, out_w: usize, out_h: usize) -> RgbImage {
 }
 
 /// Decodes, resizes, normalizes and patchifies one image.
+/// How many image tokens of the LLM prompt `bytes` becomes, from its header alone (what
+/// [`preprocess`] would produce, without decoding it): callers can build the prompt while
+/// the image is being encoded.
+pub fn image_tokens(bytes: &[u8], cfg: &PreprocessConfig, limits: &DecodeLimits) -> Result<usize> {
+    let (_, width, height) = check_header(bytes, limits)?;
+    let (h, w) = if cfg.do_resize {
+        smart_resize(
+            height as usize,
+            width as usize,
+            cfg.factor(),
+            cfg.min_pixels,
+            cfg.max_pixels,
+        )?
+    } else {
+        (height as usize, width as usize)
+    };
+    // One token per merge_size x merge_size patches (one frame: an image).
+    Ok((h / cfg.factor()) * (w / cfg.factor()))
+}
+
 pub fn preprocess(bytes: &[u8], cfg: &PreprocessConfig, limits: &DecodeLimits) -> Result<Patches> {
     let img = decode(bytes, limits)?;
     patchify_image(&img, cfg)
@@ -396,6 +416,31 @@ pub fn patchify_image(img: &RgbImage, cfg: &PreprocessConfig) -> Result<Patches>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The header's count is the one preprocessing gives, for every fixture image (each of a
+    /// different size and format) and for sizes that smart_resize scales up and down.
+    #[test]
+    fn image_tokens_from_the_header_equal_what_preprocessing_gives() {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let cfg = PreprocessConfig::from_dir(&dir).unwrap();
+        let limits = DecodeLimits::default();
+        let mut images: Vec<Vec<u8>> = std::fs::read_dir(dir.join("images"))
+            .unwrap()
+            .map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .collect();
+        for (w, h) in [(7, 300), (1000, 33), (640, 480)] {
+            let mut png = Vec::new();
+            image::RgbImage::from_pixel(w, h, image::Rgb([9, 9, 9]))
+                .write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png)
+                .unwrap();
+            images.push(png);
+        }
+        for bytes in &images {
+            let [t, gh, gw] = preprocess(bytes, &cfg, &limits).unwrap().grid_thw;
+            let want = t * gh * gw / (cfg.merge_size * cfg.merge_size);
+            assert_eq!(image_tokens(bytes, &cfg, &limits).unwrap(), want);
+        }
+    }
 
     #[test]
     fn python_rounding_is_half_to_even() {

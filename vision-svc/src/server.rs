@@ -23,6 +23,7 @@ use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{telemetry, tensor};
 
 use crate::batcher::Batcher;
+use crate::cache::{self, EmbeddingCache};
 use crate::metrics::VisionMetrics;
 use crate::{preprocess, Error, VisionEncoder};
 
@@ -47,6 +48,9 @@ pub struct ServeConfig {
     pub registry: prometheus::Registry,
     /// TLS (or mutual TLS) on the gRPC port; `None`: plaintext.
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Bytes of packed embeddings kept for images sent again (0: no cache); see
+    /// [`cache::DEFAULT_BUDGET_BYTES`].
+    pub embedding_cache_bytes: usize,
 }
 
 pub struct VisionServer<B: Backend> {
@@ -54,6 +58,7 @@ pub struct VisionServer<B: Backend> {
     permits: Arc<Semaphore>,
     max_concurrent: usize,
     metrics: VisionMetrics,
+    cache: EmbeddingCache,
 }
 
 /// What the handlers use once the model is loaded: its preprocessing settings, and the
@@ -104,59 +109,100 @@ impl<B: Backend> VisionService for VisionServer<B> {
             otel.kind = "server",
             trace_id = Empty,
             image_bytes = request.get_ref().image.len(),
+            cache = Empty,
             tokens = Empty
         );
         telemetry::adopt_remote_parent(&span, request.metadata());
         let mut guard = ImageGuard::new(&self.metrics);
-        let result = async move {
-            let Some(loaded) = self.loaded.get() else {
-                return Err(Error::Loading);
-            };
-            let req = request.into_inner();
-            // A bad or oversized image is refused before it takes a place: the header alone
-            // says so, and reading it costs next to nothing.
-            preprocess::check_header(&req.image, &loaded.encoder.limits)?;
-            let overloaded = Error::Overloaded {
-                limit: self.max_concurrent,
-            };
-            let permit = self.permits.clone().try_acquire_owned();
-            let permit = permit.map_err(|_| overloaded)?;
-            let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
-            let encoder = loaded.encoder.clone();
-            let parent = tracing::Span::current();
-            // The permit goes along: an image still being decoded for a client that has
-            // gone keeps its place until the decoding ends.
-            let (patches, permit) = tokio::task::spawn_blocking(move || {
-                info_span!(parent: &parent, "preprocess")
-                    .in_scope(|| {
-                        preprocess::preprocess(&req.image, &encoder.preprocess, &encoder.limits)
-                    })
-                    .map(|patches| (patches, permit))
-            })
-            .await
-            .map_err(|e| Error::Encoder(format!("image preprocessing failed: {e}")))??;
-            let out = loaded
-                .batcher
-                .encode(patches, permit, tracing::Span::current())
-                .await?;
-            tracing::Span::current().record("tokens", out.embeds.shape()[0]);
-            tracing::info!(tokens = out.embeds.shape()[0], grid = ?out.grid_thw, "image encoded");
-            let pack = |t: &vlm_compute::HostTensor| tensor::encode(t.shape(), t.data(), dtype);
-            Ok(Response::new(EncodeResponse {
-                embeddings: Some(pack(&out.embeds)),
-                deepstack: out.deepstack.iter().map(pack).collect(),
-                grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
-            }))
-        }
-        .instrument(span)
-        .await;
+        let result = self
+            .encode_image(request.into_inner())
+            .instrument(span)
+            .await;
         guard.outcome = match &result {
-            Ok(_) => "ok",
+            Ok((_, Source::Cache)) => "cached",
+            Ok((_, Source::Encoder)) => "ok",
             Err(e) if e.is_invalid_input() => "invalid",
             Err(Error::Overloaded { .. }) => "overloaded",
             Err(_) => "error",
         };
-        result.map_err(Status::from)
+        result.map(|(r, _)| Response::new(r)).map_err(Status::from)
+    }
+}
+
+/// Where an image's embeddings came from.
+enum Source {
+    Cache,
+    Encoder,
+}
+
+impl<B: Backend> VisionServer<B> {
+    /// An image's embeddings: from the cache, or decoded, preprocessed, run through the ViT
+    /// (batched with others) and packed for the wire, then cached.
+    async fn encode_image(&self, req: EncodeRequest) -> Result<(EncodeResponse, Source), Error> {
+        let Some(loaded) = self.loaded.get() else {
+            return Err(Error::Loading);
+        };
+        let span = tracing::Span::current();
+        // A bad or oversized image is refused before it takes a place: the header alone
+        // says so, and reading it costs next to nothing.
+        preprocess::check_header(&req.image, &loaded.encoder.limits)?;
+        let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
+        // Looked up before a place is taken: a hit costs no device work, so it is never
+        // refused as overloaded.
+        let key = if self.cache.enabled() {
+            let (image, settings) = (req.image.clone(), loaded.encoder.preprocess.clone());
+            let key = tokio::task::spawn_blocking(move || cache::key(&image, dtype, &settings))
+                .await
+                .map_err(|e| Error::Encoder(format!("hashing the image failed: {e}")))?;
+            if let Some(hit) = self.cache.get(&key) {
+                span.record("cache", "hit");
+                return Ok((hit, Source::Cache));
+            }
+            span.record("cache", "miss");
+            Some(key)
+        } else {
+            span.record("cache", "off");
+            None
+        };
+        let overloaded = Error::Overloaded {
+            limit: self.max_concurrent,
+        };
+        let permit = self.permits.clone().try_acquire_owned();
+        let permit = permit.map_err(|_| overloaded)?;
+        let encoder = loaded.encoder.clone();
+        let parent = span.clone();
+        // The permit goes along: an image still being decoded for a client that has
+        // gone keeps its place until the decoding ends.
+        let (patches, permit) = tokio::task::spawn_blocking(move || {
+            info_span!(parent: &parent, "preprocess")
+                .in_scope(|| {
+                    preprocess::preprocess(&req.image, &encoder.preprocess, &encoder.limits)
+                })
+                .map(|patches| (patches, permit))
+        })
+        .await
+        .map_err(|e| Error::Encoder(format!("image preprocessing failed: {e}")))??;
+        let out = loaded.batcher.encode(patches, permit, span.clone()).await?;
+        span.record("tokens", out.embeds.shape()[0]);
+        tracing::info!(tokens = out.embeds.shape()[0], grid = ?out.grid_thw, "image encoded");
+        // One conversion pass per tensor into the message's own buffers, off the runtime's
+        // threads (a large image's embeddings are tens of megabytes).
+        let parent = span.clone();
+        let response = tokio::task::spawn_blocking(move || {
+            let _pack = info_span!(parent: &parent, "pack", dtype = ?dtype).entered();
+            let pack = |t: &vlm_compute::HostTensor| tensor::encode(t.shape(), t.data(), dtype);
+            EncodeResponse {
+                embeddings: Some(pack(&out.embeds)),
+                deepstack: out.deepstack.iter().map(pack).collect(),
+                grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
+            }
+        })
+        .await
+        .map_err(|e| Error::Encoder(format!("packing the embeddings failed: {e}")))?;
+        if let Some(key) = key {
+            self.cache.insert(key, &response);
+        }
+        Ok((response, Source::Encoder))
     }
 }
 
@@ -190,8 +236,10 @@ pub async fn serve<B: Backend>(
         permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
         max_concurrent: cfg.max_concurrent.max(1),
         metrics: metrics.clone(),
+        cache: EmbeddingCache::new(cfg.embedding_cache_bytes, &cfg.registry),
     };
-    let (health, router) = vlm_proto::grpc_server(cfg.tls.clone()).await?;
+    let (health, router) =
+        vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
     let svc = VisionServiceServer::new(server)
         .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
@@ -216,13 +264,14 @@ pub async fn serve<B: Backend>(
 mod tests {
     use super::*;
 
-    /// A loaded server on the tiny fixture with one place.
-    fn server() -> VisionServer<vlm_compute::CpuBackend> {
+    /// A loaded server on the tiny fixture with one place and a cache of `cache_bytes`.
+    fn server(cache_bytes: usize) -> VisionServer<vlm_compute::CpuBackend> {
         let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
         let weights = Weights::open(&dir).unwrap();
         let encoder =
             Arc::new(VisionEncoder::load(&dir, &weights, vlm_compute::CpuBackend::new()).unwrap());
-        let metrics = VisionMetrics::new(&prometheus::Registry::new());
+        let registry = prometheus::Registry::new();
+        let metrics = VisionMetrics::new(&registry);
         let batcher =
             Batcher::start(encoder.clone(), DEFAULT_MAX_BATCH_PATCHES, metrics.clone()).unwrap();
         let loaded = Arc::new(OnceLock::new());
@@ -232,15 +281,16 @@ mod tests {
             permits: Arc::new(Semaphore::new(1)),
             max_concurrent: 1,
             metrics,
+            cache: EmbeddingCache::new(cache_bytes, &registry),
         }
     }
 
     #[tokio::test]
     async fn a_bad_image_gets_invalid_argument_even_when_every_place_is_taken() {
-        let server = server();
+        let server = server(0);
         let encode = |image: Vec<u8>| {
             server.encode(Request::new(EncodeRequest {
-                image,
+                image: image.into(),
                 dtype: Dtype::F32 as i32,
             }))
         };
@@ -270,5 +320,59 @@ mod tests {
         drop(full);
         let out = encode(png).await.unwrap().into_inner();
         assert!(out.embeddings.is_some());
+    }
+
+    fn png(side: u32, shade: u8) -> Vec<u8> {
+        let mut png = Vec::new();
+        image::RgbImage::from_fn(side, side, |x, y| image::Rgb([x as u8, y as u8, shade]))
+            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        png
+    }
+
+    /// A repeated image comes from the cache: the same bytes as a fresh encode, no place
+    /// taken (a hit is served even when every place is), and counted.
+    #[tokio::test]
+    async fn a_repeated_image_comes_from_the_cache_as_a_fresh_encode_gives_it() {
+        let (cached, fresh) = (server(1 << 30), server(0));
+        let request = |image: &Vec<u8>, dtype: Dtype| {
+            Request::new(EncodeRequest {
+                image: image.clone().into(),
+                dtype: dtype as i32,
+            })
+        };
+        let (a, b) = (png(40, 1), png(40, 2));
+        for dtype in [Dtype::F16, Dtype::F32] {
+            let first = cached
+                .encode(request(&a, dtype))
+                .await
+                .unwrap()
+                .into_inner();
+            let full = cached.permits.clone().try_acquire_owned().unwrap();
+            let again = cached
+                .encode(request(&a, dtype))
+                .await
+                .unwrap()
+                .into_inner();
+            drop(full);
+            let want = fresh.encode(request(&a, dtype)).await.unwrap().into_inner();
+            assert_eq!(
+                again, want,
+                "{dtype:?}: the cached answer is a fresh encode's"
+            );
+            assert_eq!(first, want, "{dtype:?}");
+            assert_eq!(want.embeddings.as_ref().unwrap().dtype, dtype as i32);
+            // Another image is not the cached one.
+            let other = cached
+                .encode(request(&b, dtype))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_ne!(other.embeddings, want.embeddings);
+        }
+        let outcome = |o: &str| cached.metrics.images.with_label_values(&[o]).get();
+        assert_eq!((outcome("ok"), outcome("cached")), (4, 2));
+        assert_eq!(cached.cache.hits(), 2);
+        assert_eq!(fresh.cache.hits(), 0);
     }
 }

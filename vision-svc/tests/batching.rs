@@ -163,7 +163,7 @@ async fn encode(
     image: &[u8],
 ) -> Result<EncodeResponse, tonic::Status> {
     let req = EncodeRequest {
-        image: image.to_vec(),
+        image: image.to_vec().into(),
         dtype: Dtype::F32 as i32,
     };
     Ok(client.encode(req).await?.into_inner())
@@ -211,6 +211,8 @@ async fn concurrent_requests_are_batched_and_each_gets_what_its_image_gives_alon
         max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
         registry: registry.clone(),
         tls: None,
+        // Every request runs the encoder: the test is of batching, not of the cache.
+        embedding_cache_bytes: 0,
     };
     let server = tokio::spawn(serve(
         cfg,

@@ -50,13 +50,21 @@ pub struct BenchArgs {
     /// Also print, op by op, where device time goes in a prefill and a batched decode.
     #[arg(long)]
     profile: bool,
-    /// Image side of the time-to-first-token request (with --ttft-text-tokens of text).
-    #[arg(long, default_value_t = 448)]
-    ttft_image_side: usize,
+    /// Image sides of the time-to-first-token requests (each with --ttft-text-tokens of
+    /// text), comma-separated.
+    #[arg(
+        long,
+        alias = "ttft-image-side",
+        value_delimiter = ',',
+        default_value = "448"
+    )]
+    ttft_image_sides: Vec<usize>,
     /// Text tokens of the time-to-first-token request.
     #[arg(long, default_value_t = 32)]
     ttft_text_tokens: usize,
-    /// Skip sending that request through vision-svc, llm-svc and the gateway on loopback.
+    /// Skip sending those requests through vision-svc, llm-svc and the gateway on loopback
+    /// (with an image new to vision-svc, and with one its embedding cache holds), and timing
+    /// how long packing and unpacking their embeddings takes.
     #[arg(long)]
     no_gateway: bool,
     /// Also write the measurements as JSON (one object each, with device, config and commit).
@@ -103,7 +111,7 @@ fn bench_on<B: Backend + Clone>(
         decode_tokens: args.decode_tokens,
         decode_batches: args.decode_batches.clone(),
         profile: args.profile,
-        ttft_image_side: args.ttft_image_side,
+        ttft_image_sides: args.ttft_image_sides.clone(),
         ttft_text_tokens: args.ttft_text_tokens,
         through_gateway: !args.no_gateway,
         random_weights: args.random_weights.then_some(0),

@@ -43,6 +43,10 @@ pub struct ServeArgs {
     /// ones are encoded together in one ViT pass); more get RESOURCE_EXHAUSTED / 429.
     #[arg(long, default_value_t = 64)]
     vision_max_concurrent: usize,
+    /// Bytes of image embeddings the vision service keeps for images sent again (a chat's
+    /// history resends its images): a repeated image skips the ViT. 0 turns it off.
+    #[arg(long, default_value_t = vision_svc::cache::DEFAULT_BUDGET_BYTES)]
+    embedding_cache_bytes: usize,
     /// Cap on prompt + generated tokens per request (default: the model's own, and at most
     /// what the KV cache holds).
     #[arg(long)]
@@ -79,6 +83,7 @@ pub async fn serve(
     cfg.http_addr = (args.host, args.http_port).into();
     cfg.max_concurrent = args.max_concurrent;
     cfg.vision_max_concurrent = args.vision_max_concurrent;
+    cfg.embedding_cache_bytes = args.embedding_cache_bytes;
     cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
     let model_name = cfg.model_name.clone();
     let stack = start_stack(cfg, args.device)
