@@ -206,6 +206,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                 pb::EncodeRequest {
                     image: png.clone().into(),
                     dtype: pb::Dtype::F16 as i32,
+                    shm_domain: String::new(),
                 },
             ),
         ),
@@ -236,6 +237,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                         embeddings: Some(tensor(4)),
                         deepstack: (0..deepstack).map(|_| tensor(4)).collect(),
                         grid_thw: vec![1, 4, 4],
+                        ..Default::default()
                     }],
                     max_new_tokens: 2,
                     ..Default::default()
@@ -254,10 +256,11 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                         embeddings: Some(pb::Tensor {
                             dtype: pb::Dtype::F32 as i32,
                             shape: vec![1 << 40, 1 << 40],
-                            data: Default::default(),
+                            ..Default::default()
                         }),
                         deepstack: vec![],
                         grid_thw: vec![1, 4, 4],
+                        ..Default::default()
                     }],
                     max_new_tokens: 4,
                     ..Default::default()
@@ -274,6 +277,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                         embeddings: Some(tensor(0)),
                         deepstack: vec![],
                         grid_thw: vec![4_000_000_000; 3],
+                        ..Default::default()
                     }],
                     max_new_tokens: 4,
                     ..Default::default()

@@ -196,7 +196,7 @@ pub fn run<B: Backend + Clone>(
     let measures = 2
         + opts.image_sides.len()
         + opts.prefill_tokens.len()
-        + opts.ttft_image_sides.len() * (1 + 4 * opts.through_gateway as usize)
+        + opts.ttft_image_sides.len() * (1 + 5 * opts.through_gateway as usize)
         + opts.decode_contexts.len()
         + batched.len();
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
@@ -404,22 +404,29 @@ pub fn run<B: Backend + Clone>(
     );
 
     if opts.through_gateway {
-        // For each side: a new image for every run, and one image for every run (after the
-        // warm-up, vision-svc has its embeddings).
-        let runs = opts.warmup + opts.repeats.max(1);
-        let mut requests = Vec::new();
-        for &side in &opts.ttft_image_sides {
-            let text = opts.ttft_text_tokens;
-            let new: Vec<ChatRequest> = (1..=runs as u32)
-                .map(|v| ttft_request(&pipeline.chat, side, text, v))
-                .collect::<anyhow::Result<_>>()?;
-            let again = ttft_request(&pipeline.chat, side, text, 0)?;
-            requests.push((side, new, again));
-        }
+        // For each side and each path of the embeddings: a new image for every run; and one
+        // image for every run (after the warm-up, vision-svc has its embeddings).
+        let runs = (opts.warmup + opts.repeats.max(1)) as u32;
+        let text = opts.ttft_text_tokens;
+        let new_images = |first: u32| -> anyhow::Result<Vec<TtftRequests>> {
+            opts.ttft_image_sides
+                .iter()
+                .map(|&side| {
+                    let new = (first..first + runs)
+                        .map(|v| ttft_request(&pipeline.chat, side, text, v))
+                        .collect::<anyhow::Result<_>>()?;
+                    let again = ttft_request(&pipeline.chat, side, text, 0)?;
+                    Ok((side, new, again))
+                })
+                .collect()
+        };
+        let (in_messages, in_shm) = (new_images(1)?, new_images(1 + runs)?);
         // The services hold their own copies of the weights: free ours first.
         drop(pipeline);
-        bar.set_message("through the gateway");
-        out.extend(through_gateway(dir, open, opts, &requests, &bar)?);
+        bar.set_message("through the gateway, embeddings in the messages");
+        out.extend(through_gateway(dir, open, opts, &in_messages, false, &bar)?);
+        bar.set_message("through the gateway, embeddings in shared memory");
+        out.extend(through_gateway(dir, open, opts, &in_shm, true, &bar)?);
     }
     bar.finish_and_clear();
     Ok(out)
@@ -643,15 +650,21 @@ fn pack_and_unpack(
     ])
 }
 
+/// For one image side: a request with a new image for each run, and one to send every run.
+type TtftRequests = (usize, Vec<ChatRequest>, ChatRequest);
+
 /// Starts vision-svc, llm-svc and the gateway in this process on loopback ports
-/// ([`LocalStack`]), waits until they serve, and times requests (one token each) through the
+/// ([`LocalStack`]), the embeddings going through `shared_memory` or inside the gRPC
+/// messages, waits until they serve, and times requests (one token each) through the
 /// gateway's gRPC ChatStream: for each `(side, new, again)`, `new[i]` in run `i` (an image
-/// vision-svc has not seen), then `again` in every run (seen since the warm-up).
+/// vision-svc has not seen); with shared memory, then `again` in every run (seen since the
+/// warm-up).
 fn through_gateway<B: Backend + Clone>(
     dir: &Path,
     open: fn() -> vlm_compute::Result<B>,
     opts: &BenchOptions,
-    requests: &[(usize, Vec<ChatRequest>, ChatRequest)],
+    requests: &[TtftRequests],
+    shared_memory: bool,
     bar: &ProgressBar,
 ) -> anyhow::Result<Vec<Measurement>> {
     use futures::StreamExt;
@@ -665,6 +678,7 @@ fn through_gateway<B: Backend + Clone>(
     cfg.max_concurrent = 1;
     cfg.vision_max_concurrent = 1;
     cfg.embedding_dtype = vlm_proto::pb::Dtype::F16;
+    cfg.shared_memory = shared_memory;
     cfg.default_max_tokens = 1;
     // As in process: every run repeats the prompt, and cached blocks would make its prefill
     // look free, so the difference between the rows would not be the hops alone.
@@ -707,6 +721,13 @@ fn through_gateway<B: Backend + Clone>(
                 anyhow::Ok(t.elapsed())
             })
         };
+        // llm-svc names its shared-memory domain in its first answer.
+        first_token(to_grpc(&requests[0].2))?;
+        let path = if shared_memory {
+            "embeddings in shared memory"
+        } else {
+            "embeddings in the gRPC messages"
+        };
         let mut rows = Vec::new();
         for (side, new, again) in requests {
             let name = ttft_name(*side, opts);
@@ -716,12 +737,15 @@ fn through_gateway<B: Backend + Clone>(
                 first_token(req)
             })?;
             rows.push(Measurement {
-                name: format!("{name}, through the gateway"),
+                name: format!("{name}, through the gateway ({path})"),
                 seconds,
                 work: 1.0,
                 unit: "request",
                 roofline: None,
             });
+            if !shared_memory {
+                continue;
+            }
             let again = to_grpc(again);
             let seconds = time(opts, bar, || first_token(again.clone()))?;
             rows.push(Measurement {

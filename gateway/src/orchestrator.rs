@@ -7,7 +7,9 @@
 //! ```
 //! The prompt is rendered and tokenized while the images are encoded, from each image's token
 //! count as its header gives it (vision-svc's own counts decide; a disagreement builds it
-//! again). Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
+//! again). Once llm-svc has named its shared-memory domain, vision-svc is offered it: on one
+//! host the embeddings then come as the name of a segment, which the gateway passes on (and
+//! removes if the request fails before llm-svc takes it). Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
 //! stream. When the client goes away its receiver closes, the forwarding task ends, the
 //! upstream stream is dropped, and the LLM service stops decoding. A client that stays but
 //! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
@@ -185,6 +187,11 @@ impl Upstreams {
         })
     }
 
+    /// Every replica's address.
+    fn addrs(&self) -> impl Iterator<Item = &str> {
+        self.replicas.iter().map(|(a, _)| a.as_str())
+    }
+
     /// Replicas in the order to try them for the next call.
     fn order(&self) -> impl Iterator<Item = &(String, Channel)> {
         let n = self.replicas.len();
@@ -239,6 +246,11 @@ pub struct Orchestrator {
     /// before it is encoded; `None`: the prompt waits for the embeddings.
     pub image_settings: Option<vision_svc::PreprocessConfig>,
     pub metrics: Metrics,
+    /// Offer vision-svc shared memory for the embeddings when llm-svc shares it.
+    pub shared_memory: bool,
+    /// The shared-memory domain each llm-svc replica named in its last response headers
+    /// (`vlm_proto::shm`), by address.
+    llm_shm_domains: std::sync::Mutex<std::collections::HashMap<String, String>>,
     /// Longest a stream waits for its client to take the next event; past it the generation
     /// is cancelled, so a client that stops reading holds no permit, KV cache or task.
     pub client_send_timeout: Duration,
@@ -307,6 +319,8 @@ impl Orchestrator {
             limits,
             image_settings: None,
             metrics,
+            shared_memory: true,
+            llm_shm_domains: Default::default(),
             client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
         }
@@ -343,25 +357,66 @@ impl Orchestrator {
         Ok(ids)
     }
 
+    /// The domain every llm-svc replica shares, once each has named it: embeddings may then
+    /// travel through shared memory if vision-svc sees the same one.
+    fn llm_shm_domain(&self) -> Option<String> {
+        if !self.shared_memory {
+            return None;
+        }
+        let domains = self
+            .llm_shm_domains
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut named = self.llm.addrs().map(|a| domains.get(a));
+        let first = named.next()??;
+        named.all(|d| d == Some(first)).then(|| first.clone())
+    }
+
+    /// Notes the domain llm-svc at `addr` named in `headers` (none: no shared memory there).
+    fn note_llm_shm_domain(&self, addr: &str, headers: &tonic::metadata::MetadataMap) {
+        let named = headers
+            .get(vlm_proto::shm::DOMAIN_HEADER)
+            .and_then(|v| v.to_str().ok());
+        let mut domains = self
+            .llm_shm_domains
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match named {
+            Some(d) => {
+                if domains.get(addr).map(String::as_str) != Some(d) {
+                    domains.insert(addr.to_string(), d.to_string());
+                }
+            }
+            None => {
+                domains.remove(addr);
+            }
+        }
+    }
+
+    /// Encodes one image. Embeddings that come in a shared-memory segment come with its
+    /// guard, which removes the segment unless llm-svc takes it.
     async fn encode_image(
         &self,
         index: usize,
         image: bytes::Bytes,
         deadline: Option<Instant>,
-    ) -> Result<EncodeResponse, GatewayError> {
+    ) -> Result<(EncodeResponse, vlm_proto::shm::Segment), GatewayError> {
         let span = info_span!(
             "vision.rpc",
             image = index,
             image_bytes = image.len(),
-            embedding_bytes = tracing::field::Empty
+            embedding_bytes = tracing::field::Empty,
+            shm = tracing::field::Empty
         );
         let started = Instant::now();
+        let shm_domain = self.llm_shm_domain().unwrap_or_default();
         let result = async {
             self.vision
                 .call(|ch| {
                     let msg = EncodeRequest {
                         image: image.clone(),
                         dtype: self.embedding_dtype as i32,
+                        shm_domain: shm_domain.clone(),
                     };
                     async move {
                         let req = with_deadline(msg, deadline)
@@ -388,16 +443,17 @@ impl Orchestrator {
             .vision_seconds
             .with_label_values(&[outcome])
             .observe(started.elapsed().as_secs_f64());
-        if let Ok(r) = &result {
-            let bytes: usize = r
-                .embeddings
-                .iter()
-                .chain(&r.deepstack)
-                .map(|t| t.data.len())
-                .sum();
-            span.record("embedding_bytes", bytes);
-        }
-        result
+        let r = result?;
+        let segment = vlm_proto::shm::Segment::new(&r.shm_segment);
+        let bytes: usize = r
+            .embeddings
+            .iter()
+            .chain(&r.deepstack)
+            .map(vlm_proto::tensor::payload_bytes)
+            .sum();
+        span.record("embedding_bytes", bytes);
+        span.record("shm", !r.shm_segment.is_empty());
+        Ok((r, segment))
     }
 
     /// Starts a chat: images encoded, prompt built, generation started. Errors before the
@@ -475,7 +531,9 @@ impl Orchestrator {
             }
         };
         let (encoded, early_prompt) = tokio::join!(encodes, early_prompt);
-        let encoded = encoded?;
+        // The segments stay until llm-svc has taken them; any error before removes them.
+        let (encoded, segments): (Vec<EncodeResponse>, Vec<vlm_proto::shm::Segment>) =
+            encoded?.into_iter().unzip();
 
         let per_image: Vec<usize> = encoded
             .iter()
@@ -498,6 +556,7 @@ impl Orchestrator {
                 embeddings: e.embeddings,
                 deepstack: e.deepstack,
                 grid_thw: e.grid_thw,
+                shm_segment: e.shm_segment,
             })
             .collect();
         let gen = generate_request(&req, prompt, images);
@@ -517,11 +576,15 @@ impl Orchestrator {
                     let mut client = LlmServiceClient::new(ch)
                         .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
                         .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
-                    client.generate(req).await.map(|r| r.into_inner())
+                    client.generate(req).await
                 }
             })
             .instrument(span.clone())
             .await?;
+        // llm-svc has the request, and its segments.
+        segments.into_iter().for_each(vlm_proto::shm::Segment::keep);
+        self.note_llm_shm_domain(&llm_addr, upstream.metadata());
+        let upstream = upstream.into_inner();
         Ok(Started {
             upstream,
             llm_addr,

@@ -41,6 +41,9 @@ pub struct GatewayConfig {
     pub client_send_timeout: Duration,
     /// How image embeddings travel from vision-svc to llm-svc.
     pub embedding_dtype: vlm_proto::pb::Dtype,
+    /// Let embeddings travel through shared memory when vision-svc and llm-svc share this
+    /// host's (see `vlm_proto::shm`); off: always inside the gRPC messages.
+    pub shared_memory: bool,
     /// Metrics of other services to show on the gateway's `/metrics` (`vlm serve` runs the
     /// model services in its process).
     pub also_metrics: Vec<prometheus::Registry>,
@@ -173,6 +176,7 @@ pub async fn serve(
         metrics,
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
+    orchestrator.shared_memory = cfg.shared_memory;
     orchestrator.image_settings = match vision_svc::PreprocessConfig::from_dir(&cfg.model) {
         Ok(settings) => Some(settings),
         Err(e) => {

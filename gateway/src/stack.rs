@@ -44,6 +44,8 @@ pub struct StackConfig {
     pub engine: llm_svc::EngineConfig,
     /// How image embeddings travel from vision-svc to llm-svc.
     pub embedding_dtype: vlm_proto::pb::Dtype,
+    /// Embeddings through shared memory between the services (they share this process's).
+    pub shared_memory: bool,
     /// `max_tokens` of a request that does not say.
     pub default_max_tokens: usize,
     /// Longest a request may take.
@@ -72,6 +74,7 @@ impl StackConfig {
             embedding_cache_bytes: vision_svc::cache::DEFAULT_BUDGET_BYTES,
             engine: llm_svc::EngineConfig::default(),
             embedding_dtype: vlm_proto::pb::Dtype::F32,
+            shared_memory: true,
             default_max_tokens: 256,
             request_timeout: Duration::from_secs(600),
             api_key: None,
@@ -169,6 +172,7 @@ impl LocalStack {
                 request_timeout: cfg.request_timeout,
                 client_send_timeout: crate::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT,
                 embedding_dtype: cfg.embedding_dtype,
+                shared_memory: cfg.shared_memory,
                 also_metrics: vec![registry],
                 api_key: cfg.api_key.clone(),
                 tls: cfg.tls.clone(),

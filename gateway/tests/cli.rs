@@ -324,10 +324,10 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        11,
+        12,
         "two limits, one ViT size, prefill, image TTFT in process, packing and unpacking its \
          embeddings, decode, batched decode, the same through the gateway with a new image \
-         and with one seen before: {names:?}"
+         (embeddings in the messages, and in shared memory) and with one seen before: {names:?}"
     );
     assert!(
         names.contains(&"decode: batch 3 at context 16"),
@@ -336,7 +336,13 @@ fn bench_reports_every_measurement_against_the_limits() {
     assert!(
         names
             .iter()
-            .any(|n| n.ends_with("time to first token, through the gateway")),
+            .any(|n| n.ends_with("through the gateway (embeddings in the gRPC messages)")),
+        "{names:?}"
+    );
+    assert!(
+        names
+            .iter()
+            .any(|n| n.ends_with("through the gateway (embeddings in shared memory)")),
         "{names:?}"
     );
     assert!(

@@ -21,7 +21,7 @@ use tracing::{field::Empty, info_span, Instrument};
 use vlm_compute::{Backend, HostTensor, OnDevice, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
-use vlm_proto::{telemetry, tensor};
+use vlm_proto::{shm, telemetry, tensor};
 
 use crate::{
     Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, SamplingParams,
@@ -47,10 +47,22 @@ pub struct LlmServer {
     engine: Arc<OnceLock<Engine>>,
     permits: Arc<Semaphore>,
     max_concurrent: usize,
+    /// [`shm::domain`], sent in every response's headers so the gateway can offer the
+    /// same-host path; `None`: no shared memory here.
+    shm_domain: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
-fn image_from_pb(index: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, Error> {
+fn image_from_pb(
+    index: usize,
+    mut img: pb::ImageEmbeddings,
+    segment: Option<bytes::Bytes>,
+) -> Result<ImageInput, Error> {
     let bad = |message: String| Error::BadImage { index, message };
+    if let Some(segment) = &segment {
+        for t in img.embeddings.iter_mut().chain(img.deepstack.iter_mut()) {
+            tensor::attach(t, segment).map_err(bad)?;
+        }
+    }
     let host = |t: &pb::Tensor| -> Result<HostTensor, Error> {
         let (shape, data) = tensor::decode(t).map_err(bad)?;
         HostTensor::new(shape, data).map_err(|e| bad(e.to_string()))
@@ -73,16 +85,30 @@ fn image_from_pb(index: usize, img: &pb::ImageEmbeddings) -> Result<ImageInput, 
     })
 }
 
-/// A `GenerateRequest` off the wire as the engine takes it (tensors decoded); the engine's
-/// `validate` checks the rest.
-pub fn request_from_pb(req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
+/// A `GenerateRequest` off the wire as the engine takes it (tensors decoded, shared-memory
+/// segments mapped and their names removed); the engine's `validate` checks the rest.
+pub fn request_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
     let s = req.sampling.unwrap_or_default();
+    // Every segment is taken (its name removed) before any image is checked, so a bad
+    // image leaves none of the request's segments behind.
+    let images = std::mem::take(&mut req.images);
+    let segments: Vec<Result<Option<bytes::Bytes>, String>> = images
+        .iter()
+        .map(|img| {
+            (!img.shm_segment.is_empty())
+                .then(|| shm::take(&img.shm_segment))
+                .transpose()
+        })
+        .collect();
     Ok(GenerateRequest {
-        images: req
-            .images
-            .iter()
+        images: images
+            .into_iter()
+            .zip(segments)
             .enumerate()
-            .map(|(i, img)| image_from_pb(i, img))
+            .map(|(index, (img, segment))| {
+                let segment = segment.map_err(|message| Error::BadImage { index, message })?;
+                image_from_pb(index, img, segment)
+            })
             .collect::<Result<_, _>>()?,
         prompt: req.prompt_token_ids,
         sampling: SamplingParams {
@@ -188,7 +214,13 @@ impl LlmService for LlmServer {
             }
             .instrument(span),
         );
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let mut response = Response::new(Box::pin(ReceiverStream::new(rx)) as TokenStream);
+        if let Some(domain) = &self.shm_domain {
+            response
+                .metadata_mut()
+                .insert(shm::DOMAIN_HEADER, domain.clone());
+        }
+        Ok(response)
     }
 }
 
@@ -221,6 +253,7 @@ pub async fn serve<B: Backend>(
         engine: engine.clone(),
         permits: Arc::new(Semaphore::new(max_concurrent)),
         max_concurrent,
+        shm_domain: shm::domain().and_then(|d| d.parse().ok()),
     };
     let (health, router) =
         vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
@@ -270,6 +303,7 @@ mod tests {
             engine: cell,
             permits: Arc::new(Semaphore::new(1)),
             max_concurrent: 1,
+            shm_domain: None,
         };
         let generate = |prompt: Vec<u32>, max_new_tokens: u32| {
             server.generate(Request::new(pb::GenerateRequest {

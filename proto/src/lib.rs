@@ -6,9 +6,11 @@
 //! - [`telemetry`]: logs and traces for every process, OpenTelemetry export, and W3C trace
 //!   context carried in gRPC metadata so one request is one trace across processes.
 //! - [`tls`]: TLS and mutual TLS on the gRPC hops and the gateway's HTTPS port.
+//! - [`shm`]: the same-host path for embeddings (shared memory instead of gRPC bytes).
 //! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
 
 pub mod metrics;
+pub mod shm;
 pub mod telemetry;
 pub mod tensor;
 pub mod tls;

@@ -75,11 +75,13 @@ pub fn encode(shape: &[usize], values: &[f32], dtype: Dtype) -> Tensor {
         dtype: dtype as i32,
         shape: shape.iter().map(|&d| d as u64).collect(),
         data,
+        shm_offset: None,
     }
 }
 
-/// Unpacks a tensor to (shape, f32 values), checking that the bytes fit the shape.
-pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
+/// The bytes a tensor of this shape and dtype has, checked: the shape comes off the wire, and
+/// a product that wraps could match the data.
+fn byte_len(t: &Tensor) -> Result<(Vec<usize>, Dtype, usize), String> {
     let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
     let dtype = Dtype::try_from(t.dtype).map_err(|_| format!("unknown dtype {}", t.dtype))?;
     let width = match dtype {
@@ -87,16 +89,53 @@ pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
         Dtype::F16 | Dtype::Bf16 => 2,
         Dtype::Unspecified => return Err("tensor dtype is unspecified".into()),
     };
-    // Checked: the shape comes off the wire, and a product that wraps could match the data.
-    let n = shape
+    let bytes = shape
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .filter(|n| n.checked_mul(width).is_some())
+        .and_then(|n| n.checked_mul(width))
         .ok_or_else(|| format!("tensor shape {shape:?} has more elements than can exist"))?;
-    if t.data.len() != n * width {
+    Ok((shape, dtype, bytes))
+}
+
+/// The bytes a tensor's values take, wherever they travel (0 if its shape or dtype is bad).
+pub fn payload_bytes(t: &Tensor) -> usize {
+    byte_len(t).map_or(0, |(_, _, bytes)| bytes)
+}
+
+/// Points a tensor that travelled through shared memory (`shm_offset`) at its bytes in
+/// `segment`; a tensor that carries its bytes is left as it is.
+pub fn attach(t: &mut Tensor, segment: &Bytes) -> Result<(), String> {
+    let Some(offset) = t.shm_offset.take() else {
+        return Ok(());
+    };
+    if !t.data.is_empty() {
+        return Err("a tensor has both bytes and a shared-memory offset".into());
+    }
+    let (shape, _, len) = byte_len(t)?;
+    let end = usize::try_from(offset)
+        .ok()
+        .and_then(|o| o.checked_add(len).map(|end| (o, end)))
+        .filter(|&(_, end)| end <= segment.len())
+        .ok_or_else(|| {
+            format!(
+                "tensor of shape {shape:?} at offset {offset} runs past the shared-memory \
+                 segment of {} bytes",
+                segment.len()
+            )
+        })?;
+    t.data = segment.slice(end.0..end.1);
+    Ok(())
+}
+
+/// Unpacks a tensor to (shape, f32 values), checking that the bytes fit the shape.
+pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
+    if t.shm_offset.is_some() {
+        return Err("the tensor's bytes are in shared memory that was not attached".into());
+    }
+    let (shape, dtype, n_bytes) = byte_len(t)?;
+    if t.data.len() != n_bytes {
         return Err(format!(
-            "tensor of shape {shape:?} and dtype {dtype:?} needs {} bytes, got {}",
-            n * width,
+            "tensor of shape {shape:?} and dtype {dtype:?} needs {n_bytes} bytes, got {}",
             t.data.len()
         ));
     }
@@ -174,13 +213,36 @@ mod tests {
         assert_eq!(back, v);
     }
 
+    #[test]
+    fn attached_tensors_read_their_slice_of_the_segment_and_bounds_are_checked() {
+        let a = encode(&[2], &[1.0, 2.0], Dtype::F16);
+        let b = encode(&[3], &[3.0, 4.0, 5.0], Dtype::F32);
+        let segment: Bytes = [&a.data[..], &b.data[..]].concat().into();
+        let shared = |t: &Tensor, offset: u64| Tensor {
+            data: Bytes::new(),
+            shm_offset: Some(offset),
+            ..t.clone()
+        };
+        let (mut a2, mut b2) = (shared(&a, 0), shared(&b, a.data.len() as u64));
+        assert!(decode(&a2).unwrap_err().contains("not attached"));
+        attach(&mut a2, &segment).unwrap();
+        attach(&mut b2, &segment).unwrap();
+        assert_eq!(decode(&a2).unwrap(), decode(&a).unwrap());
+        assert_eq!(decode(&b2).unwrap(), decode(&b).unwrap());
+        // Past the end, or an offset that wraps.
+        for offset in [a.data.len() as u64 + 1, u64::MAX - 2] {
+            let err = attach(&mut shared(&b, offset), &segment).unwrap_err();
+            assert!(err.contains("runs past"), "{err}");
+        }
+    }
+
     /// Found by the grpc fuzz target: the element count overflowed (a panic in debug builds).
     #[test]
     fn rejects_shapes_whose_size_overflows() {
         let t = Tensor {
             dtype: Dtype::F32 as i32,
             shape: vec![1 << 40, 1 << 40],
-            data: Bytes::new(),
+            ..Default::default()
         };
         assert!(decode(&t)
             .unwrap_err()
@@ -188,7 +250,7 @@ mod tests {
         let t = Tensor {
             dtype: Dtype::F16 as i32,
             shape: vec![1 << 63],
-            data: Bytes::new(),
+            ..Default::default()
         };
         assert!(decode(&t).is_err());
     }

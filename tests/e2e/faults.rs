@@ -1,6 +1,7 @@
 //! Faults, one test each, against the three real binaries on loopback: a service killed with
 //! `kill -9` in the middle of a request, SIGTERM to each service while it serves a stream, a
-//! client that stops reading, and an upstream that accepts connections but never answers.
+//! client that stops reading, an upstream that accepts connections but never answers, and a
+//! shared-memory segment whose reader has died.
 //!
 //! Every wait is bounded, so a hang fails the test instead of stalling CI. Bounds are many
 //! times what the step needs on a 2-core CI machine (a kill is noticed in milliseconds on
@@ -485,4 +486,67 @@ async fn an_upstream_that_never_answers_gets_a_deadline_not_a_hang() {
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
     assert!(t.elapsed() < bound, "answered after {:?}", t.elapsed());
     assert!(stack.gateway.alive());
+}
+
+/// On one host the embeddings go through shared memory once llm-svc has named its domain in a
+/// response: the same tokens as when they travel inside the messages, no segment left after a
+/// request, and none left when llm-svc has been killed and a request's segment has no reader.
+#[tokio::test(flavor = "multi_thread")]
+async fn shared_memory_embeddings_answer_the_same_and_leave_no_segment_behind() {
+    if vlm_proto::shm::domain().is_none() {
+        eprintln!("SKIPPED: no /dev/shm here");
+        return;
+    }
+    let mut stack = Stack::start(StackOptions {
+        service_metrics: true,
+        ..Default::default()
+    })
+    .await;
+    let url = stack.vision_metrics.clone().unwrap();
+    let path = |p: &str| format!("vlm_vision_embedding_bytes_total{{path=\"{p}\"}}");
+    let mut c = grpc_client(&stack.grpc).await;
+    let request = || grpc_chat(&[fixture_image("cat.png")], "Describe this image.", 6);
+
+    // llm-svc has not named its domain yet: the first image travels inside the messages.
+    let inline = c.chat(request()).await.unwrap().into_inner();
+    let page = metrics_page(&url).await;
+    assert!(metric(&page, &path("grpc")) > 0.0, "{page}");
+    assert_eq!(metric(&page, &path("shm")), 0.0, "{page}");
+
+    let shared = c.chat(request()).await.unwrap().into_inner();
+    assert_eq!(
+        shared.token_ids, inline.token_ids,
+        "shared memory answers the same"
+    );
+    let page = metrics_page(&url).await;
+    let shm_bytes = metric(&page, &path("shm"));
+    assert!(shm_bytes > 0.0, "{page}");
+    let vision_pid = stack.vision.pid();
+    assert_eq!(
+        vlm_proto::shm::segments_of(vision_pid),
+        Vec::<String>::new(),
+        "llm-svc removes a segment once it has mapped it"
+    );
+
+    // llm-svc dies: vision-svc still writes the next image's segment, the call to llm-svc
+    // fails, and the gateway removes the segment.
+    stack.llm.as_mut().unwrap().kill9();
+    let err = tokio::time::timeout(
+        HANG,
+        c.chat(grpc_chat(&[big_png(64)], "Describe this image.", 6)),
+    )
+    .await
+    .expect("no hang")
+    .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    let page = metrics_page(&url).await;
+    assert!(
+        metric(&page, &path("shm")) > shm_bytes,
+        "it went through shared memory: {page}"
+    );
+    assert_eq!(
+        vlm_proto::shm::segments_of(vision_pid),
+        Vec::<String>::new(),
+        "a segment without a reader is removed"
+    );
 }

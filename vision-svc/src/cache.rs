@@ -171,9 +171,11 @@ mod tests {
                 dtype: Dtype::F16 as i32,
                 shape: vec![bytes as u64 / 2],
                 data: vec![fill; bytes].into(),
+                shm_offset: None,
             }),
             deepstack: vec![],
             grid_thw: vec![1, 2, 2],
+            shm_segment: String::new(),
         }
     }
 

@@ -15,6 +15,8 @@ pub struct VisionMetrics {
     pub encode_seconds: Histogram,
     /// Images encoded together in one ViT pass.
     pub batch_images: Histogram,
+    /// Bytes of embeddings sent, by path: inside the gRPC response, or through shared memory.
+    pub embedding_bytes: IntCounterVec,
 }
 
 impl VisionMetrics {
@@ -42,8 +44,17 @@ impl VisionMetrics {
                 .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
         )
         .expect("valid");
+        let embedding_bytes = IntCounterVec::new(
+            Opts::new(
+                "vlm_vision_embedding_bytes_total",
+                "Bytes of embeddings sent, by path (grpc: in the response; shm: shared memory)",
+            ),
+            &["path"],
+        )
+        .expect("valid");
         for m in [
             Box::new(images.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(embedding_bytes.clone()),
             Box::new(in_flight.clone()),
             Box::new(encode_seconds.clone()),
             Box::new(batch_images.clone()),
@@ -55,6 +66,7 @@ impl VisionMetrics {
             in_flight,
             encode_seconds,
             batch_images,
+            embedding_bytes,
         }
     }
 }

@@ -6,8 +6,10 @@
 //! `max_batch_patches` patches per pass. At most `max_concurrent` images are in the service
 //! at once (preprocessing, queued or encoding); more fail fast with RESOURCE_EXHAUSTED rather
 //! than queue without bound. An image whose header is bad or over the limits gets
-//! INVALID_ARGUMENT before it takes a place. A request whose client has gone leaves the queue
-//! before its pass. Every failure is an [`Error`], which becomes a status in one place.
+//! INVALID_ARGUMENT before it takes a place. An image sent before comes back from the
+//! embedding cache (cache.rs) without taking a place or a ViT pass. A request whose client has
+//! gone leaves the queue before its pass. Every failure is an [`Error`], which becomes a status
+//! in one place.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -20,7 +22,7 @@ use tracing::{field::Empty, info_span, Instrument};
 use vlm_compute::{Backend, OnDevice, Weights};
 use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
-use vlm_proto::{telemetry, tensor};
+use vlm_proto::{shm, telemetry, tensor};
 
 use crate::batcher::Batcher;
 use crate::cache::{self, EmbeddingCache};
@@ -59,6 +61,8 @@ pub struct VisionServer<B: Backend> {
     max_concurrent: usize,
     metrics: VisionMetrics,
     cache: EmbeddingCache,
+    /// The shared memory this process sees ([`shm::domain`]); `None`: none to use.
+    shm_domain: Option<String>,
 }
 
 /// What the handlers use once the model is loaded: its preprocessing settings, and the
@@ -110,14 +114,21 @@ impl<B: Backend> VisionService for VisionServer<B> {
             trace_id = Empty,
             image_bytes = request.get_ref().image.len(),
             cache = Empty,
+            path = Empty,
             tokens = Empty
         );
         telemetry::adopt_remote_parent(&span, request.metadata());
         let mut guard = ImageGuard::new(&self.metrics);
-        let result = self
-            .encode_image(request.into_inner())
-            .instrument(span)
-            .await;
+        let req = request.into_inner();
+        // The reader (llm-svc) sees the shared memory this process does.
+        let shared =
+            !req.shm_domain.is_empty() && self.shm_domain.as_ref() == Some(&req.shm_domain);
+        let result = async {
+            let (response, source) = self.encode_image(req).await?;
+            Ok((self.deliver(response, shared).await?, source))
+        }
+        .instrument(span)
+        .await;
         guard.outcome = match &result {
             Ok((_, Source::Cache)) => "cached",
             Ok((_, Source::Encoder)) => "ok",
@@ -127,6 +138,70 @@ impl<B: Backend> VisionService for VisionServer<B> {
         };
         result.map(|(r, _)| Response::new(r)).map_err(Status::from)
     }
+}
+
+impl<B: Backend> VisionServer<B> {
+    /// The response as sent: its tensors' bytes inside it, or, when the reader `shared` this
+    /// host's shared memory, written once into a segment it names (the bytes inside it if the
+    /// segment cannot be written).
+    async fn deliver(
+        &self,
+        response: EncodeResponse,
+        shared: bool,
+    ) -> Result<EncodeResponse, Error> {
+        let bytes: usize = response
+            .embeddings
+            .iter()
+            .chain(&response.deepstack)
+            .map(|t| t.data.len())
+            .sum();
+        let parent = tracing::Span::current();
+        let (path, response) = if shared {
+            tokio::task::spawn_blocking(move || {
+                let _span = info_span!(parent: &parent, "shm_write", bytes).entered();
+                match to_shared(&response) {
+                    Ok(shared) => ("shm", shared),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot write the embeddings to shared memory; sending them in the response");
+                        ("grpc", response)
+                    }
+                }
+            })
+            .await
+            .map_err(|e| Error::Encoder(format!("writing the embeddings failed: {e}")))?
+        } else {
+            ("grpc", response)
+        };
+        tracing::Span::current().record("path", path);
+        self.metrics
+            .embedding_bytes
+            .with_label_values(&[path])
+            .inc_by(bytes as u64);
+        Ok(response)
+    }
+}
+
+/// `response` with its tensors' bytes moved into a new shared-memory segment.
+fn to_shared(response: &EncodeResponse) -> std::io::Result<EncodeResponse> {
+    let parts: Vec<&[u8]> = response
+        .embeddings
+        .iter()
+        .chain(&response.deepstack)
+        .map(|t| &t.data[..])
+        .collect();
+    let (name, offsets) = shm::write(&parts)?;
+    let mut out = response.clone();
+    for (t, offset) in out
+        .embeddings
+        .iter_mut()
+        .chain(out.deepstack.iter_mut())
+        .zip(offsets)
+    {
+        t.data = Default::default();
+        t.shm_offset = Some(offset);
+    }
+    out.shm_segment = name;
+    Ok(out)
 }
 
 /// Where an image's embeddings came from.
@@ -195,6 +270,7 @@ impl<B: Backend> VisionServer<B> {
                 embeddings: Some(pack(&out.embeds)),
                 deepstack: out.deepstack.iter().map(pack).collect(),
                 grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
+                shm_segment: String::new(),
             }
         })
         .await
@@ -237,7 +313,18 @@ pub async fn serve<B: Backend>(
         max_concurrent: cfg.max_concurrent.max(1),
         metrics: metrics.clone(),
         cache: EmbeddingCache::new(cfg.embedding_cache_bytes, &cfg.registry),
+        shm_domain: shm::domain(),
     };
+    // Segments a gateway never passed on (it died between the calls), and those of this
+    // service's earlier runs, are removed.
+    let sweeper = server.shm_domain.is_some().then(|| {
+        tokio::spawn(async {
+            loop {
+                let _ = tokio::task::spawn_blocking(|| shm::sweep(shm::SEGMENT_TTL)).await;
+                tokio::time::sleep(shm::SEGMENT_TTL / 4).await;
+            }
+        })
+    });
     let (health, router) =
         vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
     let svc = VisionServiceServer::new(server)
@@ -257,7 +344,11 @@ pub async fn serve<B: Backend>(
         Ok(LoadedEncoder { encoder, batcher })
     });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
-    vlm_proto::run_service(router, listener, health, name, load, shutdown).await
+    let result = vlm_proto::run_service(router, listener, health, name, load, shutdown).await;
+    if let Some(sweeper) = sweeper {
+        sweeper.abort();
+    }
+    result
 }
 
 #[cfg(test)]
@@ -282,6 +373,7 @@ mod tests {
             max_concurrent: 1,
             metrics,
             cache: EmbeddingCache::new(cache_bytes, &registry),
+            shm_domain: shm::domain(),
         }
     }
 
@@ -292,6 +384,7 @@ mod tests {
             server.encode(Request::new(EncodeRequest {
                 image: image.into(),
                 dtype: Dtype::F32 as i32,
+                shm_domain: String::new(),
             }))
         };
         let mut png = Vec::new();
@@ -339,6 +432,7 @@ mod tests {
             Request::new(EncodeRequest {
                 image: image.clone().into(),
                 dtype: dtype as i32,
+                shm_domain: String::new(),
             })
         };
         let (a, b) = (png(40, 1), png(40, 2));

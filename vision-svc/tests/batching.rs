@@ -165,6 +165,7 @@ async fn encode(
     let req = EncodeRequest {
         image: image.to_vec().into(),
         dtype: Dtype::F32 as i32,
+        shm_domain: String::new(),
     };
     Ok(client.encode(req).await?.into_inner())
 }

@@ -47,6 +47,7 @@ pub fn gateway_steps(req: &ChatRequest) -> Outcome {
             embeddings: Some(embedding()),
             deepstack: (0..deepstack).map(|_| embedding()).collect(),
             grid_thw: grid.to_vec(),
+            ..Default::default()
         })
         .collect();
     let gen = ::gateway::orchestrator::generate_request(req, ids, images);

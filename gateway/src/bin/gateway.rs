@@ -90,6 +90,11 @@ struct Args {
     /// How image embeddings travel between the services: f32 (exact), or f16/bf16 (half the bytes).
     #[arg(long, env = "VLM_EMBEDDING_DTYPE", default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     embedding_dtype: String,
+    /// Always send embeddings inside the gRPC messages. By default they go through shared
+    /// memory (/dev/shm) once vision-svc and llm-svc turn out to share it (one host, or
+    /// containers sharing their IPC namespace), which saves copying them through the gateway.
+    #[arg(long, env = "VLM_NO_SHARED_MEMORY")]
+    no_shared_memory: bool,
     #[command(flatten)]
     access: gateway::auth::AccessArgs,
     #[command(flatten)]
@@ -146,6 +151,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "bf16" => vlm_proto::pb::Dtype::Bf16,
             _ => vlm_proto::pb::Dtype::F32,
         },
+        shared_memory: !args.no_shared_memory,
         api_key,
         tls,
         upstream_tls,

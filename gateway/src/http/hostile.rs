@@ -253,6 +253,7 @@ async fn a_grpc_message_over_the_limit_is_refused_naming_it() {
         default_max_tokens: 4,
         request_timeout: Duration::from_secs(5),
         embedding_dtype: pb::Dtype::F32,
+        shared_memory: true,
         also_metrics: Vec::new(),
         api_key: None,
         tls: None,
