@@ -13,7 +13,8 @@ use vlm_proto::pb::{self, content_part, gateway_server::Gateway};
 use vlm_proto::telemetry;
 
 use crate::chat::{Message, Part};
-use crate::orchestrator::{ChatEvent, GatewayError, Orchestrator};
+use crate::gateway_error::GatewayError;
+use crate::orchestrator::{ChatEvent, Orchestrator};
 use crate::pipeline::ChatRequest;
 
 pub struct GatewayService {

@@ -32,7 +32,8 @@ use tracing::{field::Empty, info_span, Instrument};
 use vlm_proto::pb;
 
 use crate::chat::{Message, Part};
-use crate::orchestrator::{ChatEvent, GatewayError, Orchestrator};
+use crate::gateway_error::GatewayError;
+use crate::orchestrator::{ChatEvent, Orchestrator};
 use crate::pipeline::{ChatRequest, RequestLimits};
 
 /// Shared state of the HTTP handlers.

@@ -4,6 +4,8 @@
 //! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
+//! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas;
+//!   [`gateway_error`]: what a request can fail with, as gRPC and HTTP statuses.
 //! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
 //! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`.
 
@@ -12,6 +14,7 @@ pub mod bench;
 pub mod chat;
 pub mod detok;
 mod error;
+pub mod gateway_error;
 pub mod grpc;
 pub mod http;
 pub mod load;
@@ -20,5 +23,6 @@ pub mod orchestrator;
 pub mod pipeline;
 pub mod serve;
 pub mod stack;
+pub mod upstream;
 
 pub use error::{Error, Result};

@@ -15,15 +15,12 @@
 //! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
 //! The caller's deadline is passed on to every upstream call.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use futures::future::try_join_all;
 use tokio::sync::{mpsc, Semaphore};
-use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
 use tracing::{info_span, Instrument};
 use vlm_proto::pb::llm_service_client::LlmServiceClient;
 use vlm_proto::pb::vision_service_client::VisionServiceClient;
@@ -32,194 +29,10 @@ use vlm_proto::telemetry;
 
 use crate::chat::{ChatTokenizer, Message, Part};
 use crate::detok::TextStream;
+pub use crate::gateway_error::GatewayError;
 use crate::metrics::Metrics;
 use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits};
-
-/// Everything a gateway request can fail with, each mapping to one gRPC and one HTTP status.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum GatewayError {
-    #[error("{0}")]
-    Invalid(String),
-    /// The request is bigger than the gateway accepts (`--max-body-bytes`).
-    #[error("{0}")]
-    TooLarge(String),
-    #[error("{0}")]
-    Overloaded(String),
-    #[error("{0}")]
-    Unavailable(String),
-    #[error("{0}")]
-    DeadlineExceeded(String),
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl GatewayError {
-    /// Stable label for metrics and logs.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            GatewayError::Invalid(_) => "invalid_request",
-            GatewayError::TooLarge(_) => "request_too_large",
-            GatewayError::Overloaded(_) => "overloaded",
-            GatewayError::Unavailable(_) => "unavailable",
-            GatewayError::DeadlineExceeded(_) => "deadline_exceeded",
-            GatewayError::Internal(_) => "internal",
-        }
-    }
-
-    /// HTTP status for the OpenAI-style API.
-    pub fn http_status(&self) -> u16 {
-        match self {
-            GatewayError::Invalid(_) => 400,
-            GatewayError::TooLarge(_) => 413,
-            GatewayError::Overloaded(_) => 429,
-            GatewayError::Unavailable(_) => 503,
-            GatewayError::DeadlineExceeded(_) => 504,
-            GatewayError::Internal(_) => 500,
-        }
-    }
-
-    /// An upstream call's failure, named after the service and address it came from.
-    fn upstream(service: &str, addr: &str, s: &Status) -> Self {
-        let msg = format!("{service} at {addr}: {}", s.message());
-        match s.code() {
-            Code::InvalidArgument | Code::OutOfRange => {
-                GatewayError::Invalid(s.message().to_string())
-            }
-            Code::ResourceExhausted => GatewayError::Overloaded(msg),
-            _ if upstream_gone(s) => GatewayError::Unavailable(format!(
-                "{service} unavailable at {addr}: {}",
-                s.message()
-            )),
-            Code::DeadlineExceeded | Code::Cancelled => GatewayError::DeadlineExceeded(msg),
-            _ => GatewayError::Internal(msg),
-        }
-    }
-}
-
-/// Whether an upstream call failed because the service is not there: UNAVAILABLE, or UNKNOWN,
-/// which tonic reports when the connection breaks under a call (the process died or was
-/// killed) and never comes from our services, which answer every failure with a code.
-fn upstream_gone(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::Unknown)
-}
-
-/// The one place gateway errors become gRPC statuses.
-impl From<GatewayError> for Status {
-    fn from(e: GatewayError) -> Self {
-        let code = match e {
-            GatewayError::Invalid(_) => Code::InvalidArgument,
-            // gRPC's code for a message over the size limit.
-            GatewayError::TooLarge(_) => Code::ResourceExhausted,
-            GatewayError::Overloaded(_) => Code::ResourceExhausted,
-            GatewayError::Unavailable(_) => Code::Unavailable,
-            GatewayError::DeadlineExceeded(_) => Code::DeadlineExceeded,
-            GatewayError::Internal(_) => Code::Internal,
-        };
-        Status::new(code, e.to_string())
-    }
-}
-
-impl From<crate::Error> for GatewayError {
-    fn from(e: crate::Error) -> Self {
-        if e.is_invalid_input() {
-            GatewayError::Invalid(e.to_string())
-        } else {
-            GatewayError::Internal(e.to_string())
-        }
-    }
-}
-
-/// The endpoint of an upstream at `addr` (`host:port`, or a URL): plaintext, or with `tls`
-/// TLS (a bare `host:port` then means `https://`, and the certificate must name the host).
-pub fn upstream_endpoint(addr: &str, tls: Option<&ClientTlsConfig>) -> anyhow::Result<Endpoint> {
-    let uri = match (addr.contains("://"), tls) {
-        (true, _) => addr.to_string(),
-        (false, None) => format!("http://{addr}"),
-        (false, Some(_)) => format!("https://{addr}"),
-    };
-    // An explicit http:// would silently bypass the TLS the flags ask for.
-    anyhow::ensure!(
-        tls.is_none() || uri.starts_with("https://"),
-        "upstream address {addr:?} is not https://, but upstream TLS is configured"
-    );
-    let endpoint = Endpoint::from_shared(uri.clone())
-        .with_context(|| format!("bad upstream address {addr:?}"))?;
-    match tls {
-        Some(tls) => endpoint
-            .tls_config(tls.clone())
-            .with_context(|| format!("cannot set up TLS to {uri}")),
-        None => Ok(endpoint),
-    }
-}
-
-/// One or more replicas of an upstream service, tried round-robin; a replica that answers
-/// UNAVAILABLE (or whose connection breaks) is skipped for the next one. Channels connect
-/// lazily and reconnect on their own, so the gateway starts before its upstreams and recovers
-/// when they return.
-pub struct Upstreams {
-    service: &'static str,
-    replicas: Vec<(String, Channel)>,
-    next: AtomicUsize,
-}
-
-impl Upstreams {
-    /// Replicas at `addrs`, over TLS when `tls` is given.
-    pub fn new(
-        service: &'static str,
-        addrs: &[String],
-        tls: Option<&ClientTlsConfig>,
-    ) -> anyhow::Result<Self> {
-        anyhow::ensure!(!addrs.is_empty(), "no {service} address given");
-        let replicas = addrs
-            .iter()
-            .map(|a| {
-                let ch = vlm_proto::internal_hop::endpoint(upstream_endpoint(a, tls)?)
-                    .connect_timeout(Duration::from_secs(2))
-                    .tcp_nodelay(true)
-                    .connect_lazy();
-                Ok((a.clone(), ch))
-            })
-            .collect::<anyhow::Result<_>>()?;
-        Ok(Self {
-            service,
-            replicas,
-            next: AtomicUsize::new(0),
-        })
-    }
-
-    /// Every replica's address.
-    fn addrs(&self) -> impl Iterator<Item = &str> {
-        self.replicas.iter().map(|(a, _)| a.as_str())
-    }
-
-    /// Replicas in the order to try them for the next call.
-    fn order(&self) -> impl Iterator<Item = &(String, Channel)> {
-        let n = self.replicas.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        (0..n).map(move |i| &self.replicas[(start + i) % n])
-    }
-
-    /// Runs `call` on replicas until one is not gone ([`upstream_gone`]); returns its answer
-    /// and the replica's address.
-    async fn call<T, F, Fut>(&self, mut call: F) -> Result<(T, String), GatewayError>
-    where
-        F: FnMut(Channel) -> Fut,
-        Fut: std::future::Future<Output = Result<T, Status>>,
-    {
-        let mut last = None;
-        for (addr, ch) in self.order() {
-            match call(ch.clone()).await {
-                Ok(v) => return Ok((v, addr.clone())),
-                Err(s) if upstream_gone(&s) => {
-                    tracing::warn!(service = self.service, %addr, error = %s.message(), "replica unavailable");
-                    last = Some(GatewayError::upstream(self.service, addr, &s));
-                }
-                Err(s) => return Err(GatewayError::upstream(self.service, addr, &s)),
-            }
-        }
-        Err(last.expect("at least one replica"))
-    }
-}
+use crate::upstream::Upstreams;
 
 /// What a chat stream yields.
 #[derive(Debug, Clone)]

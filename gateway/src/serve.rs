@@ -21,8 +21,9 @@ use crate::chat::ChatTokenizer;
 use crate::grpc::GatewayService;
 use crate::http::{router, HttpState};
 use crate::metrics::Metrics;
-use crate::orchestrator::{upstream_endpoint, Orchestrator, Upstreams};
+use crate::orchestrator::Orchestrator;
 use crate::pipeline::{check_model_dir, RequestLimits};
+use crate::upstream::{upstream_endpoint, Upstreams};
 
 pub struct GatewayConfig {
     /// Checkpoint directory: the gateway reads its tokenizer, chat template and config.json.

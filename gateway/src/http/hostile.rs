@@ -16,8 +16,8 @@ use super::*;
 use crate::chat::ChatTokenizer;
 use crate::grpc::GatewayService;
 use crate::metrics::Metrics;
-use crate::orchestrator::Upstreams;
 use crate::serve::UpstreamHealth;
+use crate::upstream::Upstreams;
 
 const NOWHERE: &str = "127.0.0.1:1";
 

@@ -47,7 +47,7 @@ pub async fn health(args: HealthArgs) -> anyhow::Result<()> {
         None => None,
     };
     let check = async {
-        let ch = gateway::orchestrator::upstream_endpoint(&args.addr, tls.as_ref())?
+        let ch = gateway::upstream::upstream_endpoint(&args.addr, tls.as_ref())?
             .connect()
             .await
             .with_context(|| format!("cannot connect to {}", args.addr))?;
