@@ -594,3 +594,50 @@ async fn forward(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gateway of the tiny fixture with llm-svc replicas at `llm` (none is ever called).
+    fn orchestrator(llm: &[&str]) -> Orchestrator {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let image_token = llm_svc::ModelConfig::from_dir(&dir).unwrap().image_token_id;
+        let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
+        let llm: Vec<String> = llm.iter().map(|a| a.to_string()).collect();
+        Orchestrator::new(
+            chat,
+            Upstreams::new("vision-svc", &["127.0.0.1:1".into()], None).unwrap(),
+            Upstreams::new("llm-svc", &llm, None).unwrap(),
+            RequestLimits::default(),
+            1,
+            Metrics::new(),
+        )
+    }
+
+    fn headers(domain: Option<&str>) -> tonic::metadata::MetadataMap {
+        let mut h = tonic::metadata::MetadataMap::new();
+        if let Some(d) = domain {
+            h.insert(vlm_proto::shm::DOMAIN_HEADER, d.parse().unwrap());
+        }
+        h
+    }
+
+    #[tokio::test]
+    async fn shared_memory_is_offered_once_every_llm_replica_has_named_one_domain() {
+        let mut o = orchestrator(&["a:1", "b:1"]);
+        assert_eq!(o.llm_shm_domain(), None, "nothing heard yet");
+        o.note_llm_shm_domain("a:1", &headers(Some("d1")));
+        assert_eq!(o.llm_shm_domain(), None, "b has not named one");
+        o.note_llm_shm_domain("b:1", &headers(Some("d2")));
+        assert_eq!(o.llm_shm_domain(), None, "they differ");
+        o.note_llm_shm_domain("b:1", &headers(Some("d1")));
+        assert_eq!(o.llm_shm_domain().as_deref(), Some("d1"));
+        // A replica that stops naming one (restarted elsewhere) ends the offer.
+        o.note_llm_shm_domain("a:1", &headers(None));
+        assert_eq!(o.llm_shm_domain(), None);
+        o.note_llm_shm_domain("a:1", &headers(Some("d1")));
+        o.shared_memory = false;
+        assert_eq!(o.llm_shm_domain(), None, "--no-shared-memory");
+    }
+}
