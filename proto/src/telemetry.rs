@@ -48,13 +48,22 @@ pub struct LogArgs {
 }
 
 /// The stderr log layer for `format`: colours only on a terminal (and without `NO_COLOR`), so
-/// piped or collected logs carry no escape codes.
+/// piped or collected logs carry no escape codes; span timings with `VLM_LOG_SPANS=1`.
 pub fn log_layer<S>(format: LogFormat) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
     use std::io::IsTerminal;
-    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // VLM_LOG_SPANS=1: a line as each span closes, with the time it was busy and idle, for
+    // seeing where a request's time goes without a trace collector.
+    let spans = if std::env::var_os("VLM_LOG_SPANS").is_some_and(|v| !v.is_empty() && v != "0") {
+        tracing_subscriber::fmt::format::FmtSpan::CLOSE
+    } else {
+        tracing_subscriber::fmt::format::FmtSpan::NONE
+    };
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_span_events(spans);
     match format {
         LogFormat::Text => {
             // NO_COLOR (https://no-color.org) wins even on a terminal.
