@@ -6,7 +6,9 @@
 //! engine frees the request's cache blocks at its next step. The caller's deadline
 //! (`grpc-timeout`) goes to the engine with the request. At most `max_concurrent` requests are
 //! in the engine (running or queued); more get RESOURCE_EXHAUSTED at once. A bad request gets
-//! INVALID_ARGUMENT before it takes a place.
+//! INVALID_ARGUMENT before it takes a place. Image embeddings come inside the request, or, on
+//! one host, in shared-memory segments that are mapped and unlinked as the request is read
+//! (`vlm_proto::shm`); every response names this service's shared-memory domain in its headers.
 
 use std::future::Future;
 use std::path::PathBuf;
