@@ -143,16 +143,9 @@ pub fn run<B: Backend + Clone>(
         .ttft_image_sides
         .iter()
         .map(|&side| {
-            let f = image_settings.factor();
-            let (h, w) = vision_svc::preprocess::smart_resize(
-                side,
-                side,
-                f,
-                image_settings.min_pixels,
-                image_settings.max_pixels,
-            )?;
+            let image = vision_svc::preprocess::image_tokens_of_size(side, side, &image_settings)?;
             // The chat template's own tokens on top of the image's and the text's.
-            Ok((h / f) * (w / f) + opts.ttft_text_tokens + 64)
+            Ok(image + opts.ttft_text_tokens + 64)
         })
         .collect::<anyhow::Result<Vec<usize>>>()?;
     let longest = opts

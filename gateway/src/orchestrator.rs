@@ -258,13 +258,7 @@ impl Orchestrator {
             .observe(started.elapsed().as_secs_f64());
         let r = result?;
         let segment = vlm_proto::shm::Segment::new(&r.shm_segment);
-        let bytes: usize = r
-            .embeddings
-            .iter()
-            .chain(&r.deepstack)
-            .map(vlm_proto::tensor::payload_bytes)
-            .sum();
-        span.record("embedding_bytes", bytes);
+        span.record("embedding_bytes", r.payload_bytes());
         span.record("shm", !r.shm_segment.is_empty());
         Ok((r, segment))
     }

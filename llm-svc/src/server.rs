@@ -61,7 +61,7 @@ fn image_from_pb(
 ) -> Result<ImageInput, Error> {
     let bad = |message: String| Error::BadImage { index, message };
     if let Some(segment) = &segment {
-        for t in img.embeddings.iter_mut().chain(img.deepstack.iter_mut()) {
+        for t in img.tensors_mut() {
             tensor::attach(t, segment).map_err(bad)?;
         }
     }

@@ -9,7 +9,7 @@
 //! so there the same tokens are expected up to the first step where the two best logits are
 //! within the GPU's tolerance (see golden_text.rs).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use llm_svc::{
@@ -22,10 +22,14 @@ fn fixture() -> PathBuf {
     vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The engine of the checkpoint in `dir`.
+fn engine_of<B: Backend>(dir: &Path, backend: B, cfg: EngineConfig) -> Engine {
+    let weights = Weights::open(dir).unwrap();
+    Engine::load(dir, &weights, backend, cfg, &prometheus::Registry::new()).unwrap()
+}
+
 fn engine_on<B: Backend>(backend: B, cfg: EngineConfig) -> Engine {
-    let dir = fixture();
-    let weights = Weights::open(&dir).unwrap();
-    Engine::load(&dir, &weights, backend, cfg, &prometheus::Registry::new()).unwrap()
+    engine_of(&fixture(), backend, cfg)
 }
 
 fn engine(cfg: EngineConfig) -> Engine {
@@ -314,15 +318,7 @@ fn eos_from_tokenizer_config_stops_generation_and_no_eos_runs_to_the_budget() {
         })
         .unwrap();
     let dir = fixture_with_tokenizer_eos("named", Some(&name));
-    let weights = Weights::open(&dir).unwrap();
-    let e = Engine::load(
-        &dir,
-        &weights,
-        CpuBackend::new(),
-        cfg(),
-        &prometheus::Registry::new(),
-    )
-    .unwrap();
+    let e = engine_of(&dir, CpuBackend::new(), cfg());
     assert_eq!(e.config().eos_token_ids, vec![through[0]]);
     let gen = e
         .generate(&req, |_| std::ops::ControlFlow::Continue(()))
@@ -338,15 +334,7 @@ fn eos_from_tokenizer_config_stops_generation_and_no_eos_runs_to_the_budget() {
 
     // No eos anywhere: the same tokens as ignoring eos, to the budget.
     let dir = fixture_with_tokenizer_eos("none", None);
-    let weights = Weights::open(&dir).unwrap();
-    let e = Engine::load(
-        &dir,
-        &weights,
-        CpuBackend::new(),
-        cfg(),
-        &prometheus::Registry::new(),
-    )
-    .unwrap();
+    let e = engine_of(&dir, CpuBackend::new(), cfg());
     assert!(e.config().eos_token_ids.is_empty());
     let gen = e
         .generate(&req, |_| std::ops::ControlFlow::Continue(()))

@@ -21,6 +21,29 @@ pub mod pb {
 
     /// Encoded file descriptor set, for gRPC reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("vlm_descriptor");
+
+    /// An image's tensors, in the order they travel (and share a segment): the embeddings,
+    /// then each DeepStack feature.
+    macro_rules! image_tensors {
+        ($message:ty) => {
+            impl $message {
+                pub fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+                    self.embeddings.iter().chain(&self.deepstack)
+                }
+
+                pub fn tensors_mut(&mut self) -> impl Iterator<Item = &mut Tensor> {
+                    self.embeddings.iter_mut().chain(self.deepstack.iter_mut())
+                }
+
+                /// Bytes of all its tensors' values, inside the message or in shared memory.
+                pub fn payload_bytes(&self) -> usize {
+                    self.tensors().map(crate::tensor::payload_bytes).sum()
+                }
+            }
+        };
+    }
+    image_tensors!(EncodeResponse);
+    image_tensors!(ImageEmbeddings);
 }
 
 /// Largest gRPC message any of our servers or clients sends or accepts: 256 MiB. Embeddings

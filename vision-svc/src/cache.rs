@@ -29,6 +29,11 @@ pub fn key(image: &[u8], dtype: Dtype, settings: &PreprocessConfig) -> CacheKey 
     h.finalize().into()
 }
 
+/// Bytes of embeddings an entry holds (what the budget counts).
+fn held_bytes(r: &EncodeResponse) -> usize {
+    r.tensors().map(|t| t.data.len()).sum()
+}
+
 pub struct EmbeddingCache {
     budget: usize,
     held: Mutex<Held>,
@@ -38,15 +43,6 @@ pub struct EmbeddingCache {
 struct Held {
     entries: LruCache<CacheKey, EncodeResponse>,
     bytes: usize,
-}
-
-/// Bytes of embeddings an entry holds (what the budget counts).
-fn size(r: &EncodeResponse) -> usize {
-    r.embeddings
-        .iter()
-        .chain(&r.deepstack)
-        .map(|t| t.data.len())
-        .sum()
 }
 
 impl EmbeddingCache {
@@ -79,20 +75,20 @@ impl EmbeddingCache {
     /// Keeps `response` under `key`, dropping the least recently used entries until the budget
     /// holds. An entry larger than the whole budget is not kept.
     pub fn insert(&self, key: CacheKey, response: &EncodeResponse) {
-        let bytes = size(response);
+        let bytes = held_bytes(response);
         if bytes > self.budget {
             return;
         }
         let mut held = self.lock();
         if let Some(old) = held.entries.put(key, response.clone()) {
-            held.bytes -= size(&old);
+            held.bytes -= held_bytes(&old);
         }
         held.bytes += bytes;
         while held.bytes > self.budget {
             let Some((_, old)) = held.entries.pop_lru() else {
                 break;
             };
-            held.bytes -= size(&old);
+            held.bytes -= held_bytes(&old);
         }
         self.metrics.bytes.set(held.bytes as i64);
         self.metrics.entries.set(held.entries.len() as i64);

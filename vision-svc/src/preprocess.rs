@@ -323,16 +323,15 @@ pub fn resize_bicubic(img: &RgbImage, out_w: usize, out_h: usize) -> RgbImage {
 /// the image is being encoded.
 pub fn image_tokens(bytes: &[u8], cfg: &PreprocessConfig, limits: &DecodeLimits) -> Result<usize> {
     let (_, width, height) = check_header(bytes, limits)?;
+    image_tokens_of_size(width as usize, height as usize, cfg)
+}
+
+/// How many image tokens an image of `width`×`height` pixels becomes.
+pub fn image_tokens_of_size(width: usize, height: usize, cfg: &PreprocessConfig) -> Result<usize> {
     let (h, w) = if cfg.do_resize {
-        smart_resize(
-            height as usize,
-            width as usize,
-            cfg.factor(),
-            cfg.min_pixels,
-            cfg.max_pixels,
-        )?
+        smart_resize(height, width, cfg.factor(), cfg.min_pixels, cfg.max_pixels)?
     } else {
-        (height as usize, width as usize)
+        (height, width)
     };
     // One token per merge_size x merge_size patches (one frame: an image).
     Ok((h / cfg.factor()) * (w / cfg.factor()))

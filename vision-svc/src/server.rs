@@ -149,12 +149,7 @@ impl<B: Backend> VisionServer<B> {
         response: EncodeResponse,
         shared: bool,
     ) -> Result<EncodeResponse, Error> {
-        let bytes: usize = response
-            .embeddings
-            .iter()
-            .chain(&response.deepstack)
-            .map(|t| t.data.len())
-            .sum();
+        let bytes = response.payload_bytes();
         let parent = tracing::Span::current();
         let (path, response) = if shared {
             tokio::task::spawn_blocking(move || {
@@ -183,20 +178,10 @@ impl<B: Backend> VisionServer<B> {
 
 /// `response` with its tensors' bytes moved into a new shared-memory segment.
 fn to_shared(response: &EncodeResponse) -> std::io::Result<EncodeResponse> {
-    let parts: Vec<&[u8]> = response
-        .embeddings
-        .iter()
-        .chain(&response.deepstack)
-        .map(|t| &t.data[..])
-        .collect();
+    let parts: Vec<&[u8]> = response.tensors().map(|t| &t.data[..]).collect();
     let (name, offsets) = shm::write(&parts)?;
     let mut out = response.clone();
-    for (t, offset) in out
-        .embeddings
-        .iter_mut()
-        .chain(out.deepstack.iter_mut())
-        .zip(offsets)
-    {
+    for (t, offset) in out.tensors_mut().zip(offsets) {
         t.data = Default::default();
         t.shm_offset = Some(offset);
     }
