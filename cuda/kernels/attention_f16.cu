@@ -12,10 +12,12 @@
 // padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
 //
 // Layouts follow the ops interface: q [nq, hq, d], out [nq, hq * d], both f32. Keys and values
-// come through a loader: contiguous f32 [slots, hkv, d] (`attention`: the ViT), or the paged
-// f16 KV cache through a sequence's block list (`paged_attention`: prefill chunks of an engine
-// step; see paged_f16.cu for the layout). Query i sits at key position first_slot + i; causal:
-// it sees keys up to that; otherwise keys < kv_len.
+// come through a loader: f16 [hkv, kv_len, DP] packed once per call from the f32 [slots, hkv,
+// d] of `attention` (the ViT; pack_kv_f16 below), or the paged f16 KV cache through a
+// sequence's block list (`paged_attention`: prefill chunks of an engine step; see paged_f16.cu
+// for the layout). Either copies 16 bytes at a time with cp.async into one of two K/V buffers
+// while the warps compute on the other. Query i sits at key position first_slot + i; causal: it
+// sees keys up to that; otherwise keys < kv_len.
 
 #include <cuda_fp16.h>
 
@@ -23,18 +25,31 @@
 #define FA_BQ 64  // queries per block: 16 per warp
 #define FA_BK 64  // keys per tile
 
-// Shared memory, dynamic (the host opts in above 48 KB): Q, K and V tiles of 64 rows, each row
-// DP + 8 halves (the 16-byte pad keeps ldmatrix's eight row reads in distinct banks). Must
-// match flash_smem_bytes in cuda/src/cuda/mod.rs: 384 * (DP + 8) bytes.
+// Shared memory, dynamic (the host opts in above 48 KB): a Q tile and two K and V tiles (double
+// buffered) of 64 rows, each row DP + 8 halves (the 16-byte pad keeps ldmatrix's eight row reads
+// in distinct banks). Must match flash_smem_bytes in cuda/src/cuda/mod.rs: 640 * (DP + 8) bytes.
 template <int DP>
 struct FaShared {
     static constexpr int row = DP + 8;          // halves per row
     static constexpr int tile = 64 * row;       // halves per tile
-    static constexpr int bytes = 3 * tile * 2;
+    static constexpr int bytes = 5 * tile * 2;
 };
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without passing through registers (sm_80+), in the current group.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const half* p) {
@@ -69,27 +84,56 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// Keys and values of contiguous f32 rows [slots, hkv, d], rounded to f16 as they are staged.
-struct ContiguousF32Kv {
-    const float* __restrict__ k;
-    const float* __restrict__ v;
-    int hkv, d;
+// Row r of a K/V tile from global k / v (16 bytes a thread at a time, asynchronously), or zeros
+// for a row past the keys.
+template <int DP>
+__device__ __forceinline__ void stage_chunk(half* Ks, half* Vs, int r, int c, const half* k,
+                                            const half* v, bool in) {
+    constexpr int R = FaShared<DP>::row;
+    half* ks = Ks + r * R + c;
+    half* vs = Vs + r * R + c;
+    if (in) {
+        cp_async16(ks, k);
+        cp_async16(vs, v);
+    } else {
+        *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
+    }
+}
 
-    // K and V rows kt.. of head kvh into Ks, Vs [64][DP + 8] (zeros past kv_end and d).
+// Keys and values packed by pack_kv_f16: f16 [hkv, kv_len, DP], head dims past d zero.
+struct PackedF16Kv {
+    const half* __restrict__ k;
+    const half* __restrict__ v;
+    int kv_len;
+
     template <int DP>
     __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
-        for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
-            int r = idx / DP, c = idx % DP, j = kt + r;
-            bool in = j < kv_end && c < d;
-            size_t at = ((size_t)j * hkv + kvh) * d + c;
-            Ks[r * FaShared<DP>::row + c] = __float2half_rn(in ? __ldg(k + at) : 0.0f);
-            Vs[r * FaShared<DP>::row + c] = __float2half_rn(in ? __ldg(v + at) : 0.0f);
+        constexpr int V8 = DP / 8;
+        const size_t head = (size_t)kvh * kv_len * DP;
+        for (int idx = threadIdx.x; idx < FA_BK * V8; idx += blockDim.x) {
+            int r = idx / V8, c = (idx % V8) * 8, j = kt + r;
+            size_t at = j < kv_end ? head + (size_t)j * DP + c : 0;
+            stage_chunk<DP>(Ks, Vs, r, c, k + at, v + at, j < kv_end);
         }
     }
 };
 
+// The ViT's keys and values, f32 [kv_len, hkv, d], as PackedF16Kv's layout: one block per key.
+extern "C" __global__ void pack_kv_f16(const float* __restrict__ k, const float* __restrict__ v,
+                                       half* __restrict__ kp, half* __restrict__ vp, int hkv,
+                                       int d, int dp, int kv_len) {
+    const int j = blockIdx.x;
+    for (int t = threadIdx.x; t < hkv * dp; t += blockDim.x) {
+        int h = t / dp, c = t % dp;
+        size_t src = ((size_t)j * hkv + h) * d + c, dst = ((size_t)h * kv_len + j) * dp + c;
+        kp[dst] = __float2half_rn(c < d ? k[src] : 0.0f);
+        vp[dst] = __float2half_rn(c < d ? v[src] : 0.0f);
+    }
+}
+
 // Keys and values of one sequence in the paged f16 cache (paged_f16.cu's layout): already
-// f16, copied 16 bytes at a time when rows are a multiple of 8 halves.
+// f16, copied 16 bytes at a time when rows are DP halves (other head dims: element by element).
 struct PagedF16Kv {
     const half* __restrict__ k;
     const half* __restrict__ v;
@@ -109,14 +153,8 @@ struct PagedF16Kv {
             constexpr int V8 = DP / 8;
             for (int idx = threadIdx.x; idx < FA_BK * V8; idx += blockDim.x) {
                 int r = idx / V8, c = (idx % V8) * 8, j = kt + r;
-                uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
-                if (j < kv_end) {
-                    size_t at = row(j, kvh) + c;
-                    kr = __ldg(reinterpret_cast<const uint4*>(k + at));
-                    vr = __ldg(reinterpret_cast<const uint4*>(v + at));
-                }
-                *reinterpret_cast<uint4*>(Ks + r * R + c) = kr;
-                *reinterpret_cast<uint4*>(Vs + r * R + c) = vr;
+                size_t at = j < kv_end ? row(j, kvh) + c : 0;
+                stage_chunk<DP>(Ks, Vs, r, c, k + at, v + at, j < kv_end);
             }
             return;
         }
@@ -141,8 +179,10 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
     constexpr int NK = FA_BK / 8;    // n-tiles of the scores
     extern __shared__ __align__(128) unsigned char fa_smem[];
     half* Qs = reinterpret_cast<half*>(fa_smem);
-    half* Ks = Qs + FaShared<DP>::tile;
-    half* Vs = Ks + FaShared<DP>::tile;
+    // Then K and V of even key tiles, K and V of odd ones: tile i + 1 is copied in while tile i
+    // is used.
+    auto k_buf = [&](int i) { return Qs + (1 + 2 * (i % 2)) * FaShared<DP>::tile; };
+    auto v_buf = [&](int i) { return k_buf(i) + FaShared<DP>::tile; };
 
     const int h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -150,6 +190,14 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
     const int kvh = h / (hq / hkv);
     // exp(x) = exp2(x log2 e): fold log2 e into Q's scale.
     const float qscale = scale * 1.4426950408889634f;
+
+    // Keys any query of this block can see.
+    int last_q = min(q0 + FA_BQ, nq) - 1;
+    int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
+    const int tiles = (kv_end + FA_BK - 1) / FA_BK;
+    // The first K/V tile is on its way while Q is staged.
+    if (tiles > 0) kvs.template stage<DP>(k_buf(0), v_buf(0), 0, kv_end, kvh);
+    cp_async_commit();
 
     for (int idx = threadIdx.x; idx < FA_BQ * DP; idx += blockDim.x) {
         int r = idx / DP, c = idx % DP, i = q0 + r;
@@ -174,12 +222,18 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
         qi[hrow] = q0 + warp * 16 + g + 8 * hrow;
         visible[hrow] = causal ? min(kv_len, first_slot + qi[hrow] + 1) : kv_len;
     }
-    // Keys any query of this block can see.
-    int last_q = min(q0 + FA_BQ, nq) - 1;
-    int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
 
-    for (int kt = 0; kt < kv_end; kt += FA_BK) {
-        kvs.template stage<DP>(Ks, Vs, kt, kv_end, kvh);
+    for (int it = 0; it < tiles; ++it) {
+        const int kt = it * FA_BK;
+        const half* Ks = k_buf(it);
+        const half* Vs = v_buf(it);
+        if (it + 1 < tiles) {
+            kvs.template stage<DP>(k_buf(it + 1), v_buf(it + 1), kt + FA_BK, kv_end, kvh);
+            cp_async_commit();
+            cp_async_wait<1>();  // this tile's copies are done; the next one's may still run
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
 
         // S (16 x 64 for this warp) = Q Kᵀ.
@@ -256,7 +310,7 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
                 mma_16816(o[n + 1], pf[kk], b[2], b[3]);
             }
         }
-        __syncthreads();  // before the next tile overwrites K and V
+        __syncthreads();  // before the next iteration copies tile + 2 into these buffers
     }
 
 #pragma unroll
@@ -277,10 +331,10 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
 
 #define FA_KERNEL(DP)                                                                              \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_attention_d##DP(            \
-        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,  \
+        const float* __restrict__ q, const half* __restrict__ k, const half* __restrict__ v,    \
         float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,        \
         int first_slot, float scale) {                                                          \
-        ContiguousF32Kv kvs{k, v, hkv, d};                                                      \
+        PackedF16Kv kvs{k, v, kv_len};                                                          \
         flash_attention<DP>(q, kvs, out, blockIdx.x * FA_BQ, nq, hq, hkv, d, kv_len, causal,    \
                             first_slot, scale);                                                 \
     }

@@ -226,6 +226,18 @@ pub trait Backend: Send + Sync + 'static {
     /// RMSNorm over the last dim (`x / sqrt(mean(x²) + eps) * w`); per-head q/k norm is this op
     /// on a `[tokens, heads, head_dim]` view.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// `x += a`, then [`Backend::rms_norm`] of the new `x`: a residual update and the norm
+    /// after it in one pass (a decode step has two per layer, and on a GPU each op is a launch).
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        a: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        *x = self.add(x, a)?;
+        self.rms_norm(x, w, eps)
+    }
     fn gelu(&self, x: &Self::Tensor, kind: GeluKind) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, the SwiGLU of the text MLP.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;

@@ -39,6 +39,11 @@ pub enum Case {
         rows: usize,
         cols: usize,
     },
+    /// The residual update and the norm after it; the output is the new `x` above the norm.
+    AddRmsNorm {
+        rows: usize,
+        cols: usize,
+    },
     /// `[n, k] · [m, k]ᵀ (+ bias)`: up to 4 rows run the device's GEMV (decode), more its GEMM.
     Linear {
         n: usize,
@@ -211,6 +216,7 @@ impl Case {
             Case::Gelu { rows, cols, kind } => format!("gelu {kind:?} [{rows},{cols}]"),
             Case::LayerNorm { rows, cols } => format!("layer_norm [{rows},{cols}]"),
             Case::RmsNorm { rows, cols } => format!("rms_norm [{rows},{cols}]"),
+            Case::AddRmsNorm { rows, cols } => format!("add_rms_norm [{rows},{cols}]"),
             Case::Linear { n, k, m, bias } => {
                 format!("linear{} {n}x{k}->{m}", if *bias { "+bias" } else { "" })
             }
@@ -284,7 +290,7 @@ impl Case {
             // Transcendentals: the device's expf/tanhf/erff are within a few ulp.
             Case::SiluMul { .. } | Case::Gelu { .. } | Case::Rope { .. } => 1e-5,
             // Reductions over a row, in another order.
-            Case::LayerNorm { .. } | Case::RmsNorm { .. } => 1e-4,
+            Case::LayerNorm { .. } | Case::RmsNorm { .. } | Case::AddRmsNorm { .. } => 1e-4,
             // Long dot products in another order; k >= 4096 sums are long enough to need more.
             Case::Linear { k, .. } | Case::Swiglu { k, .. } => {
                 if *k >= 4096 {
@@ -341,6 +347,12 @@ impl Case {
             )?,
             Case::RmsNorm { rows, cols } => {
                 be.rms_norm(&up(&[rows, cols], 9)?, &up(&[cols], 10)?, 1e-6)?
+            }
+            Case::AddRmsNorm { rows, cols } => {
+                let mut x = up(&[rows, cols], 9)?;
+                let normed =
+                    be.add_rms_norm(&mut x, &up(&[rows, cols], 1)?, &up(&[cols], 10)?, 1e-6)?;
+                return HostTensor::concat_rows(&[be.download(&x)?, be.download(&normed)?]);
             }
             Case::Linear { n, k, m, bias } => {
                 let x = be.upload(&f16_exact(input(&[n, k], 11)))?;
@@ -666,6 +678,7 @@ pub fn self_check_cases() -> Vec<Case> {
             },
             LayerNorm { rows, cols },
             RmsNorm { rows, cols },
+            AddRmsNorm { rows, cols },
         ]);
     }
     for (n, k, m) in [

@@ -64,6 +64,7 @@ fn elementwise_and_norms() {
                 },
                 Case::LayerNorm { rows, cols },
                 Case::RmsNorm { rows, cols },
+                Case::AddRmsNorm { rows, cols },
             ]
         }),
     );

@@ -118,11 +118,21 @@ struct DecoderLayer<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
-    /// The residual stream after attention, `x`, through the MLP half of the layer.
-    fn mlp(&self, be: &B, x: B::Tensor) -> vlm_compute::Result<B::Tensor> {
-        let h = be.rms_norm(&x, &self.post_attn_norm, self.eps)?;
+    /// The layer on the residual stream `x`, whose input norm `h` the caller computed. Adds
+    /// attention's output to `x` and returns the MLP's, which the caller adds (fused with the
+    /// next norm: [`Backend::add_rms_norm`]).
+    fn forward(
+        &self,
+        be: &B,
+        x: &mut B::Tensor,
+        h: &B::Tensor,
+        step: &StepInput<B>,
+        kv: (&mut B::Cache, &mut B::Cache),
+    ) -> vlm_compute::Result<B::Tensor> {
+        let a = self.attn.forward(be, h, step, kv.0, kv.1)?;
+        let h = be.add_rms_norm(x, &a, &self.post_attn_norm, self.eps)?;
         let g = be.swiglu(&h, self.gate_up.weight())?;
-        be.add(&x, &self.down.forward(be, &g)?)
+        self.down.forward(be, &g)
     }
 
     fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
@@ -203,24 +213,41 @@ impl<B: Backend> TextModel<B> {
         if let Some(img) = &step.images {
             be.scatter_rows(&mut x, img.rows, img.embeds)?;
         }
+        // The last MLP output not yet added to `x`: the add waits to be fused with the norm
+        // after it (two launches fewer per layer when decoding).
+        let mut pending: Option<B::Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = be.rms_norm(&x, &layer.input_norm, layer.eps)?;
-            let a = layer
-                .attn
-                .forward(be, &h, step, &mut kv.k[i], &mut kv.v[i])?;
-            x = layer.mlp(be, be.add(&x, &a)?)?;
-            if let Some(img) = &step.images {
-                if let Some(ds) = img.deepstack.get(i) {
-                    be.add_rows(&mut x, img.rows, ds)?;
+            let h = match pending.take() {
+                Some(m) => be.add_rms_norm(&mut x, &m, &layer.input_norm, layer.eps)?,
+                None => be.rms_norm(&x, &layer.input_norm, layer.eps)?,
+            };
+            let kv_i = (&mut kv.k[i], &mut kv.v[i]);
+            let m = layer.forward(be, &mut x, &h, step, kv_i)?;
+            match step
+                .images
+                .as_ref()
+                .and_then(|img| Some((img.rows, img.deepstack.get(i)?)))
+            {
+                // DeepStack adds to the stream after the MLP's output, as HF does.
+                Some((rows, ds)) => {
+                    x = be.add(&x, &m)?;
+                    be.add_rows(&mut x, rows, ds)?;
                 }
+                None => pending = Some(m),
             }
         }
-        let last = match step.logits {
-            LogitsOf::Nothing => return Ok(None),
-            LogitsOf::AllRows => x,
-            LogitsOf::Rows(rows) => be.gather_rows(&x, rows)?,
+        let eps = self.cfg.text.rms_norm_eps;
+        let h = match (&step.logits, pending) {
+            (LogitsOf::Nothing, _) => return Ok(None),
+            (LogitsOf::AllRows, Some(m)) => be.add_rms_norm(&mut x, &m, &self.norm, eps)?,
+            (LogitsOf::AllRows, None) => be.rms_norm(&x, &self.norm, eps)?,
+            (LogitsOf::Rows(rows), pending) => {
+                if let Some(m) = pending {
+                    x = be.add(&x, &m)?;
+                }
+                be.rms_norm(&be.gather_rows(&x, rows)?, &self.norm, eps)?
+            }
         };
-        let h = be.rms_norm(&last, &self.norm, self.cfg.text.rms_norm_eps)?;
         be.linear(&h, &self.lm_head, None).map(Some)
     }
 }

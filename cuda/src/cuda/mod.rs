@@ -105,6 +105,7 @@ const SOURCES: [KernelSource; 4] = [
             PAGED_FLASH_KERNELS[1],
             PAGED_FLASH_KERNELS[2],
             PAGED_FLASH_KERNELS[3],
+            "pack_kv_f16",
         ],
     },
 ];
@@ -163,13 +164,13 @@ fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
 /// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
-/// Dynamic shared memory of flash_attention_d{dp}: Q, K and V tiles of 64 rows of dp + 8
-/// halves (FaShared in attention_f16.cu).
+/// Dynamic shared memory of flash_attention_d{dp}: a Q tile and two K and V tiles (double
+/// buffered) of 64 rows of dp + 8 halves (FaShared in attention_f16.cu).
 fn flash_smem_bytes(dp: usize) -> usize {
-    384 * (dp + 8)
+    5 * 64 * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 13] = [
+const OPS_KERNELS: [&str; 14] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -177,6 +178,7 @@ const OPS_KERNELS: [&str; 13] = [
     "silu_mul_halves_f32",
     "layer_norm_f32",
     "rms_norm_f32",
+    "add_rms_norm_f32",
     "rope_f32",
     "attention_f32",
     "weighted_gather_f32",
@@ -1270,6 +1272,33 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        a: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        same_shape("add_rms_norm", x, a)?;
+        width_of("add_rms_norm", x, w)?;
+        let mut out = self.alloc(x.shape.clone())?;
+        let (rows, cols) = (x.rows(), x.cols() as i32);
+        let name = "add_rms_norm_f32";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(Arc::make_mut(&mut x.buf))
+            .arg(&*a.buf)
+            .arg(&*w.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&cols)
+            .arg(&eps);
+        // SAFETY: matches add_rms_norm_f32, one block per row; x and a have the same shape.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(rows)) }.map(|_| ()),
+        )?;
+        Ok(out)
+    }
+
     fn gelu(&self, x: &CudaTensor, kind: GeluKind) -> Result<CudaTensor> {
         match kind {
             GeluKind::Tanh => self.elementwise("gelu_tanh_f32", x, None),
@@ -1360,13 +1389,34 @@ impl Backend for CudaBackend {
         let mut out = self.alloc(vec![nq, hq * d])?;
         let flash_dim = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
         if let (true, true, Some(dp)) = (self.inner.flash, nq >= FLASH_MIN_QUERIES, flash_dim) {
+            // Keys and values to f16 [hkv, kv_len, dp] once, not once per query tile.
+            let packed = hkv * kv_len * dp;
+            // SAFETY: pack_kv_f16 writes every element (padding dims as zeros).
+            let alloc_f16 = || unsafe { self.inner.stream.alloc::<half::f16>(packed) };
+            let (mut kp, mut vp) = alloc_f16()
+                .and_then(|k| Ok((k, alloc_f16()?)))
+                .map_err(|e| cuda_err("allocating device memory")(&e))?;
+            let pack = "pack_kv_f16";
+            let dims = [hkv, d, dp, kv_len].map(|v| v as i32);
+            let mut l = self.inner.stream.launch_builder(self.kernel(pack));
+            l.arg(&*k.buf).arg(&*v.buf).arg(&mut kp).arg(&mut vp);
+            for v in &dims {
+                l.arg(v);
+            }
+            // SAFETY: matches pack_kv_f16, one block per key; k and v hold kv_len <= slots
+            // rows of hkv * d, kp and vp hkv * kv_len * dp halves.
+            self.launched(
+                pack,
+                unsafe { l.launch(Self::row_config(kv_len)) }.map(|_| ()),
+            )?;
+
             let name = FLASH_KERNELS[FLASH_DIMS.iter().position(|&x| x == dp).expect("listed")];
             let ints = [nq, hq, hkv, d, kv_len, causal as usize, first].map(|v| v as i32);
             let scale = 1.0f32 / (d as f32).sqrt();
             let mut l = self.inner.stream.launch_builder(self.kernel(name));
             l.arg(&*q.buf)
-                .arg(&*k.buf)
-                .arg(&*v.buf)
+                .arg(&kp)
+                .arg(&vp)
                 .arg(Arc::get_mut(&mut out.buf).expect("fresh"));
             for v in &ints {
                 l.arg(v);
