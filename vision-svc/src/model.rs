@@ -360,13 +360,19 @@ impl<B: Backend> VisionModel<B> {
             sin: be.upload(&HostTensor::new(vec![rows, d], sin)?)?,
         };
 
-        // From here on every op sees one matrix of all images' rows.
-        let mut pixels = Vec::with_capacity(rows * cfg.patch_dim());
-        for p in images {
-            pixels.extend_from_slice(p.pixels.data());
-        }
-        let pixels = HostTensor::new(vec![rows, cfg.patch_dim()], pixels)?;
-        let x = self.patch_embed.forward(be, &be.upload(&pixels)?)?;
+        // From here on every op sees one matrix of all images' rows (one image's are that
+        // matrix already: no copy of its pixels on the host).
+        let pixels = match images {
+            [p] => be.upload(&p.pixels)?,
+            _ => {
+                let mut pixels = Vec::with_capacity(rows * cfg.patch_dim());
+                for p in images {
+                    pixels.extend_from_slice(p.pixels.data());
+                }
+                be.upload(&HostTensor::new(vec![rows, cfg.patch_dim()], pixels)?)?
+            }
+        };
+        let x = self.patch_embed.forward(be, &pixels)?;
         let mut x = be.add(
             &x,
             &be.weighted_gather(&self.pos_embed, &taps, &tap_weights, 4)?,
@@ -375,11 +381,23 @@ impl<B: Backend> VisionModel<B> {
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(be, &x, &pass)?;
             if let Some(j) = cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
-                let f = self.deepstack_mergers[j].forward(be, &x)?;
-                deepstack.push(be.download(&f)?);
+                deepstack.push(self.deepstack_mergers[j].forward(be, &x)?);
             }
         }
-        let embeds = be.download(&self.merger.forward(be, &x)?)?;
+        let embeds = self.merger.forward(be, &x)?;
+        // Downloads wait for the device: only once it has run every layer.
+        let embeds = be.download(&embeds)?;
+        let deepstack = deepstack
+            .iter()
+            .map(|f| be.download(f))
+            .collect::<vlm_compute::Result<Vec<_>>>()?;
+        if let [p] = images {
+            return Ok(vec![VisionOutput {
+                embeds,
+                deepstack,
+                grid_thw: p.grid_thw,
+            }]);
+        }
 
         // Mergers turn each 2×2 window (4 consecutive rows, never straddling two images) into
         // one token, so image i's tokens are its patches / merge² rows, in pass order.

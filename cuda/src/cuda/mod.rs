@@ -18,6 +18,7 @@
 
 pub mod compile;
 pub mod doctor;
+mod staging;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -286,6 +287,8 @@ struct Inner {
     _blas_workspace: CudaSlice<u8>,
     /// Per-op timing ([`Backend::time_ops`]): an event recorded after each op, named.
     op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
+    /// Page-locked memory for large uploads and downloads.
+    staging: staging::Staging,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -562,6 +565,7 @@ impl CudaBackend {
                 sm_count,
                 _blas_workspace: workspace,
                 op_events: std::sync::Mutex::new(None),
+                staging: staging::Staging::new(),
             }),
         })
     }
@@ -852,11 +856,14 @@ impl Backend for CudaBackend {
 
     fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
         let data = if t.is_empty() { &[0f32][..] } else { t.data() };
-        let buf = self
-            .inner
-            .stream
-            .clone_htod(data)
-            .map_err(|e| cuda_err("upload")(&e))?;
+        let stream = &self.inner.stream;
+        let buf = if std::mem::size_of_val(data) >= staging::STAGED_MIN_BYTES {
+            self.inner.staging.upload(stream, data)?
+        } else {
+            stream
+                .clone_htod(data)
+                .map_err(|e| cuda_err("upload")(&e))?
+        };
         Ok(CudaTensor {
             shape: t.shape().to_vec(),
             buf: Arc::new(buf),
@@ -864,9 +871,12 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, t: &CudaTensor) -> Result<HostTensor> {
-        let mut v = self
-            .inner
-            .stream
+        let stream = &self.inner.stream;
+        if t.len() * 4 >= staging::STAGED_MIN_BYTES {
+            let v = self.inner.staging.download(stream, &t.buf, t.len())?;
+            return HostTensor::new(t.shape.clone(), v);
+        }
+        let mut v = stream
             .clone_dtoh(&*t.buf)
             .map_err(|e| cuda_err("download")(&e))?;
         v.truncate(t.len());
