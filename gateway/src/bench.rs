@@ -239,17 +239,9 @@ pub fn run<B: Backend + Clone>(
     });
     let flop_rate = out[1].throughput();
 
-    // Vision: random pixels of the right shape (decoding and resizing are not the ViT's cost).
-    let factor = vcfg.patch_size * vcfg.spatial_merge_size;
     for &side in &opts.image_sides {
-        let g = (side / factor).max(1) * vcfg.spatial_merge_size;
-        let patches = Patches {
-            pixels: HostTensor::new(
-                vec![g * g, vcfg.patch_dim()],
-                vec![0.1; g * g * vcfg.patch_dim()],
-            )?,
-            grid_thw: [1, g, g],
-        };
+        let patches = vit_input(&vcfg, side)?;
+        let g = patches.grid_thw[1];
         bar.set_message(format!("ViT {side}x{side}"));
         let s = time(opts, &bar, || {
             let t = Instant::now();
@@ -387,7 +379,13 @@ pub fn run<B: Backend + Clone>(
         out.push(meas);
     }
     if opts.profile {
-        profile_steps(&backend, &pipeline, batch_context, most_seqs)?;
+        profile_steps(
+            &backend,
+            &pipeline,
+            &opts.image_sides,
+            batch_context,
+            most_seqs,
+        )?;
     }
     memory_row(
         &mut out,
@@ -477,14 +475,30 @@ fn batched_decode(
     Ok(elapsed / tokens.max(1) as u32)
 }
 
+/// The ViT's input for a `side` x `side` image: random pixels of the right shape (decoding and
+/// resizing are not the ViT's cost).
+fn vit_input(vcfg: &vision_svc::VisionConfig, side: usize) -> anyhow::Result<Patches> {
+    let factor = vcfg.patch_size * vcfg.spatial_merge_size;
+    let g = (side / factor).max(1) * vcfg.spatial_merge_size;
+    Ok(Patches {
+        pixels: HostTensor::new(
+            vec![g * g, vcfg.patch_dim()],
+            vec![0.1; g * g * vcfg.patch_dim()],
+        )?,
+        grid_thw: [1, g, g],
+    })
+}
+
 /// The prefills `--profile` breaks down (the cache is sized to hold them).
 const PROFILE_PREFILLS: [usize; 2] = [512, 2048];
 
-/// `vlm bench --profile`: device time per op of a 512- and a 2048-token prefill and of a
-/// decode step of `batch` sequences, printed slowest first (steps run op by op meanwhile).
+/// `vlm bench --profile`: device time per op of the ViT on each of `image_sides`, of a 512- and
+/// a 2048-token prefill and of a decode step of `batch` sequences, printed slowest first (steps
+/// run op by op meanwhile).
 fn profile_steps<B: Backend + Clone>(
     be: &B,
     pipeline: &Pipeline<B>,
+    image_sides: &[usize],
     context: usize,
     batch: usize,
 ) -> anyhow::Result<()> {
@@ -508,6 +522,13 @@ fn profile_steps<B: Backend + Clone>(
         }
         Ok(())
     };
+    let vcfg = pipeline.vision.model.config();
+    for &side in image_sides {
+        let patches = vit_input(vcfg, side)?;
+        be.op_times()?;
+        pipeline.vision.model.forward(&patches)?;
+        report(format!("ViT + mergers of a {side}x{side} image"))?;
+    }
     for tokens in PROFILE_PREFILLS {
         let req = GenerateRequest {
             prompt: (0..tokens).map(|i| (i % 100 + 10) as u32).collect(),

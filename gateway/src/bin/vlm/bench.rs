@@ -47,7 +47,8 @@ pub struct BenchArgs {
     /// --decode-contexts), comma-separated; empty for none.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
     decode_batches: Vec<usize>,
-    /// Also print, op by op, where device time goes in a prefill and a batched decode.
+    /// Also print, op by op, where device time goes in the ViT (each --image-sides), a prefill
+    /// and a batched decode.
     #[arg(long)]
     profile: bool,
     /// Image sides of the time-to-first-token requests (each with --ttft-text-tokens of
