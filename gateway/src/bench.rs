@@ -522,6 +522,10 @@ fn profile_steps<B: Backend + Clone>(
         }
         Ok(())
     };
+    println!(
+        "\nprofile: an op's time runs from the end of the op before it, so time the GPU spent \
+         waiting for the host (uploads, downloads, setup) counts to the op after the wait"
+    );
     let vcfg = pipeline.vision.model.config();
     for &side in image_sides {
         let patches = vit_input(vcfg, side)?;
