@@ -174,28 +174,7 @@ impl<B: Backend> VisionServer<B> {
             .inc_by(bytes as u64);
         Ok(response)
     }
-}
 
-/// `response` with its tensors' bytes moved into a new shared-memory segment.
-fn to_shared(response: &EncodeResponse) -> std::io::Result<EncodeResponse> {
-    let parts: Vec<&[u8]> = response.tensors().map(|t| &t.data[..]).collect();
-    let (name, offsets) = shm::write(&parts)?;
-    let mut out = response.clone();
-    for (t, offset) in out.tensors_mut().zip(offsets) {
-        t.data = Default::default();
-        t.shm_offset = Some(offset);
-    }
-    out.shm_segment = name;
-    Ok(out)
-}
-
-/// Where an image's embeddings came from.
-enum Source {
-    Cache,
-    Encoder,
-}
-
-impl<B: Backend> VisionServer<B> {
     /// An image's embeddings: from the cache, or decoded, preprocessed, run through the ViT
     /// (batched with others) and packed for the wire, then cached.
     async fn encode_image(&self, req: EncodeRequest) -> Result<(EncodeResponse, Source), Error> {
@@ -265,6 +244,25 @@ impl<B: Backend> VisionServer<B> {
         }
         Ok((response, Source::Encoder))
     }
+}
+
+/// `response` with its tensors' bytes moved into a new shared-memory segment.
+fn to_shared(response: &EncodeResponse) -> std::io::Result<EncodeResponse> {
+    let parts: Vec<&[u8]> = response.tensors().map(|t| &t.data[..]).collect();
+    let (name, offsets) = shm::write(&parts)?;
+    let mut out = response.clone();
+    for (t, offset) in out.tensors_mut().zip(offsets) {
+        t.data = Default::default();
+        t.shm_offset = Some(offset);
+    }
+    out.shm_segment = name;
+    Ok(out)
+}
+
+/// Where an image's embeddings came from.
+enum Source {
+    Cache,
+    Encoder,
 }
 
 /// [`serve`] as work for a [`vlm_compute::Device`], which picks the backend:
@@ -365,17 +363,8 @@ mod tests {
     #[tokio::test]
     async fn a_bad_image_gets_invalid_argument_even_when_every_place_is_taken() {
         let server = server(0);
-        let encode = |image: Vec<u8>| {
-            server.encode(Request::new(EncodeRequest {
-                image: image.into(),
-                dtype: Dtype::F32 as i32,
-                shm_domain: String::new(),
-            }))
-        };
-        let mut png = Vec::new();
-        image::RgbImage::from_pixel(40, 40, image::Rgb([1, 2, 3]))
-            .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
-            .unwrap();
+        let encode = |image: Vec<u8>| server.encode(request(&image, Dtype::F32));
+        let png = png(40, 3);
         // A JPEG frame header declaring 60000x60000: the header alone refuses it.
         let mut bomb = Vec::new();
         image::RgbImage::from_pixel(16, 16, image::Rgb([1, 2, 3]))
@@ -400,6 +389,16 @@ mod tests {
         assert!(out.embeddings.is_some());
     }
 
+    /// An Encode request for `image`, embeddings as `dtype`, in the message.
+    fn request(image: &[u8], dtype: Dtype) -> Request<EncodeRequest> {
+        Request::new(EncodeRequest {
+            image: image.to_vec().into(),
+            dtype: dtype as i32,
+            shm_domain: String::new(),
+        })
+    }
+
+    /// A `side` x `side` PNG, a gradient tinted by `shade`.
     fn png(side: u32, shade: u8) -> Vec<u8> {
         let mut png = Vec::new();
         image::RgbImage::from_fn(side, side, |x, y| image::Rgb([x as u8, y as u8, shade]))
@@ -413,13 +412,6 @@ mod tests {
     #[tokio::test]
     async fn a_repeated_image_comes_from_the_cache_as_a_fresh_encode_gives_it() {
         let (cached, fresh) = (server(1 << 30), server(0));
-        let request = |image: &Vec<u8>, dtype: Dtype| {
-            Request::new(EncodeRequest {
-                image: image.clone().into(),
-                dtype: dtype as i32,
-                shm_domain: String::new(),
-            })
-        };
         let (a, b) = (png(40, 1), png(40, 2));
         for dtype in [Dtype::F16, Dtype::F32] {
             let first = cached
