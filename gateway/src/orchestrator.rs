@@ -9,8 +9,8 @@
 //! count as its header gives it (vision-svc's own counts decide; a disagreement builds it
 //! again). Once llm-svc has named its shared-memory domain, vision-svc is offered it: on one
 //! host the embeddings then come as the name of a segment, which the gateway passes on (and
-//! removes if the request fails before llm-svc takes it). Backpressure fails fast (RESOURCE_EXHAUSTED / 429) with the permit held for the whole
-//! stream. When the client goes away its receiver closes, the forwarding task ends, the
+//! removes if the request fails before llm-svc takes it). Backpressure fails fast
+//! (RESOURCE_EXHAUSTED / 429) with the permit held for the whole stream. When the client goes away its receiver closes, the forwarding task ends, the
 //! upstream stream is dropped, and the LLM service stops decoding. A client that stays but
 //! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
 //! The caller's deadline is passed on to every upstream call.

@@ -35,9 +35,9 @@ fn dir() -> &'static Path {
 }
 
 /// What identifies the shared memory this process sees: the kernel's boot id, the device
-/// and inode of `/dev/shm`, and the user it runs as. Two processes with the same domain can pass segments by name;
-/// containers with their own `/dev/shm`, or other hosts, differ. `None` where there is no
-/// `/dev/shm` to use.
+/// and inode of `/dev/shm`, and the user it runs as. Two processes with the same domain can
+/// pass segments by name; containers with their own `/dev/shm`, or other hosts, differ. `None`
+/// where there is no `/dev/shm` to use.
 pub fn domain() -> Option<String> {
     #[cfg(target_os = "linux")]
     {

@@ -52,8 +52,8 @@ struct Args {
     /// 0 turns the cache off. Hits, misses and bytes held are in the metrics.
     #[arg(long, env = "VLM_EMBEDDING_CACHE_BYTES", default_value_t = vision_svc::cache::DEFAULT_BUDGET_BYTES)]
     embedding_cache_bytes: usize,
-    /// Serve Prometheus metrics (images by outcome, in flight, encode time, images per pass, embedding cache) at
-    /// http://ADDR/metrics.
+    /// Serve Prometheus metrics (images by outcome, in flight, encode time, images per pass,
+    /// embedding cache) at http://ADDR/metrics.
     #[arg(long, env = "VLM_VISION_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
     #[command(flatten)]

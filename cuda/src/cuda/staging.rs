@@ -66,11 +66,12 @@ impl Staging {
         len: usize,
     ) -> Result<&'a mut PinnedHostSlice<f32>> {
         if slot.as_ref().is_none_or(|p| p.len() < len) {
-            *slot = None; // free the old one first
-                          // Flags 0: cached, readable by the host at full speed (cudarc's default is
-                          // write-combined, which the host reads very slowly).
-                          // SAFETY: f32 is valid for any bits; the buffer is written before it is read.
+            // The old buffer is freed before the larger one is taken.
+            *slot = None;
+            // Flags 0: cached, readable by the host at full speed (cudarc's default is
+            // write-combined, which the host reads very slowly).
             let ctx = stream.context();
+            // SAFETY: f32 is valid for any bits; the buffer is written before it is read.
             let fresh = unsafe { ctx.alloc_pinned_with_flags::<f32>(len.next_power_of_two(), 0) }
                 .map_err(|e| Error::Cuda {
                 what: format!(
