@@ -173,39 +173,6 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
     for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = w[i] * (row[i] * inv);
 }
 
-// x += a, then out = RMSNorm(x) * w: the residual stream's update and the next layer's norm in
-// one pass. In the plain loops each thread rereads only the elements it wrote itself.
-extern "C" __global__ void add_rms_norm_f32(float* __restrict__ x, const float* __restrict__ a,
-                                            const float* __restrict__ w, float* __restrict__ out,
-                                            int cols, float eps) {
-    float* row = x + (size_t)blockIdx.x * cols;
-    const float* add = a + (size_t)blockIdx.x * cols;
-    float* o = out + (size_t)blockIdx.x * cols;
-    if (norm_in_registers(cols)) {
-        float4 v[NORM_VEC], d[NORM_VEC];
-        load_row4(row, cols, v);
-        load_row4(add, cols, d);
-        float4* r4 = reinterpret_cast<float4*>(row);
-#pragma unroll
-        for (int u = 0; u < NORM_VEC; ++u) {
-            int i = threadIdx.x + u * blockDim.x;
-            v[u] = make_float4(v[u].x + d[u].x, v[u].y + d[u].y, v[u].z + d[u].z, v[u].w + d[u].w);
-            if (4 * i < cols) r4[i] = v[u];
-        }
-        float inv = rsqrtf(block_sum(sum_squares4(v)) / cols + eps);
-        store_rms4(v, w, inv, o, cols);
-        return;
-    }
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i] + add[i];
-        row[i] = v;
-        s += v * v;
-    }
-    float inv = rsqrtf(block_sum(s) / cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = w[i] * (row[i] * inv);
-}
-
 // Rotate-half RoPE. Grid: one block per token; threads cover heads x d/2 pairs.
 extern "C" __global__ void rope_f32(const float* __restrict__ x, const float* __restrict__ cos_t,
                                     const float* __restrict__ sin_t, float* __restrict__ out,

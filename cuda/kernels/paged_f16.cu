@@ -147,7 +147,7 @@ __device__ __forceinline__ float half_warp_sum(float v) {
     return v;
 }
 
-// Split-K decode attention over the paged cache, pass 1 (seeds 000/001, flash-decoding). Block
+// Split-K decode attention over the paged cache (seeds 000/001, flash-decoding). Block
 // (s, kvh, split) takes sequence s's one query for the G = hq / hkv query heads that share KV
 // head kvh, and the split-th chunk of its keys: each key row is read once for all G heads.
 //
@@ -161,12 +161,16 @@ __device__ __forceinline__ float half_warp_sum(float v) {
 // compiled for, is the power of two at or above G (registers scale with it; heads g >= G are
 // skipped). The warps merge through shared memory; the block writes its unnormalized output and
 // (max, sum) per head, natural log: part_o [seqs, hq, splits, D], part_ml [seqs, hq, splits, 2].
+// The last block of a (sequence, KV head) to finish, as counted in `done` (one counter each,
+// zero between launches: that block sets it back), merges the splits into out [rows, hq, D]. A
+// second kernel for the merge cost a launch per layer, longer than the merge itself at batch 1.
 template <int D, int GP>
-__device__ void paged_decode_partial(const float* __restrict__ q, const __half* __restrict__ kc,
-                                     const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
-                                     const unsigned* __restrict__ blocks, float* __restrict__ part_o,
-                                     float* __restrict__ part_ml, int hq, int hkv, int block_size,
-                                     float scale) {
+__device__ void paged_decode(const float* __restrict__ q, const __half* __restrict__ kc,
+                             const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
+                             const unsigned* __restrict__ blocks, float* __restrict__ part_o,
+                             float* __restrict__ part_ml, unsigned* __restrict__ done,
+                             float* __restrict__ out, int hq, int hkv, int block_size,
+                             float scale) {
     constexpr int H = WARP / 2;      // lanes per key
     constexpr int E = D / H;         // dims per lane
     constexpr int KH = PD_KEYS / 2;  // keys per half-warp per step
@@ -293,22 +297,71 @@ __device__ void paged_decode_partial(const float* __restrict__ q, const __half* 
             part_ml[part * 2 + 1] = lb;
         }
     }
+
+    // Make this block's partials visible, then count it in; the last one merges.
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        unsigned* counter = done + (size_t)s * hkv + kvh;
+        last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // out = Σ_i part_o_i w_i, w_i = e^(m_i - M) / Σ_i l_i e^(m_i - M), M = max_i m_i, per head
+    // and dim. The partials are read through L2 (__ldcg): other blocks wrote them, so L1 may
+    // hold stale lines. The weights first, a warp per head and a lane per split; then each
+    // thread keeps its outputs' loads of several splits in flight (a thread walking the splits
+    // one load after another took 33 us at 22 splits).
+    static_assert(PD_MAX_SPLITS <= WARP, "a lane per split");
+    __shared__ float sm_w[GP][PD_MAX_SPLITS];
+    for (int g = warp; g < G; g += PD_WARPS) {
+        size_t part = ((size_t)s * hq + kvh * G + g) * splits + lane;
+        float mi = lane < splits ? __ldcg(part_ml + part * 2) : NEG_INF;
+        float li = lane < splits ? __ldcg(part_ml + part * 2 + 1) : 0.0f;
+        float mx = mi;
+        for (int o = WARP / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+        float w = mi == NEG_INF ? 0.0f : expf(mi - mx);
+        float total = warp_sum(li * w);
+        if (lane < splits) sm_w[g][lane] = w / total;
+    }
+    __syncthreads();
+    constexpr int OUTS = (GP * D + PD_WARPS * WARP - 1) / (PD_WARPS * WARP);
+    float o[OUTS];
+#pragma unroll
+    for (int u = 0; u < OUTS; ++u) o[u] = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < splits; ++i) {
+#pragma unroll
+        for (int u = 0; u < OUTS; ++u) {
+            int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
+            if (g < G) o[u] += __ldcg(part_o + (((size_t)s * hq + kvh * G + g) * splits + i) * D + t % D) * sm_w[g][i];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < OUTS; ++u) {
+        int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
+        if (g < G) out[((size_t)row * hq + kvh * G + g) * D + t % D] = o[u];
+    }
 }
 
-// paged_decode_partial_d{D}_g{GP}, with at most 65536 / (128 MINB) registers a thread so that
+// paged_decode_d{D}_g{GP}, with at most 65536 / (128 MINB) registers a thread so that
 // MINB blocks fit on an SM (occupancy is what hides the latency the loads in flight do not):
 // 4 where the registers allow, 2 for the larger q and output tiles. None for D = 256 with 8
 // heads per KV head (q and the output alone take 256 registers): the host uses
 // paged_attention_rows_f16 there. cuda/tests/cuda_twin.rs fails on any spill.
 #define PD_KERNEL(D, GP, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
-        paged_decode_partial_d##D##_g##GP(                                                        \
+        paged_decode_d##D##_g##GP(                                                                \
             const float* __restrict__ q, const __half* __restrict__ kc,                           \
             const __half* __restrict__ vc, const unsigned* __restrict__ seqs,                     \
             const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
-            float* __restrict__ part_ml, int hq, int hkv, int block_size, float scale) {          \
-        paged_decode_partial<D, GP>(q, kc, vc, seqs, blocks, part_o, part_ml, hq, hkv,            \
-                                    block_size, scale);                                           \
+            float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
+            int hq, int hkv, int block_size, float scale) {                                       \
+        paged_decode<D, GP>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, hkv,         \
+                            block_size, scale);                                                   \
     }
 
 PD_KERNEL(32, 1, 4)
@@ -326,29 +379,6 @@ PD_KERNEL(128, 8, 2)
 PD_KERNEL(256, 1, 4)
 PD_KERNEL(256, 2, 2)
 PD_KERNEL(256, 4, 2)
-
-// Pass 2: out[row, h, :] = Σ_s part_o e^(m_s - M) / Σ_s l_s e^(m_s - M), M = max_s m_s. One block
-// per (sequence, head).
-extern "C" __global__ void paged_decode_combine(const float* __restrict__ part_o,
-                                                const float* __restrict__ part_ml,
-                                                const unsigned* __restrict__ seqs,
-                                                float* __restrict__ out, int hq, int d, int splits) {
-    const int s = blockIdx.x, h = blockIdx.y;
-    const unsigned row = seqs[4 * s];
-    const size_t base = ((size_t)s * hq + h) * splits;
-    const float* ml = part_ml + base * 2;
-    float mx = NEG_INF;
-    for (int i = 0; i < splits; ++i) mx = fmaxf(mx, ml[2 * i]);
-    float total = 0.0f;
-    for (int i = 0; i < splits; ++i)
-        if (ml[2 * i] != NEG_INF) total += ml[2 * i + 1] * expf(ml[2 * i] - mx);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        float o = 0.0f;
-        for (int i = 0; i < splits; ++i)
-            if (ml[2 * i] != NEG_INF) o += part_o[(base + i) * d + c] * expf(ml[2 * i] - mx);
-        out[((size_t)row * hq + h) * d + c] = o / total;
-    }
-}
 
 // Any head dim up to 256, any number of queries: one warp per (sequence, query, head), online
 // softmax over the sequence's keys; lanes hold dims lane, lane + 32, ... Sequence seq0 + z of

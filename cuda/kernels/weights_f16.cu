@@ -5,8 +5,8 @@
 // Decoding one token reads every weight once, so it is bound by memory bandwidth, not FLOPs
 // (seeds 000 and 002). The GEMVs below are written for that: one warp per output row, 128-bit
 // loads of 8 weights through the read-only path (__ldg), the few activation rows read as float4
-// (they stay in L1/L2), warp-shuffle reductions, nothing through shared memory. Larger batches
-// of rows go to cuBLAS (f16 tensor cores, f32 accumulation) after cast_f32_to_f16.
+// (from L1/L2, or shared memory once normed), warp-shuffle reductions. Larger batches of rows go
+// to cuBLAS (f16 tensor cores, f32 accumulation) after cast_f32_to_f16.
 
 #include <cuda_fp16.h>
 
@@ -25,94 +25,208 @@ __device__ __forceinline__ void unpack8(uint4 raw, float f[8]) {
     }
 }
 
-// acc[r] += x[r, c..c+8] . wf for each row r < rows.
-__device__ __forceinline__ void dot8(const float* __restrict__ x, int k, int rows, int c,
-                                     const float wf[8], float acc[GEMV_MAX_ROWS]) {
+// Four 128-bit loads of weight row wr at columns c0, c0 + 256, ... (zeros from k_vec on), all
+// issued before any is used: one at a time cannot cover DRAM latency with one warp per row
+// (against the loads unrolled with the math between them: batch-1 decode 8.08 -> 7.94 ms a
+// token on an H100, 8B shapes).
+__device__ __forceinline__ void load_chunk(const __half* __restrict__ wr, int c0, int k_vec,
+                                           uint4 raw[4]) {
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) {
-        if (r < rows) {
-            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c);
-            float4 a = xr[0], b = xr[1];
-            acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x +
-                      wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
-        }
+    for (int u = 0; u < 4; ++u) {
+        int c = c0 + u * WARP * 8;
+        raw[u] = c < k_vec ? __ldg(reinterpret_cast<const uint4*>(wr + c)) : make_uint4(0, 0, 0, 0);
     }
 }
 
-// acc[r] = x[r, :] . w[j, :] for one weight row, summed over the warp's lanes (every lane
-// returns the totals). The vector path needs k % 8 == 0 (16-byte aligned rows); the scalar
-// loop takes any k.
+// The columns the vector path takes: all when rows are 16-byte aligned (k % 8 == 0), else none
+// (the scalar loop takes any k).
+__device__ __forceinline__ int vec_cols(int k) { return k % 8 == 0 ? k : 0; }
+
+// acc[r] = x[r, :] . wr for the ROWS rows of x (global or shared memory) and one weight row,
+// summed over the warp (every lane returns the totals). raw holds the lane's first loads
+// (load_chunk at lane * 8), which the caller issues before whatever it does first.
+template <int ROWS>
 __device__ __forceinline__ void row_dots(const float* __restrict__ x, const __half* __restrict__ wr,
-                                         int rows, int k, int lane, float acc[GEMV_MAX_ROWS]) {
+                                         int k, int lane, uint4 raw[4], float acc[ROWS]) {
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = 0.0f;
-    int k_vec = (k % 8 == 0) ? k : 0;
-    // Four 128-bit loads issued back to back before any math (one at a time cannot cover DRAM
-    // latency with one warp per row). Against the same loads unrolled with the math between
-    // them: batch-1 decode 8.08 -> 7.94 ms a token on an H100 (8B shapes).
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    const int k_vec = vec_cols(k);
     for (int c0 = lane * 8; c0 < k_vec; c0 += WARP * 8 * 4) {
-        uint4 raw[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int c = c0 + u * WARP * 8;
-            raw[u] = c < k_vec ? __ldg(reinterpret_cast<const uint4*>(wr + c)) : make_uint4(0, 0, 0, 0);
-        }
+        if (c0 != lane * 8) load_chunk(wr, c0, k_vec, raw);
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             int c = c0 + u * WARP * 8;
             if (c < k_vec) {
                 float wf[8];
                 unpack8(raw[u], wf);
-                dot8(x, k, rows, c, wf, acc);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c);
+                    float4 a = xr[0], b = xr[1];
+                    acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w +
+                              wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+                }
             }
         }
     }
     for (int c = k_vec + lane; c < k; c += WARP) {
         float wv = __half2float(wr[c]);
 #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r)
-            if (r < rows) acc[r] += wv * x[(size_t)r * k + c];
+        for (int r = 0; r < ROWS; ++r) acc[r] += wv * x[(size_t)r * k + c];
     }
 #pragma unroll
-    for (int r = 0; r < GEMV_MAX_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-// out[r, j] = x[r, :] . w[j, :] (+ bias[j]): x [rows, k] f32, w [m, k] f16, out [rows, m] f32.
-// One warp per output column j.
-extern "C" __global__ void gemv_f16w(const float* __restrict__ x, const __half* __restrict__ w,
-                                     const float* __restrict__ bias, int has_bias,
-                                     float* __restrict__ out, int rows, int m, int k) {
-    int j = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    int lane = threadIdx.x % WARP;
-    if (j >= m) return;
-    float acc[GEMV_MAX_ROWS];
-    row_dots(x, w + (size_t)j * k, rows, k, lane, acc);
-    if (lane == 0) {
-        float b = has_bias ? bias[j] : 0.0f;
+// The normed kernels' input: xs [ROWS, k] = x * g in shared memory and inv[r] = 1 / rms(x[r])
+// (the RMSNorm, its last scaling left for after the dot products), computed once per block for
+// all its warps. Against each warp norming the rows it reads from L1 (the norm weight read
+// beside x, the squares summed by every warp), the GEMVs of one 8B decode step, timed alone on
+// an H100: 6.28 -> 5.79 ms, within 0.02 ms of the same GEMVs without the norm.
+extern __shared__ float gemv_staged[];
+
+template <int ROWS>
+__device__ __forceinline__ void stage_normed(const float* __restrict__ x, const float* __restrict__ g,
+                                             float eps, int k, float inv[ROWS]) {
+    __shared__ float partial[ROWS][32];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
 #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r)
-            if (r < rows) out[(size_t)r * m + j] = acc[r] + b;
+    for (int r = 0; r < ROWS; ++r) {
+        const float* xr = x + (size_t)r * k;
+        float* o = gemv_staged + (size_t)r * k;
+        float s = 0.0f;
+        if (k % 4 == 0) {
+            const float4* x4 = reinterpret_cast<const float4*>(xr);
+            const float4* g4 = reinterpret_cast<const float4*>(g);
+            float4* o4 = reinterpret_cast<float4*>(o);
+            for (int i = threadIdx.x; i < k / 4; i += blockDim.x) {
+                float4 a = x4[i], w = g4[i];
+                s += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+                o4[i] = make_float4(a.x * w.x, a.y * w.y, a.z * w.z, a.w * w.w);
+            }
+        } else {
+            for (int i = threadIdx.x; i < k; i += blockDim.x) {
+                s += xr[i] * xr[i];
+                o[i] = xr[i] * g[i];
+            }
+        }
+        s = warp_sum(s);
+        if (lane == 0) partial[r][warp] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float t = 0.0f;
+        for (int w = 0; w < warps; ++w) t += partial[r][w];
+        inv[r] = rsqrtf(t / k + eps);
+    }
+}
+
+// out[r, j] (+)= x[r, :] . w[j, :] (+ bias[j]) for the ROWS rows of x: x [ROWS, k] f32, w [m, k]
+// f16, out [ROWS, m] f32; with NORM, x[r] is RMSNorm(x[r]) * norm_w (eps) first (dynamic
+// shared memory ROWS * k floats). With accumulate, the product is added to what out holds (the
+// residual stream's update, in place). One warp per output column j, every (warps x blocks)-th
+// from the warp's first: a grid smaller than m / warps stages its normed rows once per block,
+// not once per 8 columns (the lm_head's 152k columns read 600 MB of staging through L2 so).
+template <bool NORM, int ROWS>
+__device__ __forceinline__ void gemv(const float* __restrict__ x, const float* __restrict__ norm_w,
+                                     float eps, const __half* __restrict__ w,
+                                     const float* __restrict__ bias, int has_bias,
+                                     float* __restrict__ out, int accumulate, int m, int k) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x % WARP;
+    int j = blockIdx.x * warps + threadIdx.x / WARP;
+    // Warps past the last row still stage (every thread reaches the barrier there).
+    uint4 raw[4];
+    load_chunk(w + (size_t)min(j, m - 1) * k, lane * 8, vec_cols(k), raw);
+    float inv[ROWS];
+    const float* xr = x;
+    if (NORM) {
+        stage_normed<ROWS>(x, norm_w, eps, k, inv);
+        xr = gemv_staged;
+    }
+    for (bool first = true; j < m; j += gridDim.x * warps, first = false) {
+        const __half* wr = w + (size_t)j * k;
+        if (!first) load_chunk(wr, lane * 8, vec_cols(k), raw);
+        float acc[ROWS];
+        row_dots<ROWS>(xr, wr, k, lane, raw, acc);
+        if (lane == 0) {
+            float b = has_bias ? bias[j] : 0.0f;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float* o = out + (size_t)r * m + j;
+                *o = (accumulate ? *o : 0.0f) + (NORM ? acc[r] * inv[r] : acc[r]) + b;
+            }
+        }
     }
 }
 
 // The text MLP's first half in one pass over both matrices (seed 002), stacked in one weight
 // gate_up [2m, k] (gate's rows first): out[r, j] = silu(x[r] . gate[j]) * (x[r] . up[j]), with
-// silu(g) = g / (1 + exp(-g)).
-extern "C" __global__ void swiglu_gemv_f16w(const float* __restrict__ x,
+// silu(g) = g / (1 + exp(-g)); with NORM, of RMSNorm(x[r]) * norm_w. Columns as gemv's.
+template <bool NORM, int ROWS>
+__device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
+                                            const float* __restrict__ norm_w, float eps,
                                             const __half* __restrict__ gate_up,
-                                            float* __restrict__ out, int rows, int m, int k) {
-    int j = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    int lane = threadIdx.x % WARP;
-    if (j >= m) return;
-    float g[GEMV_MAX_ROWS], u[GEMV_MAX_ROWS];
-    row_dots(x, gate_up + (size_t)j * k, rows, k, lane, g);
-    row_dots(x, gate_up + (size_t)(m + j) * k, rows, k, lane, u);
-    if (lane == 0) {
+                                            float* __restrict__ out, int m, int k) {
+    const int warps = blockDim.x / WARP, lane = threadIdx.x % WARP;
+    int j = blockIdx.x * warps + threadIdx.x / WARP;
+    uint4 graw[4], uraw[4];
+    load_chunk(gate_up + (size_t)min(j, m - 1) * k, lane * 8, vec_cols(k), graw);
+    load_chunk(gate_up + (size_t)(m + min(j, m - 1)) * k, lane * 8, vec_cols(k), uraw);
+    float inv[ROWS];
+    const float* xr = x;
+    if (NORM) {
+        stage_normed<ROWS>(x, norm_w, eps, k, inv);
+        xr = gemv_staged;
+    }
+    for (bool first = true; j < m; j += gridDim.x * warps, first = false) {
+        const __half* gw = gate_up + (size_t)j * k;
+        const __half* uw = gate_up + (size_t)(m + j) * k;
+        if (!first) {
+            load_chunk(gw, lane * 8, vec_cols(k), graw);
+            load_chunk(uw, lane * 8, vec_cols(k), uraw);
+        }
+        float g[ROWS], u[ROWS];
+        row_dots<ROWS>(xr, gw, k, lane, graw, g);
+        row_dots<ROWS>(xr, uw, k, lane, uraw, u);
+        if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < GEMV_MAX_ROWS; ++r)
-            if (r < rows) out[(size_t)r * m + j] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            for (int r = 0; r < ROWS; ++r) {
+                float gv = NORM ? g[r] * inv[r] : g[r], uv = NORM ? u[r] * inv[r] : u[r];
+                out[(size_t)r * m + j] = gv / (1.0f + expf(-gv)) * uv;
+            }
+        }
     }
 }
+
+// Each kernel is compiled for 1 to GEMV_MAX_ROWS rows of x, NAME_r1 .. NAME_r4: with the row
+// count known, the loops over rows unroll with no tests and no registers for rows that are not
+// there (the GEMVs of one 8B decode step, timed alone on an H100: 6.12 -> 5.77 ms against one
+// kernel for up to 4 rows). A plain kernel and its normed twin share one signature (the plain one ignores
+// norm_w and eps), so the host launches them the same way.
+static_assert(GEMV_MAX_ROWS == 4, "instantiate the GEMVs below for every row count");
+
+#define GEMV_KERNEL(NAME, NORM, ROWS)                                                             \
+    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const __half* __restrict__ w, const float* __restrict__ bias, int has_bias,               \
+        float* __restrict__ out, int accumulate, int m, int k) {                                  \
+        gemv<NORM, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m, k);               \
+    }
+#define SWIGLU_KERNEL(NAME, NORM, ROWS)                                                           \
+    extern "C" __global__ void NAME##_r##ROWS(const float* __restrict__ x,                        \
+                                              const float* __restrict__ norm_w, float eps,        \
+                                              const __half* __restrict__ gate_up,                 \
+                                              float* __restrict__ out, int m, int k) {            \
+        swiglu_gemv<NORM, ROWS>(x, norm_w, eps, gate_up, out, m, k);                              \
+    }
+#define FOR_ROWS(KERNEL, NAME, NORM) \
+    KERNEL(NAME, NORM, 1) KERNEL(NAME, NORM, 2) KERNEL(NAME, NORM, 3) KERNEL(NAME, NORM, 4)
+
+FOR_ROWS(GEMV_KERNEL, gemv_f16w, false)
+FOR_ROWS(GEMV_KERNEL, rms_norm_gemv_f16w, true)
+FOR_ROWS(SWIGLU_KERNEL, swiglu_gemv_f16w, false)
+FOR_ROWS(SWIGLU_KERNEL, rms_norm_swiglu_gemv_f16w, true)
 
 // Activations to f16 for the tensor-core GEMM. Round to nearest; values past f16's range
 // become inf, which the GEMM then shows rather than hides.

@@ -226,17 +226,40 @@ pub trait Backend: Send + Sync + 'static {
     /// RMSNorm over the last dim (`x / sqrt(mean(x²) + eps) * w`); per-head q/k norm is this op
     /// on a `[tokens, heads, head_dim]` view.
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
-    /// `x += a`, then [`Backend::rms_norm`] of the new `x`: a residual update and the norm
-    /// after it in one pass (a decode step has two per layer, and on a GPU each op is a launch).
-    fn add_rms_norm(
+    /// [`Backend::linear`] of `rms_norm(x, norm, eps)`. A GEMV reads all of its input row
+    /// anyway, so a GPU takes the norm on the way (a decode step has two per layer, and on a
+    /// GPU each op is a launch).
+    fn rms_norm_linear(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Tensor,
+        eps: f32,
+        w: &Self::Weight,
+        b: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        self.linear(&self.rms_norm(x, norm, eps)?, w, b)
+    }
+    /// [`Backend::swiglu`] of `rms_norm(x, norm, eps)`, fused as [`Backend::rms_norm_linear`].
+    fn rms_norm_swiglu(
+        &self,
+        x: &Self::Tensor,
+        norm: &Self::Tensor,
+        eps: f32,
+        gate_up: &Self::Weight,
+    ) -> Result<Self::Tensor> {
+        self.swiglu(&self.rms_norm(x, norm, eps)?, gate_up)
+    }
+    /// `x += a · wᵀ (+ b)`: a residual update folded into the projection that produces it
+    /// (its output goes straight into `x`, with no buffer or launch of its own).
+    fn add_linear(
         &self,
         x: &mut Self::Tensor,
         a: &Self::Tensor,
-        w: &Self::Tensor,
-        eps: f32,
-    ) -> Result<Self::Tensor> {
-        *x = self.add(x, a)?;
-        self.rms_norm(x, w, eps)
+        w: &Self::Weight,
+        b: Option<&Self::Tensor>,
+    ) -> Result<()> {
+        *x = self.add(x, &self.linear(a, w, b)?)?;
+        Ok(())
     }
     fn gelu(&self, x: &Self::Tensor, kind: GeluKind) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, the SwiGLU of the text MLP.

@@ -62,6 +62,22 @@ impl<B: Backend> Linear<B> {
         be.linear(x, &self.w, self.b.as_ref())
     }
 
+    /// `rms_norm(x, norm, eps)` through this layer ([`Backend::rms_norm_linear`]).
+    pub fn forward_normed(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        norm: &B::Tensor,
+        eps: f32,
+    ) -> Result<B::Tensor> {
+        be.rms_norm_linear(x, norm, eps, &self.w, self.b.as_ref())
+    }
+
+    /// `residual += forward(x)` ([`Backend::add_linear`]).
+    pub fn forward_add(&self, be: &B, x: &B::Tensor, residual: &mut B::Tensor) -> Result<()> {
+        be.add_linear(residual, x, &self.w, self.b.as_ref())
+    }
+
     /// The weight matrix, for ops that take several (`Backend::swiglu`).
     pub fn weight(&self) -> &B::Weight {
         &self.w

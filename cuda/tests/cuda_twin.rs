@@ -64,7 +64,6 @@ fn elementwise_and_norms() {
                 },
                 Case::LayerNorm { rows, cols },
                 Case::RmsNorm { rows, cols },
-                Case::AddRmsNorm { rows, cols },
             ]
         }),
     );
@@ -91,23 +90,7 @@ fn linear_and_swiglu_at_real_sizes() {
             (1, 4100, 9),
         ]
         .into_iter()
-        .flat_map(|(n, k, m)| {
-            [
-                Case::Linear {
-                    n,
-                    k,
-                    m,
-                    bias: false,
-                },
-                Case::Linear {
-                    n,
-                    k,
-                    m,
-                    bias: true,
-                },
-                Case::Swiglu { n, k, m },
-            ]
-        }),
+        .flat_map(|(n, k, m)| Case::linears(n, k, m)),
     );
 }
 
@@ -316,14 +299,16 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "layer_norm_f32",
             "rope_f32",
             "scatter_rows_f32",
-            "gemv_f16w",
-            "swiglu_gemv_f16w",
+            "gemv_f16w_r1",
+            "gemv_f16w_r4",
+            "rms_norm_gemv_f16w_r1",
+            "swiglu_gemv_f16w_r1",
+            "rms_norm_swiglu_gemv_f16w_r1",
             "embedding_f16w",
             "fill_uniform_f16",
             "write_kv_f16",
             "qkv_to_cache_f32",
-            "paged_decode_partial_d128_g4",
-            "paged_decode_combine",
+            "paged_decode_d128_g4",
             "paged_attention_rows_f16",
             "argmax_rows_f32",
             "gather_rows_f32",

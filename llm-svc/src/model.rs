@@ -80,18 +80,20 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// The step's rows `x` through attention: q, k, v in one GEMM; k and v into the cache (at
-    /// their slots) with q and k normed and rotated on the way; then each sequence's queries
-    /// over its cached keys.
+    /// The step's rows through attention, added to the residual stream `x`: q, k, v in one
+    /// GEMM of the normed rows (`input_norm`); k and v into the cache (at their slots) with q
+    /// and k normed and rotated on the way; then each sequence's queries over its cached keys,
+    /// whose projection is added to `x`.
     fn forward(
         &self,
         be: &B,
-        x: &B::Tensor,
+        x: &mut B::Tensor,
+        input_norm: &B::Tensor,
         step: &StepInput<B>,
         k_cache: &mut B::Cache,
         v_cache: &mut B::Cache,
-    ) -> vlm_compute::Result<B::Tensor> {
-        let qkv = self.qkv.forward(be, x)?;
+    ) -> vlm_compute::Result<()> {
+        let qkv = self.qkv.forward_normed(be, x, input_norm, self.eps)?;
         let how = QkvToCache {
             q_heads: self.heads,
             q_norm: &self.q_norm,
@@ -103,7 +105,7 @@ impl<B: Backend> Attention<B> {
         };
         let q = be.qkv_to_cache(&qkv, &how, k_cache, v_cache)?;
         let a = be.paged_attention(&q, k_cache, v_cache, &step.attn)?;
-        self.o.forward(be, &a)
+        self.o.forward_add(be, &a, x)
     }
 }
 
@@ -118,21 +120,21 @@ struct DecoderLayer<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
-    /// The layer on the residual stream `x`, whose input norm `h` the caller computed. Adds
-    /// attention's output to `x` and returns the MLP's, which the caller adds (fused with the
-    /// next norm: [`Backend::add_rms_norm`]).
+    /// The layer on the residual stream `x`: each half's norm is taken inside the projection
+    /// that reads it, and its output added to `x` by the projection that makes it
+    /// ([`Backend::rms_norm_linear`], [`Backend::add_linear`]): on a GPU a decoding layer is
+    /// six launches (q/k/v, their norms and cache write, attention, o, gate/up, down).
     fn forward(
         &self,
         be: &B,
         x: &mut B::Tensor,
-        h: &B::Tensor,
         step: &StepInput<B>,
         kv: (&mut B::Cache, &mut B::Cache),
-    ) -> vlm_compute::Result<B::Tensor> {
-        let a = self.attn.forward(be, h, step, kv.0, kv.1)?;
-        let h = be.add_rms_norm(x, &a, &self.post_attn_norm, self.eps)?;
-        let g = be.swiglu(&h, self.gate_up.weight())?;
-        self.down.forward(be, &g)
+    ) -> vlm_compute::Result<()> {
+        self.attn
+            .forward(be, x, &self.input_norm, step, kv.0, kv.1)?;
+        let g = be.rms_norm_swiglu(x, &self.post_attn_norm, self.eps, self.gate_up.weight())?;
+        self.down.forward_add(be, &g, x)
     }
 
     fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
@@ -213,41 +215,24 @@ impl<B: Backend> TextModel<B> {
         if let Some(img) = &step.images {
             be.scatter_rows(&mut x, img.rows, img.embeds)?;
         }
-        // The last MLP output not yet added to `x`: the add waits to be fused with the norm
-        // after it (two launches fewer per layer when decoding).
-        let mut pending: Option<B::Tensor> = None;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = match pending.take() {
-                Some(m) => be.add_rms_norm(&mut x, &m, &layer.input_norm, layer.eps)?,
-                None => be.rms_norm(&x, &layer.input_norm, layer.eps)?,
-            };
-            let kv_i = (&mut kv.k[i], &mut kv.v[i]);
-            let m = layer.forward(be, &mut x, &h, step, kv_i)?;
-            match step
+            layer.forward(be, &mut x, step, (&mut kv.k[i], &mut kv.v[i]))?;
+            // DeepStack adds to the stream after the MLP's output, as HF does.
+            if let Some((rows, ds)) = step
                 .images
                 .as_ref()
                 .and_then(|img| Some((img.rows, img.deepstack.get(i)?)))
             {
-                // DeepStack adds to the stream after the MLP's output, as HF does.
-                Some((rows, ds)) => {
-                    x = be.add(&x, &m)?;
-                    be.add_rows(&mut x, rows, ds)?;
-                }
-                None => pending = Some(m),
+                be.add_rows(&mut x, rows, ds)?;
             }
         }
         let eps = self.cfg.text.rms_norm_eps;
-        let h = match (&step.logits, pending) {
-            (LogitsOf::Nothing, _) => return Ok(None),
-            (LogitsOf::AllRows, Some(m)) => be.add_rms_norm(&mut x, &m, &self.norm, eps)?,
-            (LogitsOf::AllRows, None) => be.rms_norm(&x, &self.norm, eps)?,
-            (LogitsOf::Rows(rows), pending) => {
-                if let Some(m) = pending {
-                    x = be.add(&x, &m)?;
-                }
-                be.rms_norm(&be.gather_rows(&x, rows)?, &self.norm, eps)?
-            }
+        let last = match &step.logits {
+            LogitsOf::Nothing => return Ok(None),
+            LogitsOf::AllRows => x,
+            LogitsOf::Rows(rows) => be.gather_rows(&x, rows)?,
         };
-        be.linear(&h, &self.lm_head, None).map(Some)
+        be.rms_norm_linear(&last, &self.norm, eps, &self.lm_head, None)
+            .map(Some)
     }
 }

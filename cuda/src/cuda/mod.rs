@@ -18,20 +18,21 @@
 
 pub mod compile;
 pub mod doctor;
+mod linear;
 mod staging;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache};
 use crate::{Error, HostTensor, Result};
+use linear::{with_cols, Gemv, GEMV_KERNELS, GEMV_STATIC_SMEM};
 
 /// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
 macro_rules! with_common {
@@ -48,6 +49,8 @@ struct KernelSource {
     file: &'static str,
     source: &'static str,
     kernels: &'static [&'static str],
+    /// Kernels compiled once per row count, 1..=GEMV_MAX_ROWS.
+    per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
 }
 
 const SOURCES: [KernelSource; 4] = [
@@ -55,44 +58,40 @@ const SOURCES: [KernelSource; 4] = [
         file: "ops_f32.cu",
         source: with_common!("ops_f32.cu"),
         kernels: &OPS_KERNELS,
+        per_rows: &[],
     },
     KernelSource {
         file: "weights_f16.cu",
         source: with_common!("weights_f16.cu"),
-        kernels: &[
-            "gemv_f16w",
-            "swiglu_gemv_f16w",
-            "cast_f32_to_f16",
-            "embedding_f16w",
-            "fill_uniform_f16",
-        ],
+        kernels: &["cast_f32_to_f16", "embedding_f16w", "fill_uniform_f16"],
+        per_rows: &GEMV_KERNELS,
     },
     KernelSource {
         file: "paged_f16.cu",
         source: with_common!("paged_f16.cu"),
         kernels: &[
             "write_kv_f16",
-            "paged_decode_partial_d32_g1",
-            "paged_decode_partial_d32_g2",
-            "paged_decode_partial_d32_g4",
-            "paged_decode_partial_d32_g8",
-            "paged_decode_partial_d64_g1",
-            "paged_decode_partial_d64_g2",
-            "paged_decode_partial_d64_g4",
-            "paged_decode_partial_d64_g8",
-            "paged_decode_partial_d128_g1",
-            "paged_decode_partial_d128_g2",
-            "paged_decode_partial_d128_g4",
-            "paged_decode_partial_d128_g8",
-            "paged_decode_partial_d256_g1",
-            "paged_decode_partial_d256_g2",
-            "paged_decode_partial_d256_g4",
-            "paged_decode_combine",
+            "paged_decode_d32_g1",
+            "paged_decode_d32_g2",
+            "paged_decode_d32_g4",
+            "paged_decode_d32_g8",
+            "paged_decode_d64_g1",
+            "paged_decode_d64_g2",
+            "paged_decode_d64_g4",
+            "paged_decode_d64_g8",
+            "paged_decode_d128_g1",
+            "paged_decode_d128_g2",
+            "paged_decode_d128_g4",
+            "paged_decode_d128_g8",
+            "paged_decode_d256_g1",
+            "paged_decode_d256_g2",
+            "paged_decode_d256_g4",
             "paged_attention_rows_f16",
             "qkv_to_cache_f32",
             "gather_rows_f32",
             "argmax_rows_f32",
         ],
+        per_rows: &[],
     },
     KernelSource {
         file: "attention_f16.cu",
@@ -108,6 +107,7 @@ const SOURCES: [KernelSource; 4] = [
             PAGED_FLASH_KERNELS[3],
             "pack_kv_f16",
         ],
+        per_rows: &[],
     },
 ];
 
@@ -132,32 +132,34 @@ const FLASH_MIN_QUERIES: usize = 16;
 /// and fewest keys per split (PD_MIN_CHUNK).
 const DECODE_WARPS: u32 = 4;
 const DECODE_KEYS: usize = 4;
-const DECODE_MIN_CHUNK: usize = 64;
+const DECODE_MIN_CHUNK: usize = 32;
 /// Warps of a qkv_to_cache block, one head each (QK_WARPS).
 const QKV_WARPS: u32 = 4;
 /// At most this many splits of one sequence's keys.
 const DECODE_MAX_SPLITS: usize = 32;
+/// Counters of finished decode splits (Inner::counters).
+const COUNTERS: usize = 1 << 16;
 /// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
 /// one compiled for the power of two at or above the group (paged_f16.cu instantiates head dims
 /// 32, 64, 128 and 256 with 1, 2, 4 and 8 heads, bar 256 with 8); `None` where there is none
 /// (then paged_attention_rows_f16 takes the decoding sequences too).
 fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
     Some(match (d, group.next_power_of_two()) {
-        (32, 1) => "paged_decode_partial_d32_g1",
-        (32, 2) => "paged_decode_partial_d32_g2",
-        (32, 4) => "paged_decode_partial_d32_g4",
-        (32, 8) => "paged_decode_partial_d32_g8",
-        (64, 1) => "paged_decode_partial_d64_g1",
-        (64, 2) => "paged_decode_partial_d64_g2",
-        (64, 4) => "paged_decode_partial_d64_g4",
-        (64, 8) => "paged_decode_partial_d64_g8",
-        (128, 1) => "paged_decode_partial_d128_g1",
-        (128, 2) => "paged_decode_partial_d128_g2",
-        (128, 4) => "paged_decode_partial_d128_g4",
-        (128, 8) => "paged_decode_partial_d128_g8",
-        (256, 1) => "paged_decode_partial_d256_g1",
-        (256, 2) => "paged_decode_partial_d256_g2",
-        (256, 4) => "paged_decode_partial_d256_g4",
+        (32, 1) => "paged_decode_d32_g1",
+        (32, 2) => "paged_decode_d32_g2",
+        (32, 4) => "paged_decode_d32_g4",
+        (32, 8) => "paged_decode_d32_g8",
+        (64, 1) => "paged_decode_d64_g1",
+        (64, 2) => "paged_decode_d64_g2",
+        (64, 4) => "paged_decode_d64_g4",
+        (64, 8) => "paged_decode_d64_g8",
+        (128, 1) => "paged_decode_d128_g1",
+        (128, 2) => "paged_decode_d128_g2",
+        (128, 4) => "paged_decode_d128_g4",
+        (128, 8) => "paged_decode_d128_g8",
+        (256, 1) => "paged_decode_d256_g1",
+        (256, 2) => "paged_decode_d256_g2",
+        (256, 4) => "paged_decode_d256_g4",
         _ => return None,
     })
 }
@@ -171,7 +173,7 @@ fn flash_smem_bytes(dp: usize) -> usize {
     5 * 64 * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 14] = [
+const OPS_KERNELS: [&str; 13] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -179,7 +181,6 @@ const OPS_KERNELS: [&str; 14] = [
     "silu_mul_halves_f32",
     "layer_norm_f32",
     "rms_norm_f32",
-    "add_rms_norm_f32",
     "rope_f32",
     "attention_f32",
     "weighted_gather_f32",
@@ -193,8 +194,6 @@ const ROW_THREADS: u32 = 256;
 const MAX_HEAD_DIM: usize = 256;
 /// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
 const GEMV_MAX_ROWS: usize = 4;
-/// Output rows per GEMV block: one warp each.
-const GEMV_WARPS: u32 = 8;
 
 /// The constants the kernels share with this file, as `#define` lines put before every kernel
 /// source: one definition, so the two sides cannot disagree (and the kernel cache key, a hash
@@ -203,7 +202,7 @@ fn shared_defines() -> String {
     format!(
         "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define PD_WARPS {DECODE_WARPS}\n\
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
-         #define QK_WARPS {QKV_WARPS}\n"
+         #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n"
     )
 }
 
@@ -289,6 +288,12 @@ struct Inner {
     op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
     /// Page-locked memory for large uploads and downloads.
     staging: staging::Staging,
+    /// Shared memory a normed GEMV may stage its input rows in (bytes).
+    gemv_smem: usize,
+    /// One counter per (sequence, KV head) of a decode attention launch: how many of its
+    /// splits have finished (the last merges them). Each launch leaves them at 0 again, and
+    /// launches on this backend's one stream run one after another.
+    counters: CudaSlice<u32>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -511,7 +516,7 @@ impl CudaBackend {
             let module = ctx
                 .load_module(Ptx::from_src(ptx))
                 .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
-            for &k in src.kernels {
+            for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
                 let f = module.load_function(k).map_err(|e| Error::KernelCompile {
                     kernel: k.into(),
                     log: e.to_string(),
@@ -533,6 +538,24 @@ impl CudaBackend {
             }
             set.is_ok()
         });
+        // The normed GEMVs stage their input rows in shared memory: let them have what the GPU
+        // gives one block (4 rows of 4,096 floats need 64 KB, past the default 48), less what
+        // they declare statically.
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+        let optin = ctx
+            .attribute(OPTIN)
+            .map_err(|e| cuda_err("shared memory per block")(&e))?;
+        let dynamic = (optin as usize).max(48 << 10) - GEMV_STATIC_SMEM;
+        let opted_in = [Gemv::Normed, Gemv::NormedSwiglu]
+            .into_iter()
+            .flat_map(|g| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r)))
+            .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
+        let gemv_smem = if opted_in {
+            dynamic
+        } else {
+            (48 << 10) - GEMV_STATIC_SMEM
+        };
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
         // A workspace of our own: without one cuBLAS allocates on first use, which a GEMM
         // being recorded into a CUDA graph (a batched decode step) must not do.
@@ -552,6 +575,9 @@ impl CudaBackend {
             .result()
             .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
         }
+        let counters = stream
+            .alloc_zeros::<u32>(COUNTERS)
+            .map_err(|e| cuda_err("allocating completion counters")(&e))?;
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         let sm_count = ctx.attribute(SMS).map_err(|e| cuda_err("SM count")(&e))? as usize;
         Ok(Self {
@@ -566,6 +592,8 @@ impl CudaBackend {
                 _blas_workspace: workspace,
                 op_events: std::sync::Mutex::new(None),
                 staging: staging::Staging::new(),
+                gemv_smem,
+                counters,
             }),
         })
     }
@@ -705,51 +733,6 @@ impl CudaBackend {
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
-    }
-
-    /// One warp per output column of a GEMV.
-    fn gemv_config(m: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: ((m as u32).div_ceil(GEMV_WARPS), 1, 1),
-            block_dim: (GEMV_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    /// `x [.., k]` against `w [m, k]` (and `b [m]`): returns `m`.
-    fn check_linear(
-        &self,
-        op: &'static str,
-        x: &CudaTensor,
-        w: &CudaWeight,
-        b: Option<&CudaTensor>,
-    ) -> Result<usize> {
-        match w.shape[..] {
-            [m, k] if k == x.cols() && b.is_none_or(|b| b.len() == m) => Ok(m),
-            _ => Err(Error::shape(
-                op,
-                format!(
-                    "input {:?}, weight {:?}, bias {:?}",
-                    x.shape,
-                    w.shape,
-                    b.map(|b| &b.shape)
-                ),
-            )),
-        }
-    }
-
-    /// `x` rounded to f16, for the tensor-core GEMM.
-    fn to_f16(&self, x: &CudaTensor) -> Result<CudaSlice<half::f16>> {
-        let n = x.len() as u64;
-        // SAFETY: every element is written by the cast below.
-        let mut out = unsafe { self.inner.stream.alloc::<half::f16>(x.len().max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        let name = "cast_f32_to_f16";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&mut out).arg(&n);
-        // SAFETY: matches cast_f32_to_f16; out holds n halves.
-        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
-        Ok(out)
     }
 
     fn row_config(rows: usize) -> LaunchConfig {
@@ -1007,32 +990,16 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, b: Option<&CudaTensor>) -> Result<CudaTensor> {
         let m = self.check_linear("linear", x, w, b)?;
-        let mut shape = x.shape[..x.shape.len() - 1].to_vec();
-        shape.push(m);
-        let mut out = self.alloc(shape)?;
-        let (n, k) = (x.rows(), x.cols());
+        let mut out = self.alloc(with_cols(&x.shape, m))?;
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        let n = x.rows();
         if n == 0 || m == 0 {
             return Ok(out);
         }
         if n <= GEMV_MAX_ROWS {
-            let name = "gemv_f16w";
-            let (has_bias, rows, mm, kk) = (b.is_some() as i32, n as i32, m as i32, k as i32);
-            // Without a bias the kernel never reads the pointer; x stands in for it.
-            let bias = b.map_or(&*x.buf, |b| &*b.buf);
-            let mut l = self.inner.stream.launch_builder(self.kernel(name));
-            l.arg(&*x.buf)
-                .arg(&*w.buf)
-                .arg(bias)
-                .arg(&has_bias)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
-                .arg(&rows)
-                .arg(&mm)
-                .arg(&kk);
-            // SAFETY: matches gemv_f16w; shapes checked, rows <= GEMV_MAX_ROWS.
-            self.launched(name, unsafe { l.launch(Self::gemv_config(m)) }.map(|_| ()))?;
+            self.gemv(x, None, w, b, out_buf, false)?;
             return Ok(out);
         }
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
         if let Some(b) = b {
             let (cols, rows) = (m as i32, n as i32);
             let mut l = self
@@ -1046,89 +1013,76 @@ impl Backend for CudaBackend {
                 unsafe { l.launch(LaunchConfig::for_num_elems((n * m) as u32)) }.map(|_| ()),
             )?;
         }
-        let x16 = self.to_f16(x)?;
-        // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
-        // read transposed from its row-major [m, k] storage. f16 in, f32 out and accumulation.
-        {
-            let (alpha, beta) = (1.0f32, if b.is_some() { 1.0f32 } else { 0.0 });
-            let stream = &self.inner.stream;
-            let (wp, _w_guard) = w.buf.device_ptr(stream);
-            let (xp, _x_guard) = x16.device_ptr(stream);
-            let (op, _o_guard) = out_buf.device_ptr_mut(stream);
-            use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
-            // SAFETY: w holds m*k f16, x16 n*k f16, out n*m f32, as the leading dimensions say; the
-            // guards keep the buffers alive and ordered on this stream until the call is queued.
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *self.inner.blas.handle(),
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    m as i32,
-                    n as i32,
-                    k as i32,
-                    (&alpha) as *const f32 as *const _,
-                    wp as *const _,
-                    cudaDataType_t::CUDA_R_16F,
-                    k as i32,
-                    xp as *const _,
-                    cudaDataType_t::CUDA_R_16F,
-                    k as i32,
-                    (&beta) as *const f32 as *const _,
-                    op as *mut _,
-                    cudaDataType_t::CUDA_R_32F,
-                    m as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16 -> f32)")(&e))?;
-        }
-        self.op_done("cublas_gemm_f16")?;
+        self.gemm(x, w, out_buf, b.is_some())?;
         Ok(out)
     }
 
-    fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
-        let m2 = self.check_linear("swiglu", x, gate_up, None)?;
-        if m2 % 2 != 0 {
+    fn rms_norm_linear(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaTensor,
+        eps: f32,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let m = self.check_linear("rms_norm_linear", x, w, b)?;
+        width_of("rms_norm_linear", x, norm)?;
+        if !self.gemv_fits(x, true) {
+            return self.linear(&self.rms_norm(x, norm, eps)?, w, b);
+        }
+        let mut out = self.alloc(with_cols(&x.shape, m))?;
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
+        Ok(out)
+    }
+
+    fn add_linear(
+        &self,
+        x: &mut CudaTensor,
+        a: &CudaTensor,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<()> {
+        let m = self.check_linear("add_linear", a, w, b)?;
+        if x.shape != with_cols(&a.shape, m) {
             return Err(Error::shape(
-                "swiglu",
-                format!("gate_up must be [2m, k], got {:?}", gate_up.shape),
+                "add_linear",
+                format!("{:?} -> {m} columns added into {:?}", a.shape, x.shape),
             ));
         }
-        let (n, m) = (x.rows(), m2 / 2);
-        let mut shape = x.shape[..x.shape.len() - 1].to_vec();
-        shape.push(m);
-        let mut out = self.alloc(shape)?;
+        let n = a.rows();
         if n == 0 || m == 0 {
-            return Ok(out);
+            return Ok(());
         }
-        if n > GEMV_MAX_ROWS {
-            // One GEMM over both halves, then silu(gate) * up.
-            let y = self.linear(x, gate_up, None)?;
-            let name = "silu_mul_halves_f32";
-            let (mm, nn) = (m as i32, n as i32);
-            let mut l = self.inner.stream.launch_builder(self.kernel(name));
-            l.arg(&*y.buf)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
-                .arg(&mm)
-                .arg(&nn);
-            let cfg = LaunchConfig::for_num_elems((n * m) as u32);
-            // SAFETY: matches silu_mul_halves_f32; y is [n, 2m], out [n, m].
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-            return Ok(out);
+        if n <= GEMV_MAX_ROWS {
+            return self.gemv(a, None, w, b, Arc::make_mut(&mut x.buf), true);
         }
-        let name = "swiglu_gemv_f16w";
-        let (rows, mm, kk) = (n as i32, m as i32, x.cols() as i32);
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&*gate_up.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
-            .arg(&rows)
-            .arg(&mm)
-            .arg(&kk);
-        // SAFETY: matches swiglu_gemv_f16w; shapes checked, rows <= GEMV_MAX_ROWS.
-        self.launched(name, unsafe { l.launch(Self::gemv_config(m)) }.map(|_| ()))?;
-        Ok(out)
+        match b {
+            // The GEMM adds into its output (beta = 1).
+            None => self.gemm(a, w, Arc::make_mut(&mut x.buf), true),
+            Some(b) => {
+                *x = self.add(x, &self.linear(a, w, Some(b))?)?;
+                Ok(())
+            }
+        }
+    }
+
+    fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
+        self.swiglu_with("swiglu", x, None, gate_up)
+    }
+
+    fn rms_norm_swiglu(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaTensor,
+        eps: f32,
+        gate_up: &CudaWeight,
+    ) -> Result<CudaTensor> {
+        width_of("rms_norm_swiglu", x, norm)?;
+        if !self.gemv_fits(x, true) {
+            return self.swiglu(&self.rms_norm(x, norm, eps)?, gate_up);
+        }
+        self.swiglu_with("rms_norm_swiglu", x, Some((norm, eps)), gate_up)
     }
 
     fn stack_weights(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
@@ -1278,33 +1232,6 @@ impl Backend for CudaBackend {
         self.launched(
             "rms_norm_f32",
             unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
-        Ok(out)
-    }
-
-    fn add_rms_norm(
-        &self,
-        x: &mut CudaTensor,
-        a: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-    ) -> Result<CudaTensor> {
-        same_shape("add_rms_norm", x, a)?;
-        width_of("add_rms_norm", x, w)?;
-        let mut out = self.alloc(x.shape.clone())?;
-        let (rows, cols) = (x.rows(), x.cols() as i32);
-        let name = "add_rms_norm_f32";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(Arc::make_mut(&mut x.buf))
-            .arg(&*a.buf)
-            .arg(&*w.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&cols)
-            .arg(&eps);
-        // SAFETY: matches add_rms_norm_f32, one block per row; x and a have the same shape.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(rows)) }.map(|_| ()),
         )?;
         Ok(out)
     }
@@ -1830,12 +1757,20 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        // Rows of no sequence (none in practice) stay zero, as the reference says.
-        let mut out = self.alloc_zeroed(vec![rows, hq * d])?;
+        let group = hq / hkv;
+        // Rows of no sequence (none in practice) stay zero, as the reference says. A step of
+        // decoding sequences only, one row each, writes every row: no memset then.
+        let every_row_decodes = batch.decode_seqs == batch.num_seqs
+            && rows == batch.num_seqs
+            && decode_kernel(d, group).is_some();
+        let mut out = if every_row_decodes {
+            self.alloc(vec![rows, hq * d])?
+        } else {
+            self.alloc_zeroed(vec![rows, hq * d])?
+        };
         let scale = 1.0f32 / (d as f32).sqrt();
         let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
         let stream = &self.inner.stream;
-        let group = hq / hkv;
         let mut first_rest = 0;
         // Decoding sequences: split-K over their keys, every KV row read once per head group.
         if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
@@ -1845,6 +1780,14 @@ impl Backend for CudaBackend {
             let splits = want
                 .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
                 .clamp(1, DECODE_MAX_SPLITS);
+            if nd * hkv > COUNTERS {
+                return Err(Error::shape(
+                    "paged_attention",
+                    format!(
+                        "{nd} decoding sequences of {hkv} KV heads: more than {COUNTERS} counters"
+                    ),
+                ));
+            }
             let mut part_o = self.alloc(vec![nd * hq * splits, d])?;
             let mut part_ml = self.alloc(vec![nd * hq * splits, 2])?;
             let mut l = stream.launch_builder(self.kernel(name));
@@ -1855,6 +1798,9 @@ impl Backend for CudaBackend {
                 .arg(&batch.blocks.buf)
                 .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
                 .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
+                // Written by the kernel, which leaves them at 0 again (Inner::counters).
+                .arg(&self.inner.counters)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
                 .arg(&hq_i)
                 .arg(&hkv_i)
                 .arg(&bs_i)
@@ -1864,25 +1810,8 @@ impl Backend for CudaBackend {
                 block_dim: (DECODE_WARPS * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches paged_decode_partial_d{d}_g{gp}: d is the instantiated head dim,
-            // the group fits gp, the partials hold nd * hq * splits rows.
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-            let name = "paged_decode_combine";
-            let splits_i = splits as i32;
-            let mut l = stream.launch_builder(self.kernel(name));
-            l.arg(&*part_o.buf)
-                .arg(&*part_ml.buf)
-                .arg(&batch.seqs.buf)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-                .arg(&hq_i)
-                .arg(&d_i)
-                .arg(&splits_i);
-            let cfg = LaunchConfig {
-                grid_dim: (nd as u32, hq as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: matches paged_decode_combine over the partials just written.
+            // SAFETY: matches paged_decode_d{d}_g{gp}: d is the instantiated head dim, the
+            // group fits gp, the partials hold nd * hq * splits rows, the counters nd * hkv.
             self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
             first_rest = nd;
         }

@@ -1,0 +1,292 @@
+//! The projections' launches: our GEMVs for decode rows (one kernel per row count, with the
+//! input's RMSNorm or SwiGLU fused), cuBLAS for more rows. The [`Backend`] ops that use them
+//! (`linear`, `rms_norm_linear`, `add_linear`, `swiglu`, `rms_norm_swiglu`) are in the trait's
+//! impl in `mod.rs`; kernels in `cuda/kernels/weights_f16.cu`.
+//!
+//! [`Backend`]: crate::Backend
+
+use std::sync::Arc;
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{cuda_err, CudaBackend, CudaTensor, CudaWeight, GEMV_MAX_ROWS};
+use crate::{Backend, Error, Result};
+
+/// Output rows per GEMV block: one warp each.
+pub(super) const GEMV_WARPS: u32 = 8;
+/// Shared memory the normed GEMVs declare statically (their per-warp sums), at most.
+pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
+
+/// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Gemv {
+    Plain,
+    /// The input's RMSNorm first (staged in shared memory).
+    Normed,
+    Swiglu,
+    NormedSwiglu,
+}
+
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 4] = [
+    [
+        "gemv_f16w_r1",
+        "gemv_f16w_r2",
+        "gemv_f16w_r3",
+        "gemv_f16w_r4",
+    ],
+    [
+        "rms_norm_gemv_f16w_r1",
+        "rms_norm_gemv_f16w_r2",
+        "rms_norm_gemv_f16w_r3",
+        "rms_norm_gemv_f16w_r4",
+    ],
+    [
+        "swiglu_gemv_f16w_r1",
+        "swiglu_gemv_f16w_r2",
+        "swiglu_gemv_f16w_r3",
+        "swiglu_gemv_f16w_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_f16w_r1",
+        "rms_norm_swiglu_gemv_f16w_r2",
+        "rms_norm_swiglu_gemv_f16w_r3",
+        "rms_norm_swiglu_gemv_f16w_r4",
+    ],
+];
+
+impl Gemv {
+    /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows.
+    pub(super) fn kernel(self, rows: usize) -> &'static str {
+        GEMV_KERNELS[self as usize][rows - 1]
+    }
+
+    pub(super) fn normed(self) -> bool {
+        matches!(self, Gemv::Normed | Gemv::NormedSwiglu)
+    }
+}
+
+/// `shape` with its last dim (the columns) replaced by `cols`.
+pub(super) fn with_cols(shape: &[usize], cols: usize) -> Vec<usize> {
+    let mut out = shape[..shape.len().saturating_sub(1)].to_vec();
+    out.push(cols);
+    out
+}
+
+impl CudaBackend {
+    /// One warp per output column of a GEMV kernel `name`. The normed kernels stage x in
+    /// shared memory once per block, so they get no more blocks than the GPU runs at once, and
+    /// each block loops over the columns.
+    fn gemv_config(&self, name: &str, m: usize, kind: Gemv, x: &CudaTensor) -> LaunchConfig {
+        let block = GEMV_WARPS * 32;
+        let mut blocks = (m as u32).div_ceil(GEMV_WARPS);
+        let mut staged = 0;
+        if kind.normed() {
+            staged = x.len() * std::mem::size_of::<f32>();
+            let resident = self
+                .kernel(name)
+                .occupancy_max_active_blocks_per_multiprocessor(block, staged, None)
+                .unwrap_or(1)
+                .max(1);
+            blocks = blocks.min(resident * self.inner.sm_count as u32);
+        }
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: staged as u32,
+        }
+    }
+
+    /// `x [.., k]` against `w [m, k]` (and `b [m]`): returns `m`.
+    pub(super) fn check_linear(
+        &self,
+        op: &'static str,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<usize> {
+        match w.shape[..] {
+            [m, k] if k == x.cols() && b.is_none_or(|b| b.len() == m) => Ok(m),
+            _ => Err(Error::shape(
+                op,
+                format!(
+                    "input {:?}, weight {:?}, bias {:?}",
+                    x.shape,
+                    w.shape,
+                    b.map(|b| &b.shape)
+                ),
+            )),
+        }
+    }
+
+    /// `x` rounded to f16, for the tensor-core GEMM.
+    pub(super) fn to_f16(&self, x: &CudaTensor) -> Result<CudaSlice<half::f16>> {
+        let n = x.len() as u64;
+        // SAFETY: every element is written by the cast below.
+        let mut out = unsafe { self.inner.stream.alloc::<half::f16>(x.len().max(1)) }
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let name = "cast_f32_to_f16";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf).arg(&mut out).arg(&n);
+        // SAFETY: matches cast_f32_to_f16; out holds n halves.
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    /// `out (+)= x · wᵀ (+ b)` for up to GEMV_MAX_ROWS rows of `x`, with `norm` (Gemv::Normed)
+    /// each row of `x` RMS-normed first. Shapes checked by the caller: `out` holds `rows x m`;
+    /// [`Self::gemv_fits`] for the normed kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemv(
+        &self,
+        x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let kind = if norm.is_some() {
+            Gemv::Normed
+        } else {
+            Gemv::Plain
+        };
+        let name = kind.kernel(x.rows());
+        let m = w.shape[0];
+        let (has_bias, acc) = (b.is_some() as i32, accumulate as i32);
+        let (mm, kk) = (m as i32, x.cols() as i32);
+        // Pointers the kernel never reads (no bias, no norm) are given x.
+        let bias = b.map_or(&*x.buf, |b| &*b.buf);
+        let (norm_w, eps) = norm.map_or((&*x.buf, 0.0f32), |(n, eps)| (&*n.buf, eps));
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(&*w.buf)
+            .arg(bias)
+            .arg(&has_bias)
+            .arg(out)
+            .arg(&acc)
+            .arg(&mm)
+            .arg(&kk);
+        let cfg = self.gemv_config(name, m, kind, x);
+        // SAFETY: matches GEMV_KERNEL in weights_f16.cu for x's rows (1..=GEMV_MAX_ROWS);
+        // shapes checked; the normed kernel's staged rows fit its shared memory (gemv_fits).
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+    }
+
+    /// Whether the GEMV kernels take `x` with its norm fused (`normed`): up to
+    /// GEMV_MAX_ROWS rows, all of which the normed kernels stage in shared memory.
+    pub(super) fn gemv_fits(&self, x: &CudaTensor, normed: bool) -> bool {
+        (1..=GEMV_MAX_ROWS).contains(&x.rows())
+            && (!normed || x.len() * std::mem::size_of::<f32>() <= self.inner.gemv_smem)
+    }
+
+    /// `out = x · wᵀ (+ out when accumulate)` on the tensor cores: x rounded to f16, f32
+    /// accumulation and output. `out` holds `rows x m`.
+    pub(super) fn gemm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (n, k, m) = (x.rows(), x.cols(), w.shape[0]);
+        let x16 = self.to_f16(x)?;
+        // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
+        // read transposed from its row-major [m, k] storage. f16 in, f32 out and accumulation.
+        {
+            let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+            let stream = &self.inner.stream;
+            let (wp, _w_guard) = w.buf.device_ptr(stream);
+            let (xp, _x_guard) = x16.device_ptr(stream);
+            let (op, _o_guard) = out.device_ptr_mut(stream);
+            use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+            // SAFETY: w holds m*k f16, x16 n*k f16, out n*m f32, as the leading dimensions say; the
+            // guards keep the buffers alive and ordered on this stream until the call is queued.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.inner.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m as i32,
+                    n as i32,
+                    k as i32,
+                    (&alpha) as *const f32 as *const _,
+                    wp as *const _,
+                    cudaDataType_t::CUDA_R_16F,
+                    k as i32,
+                    xp as *const _,
+                    cudaDataType_t::CUDA_R_16F,
+                    k as i32,
+                    (&beta) as *const f32 as *const _,
+                    op as *mut _,
+                    cudaDataType_t::CUDA_R_32F,
+                    m as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16 -> f32)")(&e))?;
+        }
+        self.op_done("cublas_gemm_f16")
+    }
+
+    /// `swiglu` (and `rms_norm_swiglu`, with `norm`): the fused GEMV for up to
+    /// GEMV_MAX_ROWS rows; past that one GEMM over both halves, then silu(gate) * up.
+    pub(super) fn swiglu_with(
+        &self,
+        op: &'static str,
+        x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+        gate_up: &CudaWeight,
+    ) -> Result<CudaTensor> {
+        let m2 = self.check_linear(op, x, gate_up, None)?;
+        if m2 % 2 != 0 {
+            return Err(Error::shape(
+                op,
+                format!("gate_up must be [2m, k], got {:?}", gate_up.shape),
+            ));
+        }
+        let (n, m) = (x.rows(), m2 / 2);
+        let mut out = self.alloc(with_cols(&x.shape, m))?;
+        if n == 0 || m == 0 {
+            return Ok(out);
+        }
+        if n > GEMV_MAX_ROWS {
+            let y = self.linear(x, gate_up, None)?;
+            let name = "silu_mul_halves_f32";
+            let (mm, nn) = (m as i32, n as i32);
+            let mut l = self.inner.stream.launch_builder(self.kernel(name));
+            l.arg(&*y.buf)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
+                .arg(&mm)
+                .arg(&nn);
+            let cfg = LaunchConfig::for_num_elems((n * m) as u32);
+            // SAFETY: matches silu_mul_halves_f32; y is [n, 2m], out [n, m].
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            return Ok(out);
+        }
+        let kind = if norm.is_some() {
+            Gemv::NormedSwiglu
+        } else {
+            Gemv::Swiglu
+        };
+        let name = kind.kernel(n);
+        let (mm, kk) = (m as i32, x.cols() as i32);
+        let (norm_w, eps) = norm.map_or((&*x.buf, 0.0f32), |(n, eps)| (&*n.buf, eps));
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(norm_w)
+            .arg(&eps)
+            .arg(&*gate_up.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
+            .arg(&mm)
+            .arg(&kk);
+        let cfg = self.gemv_config(name, m, kind, x);
+        // SAFETY: matches SWIGLU_KERNEL in weights_f16.cu for x's rows (1..=GEMV_MAX_ROWS);
+        // shapes checked; the normed kernel's staged rows fit its shared memory (gemv_fits).
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+}
