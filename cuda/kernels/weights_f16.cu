@@ -122,6 +122,17 @@ __device__ __forceinline__ void stage_normed(const float* __restrict__ x, const 
     }
 }
 
+// The rows the dot products read: x itself, or with NORM its normed copy staged in shared
+// memory (and inv set). Every thread of the block must call it (the staging has a barrier).
+template <bool NORM, int ROWS>
+__device__ __forceinline__ const float* gemv_input(const float* __restrict__ x,
+                                                   const float* __restrict__ norm_w, float eps,
+                                                   int k, float inv[ROWS]) {
+    if (!NORM) return x;
+    stage_normed<ROWS>(x, norm_w, eps, k, inv);
+    return gemv_staged;
+}
+
 // out[r, j] (+)= x[r, :] . w[j, :] (+ bias[j]) for the ROWS rows of x: x [ROWS, k] f32, w [m, k]
 // f16, out [ROWS, m] f32; with NORM, x[r] is RMSNorm(x[r]) * norm_w (eps) first (dynamic
 // shared memory ROWS * k floats). With accumulate, the product is added to what out holds (the
@@ -139,11 +150,7 @@ __device__ __forceinline__ void gemv(const float* __restrict__ x, const float* _
     uint4 raw[4];
     load_chunk(w + (size_t)min(j, m - 1) * k, lane * 8, vec_cols(k), raw);
     float inv[ROWS];
-    const float* xr = x;
-    if (NORM) {
-        stage_normed<ROWS>(x, norm_w, eps, k, inv);
-        xr = gemv_staged;
-    }
+    const float* xr = gemv_input<NORM, ROWS>(x, norm_w, eps, k, inv);
     for (bool first = true; j < m; j += gridDim.x * warps, first = false) {
         const __half* wr = w + (size_t)j * k;
         if (!first) load_chunk(wr, lane * 8, vec_cols(k), raw);
@@ -174,11 +181,7 @@ __device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
     load_chunk(gate_up + (size_t)min(j, m - 1) * k, lane * 8, vec_cols(k), graw);
     load_chunk(gate_up + (size_t)(m + min(j, m - 1)) * k, lane * 8, vec_cols(k), uraw);
     float inv[ROWS];
-    const float* xr = x;
-    if (NORM) {
-        stage_normed<ROWS>(x, norm_w, eps, k, inv);
-        xr = gemv_staged;
-    }
+    const float* xr = gemv_input<NORM, ROWS>(x, norm_w, eps, k, inv);
     for (bool first = true; j < m; j += gridDim.x * warps, first = false) {
         const __half* gw = gate_up + (size_t)j * k;
         const __half* uw = gate_up + (size_t)(m + j) * k;
