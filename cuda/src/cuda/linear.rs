@@ -233,7 +233,8 @@ impl CudaBackend {
     }
 
     /// `swiglu` (and `rms_norm_swiglu`, with `norm`): the fused GEMV for up to
-    /// GEMV_MAX_ROWS rows; past that one GEMM over both halves, then silu(gate) * up.
+    /// GEMV_MAX_ROWS rows (normed ones while they fit its shared memory); past that the norm
+    /// on its own, one GEMM over both halves, then silu(gate) * up.
     pub(super) fn swiglu_with(
         &self,
         op: &'static str,
@@ -241,6 +242,10 @@ impl CudaBackend {
         norm: Option<(&CudaTensor, f32)>,
         gate_up: &CudaWeight,
     ) -> Result<CudaTensor> {
+        if let Some((w, eps)) = norm.filter(|_| !self.gemv_fits(x, true)) {
+            // Rows the normed GEMV does not take: the norm on its own first.
+            return self.swiglu_with(op, &self.rms_norm(x, w, eps)?, None, gate_up);
+        }
         let m2 = self.check_linear(op, x, gate_up, None)?;
         if m2 % 2 != 0 {
             return Err(Error::shape(

@@ -1079,9 +1079,6 @@ impl Backend for CudaBackend {
         gate_up: &CudaWeight,
     ) -> Result<CudaTensor> {
         width_of("rms_norm_swiglu", x, norm)?;
-        if !self.gemv_fits(x, true) {
-            return self.swiglu(&self.rms_norm(x, norm, eps)?, gate_up);
-        }
         self.swiglu_with("rms_norm_swiglu", x, Some((norm, eps)), gate_up)
     }
 
