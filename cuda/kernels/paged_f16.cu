@@ -182,6 +182,9 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     int chunk = ((int)kv_len + splits - 1) / splits;
     chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
     const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
+    // Splits past the keys (the grid is sized for the longest sequence a recorded step may
+    // see) only count themselves in; the merge reads the first `active`.
+    const int active = min(splits, ((int)kv_len + chunk - 1) / chunk);
     // Block sizes are powers of two in practice: a shift, not a division, per key.
     const bool pow2 = (block_size & (block_size - 1)) == 0;
     const int shift = __ffs(block_size) - 1;
@@ -268,7 +271,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     for (int g = 0; g < GP; ++g) {
         if (g < G && half == 0) {
             if (hl == 0) {
-                // Back to natural log for the merges below and paged_decode_combine.
+                // Back to natural log for the merges below.
                 sm_m[warp][g] = m[g] == NEG_INF ? NEG_INF : m[g] * 0.6931471805599453f;
                 sm_l[warp][g] = l[g];
             }
@@ -278,7 +281,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     }
     __syncthreads();
     // One thread per (head, dim) of the block's G heads.
-    for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+    for (int t = threadIdx.x; t < (split < active ? G * D : 0); t += blockDim.x) {
         int g = t / D, c = t % D;
         float mb = NEG_INF;
         for (int w = 0; w < PD_WARPS; ++w) mb = fmaxf(mb, sm_m[w][g]);
@@ -312,20 +315,32 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     __threadfence();
     // out = Σ_i part_o_i w_i, w_i = e^(m_i - M) / Σ_i l_i e^(m_i - M), M = max_i m_i, per head
     // and dim. The partials are read through L2 (__ldcg): other blocks wrote them, so L1 may
-    // hold stale lines. The weights first, a warp per head and a lane per split; then each
-    // thread keeps its outputs' loads of several splits in flight (a thread walking the splits
-    // one load after another took 33 us at 22 splits).
-    static_assert(PD_MAX_SPLITS <= WARP, "a lane per split");
+    // hold stale lines. The weights first, a warp per head and a lane per split (two, past 32
+    // splits); then each thread keeps its outputs' loads of several splits in flight (a thread
+    // walking the splits one load after another took 33 us at 22 splits).
+    static_assert(PD_MAX_SPLITS <= 2 * WARP, "at most two splits a lane");
     __shared__ float sm_w[GP][PD_MAX_SPLITS];
     for (int g = warp; g < G; g += PD_WARPS) {
-        size_t part = ((size_t)s * hq + kvh * G + g) * splits + lane;
-        float mi = lane < splits ? __ldcg(part_ml + part * 2) : NEG_INF;
-        float li = lane < splits ? __ldcg(part_ml + part * 2 + 1) : 0.0f;
-        float mx = mi;
+        const size_t base = ((size_t)s * hq + kvh * G + g) * splits;
+        float mi[2], li[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = lane + h * WARP;
+            mi[h] = i < active ? __ldcg(part_ml + (base + i) * 2) : NEG_INF;
+            li[h] = i < active ? __ldcg(part_ml + (base + i) * 2 + 1) : 0.0f;
+        }
+        float mx = fmaxf(mi[0], mi[1]);
         for (int o = WARP / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-        float w = mi == NEG_INF ? 0.0f : expf(mi - mx);
-        float total = warp_sum(li * w);
-        if (lane < splits) sm_w[g][lane] = w / total;
+        float w[2], sum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            w[h] = mi[h] == NEG_INF ? 0.0f : expf(mi[h] - mx);
+            sum += li[h] * w[h];
+        }
+        const float total = warp_sum(sum);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (lane + h * WARP < active) sm_w[g][lane + h * WARP] = w[h] / total;
     }
     __syncthreads();
     constexpr int OUTS = (GP * D + PD_WARPS * WARP - 1) / (PD_WARPS * WARP);
@@ -333,7 +348,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
 #pragma unroll
     for (int u = 0; u < OUTS; ++u) o[u] = 0.0f;
 #pragma unroll 8
-    for (int i = 0; i < splits; ++i) {
+    for (int i = 0; i < active; ++i) {
 #pragma unroll
         for (int u = 0; u < OUTS; ++u) {
             int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;

@@ -135,8 +135,9 @@ const DECODE_KEYS: usize = 4;
 const DECODE_MIN_CHUNK: usize = 32;
 /// Warps of a qkv_to_cache block, one head each (QK_WARPS).
 const QKV_WARPS: u32 = 4;
-/// At most this many splits of one sequence's keys.
-const DECODE_MAX_SPLITS: usize = 32;
+/// At most this many splits of one sequence's keys (PD_MAX_SPLITS; the merge takes up to two
+/// a lane).
+const DECODE_MAX_SPLITS: usize = 64;
 /// Counters of finished decode splits (Inner::counters).
 const COUNTERS: usize = 1 << 16;
 /// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
@@ -1772,8 +1773,10 @@ impl Backend for CudaBackend {
         // Decoding sequences: split-K over their keys, every KV row read once per head group.
         if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
             let nd = batch.decode_seqs;
-            // Enough blocks to fill the GPU twice, no split shorter than DECODE_MIN_CHUNK keys.
-            let want = (2 * self.inner.sm_count).div_ceil(nd * hkv);
+            // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
+            // a long context's splits stay short enough for a few round trips each (attention
+            // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
+            let want = 4 * self.inner.sm_count / (nd * hkv);
             let splits = want
                 .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
                 .clamp(1, DECODE_MAX_SPLITS);
