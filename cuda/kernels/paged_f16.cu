@@ -352,7 +352,8 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
 #pragma unroll
         for (int u = 0; u < OUTS; ++u) {
             int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
-            if (g < G) o[u] += __ldcg(part_o + (((size_t)s * hq + kvh * G + g) * splits + i) * D + t % D) * sm_w[g][i];
+            size_t part = ((size_t)s * hq + kvh * G + g) * splits + i;
+            if (g < G) o[u] += __ldcg(part_o + part * D + t % D) * sm_w[g][i];
         }
     }
 #pragma unroll

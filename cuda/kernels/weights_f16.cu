@@ -86,8 +86,9 @@ __device__ __forceinline__ void row_dots(const float* __restrict__ x, const __ha
 extern __shared__ float gemv_staged[];
 
 template <int ROWS>
-__device__ __forceinline__ void stage_normed(const float* __restrict__ x, const float* __restrict__ g,
-                                             float eps, int k, float inv[ROWS]) {
+__device__ __forceinline__ void stage_normed(const float* __restrict__ x,
+                                             const float* __restrict__ g, float eps, int k,
+                                             float inv[ROWS]) {
     __shared__ float partial[ROWS][32];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
 #pragma unroll
@@ -205,8 +206,8 @@ __device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
 // Each kernel is compiled for 1 to GEMV_MAX_ROWS rows of x, NAME_r1 .. NAME_r4: with the row
 // count known, the loops over rows unroll with no tests and no registers for rows that are not
 // there (the GEMVs of one 8B decode step, timed alone on an H100: 6.12 -> 5.77 ms against one
-// kernel for up to 4 rows). A plain kernel and its normed twin share one signature (the plain one ignores
-// norm_w and eps), so the host launches them the same way.
+// kernel for up to 4 rows). A plain kernel and its normed twin share one signature (the plain
+// one ignores norm_w and eps), so the host launches them the same way.
 static_assert(GEMV_MAX_ROWS == 4, "instantiate the GEMVs below for every row count");
 
 #define GEMV_KERNEL(NAME, NORM, ROWS)                                                             \
