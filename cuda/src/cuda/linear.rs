@@ -135,8 +135,7 @@ impl CudaBackend {
 
     /// `out (+)= x · wᵀ (+ b)` for up to GEMV_MAX_ROWS rows of `x`, with `norm` (Gemv::Normed)
     /// each row of `x` RMS-normed first. Shapes checked by the caller: `out` holds `rows x m`;
-    /// [`Self::gemv_fits`] for the normed kernel.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Self::normed_gemv_fits`] for the normed kernel.
     pub(super) fn gemv(
         &self,
         x: &CudaTensor,
@@ -171,15 +170,16 @@ impl CudaBackend {
             .arg(&kk);
         let cfg = self.gemv_config(name, m, kind, x);
         // SAFETY: matches GEMV_KERNEL in weights_f16.cu for x's rows (1..=GEMV_MAX_ROWS);
-        // shapes checked; the normed kernel's staged rows fit its shared memory (gemv_fits).
+        // shapes checked; the normed kernel's staged rows fit its shared memory
+        // (normed_gemv_fits).
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 
-    /// Whether the GEMV kernels take `x` with its norm fused (`normed`): up to
-    /// GEMV_MAX_ROWS rows, all of which the normed kernels stage in shared memory.
-    pub(super) fn gemv_fits(&self, x: &CudaTensor, normed: bool) -> bool {
+    /// Whether the normed GEMV kernels take `x`: up to GEMV_MAX_ROWS rows, all of which they
+    /// stage in shared memory.
+    pub(super) fn normed_gemv_fits(&self, x: &CudaTensor) -> bool {
         (1..=GEMV_MAX_ROWS).contains(&x.rows())
-            && (!normed || x.len() * std::mem::size_of::<f32>() <= self.inner.gemv_smem)
+            && x.len() * std::mem::size_of::<f32>() <= self.inner.gemv_smem
     }
 
     /// `out = x · wᵀ (+ out when accumulate)` on the tensor cores: x rounded to f16, f32
@@ -242,7 +242,7 @@ impl CudaBackend {
         norm: Option<(&CudaTensor, f32)>,
         gate_up: &CudaWeight,
     ) -> Result<CudaTensor> {
-        if let Some((w, eps)) = norm.filter(|_| !self.gemv_fits(x, true)) {
+        if let Some((w, eps)) = norm.filter(|_| !self.normed_gemv_fits(x)) {
             // Rows the normed GEMV does not take: the norm on its own first.
             return self.swiglu_with(op, &self.rms_norm(x, w, eps)?, None, gate_up);
         }
@@ -290,7 +290,8 @@ impl CudaBackend {
             .arg(&kk);
         let cfg = self.gemv_config(name, m, kind, x);
         // SAFETY: matches SWIGLU_KERNEL in weights_f16.cu for x's rows (1..=GEMV_MAX_ROWS);
-        // shapes checked; the normed kernel's staged rows fit its shared memory (gemv_fits).
+        // shapes checked; the normed kernel's staged rows fit its shared memory
+        // (normed_gemv_fits).
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
     }

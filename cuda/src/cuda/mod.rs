@@ -1028,7 +1028,7 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         let m = self.check_linear("rms_norm_linear", x, w, b)?;
         width_of("rms_norm_linear", x, norm)?;
-        if !self.gemv_fits(x, true) {
+        if !self.normed_gemv_fits(x) {
             return self.linear(&self.rms_norm(x, norm, eps)?, w, b);
         }
         let mut out = self.alloc(with_cols(&x.shape, m))?;
