@@ -6,6 +6,8 @@
 
 // WARP, NEG_INF, warp_sum and random_uniform come from common.cuh.
 
+#include <cuda_fp16.h>
+
 // Sum over a block of up to 1024 threads; every thread gets the result.
 __device__ float block_sum(float v) {
     __shared__ float partial[WARP];
@@ -109,11 +111,25 @@ __device__ __forceinline__ void store_rms4(const float4 v[NORM_VEC], const float
     }
 }
 
-extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                          const float* __restrict__ b, float* __restrict__ out,
-                                          int cols, float eps) {
+// A LayerNorm's output element or four, as f32 or (for a GEMM's operand) rounded to f16.
+__device__ __forceinline__ void store1(float* o, int i, float v) { o[i] = v; }
+__device__ __forceinline__ void store1(__half* o, int i, float v) { o[i] = __float2half_rn(v); }
+__device__ __forceinline__ void store4(float* o, int i, float4 v) {
+    reinterpret_cast<float4*>(o)[i] = v;
+}
+__device__ __forceinline__ void store4(__half* o, int i, float4 v) {
+    __half2* o2 = reinterpret_cast<__half2*>(o) + 2 * i;
+    o2[0] = __floats2half2_rn(v.x, v.y);
+    o2[1] = __floats2half2_rn(v.z, v.w);
+}
+
+template <typename Out>
+__device__ __forceinline__ void layer_norm_row(const float* __restrict__ x,
+                                               const float* __restrict__ w,
+                                               const float* __restrict__ b, Out* __restrict__ out,
+                                               int cols, float eps) {
     const float* row = x + (size_t)blockIdx.x * cols;
-    float* o = out + (size_t)blockIdx.x * cols;
+    Out* o = out + (size_t)blockIdx.x * cols;
     if (norm_in_registers(cols)) {
         float4 v[NORM_VEC];
         load_row4(row, cols, v);
@@ -132,14 +148,16 @@ extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const flo
         float inv = rsqrtf(block_sum(var) / cols + eps);
         const float4* w4 = reinterpret_cast<const float4*>(w);
         const float4* b4 = reinterpret_cast<const float4*>(b);
-        float4* o4 = reinterpret_cast<float4*>(o);
 #pragma unroll
         for (int u = 0; u < NORM_VEC; ++u) {
             int i = threadIdx.x + u * blockDim.x;
             if (4 * i < cols) {
                 float4 g = w4[i], c = b4[i];
-                o4[i] = make_float4((v[u].x - mean) * inv * g.x + c.x, (v[u].y - mean) * inv * g.y + c.y,
-                                    (v[u].z - mean) * inv * g.z + c.z, (v[u].w - mean) * inv * g.w + c.w);
+                store4(o, i,
+                       make_float4((v[u].x - mean) * inv * g.x + c.x,
+                                   (v[u].y - mean) * inv * g.y + c.y,
+                                   (v[u].z - mean) * inv * g.z + c.z,
+                                   (v[u].w - mean) * inv * g.w + c.w));
             }
         }
         return;
@@ -153,7 +171,22 @@ extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const flo
         v += d * d;
     }
     float inv = rsqrtf(block_sum(v) / cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = (row[i] - mean) * inv * w[i] + b[i];
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        store1(o, i, (row[i] - mean) * inv * w[i] + b[i]);
+}
+
+extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ b, float* __restrict__ out,
+                                          int cols, float eps) {
+    layer_norm_row(x, w, b, out, cols, eps);
+}
+
+// The same norm rounded to f16: the operand of the GEMMs that read it (the ViT's q/k/v and
+// fc1), written once instead of as f32 and then cast.
+extern "C" __global__ void layer_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ b, __half* __restrict__ out,
+                                          int cols, float eps) {
+    layer_norm_row(x, w, b, out, cols, eps);
 }
 
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,

@@ -34,6 +34,33 @@ pub fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
+/// A LayerNorm's weight, bias and epsilon, as the fused ops take them.
+pub struct LayerNormParams<'a, B: Backend + ?Sized> {
+    pub w: &'a B::Tensor,
+    pub b: &'a B::Tensor,
+    pub eps: f32,
+}
+
+/// A projection `x · wᵀ (+ b)` (`w` `[out, in]`), as the fused ops take it.
+pub struct Projection<'a, B: Backend + ?Sized> {
+    pub w: &'a B::Weight,
+    pub b: Option<&'a B::Tensor>,
+}
+
+// By hand: derives would ask for `B: Clone`, where only the references are copied.
+impl<B: Backend + ?Sized> Clone for LayerNormParams<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend + ?Sized> Copy for LayerNormParams<'_, B> {}
+impl<B: Backend + ?Sized> Clone for Projection<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend + ?Sized> Copy for Projection<'_, B> {}
+
 /// How [`Backend::qkv_to_cache`] turns a fused q/k/v projection into attention inputs.
 pub struct QkvToCache<'a, B: Backend + ?Sized> {
     /// Query heads; the cache's shape gives the KV heads and the head dim.
@@ -260,6 +287,36 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         *x = self.add(x, &self.linear(a, w, b)?)?;
         Ok(())
+    }
+    /// The projections of one input's LayerNorm: `layer_norm(x) · wᵀ + b` for each of
+    /// `projections` (the ViT's q, k and v). A GPU normalizes once, straight into the f16
+    /// operand its GEMMs read, and adds each bias in the GEMM's epilogue.
+    fn layer_norm_linears(
+        &self,
+        x: &Self::Tensor,
+        norm: LayerNormParams<Self>,
+        projections: &[Projection<Self>],
+    ) -> Result<Vec<Self::Tensor>> {
+        let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
+        projections
+            .iter()
+            .map(|p| self.linear(&h, p.w, p.b))
+            .collect()
+    }
+    /// A pre-norm MLP with its residual: `x += down(gelu(up(layer_norm(x))))` (the ViT
+    /// block's second half). A GPU keeps the hidden activations in f16 and does the bias,
+    /// GELU and residual add in the GEMMs' epilogues: two GEMMs and one norm, no other pass.
+    fn layer_norm_mlp(
+        &self,
+        x: &mut Self::Tensor,
+        norm: LayerNormParams<Self>,
+        up: Projection<Self>,
+        act: GeluKind,
+        down: Projection<Self>,
+    ) -> Result<()> {
+        let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
+        let h = self.gelu(&self.linear(&h, up.w, up.b)?, act)?;
+        self.add_linear(x, &h, down.w, down.b)
     }
     fn gelu(&self, x: &Self::Tensor, kind: GeluKind) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, the SwiGLU of the text MLP.

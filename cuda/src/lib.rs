@@ -26,7 +26,10 @@ mod tensor;
 pub mod twin;
 mod weights;
 
-pub use backend::{argmax, AttnMask, Backend, GeluKind, OpTime, PagedBatch, QkvToCache};
+pub use backend::{
+    argmax, AttnMask, Backend, GeluKind, LayerNormParams, OpTime, PagedBatch, Projection,
+    QkvToCache,
+};
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 pub use device::{Device, OnDevice};

@@ -1,6 +1,6 @@
 //! Layers shared by both model stages, built on [`Backend`] ops and loaded by name.
 
-use crate::{Backend, HostTensor, Result, WeightPrefix};
+use crate::{Backend, HostTensor, Projection, Result, WeightPrefix};
 
 /// `nn.Linear`: `x · wᵀ (+ b)` with `w` stored `[out, in]`.
 pub struct Linear<B: Backend> {
@@ -76,6 +76,14 @@ impl<B: Backend> Linear<B> {
     /// `residual += forward(x)` ([`Backend::add_linear`]).
     pub fn forward_add(&self, be: &B, x: &B::Tensor, residual: &mut B::Tensor) -> Result<()> {
         be.add_linear(residual, x, &self.w, self.b.as_ref())
+    }
+
+    /// This layer as a fused op's operand ([`Backend::layer_norm_linears`], ...).
+    pub fn projection(&self) -> Projection<'_, B> {
+        Projection {
+            w: &self.w,
+            b: self.b.as_ref(),
+        }
     }
 
     /// The weight matrix, for ops that take several (`Backend::swiglu`).

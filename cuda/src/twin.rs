@@ -55,6 +55,20 @@ pub enum Case {
         m: usize,
         normed: bool,
     },
+    /// The ViT attention's q, k and v: three biased projections (`m` outputs each) of one
+    /// input's LayerNorm.
+    LayerNormLinears {
+        n: usize,
+        k: usize,
+        m: usize,
+    },
+    /// The ViT's pre-norm MLP with its residual: `x += fc2(gelu_tanh(fc1(layer_norm(x))))`,
+    /// biases on both.
+    LayerNormMlp {
+        n: usize,
+        k: usize,
+        hidden: usize,
+    },
     Rope {
         tokens: usize,
         heads: usize,
@@ -276,6 +290,10 @@ impl Case {
                 "{}swiglu {n}x{k}->{m}",
                 if *normed { "rms_norm_" } else { "" }
             ),
+            Case::LayerNormLinears { n, k, m } => format!("layer_norm_linears {n}x{k}->3x{m}"),
+            Case::LayerNormMlp { n, k, hidden } => {
+                format!("layer_norm_mlp {n}x{k}->{hidden}->{k}")
+            }
             Case::Rope { tokens, heads, dim } => format!("rope [{tokens},{heads},{dim}]"),
             Case::Attention {
                 queries,
@@ -356,6 +374,12 @@ impl Case {
             | Case::Swiglu {
                 n, normed: true, ..
             } if *n > 4 => 2e-3,
+            // Past 4 rows the norm's output goes to the tensor cores rounded to f16, and the
+            // MLP's hidden activations too (after the GELU, as the op-by-op path casts them).
+            Case::LayerNormLinears { n, .. } | Case::LayerNormMlp { n, .. } if *n > 4 => 2e-3,
+            // Up to 4 rows the GEMVs read the f32 norm: sums in another order, hidden of 4304.
+            Case::LayerNormLinears { .. } => 1e-4,
+            Case::LayerNormMlp { .. } => 2e-4,
             // Long dot products in another order; k >= 4096 sums are long enough to need more.
             Case::Linear { k, .. } | Case::Swiglu { k, .. } => {
                 if *k >= 4096 {
@@ -445,6 +469,64 @@ impl Case {
                 } else {
                     be.swiglu(&x, &gate_up)?
                 }
+            }
+            Case::LayerNormLinears { n, k, m } => {
+                let x = up(&[n, k], 48)?;
+                let (gamma, beta) = (up(&[k], 49)?, up(&[k], 50)?);
+                let norm = crate::LayerNormParams {
+                    w: &gamma,
+                    b: &beta,
+                    eps: 1e-6,
+                };
+                let w = (51..54)
+                    .map(|key| be.upload_weight(&f16_exact(input(&[m, k], key))))
+                    .collect::<Result<Vec<_>>>()?;
+                let b = (54..57)
+                    .map(|key| up(&[m], key))
+                    .collect::<Result<Vec<_>>>()?;
+                let projections: Vec<_> = w
+                    .iter()
+                    .zip(&b)
+                    .map(|(w, b)| crate::Projection { w, b: Some(b) })
+                    .collect();
+                let mut all = Vec::new();
+                for t in be.layer_norm_linears(&x, norm, &projections)? {
+                    all.extend(be.download(&t)?.into_data());
+                }
+                return HostTensor::new(vec![all.len()], all);
+            }
+            Case::LayerNormMlp { n, k, hidden } => {
+                let mut x = up(&[n, k], 57)?;
+                let (gamma, beta) = (up(&[k], 58)?, up(&[k], 59)?);
+                let norm = crate::LayerNormParams {
+                    w: &gamma,
+                    b: &beta,
+                    eps: 1e-6,
+                };
+                // Scaled as a trained layer's are: GELU's inputs stay within a few units.
+                let scaled = |shape: &[usize], key| {
+                    let t = input(shape, key);
+                    let s = 1.0 / (shape[1] as f32).sqrt();
+                    let data = t.data().iter().map(|v| v * s).collect();
+                    HostTensor::new(shape.to_vec(), data)
+                };
+                let fc1 = be.upload_weight(&f16_exact(scaled(&[hidden, k], 60)?))?;
+                let fc2 = be.upload_weight(&f16_exact(scaled(&[k, hidden], 61)?))?;
+                let (b1, b2) = (up(&[hidden], 62)?, up(&[k], 63)?);
+                be.layer_norm_mlp(
+                    &mut x,
+                    norm,
+                    crate::Projection {
+                        w: &fc1,
+                        b: Some(&b1),
+                    },
+                    GeluKind::Tanh,
+                    crate::Projection {
+                        w: &fc2,
+                        b: Some(&b2),
+                    },
+                )?;
+                x
             }
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
@@ -768,6 +850,13 @@ pub fn self_check_cases() -> Vec<Case> {
         (33, 1152, 200),
     ] {
         cases.extend(Case::linears(n, k, m));
+    }
+    // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.
+    for (n, k, m) in [(33, 1152, 200), (3, 64, 40)] {
+        cases.extend([
+            LayerNormLinears { n, k, m },
+            LayerNormMlp { n, k, hidden: m },
+        ]);
     }
     cases.extend([
         Rope {

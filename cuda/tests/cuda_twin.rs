@@ -95,6 +95,26 @@ fn linear_and_swiglu_at_real_sizes() {
 }
 
 #[test]
+fn vit_block_halves_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    // (rows, width, projection outputs / MLP hidden): the ViT at 448x448 (784 patches), a
+    // batch of 4 rows (the GEMV path), and odd sizes cuBLASLt may have no algorithm for
+    // (then the op-by-op path runs).
+    check_all(
+        &g,
+        [(784, 1152, 1152), (4, 1152, 1152), (9, 36, 20)]
+            .into_iter()
+            .flat_map(|(n, k, m)| {
+                let hidden = if m == 1152 { 4304 } else { m };
+                [
+                    Case::LayerNormLinears { n, k, m },
+                    Case::LayerNormMlp { n, k, hidden },
+                ]
+            }),
+    );
+}
+
+#[test]
 fn rope_and_attention_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     let rope = [(1, 32, 128), (37, 8, 128), (784, 16, 72), (5, 4, 32)]

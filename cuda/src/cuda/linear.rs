@@ -1,5 +1,6 @@
 //! The projections' launches: our GEMVs for decode rows (one kernel per row count, with the
-//! input's RMSNorm or SwiGLU fused), cuBLAS for more rows. The [`Backend`] ops that use them
+//! input's RMSNorm or SwiGLU fused), cuBLAS for more rows (cuBLASLt, lt.rs, where a bias,
+//! GELU or f16 output goes into the GEMM's epilogue). The [`Backend`] ops that use them
 //! (`linear`, `rms_norm_linear`, `add_linear`, `swiglu`, `rms_norm_swiglu`) are in the trait's
 //! impl in `mod.rs`; kernels in `cuda/kernels/weights_f16.cu`.
 //!
@@ -8,10 +9,11 @@
 use std::sync::Arc;
 
 use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{cuda_err, CudaBackend, CudaTensor, CudaWeight, GEMV_MAX_ROWS};
-use crate::{Backend, Error, Result};
+use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
+use super::{cuda_err, width_of, CudaBackend, CudaTensor, CudaWeight, GEMV_MAX_ROWS};
+use crate::{Backend, Error, LayerNormParams, Result};
 
 /// Output rows per GEMV block: one warp each.
 pub(super) const GEMV_WARPS: u32 = 8;
@@ -191,8 +193,19 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
-        let (n, k, m) = (x.rows(), x.cols(), w.shape[0]);
-        let x16 = self.to_f16(x)?;
+        self.gemm_f16(&self.to_f16(x)?, x.rows(), w, out, accumulate)
+    }
+
+    /// [`Self::gemm`] of `x16`, `n` rows already rounded to f16.
+    fn gemm_f16(
+        &self,
+        x16: &CudaSlice<half::f16>,
+        n: usize,
+        w: &CudaWeight,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (k, m) = (w.shape[1], w.shape[0]);
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
         // read transposed from its row-major [m, k] storage. f16 in, f32 out and accumulation.
         {
@@ -230,6 +243,135 @@ impl CudaBackend {
             .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16 -> f32)")(&e))?;
         }
         self.op_done("cublas_gemm_f16")
+    }
+
+    /// Whether cuBLASLt has an algorithm for `shape` (asked once per shape).
+    pub(super) fn lt_supports(&self, shape: &LtShape) -> Result<bool> {
+        Ok(self.inner.lt.algo(shape, self.inner.workspace.1)?.is_some())
+    }
+
+    /// `out (+)= x16 · wᵀ`, `shape.n` rows, then `shape.epilogue` with `bias`, on cuBLASLt.
+    /// `O` and `Bias` are the output's element type (f32 or f16, as `shape.out_kind` says).
+    /// `Ok(false)`: cuBLASLt has no algorithm for this shape, and nothing was enqueued.
+    pub(super) fn lt_gemm<O: DeviceRepr, Bias: DeviceRepr>(
+        &self,
+        shape: &LtShape,
+        x16: &CudaSlice<half::f16>,
+        w: &CudaWeight,
+        bias: &CudaSlice<Bias>,
+        out: &mut CudaSlice<O>,
+    ) -> Result<bool> {
+        let out_bytes = match shape.out_kind {
+            LtOut::F32 { .. } => 4,
+            LtOut::F16 => 2,
+        };
+        let (n, k, m) = (shape.n, shape.k, shape.m);
+        if w.shape != [m, k]
+            || std::mem::size_of::<O>() != out_bytes
+            || std::mem::size_of::<Bias>() != out_bytes
+            || x16.len() < n * k
+            || bias.len() < m
+            || out.len() < n * m
+        {
+            return Err(Error::shape(
+                "cuBLASLt GEMM",
+                format!("{shape:?} with weight {:?}", w.shape),
+            ));
+        }
+        let Some(algo) = self.inner.lt.algo(shape, self.inner.workspace.1)? else {
+            return Ok(false);
+        };
+        let stream = &self.inner.stream;
+        let (x, _x_guard) = x16.device_ptr(stream);
+        let (wp, _w_guard) = w.buf.device_ptr(stream);
+        let (b, _b_guard) = bias.device_ptr(stream);
+        let (o, _o_guard) = out.device_ptr_mut(stream);
+        let operands = LtOperands {
+            x,
+            w: wp,
+            bias: b,
+            out: o,
+        };
+        // SAFETY: sizes and element types checked above; the guards keep the buffers alive
+        // and ordered on this stream until the GEMM is queued (and the buffers' owners free
+        // them stream-ordered, after it).
+        unsafe {
+            self.inner.lt.matmul(
+                stream.cu_stream(),
+                self.inner.workspace,
+                shape,
+                algo,
+                &operands,
+            )
+        }?;
+        self.op_done("cublaslt_gemm")?;
+        Ok(true)
+    }
+
+    /// `out = x16 · wᵀ (+ b)` for `n` rows already rounded to f16: the bias in cuBLASLt's
+    /// epilogue where it can, else broadcast into `out` first and accumulated onto.
+    pub(super) fn project_f16(
+        &self,
+        x16: &CudaSlice<half::f16>,
+        n: usize,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let Some(b) = b else {
+            return self.gemm_f16(x16, n, w, out, false);
+        };
+        let (m, k) = (w.shape[0], w.shape[1]);
+        let shape = LtShape {
+            n,
+            k,
+            m,
+            out_kind: LtOut::F32 { accumulate: false },
+            epilogue: Epilogue::Bias,
+        };
+        if self.lt_gemm(&shape, x16, w, &b.buf, out)? {
+            return Ok(());
+        }
+        let (cols, rows) = (m as i32, n as i32);
+        let mut l = self
+            .inner
+            .stream
+            .launch_builder(self.kernel("broadcast_rows_f32"));
+        l.arg(&*b.buf).arg(&mut *out).arg(&cols).arg(&rows);
+        // SAFETY: matches broadcast_rows_f32: b holds m floats, out n * m.
+        self.launched(
+            "broadcast_rows_f32",
+            unsafe { l.launch(LaunchConfig::for_num_elems((n * m) as u32)) }.map(|_| ()),
+        )?;
+        self.gemm_f16(x16, n, w, out, true)
+    }
+
+    /// `x`'s LayerNorm rounded to f16: the operand of the GEMMs after it.
+    pub(super) fn layer_norm_f16(
+        &self,
+        x: &CudaTensor,
+        norm: LayerNormParams<Self>,
+    ) -> Result<CudaSlice<half::f16>> {
+        width_of("layer_norm", x, norm.w)?;
+        width_of("layer_norm", x, norm.b)?;
+        // SAFETY: the kernel writes every element.
+        let mut out = unsafe { self.inner.stream.alloc::<half::f16>(x.len().max(1)) }
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let cols = x.cols() as i32;
+        let name = "layer_norm_f16";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(&*norm.w.buf)
+            .arg(&*norm.b.buf)
+            .arg(&mut out)
+            .arg(&cols)
+            .arg(&norm.eps);
+        // SAFETY: matches layer_norm_f16, one block per row; out holds x.len() halves.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
+        )?;
+        Ok(out)
     }
 
     /// `swiglu` (and `rms_norm_swiglu`, with `norm`): the fused GEMV for up to

@@ -19,6 +19,7 @@
 pub mod compile;
 pub mod doctor;
 mod linear;
+mod lt;
 mod staging;
 
 use std::collections::HashMap;
@@ -26,13 +27,17 @@ use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache};
+use crate::backend::{
+    AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection, QkvToCache,
+};
 use crate::{Error, HostTensor, Result};
 use linear::{with_cols, Gemv, GEMV_KERNELS, GEMV_STATIC_SMEM};
+use lt::{Epilogue, LtOut, LtShape};
 
 /// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
 macro_rules! with_common {
@@ -174,13 +179,14 @@ fn flash_smem_bytes(dp: usize) -> usize {
     5 * 64 * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 13] = [
+const OPS_KERNELS: [&str; 14] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
     "silu_mul_f32",
     "silu_mul_halves_f32",
     "layer_norm_f32",
+    "layer_norm_f16",
     "rms_norm_f32",
     "rope_f32",
     "attention_f32",
@@ -283,8 +289,12 @@ struct Inner {
     flash: bool,
     /// Multiprocessors: how many blocks it takes to fill the GPU.
     sm_count: usize,
-    /// cuBLAS's workspace (set on the handle), kept alive with it.
+    /// cuBLAS's workspace (set on the handle), kept alive with it; cuBLASLt's GEMMs use it
+    /// too (`workspace`: its address and size), as everything runs on the one stream.
     _blas_workspace: CudaSlice<u8>,
+    workspace: (cudarc::driver::sys::CUdeviceptr, usize),
+    /// cuBLASLt, for the GEMMs with epilogues (bias, GELU, f16 output).
+    lt: lt::Lt,
     /// Per-op timing ([`Backend::time_ops`]): an event recorded after each op, named.
     op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
     /// Page-locked memory for large uploads and downloads.
@@ -463,6 +473,7 @@ impl CudaBackend {
             });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU")(&e))?;
+        staging::keep_freed_host_memory();
         let device_name = ctx.name().map_err(|e| cuda_err("device name")(&e))?;
         let cc = ctx
             .compute_capability()
@@ -576,6 +587,8 @@ impl CudaBackend {
             .result()
             .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
         }
+        let workspace_ptr = workspace.device_ptr(&stream).0;
+        let lt = lt::Lt::new()?;
         let counters = stream
             .alloc_zeros::<u32>(COUNTERS)
             .map_err(|e| cuda_err("allocating completion counters")(&e))?;
@@ -591,6 +604,8 @@ impl CudaBackend {
                 flash,
                 sm_count,
                 _blas_workspace: workspace,
+                workspace: (workspace_ptr, CUBLAS_WORKSPACE_BYTES),
+                lt,
                 op_events: std::sync::Mutex::new(None),
                 staging: staging::Staging::new(),
                 gemv_smem,
@@ -1001,20 +1016,7 @@ impl Backend for CudaBackend {
             self.gemv(x, None, w, b, out_buf, false)?;
             return Ok(out);
         }
-        if let Some(b) = b {
-            let (cols, rows) = (m as i32, n as i32);
-            let mut l = self
-                .inner
-                .stream
-                .launch_builder(self.kernel("broadcast_rows_f32"));
-            l.arg(&*b.buf).arg(&mut *out_buf).arg(&cols).arg(&rows);
-            // SAFETY: matches broadcast_rows_f32.
-            self.launched(
-                "broadcast_rows_f32",
-                unsafe { l.launch(LaunchConfig::for_num_elems((n * m) as u32)) }.map(|_| ()),
-            )?;
-        }
-        self.gemm(x, w, out_buf, b.is_some())?;
+        self.project_f16(&self.to_f16(x)?, n, w, b, out_buf)?;
         Ok(out)
     }
 
@@ -1058,14 +1060,107 @@ impl Backend for CudaBackend {
         if n <= GEMV_MAX_ROWS {
             return self.gemv(a, None, w, b, Arc::make_mut(&mut x.buf), true);
         }
-        match b {
-            // The GEMM adds into its output (beta = 1).
-            None => self.gemm(a, w, Arc::make_mut(&mut x.buf), true),
-            Some(b) => {
-                *x = self.add(x, &self.linear(a, w, Some(b))?)?;
-                Ok(())
+        // The GEMM adds into its output (beta = 1), the bias in cuBLASLt's epilogue.
+        let Some(b) = b else {
+            return self.gemm(a, w, Arc::make_mut(&mut x.buf), true);
+        };
+        let shape = LtShape {
+            n,
+            k: a.cols(),
+            m,
+            out_kind: LtOut::F32 { accumulate: true },
+            epilogue: Epilogue::Bias,
+        };
+        if !self.lt_supports(&shape)? {
+            *x = self.add(x, &self.linear(a, w, Some(b))?)?;
+            return Ok(());
+        }
+        let a16 = self.to_f16(a)?;
+        self.lt_gemm(&shape, &a16, w, &b.buf, Arc::make_mut(&mut x.buf))?;
+        Ok(())
+    }
+
+    fn layer_norm_linears(
+        &self,
+        x: &CudaTensor,
+        norm: LayerNormParams<Self>,
+        projections: &[Projection<Self>],
+    ) -> Result<Vec<CudaTensor>> {
+        let n = x.rows();
+        if n <= GEMV_MAX_ROWS {
+            // The GEMVs read f32 rows.
+            let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
+            return projections
+                .iter()
+                .map(|p| self.linear(&h, p.w, p.b))
+                .collect();
+        }
+        let h16 = self.layer_norm_f16(x, norm)?;
+        projections
+            .iter()
+            .map(|p| {
+                let m = self.check_linear("layer_norm_linears", x, p.w, p.b)?;
+                let mut out = self.alloc(with_cols(&x.shape, m))?;
+                let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+                self.project_f16(&h16, n, p.w, p.b, buf)?;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    fn layer_norm_mlp(
+        &self,
+        x: &mut CudaTensor,
+        norm: LayerNormParams<Self>,
+        up: Projection<Self>,
+        act: GeluKind,
+        down: Projection<Self>,
+    ) -> Result<()> {
+        let (n, cols) = (x.rows(), x.cols());
+        let hidden = self.check_linear("layer_norm_mlp", x, up.w, up.b)?;
+        if down.w.shape != [cols, hidden] || down.b.is_some_and(|b| b.len() != cols) {
+            return Err(Error::shape(
+                "layer_norm_mlp",
+                format!(
+                    "x {:?}, up {:?}, down {:?}",
+                    x.shape, up.w.shape, down.w.shape
+                ),
+            ));
+        }
+        let up_shape = LtShape {
+            n,
+            k: cols,
+            m: hidden,
+            out_kind: LtOut::F16,
+            epilogue: Epilogue::GeluBias,
+        };
+        let down_shape = LtShape {
+            n,
+            k: hidden,
+            m: cols,
+            out_kind: LtOut::F32 { accumulate: true },
+            epilogue: Epilogue::Bias,
+        };
+        // cuBLASLt's GELU is the tanh form; decode-sized inputs go to the GEMVs.
+        if let (true, Some(b_up), Some(b_down)) =
+            (n > GEMV_MAX_ROWS && act == GeluKind::Tanh, up.b, down.b)
+        {
+            if self.lt_supports(&up_shape)? && self.lt_supports(&down_shape)? {
+                let h16 = self.layer_norm_f16(x, norm)?;
+                // An f16 output takes an f16 bias.
+                let b_up16 = self.to_f16(b_up)?;
+                // SAFETY: the GEMM writes every element.
+                let mut hidden16 = unsafe { self.inner.stream.alloc::<half::f16>(n * hidden) }
+                    .map_err(|e| cuda_err("allocating device memory")(&e))?;
+                self.lt_gemm(&up_shape, &h16, up.w, &b_up16, &mut hidden16)?;
+                let out = Arc::make_mut(&mut x.buf);
+                self.lt_gemm(&down_shape, &hidden16, down.w, &b_down.buf, out)?;
+                return Ok(());
             }
         }
+        let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
+        let h = self.gelu(&self.linear(&h, up.w, up.b)?, act)?;
+        self.add_linear(x, &h, down.w, down.b)
     }
 
     fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
