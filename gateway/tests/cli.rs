@@ -420,6 +420,7 @@ fn doctor_lists_what_cuda_needs_and_fails_where_something_is_missing() {
         "NVIDIA driver (libcuda)",
         "NVRTC (libnvrtc)",
         "cuBLAS (libcublas)",
+        "cuBLASLt (libcublasLt)",
         "CUDA headers for NVRTC",
         "kernel cache",
     ] {

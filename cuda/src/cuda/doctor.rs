@@ -39,7 +39,7 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
         };
         note(lib.name, lib.present, detail);
     }
-    let [driver, nvrtc, cublas] = libraries.map(|l| l.present);
+    let [driver, nvrtc, cublas, cublas_lt] = libraries.map(|l| l.present);
     let headers = compile::cuda_include_dir();
     let headers_ok = headers.is_ok();
     note(
@@ -86,7 +86,7 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
             );
         }
     }
-    if !(driver && nvrtc && cublas && headers_ok) {
+    if !(driver && nvrtc && cublas && cublas_lt && headers_ok) {
         return all_ok;
     }
     // A GPU: open it (compiling for it) and run the serving self-check, op by op.

@@ -250,9 +250,9 @@ impl CudaBackend {
         Ok(self.inner.lt.algo(shape, self.inner.workspace.1)?.is_some())
     }
 
-    /// `out (+)= x16 · wᵀ`, `shape.n` rows, then `shape.epilogue` with `bias`, on cuBLASLt.
-    /// `O` and `Bias` are the output's element type (f32 or f16, as `shape.out_kind` says).
-    /// `Ok(false)`: cuBLASLt has no algorithm for this shape, and nothing was enqueued.
+    /// `out (+)= x16 · wᵀ`, `shape.n` rows, then `shape.epilogue` with `bias`, on cuBLASLt
+    /// (for a shape [`Self::lt_supports`]; others are an error). `O` and `Bias` are the
+    /// output's element type (f32 or f16, as `shape.out_kind` says).
     pub(super) fn lt_gemm<O: DeviceRepr, Bias: DeviceRepr>(
         &self,
         shape: &LtShape,
@@ -260,7 +260,7 @@ impl CudaBackend {
         w: &CudaWeight,
         bias: &CudaSlice<Bias>,
         out: &mut CudaSlice<O>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let out_bytes = match shape.out_kind {
             LtOut::F32 { .. } => 4,
             LtOut::F16 => 2,
@@ -279,7 +279,9 @@ impl CudaBackend {
             ));
         }
         let Some(algo) = self.inner.lt.algo(shape, self.inner.workspace.1)? else {
-            return Ok(false);
+            return Err(Error::Cuda {
+                what: format!("cuBLASLt has no algorithm for {shape:?}"),
+            });
         };
         let stream = &self.inner.stream;
         let (x, _x_guard) = x16.device_ptr(stream);
@@ -304,8 +306,7 @@ impl CudaBackend {
                 &operands,
             )
         }?;
-        self.op_done("cublaslt_gemm")?;
-        Ok(true)
+        self.op_done("cublaslt_gemm")
     }
 
     /// `out = x16 · wᵀ (+ b)` for `n` rows already rounded to f16: the bias in cuBLASLt's
@@ -329,8 +330,8 @@ impl CudaBackend {
             out_kind: LtOut::F32 { accumulate: false },
             epilogue: Epilogue::Bias,
         };
-        if self.lt_gemm(&shape, x16, w, &b.buf, out)? {
-            return Ok(());
+        if self.lt_supports(&shape)? {
+            return self.lt_gemm(&shape, x16, w, &b.buf, out);
         }
         let (cols, rows) = (m as i32, n as i32);
         let mut l = self

@@ -336,9 +336,9 @@ pub struct CudaLibrary {
     pub hint: &'static str,
 }
 
-/// The driver, NVRTC and cuBLAS, each tried with dlopen only: what [`CudaBackend::new`] needs
-/// before it touches a GPU, and the first lines of `vlm doctor`.
-pub fn cuda_libraries() -> [CudaLibrary; 3] {
+/// The driver, NVRTC, cuBLAS and cuBLASLt, each tried with dlopen only: what
+/// [`CudaBackend::new`] needs before it touches a GPU, and the first lines of `vlm doctor`.
+pub fn cuda_libraries() -> [CudaLibrary; 4] {
     let toolkit = "install the CUDA toolkit's libraries (or the nvidia-*-cu12 wheels) and put them on LD_LIBRARY_PATH";
     // SAFETY: these only try to dlopen the libraries.
     unsafe {
@@ -356,6 +356,11 @@ pub fn cuda_libraries() -> [CudaLibrary; 3] {
             CudaLibrary {
                 name: "cuBLAS (libcublas)",
                 present: cudarc::cublas::sys::is_culib_present(),
+                hint: toolkit,
+            },
+            CudaLibrary {
+                name: "cuBLASLt (libcublasLt)",
+                present: cudarc::cublaslt::sys::is_culib_present(),
                 hint: toolkit,
             },
         ]
