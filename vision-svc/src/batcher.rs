@@ -191,10 +191,13 @@ fn run_pass<B: Backend>(
         if let Err(e) = &output {
             tracing::error!(parent: &span, error = %e, "vision pass failed");
         }
-        // The span ends with the pass, before the caller goes on.
+        // The span ends with the pass, and the place in the service is given back, before
+        // the caller goes on (a client that has its answer may send the next image at once).
         drop(span);
+        let Caller { reply, _permit, .. } = caller;
+        drop(_permit);
         // A caller that left during the pass no longer wants its output.
-        let _ = caller.reply.send(output);
+        let _ = reply.send(output);
     }
 }
 
