@@ -61,6 +61,35 @@ impl<B: Backend + ?Sized> Clone for Projection<'_, B> {
 }
 impl<B: Backend + ?Sized> Copy for Projection<'_, B> {}
 
+/// [`Backend::layer_norm_linears`] op by op: the default, and a GPU's path for what its fused
+/// version does not take.
+pub(crate) fn layer_norm_linears_op_by_op<B: Backend + ?Sized>(
+    be: &B,
+    x: &B::Tensor,
+    norm: LayerNormParams<B>,
+    projections: &[Projection<B>],
+) -> Result<Vec<B::Tensor>> {
+    let h = be.layer_norm(x, norm.w, norm.b, norm.eps)?;
+    projections
+        .iter()
+        .map(|p| be.linear(&h, p.w, p.b))
+        .collect()
+}
+
+/// [`Backend::layer_norm_mlp`] op by op, as [`layer_norm_linears_op_by_op`].
+pub(crate) fn layer_norm_mlp_op_by_op<B: Backend + ?Sized>(
+    be: &B,
+    x: &mut B::Tensor,
+    norm: LayerNormParams<B>,
+    up: Projection<B>,
+    act: GeluKind,
+    down: Projection<B>,
+) -> Result<()> {
+    let h = be.layer_norm(x, norm.w, norm.b, norm.eps)?;
+    let h = be.gelu(&be.linear(&h, up.w, up.b)?, act)?;
+    be.add_linear(x, &h, down.w, down.b)
+}
+
 /// How [`Backend::qkv_to_cache`] turns a fused q/k/v projection into attention inputs.
 pub struct QkvToCache<'a, B: Backend + ?Sized> {
     /// Query heads; the cache's shape gives the KV heads and the head dim.
@@ -297,11 +326,7 @@ pub trait Backend: Send + Sync + 'static {
         norm: LayerNormParams<Self>,
         projections: &[Projection<Self>],
     ) -> Result<Vec<Self::Tensor>> {
-        let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
-        projections
-            .iter()
-            .map(|p| self.linear(&h, p.w, p.b))
-            .collect()
+        layer_norm_linears_op_by_op(self, x, norm, projections)
     }
     /// A pre-norm MLP with its residual: `x += down(gelu(up(layer_norm(x))))` (the ViT
     /// block's second half). A GPU keeps the hidden activations in f16 and does the bias,
@@ -314,9 +339,7 @@ pub trait Backend: Send + Sync + 'static {
         act: GeluKind,
         down: Projection<Self>,
     ) -> Result<()> {
-        let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
-        let h = self.gelu(&self.linear(&h, up.w, up.b)?, act)?;
-        self.add_linear(x, &h, down.w, down.b)
+        layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
     }
     fn gelu(&self, x: &Self::Tensor, kind: GeluKind) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, the SwiGLU of the text MLP.

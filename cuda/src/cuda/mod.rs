@@ -33,7 +33,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::backend::{
-    AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection, QkvToCache,
+    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, AttnMask, Backend, GeluKind,
+    LayerNormParams, PagedBatch, Projection, QkvToCache,
 };
 use crate::{Error, HostTensor, Result};
 use linear::{with_cols, Gemv, GEMV_KERNELS, GEMV_STATIC_SMEM};
@@ -1094,11 +1095,7 @@ impl Backend for CudaBackend {
         let n = x.rows();
         if n <= GEMV_MAX_ROWS {
             // The GEMVs read f32 rows.
-            let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
-            return projections
-                .iter()
-                .map(|p| self.linear(&h, p.w, p.b))
-                .collect();
+            return layer_norm_linears_op_by_op(self, x, norm, projections);
         }
         let h16 = self.layer_norm_f16(x, norm)?;
         projections
@@ -1163,9 +1160,7 @@ impl Backend for CudaBackend {
                 return Ok(());
             }
         }
-        let h = self.layer_norm(x, norm.w, norm.b, norm.eps)?;
-        let h = self.gelu(&self.linear(&h, up.w, up.b)?, act)?;
-        self.add_linear(x, &h, down.w, down.b)
+        layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
     }
 
     fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
