@@ -67,6 +67,41 @@ extern "C" __global__ void silu_mul_halves_f32(const float* __restrict__ y, floa
     out[i] = g / (1.0f + expf(-g)) * y[(size_t)r * 2 * m + m + j];
 }
 
+// The same in f16, for the GEMMs on either side: y is the gate/up GEMM's f16 output and out
+// the down projection's operand; the math is f32. Eight columns a thread (16-byte loads and
+// stores) where rows allow (m % 8 == 0, every Qwen3 size), else one. A grid-stride loop.
+extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
+                                               __half* __restrict__ out, int m, int n) {
+    const int per = (m % 8 == 0) ? 8 : 1;
+    const size_t groups_per_row = m / per, groups = (size_t)n * groups_per_row;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t g = (size_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+        size_t r = g / groups_per_row;
+        size_t j = (g % groups_per_row) * per;
+        const __half* gate = y + r * 2 * m + j;
+        const __half* up = gate + m;
+        __half* o = out + r * m + j;
+        if (per == 8) {
+            uint4 gv = *reinterpret_cast<const uint4*>(gate);
+            uint4 uv = *reinterpret_cast<const uint4*>(up);
+            const __half2* g2 = reinterpret_cast<const __half2*>(&gv);
+            const __half2* u2 = reinterpret_cast<const __half2*>(&uv);
+            uint4 ov;
+            __half2* o2 = reinterpret_cast<__half2*>(&ov);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                float2 a = __half22float2(g2[p]), b = __half22float2(u2[p]);
+                o2[p] = __floats2half2_rn(a.x / (1.0f + expf(-a.x)) * b.x,
+                                          a.y / (1.0f + expf(-a.y)) * b.y);
+            }
+            *reinterpret_cast<uint4*>(o) = ov;
+        } else {
+            float a = __half2float(gate[0]);
+            o[0] = __float2half_rn(a / (1.0f + expf(-a)) * __half2float(up[0]));
+        }
+    }
+}
+
 // The norms take one block per row. A row of up to NORM_VEC float4s per thread (cols % 4 == 0:
 // every text and ViT width) is loaded once into registers, all of its loads in flight
 // together: a decode step's rows are single and latency-bound, and the loop of dependent
@@ -95,23 +130,7 @@ __device__ __forceinline__ float sum_squares4(const float4 v[NORM_VEC]) {
     return s;
 }
 
-// o = w * (v * inv), the RMSNorm's output from the row in registers.
-__device__ __forceinline__ void store_rms4(const float4 v[NORM_VEC], const float* __restrict__ w,
-                                           float inv, float* __restrict__ o, int cols) {
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    float4* o4 = reinterpret_cast<float4*>(o);
-#pragma unroll
-    for (int u = 0; u < NORM_VEC; ++u) {
-        int i = threadIdx.x + u * blockDim.x;
-        if (4 * i < cols) {
-            float4 g = w4[i];
-            o4[i] = make_float4(g.x * (v[u].x * inv), g.y * (v[u].y * inv), g.z * (v[u].z * inv),
-                                g.w * (v[u].w * inv));
-        }
-    }
-}
-
-// A LayerNorm's output element or four, as f32 or (for a GEMM's operand) rounded to f16.
+// A norm's output element or four, as f32 or (for a GEMM's operand) rounded to f16.
 __device__ __forceinline__ void store1(float* o, int i, float v) { o[i] = v; }
 __device__ __forceinline__ void store1(__half* o, int i, float v) { o[i] = __float2half_rn(v); }
 __device__ __forceinline__ void store4(float* o, int i, float4 v) {
@@ -121,6 +140,23 @@ __device__ __forceinline__ void store4(__half* o, int i, float4 v) {
     __half2* o2 = reinterpret_cast<__half2*>(o) + 2 * i;
     o2[0] = __floats2half2_rn(v.x, v.y);
     o2[1] = __floats2half2_rn(v.z, v.w);
+}
+
+// o = w * (v * inv), the RMSNorm's output from the row in registers.
+template <typename Out>
+__device__ __forceinline__ void store_rms4(const float4 v[NORM_VEC], const float* __restrict__ w,
+                                           float inv, Out* __restrict__ o, int cols) {
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll
+    for (int u = 0; u < NORM_VEC; ++u) {
+        int i = threadIdx.x + u * blockDim.x;
+        if (4 * i < cols) {
+            float4 g = w4[i];
+            store4(o, i,
+                   make_float4(g.x * (v[u].x * inv), g.y * (v[u].y * inv), g.z * (v[u].z * inv),
+                               g.w * (v[u].w * inv)));
+        }
+    }
 }
 
 template <typename Out>
@@ -189,10 +225,12 @@ extern "C" __global__ void layer_norm_f16(const float* __restrict__ x, const flo
     layer_norm_row(x, w, b, out, cols, eps);
 }
 
-extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                        float* __restrict__ out, int cols, float eps) {
+template <typename Out>
+__device__ __forceinline__ void rms_norm_row(const float* __restrict__ x,
+                                             const float* __restrict__ w, Out* __restrict__ out,
+                                             int cols, float eps) {
     const float* row = x + (size_t)blockIdx.x * cols;
-    float* o = out + (size_t)blockIdx.x * cols;
+    Out* o = out + (size_t)blockIdx.x * cols;
     if (norm_in_registers(cols)) {
         float4 v[NORM_VEC];
         load_row4(row, cols, v);
@@ -203,7 +241,20 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
     float s = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) s += row[i] * row[i];
     float inv = rsqrtf(block_sum(s) / cols + eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = w[i] * (row[i] * inv);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) store1(o, i, w[i] * (row[i] * inv));
+}
+
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ out, int cols, float eps) {
+    rms_norm_row(x, w, out, cols, eps);
+}
+
+// The same norm rounded to f16: the operand of the GEMMs that read it (the text decoder's
+// q/k/v, gate/up and lm_head past the GEMVs' rows), written once instead of as f32 and then
+// cast.
+extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
+                                        __half* __restrict__ out, int cols, float eps) {
+    rms_norm_row(x, w, out, cols, eps);
 }
 
 // Rotate-half RoPE. Grid: one block per token; threads cover heads x d/2 pairs.

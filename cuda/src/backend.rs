@@ -90,6 +90,20 @@ pub(crate) fn layer_norm_mlp_op_by_op<B: Backend + ?Sized>(
     be.add_linear(x, &h, down.w, down.b)
 }
 
+/// [`Backend::rms_norm_mlp`] op by op: the default, and a GPU's path for decode rows (its fused
+/// norm + SwiGLU GEMV, then the down projection added in its own).
+pub(crate) fn rms_norm_mlp_op_by_op<B: Backend + ?Sized>(
+    be: &B,
+    x: &mut B::Tensor,
+    norm: &B::Tensor,
+    eps: f32,
+    gate_up: &B::Weight,
+    down: &B::Weight,
+) -> Result<()> {
+    let g = be.rms_norm_swiglu(x, norm, eps, gate_up)?;
+    be.add_linear(x, &g, down, None)
+}
+
 /// How [`Backend::qkv_to_cache`] turns a fused q/k/v projection into attention inputs.
 pub struct QkvToCache<'a, B: Backend + ?Sized> {
     /// Query heads; the cache's shape gives the KV heads and the head dim.
@@ -340,6 +354,22 @@ pub trait Backend: Send + Sync + 'static {
         down: Projection<Self>,
     ) -> Result<()> {
         layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
+    }
+    /// The text decoder's MLP with its residual: `x += (silu(g) ⊙ u) · downᵀ`, where
+    /// `[g | u] = rms_norm(x, norm, eps) · gate_upᵀ` (gate and up stacked as in
+    /// [`Backend::swiglu`]). A GPU past its GEMVs' rows writes the norm, the gate/up product
+    /// and the SwiGLU in f16, each the operand of the GEMM after it (f32 accumulation
+    /// throughout), and adds the down projection into `x` in its GEMM: no casts, no f32
+    /// copies of the hidden activations.
+    fn rms_norm_mlp(
+        &self,
+        x: &mut Self::Tensor,
+        norm: &Self::Tensor,
+        eps: f32,
+        gate_up: &Self::Weight,
+        down: &Self::Weight,
+    ) -> Result<()> {
+        rms_norm_mlp_op_by_op(self, x, norm, eps, gate_up, down)
     }
     fn gelu(&self, x: &Self::Tensor, kind: GeluKind) -> Result<Self::Tensor>;
     /// `silu(gate) * up`, the SwiGLU of the text MLP.

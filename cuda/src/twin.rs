@@ -69,6 +69,13 @@ pub enum Case {
         k: usize,
         hidden: usize,
     },
+    /// The text decoder's MLP with its residual: `x += down(silu(gate) ⊙ up)` of the input's
+    /// RMSNorm (gate and up stacked in one weight).
+    RmsNormMlp {
+        n: usize,
+        k: usize,
+        hidden: usize,
+    },
     Rope {
         tokens: usize,
         heads: usize,
@@ -294,6 +301,9 @@ impl Case {
             Case::LayerNormMlp { n, k, hidden } => {
                 format!("layer_norm_mlp {n}x{k}->{hidden}->{k}")
             }
+            Case::RmsNormMlp { n, k, hidden } => {
+                format!("rms_norm_mlp {n}x{k}->{hidden}->{k}")
+            }
             Case::Rope { tokens, heads, dim } => format!("rope [{tokens},{heads},{dim}]"),
             Case::Attention {
                 queries,
@@ -377,9 +387,12 @@ impl Case {
             // Past 4 rows the norm's output goes to the tensor cores rounded to f16, and the
             // MLP's hidden activations too (after the GELU, as the op-by-op path casts them).
             Case::LayerNormLinears { n, .. } | Case::LayerNormMlp { n, .. } if *n > 4 => 2e-3,
+            // Past 4 rows the text MLP's norm, its gate/up product and the SwiGLU are each
+            // rounded to f16 as the next GEMM's operand: three roundings of 2^-11 on the way.
+            Case::RmsNormMlp { n, .. } if *n > 4 => 3e-3,
             // Up to 4 rows the GEMVs read the f32 norm: sums in another order, hidden of 4304.
             Case::LayerNormLinears { .. } => 1e-4,
-            Case::LayerNormMlp { .. } => 2e-4,
+            Case::LayerNormMlp { .. } | Case::RmsNormMlp { .. } => 2e-4,
             // Long dot products in another order; k >= 4096 sums are long enough to need more.
             Case::Linear { k, .. } | Case::Swiglu { k, .. } => {
                 if *k >= 4096 {
@@ -526,6 +539,22 @@ impl Case {
                         b: Some(&b2),
                     },
                 )?;
+                x
+            }
+            Case::RmsNormMlp { n, k, hidden } => {
+                let mut x = up(&[n, k], 64)?;
+                // Scaled as a trained layer's are: the SwiGLU's inputs stay within a few units.
+                let scaled = |shape: &[usize], key| {
+                    let t = input(shape, key);
+                    let s = 1.0 / (shape[1] as f32).sqrt();
+                    let data = t.data().iter().map(|v| v * s).collect();
+                    HostTensor::new(shape.to_vec(), data)
+                };
+                let gate = be.upload_weight(&f16_exact(scaled(&[hidden, k], 65)?))?;
+                let upw = be.upload_weight(&f16_exact(scaled(&[hidden, k], 66)?))?;
+                let gate_up = be.stack_weights(&[&gate, &upw])?;
+                let down = be.upload_weight(&f16_exact(scaled(&[k, hidden], 67)?))?;
+                be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
                 x
             }
             Case::Rope { tokens, heads, dim } => be.rope(
@@ -857,6 +886,11 @@ pub fn self_check_cases() -> Vec<Case> {
             LayerNormLinears { n, k, m },
             LayerNormMlp { n, k, hidden: m },
         ]);
+    }
+    // The text MLP: f16 operands past 4 rows (8 columns a thread of the SwiGLU, and 1 where the
+    // hidden size is not a multiple of 8), the GEMVs below.
+    for (n, k, hidden) in [(33, 1024, 200), (9, 64, 36), (3, 64, 40)] {
+        cases.push(RmsNormMlp { n, k, hidden });
     }
     cases.extend([
         Rope {

@@ -95,6 +95,19 @@ fn linear_and_swiglu_at_real_sizes() {
 }
 
 #[test]
+fn text_mlp_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    // The 8B text MLP (4096 -> 12288 -> 4096): one decode row (GEMVs), a batch of 64 rows
+    // and a 512-token prefill step (f16 operands), and a hidden size that is not a multiple of
+    // 8 (one column a thread in the SwiGLU).
+    check_all(
+        &g,
+        [(1, 4096, 12288), (64, 4096, 12288), (512, 4096, 12288), (9, 128, 36)]
+            .map(|(n, k, hidden)| Case::RmsNormMlp { n, k, hidden }),
+    );
+}
+
+#[test]
 fn vit_block_halves_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // (rows, width, projection outputs / MLP hidden): the ViT at 448x448 (784 patches), a

@@ -122,8 +122,9 @@ struct DecoderLayer<B: Backend> {
 impl<B: Backend> DecoderLayer<B> {
     /// The layer on the residual stream `x`: each half's norm is taken inside the projection
     /// that reads it, and its output added to `x` by the projection that makes it
-    /// ([`Backend::rms_norm_linear`], [`Backend::add_linear`]): on a GPU a decoding layer is
-    /// six launches (q/k/v, their norms and cache write, attention, o, gate/up, down).
+    /// ([`Backend::rms_norm_linear`], [`Backend::add_linear`], [`Backend::rms_norm_mlp`]): on
+    /// a GPU a decoding layer is six launches (q/k/v, their norms and cache write, attention,
+    /// o, gate/up, down).
     fn forward(
         &self,
         be: &B,
@@ -133,8 +134,8 @@ impl<B: Backend> DecoderLayer<B> {
     ) -> vlm_compute::Result<()> {
         self.attn
             .forward(be, x, &self.input_norm, step, kv.0, kv.1)?;
-        let g = be.rms_norm_swiglu(x, &self.post_attn_norm, self.eps, self.gate_up.weight())?;
-        self.down.forward_add(be, &g, x)
+        let (gate_up, down) = (self.gate_up.weight(), self.down.weight());
+        be.rms_norm_mlp(x, &self.post_attn_norm, self.eps, gate_up, down)
     }
 
     fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {

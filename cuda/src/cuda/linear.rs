@@ -75,6 +75,20 @@ pub(super) fn with_cols(shape: &[usize], cols: usize) -> Vec<usize> {
     out
 }
 
+/// What a cuBLAS GEMM here writes: f32 (activations, a residual stream) or f16 (the operand of
+/// the GEMM after it).
+pub(super) trait GemmOut: DeviceRepr {
+    const TYPE: cudarc::cublas::sys::cudaDataType_t;
+}
+
+impl GemmOut for f32 {
+    const TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+}
+
+impl GemmOut for half::f16 {
+    const TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16F;
+}
+
 impl CudaBackend {
     /// One warp per output column of a GEMV kernel `name`. The normed kernels stage x in
     /// shared memory once per block, so they get no more blocks than the GPU runs at once, and
@@ -124,9 +138,7 @@ impl CudaBackend {
     /// `x` rounded to f16, for the tensor-core GEMM.
     pub(super) fn to_f16(&self, x: &CudaTensor) -> Result<CudaSlice<half::f16>> {
         let n = x.len() as u64;
-        // SAFETY: every element is written by the cast below.
-        let mut out = unsafe { self.inner.stream.alloc::<half::f16>(x.len().max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let mut out = self.alloc_f16(x.len())?;
         let name = "cast_f32_to_f16";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&*x.buf).arg(&mut out).arg(&n);
@@ -196,18 +208,19 @@ impl CudaBackend {
         self.gemm_f16(&self.to_f16(x)?, x.rows(), w, out, accumulate)
     }
 
-    /// [`Self::gemm`] of `x16`, `n` rows already rounded to f16.
-    fn gemm_f16(
+    /// [`Self::gemm`] of `x16`, `n` rows already rounded to f16, into f32 or (the operand of
+    /// another GEMM) f16; accumulation is f32 either way.
+    fn gemm_f16<O: GemmOut>(
         &self,
         x16: &CudaSlice<half::f16>,
         n: usize,
         w: &CudaWeight,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<O>,
         accumulate: bool,
     ) -> Result<()> {
         let (k, m) = (w.shape[1], w.shape[0]);
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
-        // read transposed from its row-major [m, k] storage. f16 in, f32 out and accumulation.
+        // read transposed from its row-major [m, k] storage. f16 in, f32 accumulation.
         {
             let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
             let stream = &self.inner.stream;
@@ -215,8 +228,9 @@ impl CudaBackend {
             let (xp, _x_guard) = x16.device_ptr(stream);
             let (op, _o_guard) = out.device_ptr_mut(stream);
             use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
-            // SAFETY: w holds m*k f16, x16 n*k f16, out n*m f32, as the leading dimensions say; the
-            // guards keep the buffers alive and ordered on this stream until the call is queued.
+            // SAFETY: w holds m*k f16, x16 n*k f16, out n*m of O, as the leading dimensions
+            // say; the guards keep the buffers alive and ordered on this stream until the call
+            // is queued. With f32 compute, alpha and beta are f32 whatever the output type.
             unsafe {
                 cudarc::cublas::result::gemm_ex(
                     *self.inner.blas.handle(),
@@ -234,13 +248,13 @@ impl CudaBackend {
                     k as i32,
                     (&beta) as *const f32 as *const _,
                     op as *mut _,
-                    cudaDataType_t::CUDA_R_32F,
+                    O::TYPE,
                     m as i32,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
-            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16 -> f32)")(&e))?;
+            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16, f32 accumulation)")(&e))?;
         }
         self.op_done("cublas_gemm_f16")
     }
@@ -355,9 +369,7 @@ impl CudaBackend {
     ) -> Result<CudaSlice<half::f16>> {
         width_of("layer_norm", x, norm.w)?;
         width_of("layer_norm", x, norm.b)?;
-        // SAFETY: the kernel writes every element.
-        let mut out = unsafe { self.inner.stream.alloc::<half::f16>(x.len().max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let mut out = self.alloc_f16(x.len())?;
         let cols = x.cols() as i32;
         let name = "layer_norm_f16";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
@@ -373,6 +385,84 @@ impl CudaBackend {
             unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
         )?;
         Ok(out)
+    }
+
+    /// `x`'s RMSNorm rounded to f16: the operand of the GEMM after it.
+    pub(super) fn rms_norm_f16(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaSlice<half::f16>> {
+        width_of("rms_norm", x, w)?;
+        let mut out = self.alloc_f16(x.len())?;
+        let cols = x.cols() as i32;
+        let name = "rms_norm_f16";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(&*w.buf)
+            .arg(&mut out)
+            .arg(&cols)
+            .arg(&eps);
+        // SAFETY: matches rms_norm_f16, one block per row; out holds x.len() halves.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
+        )?;
+        Ok(out)
+    }
+
+    /// [`Backend::rms_norm_mlp`] past the GEMVs' rows: the norm, the gate/up product and the
+    /// SwiGLU each written once in f16 as the next GEMM's operand, and the down projection
+    /// added into `x` by its GEMM (beta = 1).
+    ///
+    /// [`Backend::rms_norm_mlp`]: crate::Backend::rms_norm_mlp
+    pub(super) fn rms_norm_mlp_f16(
+        &self,
+        x: &mut CudaTensor,
+        norm: &CudaTensor,
+        eps: f32,
+        gate_up: &CudaWeight,
+        down: &CudaWeight,
+    ) -> Result<()> {
+        let (n, k) = (x.rows(), x.cols());
+        let m2 = self.check_linear("rms_norm_mlp", x, gate_up, None)?;
+        let m = m2 / 2;
+        if m2 % 2 != 0 || down.shape != [k, m] {
+            return Err(Error::shape(
+                "rms_norm_mlp",
+                format!(
+                    "x {:?}, gate_up {:?} (must be [2m, k]), down {:?} (must be [k, m])",
+                    x.shape, gate_up.shape, down.shape
+                ),
+            ));
+        }
+        if n == 0 || m == 0 {
+            return Ok(());
+        }
+        let h16 = self.rms_norm_f16(x, norm, eps)?;
+        let mut y16 = self.alloc_f16(n * m2)?;
+        self.gemm_f16(&h16, n, gate_up, &mut y16, false)?;
+        let mut g16 = self.alloc_f16(n * m)?;
+        let name = "silu_mul_halves_f16";
+        let (mm, nn) = (m as i32, n as i32);
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&y16).arg(&mut g16).arg(&mm).arg(&nn);
+        let per = if m % 8 == 0 { 8 } else { 1 };
+        // SAFETY: matches silu_mul_halves_f16: y16 is [n, 2m] and g16 [n, m] halves; with
+        // m % 8 == 0 every row starts 16-byte aligned (allocations are 256-byte aligned).
+        self.launched(
+            name,
+            unsafe { l.launch(Self::fill_config((n * m / per) as u64)) }.map(|_| ()),
+        )?;
+        self.gemm_f16(&g16, n, down, Arc::make_mut(&mut x.buf), true)
+    }
+
+    /// Room for `len` halves, not initialized: every caller's kernel or GEMM writes all of it.
+    pub(super) fn alloc_f16(&self, len: usize) -> Result<CudaSlice<half::f16>> {
+        // SAFETY: f16 has no invalid bit patterns, and callers write every element first.
+        unsafe { self.inner.stream.alloc::<half::f16>(len.max(1)) }
+            .map_err(|e| cuda_err("allocating device memory")(&e))
     }
 
     /// `swiglu` (and `rms_norm_swiglu`, with `norm`): the fused GEMV for up to

@@ -33,7 +33,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::backend::{
-    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, AttnMask, Backend, GeluKind,
+    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind,
     LayerNormParams, PagedBatch, Projection, QkvToCache,
 };
 use crate::{Error, HostTensor, Result};
@@ -180,15 +180,17 @@ fn flash_smem_bytes(dp: usize) -> usize {
     5 * 64 * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 14] = [
+const OPS_KERNELS: [&str; 16] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
     "silu_mul_f32",
     "silu_mul_halves_f32",
+    "silu_mul_halves_f16",
     "layer_norm_f32",
     "layer_norm_f16",
     "rms_norm_f32",
+    "rms_norm_f16",
     "rope_f32",
     "attention_f32",
     "weighted_gather_f32",
@@ -1037,7 +1039,14 @@ impl Backend for CudaBackend {
         let m = self.check_linear("rms_norm_linear", x, w, b)?;
         width_of("rms_norm_linear", x, norm)?;
         if !self.normed_gemv_fits(x) {
-            return self.linear(&self.rms_norm(x, norm, eps)?, w, b);
+            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
+            let mut out = self.alloc(with_cols(&x.shape, m))?;
+            let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+            if x.rows() > 0 && m > 0 {
+                let h16 = self.rms_norm_f16(x, norm, eps)?;
+                self.project_f16(&h16, x.rows(), w, b, out_buf)?;
+            }
+            return Ok(out);
         }
         let mut out = self.alloc(with_cols(&x.shape, m))?;
         let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
@@ -1151,9 +1160,7 @@ impl Backend for CudaBackend {
                 let h16 = self.layer_norm_f16(x, norm)?;
                 // An f16 output takes an f16 bias.
                 let b_up16 = self.to_f16(b_up)?;
-                // SAFETY: the GEMM writes every element.
-                let mut hidden16 = unsafe { self.inner.stream.alloc::<half::f16>(n * hidden) }
-                    .map_err(|e| cuda_err("allocating device memory")(&e))?;
+                let mut hidden16 = self.alloc_f16(n * hidden)?;
                 self.lt_gemm(&up_shape, &h16, up.w, &b_up16, &mut hidden16)?;
                 let out = Arc::make_mut(&mut x.buf);
                 self.lt_gemm(&down_shape, &hidden16, down.w, &b_down.buf, out)?;
@@ -1165,6 +1172,21 @@ impl Backend for CudaBackend {
 
     fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
         self.swiglu_with("swiglu", x, None, gate_up)
+    }
+
+    fn rms_norm_mlp(
+        &self,
+        x: &mut CudaTensor,
+        norm: &CudaTensor,
+        eps: f32,
+        gate_up: &CudaWeight,
+        down: &CudaWeight,
+    ) -> Result<()> {
+        if self.normed_gemv_fits(x) {
+            // Decode rows: the fused norm + gate/up + SwiGLU GEMV, then down added in its GEMV.
+            return rms_norm_mlp_op_by_op(self, x, norm, eps, gate_up, down);
+        }
+        self.rms_norm_mlp_f16(x, norm, eps, gate_up, down)
     }
 
     fn rms_norm_swiglu(
@@ -1421,11 +1443,8 @@ impl Backend for CudaBackend {
         if let (true, true, Some(dp)) = (self.inner.flash, nq >= FLASH_MIN_QUERIES, flash_dim) {
             // Keys and values to f16 [hkv, kv_len, dp] once, not once per query tile.
             let packed = hkv * kv_len * dp;
-            // SAFETY: pack_kv_f16 writes every element (padding dims as zeros).
-            let alloc_f16 = || unsafe { self.inner.stream.alloc::<half::f16>(packed) };
-            let (mut kp, mut vp) = alloc_f16()
-                .and_then(|k| Ok((k, alloc_f16()?)))
-                .map_err(|e| cuda_err("allocating device memory")(&e))?;
+            // pack_kv_f16 writes every element (padding dims as zeros).
+            let (mut kp, mut vp) = (self.alloc_f16(packed)?, self.alloc_f16(packed)?);
             let pack = "pack_kv_f16";
             let dims = [hkv, d, dp, kv_len].map(|v| v as i32);
             let mut l = self.inner.stream.launch_builder(self.kernel(pack));
