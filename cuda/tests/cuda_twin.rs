@@ -102,8 +102,13 @@ fn text_mlp_at_real_sizes() {
     // 8 (one column a thread in the SwiGLU).
     check_all(
         &g,
-        [(1, 4096, 12288), (64, 4096, 12288), (512, 4096, 12288), (9, 128, 36)]
-            .map(|(n, k, hidden)| Case::RmsNormMlp { n, k, hidden }),
+        [
+            (1, 4096, 12288),
+            (64, 4096, 12288),
+            (512, 4096, 12288),
+            (9, 128, 36),
+        ]
+        .map(|(n, k, hidden)| Case::RmsNormMlp { n, k, hidden }),
     );
 }
 

@@ -527,9 +527,33 @@ struct Reported {
     preemptions: u64,
     last_log: Option<Instant>,
     tokens_since_log: u64,
-    /// Decode-only and mixed steps: count, seconds, tokens.
-    decode_steps: (u64, f64, u64),
-    mixed_steps: (u64, f64, u64),
+    /// Decode-only and mixed steps.
+    decode_steps: StepTotals,
+    mixed_steps: StepTotals,
+}
+
+/// Steps of one kind since the last summary line.
+#[derive(Default, Clone, Copy)]
+struct StepTotals {
+    count: u64,
+    seconds: f64,
+    /// Of `seconds`, host time until the step's work was queued ([`StepOutput::enqueue`]).
+    enqueue_seconds: f64,
+    tokens: u64,
+}
+
+impl std::fmt::Display for StepTotals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.count.max(1) as f64;
+        write!(
+            f,
+            "{} x {:.1} ms ({:.1} ms to enqueue), {:.0} tokens",
+            self.count,
+            1e3 * self.seconds / n,
+            1e3 * self.enqueue_seconds / n,
+            self.tokens as f64 / n
+        )
+    }
 }
 
 /// The loop's state; lives on the engine thread.
@@ -662,7 +686,12 @@ impl<B: Backend> EngineLoop<B> {
         } else {
             &mut self.reported.mixed_steps
         };
-        *totals = (totals.0 + 1, totals.1 + seconds, totals.2 + tokens as u64);
+        totals.count += 1;
+        totals.seconds += seconds;
+        totals.tokens += tokens as u64;
+        if let Ok(out) = &result {
+            totals.enqueue_seconds += out.enqueue.as_secs_f64();
+        }
         match result {
             Ok(out) => self.advance(plan, out),
             Err(e) => {
@@ -831,16 +860,9 @@ impl<B: Backend> EngineLoop<B> {
         let now = Instant::now();
         let since = *r.last_log.get_or_insert(now);
         if now - since >= Duration::from_secs(10) && r.tokens_since_log > 0 {
-            let mean = |(n, secs, tokens): (u64, f64, u64)| {
-                format!(
-                    "{n} x {:.1} ms, {:.0} tokens",
-                    1e3 * secs / n.max(1) as f64,
-                    tokens as f64 / n.max(1) as f64
-                )
-            };
             tracing::info!(
-                decode_steps = mean(r.decode_steps),
-                mixed_steps = mean(r.mixed_steps),
+                decode_steps = %r.decode_steps,
+                mixed_steps = %r.mixed_steps,
                 running = self.sched.running.len(),
                 waiting = self.sched.waiting.len(),
                 kv_blocks_in_use = self.pool.num_in_use(),

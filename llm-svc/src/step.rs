@@ -8,6 +8,8 @@
 //! to the null block, and one launch runs the whole step. Other steps (prefill chunks mixed in)
 //! run op by op with freshly uploaded inputs.
 
+use std::time::{Duration, Instant};
+
 use vlm_compute::{Backend, HostTensor, PagedBatch};
 
 use crate::kv_cache::{PagedKv, NULL_BLOCK};
@@ -107,6 +109,10 @@ pub struct StepOutput {
     pub greedy: Vec<u32>,
     /// The logits, for the sequences that asked for them (`need_logits`).
     pub logits: Vec<Option<Vec<f32>>>,
+    /// Host time until all of the step's work was queued on the device (inputs built and
+    /// uploaded, ops launched or the recording replayed); the rest of the step is waiting
+    /// for the device and reading its results. Where a step's time goes, in the engine's log.
+    pub enqueue: Duration,
 }
 
 /// A recorded decode step of `rows` sequences and the buffers it reads and writes.
@@ -179,6 +185,7 @@ impl<B: Backend> StepRunner<B> {
         running: &[Sequence],
         need_logits: &[bool],
     ) -> Result<StepOutput> {
+        let started = Instant::now();
         let hidden = self.cfg.hidden_size;
         let mut host = HostStep::build(plan, running, self.block_size, hidden);
         let decode_only = host.decode_seqs == plan.len()
@@ -190,13 +197,14 @@ impl<B: Backend> StepRunner<B> {
         if decode_only && replayable {
             if let Some(rows) = self.bucket(plan.len()) {
                 host.pad_to(rows);
-                if let Some(out) = self.replay(model, kv, &host, rows, plan.len(), need_logits)? {
+                let n = plan.len();
+                if let Some(out) = self.replay(model, kv, &host, rows, n, need_logits, started)? {
                     return Ok(out);
                 }
                 host = HostStep::build(plan, running, self.block_size, hidden);
             }
         }
-        self.eager(model, kv, &host, need_logits)
+        self.eager(model, kv, &host, need_logits, started)
     }
 
     /// The M-RoPE tables for `positions`.
@@ -204,14 +212,17 @@ impl<B: Backend> StepRunner<B> {
         mrope::rope_tables(&self.cfg, &self.inv_freq, positions)
     }
 
-    /// Picks and logits from a step's logits `[rows, vocab]` (the first `n` rows sampled).
+    /// Picks and logits from a step's logits `[rows, vocab]` (the first `n` rows sampled), for
+    /// a step that began at `started` and whose work is all queued now.
     fn outputs(
         be: &B,
         logits: &B::Tensor,
         greedy: &B::Ids,
         n: usize,
         need_logits: &[bool],
+        started: Instant,
     ) -> Result<StepOutput> {
+        let enqueue = started.elapsed();
         let greedy = be.download_ids(greedy, n)?;
         let mut out = vec![None; n];
         if need_logits.iter().any(|&w| w) {
@@ -225,6 +236,7 @@ impl<B: Backend> StepRunner<B> {
         Ok(StepOutput {
             greedy,
             logits: out,
+            enqueue,
         })
     }
 
@@ -234,6 +246,7 @@ impl<B: Backend> StepRunner<B> {
         kv: &mut PagedKv<B>,
         host: &HostStep,
         need_logits: &[bool],
+        started: Instant,
     ) -> Result<StepOutput> {
         let be = model.backend();
         let (cos, sin) = self.rope(&host.positions)?;
@@ -255,10 +268,12 @@ impl<B: Backend> StepRunner<B> {
             .iter()
             .map(|d| be.upload(&HostTensor::new(vec![n_img, hidden], d.clone())?))
             .collect::<vlm_compute::Result<Vec<_>>>()?;
+        let (cos, sin) = (be.upload(&cos)?, be.upload(&sin)?);
+        let prepared = started.elapsed();
         let step = StepInput {
             ids: &ids,
-            cos: &be.upload(&cos)?,
-            sin: &be.upload(&sin)?,
+            cos: &cos,
+            sin: &sin,
             slots: &slots,
             attn: PagedBatch {
                 seqs: &seqs,
@@ -286,11 +301,21 @@ impl<B: Backend> StepRunner<B> {
             return Ok(StepOutput {
                 greedy: Vec::new(),
                 logits: Vec::new(),
+                enqueue: started.elapsed(),
             });
         };
         let mut greedy = be.upload_ids(&vec![0; n])?;
         be.argmax_rows(&logits, &mut greedy)?;
-        Self::outputs(be, &logits, &greedy, n, need_logits)
+        let out = Self::outputs(be, &logits, &greedy, n, need_logits, started)?;
+        tracing::debug!(
+            rows = host.ids.len(),
+            sequences = host.seqs.len() / 4,
+            prepare_ms = prepared.as_secs_f64() * 1e3,
+            enqueue_ms = out.enqueue.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "step run op by op"
+        );
+        Ok(out)
     }
 
     /// Replays (recording first if needed) the decode step for `rows` (padded) rows of which
@@ -303,6 +328,7 @@ impl<B: Backend> StepRunner<B> {
         rows: usize,
         n: usize,
         need_logits: &[bool],
+        started: Instant,
     ) -> Result<Option<StepOutput>> {
         let be = model.backend();
         if self.graph_blocks.is_none() {
@@ -331,7 +357,7 @@ impl<B: Backend> StepRunner<B> {
         be.write(&mut g.sin, sin.data())?;
         be.replay(&g.graph)?;
         let wanted: Vec<bool> = need_logits.iter().copied().take(n).collect();
-        Self::outputs(be, &g.logits, &g.greedy, n, &wanted).map(Some)
+        Self::outputs(be, &g.logits, &g.greedy, n, &wanted, started).map(Some)
     }
 
     /// Records the decode step for `rows` rows: `None` if the backend does not record (then

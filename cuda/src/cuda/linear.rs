@@ -82,11 +82,13 @@ pub(super) trait GemmOut: DeviceRepr {
 }
 
 impl GemmOut for f32 {
-    const TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+    const TYPE: cudarc::cublas::sys::cudaDataType_t =
+        cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
 }
 
 impl GemmOut for half::f16 {
-    const TYPE: cudarc::cublas::sys::cudaDataType_t = cudarc::cublas::sys::cudaDataType_t::CUDA_R_16F;
+    const TYPE: cudarc::cublas::sys::cudaDataType_t =
+        cudarc::cublas::sys::cudaDataType_t::CUDA_R_16F;
 }
 
 impl CudaBackend {

@@ -33,8 +33,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::backend::{
-    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind,
-    LayerNormParams, PagedBatch, Projection, QkvToCache,
+    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, rms_norm_mlp_op_by_op, AttnMask, Backend,
+    GeluKind, LayerNormParams, PagedBatch, Projection, QkvToCache,
 };
 use crate::{Error, HostTensor, Result};
 use linear::{with_cols, Gemv, GEMV_KERNELS, GEMV_STATIC_SMEM};
