@@ -152,16 +152,16 @@ impl Sequence {
         }
     }
 
-    /// Rows `range` (token indices) of the sequence that are image tokens, each as (token
-    /// index, image, row of that image).
-    pub fn image_rows(
+    /// The images with tokens in `range` (token indices), each with the rows of it there
+    /// (rows of the image; its token `start + r` is row `r`).
+    pub fn image_parts(
         &self,
         range: std::ops::Range<usize>,
-    ) -> impl Iterator<Item = (usize, &PlacedImage, usize)> {
-        self.images.iter().flat_map(move |img| {
+    ) -> impl Iterator<Item = (&PlacedImage, std::ops::Range<usize>)> {
+        self.images.iter().filter_map(move |img| {
             let from = range.start.max(img.start);
             let to = range.end.min(img.start + img.len);
-            (from..to).map(move |i| (i, img, i - img.start))
+            (from < to).then(|| (img, from - img.start..to - img.start))
         })
     }
 }

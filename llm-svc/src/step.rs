@@ -8,6 +8,7 @@
 //! to the null block, and one launch runs the whole step. Other steps (prefill chunks mixed in)
 //! run op by op with freshly uploaded inputs.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vlm_compute::{Backend, HostTensor, PagedBatch};
@@ -16,14 +17,14 @@ use crate::kv_cache::{PagedKv, NULL_BLOCK};
 use crate::model::{ImageRows, LogitsOf, StepInput, TextModel};
 use crate::mrope;
 use crate::scheduler::Planned;
-use crate::sequence::Sequence;
+use crate::sequence::{PlacedImage, Sequence};
 use crate::{Result, TextConfig};
 
 /// Batch sizes decode steps are recorded for; a batch runs in the smallest that holds it.
 const DECODE_BUCKETS: [usize; 12] = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256];
 
 /// A step's inputs on the host.
-struct HostStep {
+struct HostStep<'a> {
     ids: Vec<u32>,
     positions: Vec<[u32; 3]>,
     slots: Vec<u32>,
@@ -35,14 +36,16 @@ struct HostStep {
     max_keys: usize,
     /// Row of each sequence that samples this step (its last), in plan order.
     sample_rows: Vec<u32>,
-    /// Rows holding image tokens, their embeddings and DeepStack features.
+    /// Rows holding image tokens, and the images they come from, in the same order: each with
+    /// the range of its rows in this step.
     image_rows: Vec<usize>,
-    image_embeds: Vec<f32>,
-    deepstack: Vec<Vec<f32>>,
+    image_parts: Vec<(&'a PlacedImage, Range<usize>)>,
+    /// When the step began (what its `enqueue` time counts from).
+    started: Instant,
 }
 
-impl HostStep {
-    fn build(plan: &[Planned], running: &[Sequence], block_size: usize, hidden: usize) -> Self {
+impl<'a> HostStep<'a> {
+    fn build(plan: &[Planned], running: &'a [Sequence], block_size: usize) -> Self {
         let mut s = HostStep {
             ids: Vec::new(),
             positions: Vec::new(),
@@ -54,8 +57,8 @@ impl HostStep {
             max_keys: 0,
             sample_rows: Vec::new(),
             image_rows: Vec::new(),
-            image_embeds: Vec::new(),
-            deepstack: Vec::new(),
+            image_parts: Vec::new(),
+            started: Instant::now(),
         };
         for p in plan {
             let seq = &running[p.index];
@@ -71,13 +74,10 @@ impl HostStep {
                 s.slots
                     .push(seq.blocks[i / block_size] * block_size as u32 + (i % block_size) as u32);
             }
-            for (i, img, r) in seq.image_rows(from..to) {
-                s.image_rows.push(row0 + i - from);
-                s.image_embeds.extend_from_slice(img.embeds.row(r));
-                s.deepstack.resize(img.deepstack.len(), Vec::new());
-                for (out, ds) in s.deepstack.iter_mut().zip(&img.deepstack) {
-                    out.extend_from_slice(ds.row(r));
-                }
+            for (img, rows) in seq.image_parts(from..to) {
+                let first = row0 + img.start + rows.start - from;
+                s.image_rows.extend(first..first + rows.len());
+                s.image_parts.push((img, rows));
             }
             if to == seq.tokens.len() {
                 s.sample_rows.push((row0 + p.tokens - 1) as u32);
@@ -85,7 +85,6 @@ impl HostStep {
             s.max_queries = s.max_queries.max(p.tokens);
             s.max_keys = s.max_keys.max(to);
         }
-        debug_assert_eq!(s.image_embeds.len(), s.image_rows.len() * hidden);
         s
     }
 
@@ -103,6 +102,56 @@ impl HostStep {
     }
 }
 
+/// The embeddings and DeepStack features of a step's image rows, on the device, from `parts`
+/// (each image with its rows in the step, in the step's order). An image wholly in the step
+/// (the usual case: its tokens fit one prefill chunk) is uploaded from its own buffers; only
+/// images split across chunks, or several in one step, are gathered into one buffer first.
+fn upload_images<B: Backend>(
+    be: &B,
+    parts: &[(&PlacedImage, Range<usize>)],
+    hidden: usize,
+) -> Result<Option<StepImages<B>>> {
+    let whole = |img: &PlacedImage, rows: &Range<usize>| rows.start == 0 && rows.end == img.len;
+    let uploaded = match parts {
+        [] => return Ok(None),
+        [(img, rows)] if whole(img, rows) => {
+            let deepstack = img.deepstack.iter().map(|d| be.upload(d));
+            (
+                be.upload(&img.embeds)?,
+                deepstack.collect::<vlm_compute::Result<_>>()?,
+            )
+        }
+        _ => {
+            let n: usize = parts.iter().map(|(_, rows)| rows.len()).sum();
+            let gather = |pick: &dyn Fn(&PlacedImage) -> &HostTensor| {
+                let mut data = Vec::with_capacity(n * hidden);
+                for (img, rows) in parts {
+                    data.extend_from_slice(
+                        &pick(img).data()[rows.start * hidden..rows.end * hidden],
+                    );
+                }
+                be.upload(&HostTensor::new(vec![n, hidden], data)?)
+            };
+            let layers = parts[0].0.deepstack.len();
+            let deepstack = (0..layers).map(|l| gather(&|img| &img.deepstack[l]));
+            (
+                gather(&|img| &img.embeds)?,
+                deepstack.collect::<vlm_compute::Result<_>>()?,
+            )
+        }
+    };
+    Ok(Some(StepImages {
+        embeds: uploaded.0,
+        deepstack: uploaded.1,
+    }))
+}
+
+/// A step's image rows on the device ([`upload_images`]).
+struct StepImages<B: Backend> {
+    embeds: B::Tensor,
+    deepstack: Vec<B::Tensor>,
+}
+
 /// What a step gives back for each sequence that sampled, in plan order.
 pub struct StepOutput {
     /// The most likely next token.
@@ -112,6 +161,9 @@ pub struct StepOutput {
     /// Host time until all of the step's work was queued on the device (inputs built and
     /// uploaded, ops launched or the recording replayed); the rest of the step is waiting
     /// for the device and reading its results. Where a step's time goes, in the engine's log.
+    /// A step whose chunks pick no token (a long prompt's first chunks) is not waited for, so
+    /// the host may queue the next one meanwhile; some calls then wait for the device, and
+    /// that wait counts here.
     pub enqueue: Duration,
 }
 
@@ -185,9 +237,7 @@ impl<B: Backend> StepRunner<B> {
         running: &[Sequence],
         need_logits: &[bool],
     ) -> Result<StepOutput> {
-        let started = Instant::now();
-        let hidden = self.cfg.hidden_size;
-        let mut host = HostStep::build(plan, running, self.block_size, hidden);
+        let mut host = HostStep::build(plan, running, self.block_size);
         let decode_only = host.decode_seqs == plan.len()
             && host.sample_rows.len() == plan.len()
             && host.image_rows.is_empty();
@@ -197,14 +247,15 @@ impl<B: Backend> StepRunner<B> {
         if decode_only && replayable {
             if let Some(rows) = self.bucket(plan.len()) {
                 host.pad_to(rows);
-                let n = plan.len();
-                if let Some(out) = self.replay(model, kv, &host, rows, n, need_logits, started)? {
+                if let Some(out) = self.replay(model, kv, &host, rows, plan.len(), need_logits)? {
                     return Ok(out);
                 }
-                host = HostStep::build(plan, running, self.block_size, hidden);
+                let started = host.started;
+                host = HostStep::build(plan, running, self.block_size);
+                host.started = started;
             }
         }
-        self.eager(model, kv, &host, need_logits, started)
+        self.eager(model, kv, &host, need_logits)
     }
 
     /// The M-RoPE tables for `positions`.
@@ -246,28 +297,14 @@ impl<B: Backend> StepRunner<B> {
         kv: &mut PagedKv<B>,
         host: &HostStep,
         need_logits: &[bool],
-        started: Instant,
     ) -> Result<StepOutput> {
+        let started = host.started;
         let be = model.backend();
         let (cos, sin) = self.rope(&host.positions)?;
         let (ids, slots) = (be.upload_ids(&host.ids)?, be.upload_ids(&host.slots)?);
         let (seqs, blocks) = (be.upload_ids(&host.seqs)?, be.upload_ids(&host.blocks)?);
         let sample_rows = be.upload_ids(&host.sample_rows)?;
-        let hidden = self.cfg.hidden_size;
-        let n_img = host.image_rows.len();
-        let image_embeds = if n_img > 0 {
-            Some(be.upload(&HostTensor::new(
-                vec![n_img, hidden],
-                host.image_embeds.clone(),
-            )?)?)
-        } else {
-            None
-        };
-        let deepstack = host
-            .deepstack
-            .iter()
-            .map(|d| be.upload(&HostTensor::new(vec![n_img, hidden], d.clone())?))
-            .collect::<vlm_compute::Result<Vec<_>>>()?;
+        let images = upload_images(be, &host.image_parts, self.cfg.hidden_size)?;
         let (cos, sin) = (be.upload(&cos)?, be.upload(&sin)?);
         let prepared = started.elapsed();
         let step = StepInput {
@@ -284,10 +321,10 @@ impl<B: Backend> StepRunner<B> {
                 max_keys: host.max_keys,
                 block_size: self.block_size,
             },
-            images: image_embeds.as_ref().map(|embeds| ImageRows {
+            images: images.as_ref().map(|img| ImageRows {
                 rows: &host.image_rows,
-                embeds,
-                deepstack: &deepstack,
+                embeds: &img.embeds,
+                deepstack: &img.deepstack,
             }),
             // Only prefill chunks that stop short of their prompt's end: nothing to pick.
             logits: if host.sample_rows.is_empty() {
@@ -298,6 +335,13 @@ impl<B: Backend> StepRunner<B> {
         };
         let n = host.sample_rows.len();
         let Some(logits) = model.forward(kv, &step)? else {
+            tracing::debug!(
+                rows = host.ids.len(),
+                sequences = host.seqs.len() / 4,
+                prepare_ms = prepared.as_secs_f64() * 1e3,
+                enqueue_ms = started.elapsed().as_secs_f64() * 1e3,
+                "step run op by op, not waited for (it picks no token)"
+            );
             return Ok(StepOutput {
                 greedy: Vec::new(),
                 logits: Vec::new(),
@@ -328,8 +372,8 @@ impl<B: Backend> StepRunner<B> {
         rows: usize,
         n: usize,
         need_logits: &[bool],
-        started: Instant,
     ) -> Result<Option<StepOutput>> {
+        let started = host.started;
         let be = model.backend();
         if self.graph_blocks.is_none() {
             let per_seq = self.max_context.div_ceil(self.block_size);
@@ -382,8 +426,8 @@ impl<B: Backend> StepRunner<B> {
             max_keys: 1,
             sample_rows: Vec::new(),
             image_rows: Vec::new(),
-            image_embeds: Vec::new(),
-            deepstack: Vec::new(),
+            image_parts: Vec::new(),
+            started: Instant::now(),
         };
         pad.pad_to(rows);
         let ids = be.upload_ids(&pad.ids)?;
