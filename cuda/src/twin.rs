@@ -517,14 +517,8 @@ impl Case {
                     eps: 1e-6,
                 };
                 // Scaled as a trained layer's are: GELU's inputs stay within a few units.
-                let scaled = |shape: &[usize], key| {
-                    let t = input(shape, key);
-                    let s = 1.0 / (shape[1] as f32).sqrt();
-                    let data = t.data().iter().map(|v| v * s).collect();
-                    HostTensor::new(shape.to_vec(), data)
-                };
-                let fc1 = be.upload_weight(&f16_exact(scaled(&[hidden, k], 60)?))?;
-                let fc2 = be.upload_weight(&f16_exact(scaled(&[k, hidden], 61)?))?;
+                let fc1 = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 60)))?;
+                let fc2 = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 61)))?;
                 let (b1, b2) = (up(&[hidden], 62)?, up(&[k], 63)?);
                 be.layer_norm_mlp(
                     &mut x,
@@ -544,16 +538,10 @@ impl Case {
             Case::RmsNormMlp { n, k, hidden } => {
                 let mut x = up(&[n, k], 64)?;
                 // Scaled as a trained layer's are: the SwiGLU's inputs stay within a few units.
-                let scaled = |shape: &[usize], key| {
-                    let t = input(shape, key);
-                    let s = 1.0 / (shape[1] as f32).sqrt();
-                    let data = t.data().iter().map(|v| v * s).collect();
-                    HostTensor::new(shape.to_vec(), data)
-                };
-                let gate = be.upload_weight(&f16_exact(scaled(&[hidden, k], 65)?))?;
-                let upw = be.upload_weight(&f16_exact(scaled(&[hidden, k], 66)?))?;
+                let gate = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 65)))?;
+                let upw = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 66)))?;
                 let gate_up = be.stack_weights(&[&gate, &upw])?;
-                let down = be.upload_weight(&f16_exact(scaled(&[k, hidden], 67)?))?;
+                let down = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 67)))?;
                 be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
                 x
             }
@@ -821,6 +809,15 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
 /// The inputs of a case: uniform in [-1, 1), a pure function of (shape, key).
 fn input(shape: &[usize], key: u64) -> HostTensor {
     crate::random::uniform_tensor(shape, crate::random::tensor_key(key, "twin"), 1.0)
+}
+
+/// A weight matrix `[out, in]` of [`input`]'s values over sqrt(in), as a trained layer's are
+/// scaled: its products with unit-sized inputs stay within a few units.
+fn scaled_input(shape: &[usize], key: u64) -> HostTensor {
+    let mut t = input(shape, key);
+    let s = 1.0 / (shape[1] as f32).sqrt();
+    t.data_mut().iter_mut().for_each(|v| *v *= s);
+    t
 }
 
 /// `t` with every value rounded to the nearest f16: the weights the GPU stores (and the
