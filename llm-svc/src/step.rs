@@ -112,38 +112,36 @@ fn upload_images<B: Backend>(
     hidden: usize,
 ) -> Result<Option<StepImages<B>>> {
     let whole = |img: &PlacedImage, rows: &Range<usize>| rows.start == 0 && rows.end == img.len;
-    let uploaded = match parts {
+    let images = match parts {
         [] => return Ok(None),
-        [(img, rows)] if whole(img, rows) => {
-            let deepstack = img.deepstack.iter().map(|d| be.upload(d));
-            (
-                be.upload(&img.embeds)?,
-                deepstack.collect::<vlm_compute::Result<_>>()?,
-            )
-        }
+        [(img, rows)] if whole(img, rows) => StepImages {
+            embeds: be.upload(&img.embeds)?,
+            deepstack: img
+                .deepstack
+                .iter()
+                .map(|d| be.upload(d))
+                .collect::<vlm_compute::Result<_>>()?,
+        },
         _ => {
             let n: usize = parts.iter().map(|(_, rows)| rows.len()).sum();
             let gather = |pick: &dyn Fn(&PlacedImage) -> &HostTensor| {
                 let mut data = Vec::with_capacity(n * hidden);
                 for (img, rows) in parts {
-                    data.extend_from_slice(
-                        &pick(img).data()[rows.start * hidden..rows.end * hidden],
-                    );
+                    let t = pick(img).data();
+                    data.extend_from_slice(&t[rows.start * hidden..rows.end * hidden]);
                 }
                 be.upload(&HostTensor::new(vec![n, hidden], data)?)
             };
             let layers = parts[0].0.deepstack.len();
-            let deepstack = (0..layers).map(|l| gather(&|img| &img.deepstack[l]));
-            (
-                gather(&|img| &img.embeds)?,
-                deepstack.collect::<vlm_compute::Result<_>>()?,
-            )
+            StepImages {
+                embeds: gather(&|img| &img.embeds)?,
+                deepstack: (0..layers)
+                    .map(|l| gather(&|img| &img.deepstack[l]))
+                    .collect::<vlm_compute::Result<_>>()?,
+            }
         }
     };
-    Ok(Some(StepImages {
-        embeds: uploaded.0,
-        deepstack: uploaded.1,
-    }))
+    Ok(Some(images))
 }
 
 /// A step's image rows on the device ([`upload_images`]).
