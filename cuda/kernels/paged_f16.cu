@@ -152,8 +152,8 @@ __device__ __forceinline__ float half_warp_sum(float v) {
 // time, every PD_WARPS-th such group, all their loads issued before any math, and the halves
 // keep separate online softmaxes (base 2: q is scaled by log2 e) merged at the end. The loop is
 // software-pipelined: the next group's loads are issued before this group's math, so a warp
-// always has loads in flight (batch 64 at 512 keys: 10.0 -> 9.75 ms a step on an H100; batch
-// 128: 13.7 -> 13.1). Measured
+// always has loads in flight (with the one-split path below, on an H100 at 512 keys: batch 64
+// 9.94 -> 9.56 ms a step, batch 128 13.54 -> 12.84). Measured
 // with ncu on an H100 (8B shapes, 64 sequences at 512 keys): the kernel this replaces, a whole
 // warp per key, issued ~235 instructions a key (five-level shuffle trees, a division per key for
 // the block table) and reached 23% of DRAM bandwidth. GP, the heads per KV head the kernel is

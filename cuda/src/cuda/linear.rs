@@ -398,20 +398,29 @@ impl CudaBackend {
     ) -> Result<CudaSlice<half::f16>> {
         width_of("rms_norm", x, w)?;
         let mut out = self.alloc_f16(x.len())?;
+        self.launch_rms_norm("rms_norm_f16", x, w, eps, &mut out)?;
+        Ok(out)
+    }
+
+    /// Launches RMSNorm kernel `name` (rms_norm_f32 or rms_norm_f16, as `O` is) over the rows
+    /// of `x` into `out`, which holds `x.len()` elements; `w`'s width checked by the caller.
+    pub(super) fn launch_rms_norm<O: DeviceRepr>(
+        &self,
+        name: &'static str,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+        out: &mut CudaSlice<O>,
+    ) -> Result<()> {
         let cols = x.cols() as i32;
-        let name = "rms_norm_f16";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&*w.buf)
-            .arg(&mut out)
-            .arg(&cols)
-            .arg(&eps);
-        // SAFETY: matches rms_norm_f16, one block per row; out holds x.len() halves.
+        l.arg(&*x.buf).arg(&*w.buf).arg(out).arg(&cols).arg(&eps);
+        // SAFETY: matches rms_norm_f32 / rms_norm_f16 (one block per row) for O = f32 / f16;
+        // out holds x.len() elements.
         self.launched(
             name,
             unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
-        Ok(out)
+        )
     }
 
     /// [`Backend::rms_norm_mlp`] past the GEMVs' rows: the norm, the gate/up product and the

@@ -1038,19 +1038,15 @@ impl Backend for CudaBackend {
     ) -> Result<CudaTensor> {
         let m = self.check_linear("rms_norm_linear", x, w, b)?;
         width_of("rms_norm_linear", x, norm)?;
-        if !self.normed_gemv_fits(x) {
-            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
-            let mut out = self.alloc(with_cols(&x.shape, m))?;
-            let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-            if x.rows() > 0 && m > 0 {
-                let h16 = self.rms_norm_f16(x, norm, eps)?;
-                self.project_f16(&h16, x.rows(), w, b, out_buf)?;
-            }
-            return Ok(out);
-        }
         let mut out = self.alloc(with_cols(&x.shape, m))?;
         let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
+        if self.normed_gemv_fits(x) {
+            self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
+        } else if x.rows() > 0 && m > 0 {
+            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
+            let h16 = self.rms_norm_f16(x, norm, eps)?;
+            self.project_f16(&h16, x.rows(), w, b, out_buf)?;
+        }
         Ok(out)
     }
 
@@ -1333,21 +1329,8 @@ impl Backend for CudaBackend {
     fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32) -> Result<CudaTensor> {
         width_of("rms_norm", x, w)?;
         let mut out = self.alloc(x.shape.clone())?;
-        let cols = x.cols() as i32;
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("rms_norm_f32"));
-        l.arg(&*x.buf)
-            .arg(&*w.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&cols)
-            .arg(&eps);
-        // SAFETY: matches rms_norm_f32, one block per row.
-        self.launched(
-            "rms_norm_f32",
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
+        let buf = Arc::get_mut(&mut out.buf).expect("fresh");
+        self.launch_rms_norm("rms_norm_f32", x, w, eps, buf)?;
         Ok(out)
     }
 
