@@ -242,6 +242,16 @@ extern "C" __global__ void cast_f32_to_f16(const float* __restrict__ x, __half* 
         out[i] = __float2half_rn(x[i]);
 }
 
+// f16 rows from the host (an image's embeddings as the wire and shared memory carry them) to
+// f32 activations: exact, and half the bytes of an f32 upload.
+extern "C" __global__ void cast_f16_to_f32(const __half* __restrict__ x, float* __restrict__ out,
+                                           unsigned long long n) {
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride)
+        out[i] = __half2float(x[i]);
+}
+
 // Rows of the f16 table picked by ids, as f32: out[i, :] = table[ids[i], :]. The ids come from
 // device memory (a recorded step reads its new tokens there). The host checks them; one
 // outside the table anyway gives a row of NaN, which shows in the logits.

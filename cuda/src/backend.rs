@@ -5,7 +5,7 @@
 //! data across only through `upload`/`download`. Ops work on row-major tensors; "rows" means
 //! the matrix view `[n, last_dim]`. Shapes are checked and reported as [`crate::Error::Shape`].
 
-use crate::{HostTensor, Result};
+use crate::{Embeddings, HostTensor, Result};
 
 /// Which GELU: HF's `gelu_pytorch_tanh` (vision MLP) or the exact erf form (`nn.GELU()`, mergers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,6 +205,18 @@ pub trait Backend: Send + Sync + 'static {
     // ---- memory ----
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
     fn download(&self, t: &Self::Tensor) -> Result<HostTensor>;
+    /// Rows that leave this stage for the other (an image's embeddings), in the precision the
+    /// backend computes them in: f32 here, f16 on a GPU (rounded on the device, half the
+    /// bytes to download and to send on).
+    fn download_embeddings(&self, t: &Self::Tensor) -> Result<Embeddings> {
+        Ok(Embeddings::F32(self.download(t)?))
+    }
+    /// Embeddings from the other stage as an f32 activation tensor. A GPU uploads f16 rows
+    /// as they are (from a message's buffer or a shared-memory mapping) and widens them on
+    /// the device.
+    fn upload_embeddings(&self, e: &Embeddings) -> Result<Self::Tensor> {
+        self.upload(&e.to_f32())
+    }
     fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
     /// `dst = src` in place (same element count); `dst` keeps its buffer.
     fn copy(&self, dst: &mut Self::Tensor, src: &Self::Tensor) -> Result<()>;

@@ -5,6 +5,8 @@
 //!   same trait and is tested op by op against it.
 //! - [`Device`]: the `--device` flag and the one dispatcher that picks the backend for it.
 //! - [`HostTensor`]: a row-major f32 tensor in host memory, what goes in and out of a backend.
+//! - [`Embeddings`]: an image's embeddings between the stages, f32 or f16 ([`HalfTensor`], over
+//!   shared bytes), in the precision the backend that made them computes in.
 //! - [`twin`]: a device backend compared with the CPU reference op by op: the GPU twin tests and
 //!   the self-check every GPU passes before it serves.
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
@@ -16,6 +18,7 @@ mod backend;
 mod cpu;
 pub mod cuda;
 mod device;
+mod embeddings;
 mod error;
 pub mod files;
 pub mod golden;
@@ -33,6 +36,7 @@ pub use backend::{
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 pub use device::{Device, OnDevice};
+pub use embeddings::{Embeddings, HalfTensor};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

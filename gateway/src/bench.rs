@@ -612,26 +612,20 @@ fn ttft_name(side: usize, opts: &BenchOptions) -> String {
     )
 }
 
-/// Rows for the host's share of an image's hop: packing its embeddings (f32 from the ViT)
-/// into an f16 message, as vision-svc does, and unpacking them, as llm-svc does.
+/// Rows for the host's share of an image's hop: packing its embeddings into an f16 message,
+/// as vision-svc does (the bytes as downloaded when the ViT ran on a GPU; a conversion pass
+/// from the CPU's f32), and unpacking them into the engine's request, as llm-svc does (f16
+/// is kept as the received bytes; the upload happens in the step).
 fn pack_and_unpack(
     image: &vision_svc::VisionOutput,
     side: usize,
     opts: &BenchOptions,
     bar: &ProgressBar,
 ) -> anyhow::Result<Vec<Measurement>> {
-    use vlm_proto::{pb::Dtype, tensor};
-    let tensors: Vec<_> = std::iter::once(&image.embeds)
-        .chain(&image.deepstack)
-        .collect();
-    let pack = || -> Vec<vlm_proto::pb::Tensor> {
-        tensors
-            .iter()
-            .map(|t| tensor::encode(t.shape(), t.data(), Dtype::F16))
-            .collect()
-    };
+    use vlm_proto::pb;
+    let pack = || vision_svc::server::to_wire(image, pb::Dtype::F16);
     let packed = pack();
-    let bytes: usize = packed.iter().map(|t| t.data.len()).sum();
+    let bytes = packed.payload_bytes();
     let size = if bytes >= 1_000_000 {
         format!("{:.1} MB", bytes as f64 / 1e6)
     } else {
@@ -643,11 +637,20 @@ fn pack_and_unpack(
         std::hint::black_box(pack());
         Ok(t.elapsed())
     })?;
+    let request = pb::GenerateRequest {
+        images: vec![pb::ImageEmbeddings {
+            embeddings: packed.embeddings.clone(),
+            deepstack: packed.deepstack.clone(),
+            grid_thw: packed.grid_thw.clone(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
     let unpack_s = time(opts, bar, || {
         let t = Instant::now();
-        for p in &packed {
-            std::hint::black_box(tensor::decode(p).map_err(anyhow::Error::msg)?);
-        }
+        let req = llm_svc::server::request_from_pb(request.clone())
+            .map_err(|e| anyhow::anyhow!("unpacking: {e}"))?;
+        std::hint::black_box(req);
         Ok(t.elapsed())
     })?;
     Ok(vec![

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::Span;
-use vlm_compute::{Backend, HostTensor, Weights};
+use vlm_compute::{Backend, Embeddings, Weights};
 
 use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
 use crate::metrics::EngineMetrics;
@@ -38,13 +38,14 @@ use crate::sequence::{image_hash, PlacedImage, Sequence, SequenceLimits};
 use crate::step::{StepOutput, StepRunner};
 use crate::{Error, ModelConfig, Result};
 
-/// One image as the vision stage produced it.
+/// One image as the vision stage produced it (f16 from a GPU or off the wire, uploaded as it
+/// is; f32 from the CPU reference).
 #[derive(Clone, Debug)]
 pub struct ImageInput {
     /// `[tokens, hidden]`, placed at the image's placeholder tokens.
-    pub embeds: HostTensor,
+    pub embeds: Embeddings,
     /// DeepStack features, each `[tokens, hidden]`, added after layers 0, 1, ...
-    pub deepstack: Vec<HostTensor>,
+    pub deepstack: Vec<Embeddings>,
     /// Patch grid (t, h, w) before the 2×2 merge.
     pub grid_thw: [usize; 3],
 }

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
-use vlm_compute::HostTensor;
+use vlm_compute::Embeddings;
 
 use crate::engine::Event;
 use crate::kv_cache::{block_hash, BlockHash};
@@ -18,8 +18,8 @@ pub struct PlacedImage {
     pub start: usize,
     pub len: usize,
     /// `[len, hidden]`, and one `[len, hidden]` per DeepStack layer.
-    pub embeds: HostTensor,
-    pub deepstack: Vec<HostTensor>,
+    pub embeds: Embeddings,
+    pub deepstack: Vec<Embeddings>,
     /// Identity of the embeddings (a hash of their bytes and grid), for the prefix cache.
     pub hash: BlockHash,
 }
@@ -166,12 +166,14 @@ impl Sequence {
     }
 }
 
-/// An image's identity for the prefix cache: its embeddings' bytes and grid.
-pub fn image_hash(embeds: &HostTensor, grid: [usize; 3]) -> BlockHash {
+/// An image's identity for the prefix cache: its embeddings' bytes (as held: f32 and f16
+/// embeddings of one image are two identities, as their keys and values differ) and grid.
+pub fn image_hash(embeds: &Embeddings, grid: [usize; 3]) -> BlockHash {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     for g in grid {
         h.update(&(g as u64).to_le_bytes());
     }
-    h.update(bytemuck::cast_slice(embeds.data()));
+    h.update(&[matches!(embeds, Embeddings::F16(_)) as u8]);
+    h.update(embeds.as_bytes());
     h.digest128()
 }

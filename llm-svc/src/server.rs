@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, HostTensor, OnDevice, Weights};
+use vlm_compute::{Backend, Embeddings, HalfTensor, HostTensor, OnDevice, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{shm, telemetry, tensor};
@@ -65,9 +65,17 @@ fn image_from_pb(
             tensor::attach(t, segment).map_err(bad)?;
         }
     }
-    let host = |t: &pb::Tensor| -> Result<HostTensor, Error> {
-        let (shape, data) = tensor::decode(t).map_err(bad)?;
-        HostTensor::new(shape, data).map_err(|e| bad(e.to_string()))
+    // f16 (what vision-svc sends) stays as the received bytes, or the mapped segment's, until
+    // the step that uploads it; other dtypes are widened to f32 here.
+    let host = |t: &pb::Tensor| -> Result<Embeddings, Error> {
+        match tensor::f16_bytes(t).map_err(bad)? {
+            Some((shape, bytes)) => HalfTensor::from_bytes(shape, bytes).map(Embeddings::F16),
+            None => {
+                let (shape, data) = tensor::decode(t).map_err(bad)?;
+                HostTensor::new(shape, data).map(Embeddings::F32)
+            }
+        }
+        .map_err(|e| bad(e.to_string()))
     };
     let embeds = host(
         img.embeddings
@@ -154,8 +162,8 @@ impl LlmService for LlmServer {
             // Checked before it takes a place: a bad request is INVALID_ARGUMENT even when
             // the service is full.
             let req = request.into_inner();
-            // Images' embeddings are converted to the engine's f32 off the runtime's threads
-            // (tens of megabytes for a large image).
+            // Images' segments are mapped, and embeddings sent as f32 or bf16 converted (tens
+            // of megabytes for a large image), off the runtime's threads.
             let req = if req.images.is_empty() {
                 request_from_pb(req)?
             } else {

@@ -11,7 +11,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use vlm_compute::{Backend, HostTensor, PagedBatch};
+use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch};
 
 use crate::kv_cache::{PagedKv, NULL_BLOCK};
 use crate::model::{ImageRows, LogitsOf, StepInput, TextModel};
@@ -109,28 +109,25 @@ impl<'a> HostStep<'a> {
 fn upload_images<B: Backend>(
     be: &B,
     parts: &[(&PlacedImage, Range<usize>)],
-    hidden: usize,
 ) -> Result<Option<StepImages<B>>> {
     let whole = |img: &PlacedImage, rows: &Range<usize>| rows.start == 0 && rows.end == img.len;
     let images = match parts {
         [] => return Ok(None),
         [(img, rows)] if whole(img, rows) => StepImages {
-            embeds: be.upload(&img.embeds)?,
+            embeds: be.upload_embeddings(&img.embeds)?,
             deepstack: img
                 .deepstack
                 .iter()
-                .map(|d| be.upload(d))
+                .map(|d| be.upload_embeddings(d))
                 .collect::<vlm_compute::Result<_>>()?,
         },
         _ => {
-            let n: usize = parts.iter().map(|(_, rows)| rows.len()).sum();
-            let gather = |pick: &dyn Fn(&PlacedImage) -> &HostTensor| {
-                let mut data = Vec::with_capacity(n * hidden);
-                for (img, rows) in parts {
-                    let t = pick(img).data();
-                    data.extend_from_slice(&t[rows.start * hidden..rows.end * hidden]);
-                }
-                be.upload(&HostTensor::new(vec![n, hidden], data)?)
+            let gather = |pick: &dyn Fn(&PlacedImage) -> &Embeddings| {
+                let rows: Vec<_> = parts
+                    .iter()
+                    .map(|(img, rows)| (pick(img), rows.clone()))
+                    .collect();
+                be.upload_embeddings(&Embeddings::concat_rows(&rows)?)
             };
             let layers = parts[0].0.deepstack.len();
             StepImages {
@@ -302,7 +299,7 @@ impl<B: Backend> StepRunner<B> {
         let (ids, slots) = (be.upload_ids(&host.ids)?, be.upload_ids(&host.slots)?);
         let (seqs, blocks) = (be.upload_ids(&host.seqs)?, be.upload_ids(&host.blocks)?);
         let sample_rows = be.upload_ids(&host.sample_rows)?;
-        let images = upload_images(be, &host.image_parts, self.cfg.hidden_size)?;
+        let images = upload_images(be, &host.image_parts)?;
         let (cos, sin) = (be.upload(&cos)?, be.upload(&sin)?);
         let prepared = started.elapsed();
         let step = StepInput {

@@ -16,7 +16,7 @@ use llm_svc::{
     Engine, EngineConfig, Event, GenerateRequest, ImageInput, KvCacheSize, SamplingParams,
 };
 use vlm_compute::golden::Golden;
-use vlm_compute::{Backend, CpuBackend, Weights};
+use vlm_compute::{Backend, CpuBackend, Embeddings, Weights};
 
 fn fixture() -> PathBuf {
     vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
@@ -53,9 +53,11 @@ fn requests() -> Vec<GenerateRequest> {
                 let n = n.as_str().unwrap();
                 let (_, grid) = g.ints(&format!("image.{n}.grid_thw")).unwrap();
                 ImageInput {
-                    embeds: g.tensor(&format!("image.{n}.embeds")).unwrap(),
+                    embeds: Embeddings::F32(g.tensor(&format!("image.{n}.embeds")).unwrap()),
                     deepstack: (0..3)
-                        .map(|j| g.tensor(&format!("image.{n}.deepstack.{j}")).unwrap())
+                        .map(|j| {
+                            Embeddings::F32(g.tensor(&format!("image.{n}.deepstack.{j}")).unwrap())
+                        })
                         .collect(),
                     grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
                 }

@@ -6,7 +6,7 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use llm_svc::{mrope, Engine, EngineConfig, GenerateRequest, ImageInput, SamplingParams};
-use vlm_compute::{golden::Golden, CpuBackend, Weights};
+use vlm_compute::{golden::Golden, CpuBackend, Embeddings, Weights};
 
 fn fixture() -> PathBuf {
     vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
@@ -15,9 +15,9 @@ fn fixture() -> PathBuf {
 fn hf_image(g: &Golden, name: &str) -> ImageInput {
     let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
     ImageInput {
-        embeds: g.tensor(&format!("image.{name}.embeds")).unwrap(),
+        embeds: Embeddings::F32(g.tensor(&format!("image.{name}.embeds")).unwrap()),
         deepstack: (0..3)
-            .map(|j| g.tensor(&format!("image.{name}.deepstack.{j}")).unwrap())
+            .map(|j| Embeddings::F32(g.tensor(&format!("image.{name}.deepstack.{j}")).unwrap()))
             .collect(),
         grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
     }

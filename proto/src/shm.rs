@@ -122,9 +122,11 @@ pub fn take(name: &str) -> Result<Bytes, String> {
     if file.metadata().map(|m| m.len()).unwrap_or(0) == 0 {
         return Ok(Bytes::new());
     }
+    // Populated now, in one call, by the thread that unpacks the request: otherwise every
+    // page would fault in on first touch, in the engine's loop as it uploads the rows.
     // SAFETY: the segment is written completely before its name is sent, and no process
     // writes it again: the map is of bytes that do not change.
-    let map = unsafe { memmap2::Mmap::map(&file) }
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }
         .map_err(|e| format!("cannot map shared-memory segment {name}: {e}"))?;
     Ok(Bytes::from_owner(map))
 }

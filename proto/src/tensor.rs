@@ -79,6 +79,17 @@ pub fn encode(shape: &[usize], values: &[f32], dtype: Dtype) -> Tensor {
     }
 }
 
+/// A tensor of f16 values already in the wire's layout (little-endian, row-major), sent as
+/// they are: no conversion and no copy.
+pub fn from_f16_bytes(shape: &[usize], bytes: Bytes) -> Tensor {
+    Tensor {
+        dtype: Dtype::F16 as i32,
+        shape: shape.iter().map(|&d| d as u64).collect(),
+        data: bytes,
+        shm_offset: None,
+    }
+}
+
 /// The bytes a tensor of this shape and dtype has, checked: the shape comes off the wire, and
 /// a product that wraps could match the data.
 fn byte_len(t: &Tensor) -> Result<(Vec<usize>, Dtype, usize), String> {
@@ -127,8 +138,8 @@ pub fn attach(t: &mut Tensor, segment: &Bytes) -> Result<(), String> {
     Ok(())
 }
 
-/// Unpacks a tensor to (shape, f32 values), checking that the bytes fit the shape.
-pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
+/// The shape and dtype of a tensor whose bytes are here and fit them.
+fn checked(t: &Tensor) -> Result<(Vec<usize>, Dtype), String> {
     if t.shm_offset.is_some() {
         return Err("the tensor's bytes are in shared memory that was not attached".into());
     }
@@ -139,6 +150,19 @@ pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
             t.data.len()
         ));
     }
+    Ok((shape, dtype))
+}
+
+/// An f16 tensor's shape and bytes as they are (a slice of the received buffer, no
+/// conversion), checked to fit; `Ok(None)` for other dtypes, which [`decode`] widens to f32.
+pub fn f16_bytes(t: &Tensor) -> Result<Option<(Vec<usize>, Bytes)>, String> {
+    let (shape, dtype) = checked(t)?;
+    Ok((dtype == Dtype::F16).then(|| (shape, t.data.clone())))
+}
+
+/// Unpacks a tensor to (shape, f32 values), checking that the bytes fit the shape.
+pub fn decode(t: &Tensor) -> Result<(Vec<usize>, Vec<f32>), String> {
+    let (shape, dtype) = checked(t)?;
     // The received buffer need not be aligned for the element type: aligned slices are read
     // in place, others through one aligned copy.
     let values = match dtype {
@@ -234,6 +258,26 @@ mod tests {
             let err = attach(&mut shared(&b, offset), &segment).unwrap_err();
             assert!(err.contains("runs past"), "{err}");
         }
+    }
+
+    #[test]
+    fn f16_tensors_are_passed_on_as_their_bytes() {
+        let v = [1.0f32, -0.5, 3.25, 0.0, 2.0, -8.0];
+        let t = encode(&[3, 2], &v, Dtype::F16);
+        let again = from_f16_bytes(&[3, 2], t.data.clone());
+        assert_eq!(again, t);
+        let (shape, bytes) = f16_bytes(&t).unwrap().expect("an f16 tensor");
+        assert_eq!(
+            (shape, bytes.as_ptr()),
+            (vec![3, 2], t.data.as_ptr()),
+            "not copied"
+        );
+        assert_eq!(f16_bytes(&encode(&[3, 2], &v, Dtype::F32)).unwrap(), None);
+        let short = Tensor {
+            shape: vec![4, 2],
+            ..t
+        };
+        assert!(f16_bytes(&short).unwrap_err().contains("needs 16 bytes"));
     }
 
     /// Found by the grpc fuzz target: the element count overflowed (a panic in debug builds).

@@ -16,19 +16,22 @@
 
 use tracing::debug_span;
 use vlm_compute::nn::Linear;
-use vlm_compute::{Backend, GeluKind, HostTensor, LayerNormParams, WeightPrefix, Weights};
+use vlm_compute::{
+    Backend, Embeddings, GeluKind, HostTensor, LayerNormParams, WeightPrefix, Weights,
+};
 
 use crate::{Error, Patches, Result, VisionConfig};
 
 const LN_EPS: f32 = 1e-6;
 
-/// What the vision tower produces for one image, on the host.
-#[derive(Clone, Debug)]
+/// What the vision tower produces for one image, on the host: f32 from the CPU, f16 from a GPU
+/// ([`Backend::download_embeddings`]), the element type the wire carries them in.
+#[derive(Clone, Debug, PartialEq)]
 pub struct VisionOutput {
     /// `[tokens, out_hidden]`: replaces the image placeholder tokens in the LLM input.
-    pub embeds: HostTensor,
+    pub embeds: Embeddings,
     /// One `[tokens, out_hidden]` per DeepStack tap; added after LLM layers 0, 1, 2, ...
-    pub deepstack: Vec<HostTensor>,
+    pub deepstack: Vec<Embeddings>,
     /// Patch grid (t, h, w) before merging.
     pub grid_thw: [usize; 3],
 }
@@ -420,10 +423,10 @@ impl<B: Backend> VisionModel<B> {
         drop(layers_span);
         let _outputs_span = debug_span!("vit_outputs").entered();
         // Downloads wait for the device: only once it has run every layer.
-        let embeds = be.download(&embeds)?;
+        let embeds = be.download_embeddings(&embeds)?;
         let deepstack = deepstack
             .iter()
-            .map(|f| be.download(f))
+            .map(|f| be.download_embeddings(f))
             .collect::<vlm_compute::Result<Vec<_>>>()?;
         if let [p] = images {
             return Ok(vec![VisionOutput {

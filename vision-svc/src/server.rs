@@ -19,7 +19,7 @@ use std::sync::{Arc, OnceLock};
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, OnDevice, Weights};
+use vlm_compute::{Backend, Embeddings, OnDevice, Weights};
 use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{shm, telemetry, tensor};
@@ -27,7 +27,7 @@ use vlm_proto::{shm, telemetry, tensor};
 use crate::batcher::Batcher;
 use crate::cache::{self, EmbeddingCache};
 use crate::metrics::VisionMetrics;
-use crate::{preprocess, Error, VisionEncoder};
+use crate::{preprocess, Error, VisionEncoder, VisionOutput};
 
 /// Default of [`ServeConfig::max_batch_patches`]: a 1344×1344 image (84×84 = 7056 patches)
 /// fits alone, and so do ten 448×448 ones (784 each). A pass of this many rows already
@@ -224,18 +224,13 @@ impl<B: Backend> VisionServer<B> {
         let out = loaded.batcher.encode(patches, permit, span.clone()).await?;
         span.record("tokens", out.embeds.shape()[0]);
         tracing::info!(tokens = out.embeds.shape()[0], grid = ?out.grid_thw, "image encoded");
-        // One conversion pass per tensor into the message's own buffers, off the runtime's
-        // threads (a large image's embeddings are tens of megabytes).
+        // f16 from a GPU to an f16 wire is the bytes as downloaded; anything else is one
+        // conversion pass per tensor, off the runtime's threads (a large image's embeddings
+        // are tens of megabytes).
         let parent = span.clone();
         let response = tokio::task::spawn_blocking(move || {
             let _pack = info_span!(parent: &parent, "pack", dtype = ?dtype).entered();
-            let pack = |t: &vlm_compute::HostTensor| tensor::encode(t.shape(), t.data(), dtype);
-            EncodeResponse {
-                embeddings: Some(pack(&out.embeds)),
-                deepstack: out.deepstack.iter().map(pack).collect(),
-                grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
-                shm_segment: String::new(),
-            }
+            to_wire(&out, dtype)
         })
         .await
         .map_err(|e| Error::Encoder(format!("packing the embeddings failed: {e}")))?;
@@ -243,6 +238,24 @@ impl<B: Backend> VisionServer<B> {
             self.cache.insert(key, &response);
         }
         Ok((response, Source::Encoder))
+    }
+}
+
+/// An image's embeddings as the wire carries them, in `dtype` (unspecified: f32). f16
+/// embeddings sent as f16 are passed on as they are; every other pair is converted.
+pub fn to_wire(out: &VisionOutput, dtype: Dtype) -> EncodeResponse {
+    let pack = |e: &Embeddings| match (e, dtype) {
+        (Embeddings::F16(h), Dtype::F16) => tensor::from_f16_bytes(h.shape(), h.bytes().clone()),
+        (e, dtype) => {
+            let t = e.to_f32();
+            tensor::encode(t.shape(), t.data(), dtype)
+        }
+    };
+    EncodeResponse {
+        embeddings: Some(pack(&out.embeds)),
+        deepstack: out.deepstack.iter().map(pack).collect(),
+        grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
+        shm_segment: String::new(),
     }
 }
 

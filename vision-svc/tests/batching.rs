@@ -17,7 +17,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 use vision_svc::server::{serve, ServeConfig};
 use vision_svc::{preprocess, Patches, VisionEncoder, VisionOutput};
-use vlm_compute::{CpuBackend, HostTensor, Weights};
+use vlm_compute::{CpuBackend, Embeddings, HostTensor, Weights};
 use vlm_proto::pb::vision_service_client::VisionServiceClient;
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 
@@ -53,8 +53,9 @@ fn patches(enc: &VisionEncoder<CpuBackend>, bytes: &[u8]) -> Patches {
 }
 
 /// Same shape and the same f32 bits.
-fn assert_identical(what: &str, got: &HostTensor, want: &HostTensor) {
+fn assert_identical(what: &str, got: &Embeddings, want: &Embeddings) {
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    let (got, want) = (got.to_f32(), want.to_f32());
     let differ = got
         .data()
         .iter()
@@ -170,9 +171,9 @@ async fn encode(
     Ok(client.encode(req).await?.into_inner())
 }
 
-fn host(t: &Option<vlm_proto::pb::Tensor>) -> HostTensor {
+fn host(t: &Option<vlm_proto::pb::Tensor>) -> Embeddings {
     let (shape, data) = vlm_proto::tensor::decode(t.as_ref().expect("a tensor")).unwrap();
-    HostTensor::new(shape, data).unwrap()
+    Embeddings::F32(HostTensor::new(shape, data).unwrap())
 }
 
 /// Passes that held more than one image, from the service's `vlm_vision_batch_images`.

@@ -7,7 +7,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
+use bytemuck::Pod;
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 
 use super::cuda_err;
 use crate::{Error, Result};
@@ -43,8 +44,9 @@ pub(super) fn keep_freed_host_memory() {
 pub(super) const STAGED_MIN_BYTES: usize = 256 << 10;
 
 /// Grown to the largest transfer seen (a batch's logits, an image's embeddings), kept after.
+/// Bytes, viewed as whatever element type a transfer moves (the buffer is page-aligned).
 pub(super) struct Staging {
-    buf: Mutex<Option<PinnedHostSlice<f32>>>,
+    buf: Mutex<Option<PinnedHostSlice<u8>>>,
 }
 
 impl Staging {
@@ -54,16 +56,15 @@ impl Staging {
         }
     }
 
-    /// `src` to a fresh `Vec` through the page-locked buffer.
-    pub(super) fn download(
+    /// The first `len` elements of `src` to a fresh `Vec` through the page-locked buffer.
+    pub(super) fn download<T: DeviceRepr + Pod>(
         &self,
         stream: &Arc<CudaStream>,
-        src: &CudaSlice<f32>,
+        src: &CudaSlice<T>,
         len: usize,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Vec<T>> {
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
-        let pinned = Self::at_least(&mut guard, stream, len)?;
-        let host = &mut pinned.as_mut_slice().map_err(|e| cuda_err("staging")(&e))?[..len];
+        let host = Self::view::<T>(&mut guard, stream, len)?;
         // Into page-locked memory the copy is truly asynchronous (cudarc waits only for
         // pageable destinations, where the driver does): wait for it before reading.
         stream
@@ -74,10 +75,13 @@ impl Staging {
     }
 
     /// `data` into a new device buffer through the page-locked buffer.
-    pub(super) fn upload(&self, stream: &Arc<CudaStream>, data: &[f32]) -> Result<CudaSlice<f32>> {
+    pub(super) fn upload<T: DeviceRepr + Pod>(
+        &self,
+        stream: &Arc<CudaStream>,
+        data: &[T],
+    ) -> Result<CudaSlice<T>> {
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
-        let pinned = Self::at_least(&mut guard, stream, data.len())?;
-        let host = &mut pinned.as_mut_slice().map_err(|e| cuda_err("staging")(&e))?[..data.len()];
+        let host = Self::view::<T>(&mut guard, stream, data.len())?;
         host.copy_from_slice(data);
         // The copy must have left the buffer before the next transfer reuses it.
         let buf = stream
@@ -87,27 +91,32 @@ impl Staging {
         Ok(buf)
     }
 
-    fn at_least<'a>(
-        slot: &'a mut Option<PinnedHostSlice<f32>>,
+    /// The first `len` elements of the buffer as `T`s, grown first if it is smaller.
+    fn view<'a, T: Pod>(
+        slot: &'a mut Option<PinnedHostSlice<u8>>,
         stream: &Arc<CudaStream>,
         len: usize,
-    ) -> Result<&'a mut PinnedHostSlice<f32>> {
-        if slot.as_ref().is_none_or(|p| p.len() < len) {
+    ) -> Result<&'a mut [T]> {
+        let bytes = len * std::mem::size_of::<T>();
+        if slot.as_ref().is_none_or(|p| p.len() < bytes) {
             // The old buffer is freed before the larger one is taken.
             *slot = None;
             // Flags 0: cached, readable by the host at full speed (cudarc's default is
             // write-combined, which the host reads very slowly).
             let ctx = stream.context();
-            // SAFETY: f32 is valid for any bits; the buffer is written before it is read.
-            let fresh = unsafe { ctx.alloc_pinned_with_flags::<f32>(len.next_power_of_two(), 0) }
+            // SAFETY: bytes are valid for any bits; the buffer is written before it is read.
+            let fresh = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0) }
                 .map_err(|e| Error::Cuda {
-                what: format!(
-                    "allocating {} MB of page-locked host memory: {e}",
-                    len >> 18
-                ),
-            })?;
+                    what: format!(
+                        "allocating {} MB of page-locked host memory: {e}",
+                        bytes >> 20
+                    ),
+                })?;
             *slot = Some(fresh);
         }
-        Ok(slot.as_mut().expect("just set"))
+        let pinned = slot.as_mut().expect("just set");
+        let all = pinned.as_mut_slice().map_err(|e| cuda_err("staging")(&e))?;
+        // Page-aligned, so any element type's alignment holds.
+        Ok(bytemuck::cast_slice_mut(&mut all[..bytes]))
     }
 }

@@ -1,0 +1,293 @@
+//! Rows that leave one stage for the other: an image's embeddings and DeepStack features, from
+//! the vision tower to the text model, in process or over the wire.
+//!
+//! The CPU reference keeps them f32. A GPU downloads them as f16 (its GEMMs take f16 operands
+//! anyway), which is also the wire's element type: half the bytes to download, send and
+//! upload, and no pass over the values on the host at either end. f16 rows are held as shared
+//! bytes ([`HalfTensor`]), so a received message's buffer or a shared-memory mapping is read
+//! in place and uploaded from there.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use bytes::Bytes;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::{Error, HostTensor, Result};
+
+/// A row-major f16 tensor in host memory over shared little-endian bytes: cloning it and
+/// taking rows of it copy nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HalfTensor {
+    shape: Vec<usize>,
+    /// `2 x` the element count. Not necessarily 2-aligned (a slice of a received message).
+    bytes: Bytes,
+}
+
+/// A vector owned by a [`Bytes`] and read as its raw bytes.
+struct OwnedHalves(Vec<f16>);
+
+impl AsRef<[u8]> for OwnedHalves {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+// The bytes are the values in memory order, which is the wire's order only on little-endian
+// hosts (every target we build for).
+#[cfg(target_endian = "big")]
+compile_error!("HalfTensor reads f16 bytes as little-endian");
+
+impl HalfTensor {
+    /// `bytes` (little-endian f16 values) as a tensor of `shape`; the sizes must agree.
+    pub fn from_bytes(shape: impl Into<Vec<usize>>, bytes: Bytes) -> Result<Self> {
+        let shape = shape.into();
+        let needed = shape
+            .iter()
+            .try_fold(2usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| {
+                Error::shape(
+                    "HalfTensor::from_bytes",
+                    format!("shape {shape:?} has more elements than can exist"),
+                )
+            })?;
+        if needed != bytes.len() {
+            return Err(Error::shape(
+                "HalfTensor::from_bytes",
+                format!(
+                    "shape {shape:?} holds {needed} bytes of f16, got {}",
+                    bytes.len()
+                ),
+            ));
+        }
+        Ok(Self { shape, bytes })
+    }
+
+    /// `values` as a tensor of `shape`, without a copy.
+    pub fn from_values(shape: impl Into<Vec<usize>>, values: Vec<f16>) -> Result<Self> {
+        Self::from_bytes(shape, Bytes::from_owner(OwnedHalves(values)))
+    }
+
+    /// `t` rounded to f16 (to nearest, ties to even).
+    pub fn from_f32(t: &HostTensor) -> Self {
+        let mut values = vec![f16::ZERO; t.len()];
+        values.convert_from_f32_slice(t.data());
+        Self::from_values(t.shape(), values).expect("same element count")
+    }
+
+    /// The values widened to f32 (exact).
+    pub fn to_f32(&self) -> HostTensor {
+        let mut out = vec![0f32; self.len()];
+        match bytemuck::try_cast_slice::<u8, f16>(&self.bytes) {
+            Ok(values) => values.convert_to_f32_slice(&mut out),
+            // Unaligned bytes: through one aligned copy.
+            Err(_) => {
+                bytemuck::pod_collect_to_vec::<u8, f16>(&self.bytes).convert_to_f32_slice(&mut out)
+            }
+        }
+        HostTensor::new(self.shape.clone(), out).expect("same element count")
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The values' bytes, little-endian f16 in row-major order.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len() / 2
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Size of the last dimension (1 for a scalar).
+    pub fn cols(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+
+    /// Number of rows of the matrix view `[rows, last_dim]`.
+    pub fn rows(&self) -> usize {
+        self.len().checked_div(self.cols()).unwrap_or(0)
+    }
+
+    /// Rows `start..end` of the matrix view, sharing these bytes.
+    pub fn slice_rows(&self, start: usize, end: usize) -> Result<Self> {
+        check_rows("HalfTensor::slice_rows", start, end, self.rows())?;
+        let row = 2 * self.cols();
+        Self::from_bytes(
+            vec![end - start, self.cols()],
+            self.bytes.slice(start * row..end * row),
+        )
+    }
+}
+
+fn check_rows(op: &'static str, start: usize, end: usize, rows: usize) -> Result<()> {
+    if start > end || end > rows {
+        return Err(Error::shape(
+            op,
+            format!("rows {start}..{end} of a tensor with {rows} rows"),
+        ));
+    }
+    Ok(())
+}
+
+/// An image's embeddings (or one set of its DeepStack features), `[tokens, hidden]`, in the
+/// precision the backend that made them computes in ([`crate::Backend::download_embeddings`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Embeddings {
+    F32(HostTensor),
+    F16(HalfTensor),
+}
+
+impl Embeddings {
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Embeddings::F32(t) => t.shape(),
+            Embeddings::F16(t) => t.shape(),
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            Embeddings::F32(t) => t.rows(),
+            Embeddings::F16(t) => t.rows(),
+        }
+    }
+
+    /// The values as f32: borrowed where they are f32 already, widened (exactly) otherwise.
+    pub fn to_f32(&self) -> Cow<'_, HostTensor> {
+        match self {
+            Embeddings::F32(t) => Cow::Borrowed(t),
+            Embeddings::F16(t) => Cow::Owned(t.to_f32()),
+        }
+    }
+
+    /// The values as f16, rounded where they are f32.
+    pub fn to_f16(&self) -> HalfTensor {
+        match self {
+            Embeddings::F32(t) => HalfTensor::from_f32(t),
+            Embeddings::F16(t) => t.clone(),
+        }
+    }
+
+    /// The values' bytes as held (f32 or f16, little-endian), e.g. to hash them.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Embeddings::F32(t) => bytemuck::cast_slice(t.data()),
+            Embeddings::F16(t) => t.bytes(),
+        }
+    }
+
+    /// Rows `start..end` (f16 rows share their bytes).
+    pub fn slice_rows(&self, start: usize, end: usize) -> Result<Self> {
+        Ok(match self {
+            Embeddings::F32(t) => Embeddings::F32(t.slice_rows(start, end)?),
+            Embeddings::F16(t) => Embeddings::F16(t.slice_rows(start, end)?),
+        })
+    }
+
+    /// The given rows of each part, stacked in order: f16 if every part is f16 (their bytes
+    /// copied once), f32 otherwise. Parts must have the same row width.
+    pub fn concat_rows(parts: &[(&Embeddings, Range<usize>)]) -> Result<Self> {
+        let Some((first, _)) = parts.first() else {
+            return Err(Error::shape("Embeddings::concat_rows", "nothing to stack"));
+        };
+        let cols = *first.shape().last().unwrap_or(&1);
+        let mut rows = 0;
+        for (part, range) in parts {
+            if part.shape().last() != Some(&cols) {
+                return Err(Error::shape(
+                    "Embeddings::concat_rows",
+                    format!("row widths differ: {cols} and {:?}", part.shape()),
+                ));
+            }
+            check_rows(
+                "Embeddings::concat_rows",
+                range.start,
+                range.end,
+                part.rows(),
+            )?;
+            rows += range.len();
+        }
+        if parts.iter().all(|(p, _)| matches!(p, Embeddings::F16(_))) {
+            let mut bytes = Vec::with_capacity(rows * cols * 2);
+            for (part, range) in parts {
+                bytes.extend_from_slice(
+                    &part.as_bytes()[range.start * cols * 2..range.end * cols * 2],
+                );
+            }
+            return Ok(Embeddings::F16(HalfTensor::from_bytes(
+                vec![rows, cols],
+                bytes.into(),
+            )?));
+        }
+        let mut data = Vec::with_capacity(rows * cols);
+        for (part, range) in parts {
+            data.extend_from_slice(&part.to_f32().data()[range.start * cols..range.end * cols]);
+        }
+        Ok(Embeddings::F32(HostTensor::new(vec![rows, cols], data)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(rows: usize, cols: usize) -> HostTensor {
+        let data = (0..rows * cols).map(|i| i as f32 * 0.5 - 3.0).collect();
+        HostTensor::new(vec![rows, cols], data).unwrap()
+    }
+
+    #[test]
+    fn half_tensors_round_trip_exact_values_and_check_their_size() {
+        let t = tensor(3, 4);
+        let h = HalfTensor::from_f32(&t);
+        assert_eq!(h.shape(), &[3, 4]);
+        assert_eq!(
+            h.to_f32(),
+            t,
+            "multiples of 0.5 below 2048 are exact in f16"
+        );
+        let err = HalfTensor::from_bytes(vec![3, 4], h.bytes().slice(1..)).unwrap_err();
+        assert!(err.to_string().contains("holds 24 bytes"), "{err}");
+        assert!(HalfTensor::from_bytes(vec![1 << 62, 8], Bytes::new()).is_err());
+    }
+
+    /// A received message's bytes may start at an odd address.
+    #[test]
+    fn unaligned_bytes_read_the_same_values() {
+        let h = HalfTensor::from_f32(&tensor(2, 5));
+        let mut shifted = vec![0u8; h.bytes().len() + 1];
+        shifted[1..].copy_from_slice(h.bytes());
+        let odd = HalfTensor::from_bytes(vec![2, 5], Bytes::from(shifted).slice(1..)).unwrap();
+        assert_eq!(odd.to_f32(), h.to_f32());
+    }
+
+    #[test]
+    fn rows_slice_and_stack_in_either_precision() {
+        let (a, b) = (tensor(4, 3), tensor(2, 3));
+        let (ha, hb) = (
+            Embeddings::F16(HalfTensor::from_f32(&a)),
+            Embeddings::F16(HalfTensor::from_f32(&b)),
+        );
+        let sliced = ha.slice_rows(1, 3).unwrap();
+        assert_eq!(sliced.to_f32().into_owned(), a.slice_rows(1, 3).unwrap());
+        assert!(ha.slice_rows(3, 5).is_err());
+
+        let want = HostTensor::concat_rows(&[a.slice_rows(2, 4).unwrap(), b.clone()]).unwrap();
+        let halves = Embeddings::concat_rows(&[(&ha, 2..4), (&hb, 0..2)]).unwrap();
+        assert!(matches!(halves, Embeddings::F16(_)), "all f16 stays f16");
+        assert_eq!(halves.to_f32().into_owned(), want);
+        let fa = Embeddings::F32(a.clone());
+        let mixed = Embeddings::concat_rows(&[(&fa, 2..4), (&hb, 0..2)]).unwrap();
+        assert_eq!(mixed, Embeddings::F32(want));
+        let narrow = Embeddings::F32(tensor(1, 2));
+        assert!(Embeddings::concat_rows(&[(&fa, 0..1), (&narrow, 0..1)]).is_err());
+    }
+}
