@@ -22,6 +22,7 @@ mod kernels;
 mod linear;
 mod lt;
 mod staging;
+mod tensor;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -48,48 +49,10 @@ use linear::{with_cols, Gemv, GEMV_STATIC_SMEM};
 use lt::{Epilogue, LtOut, LtShape};
 
 pub use kernels::compile_all_ptx;
+pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 
 /// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
-
-/// A tensor in device memory. Clones share the buffer; the in-place row ops copy it first when
-/// it is shared, so a clone never sees another's writes.
-#[derive(Clone)]
-pub struct CudaTensor {
-    shape: Vec<usize>,
-    buf: Arc<CudaSlice<f32>>,
-}
-
-/// A weight matrix or table in device memory, f16.
-#[derive(Clone)]
-pub struct CudaWeight {
-    shape: Vec<usize>,
-    buf: Arc<CudaSlice<half::f16>>,
-}
-
-/// Ids in device memory (token ids, cache slots, block lists, picked tokens).
-pub struct CudaIds {
-    len: usize,
-    buf: CudaSlice<u32>,
-}
-
-/// One layer's keys or values of the paged KV cache, f16 `[slots, heads, dim]`.
-pub struct CudaCache {
-    shape: [usize; 3],
-    buf: CudaSlice<half::f16>,
-}
-
-impl CudaTensor {
-    fn len(&self) -> usize {
-        self.shape.iter().product()
-    }
-    fn cols(&self) -> usize {
-        self.shape.last().copied().unwrap_or(1)
-    }
-    fn rows(&self) -> usize {
-        self.len().checked_div(self.cols()).unwrap_or(0)
-    }
-}
 
 struct Inner {
     /// Holds the context (and with it the device) alive.
@@ -602,9 +565,6 @@ fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Result<()> {
     }
     Ok(())
 }
-
-/// A recorded decode step: a CUDA graph on the backend's stream.
-pub struct CudaStepGraph(cudarc::driver::CudaGraph);
 
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
