@@ -11,9 +11,10 @@ use std::sync::Arc;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::context::cuda_err;
 use super::kernels::GEMV_MAX_ROWS;
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
-use super::{cuda_err, width_of, CudaBackend, CudaTensor, CudaWeight};
+use super::{width_of, CudaBackend, CudaTensor, CudaWeight};
 use crate::{Backend, Error, LayerNormParams, Result};
 
 /// Output rows per GEMV block: one warp each.
