@@ -13,8 +13,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfi
 
 use super::context::cuda_err;
 use super::kernels::GEMV_MAX_ROWS;
+use super::launch::width_of;
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
-use super::{width_of, CudaBackend, CudaTensor, CudaWeight};
+use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::{Backend, Error, LayerNormParams, Result};
 
 /// Output rows per GEMV block: one warp each.

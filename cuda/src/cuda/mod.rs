@@ -20,6 +20,7 @@ pub mod compile;
 mod context;
 pub mod doctor;
 mod kernels;
+mod launch;
 mod linear;
 mod lt;
 mod staging;
@@ -27,7 +28,7 @@ mod tensor;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::backend::{
     layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, rms_norm_mlp_op_by_op, AttnMask, Backend,
@@ -38,8 +39,9 @@ use context::cuda_err;
 use kernels::{
     decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
     FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS,
-    QKV_WARPS, ROW_THREADS,
+    QKV_WARPS,
 };
+use launch::{same_shape, width_of};
 use linear::with_cols;
 use lt::{Epilogue, LtOut, LtShape};
 
@@ -48,127 +50,6 @@ pub use kernels::compile_all_ptx;
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 
 impl CudaBackend {
-    fn kernel(&self, name: &str) -> &CudaFunction {
-        &self.inner.kernels[name]
-    }
-
-    /// An op's output, not initialized: every op writes all of its output (the kernels and
-    /// the twin tests hold to that), so zeroing it first would be a wasted launch per op.
-    fn alloc(&self, shape: Vec<usize>) -> Result<CudaTensor> {
-        let n: usize = shape.iter().product();
-        // SAFETY: f32 has no invalid bit patterns; callers write every element before any
-        // read (see above).
-        let buf = unsafe { self.inner.stream.alloc::<f32>(n.max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        Ok(CudaTensor {
-            shape,
-            buf: Arc::new(buf),
-        })
-    }
-
-    /// A zeroed tensor (for outputs some rows of which no kernel writes).
-    fn alloc_zeroed(&self, shape: Vec<usize>) -> Result<CudaTensor> {
-        let n: usize = shape.iter().product();
-        let buf = self
-            .inner
-            .stream
-            .alloc_zeros::<f32>(n.max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        Ok(CudaTensor {
-            shape,
-            buf: Arc::new(buf),
-        })
-    }
-
-    fn indices(&self, values: &[u32]) -> Result<CudaSlice<u32>> {
-        let v = if values.is_empty() {
-            &[0u32][..]
-        } else {
-            values
-        };
-        self.inner
-            .stream
-            .clone_htod(v)
-            .map_err(|e| cuda_err("uploading indices")(&e))
-    }
-
-    fn launched(
-        &self,
-        name: &'static str,
-        r: std::result::Result<(), cudarc::driver::DriverError>,
-    ) -> Result<()> {
-        r.map_err(|e| Error::Cuda {
-            what: format!("launching {name}: {e}"),
-        })?;
-        self.op_done(name)
-    }
-
-    /// While ops are timed, marks the end of op `name` on the stream, and the start of the
-    /// next op (every op is timed from a start mark to its own end).
-    fn op_done(&self, name: &'static str) -> Result<()> {
-        self.mark(name)?;
-        self.mark("start")
-    }
-
-    /// While ops are timed, records a named event on the stream.
-    fn mark(&self, name: &'static str) -> Result<()> {
-        let mut events = self
-            .inner
-            .op_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(events) = events.as_mut() {
-            use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-            let e = self
-                .inner
-                .stream
-                .record_event(Some(CU_EVENT_DEFAULT))
-                .map_err(|e| cuda_err("recording a timing event")(&e))?;
-            events.push((name, e));
-        }
-        Ok(())
-    }
-
-    /// An elementwise op `out = f(a[, b])` over `n` elements.
-    fn elementwise(
-        &self,
-        name: &'static str,
-        a: &CudaTensor,
-        b: Option<&CudaTensor>,
-    ) -> Result<CudaTensor> {
-        let mut out = self.alloc(a.shape.clone())?;
-        let n = a.len() as i32;
-        let cfg = LaunchConfig::for_num_elems(n.max(1) as u32);
-        let stream = &self.inner.stream;
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&*a.buf);
-        if let Some(b) = b {
-            l.arg(&*b.buf);
-        }
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        l.arg(out_buf).arg(&n);
-        // SAFETY: argument types and count match the kernel's signature in ops_f32.cu.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
-    }
-
-    /// A grid-stride loop over `n` elements.
-    fn fill_config(n: u64) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(ROW_THREADS as u64).clamp(1, 65_535) as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    fn row_config(rows: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (rows.max(1) as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
     /// `dst[rows[i]] (+)= src[i]` with rows of `width` elements.
     fn scatter(
         &self,
@@ -208,26 +89,6 @@ impl CudaBackend {
             unsafe { l.launch(Self::row_config(rows.len())) }.map(|_| ()),
         )
     }
-}
-
-fn same_shape(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
-    if a.shape != b.shape {
-        return Err(Error::shape(
-            op,
-            format!("shapes differ: {:?} vs {:?}", a.shape, b.shape),
-        ));
-    }
-    Ok(())
-}
-
-fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Result<()> {
-    if w.len() != x.cols() {
-        return Err(Error::shape(
-            op,
-            format!("weight of {} for rows of {:?}", w.len(), x.shape),
-        ));
-    }
-    Ok(())
 }
 
 impl Backend for CudaBackend {
@@ -314,25 +175,7 @@ impl Backend for CudaBackend {
     }
 
     fn record(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaStepGraph>> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        // Timing events cannot be recorded inside a graph: while ops are timed, steps run op
-        // by op.
-        if self.timing_ops() {
-            return Ok(None);
-        }
-        let stream = &self.inner.stream;
-        // Thread-local: other threads' CUDA calls (another service in the same process) go on.
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| cuda_err("starting a graph capture")(&e))?;
-        let recorded = ops();
-        // Ended whatever ops did, so the stream never stays in capture mode. Buffers the step
-        // allocates and does not free are freed at each launch.
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        recorded?;
-        let graph = graph.map_err(|e| cuda_err("capturing the decode step")(&e))?;
-        Ok(graph.map(CudaStepGraph))
+        self.record_impl(ops)
     }
 
     fn replay(&self, graph: &CudaStepGraph) -> Result<()> {
@@ -1034,18 +877,7 @@ impl Backend for CudaBackend {
     }
 
     fn time_ops(&self, on: bool) -> Result<bool> {
-        self.synchronize()?;
-        let mut events = self
-            .inner
-            .op_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        *events = on.then(Vec::new);
-        drop(events);
-        if on {
-            self.mark("start")?;
-        }
-        Ok(true)
+        self.time_ops_impl(on)
     }
 
     fn timing_ops(&self) -> bool {
@@ -1053,43 +885,7 @@ impl Backend for CudaBackend {
     }
 
     fn op_times(&self) -> Result<Vec<crate::backend::OpTime>> {
-        self.synchronize()?;
-        let mut guard = self
-            .inner
-            .op_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let Some(events) = guard.as_mut() else {
-            return Ok(Vec::new());
-        };
-        let mut by_op: Vec<crate::backend::OpTime> = Vec::new();
-        // Each op's end event follows the start mark set when the op before it had finished.
-        for pair in events
-            .windows(2)
-            .filter(|p| p[0].0 == "start" && p[1].0 != "start")
-        {
-            let ms = pair[0]
-                .1
-                .elapsed_ms(&pair[1].1)
-                .map_err(|e| cuda_err("reading a timing event")(&e))? as f64;
-            let name = pair[1].0;
-            match by_op.iter_mut().find(|o| o.op == name) {
-                Some(o) => {
-                    o.launches += 1;
-                    o.ms += ms;
-                }
-                None => by_op.push(crate::backend::OpTime {
-                    op: name,
-                    launches: 1,
-                    ms,
-                }),
-            }
-        }
-        events.clear();
-        drop(guard);
-        self.mark("start")?;
-        by_op.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-        Ok(by_op)
+        self.op_times_impl()
     }
 
     fn upload_ids(&self, values: &[u32]) -> Result<CudaIds> {
