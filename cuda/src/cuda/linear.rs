@@ -13,10 +13,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfi
 
 use super::context::cuda_err;
 use super::kernels::GEMV_MAX_ROWS;
-use super::launch::width_of;
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
 use super::{CudaBackend, CudaTensor, CudaWeight};
-use crate::{Backend, Error, LayerNormParams, Result};
+use crate::{Backend, Error, Result};
 
 /// Output rows per GEMV block: one warp each.
 pub(super) const GEMV_WARPS: u32 = 8;
@@ -364,66 +363,6 @@ impl CudaBackend {
             unsafe { l.launch(LaunchConfig::for_num_elems((n * m) as u32)) }.map(|_| ()),
         )?;
         self.gemm_f16(x16, n, w, out, true)
-    }
-
-    /// `x`'s LayerNorm rounded to f16: the operand of the GEMMs after it.
-    pub(super) fn layer_norm_f16(
-        &self,
-        x: &CudaTensor,
-        norm: LayerNormParams<Self>,
-    ) -> Result<CudaSlice<half::f16>> {
-        width_of("layer_norm", x, norm.w)?;
-        width_of("layer_norm", x, norm.b)?;
-        let mut out = self.alloc_f16(x.len())?;
-        let cols = x.cols() as i32;
-        let name = "layer_norm_f16";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&*norm.w.buf)
-            .arg(&*norm.b.buf)
-            .arg(&mut out)
-            .arg(&cols)
-            .arg(&norm.eps);
-        // SAFETY: matches layer_norm_f16, one block per row; out holds x.len() halves.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
-        Ok(out)
-    }
-
-    /// `x`'s RMSNorm rounded to f16: the operand of the GEMM after it.
-    pub(super) fn rms_norm_f16(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-    ) -> Result<CudaSlice<half::f16>> {
-        width_of("rms_norm", x, w)?;
-        let mut out = self.alloc_f16(x.len())?;
-        self.launch_rms_norm("rms_norm_f16", x, w, eps, &mut out)?;
-        Ok(out)
-    }
-
-    /// Launches RMSNorm kernel `name` (rms_norm_f32 or rms_norm_f16, as `O` is) over the rows
-    /// of `x` into `out`, which holds `x.len()` elements; `w`'s width checked by the caller.
-    pub(super) fn launch_rms_norm<O: DeviceRepr>(
-        &self,
-        name: &'static str,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-        out: &mut CudaSlice<O>,
-    ) -> Result<()> {
-        let cols = x.cols() as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&*w.buf).arg(out).arg(&cols).arg(&eps);
-        // SAFETY: matches rms_norm_f32 / rms_norm_f16 (one block per row) for O = f32 / f16;
-        // out holds x.len() elements.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )
     }
 
     /// [`Backend::rms_norm_mlp`] past the GEMVs' rows: the norm, the gate/up product and the

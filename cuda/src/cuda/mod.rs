@@ -23,6 +23,7 @@ mod kernels;
 mod launch;
 mod linear;
 mod lt;
+mod norm;
 mod staging;
 mod tensor;
 
@@ -546,26 +547,7 @@ impl Backend for CudaBackend {
         b: &CudaTensor,
         eps: f32,
     ) -> Result<CudaTensor> {
-        width_of("layer_norm", x, w)?;
-        width_of("layer_norm", x, b)?;
-        let mut out = self.alloc(x.shape.clone())?;
-        let cols = x.cols() as i32;
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("layer_norm_f32"));
-        l.arg(&*x.buf)
-            .arg(&*w.buf)
-            .arg(&*b.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&cols)
-            .arg(&eps);
-        // SAFETY: matches layer_norm_f32, one block per row.
-        self.launched(
-            "layer_norm_f32",
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.layer_norm_impl(x, w, b, eps)
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32) -> Result<CudaTensor> {
