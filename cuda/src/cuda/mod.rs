@@ -32,19 +32,16 @@ use std::sync::Arc;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::backend::{
-    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, rms_norm_mlp_op_by_op, AttnMask, Backend,
-    GeluKind, LayerNormParams, PagedBatch, Projection, QkvToCache,
+    rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection,
+    QkvToCache,
 };
 use crate::{Error, HostTensor, Result};
 use context::cuda_err;
 use kernels::{
     decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
-    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS,
-    QKV_WARPS,
+    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
 };
 use launch::{same_shape, width_of};
-use linear::with_cols;
-use lt::{Epilogue, LtOut, LtShape};
 
 pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};
 pub use kernels::compile_all_ptx;
@@ -256,19 +253,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, b: Option<&CudaTensor>) -> Result<CudaTensor> {
-        let m = self.check_linear("linear", x, w, b)?;
-        let mut out = self.alloc(with_cols(&x.shape, m))?;
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        let n = x.rows();
-        if n == 0 || m == 0 {
-            return Ok(out);
-        }
-        if n <= GEMV_MAX_ROWS {
-            self.gemv(x, None, w, b, out_buf, false)?;
-            return Ok(out);
-        }
-        self.project_f16(&self.to_f16(x)?, n, w, b, out_buf)?;
-        Ok(out)
+        self.linear_impl(x, w, b)
     }
 
     fn rms_norm_linear(
@@ -279,18 +264,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         b: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
-        let m = self.check_linear("rms_norm_linear", x, w, b)?;
-        width_of("rms_norm_linear", x, norm)?;
-        let mut out = self.alloc(with_cols(&x.shape, m))?;
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        if self.normed_gemv_fits(x) {
-            self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
-        } else if x.rows() > 0 && m > 0 {
-            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
-            let h16 = self.rms_norm_f16(x, norm, eps)?;
-            self.project_f16(&h16, x.rows(), w, b, out_buf)?;
-        }
-        Ok(out)
+        self.rms_norm_linear_impl(x, norm, eps, w, b)
     }
 
     fn add_linear(
@@ -300,38 +274,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         b: Option<&CudaTensor>,
     ) -> Result<()> {
-        let m = self.check_linear("add_linear", a, w, b)?;
-        if x.shape != with_cols(&a.shape, m) {
-            return Err(Error::shape(
-                "add_linear",
-                format!("{:?} -> {m} columns added into {:?}", a.shape, x.shape),
-            ));
-        }
-        let n = a.rows();
-        if n == 0 || m == 0 {
-            return Ok(());
-        }
-        if n <= GEMV_MAX_ROWS {
-            return self.gemv(a, None, w, b, Arc::make_mut(&mut x.buf), true);
-        }
-        // The GEMM adds into its output (beta = 1), the bias in cuBLASLt's epilogue.
-        let Some(b) = b else {
-            return self.gemm(a, w, Arc::make_mut(&mut x.buf), true);
-        };
-        let shape = LtShape {
-            n,
-            k: a.cols(),
-            m,
-            out_kind: LtOut::F32 { accumulate: true },
-            epilogue: Epilogue::Bias,
-        };
-        if !self.lt_supports(&shape)? {
-            *x = self.add(x, &self.linear(a, w, Some(b))?)?;
-            return Ok(());
-        }
-        let a16 = self.to_f16(a)?;
-        self.lt_gemm(&shape, &a16, w, &b.buf, Arc::make_mut(&mut x.buf))?;
-        Ok(())
+        self.add_linear_impl(x, a, w, b)
     }
 
     fn layer_norm_linears(
@@ -340,22 +283,7 @@ impl Backend for CudaBackend {
         norm: LayerNormParams<Self>,
         projections: &[Projection<Self>],
     ) -> Result<Vec<CudaTensor>> {
-        let n = x.rows();
-        if n <= GEMV_MAX_ROWS {
-            // The GEMVs read f32 rows.
-            return layer_norm_linears_op_by_op(self, x, norm, projections);
-        }
-        let h16 = self.layer_norm_f16(x, norm)?;
-        projections
-            .iter()
-            .map(|p| {
-                let m = self.check_linear("layer_norm_linears", x, p.w, p.b)?;
-                let mut out = self.alloc(with_cols(&x.shape, m))?;
-                let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-                self.project_f16(&h16, n, p.w, p.b, buf)?;
-                Ok(out)
-            })
-            .collect()
+        self.layer_norm_linears_impl(x, norm, projections)
     }
 
     fn layer_norm_mlp(
@@ -366,47 +294,7 @@ impl Backend for CudaBackend {
         act: GeluKind,
         down: Projection<Self>,
     ) -> Result<()> {
-        let (n, cols) = (x.rows(), x.cols());
-        let hidden = self.check_linear("layer_norm_mlp", x, up.w, up.b)?;
-        if down.w.shape != [cols, hidden] || down.b.is_some_and(|b| b.len() != cols) {
-            return Err(Error::shape(
-                "layer_norm_mlp",
-                format!(
-                    "x {:?}, up {:?}, down {:?}",
-                    x.shape, up.w.shape, down.w.shape
-                ),
-            ));
-        }
-        let up_shape = LtShape {
-            n,
-            k: cols,
-            m: hidden,
-            out_kind: LtOut::F16,
-            epilogue: Epilogue::GeluBias,
-        };
-        let down_shape = LtShape {
-            n,
-            k: hidden,
-            m: cols,
-            out_kind: LtOut::F32 { accumulate: true },
-            epilogue: Epilogue::Bias,
-        };
-        // cuBLASLt's GELU is the tanh form; decode-sized inputs go to the GEMVs.
-        if let (true, Some(b_up), Some(b_down)) =
-            (n > GEMV_MAX_ROWS && act == GeluKind::Tanh, up.b, down.b)
-        {
-            if self.lt_supports(&up_shape)? && self.lt_supports(&down_shape)? {
-                let h16 = self.layer_norm_f16(x, norm)?;
-                // An f16 output takes an f16 bias.
-                let b_up16 = self.to_f16(b_up)?;
-                let mut hidden16 = self.alloc_f16(n * hidden)?;
-                self.lt_gemm(&up_shape, &h16, up.w, &b_up16, &mut hidden16)?;
-                let out = Arc::make_mut(&mut x.buf);
-                self.lt_gemm(&down_shape, &hidden16, down.w, &b_down.buf, out)?;
-                return Ok(());
-            }
-        }
-        layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
+        self.layer_norm_mlp_impl(x, norm, up, act, down)
     }
 
     fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
