@@ -20,6 +20,7 @@ mod attention;
 pub mod compile;
 mod context;
 pub mod doctor;
+mod gather;
 mod kernels;
 mod launch;
 mod linear;
@@ -30,7 +31,7 @@ mod tensor;
 
 use std::sync::Arc;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 
 use crate::backend::{
     rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection,
@@ -43,48 +44,6 @@ use launch::{same_shape, width_of};
 pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};
 pub use kernels::compile_all_ptx;
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
-
-impl CudaBackend {
-    /// `dst[rows[i]] (+)= src[i]` with rows of `width` elements.
-    fn scatter(
-        &self,
-        dst: &mut CudaTensor,
-        rows: &[usize],
-        src: &CudaTensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        let slots = dst.shape.first().copied().unwrap_or(0);
-        let width = dst.len().checked_div(slots).unwrap_or(0);
-        if src.len() != rows.len() * width || rows.iter().any(|&r| r >= slots) {
-            return Err(Error::shape(
-                "scatter_rows",
-                format!(
-                    "{} rows of width {width} into {:?} from {:?}",
-                    rows.len(),
-                    dst.shape,
-                    src.shape
-                ),
-            ));
-        }
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.indices(&idx)?;
-        let buf = Arc::make_mut(&mut dst.buf);
-        let (w, acc) = (width as i32, accumulate as i32);
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("scatter_rows_f32"));
-        l.arg(buf).arg(&idx).arg(&*src.buf).arg(&w).arg(&acc);
-        // SAFETY: matches scatter_rows_f32; rows were checked against the destination.
-        self.launched(
-            "scatter_rows_f32",
-            unsafe { l.launch(Self::row_config(rows.len())) }.map(|_| ()),
-        )
-    }
-}
 
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
@@ -421,50 +380,11 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &CudaIds) -> Result<CudaTensor> {
-        let [vocab, h] = table.shape[..] else {
-            return Err(Error::shape(
-                "embedding",
-                format!("table must be 2-D, got {:?}", table.shape),
-            ));
-        };
-        let n = ids.len;
-        let mut out = self.alloc(vec![n, h])?;
-        if n == 0 {
-            return Ok(out);
-        }
-        let (hh, vv) = (h as i32, vocab as u32);
-        let name = "embedding_f16w";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*table.buf)
-            .arg(&ids.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&hh)
-            .arg(&vv);
-        // SAFETY: matches embedding_f16w; the kernel bounds-checks every id.
-        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
-        Ok(out)
+        self.embedding_impl(table, ids)
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &CudaIds) -> Result<CudaTensor> {
-        let c = x.cols();
-        let mut out = self.alloc(vec![rows.len, c])?;
-        if rows.len == 0 {
-            return Ok(out);
-        }
-        let (cc, nr) = (c as i32, x.rows() as u32);
-        let name = "gather_rows_f32";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&rows.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&cc)
-            .arg(&nr);
-        // SAFETY: matches gather_rows_f32; rows outside x give NaN rows, never a stray read.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(rows.len)) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.gather_rows_impl(x, rows)
     }
 
     fn weighted_gather(
@@ -474,69 +394,11 @@ impl Backend for CudaBackend {
         weights: &[f32],
         taps: usize,
     ) -> Result<CudaTensor> {
-        if taps == 0
-            || index.len() != weights.len()
-            || index.len() % taps != 0
-            || index.iter().any(|&i| i as usize >= table.rows())
-        {
-            return Err(Error::shape(
-                "weighted_gather",
-                format!(
-                    "{} indices, {} weights, {taps} taps, table {:?}",
-                    index.len(),
-                    weights.len(),
-                    table.shape
-                ),
-            ));
-        }
-        let n = index.len() / taps;
-        let h = table.cols();
-        let mut out = self.alloc(vec![n, h])?;
-        if n == 0 {
-            return Ok(out);
-        }
-        let idx = self.indices(index)?;
-        let w = self
-            .inner
-            .stream
-            .clone_htod(weights)
-            .map_err(|e| cuda_err("uploading weights")(&e))?;
-        let (t, hh) = (taps as i32, h as i32);
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("weighted_gather_f32"));
-        l.arg(&*table.buf)
-            .arg(&idx)
-            .arg(&w)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&t)
-            .arg(&hh);
-        // SAFETY: matches weighted_gather_f32; indices checked against the table.
-        self.launched(
-            "weighted_gather_f32",
-            unsafe { l.launch(Self::row_config(n)) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.weighted_gather_impl(table, index, weights, taps)
     }
 
     fn slice_rows(&self, x: &CudaTensor, start: usize, end: usize) -> Result<CudaTensor> {
-        let c = x.cols();
-        if start > end || end > x.rows() {
-            return Err(Error::shape(
-                "slice_rows",
-                format!("rows {start}..{end} of {:?}", x.shape),
-            ));
-        }
-        let mut out = self.alloc(vec![end - start, c])?;
-        if end > start {
-            let src = x.buf.slice(start * c..end * c);
-            self.inner
-                .stream
-                .memcpy_dtod(&src, Arc::get_mut(&mut out.buf).expect("fresh"))
-                .map_err(|e| cuda_err("slice_rows")(&e))?;
-        }
-        Ok(out)
+        self.slice_rows_impl(x, start, end)
     }
 
     fn write(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {
@@ -643,27 +505,7 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, x: &CudaTensor, out: &mut CudaIds) -> Result<()> {
-        let (n, cols) = (x.rows(), x.cols());
-        if out.len < n || cols == 0 {
-            return Err(Error::shape(
-                "argmax_rows",
-                format!("{n} rows of {:?} into {} ids", x.shape, out.len),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let name = "argmax_rows_f32";
-        let c = cols as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&c).arg(&mut out.buf);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches argmax_rows_f32, one block per row; out holds at least n ids.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+        self.argmax_rows_impl(x, out)
     }
 
     fn write_kv(&self, cache: &mut CudaCache, slots: &CudaIds, rows: &CudaTensor) -> Result<()> {
