@@ -15,6 +15,14 @@
 //! cuBLAS, decode GEMVs to our own kernels. The CUDA libraries are loaded dynamically, so the
 //! binary builds and runs without CUDA, and [`CudaBackend::new`] answers "no GPU" with an error
 //! instead of a crash.
+//!
+//! The files: `context.rs` opens the GPU (libraries, stream, cuBLAS, kernels, the self-check);
+//! `kernels.rs` says which kernel is in which `.cu` file and holds the constants the kernels
+//! share with their launches; [`compile`] compiles and caches them; `tensor.rs` has the device
+//! types; `launch.rs` the helpers every op launches through, per-op timing and graph capture.
+//! The ops are by family, each body called from the one trait impl below: `linear.rs` (GEMVs
+//! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs`, `gather.rs` and
+//! `memory.rs` (with `staging.rs` for pinned host memory). [`doctor`] is `vlm doctor`'s checks.
 
 mod attention;
 pub mod compile;
@@ -25,13 +33,12 @@ mod kernels;
 mod launch;
 mod linear;
 mod lt;
+mod memory;
 mod norm;
 mod staging;
 mod tensor;
 
 use std::sync::Arc;
-
-use cudarc::driver::PushKernelArg;
 
 use crate::backend::{
     rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection,
@@ -45,6 +52,8 @@ pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBack
 pub use kernels::compile_all_ptx;
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 
+// One block, as a trait impl must be: an op longer than a few lines is a call of its body,
+// `<op>_impl`, in its family's file.
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Graph = CudaStepGraph;
@@ -59,49 +68,15 @@ impl Backend for CudaBackend {
     }
 
     fn time_copy(&self, bytes: usize) -> Result<std::time::Duration> {
-        let stream = &self.inner.stream;
-        let alloc = |what| {
-            stream
-                .alloc_zeros::<u8>(bytes.max(1))
-                .map_err(|e| cuda_err(what)(&e))
-        };
-        let (src, mut dst) = (alloc("copy source")?, alloc("copy destination")?);
-        self.synchronize()?;
-        let t = std::time::Instant::now();
-        stream
-            .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| cuda_err("device copy")(&e))?;
-        self.synchronize()?;
-        Ok(t.elapsed())
+        self.time_copy_impl(bytes)
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
-        let data = if t.is_empty() { &[0f32][..] } else { t.data() };
-        let stream = &self.inner.stream;
-        let buf = if std::mem::size_of_val(data) >= staging::STAGED_MIN_BYTES {
-            self.inner.staging.upload(stream, data)?
-        } else {
-            stream
-                .clone_htod(data)
-                .map_err(|e| cuda_err("upload")(&e))?
-        };
-        Ok(CudaTensor {
-            shape: t.shape().to_vec(),
-            buf: Arc::new(buf),
-        })
+        self.upload_impl(t)
     }
 
     fn download(&self, t: &CudaTensor) -> Result<HostTensor> {
-        let stream = &self.inner.stream;
-        if t.len() * 4 >= staging::STAGED_MIN_BYTES {
-            let v = self.inner.staging.download(stream, &t.buf, t.len())?;
-            return HostTensor::new(t.shape.clone(), v);
-        }
-        let mut v = stream
-            .clone_dtoh(&*t.buf)
-            .map_err(|e| cuda_err("download")(&e))?;
-        v.truncate(t.len());
-        HostTensor::new(t.shape.clone(), v)
+        self.download_impl(t)
     }
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
@@ -115,17 +90,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
-        if dst.len() != src.len() {
-            return Err(Error::shape(
-                "copy",
-                format!("{:?} into {:?}", src.shape, dst.shape),
-            ));
-        }
-        let buf = Arc::make_mut(&mut dst.buf);
-        self.inner
-            .stream
-            .memcpy_dtod(&*src.buf, buf)
-            .map_err(|e| cuda_err("copy")(&e))
+        self.copy_impl(dst, src)
     }
 
     fn record(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaStepGraph>> {
@@ -140,57 +105,15 @@ impl Backend for CudaBackend {
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
-        use rayon::prelude::*;
-        let halves: Vec<half::f16> = t
-            .data()
-            .par_iter()
-            .map(|&v| half::f16::from_f32(v))
-            .collect();
-        let buf = self
-            .inner
-            .stream
-            .clone_htod(if halves.is_empty() {
-                &[half::f16::ZERO][..]
-            } else {
-                &halves
-            })
-            .map_err(|e| cuda_err("uploading a weight")(&e))?;
-        Ok(CudaWeight {
-            shape: t.shape().to_vec(),
-            buf: Arc::new(buf),
-        })
+        self.upload_weight_impl(t)
     }
 
     fn random_weight(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaWeight> {
-        let n: usize = shape.iter().product();
-        let mut buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>(n.max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        let name = "fill_uniform_f16";
-        let n = n as u64;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&mut buf).arg(&n).arg(&key).arg(&bound);
-        // SAFETY: argument types and count match fill_uniform_f16 in weights_f16.cu.
-        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
-        Ok(CudaWeight {
-            shape: shape.to_vec(),
-            buf: Arc::new(buf),
-        })
+        self.random_weight_impl(shape, key, bound)
     }
 
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaTensor> {
-        let mut out = self.alloc(shape.to_vec())?;
-        let n = out.len() as u64;
-        let name = "fill_uniform_f32";
-        let cfg = Self::fill_config(n);
-        let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(buf).arg(&n).arg(&key).arg(&bound);
-        // SAFETY: argument types and count match fill_uniform_f32 in ops_f32.cu.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
+        self.random_uniform_impl(shape, key, bound)
     }
 
     fn shape<'a>(&self, t: &'a CudaTensor) -> &'a [usize] {
@@ -284,39 +207,7 @@ impl Backend for CudaBackend {
     }
 
     fn stack_weights(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
-        let Some(first) = parts.first() else {
-            return Err(Error::shape("stack_weights", "nothing to stack"));
-        };
-        let cols = first.shape.last().copied().unwrap_or(0);
-        if parts
-            .iter()
-            .any(|p| p.shape.len() != 2 || p.shape[1] != cols)
-        {
-            let shapes: Vec<_> = parts.iter().map(|p| &p.shape).collect();
-            return Err(Error::shape(
-                "stack_weights",
-                format!("row widths differ: {shapes:?}"),
-            ));
-        }
-        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
-        let mut buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>((rows * cols).max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        let mut at = 0;
-        for p in parts {
-            let n = p.shape[0] * cols;
-            self.inner
-                .stream
-                .memcpy_dtod(&p.buf.slice(..n), &mut buf.slice_mut(at..at + n))
-                .map_err(|e| cuda_err("stack_weights")(&e))?;
-            at += n;
-        }
-        Ok(CudaWeight {
-            shape: vec![rows, cols],
-            buf: Arc::new(buf),
-        })
+        self.stack_weights_impl(parts)
     }
 
     fn qkv_to_cache(
@@ -402,20 +293,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {
-        if values.len() != dst.len() {
-            return Err(Error::shape(
-                "write",
-                format!("{} values into {:?}", values.len(), dst.shape),
-            ));
-        }
-        if values.is_empty() {
-            return Ok(());
-        }
-        let buf = Arc::make_mut(&mut dst.buf);
-        self.inner
-            .stream
-            .memcpy_htod(values, buf)
-            .map_err(|e| cuda_err("write")(&e))
+        self.write_impl(dst, values)
     }
 
     fn time_ops(&self, on: bool) -> Result<bool> {
@@ -431,77 +309,23 @@ impl Backend for CudaBackend {
     }
 
     fn upload_ids(&self, values: &[u32]) -> Result<CudaIds> {
-        let buf = self
-            .inner
-            .stream
-            .clone_htod(if values.is_empty() {
-                &[0u32][..]
-            } else {
-                values
-            })
-            .map_err(|e| cuda_err("uploading ids")(&e))?;
-        Ok(CudaIds {
-            len: values.len(),
-            buf,
-        })
+        self.upload_ids_impl(values)
     }
 
     fn write_ids(&self, dst: &mut CudaIds, values: &[u32]) -> Result<()> {
-        if values.len() > dst.len {
-            return Err(Error::shape(
-                "write_ids",
-                format!("{} ids into a buffer of {}", values.len(), dst.len),
-            ));
-        }
-        if values.is_empty() {
-            return Ok(());
-        }
-        let mut target = dst.buf.slice_mut(..values.len());
-        self.inner
-            .stream
-            .memcpy_htod(values, &mut target)
-            .map_err(|e| cuda_err("write_ids")(&e))
+        self.write_ids_impl(dst, values)
     }
 
     fn download_ids(&self, ids: &CudaIds, n: usize) -> Result<Vec<u32>> {
-        if n > ids.len {
-            return Err(Error::shape(
-                "download_ids",
-                format!("{n} ids from a buffer of {}", ids.len),
-            ));
-        }
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        self.inner
-            .stream
-            .clone_dtoh(&ids.buf.slice(..n))
-            .map_err(|e| cuda_err("download_ids")(&e))
+        self.download_ids_impl(ids, n)
     }
 
     fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<CudaCache> {
-        let buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>((slots * heads * dim).max(1))
-            .map_err(|e| cuda_err("allocating the KV cache")(&e))?;
-        Ok(CudaCache {
-            shape: [slots, heads, dim],
-            buf,
-        })
+        self.zeros_cache_impl(slots, heads, dim)
     }
 
     fn download_cache(&self, cache: &CudaCache) -> Result<HostTensor> {
-        let halves = self
-            .inner
-            .stream
-            .clone_dtoh(&cache.buf)
-            .map_err(|e| cuda_err("download_cache")(&e))?;
-        let n: usize = cache.shape.iter().product();
-        HostTensor::new(
-            cache.shape.to_vec(),
-            halves[..n].iter().map(|h| h.to_f32()).collect(),
-        )
+        self.download_cache_impl(cache)
     }
 
     fn argmax_rows(&self, x: &CudaTensor, out: &mut CudaIds) -> Result<()> {
