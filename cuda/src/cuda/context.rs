@@ -37,7 +37,8 @@ pub(super) struct Inner {
     pub(super) workspace: (cudarc::driver::sys::CUdeviceptr, usize),
     /// cuBLASLt, for the GEMMs with epilogues (bias, GELU, f16 output).
     pub(super) lt: lt::Lt,
-    /// Per-op timing ([`Backend::time_ops`](crate::Backend::time_ops)): an event recorded after each op, named.
+    /// Per-op timing ([`Backend::time_ops`](crate::Backend::time_ops)): an event recorded
+    /// after each op, named.
     pub(super) op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
     /// Page-locked memory for large uploads and downloads.
     pub(super) staging: staging::Staging,
