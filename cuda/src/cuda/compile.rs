@@ -9,6 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
+use cudarc::nvrtc::CompileOptions;
+
 use crate::{Error, Result};
 
 /// The CUDA include directory NVRTC should search, or an error that says how to point at one.
@@ -107,6 +109,33 @@ pub fn cached_or_compile(
         }
     }
     Ok((ptx, false))
+}
+
+/// Compiles one kernel file to PTX for compute capability `cc` with NVRTC. Files that include
+/// CUDA headers (`cuda_fp16.h`) need them found (see [`cuda_include_dir`]).
+pub(super) fn compile_ptx(file: &str, source: &str, cc: (i32, i32)) -> Result<String> {
+    let arch: &'static str = Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str());
+    let include_paths = if source.contains("#include") {
+        vec![cuda_include_dir()?.display().to_string()]
+    } else {
+        Vec::new()
+    };
+    let opts = CompileOptions {
+        arch: Some(arch),
+        include_paths,
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map(|p| p.to_src())
+        .map_err(|e| Error::KernelCompile {
+            kernel: format!("{file} for compute_{}{}", cc.0, cc.1),
+            log: match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    log.to_string_lossy().into_owned()
+                }
+                other => other.to_string(),
+            },
+        })
 }
 
 #[cfg(test)]

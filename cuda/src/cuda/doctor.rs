@@ -3,7 +3,8 @@
 //! headers, a host whose driver is too old) and before deploying an image at all: the kernels
 //! can be compiled for a target GPU without one.
 
-use super::{compile, compile_all_ptx, cuda_libraries, nvrtc_version, CudaBackend};
+use super::context::nvrtc_version;
+use super::{compile, compile_all_ptx, cuda_libraries, CudaBackend};
 
 /// One finding: what was checked, whether it is in order, and the detail (a version, a path,
 /// or what to do).

@@ -1,8 +1,10 @@
 //! The projections' launches: our GEMVs for decode rows (one kernel per row count, with the
 //! input's RMSNorm or SwiGLU fused), cuBLAS for more rows (cuBLASLt, lt.rs, where a bias,
-//! GELU or f16 output goes into the GEMM's epilogue). The [`Backend`] ops that use them
-//! (`linear`, `rms_norm_linear`, `add_linear`, `swiglu`, `rms_norm_swiglu`) are in the trait's
-//! impl in `mod.rs`; kernels in `cuda/kernels/weights_f16.cu`.
+//! GELU or f16 output goes into the GEMM's epilogue), and the bodies of the [`Backend`] ops
+//! that use them (`linear`, `rms_norm_linear`, `add_linear`, `layer_norm_linears`,
+//! `layer_norm_mlp`; `swiglu`, `rms_norm_swiglu` and `rms_norm_mlp` through `swiglu_with` and
+//! `rms_norm_mlp_f16`), which the trait's impl in `mod.rs` calls; kernels in
+//! `cuda/kernels/weights_f16.cu`.
 //!
 //! [`Backend`]: crate::Backend
 
@@ -11,9 +13,13 @@ use std::sync::Arc;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use super::context::cuda_err;
+use super::kernels::GEMV_MAX_ROWS;
+use super::launch::width_of;
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
-use super::{cuda_err, width_of, CudaBackend, CudaTensor, CudaWeight, GEMV_MAX_ROWS};
-use crate::{Backend, Error, LayerNormParams, Result};
+use super::{CudaBackend, CudaTensor, CudaWeight};
+use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
+use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 
 /// Output rows per GEMV block: one warp each.
 pub(super) const GEMV_WARPS: u32 = 8;
@@ -363,66 +369,6 @@ impl CudaBackend {
         self.gemm_f16(x16, n, w, out, true)
     }
 
-    /// `x`'s LayerNorm rounded to f16: the operand of the GEMMs after it.
-    pub(super) fn layer_norm_f16(
-        &self,
-        x: &CudaTensor,
-        norm: LayerNormParams<Self>,
-    ) -> Result<CudaSlice<half::f16>> {
-        width_of("layer_norm", x, norm.w)?;
-        width_of("layer_norm", x, norm.b)?;
-        let mut out = self.alloc_f16(x.len())?;
-        let cols = x.cols() as i32;
-        let name = "layer_norm_f16";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&*norm.w.buf)
-            .arg(&*norm.b.buf)
-            .arg(&mut out)
-            .arg(&cols)
-            .arg(&norm.eps);
-        // SAFETY: matches layer_norm_f16, one block per row; out holds x.len() halves.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
-        Ok(out)
-    }
-
-    /// `x`'s RMSNorm rounded to f16: the operand of the GEMM after it.
-    pub(super) fn rms_norm_f16(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-    ) -> Result<CudaSlice<half::f16>> {
-        width_of("rms_norm", x, w)?;
-        let mut out = self.alloc_f16(x.len())?;
-        self.launch_rms_norm("rms_norm_f16", x, w, eps, &mut out)?;
-        Ok(out)
-    }
-
-    /// Launches RMSNorm kernel `name` (rms_norm_f32 or rms_norm_f16, as `O` is) over the rows
-    /// of `x` into `out`, which holds `x.len()` elements; `w`'s width checked by the caller.
-    pub(super) fn launch_rms_norm<O: DeviceRepr>(
-        &self,
-        name: &'static str,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        eps: f32,
-        out: &mut CudaSlice<O>,
-    ) -> Result<()> {
-        let cols = x.cols() as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&*w.buf).arg(out).arg(&cols).arg(&eps);
-        // SAFETY: matches rms_norm_f32 / rms_norm_f16 (one block per row) for O = f32 / f16;
-        // out holds x.len() elements.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )
-    }
-
     /// [`Backend::rms_norm_mlp`] past the GEMVs' rows: the norm, the gate/up product and the
     /// SwiGLU each written once in f16 as the next GEMM's operand, and the down projection
     /// added into `x` by its GEMM (beta = 1).
@@ -538,5 +484,166 @@ impl CudaBackend {
         // (normed_gemv_fits).
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn linear_impl(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let m = self.check_linear("linear", x, w, b)?;
+        let mut out = self.alloc(with_cols(&x.shape, m))?;
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        let n = x.rows();
+        if n == 0 || m == 0 {
+            return Ok(out);
+        }
+        if n <= GEMV_MAX_ROWS {
+            self.gemv(x, None, w, b, out_buf, false)?;
+            return Ok(out);
+        }
+        self.project_f16(&self.to_f16(x)?, n, w, b, out_buf)?;
+        Ok(out)
+    }
+
+    pub(super) fn rms_norm_linear_impl(
+        &self,
+        x: &CudaTensor,
+        norm: &CudaTensor,
+        eps: f32,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let m = self.check_linear("rms_norm_linear", x, w, b)?;
+        width_of("rms_norm_linear", x, norm)?;
+        let mut out = self.alloc(with_cols(&x.shape, m))?;
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        if self.normed_gemv_fits(x) {
+            self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
+        } else if x.rows() > 0 && m > 0 {
+            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
+            let h16 = self.rms_norm_f16(x, norm, eps)?;
+            self.project_f16(&h16, x.rows(), w, b, out_buf)?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn add_linear_impl(
+        &self,
+        x: &mut CudaTensor,
+        a: &CudaTensor,
+        w: &CudaWeight,
+        b: Option<&CudaTensor>,
+    ) -> Result<()> {
+        let m = self.check_linear("add_linear", a, w, b)?;
+        if x.shape != with_cols(&a.shape, m) {
+            return Err(Error::shape(
+                "add_linear",
+                format!("{:?} -> {m} columns added into {:?}", a.shape, x.shape),
+            ));
+        }
+        let n = a.rows();
+        if n == 0 || m == 0 {
+            return Ok(());
+        }
+        if n <= GEMV_MAX_ROWS {
+            return self.gemv(a, None, w, b, Arc::make_mut(&mut x.buf), true);
+        }
+        // The GEMM adds into its output (beta = 1), the bias in cuBLASLt's epilogue.
+        let Some(b) = b else {
+            return self.gemm(a, w, Arc::make_mut(&mut x.buf), true);
+        };
+        let shape = LtShape {
+            n,
+            k: a.cols(),
+            m,
+            out_kind: LtOut::F32 { accumulate: true },
+            epilogue: Epilogue::Bias,
+        };
+        if !self.lt_supports(&shape)? {
+            *x = self.add(x, &self.linear(a, w, Some(b))?)?;
+            return Ok(());
+        }
+        let a16 = self.to_f16(a)?;
+        self.lt_gemm(&shape, &a16, w, &b.buf, Arc::make_mut(&mut x.buf))?;
+        Ok(())
+    }
+
+    pub(super) fn layer_norm_linears_impl(
+        &self,
+        x: &CudaTensor,
+        norm: LayerNormParams<Self>,
+        projections: &[Projection<Self>],
+    ) -> Result<Vec<CudaTensor>> {
+        let n = x.rows();
+        if n <= GEMV_MAX_ROWS {
+            // The GEMVs read f32 rows.
+            return layer_norm_linears_op_by_op(self, x, norm, projections);
+        }
+        let h16 = self.layer_norm_f16(x, norm)?;
+        projections
+            .iter()
+            .map(|p| {
+                let m = self.check_linear("layer_norm_linears", x, p.w, p.b)?;
+                let mut out = self.alloc(with_cols(&x.shape, m))?;
+                let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+                self.project_f16(&h16, n, p.w, p.b, buf)?;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    pub(super) fn layer_norm_mlp_impl(
+        &self,
+        x: &mut CudaTensor,
+        norm: LayerNormParams<Self>,
+        up: Projection<Self>,
+        act: GeluKind,
+        down: Projection<Self>,
+    ) -> Result<()> {
+        let (n, cols) = (x.rows(), x.cols());
+        let hidden = self.check_linear("layer_norm_mlp", x, up.w, up.b)?;
+        if down.w.shape != [cols, hidden] || down.b.is_some_and(|b| b.len() != cols) {
+            return Err(Error::shape(
+                "layer_norm_mlp",
+                format!(
+                    "x {:?}, up {:?}, down {:?}",
+                    x.shape, up.w.shape, down.w.shape
+                ),
+            ));
+        }
+        let up_shape = LtShape {
+            n,
+            k: cols,
+            m: hidden,
+            out_kind: LtOut::F16,
+            epilogue: Epilogue::GeluBias,
+        };
+        let down_shape = LtShape {
+            n,
+            k: hidden,
+            m: cols,
+            out_kind: LtOut::F32 { accumulate: true },
+            epilogue: Epilogue::Bias,
+        };
+        // cuBLASLt's GELU is the tanh form; decode-sized inputs go to the GEMVs.
+        if let (true, Some(b_up), Some(b_down)) =
+            (n > GEMV_MAX_ROWS && act == GeluKind::Tanh, up.b, down.b)
+        {
+            if self.lt_supports(&up_shape)? && self.lt_supports(&down_shape)? {
+                let h16 = self.layer_norm_f16(x, norm)?;
+                // An f16 output takes an f16 bias.
+                let b_up16 = self.to_f16(b_up)?;
+                let mut hidden16 = self.alloc_f16(n * hidden)?;
+                self.lt_gemm(&up_shape, &h16, up.w, &b_up16, &mut hidden16)?;
+                let out = Arc::make_mut(&mut x.buf);
+                self.lt_gemm(&down_shape, &hidden16, down.w, &b_down.buf, out)?;
+                return Ok(());
+            }
+        }
+        layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
     }
 }

@@ -15,822 +15,45 @@
 //! cuBLAS, decode GEMVs to our own kernels. The CUDA libraries are loaded dynamically, so the
 //! binary builds and runs without CUDA, and [`CudaBackend::new`] answers "no GPU" with an error
 //! instead of a crash.
+//!
+//! The files: `context.rs` opens the GPU (libraries, stream, cuBLAS, kernels, the self-check);
+//! `kernels.rs` says which kernel is in which `.cu` file and holds the constants the kernels
+//! share with their launches; [`compile`] compiles and caches them; `tensor.rs` has the device
+//! types; `launch.rs` the helpers every op launches through, per-op timing and graph capture.
+//! The ops are by family, each body called from the one trait impl below: `linear.rs` (GEMVs
+//! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs`, `gather.rs` and
+//! `memory.rs` (with `staging.rs` for pinned host memory). [`doctor`] is `vlm doctor`'s checks.
 
+mod attention;
 pub mod compile;
+mod context;
 pub mod doctor;
+mod gather;
+mod kernels;
+mod launch;
 mod linear;
 mod lt;
+mod memory;
+mod norm;
 mod staging;
+mod tensor;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::cublas::CudaBlas;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
-};
-use cudarc::nvrtc::{CompileOptions, Ptx};
-
 use crate::backend::{
-    layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op, rms_norm_mlp_op_by_op, AttnMask, Backend,
-    GeluKind, LayerNormParams, PagedBatch, Projection, QkvToCache,
+    rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection,
+    QkvToCache,
 };
 use crate::{Error, HostTensor, Result};
-use linear::{with_cols, Gemv, GEMV_KERNELS, GEMV_STATIC_SMEM};
-use lt::{Epilogue, LtOut, LtShape};
+use context::cuda_err;
+use launch::{same_shape, width_of};
 
-/// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
-macro_rules! with_common {
-    ($file:literal) => {
-        concat!(
-            include_str!("../../kernels/common.cuh"),
-            include_str!(concat!("../../kernels/", $file))
-        )
-    };
-}
+pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};
+pub use kernels::compile_all_ptx;
+pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 
-/// A `.cu` file and the kernels it defines.
-struct KernelSource {
-    file: &'static str,
-    source: &'static str,
-    kernels: &'static [&'static str],
-    /// Kernels compiled once per row count, 1..=GEMV_MAX_ROWS.
-    per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
-}
-
-const SOURCES: [KernelSource; 4] = [
-    KernelSource {
-        file: "ops_f32.cu",
-        source: with_common!("ops_f32.cu"),
-        kernels: &OPS_KERNELS,
-        per_rows: &[],
-    },
-    KernelSource {
-        file: "weights_f16.cu",
-        source: with_common!("weights_f16.cu"),
-        kernels: &["cast_f32_to_f16", "embedding_f16w", "fill_uniform_f16"],
-        per_rows: &GEMV_KERNELS,
-    },
-    KernelSource {
-        file: "paged_f16.cu",
-        source: with_common!("paged_f16.cu"),
-        kernels: &[
-            "write_kv_f16",
-            "paged_decode_d32_g1",
-            "paged_decode_d32_g2",
-            "paged_decode_d32_g4",
-            "paged_decode_d32_g8",
-            "paged_decode_d64_g1",
-            "paged_decode_d64_g2",
-            "paged_decode_d64_g4",
-            "paged_decode_d64_g8",
-            "paged_decode_d128_g1",
-            "paged_decode_d128_g2",
-            "paged_decode_d128_g4",
-            "paged_decode_d128_g8",
-            "paged_decode_d256_g1",
-            "paged_decode_d256_g2",
-            "paged_decode_d256_g4",
-            "paged_attention_rows_f16",
-            "qkv_to_cache_f32",
-            "gather_rows_f32",
-            "argmax_rows_f32",
-        ],
-        per_rows: &[],
-    },
-    KernelSource {
-        file: "attention_f16.cu",
-        source: with_common!("attention_f16.cu"),
-        kernels: &[
-            FLASH_KERNELS[0],
-            FLASH_KERNELS[1],
-            FLASH_KERNELS[2],
-            FLASH_KERNELS[3],
-            PAGED_FLASH_KERNELS[0],
-            PAGED_FLASH_KERNELS[1],
-            PAGED_FLASH_KERNELS[2],
-            PAGED_FLASH_KERNELS[3],
-            "pack_kv_f16",
-        ],
-        per_rows: &[],
-    },
-];
-
-/// Flash attention instantiations: head dims padded up to one of these.
-const FLASH_DIMS: [usize; 4] = [64, 80, 96, 128];
-const FLASH_KERNELS: [&str; 4] = [
-    "flash_attention_d64",
-    "flash_attention_d80",
-    "flash_attention_d96",
-    "flash_attention_d128",
-];
-/// The same for the chunks of prefills in an engine step, reading the paged f16 cache.
-const PAGED_FLASH_KERNELS: [&str; 4] = [
-    "paged_flash_attention_d64",
-    "paged_flash_attention_d80",
-    "paged_flash_attention_d96",
-    "paged_flash_attention_d128",
-];
-/// Below this many queries (decode-like), the one-warp-per-query kernel wastes less.
-const FLASH_MIN_QUERIES: usize = 16;
-/// Warps per decode block (PD_WARPS), keys whose loads a decode warp keeps in flight (PD_KEYS)
-/// and fewest keys per split (PD_MIN_CHUNK).
-const DECODE_WARPS: u32 = 4;
-const DECODE_KEYS: usize = 4;
-const DECODE_MIN_CHUNK: usize = 32;
-/// Warps of a qkv_to_cache block, one head each (QK_WARPS).
-const QKV_WARPS: u32 = 4;
-/// At most this many splits of one sequence's keys (PD_MAX_SPLITS; the merge takes up to two
-/// a lane).
-const DECODE_MAX_SPLITS: usize = 64;
-/// Counters of finished decode splits (Inner::counters).
-const COUNTERS: usize = 1 << 16;
-/// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
-/// one compiled for the power of two at or above the group (paged_f16.cu instantiates head dims
-/// 32, 64, 128 and 256 with 1, 2, 4 and 8 heads, bar 256 with 8); `None` where there is none
-/// (then paged_attention_rows_f16 takes the decoding sequences too).
-fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
-    Some(match (d, group.next_power_of_two()) {
-        (32, 1) => "paged_decode_d32_g1",
-        (32, 2) => "paged_decode_d32_g2",
-        (32, 4) => "paged_decode_d32_g4",
-        (32, 8) => "paged_decode_d32_g8",
-        (64, 1) => "paged_decode_d64_g1",
-        (64, 2) => "paged_decode_d64_g2",
-        (64, 4) => "paged_decode_d64_g4",
-        (64, 8) => "paged_decode_d64_g8",
-        (128, 1) => "paged_decode_d128_g1",
-        (128, 2) => "paged_decode_d128_g2",
-        (128, 4) => "paged_decode_d128_g4",
-        (128, 8) => "paged_decode_d128_g8",
-        (256, 1) => "paged_decode_d256_g1",
-        (256, 2) => "paged_decode_d256_g2",
-        (256, 4) => "paged_decode_d256_g4",
-        _ => return None,
-    })
-}
-
-/// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
-const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
-
-/// Dynamic shared memory of flash_attention_d{dp}: a Q tile and two K and V tiles (double
-/// buffered) of 64 rows of dp + 8 halves (FaShared in attention_f16.cu).
-fn flash_smem_bytes(dp: usize) -> usize {
-    5 * 64 * 2 * (dp + 8)
-}
-
-const OPS_KERNELS: [&str; 16] = [
-    "add_f32",
-    "gelu_tanh_f32",
-    "gelu_erf_f32",
-    "silu_mul_f32",
-    "silu_mul_halves_f32",
-    "silu_mul_halves_f16",
-    "layer_norm_f32",
-    "layer_norm_f16",
-    "rms_norm_f32",
-    "rms_norm_f16",
-    "rope_f32",
-    "attention_f32",
-    "weighted_gather_f32",
-    "scatter_rows_f32",
-    "broadcast_rows_f32",
-    "fill_uniform_f32",
-];
-/// Threads per block for row-wise kernels.
-const ROW_THREADS: u32 = 256;
-/// Largest head dim the attention kernel holds in registers (32 lanes x 8).
-const MAX_HEAD_DIM: usize = 256;
-/// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
-const GEMV_MAX_ROWS: usize = 4;
-
-/// The constants the kernels share with this file, as `#define` lines put before every kernel
-/// source: one definition, so the two sides cannot disagree (and the kernel cache key, a hash
-/// of the source, changes with them).
-fn shared_defines() -> String {
-    format!(
-        "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define PD_WARPS {DECODE_WARPS}\n\
-         #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
-         #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n"
-    )
-}
-
-/// A kernel file's text as compiled: the shared defines, then `common.cuh` and the file, either
-/// the copies embedded at build time or, when `VLM_KERNEL_DIR` names a directory, the files
-/// there (so a kernel can be edited and re-measured on a GPU machine with the same binary).
-fn kernel_source(src: &KernelSource) -> Result<String> {
-    // Empty counts as unset (`VLM_KERNEL_DIR= vlm ...`).
-    let Some(dir) = std::env::var_os("VLM_KERNEL_DIR").filter(|d| !d.is_empty()) else {
-        return Ok(format!("{}{}", shared_defines(), src.source));
-    };
-    let dir = std::path::PathBuf::from(dir);
-    let read = |name: &str| {
-        let path = dir.join(name);
-        std::fs::read_to_string(&path).map_err(|e| Error::Cuda {
-            what: format!(
-                "VLM_KERNEL_DIR is set: reading {}: {e} (unset it to use the kernels built in)",
-                path.display()
-            ),
-        })
-    };
-    Ok(format!(
-        "{}{}{}",
-        shared_defines(),
-        read("common.cuh")?,
-        read(src.file)?
-    ))
-}
-
-/// A tensor in device memory. Clones share the buffer; the in-place row ops copy it first when
-/// it is shared, so a clone never sees another's writes.
-#[derive(Clone)]
-pub struct CudaTensor {
-    shape: Vec<usize>,
-    buf: Arc<CudaSlice<f32>>,
-}
-
-/// A weight matrix or table in device memory, f16.
-#[derive(Clone)]
-pub struct CudaWeight {
-    shape: Vec<usize>,
-    buf: Arc<CudaSlice<half::f16>>,
-}
-
-/// Ids in device memory (token ids, cache slots, block lists, picked tokens).
-pub struct CudaIds {
-    len: usize,
-    buf: CudaSlice<u32>,
-}
-
-/// One layer's keys or values of the paged KV cache, f16 `[slots, heads, dim]`.
-pub struct CudaCache {
-    shape: [usize; 3],
-    buf: CudaSlice<half::f16>,
-}
-
-impl CudaTensor {
-    fn len(&self) -> usize {
-        self.shape.iter().product()
-    }
-    fn cols(&self) -> usize {
-        self.shape.last().copied().unwrap_or(1)
-    }
-    fn rows(&self) -> usize {
-        self.len().checked_div(self.cols()).unwrap_or(0)
-    }
-}
-
-struct Inner {
-    /// Holds the context (and with it the device) alive.
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    kernels: HashMap<&'static str, CudaFunction>,
-    device_name: String,
-    compute_capability: (i32, i32),
-    /// Whether the flash-attention kernels could be given their shared memory.
-    flash: bool,
-    /// Multiprocessors: how many blocks it takes to fill the GPU.
-    sm_count: usize,
-    /// cuBLAS's workspace (set on the handle), kept alive with it; cuBLASLt's GEMMs use it
-    /// too (`workspace`: its address and size), as everything runs on the one stream.
-    _blas_workspace: CudaSlice<u8>,
-    workspace: (cudarc::driver::sys::CUdeviceptr, usize),
-    /// cuBLASLt, for the GEMMs with epilogues (bias, GELU, f16 output).
-    lt: lt::Lt,
-    /// Per-op timing ([`Backend::time_ops`]): an event recorded after each op, named.
-    op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
-    /// Page-locked memory for large uploads and downloads.
-    staging: staging::Staging,
-    /// Shared memory a normed GEMV may stage its input rows in (bytes).
-    gemv_smem: usize,
-    /// One counter per (sequence, KV head) of a decode attention launch: how many of its
-    /// splits have finished (the last merges them). Each launch leaves them at 0 again, and
-    /// launches on this backend's one stream run one after another.
-    counters: CudaSlice<u32>,
-}
-
-/// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
-#[derive(Clone)]
-pub struct CudaBackend {
-    inner: Arc<Inner>,
-}
-
-fn cuda_err(op: &str) -> impl Fn(&dyn std::fmt::Display) -> Error + '_ {
-    move |e| Error::Cuda {
-        what: format!("{op}: {e}"),
-    }
-}
-
-fn nvrtc_version() -> (i32, i32) {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: nvrtcVersion writes two ints through the pointers; the library is loaded (checked
-    // by the caller with is_culib_present).
-    unsafe {
-        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
-    }
-    (major, minor)
-}
-
-/// A CUDA library the backend loads at run time: whether it could be, and what to do if not.
-pub struct CudaLibrary {
-    pub name: &'static str,
-    pub present: bool,
-    pub hint: &'static str,
-}
-
-/// The driver, NVRTC, cuBLAS and cuBLASLt, each tried with dlopen only: what
-/// [`CudaBackend::new`] needs before it touches a GPU, and the first lines of `vlm doctor`.
-pub fn cuda_libraries() -> [CudaLibrary; 4] {
-    let toolkit = "install the CUDA toolkit's libraries (or the nvidia-*-cu12 wheels) and put them on LD_LIBRARY_PATH";
-    // SAFETY: these only try to dlopen the libraries.
-    unsafe {
-        [
-            CudaLibrary {
-                name: "NVIDIA driver (libcuda)",
-                present: cudarc::driver::sys::is_culib_present(),
-                hint: "is there an NVIDIA GPU and driver here (and, in a container, the NVIDIA runtime)?",
-            },
-            CudaLibrary {
-                name: "NVRTC (libnvrtc)",
-                present: cudarc::nvrtc::sys::is_culib_present(),
-                hint: toolkit,
-            },
-            CudaLibrary {
-                name: "cuBLAS (libcublas)",
-                present: cudarc::cublas::sys::is_culib_present(),
-                hint: toolkit,
-            },
-            CudaLibrary {
-                name: "cuBLASLt (libcublasLt)",
-                present: cudarc::cublaslt::sys::is_culib_present(),
-                hint: toolkit,
-            },
-        ]
-    }
-}
-
-/// Tests that need a GPU (or NVRTC) skip where there is none, saying so on stderr (past the
-/// harness's capture, so CI logs show it). With `VLM_REQUIRE_GPU=1`, as GPU runs set it, a skip
-/// is a failure instead: a missing driver or library cannot pass as "no GPU here".
-pub fn skip_test(why: &dyn std::fmt::Display) {
-    if std::env::var("VLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        panic!("VLM_REQUIRE_GPU=1 but this test cannot run: {why}");
-    }
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
-}
-
-/// The GPU a test runs on, or `None` after [`skip_test`] when none can be opened.
-pub fn test_gpu() -> Option<CudaBackend> {
-    CudaBackend::new(0)
-        .map_err(|e| skip_test(&format!("no GPU: {e}")))
-        .ok()
-}
-
-/// Whether NVRTC can be loaded (it needs no GPU: kernels can be compiled anywhere it is).
-pub fn nvrtc_available() -> bool {
-    // SAFETY: only tries to dlopen the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// Compiles one kernel file to PTX for compute capability `cc` with NVRTC. Files that include
-/// CUDA headers (`cuda_fp16.h`) need them found (see [`compile::cuda_include_dir`]).
-fn compile_ptx(file: &str, source: &str, cc: (i32, i32)) -> Result<String> {
-    let arch: &'static str = Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str());
-    let include_paths = if source.contains("#include") {
-        vec![compile::cuda_include_dir()?.display().to_string()]
-    } else {
-        Vec::new()
-    };
-    let opts = CompileOptions {
-        arch: Some(arch),
-        include_paths,
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-        .map(|p| p.to_src())
-        .map_err(|e| Error::KernelCompile {
-            kernel: format!("{file} for compute_{}{}", cc.0, cc.1),
-            log: match e {
-                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                    log.to_string_lossy().into_owned()
-                }
-                other => other.to_string(),
-            },
-        })
-}
-
-/// Every kernel file compiled for `cc`, as (file, PTX): what a GPU of that capability loads.
-pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
-    SOURCES
-        .iter()
-        .map(|s| Ok((s.file, compile_ptx(s.file, &kernel_source(s)?, cc)?)))
-        .collect()
-}
-
-impl CudaBackend {
-    /// Opens GPU `ordinal` for serving: [`CudaBackend::new`], then the self-check
-    /// ([`crate::twin::self_check`]) that runs every kernel against the CPU reference on this
-    /// GPU, with this driver, and refuses the device if any disagrees. About a second; what
-    /// `--device cuda` does everywhere. Once per GPU per process (`vlm serve` opens it twice).
-    pub fn open_verified(ordinal: usize) -> Result<Self> {
-        static VERIFIED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
-        // Held through the check: a second opener waits for the first's verdict.
-        let mut verified = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
-        let gpu = Self::new(ordinal)?;
-        if verified.contains(&ordinal) {
-            return Ok(gpu);
-        }
-        let cases = crate::twin::self_check_cases().len();
-        let bar = indicatif::ProgressBar::new(cases as u64).with_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg} [{bar:30}] {pos}/{len} ops match the CPU reference",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        bar.set_message(format!("self-check on {}", gpu.device_name()));
-        let started = std::time::Instant::now();
-        let mut worst = 0.0f32;
-        let checked = crate::twin::self_check(&gpu, |outcome| {
-            tracing::debug!(%outcome, "self-check");
-            worst = worst.max(outcome.share_of_allowed());
-            bar.inc(1);
-        });
-        bar.finish_and_clear();
-        checked?;
-        tracing::info!(
-            device = %gpu.device_name(),
-            ops = cases,
-            worst_diff_over_allowed = worst,
-            seconds = started.elapsed().as_secs_f32(),
-            "CUDA self-check passed: every kernel matches the CPU reference"
-        );
-        verified.push(ordinal);
-        Ok(gpu)
-    }
-
-    /// Opens GPU `ordinal`, compiling (or loading from the disk cache) every kernel. Unchecked:
-    /// tests compare it with the CPU themselves; serving goes through
-    /// [`CudaBackend::open_verified`].
-    pub fn new(ordinal: usize) -> Result<Self> {
-        if let Some(lib) = cuda_libraries().into_iter().find(|l| !l.present) {
-            return Err(Error::Cuda {
-                what: format!("{} could not be loaded: {}", lib.name, lib.hint),
-            });
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU")(&e))?;
-        staging::keep_freed_host_memory();
-        let device_name = ctx.name().map_err(|e| cuda_err("device name")(&e))?;
-        let cc = ctx
-            .compute_capability()
-            .map_err(|e| cuda_err("compute capability")(&e))?;
-        // Keep memory freed into the device's pool there (the default gives it back at every
-        // synchronization, and each step's op outputs would then be mapped afresh: tens of
-        // microseconds per allocation, more than many of the kernels take).
-        {
-            use cudarc::driver::sys;
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            let mut keep = u64::MAX;
-            // SAFETY: the context is current (just created); the pool handle is the device's
-            // default, the attribute a u64.
-            unsafe {
-                let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
-                if got == sys::CUresult::CUDA_SUCCESS {
-                    sys::cuMemPoolSetAttribute(
-                        pool,
-                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                        (&mut keep) as *mut u64 as *mut std::ffi::c_void,
-                    );
-                }
-            }
-        }
-        // Our own stream, not the legacy default one, which cannot be captured into a graph.
-        // Every op of this backend runs on it, so cudarc's cross-stream event tracking (which
-        // records events around each use, also while capturing) has nothing to guard.
-        // SAFETY: one stream per backend; buffers never cross to another backend's stream.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| cuda_err("creating a stream")(&e))?;
-
-        let nv = nvrtc_version();
-        let mut kernels = HashMap::new();
-        for src in &SOURCES {
-            let stem = src.file.trim_end_matches(".cu");
-            let source = kernel_source(src)?;
-            let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
-            let (ptx, cached) = compile::cached_or_compile(&path, || {
-                // NVRTC takes seconds; show that something is happening (hidden off a terminal).
-                let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
-                    "compiling {} for sm_{}{} (cached afterwards)",
-                    src.file, cc.0, cc.1
-                ));
-                spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-                let ptx = compile_ptx(src.file, &source, cc);
-                spinner.finish_and_clear();
-                ptx
-            })?;
-            tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
-            let module = ctx
-                .load_module(Ptx::from_src(ptx))
-                .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
-            for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
-                let f = module.load_function(k).map_err(|e| Error::KernelCompile {
-                    kernel: k.into(),
-                    log: e.to_string(),
-                })?;
-                kernels.insert(k, f);
-            }
-        }
-        // The flash kernels need more than the default 48 KB of shared memory: opt in. A GPU
-        // that refuses falls back to the plain attention kernel.
-        let flash = FLASH_KERNELS
-            .iter()
-            .zip(FLASH_DIMS)
-            .chain(PAGED_FLASH_KERNELS.iter().zip(FLASH_DIMS))
-            .all(|(k, dp)| {
-            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let set = kernels[k].set_attribute(MAX_SMEM, flash_smem_bytes(dp) as i32);
-            if let Err(e) = &set {
-                tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
-            }
-            set.is_ok()
-        });
-        // The normed GEMVs stage their input rows in shared memory: let them have what the GPU
-        // gives one block (4 rows of 4,096 floats need 64 KB, past the default 48), less what
-        // they declare statically.
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
-        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-        let optin = ctx
-            .attribute(OPTIN)
-            .map_err(|e| cuda_err("shared memory per block")(&e))?;
-        let dynamic = (optin as usize).max(48 << 10) - GEMV_STATIC_SMEM;
-        let opted_in = [Gemv::Normed, Gemv::NormedSwiglu]
-            .into_iter()
-            .flat_map(|g| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r)))
-            .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
-        let gemv_smem = if opted_in {
-            dynamic
-        } else {
-            (48 << 10) - GEMV_STATIC_SMEM
-        };
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
-        // A workspace of our own: without one cuBLAS allocates on first use, which a GEMM
-        // being recorded into a CUDA graph (a batched decode step) must not do.
-        let mut workspace = stream
-            .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
-            .map_err(|e| cuda_err("allocating the cuBLAS workspace")(&e))?;
-        {
-            let (ptr, _guard) = workspace.device_ptr_mut(&stream);
-            // SAFETY: the workspace lives as long as the handle (both in Inner).
-            unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    ptr as *mut _,
-                    CUBLAS_WORKSPACE_BYTES,
-                )
-            }
-            .result()
-            .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
-        }
-        let workspace_ptr = workspace.device_ptr(&stream).0;
-        let lt = lt::Lt::new()?;
-        let counters = stream
-            .alloc_zeros::<u32>(COUNTERS)
-            .map_err(|e| cuda_err("allocating completion counters")(&e))?;
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
-        let sm_count = ctx.attribute(SMS).map_err(|e| cuda_err("SM count")(&e))? as usize;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                stream,
-                blas,
-                kernels,
-                device_name,
-                compute_capability: cc,
-                flash,
-                sm_count,
-                _blas_workspace: workspace,
-                workspace: (workspace_ptr, CUBLAS_WORKSPACE_BYTES),
-                lt,
-                op_events: std::sync::Mutex::new(None),
-                staging: staging::Staging::new(),
-                gemv_smem,
-                counters,
-            }),
-        })
-    }
-
-    pub fn device_name(&self) -> &str {
-        &self.inner.device_name
-    }
-
-    /// The CUDA version the driver supports, e.g. "13.0".
-    pub fn driver_version(&self) -> String {
-        let mut v = 0;
-        // SAFETY: writes one int; the driver library is loaded (this backend exists).
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
-        format!("{}.{}", v / 1000, (v % 1000) / 10)
-    }
-
-    pub fn compute_capability(&self) -> (i32, i32) {
-        self.inner.compute_capability
-    }
-
-    /// Waits for all queued work (for timing and tests).
-    pub fn synchronize(&self) -> Result<()> {
-        self.inner
-            .stream
-            .synchronize()
-            .map_err(|e| cuda_err("synchronize")(&e))
-    }
-
-    fn kernel(&self, name: &str) -> &CudaFunction {
-        &self.inner.kernels[name]
-    }
-
-    /// An op's output, not initialized: every op writes all of its output (the kernels and
-    /// the twin tests hold to that), so zeroing it first would be a wasted launch per op.
-    fn alloc(&self, shape: Vec<usize>) -> Result<CudaTensor> {
-        let n: usize = shape.iter().product();
-        // SAFETY: f32 has no invalid bit patterns; callers write every element before any
-        // read (see above).
-        let buf = unsafe { self.inner.stream.alloc::<f32>(n.max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        Ok(CudaTensor {
-            shape,
-            buf: Arc::new(buf),
-        })
-    }
-
-    /// A zeroed tensor (for outputs some rows of which no kernel writes).
-    fn alloc_zeroed(&self, shape: Vec<usize>) -> Result<CudaTensor> {
-        let n: usize = shape.iter().product();
-        let buf = self
-            .inner
-            .stream
-            .alloc_zeros::<f32>(n.max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        Ok(CudaTensor {
-            shape,
-            buf: Arc::new(buf),
-        })
-    }
-
-    fn indices(&self, values: &[u32]) -> Result<CudaSlice<u32>> {
-        let v = if values.is_empty() {
-            &[0u32][..]
-        } else {
-            values
-        };
-        self.inner
-            .stream
-            .clone_htod(v)
-            .map_err(|e| cuda_err("uploading indices")(&e))
-    }
-
-    fn launched(
-        &self,
-        name: &'static str,
-        r: std::result::Result<(), cudarc::driver::DriverError>,
-    ) -> Result<()> {
-        r.map_err(|e| Error::Cuda {
-            what: format!("launching {name}: {e}"),
-        })?;
-        self.op_done(name)
-    }
-
-    /// While ops are timed, marks the end of op `name` on the stream, and the start of the
-    /// next op (every op is timed from a start mark to its own end).
-    fn op_done(&self, name: &'static str) -> Result<()> {
-        self.mark(name)?;
-        self.mark("start")
-    }
-
-    /// While ops are timed, records a named event on the stream.
-    fn mark(&self, name: &'static str) -> Result<()> {
-        let mut events = self
-            .inner
-            .op_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(events) = events.as_mut() {
-            use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-            let e = self
-                .inner
-                .stream
-                .record_event(Some(CU_EVENT_DEFAULT))
-                .map_err(|e| cuda_err("recording a timing event")(&e))?;
-            events.push((name, e));
-        }
-        Ok(())
-    }
-
-    /// An elementwise op `out = f(a[, b])` over `n` elements.
-    fn elementwise(
-        &self,
-        name: &'static str,
-        a: &CudaTensor,
-        b: Option<&CudaTensor>,
-    ) -> Result<CudaTensor> {
-        let mut out = self.alloc(a.shape.clone())?;
-        let n = a.len() as i32;
-        let cfg = LaunchConfig::for_num_elems(n.max(1) as u32);
-        let stream = &self.inner.stream;
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&*a.buf);
-        if let Some(b) = b {
-            l.arg(&*b.buf);
-        }
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        l.arg(out_buf).arg(&n);
-        // SAFETY: argument types and count match the kernel's signature in ops_f32.cu.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
-    }
-
-    /// A grid-stride loop over `n` elements.
-    fn fill_config(n: u64) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(ROW_THREADS as u64).clamp(1, 65_535) as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    fn row_config(rows: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (rows.max(1) as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
-    /// `dst[rows[i]] (+)= src[i]` with rows of `width` elements.
-    fn scatter(
-        &self,
-        dst: &mut CudaTensor,
-        rows: &[usize],
-        src: &CudaTensor,
-        accumulate: bool,
-    ) -> Result<()> {
-        let slots = dst.shape.first().copied().unwrap_or(0);
-        let width = dst.len().checked_div(slots).unwrap_or(0);
-        if src.len() != rows.len() * width || rows.iter().any(|&r| r >= slots) {
-            return Err(Error::shape(
-                "scatter_rows",
-                format!(
-                    "{} rows of width {width} into {:?} from {:?}",
-                    rows.len(),
-                    dst.shape,
-                    src.shape
-                ),
-            ));
-        }
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx = self.indices(&idx)?;
-        let buf = Arc::make_mut(&mut dst.buf);
-        let (w, acc) = (width as i32, accumulate as i32);
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("scatter_rows_f32"));
-        l.arg(buf).arg(&idx).arg(&*src.buf).arg(&w).arg(&acc);
-        // SAFETY: matches scatter_rows_f32; rows were checked against the destination.
-        self.launched(
-            "scatter_rows_f32",
-            unsafe { l.launch(Self::row_config(rows.len())) }.map(|_| ()),
-        )
-    }
-}
-
-fn same_shape(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
-    if a.shape != b.shape {
-        return Err(Error::shape(
-            op,
-            format!("shapes differ: {:?} vs {:?}", a.shape, b.shape),
-        ));
-    }
-    Ok(())
-}
-
-fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Result<()> {
-    if w.len() != x.cols() {
-        return Err(Error::shape(
-            op,
-            format!("weight of {} for rows of {:?}", w.len(), x.shape),
-        ));
-    }
-    Ok(())
-}
-
-/// A recorded decode step: a CUDA graph on the backend's stream.
-pub struct CudaStepGraph(cudarc::driver::CudaGraph);
-
+// One block, as a trait impl must be: an op longer than a few lines is a call of its body,
+// `<op>_impl`, in its family's file.
 impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Graph = CudaStepGraph;
@@ -845,49 +68,15 @@ impl Backend for CudaBackend {
     }
 
     fn time_copy(&self, bytes: usize) -> Result<std::time::Duration> {
-        let stream = &self.inner.stream;
-        let alloc = |what| {
-            stream
-                .alloc_zeros::<u8>(bytes.max(1))
-                .map_err(|e| cuda_err(what)(&e))
-        };
-        let (src, mut dst) = (alloc("copy source")?, alloc("copy destination")?);
-        self.synchronize()?;
-        let t = std::time::Instant::now();
-        stream
-            .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| cuda_err("device copy")(&e))?;
-        self.synchronize()?;
-        Ok(t.elapsed())
+        self.time_copy_impl(bytes)
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
-        let data = if t.is_empty() { &[0f32][..] } else { t.data() };
-        let stream = &self.inner.stream;
-        let buf = if std::mem::size_of_val(data) >= staging::STAGED_MIN_BYTES {
-            self.inner.staging.upload(stream, data)?
-        } else {
-            stream
-                .clone_htod(data)
-                .map_err(|e| cuda_err("upload")(&e))?
-        };
-        Ok(CudaTensor {
-            shape: t.shape().to_vec(),
-            buf: Arc::new(buf),
-        })
+        self.upload_impl(t)
     }
 
     fn download(&self, t: &CudaTensor) -> Result<HostTensor> {
-        let stream = &self.inner.stream;
-        if t.len() * 4 >= staging::STAGED_MIN_BYTES {
-            let v = self.inner.staging.download(stream, &t.buf, t.len())?;
-            return HostTensor::new(t.shape.clone(), v);
-        }
-        let mut v = stream
-            .clone_dtoh(&*t.buf)
-            .map_err(|e| cuda_err("download")(&e))?;
-        v.truncate(t.len());
-        HostTensor::new(t.shape.clone(), v)
+        self.download_impl(t)
     }
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
@@ -901,39 +90,11 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
-        if dst.len() != src.len() {
-            return Err(Error::shape(
-                "copy",
-                format!("{:?} into {:?}", src.shape, dst.shape),
-            ));
-        }
-        let buf = Arc::make_mut(&mut dst.buf);
-        self.inner
-            .stream
-            .memcpy_dtod(&*src.buf, buf)
-            .map_err(|e| cuda_err("copy")(&e))
+        self.copy_impl(dst, src)
     }
 
     fn record(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaStepGraph>> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        // Timing events cannot be recorded inside a graph: while ops are timed, steps run op
-        // by op.
-        if self.timing_ops() {
-            return Ok(None);
-        }
-        let stream = &self.inner.stream;
-        // Thread-local: other threads' CUDA calls (another service in the same process) go on.
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| cuda_err("starting a graph capture")(&e))?;
-        let recorded = ops();
-        // Ended whatever ops did, so the stream never stays in capture mode. Buffers the step
-        // allocates and does not free are freed at each launch.
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        recorded?;
-        let graph = graph.map_err(|e| cuda_err("capturing the decode step")(&e))?;
-        Ok(graph.map(CudaStepGraph))
+        self.record_impl(ops)
     }
 
     fn replay(&self, graph: &CudaStepGraph) -> Result<()> {
@@ -944,57 +105,15 @@ impl Backend for CudaBackend {
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {
-        use rayon::prelude::*;
-        let halves: Vec<half::f16> = t
-            .data()
-            .par_iter()
-            .map(|&v| half::f16::from_f32(v))
-            .collect();
-        let buf = self
-            .inner
-            .stream
-            .clone_htod(if halves.is_empty() {
-                &[half::f16::ZERO][..]
-            } else {
-                &halves
-            })
-            .map_err(|e| cuda_err("uploading a weight")(&e))?;
-        Ok(CudaWeight {
-            shape: t.shape().to_vec(),
-            buf: Arc::new(buf),
-        })
+        self.upload_weight_impl(t)
     }
 
     fn random_weight(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaWeight> {
-        let n: usize = shape.iter().product();
-        let mut buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>(n.max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        let name = "fill_uniform_f16";
-        let n = n as u64;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&mut buf).arg(&n).arg(&key).arg(&bound);
-        // SAFETY: argument types and count match fill_uniform_f16 in weights_f16.cu.
-        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
-        Ok(CudaWeight {
-            shape: shape.to_vec(),
-            buf: Arc::new(buf),
-        })
+        self.random_weight_impl(shape, key, bound)
     }
 
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaTensor> {
-        let mut out = self.alloc(shape.to_vec())?;
-        let n = out.len() as u64;
-        let name = "fill_uniform_f32";
-        let cfg = Self::fill_config(n);
-        let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(buf).arg(&n).arg(&key).arg(&bound);
-        // SAFETY: argument types and count match fill_uniform_f32 in ops_f32.cu.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
+        self.random_uniform_impl(shape, key, bound)
     }
 
     fn shape<'a>(&self, t: &'a CudaTensor) -> &'a [usize] {
@@ -1013,19 +132,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, b: Option<&CudaTensor>) -> Result<CudaTensor> {
-        let m = self.check_linear("linear", x, w, b)?;
-        let mut out = self.alloc(with_cols(&x.shape, m))?;
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        let n = x.rows();
-        if n == 0 || m == 0 {
-            return Ok(out);
-        }
-        if n <= GEMV_MAX_ROWS {
-            self.gemv(x, None, w, b, out_buf, false)?;
-            return Ok(out);
-        }
-        self.project_f16(&self.to_f16(x)?, n, w, b, out_buf)?;
-        Ok(out)
+        self.linear_impl(x, w, b)
     }
 
     fn rms_norm_linear(
@@ -1036,18 +143,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         b: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
-        let m = self.check_linear("rms_norm_linear", x, w, b)?;
-        width_of("rms_norm_linear", x, norm)?;
-        let mut out = self.alloc(with_cols(&x.shape, m))?;
-        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-        if self.normed_gemv_fits(x) {
-            self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
-        } else if x.rows() > 0 && m > 0 {
-            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
-            let h16 = self.rms_norm_f16(x, norm, eps)?;
-            self.project_f16(&h16, x.rows(), w, b, out_buf)?;
-        }
-        Ok(out)
+        self.rms_norm_linear_impl(x, norm, eps, w, b)
     }
 
     fn add_linear(
@@ -1057,38 +153,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         b: Option<&CudaTensor>,
     ) -> Result<()> {
-        let m = self.check_linear("add_linear", a, w, b)?;
-        if x.shape != with_cols(&a.shape, m) {
-            return Err(Error::shape(
-                "add_linear",
-                format!("{:?} -> {m} columns added into {:?}", a.shape, x.shape),
-            ));
-        }
-        let n = a.rows();
-        if n == 0 || m == 0 {
-            return Ok(());
-        }
-        if n <= GEMV_MAX_ROWS {
-            return self.gemv(a, None, w, b, Arc::make_mut(&mut x.buf), true);
-        }
-        // The GEMM adds into its output (beta = 1), the bias in cuBLASLt's epilogue.
-        let Some(b) = b else {
-            return self.gemm(a, w, Arc::make_mut(&mut x.buf), true);
-        };
-        let shape = LtShape {
-            n,
-            k: a.cols(),
-            m,
-            out_kind: LtOut::F32 { accumulate: true },
-            epilogue: Epilogue::Bias,
-        };
-        if !self.lt_supports(&shape)? {
-            *x = self.add(x, &self.linear(a, w, Some(b))?)?;
-            return Ok(());
-        }
-        let a16 = self.to_f16(a)?;
-        self.lt_gemm(&shape, &a16, w, &b.buf, Arc::make_mut(&mut x.buf))?;
-        Ok(())
+        self.add_linear_impl(x, a, w, b)
     }
 
     fn layer_norm_linears(
@@ -1097,22 +162,7 @@ impl Backend for CudaBackend {
         norm: LayerNormParams<Self>,
         projections: &[Projection<Self>],
     ) -> Result<Vec<CudaTensor>> {
-        let n = x.rows();
-        if n <= GEMV_MAX_ROWS {
-            // The GEMVs read f32 rows.
-            return layer_norm_linears_op_by_op(self, x, norm, projections);
-        }
-        let h16 = self.layer_norm_f16(x, norm)?;
-        projections
-            .iter()
-            .map(|p| {
-                let m = self.check_linear("layer_norm_linears", x, p.w, p.b)?;
-                let mut out = self.alloc(with_cols(&x.shape, m))?;
-                let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
-                self.project_f16(&h16, n, p.w, p.b, buf)?;
-                Ok(out)
-            })
-            .collect()
+        self.layer_norm_linears_impl(x, norm, projections)
     }
 
     fn layer_norm_mlp(
@@ -1123,47 +173,7 @@ impl Backend for CudaBackend {
         act: GeluKind,
         down: Projection<Self>,
     ) -> Result<()> {
-        let (n, cols) = (x.rows(), x.cols());
-        let hidden = self.check_linear("layer_norm_mlp", x, up.w, up.b)?;
-        if down.w.shape != [cols, hidden] || down.b.is_some_and(|b| b.len() != cols) {
-            return Err(Error::shape(
-                "layer_norm_mlp",
-                format!(
-                    "x {:?}, up {:?}, down {:?}",
-                    x.shape, up.w.shape, down.w.shape
-                ),
-            ));
-        }
-        let up_shape = LtShape {
-            n,
-            k: cols,
-            m: hidden,
-            out_kind: LtOut::F16,
-            epilogue: Epilogue::GeluBias,
-        };
-        let down_shape = LtShape {
-            n,
-            k: hidden,
-            m: cols,
-            out_kind: LtOut::F32 { accumulate: true },
-            epilogue: Epilogue::Bias,
-        };
-        // cuBLASLt's GELU is the tanh form; decode-sized inputs go to the GEMVs.
-        if let (true, Some(b_up), Some(b_down)) =
-            (n > GEMV_MAX_ROWS && act == GeluKind::Tanh, up.b, down.b)
-        {
-            if self.lt_supports(&up_shape)? && self.lt_supports(&down_shape)? {
-                let h16 = self.layer_norm_f16(x, norm)?;
-                // An f16 output takes an f16 bias.
-                let b_up16 = self.to_f16(b_up)?;
-                let mut hidden16 = self.alloc_f16(n * hidden)?;
-                self.lt_gemm(&up_shape, &h16, up.w, &b_up16, &mut hidden16)?;
-                let out = Arc::make_mut(&mut x.buf);
-                self.lt_gemm(&down_shape, &hidden16, down.w, &b_down.buf, out)?;
-                return Ok(());
-            }
-        }
-        layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
+        self.layer_norm_mlp_impl(x, norm, up, act, down)
     }
 
     fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
@@ -1197,39 +207,7 @@ impl Backend for CudaBackend {
     }
 
     fn stack_weights(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
-        let Some(first) = parts.first() else {
-            return Err(Error::shape("stack_weights", "nothing to stack"));
-        };
-        let cols = first.shape.last().copied().unwrap_or(0);
-        if parts
-            .iter()
-            .any(|p| p.shape.len() != 2 || p.shape[1] != cols)
-        {
-            let shapes: Vec<_> = parts.iter().map(|p| &p.shape).collect();
-            return Err(Error::shape(
-                "stack_weights",
-                format!("row widths differ: {shapes:?}"),
-            ));
-        }
-        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
-        let mut buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>((rows * cols).max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        let mut at = 0;
-        for p in parts {
-            let n = p.shape[0] * cols;
-            self.inner
-                .stream
-                .memcpy_dtod(&p.buf.slice(..n), &mut buf.slice_mut(at..at + n))
-                .map_err(|e| cuda_err("stack_weights")(&e))?;
-            at += n;
-        }
-        Ok(CudaWeight {
-            shape: vec![rows, cols],
-            buf: Arc::new(buf),
-        })
+        self.stack_weights_impl(parts)
     }
 
     fn qkv_to_cache(
@@ -1239,57 +217,7 @@ impl Backend for CudaBackend {
         k_cache: &mut CudaCache,
         v_cache: &mut CudaCache,
     ) -> Result<CudaTensor> {
-        let [slots, hkv, d] = k_cache.shape;
-        let (hq, n) = (how.q_heads, qkv.rows());
-        if qkv.cols() != (hq + 2 * hkv) * d
-            || how.slots.len != n
-            || v_cache.shape != k_cache.shape
-            || d > 256
-            || d % 2 != 0
-            || how.cos.shape != [n, d]
-            || how.sin.shape != [n, d]
-            || how.q_norm.len() != d
-            || how.k_norm.len() != d
-        {
-            return Err(Error::shape(
-                "qkv_to_cache",
-                format!(
-                    "qkv {:?} for {hq} + 2 x {hkv} heads of {d}, {} slots, cos {:?}, caches {:?}",
-                    qkv.shape, how.slots.len, how.cos.shape, k_cache.shape
-                ),
-            ));
-        }
-        let mut q = self.alloc(vec![n, hq, d])?;
-        if n == 0 {
-            return Ok(q);
-        }
-        let name = "qkv_to_cache_f32";
-        let (hq_i, hkv_i, d_i, ns) = (hq as i32, hkv as i32, d as i32, slots as u32);
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*qkv.buf)
-            .arg(&*how.q_norm.buf)
-            .arg(&*how.k_norm.buf)
-            .arg(&how.eps)
-            .arg(&*how.cos.buf)
-            .arg(&*how.sin.buf)
-            .arg(&how.slots.buf)
-            .arg(Arc::get_mut(&mut q.buf).expect("fresh buffer"))
-            .arg(&mut k_cache.buf)
-            .arg(&mut v_cache.buf)
-            .arg(&hq_i)
-            .arg(&hkv_i)
-            .arg(&d_i)
-            .arg(&ns);
-        let heads = (hq + 2 * hkv) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, heads.div_ceil(QKV_WARPS), 1),
-            block_dim: (QKV_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches qkv_to_cache_f32 (QK_WARPS warps, head dims up to QK_MAX_DIM);
-        // shapes checked; the kernel checks every slot against the cache.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(q)
+        self.qkv_to_cache_impl(qkv, how, k_cache, v_cache)
     }
 
     fn add(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
@@ -1304,26 +232,7 @@ impl Backend for CudaBackend {
         b: &CudaTensor,
         eps: f32,
     ) -> Result<CudaTensor> {
-        width_of("layer_norm", x, w)?;
-        width_of("layer_norm", x, b)?;
-        let mut out = self.alloc(x.shape.clone())?;
-        let cols = x.cols() as i32;
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("layer_norm_f32"));
-        l.arg(&*x.buf)
-            .arg(&*w.buf)
-            .arg(&*b.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&cols)
-            .arg(&eps);
-        // SAFETY: matches layer_norm_f32, one block per row.
-        self.launched(
-            "layer_norm_f32",
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.layer_norm_impl(x, w, b, eps)
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaTensor, eps: f32) -> Result<CudaTensor> {
@@ -1347,36 +256,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &CudaTensor, cos: &CudaTensor, sin: &CudaTensor) -> Result<CudaTensor> {
-        let [n, h, d] = x.shape[..] else {
-            return Err(Error::shape(
-                "rope",
-                format!("x must be [tokens, heads, head_dim], got {:?}", x.shape),
-            ));
-        };
-        if cos.shape != [n, d] || sin.shape != [n, d] || d % 2 != 0 {
-            return Err(Error::shape(
-                "rope",
-                format!(
-                    "x {:?} with cos {:?}, sin {:?}",
-                    x.shape, cos.shape, sin.shape
-                ),
-            ));
-        }
-        let mut out = self.alloc(x.shape.clone())?;
-        let (hh, dd) = (h as i32, d as i32);
-        let mut l = self.inner.stream.launch_builder(self.kernel("rope_f32"));
-        l.arg(&*x.buf)
-            .arg(&*cos.buf)
-            .arg(&*sin.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&hh)
-            .arg(&dd);
-        // SAFETY: matches rope_f32, one block per token.
-        self.launched(
-            "rope_f32",
-            unsafe { l.launch(Self::row_config(n)) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.rope_impl(x, cos, sin)
     }
 
     fn attention(
@@ -1387,162 +267,15 @@ impl Backend for CudaBackend {
         kv_len: usize,
         mask: AttnMask,
     ) -> Result<CudaTensor> {
-        let [nq, hq, d] = q.shape[..] else {
-            return Err(Error::shape(
-                "attention",
-                format!("q must be 3-D, got {:?}", q.shape),
-            ));
-        };
-        let [slots, hkv, dk] = k.shape[..] else {
-            return Err(Error::shape(
-                "attention",
-                format!("k must be 3-D, got {:?}", k.shape),
-            ));
-        };
-        let first = match mask {
-            AttnMask::Full => 0,
-            AttnMask::Causal { first_query_slot } => first_query_slot,
-        };
-        let causal = matches!(mask, AttnMask::Causal { .. });
-        if v.shape != k.shape
-            || dk != d
-            || d > MAX_HEAD_DIM
-            || hkv == 0
-            || hq % hkv != 0
-            || kv_len > slots
-            || kv_len == 0
-            || (causal && first + nq > kv_len)
-        {
-            return Err(Error::shape(
-                "attention",
-                format!(
-                    "q {:?}, k {:?}, v {:?}, kv_len {kv_len}, {mask:?}",
-                    q.shape, k.shape, v.shape
-                ),
-            ));
-        }
-        let mut out = self.alloc(vec![nq, hq * d])?;
-        let flash_dim = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
-        if let (true, true, Some(dp)) = (self.inner.flash, nq >= FLASH_MIN_QUERIES, flash_dim) {
-            // Keys and values to f16 [hkv, kv_len, dp] once, not once per query tile.
-            let packed = hkv * kv_len * dp;
-            // pack_kv_f16 writes every element (padding dims as zeros).
-            let (mut kp, mut vp) = (self.alloc_f16(packed)?, self.alloc_f16(packed)?);
-            let pack = "pack_kv_f16";
-            let dims = [hkv, d, dp, kv_len].map(|v| v as i32);
-            let mut l = self.inner.stream.launch_builder(self.kernel(pack));
-            l.arg(&*k.buf).arg(&*v.buf).arg(&mut kp).arg(&mut vp);
-            for v in &dims {
-                l.arg(v);
-            }
-            // SAFETY: matches pack_kv_f16, one block per key; k and v hold kv_len <= slots
-            // rows of hkv * d, kp and vp hkv * kv_len * dp halves.
-            self.launched(
-                pack,
-                unsafe { l.launch(Self::row_config(kv_len)) }.map(|_| ()),
-            )?;
-
-            let name = FLASH_KERNELS[FLASH_DIMS.iter().position(|&x| x == dp).expect("listed")];
-            let ints = [nq, hq, hkv, d, kv_len, causal as usize, first].map(|v| v as i32);
-            let scale = 1.0f32 / (d as f32).sqrt();
-            let mut l = self.inner.stream.launch_builder(self.kernel(name));
-            l.arg(&*q.buf)
-                .arg(&kp)
-                .arg(&vp)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh"));
-            for v in &ints {
-                l.arg(v);
-            }
-            l.arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (nq.div_ceil(64) as u32, hq as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: flash_smem_bytes(dp) as u32,
-            };
-            // SAFETY: matches flash_attention_d{dp}: 64 queries of one head per 4-warp block,
-            // shapes checked above, d <= dp, shared memory opted in at load.
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-            return Ok(out);
-        }
-        let (hq_i, hkv_i, d_i, len_i, causal_i, first_i) = (
-            hq as i32,
-            hkv as i32,
-            d as i32,
-            kv_len as i32,
-            causal as i32,
-            first as i32,
-        );
-        let scale = 1.0f32 / (d as f32).sqrt();
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("attention_f32"));
-        l.arg(&*q.buf)
-            .arg(&*k.buf)
-            .arg(&*v.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&hq_i)
-            .arg(&hkv_i)
-            .arg(&d_i)
-            .arg(&len_i)
-            .arg(&causal_i)
-            .arg(&first_i)
-            .arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: ((nq * hq).max(1) as u32, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches attention_f32: one warp per (query, head), shapes checked above.
-        self.launched("attention_f32", unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
+        self.attention_impl(q, k, v, kv_len, mask)
     }
 
     fn embedding(&self, table: &CudaWeight, ids: &CudaIds) -> Result<CudaTensor> {
-        let [vocab, h] = table.shape[..] else {
-            return Err(Error::shape(
-                "embedding",
-                format!("table must be 2-D, got {:?}", table.shape),
-            ));
-        };
-        let n = ids.len;
-        let mut out = self.alloc(vec![n, h])?;
-        if n == 0 {
-            return Ok(out);
-        }
-        let (hh, vv) = (h as i32, vocab as u32);
-        let name = "embedding_f16w";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*table.buf)
-            .arg(&ids.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&hh)
-            .arg(&vv);
-        // SAFETY: matches embedding_f16w; the kernel bounds-checks every id.
-        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
-        Ok(out)
+        self.embedding_impl(table, ids)
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &CudaIds) -> Result<CudaTensor> {
-        let c = x.cols();
-        let mut out = self.alloc(vec![rows.len, c])?;
-        if rows.len == 0 {
-            return Ok(out);
-        }
-        let (cc, nr) = (c as i32, x.rows() as u32);
-        let name = "gather_rows_f32";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&rows.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&cc)
-            .arg(&nr);
-        // SAFETY: matches gather_rows_f32; rows outside x give NaN rows, never a stray read.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(rows.len)) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.gather_rows_impl(x, rows)
     }
 
     fn weighted_gather(
@@ -1552,101 +285,19 @@ impl Backend for CudaBackend {
         weights: &[f32],
         taps: usize,
     ) -> Result<CudaTensor> {
-        if taps == 0
-            || index.len() != weights.len()
-            || index.len() % taps != 0
-            || index.iter().any(|&i| i as usize >= table.rows())
-        {
-            return Err(Error::shape(
-                "weighted_gather",
-                format!(
-                    "{} indices, {} weights, {taps} taps, table {:?}",
-                    index.len(),
-                    weights.len(),
-                    table.shape
-                ),
-            ));
-        }
-        let n = index.len() / taps;
-        let h = table.cols();
-        let mut out = self.alloc(vec![n, h])?;
-        if n == 0 {
-            return Ok(out);
-        }
-        let idx = self.indices(index)?;
-        let w = self
-            .inner
-            .stream
-            .clone_htod(weights)
-            .map_err(|e| cuda_err("uploading weights")(&e))?;
-        let (t, hh) = (taps as i32, h as i32);
-        let mut l = self
-            .inner
-            .stream
-            .launch_builder(self.kernel("weighted_gather_f32"));
-        l.arg(&*table.buf)
-            .arg(&idx)
-            .arg(&w)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&t)
-            .arg(&hh);
-        // SAFETY: matches weighted_gather_f32; indices checked against the table.
-        self.launched(
-            "weighted_gather_f32",
-            unsafe { l.launch(Self::row_config(n)) }.map(|_| ()),
-        )?;
-        Ok(out)
+        self.weighted_gather_impl(table, index, weights, taps)
     }
 
     fn slice_rows(&self, x: &CudaTensor, start: usize, end: usize) -> Result<CudaTensor> {
-        let c = x.cols();
-        if start > end || end > x.rows() {
-            return Err(Error::shape(
-                "slice_rows",
-                format!("rows {start}..{end} of {:?}", x.shape),
-            ));
-        }
-        let mut out = self.alloc(vec![end - start, c])?;
-        if end > start {
-            let src = x.buf.slice(start * c..end * c);
-            self.inner
-                .stream
-                .memcpy_dtod(&src, Arc::get_mut(&mut out.buf).expect("fresh"))
-                .map_err(|e| cuda_err("slice_rows")(&e))?;
-        }
-        Ok(out)
+        self.slice_rows_impl(x, start, end)
     }
 
     fn write(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {
-        if values.len() != dst.len() {
-            return Err(Error::shape(
-                "write",
-                format!("{} values into {:?}", values.len(), dst.shape),
-            ));
-        }
-        if values.is_empty() {
-            return Ok(());
-        }
-        let buf = Arc::make_mut(&mut dst.buf);
-        self.inner
-            .stream
-            .memcpy_htod(values, buf)
-            .map_err(|e| cuda_err("write")(&e))
+        self.write_impl(dst, values)
     }
 
     fn time_ops(&self, on: bool) -> Result<bool> {
-        self.synchronize()?;
-        let mut events = self
-            .inner
-            .op_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        *events = on.then(Vec::new);
-        drop(events);
-        if on {
-            self.mark("start")?;
-        }
-        Ok(true)
+        self.time_ops_impl(on)
     }
 
     fn timing_ops(&self) -> bool {
@@ -1654,171 +305,35 @@ impl Backend for CudaBackend {
     }
 
     fn op_times(&self) -> Result<Vec<crate::backend::OpTime>> {
-        self.synchronize()?;
-        let mut guard = self
-            .inner
-            .op_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let Some(events) = guard.as_mut() else {
-            return Ok(Vec::new());
-        };
-        let mut by_op: Vec<crate::backend::OpTime> = Vec::new();
-        // Each op's end event follows the start mark set when the op before it had finished.
-        for pair in events
-            .windows(2)
-            .filter(|p| p[0].0 == "start" && p[1].0 != "start")
-        {
-            let ms = pair[0]
-                .1
-                .elapsed_ms(&pair[1].1)
-                .map_err(|e| cuda_err("reading a timing event")(&e))? as f64;
-            let name = pair[1].0;
-            match by_op.iter_mut().find(|o| o.op == name) {
-                Some(o) => {
-                    o.launches += 1;
-                    o.ms += ms;
-                }
-                None => by_op.push(crate::backend::OpTime {
-                    op: name,
-                    launches: 1,
-                    ms,
-                }),
-            }
-        }
-        events.clear();
-        drop(guard);
-        self.mark("start")?;
-        by_op.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-        Ok(by_op)
+        self.op_times_impl()
     }
 
     fn upload_ids(&self, values: &[u32]) -> Result<CudaIds> {
-        let buf = self
-            .inner
-            .stream
-            .clone_htod(if values.is_empty() {
-                &[0u32][..]
-            } else {
-                values
-            })
-            .map_err(|e| cuda_err("uploading ids")(&e))?;
-        Ok(CudaIds {
-            len: values.len(),
-            buf,
-        })
+        self.upload_ids_impl(values)
     }
 
     fn write_ids(&self, dst: &mut CudaIds, values: &[u32]) -> Result<()> {
-        if values.len() > dst.len {
-            return Err(Error::shape(
-                "write_ids",
-                format!("{} ids into a buffer of {}", values.len(), dst.len),
-            ));
-        }
-        if values.is_empty() {
-            return Ok(());
-        }
-        let mut target = dst.buf.slice_mut(..values.len());
-        self.inner
-            .stream
-            .memcpy_htod(values, &mut target)
-            .map_err(|e| cuda_err("write_ids")(&e))
+        self.write_ids_impl(dst, values)
     }
 
     fn download_ids(&self, ids: &CudaIds, n: usize) -> Result<Vec<u32>> {
-        if n > ids.len {
-            return Err(Error::shape(
-                "download_ids",
-                format!("{n} ids from a buffer of {}", ids.len),
-            ));
-        }
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        self.inner
-            .stream
-            .clone_dtoh(&ids.buf.slice(..n))
-            .map_err(|e| cuda_err("download_ids")(&e))
+        self.download_ids_impl(ids, n)
     }
 
     fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<CudaCache> {
-        let buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>((slots * heads * dim).max(1))
-            .map_err(|e| cuda_err("allocating the KV cache")(&e))?;
-        Ok(CudaCache {
-            shape: [slots, heads, dim],
-            buf,
-        })
+        self.zeros_cache_impl(slots, heads, dim)
     }
 
     fn download_cache(&self, cache: &CudaCache) -> Result<HostTensor> {
-        let halves = self
-            .inner
-            .stream
-            .clone_dtoh(&cache.buf)
-            .map_err(|e| cuda_err("download_cache")(&e))?;
-        let n: usize = cache.shape.iter().product();
-        HostTensor::new(
-            cache.shape.to_vec(),
-            halves[..n].iter().map(|h| h.to_f32()).collect(),
-        )
+        self.download_cache_impl(cache)
     }
 
     fn argmax_rows(&self, x: &CudaTensor, out: &mut CudaIds) -> Result<()> {
-        let (n, cols) = (x.rows(), x.cols());
-        if out.len < n || cols == 0 {
-            return Err(Error::shape(
-                "argmax_rows",
-                format!("{n} rows of {:?} into {} ids", x.shape, out.len),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let name = "argmax_rows_f32";
-        let c = cols as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&c).arg(&mut out.buf);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches argmax_rows_f32, one block per row; out holds at least n ids.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+        self.argmax_rows_impl(x, out)
     }
 
     fn write_kv(&self, cache: &mut CudaCache, slots: &CudaIds, rows: &CudaTensor) -> Result<()> {
-        let [num_slots, heads, dim] = cache.shape;
-        let width = heads * dim;
-        if rows.len() != slots.len * width {
-            return Err(Error::shape(
-                "write_kv",
-                format!(
-                    "{} rows {:?} into a cache of {:?}",
-                    slots.len, rows.shape, cache.shape
-                ),
-            ));
-        }
-        if slots.len == 0 {
-            return Ok(());
-        }
-        let (w, ns) = (width as i32, num_slots as u32);
-        let name = "write_kv_f16";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&mut cache.buf)
-            .arg(&slots.buf)
-            .arg(&*rows.buf)
-            .arg(&w)
-            .arg(&ns);
-        // SAFETY: matches write_kv_f16, one block per row; the kernel checks every slot.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(slots.len)) }.map(|_| ()),
-        )
+        self.write_kv_impl(cache, slots, rows)
     }
 
     fn paged_attention(
@@ -1828,139 +343,7 @@ impl Backend for CudaBackend {
         v: &CudaCache,
         batch: &PagedBatch<Self>,
     ) -> Result<CudaTensor> {
-        let [rows, hq, d] = q.shape[..] else {
-            return Err(Error::shape(
-                "paged_attention",
-                format!("q must be [rows, heads, d], got {:?}", q.shape),
-            ));
-        };
-        let [_, hkv, dk] = k.shape;
-        if v.shape != k.shape
-            || dk != d
-            || hkv == 0
-            || hq % hkv != 0
-            || d > MAX_HEAD_DIM
-            || batch.block_size == 0
-            || batch.seqs.len < batch.num_seqs * 4
-            || batch.decode_seqs > batch.num_seqs
-        {
-            return Err(Error::shape(
-                "paged_attention",
-                format!(
-                    "q {:?}, cache {:?}, {} sequences ({} decoding), block size {}",
-                    q.shape, k.shape, batch.num_seqs, batch.decode_seqs, batch.block_size
-                ),
-            ));
-        }
-        let group = hq / hkv;
-        // Rows of no sequence (none in practice) stay zero, as the reference says. A step of
-        // decoding sequences only, one row each, writes every row: no memset then.
-        let every_row_decodes = batch.decode_seqs == batch.num_seqs
-            && rows == batch.num_seqs
-            && decode_kernel(d, group).is_some();
-        let mut out = if every_row_decodes {
-            self.alloc(vec![rows, hq * d])?
-        } else {
-            self.alloc_zeroed(vec![rows, hq * d])?
-        };
-        let scale = 1.0f32 / (d as f32).sqrt();
-        let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
-        let stream = &self.inner.stream;
-        let mut first_rest = 0;
-        // Decoding sequences: split-K over their keys, every KV row read once per head group.
-        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
-            let nd = batch.decode_seqs;
-            // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
-            // a long context's splits stay short enough for a few round trips each (attention
-            // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
-            let want = 4 * self.inner.sm_count / (nd * hkv);
-            let splits = want
-                .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
-                .clamp(1, DECODE_MAX_SPLITS);
-            if nd * hkv > COUNTERS {
-                return Err(Error::shape(
-                    "paged_attention",
-                    format!(
-                        "{nd} decoding sequences of {hkv} KV heads: more than {COUNTERS} counters"
-                    ),
-                ));
-            }
-            let mut part_o = self.alloc(vec![nd * hq * splits, d])?;
-            let mut part_ml = self.alloc(vec![nd * hq * splits, 2])?;
-            let mut l = stream.launch_builder(self.kernel(name));
-            l.arg(&*q.buf)
-                .arg(&k.buf)
-                .arg(&v.buf)
-                .arg(&batch.seqs.buf)
-                .arg(&batch.blocks.buf)
-                .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
-                .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
-                // Written by the kernel, which leaves them at 0 again (Inner::counters).
-                .arg(&self.inner.counters)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-                .arg(&hq_i)
-                .arg(&hkv_i)
-                .arg(&bs_i)
-                .arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (nd as u32, hkv as u32, splits as u32),
-                block_dim: (DECODE_WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: matches paged_decode_d{d}_g{gp}: d is the instantiated head dim, the
-            // group fits gp, the partials hold nd * hq * splits rows, the counters nd * hkv.
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-            first_rest = nd;
-        }
-        let rest = batch.num_seqs - first_rest;
-        if rest == 0 {
-            return Ok(out);
-        }
-        let seq0 = first_rest as i32;
-        // Prefill chunks: flash attention on tensor cores from 16 queries, else one warp per
-        // (query, head). Both take the same arguments.
-        let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
-        let (name, cfg) = match flash_dim {
-            Some(at) if self.inner.flash && batch.max_queries >= FLASH_MIN_QUERIES => (
-                PAGED_FLASH_KERNELS[at],
-                LaunchConfig {
-                    grid_dim: (
-                        batch.max_queries.div_ceil(64) as u32,
-                        hq as u32,
-                        rest as u32,
-                    ),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at]) as u32,
-                },
-            ),
-            _ => (
-                "paged_attention_rows_f16",
-                LaunchConfig {
-                    grid_dim: (batch.max_queries.max(1) as u32, hq as u32, rest as u32),
-                    block_dim: (32, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            ),
-        };
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&*q.buf)
-            .arg(&k.buf)
-            .arg(&v.buf)
-            .arg(&batch.seqs.buf)
-            .arg(&batch.blocks.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-            .arg(&seq0)
-            .arg(&hq_i)
-            .arg(&hkv_i)
-            .arg(&d_i)
-            .arg(&bs_i)
-            .arg(&scale);
-        // SAFETY: matches paged_flash_attention_d{dp} (64 queries of one head of one sequence
-        // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
-        // opted in at load) or paged_attention_rows_f16 (one warp per query, head and
-        // sequence; d <= MAX_HEAD_DIM).
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
+        self.paged_attention_impl(q, k, v, batch)
     }
 
     fn scatter_rows(&self, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
@@ -1969,12 +352,5 @@ impl Backend for CudaBackend {
 
     fn add_rows(&self, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
         self.scatter(dst, rows, src, true)
-    }
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // Queued kernels may still read buffers about to be freed.
-        let _ = self.stream.synchronize();
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 
-use super::cuda_err;
+use super::context::cuda_err;
 use crate::{Error, Result};
 
 /// Makes glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.

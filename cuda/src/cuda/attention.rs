@@ -1,0 +1,412 @@
+//! Attention and what feeds it: RoPE, the per-head norm + RoPE + cache write of a step's
+//! fused qkv (`qkv_to_cache`), KV cache writes, attention over contiguous keys and values (flash
+//! on tensor cores, or a warp per query) and over the paged cache (split-K decode, paged flash
+//! for prefill chunks); kernels in `cuda/kernels/paged_f16.cu`, `attention_f16.cu` and
+//! `ops_f32.cu`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::kernels::{
+    decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
+    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
+};
+use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
+use crate::{AttnMask, Error, PagedBatch, QkvToCache, Result};
+
+impl CudaBackend {
+    pub(super) fn qkv_to_cache_impl(
+        &self,
+        qkv: &CudaTensor,
+        how: &QkvToCache<Self>,
+        k_cache: &mut CudaCache,
+        v_cache: &mut CudaCache,
+    ) -> Result<CudaTensor> {
+        let [slots, hkv, d] = k_cache.shape;
+        let (hq, n) = (how.q_heads, qkv.rows());
+        if qkv.cols() != (hq + 2 * hkv) * d
+            || how.slots.len != n
+            || v_cache.shape != k_cache.shape
+            || d > 256
+            || d % 2 != 0
+            || how.cos.shape != [n, d]
+            || how.sin.shape != [n, d]
+            || how.q_norm.len() != d
+            || how.k_norm.len() != d
+        {
+            return Err(Error::shape(
+                "qkv_to_cache",
+                format!(
+                    "qkv {:?} for {hq} + 2 x {hkv} heads of {d}, {} slots, cos {:?}, caches {:?}",
+                    qkv.shape, how.slots.len, how.cos.shape, k_cache.shape
+                ),
+            ));
+        }
+        let mut q = self.alloc(vec![n, hq, d])?;
+        if n == 0 {
+            return Ok(q);
+        }
+        let name = "qkv_to_cache_f32";
+        let (hq_i, hkv_i, d_i, ns) = (hq as i32, hkv as i32, d as i32, slots as u32);
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*qkv.buf)
+            .arg(&*how.q_norm.buf)
+            .arg(&*how.k_norm.buf)
+            .arg(&how.eps)
+            .arg(&*how.cos.buf)
+            .arg(&*how.sin.buf)
+            .arg(&how.slots.buf)
+            .arg(Arc::get_mut(&mut q.buf).expect("fresh buffer"))
+            .arg(&mut k_cache.buf)
+            .arg(&mut v_cache.buf)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&d_i)
+            .arg(&ns);
+        let heads = (hq + 2 * hkv) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, heads.div_ceil(QKV_WARPS), 1),
+            block_dim: (QKV_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches qkv_to_cache_f32 (QK_WARPS warps, head dims up to QK_MAX_DIM);
+        // shapes checked; the kernel checks every slot against the cache.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(q)
+    }
+
+    pub(super) fn rope_impl(
+        &self,
+        x: &CudaTensor,
+        cos: &CudaTensor,
+        sin: &CudaTensor,
+    ) -> Result<CudaTensor> {
+        let [n, h, d] = x.shape[..] else {
+            return Err(Error::shape(
+                "rope",
+                format!("x must be [tokens, heads, head_dim], got {:?}", x.shape),
+            ));
+        };
+        if cos.shape != [n, d] || sin.shape != [n, d] || d % 2 != 0 {
+            return Err(Error::shape(
+                "rope",
+                format!(
+                    "x {:?} with cos {:?}, sin {:?}",
+                    x.shape, cos.shape, sin.shape
+                ),
+            ));
+        }
+        let mut out = self.alloc(x.shape.clone())?;
+        let (hh, dd) = (h as i32, d as i32);
+        let mut l = self.inner.stream.launch_builder(self.kernel("rope_f32"));
+        l.arg(&*x.buf)
+            .arg(&*cos.buf)
+            .arg(&*sin.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&hh)
+            .arg(&dd);
+        // SAFETY: matches rope_f32, one block per token.
+        self.launched(
+            "rope_f32",
+            unsafe { l.launch(Self::row_config(n)) }.map(|_| ()),
+        )?;
+        Ok(out)
+    }
+
+    pub(super) fn attention_impl(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        kv_len: usize,
+        mask: AttnMask,
+    ) -> Result<CudaTensor> {
+        let [nq, hq, d] = q.shape[..] else {
+            return Err(Error::shape(
+                "attention",
+                format!("q must be 3-D, got {:?}", q.shape),
+            ));
+        };
+        let [slots, hkv, dk] = k.shape[..] else {
+            return Err(Error::shape(
+                "attention",
+                format!("k must be 3-D, got {:?}", k.shape),
+            ));
+        };
+        let first = match mask {
+            AttnMask::Full => 0,
+            AttnMask::Causal { first_query_slot } => first_query_slot,
+        };
+        let causal = matches!(mask, AttnMask::Causal { .. });
+        if v.shape != k.shape
+            || dk != d
+            || d > MAX_HEAD_DIM
+            || hkv == 0
+            || hq % hkv != 0
+            || kv_len > slots
+            || kv_len == 0
+            || (causal && first + nq > kv_len)
+        {
+            return Err(Error::shape(
+                "attention",
+                format!(
+                    "q {:?}, k {:?}, v {:?}, kv_len {kv_len}, {mask:?}",
+                    q.shape, k.shape, v.shape
+                ),
+            ));
+        }
+        let mut out = self.alloc(vec![nq, hq * d])?;
+        let flash_dim = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
+        if let (true, true, Some(dp)) = (self.inner.flash, nq >= FLASH_MIN_QUERIES, flash_dim) {
+            // Keys and values to f16 [hkv, kv_len, dp] once, not once per query tile.
+            let packed = hkv * kv_len * dp;
+            // pack_kv_f16 writes every element (padding dims as zeros).
+            let (mut kp, mut vp) = (self.alloc_f16(packed)?, self.alloc_f16(packed)?);
+            let pack = "pack_kv_f16";
+            let dims = [hkv, d, dp, kv_len].map(|v| v as i32);
+            let mut l = self.inner.stream.launch_builder(self.kernel(pack));
+            l.arg(&*k.buf).arg(&*v.buf).arg(&mut kp).arg(&mut vp);
+            for v in &dims {
+                l.arg(v);
+            }
+            // SAFETY: matches pack_kv_f16, one block per key; k and v hold kv_len <= slots
+            // rows of hkv * d, kp and vp hkv * kv_len * dp halves.
+            self.launched(
+                pack,
+                unsafe { l.launch(Self::row_config(kv_len)) }.map(|_| ()),
+            )?;
+
+            let name = FLASH_KERNELS[FLASH_DIMS.iter().position(|&x| x == dp).expect("listed")];
+            let ints = [nq, hq, hkv, d, kv_len, causal as usize, first].map(|v| v as i32);
+            let scale = 1.0f32 / (d as f32).sqrt();
+            let mut l = self.inner.stream.launch_builder(self.kernel(name));
+            l.arg(&*q.buf)
+                .arg(&kp)
+                .arg(&vp)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh"));
+            for v in &ints {
+                l.arg(v);
+            }
+            l.arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (nq.div_ceil(64) as u32, hq as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: flash_smem_bytes(dp) as u32,
+            };
+            // SAFETY: matches flash_attention_d{dp}: 64 queries of one head per 4-warp block,
+            // shapes checked above, d <= dp, shared memory opted in at load.
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            return Ok(out);
+        }
+        let (hq_i, hkv_i, d_i, len_i, causal_i, first_i) = (
+            hq as i32,
+            hkv as i32,
+            d as i32,
+            kv_len as i32,
+            causal as i32,
+            first as i32,
+        );
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let mut l = self
+            .inner
+            .stream
+            .launch_builder(self.kernel("attention_f32"));
+        l.arg(&*q.buf)
+            .arg(&*k.buf)
+            .arg(&*v.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&d_i)
+            .arg(&len_i)
+            .arg(&causal_i)
+            .arg(&first_i)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: ((nq * hq).max(1) as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches attention_f32: one warp per (query, head), shapes checked above.
+        self.launched("attention_f32", unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    pub(super) fn write_kv_impl(
+        &self,
+        cache: &mut CudaCache,
+        slots: &CudaIds,
+        rows: &CudaTensor,
+    ) -> Result<()> {
+        let [num_slots, heads, dim] = cache.shape;
+        let width = heads * dim;
+        if rows.len() != slots.len * width {
+            return Err(Error::shape(
+                "write_kv",
+                format!(
+                    "{} rows {:?} into a cache of {:?}",
+                    slots.len, rows.shape, cache.shape
+                ),
+            ));
+        }
+        if slots.len == 0 {
+            return Ok(());
+        }
+        let (w, ns) = (width as i32, num_slots as u32);
+        let name = "write_kv_f16";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&mut cache.buf)
+            .arg(&slots.buf)
+            .arg(&*rows.buf)
+            .arg(&w)
+            .arg(&ns);
+        // SAFETY: matches write_kv_f16, one block per row; the kernel checks every slot.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(slots.len)) }.map(|_| ()),
+        )
+    }
+
+    pub(super) fn paged_attention_impl(
+        &self,
+        q: &CudaTensor,
+        k: &CudaCache,
+        v: &CudaCache,
+        batch: &PagedBatch<Self>,
+    ) -> Result<CudaTensor> {
+        let [rows, hq, d] = q.shape[..] else {
+            return Err(Error::shape(
+                "paged_attention",
+                format!("q must be [rows, heads, d], got {:?}", q.shape),
+            ));
+        };
+        let [_, hkv, dk] = k.shape;
+        if v.shape != k.shape
+            || dk != d
+            || hkv == 0
+            || hq % hkv != 0
+            || d > MAX_HEAD_DIM
+            || batch.block_size == 0
+            || batch.seqs.len < batch.num_seqs * 4
+            || batch.decode_seqs > batch.num_seqs
+        {
+            return Err(Error::shape(
+                "paged_attention",
+                format!(
+                    "q {:?}, cache {:?}, {} sequences ({} decoding), block size {}",
+                    q.shape, k.shape, batch.num_seqs, batch.decode_seqs, batch.block_size
+                ),
+            ));
+        }
+        let group = hq / hkv;
+        // Rows of no sequence (none in practice) stay zero, as the reference says. A step of
+        // decoding sequences only, one row each, writes every row: no memset then.
+        let every_row_decodes = batch.decode_seqs == batch.num_seqs
+            && rows == batch.num_seqs
+            && decode_kernel(d, group).is_some();
+        let mut out = if every_row_decodes {
+            self.alloc(vec![rows, hq * d])?
+        } else {
+            self.alloc_zeroed(vec![rows, hq * d])?
+        };
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
+        let stream = &self.inner.stream;
+        let mut first_rest = 0;
+        // Decoding sequences: split-K over their keys, every KV row read once per head group.
+        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
+            let nd = batch.decode_seqs;
+            // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
+            // a long context's splits stay short enough for a few round trips each (attention
+            // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
+            let want = 4 * self.inner.sm_count / (nd * hkv);
+            let splits = want
+                .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
+                .clamp(1, DECODE_MAX_SPLITS);
+            if nd * hkv > COUNTERS {
+                return Err(Error::shape(
+                    "paged_attention",
+                    format!(
+                        "{nd} decoding sequences of {hkv} KV heads: more than {COUNTERS} counters"
+                    ),
+                ));
+            }
+            let mut part_o = self.alloc(vec![nd * hq * splits, d])?;
+            let mut part_ml = self.alloc(vec![nd * hq * splits, 2])?;
+            let mut l = stream.launch_builder(self.kernel(name));
+            l.arg(&*q.buf)
+                .arg(&k.buf)
+                .arg(&v.buf)
+                .arg(&batch.seqs.buf)
+                .arg(&batch.blocks.buf)
+                .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
+                .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
+                // Written by the kernel, which leaves them at 0 again (Inner::counters).
+                .arg(&self.inner.counters)
+                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+                .arg(&hq_i)
+                .arg(&hkv_i)
+                .arg(&bs_i)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (nd as u32, hkv as u32, splits as u32),
+                block_dim: (DECODE_WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches paged_decode_d{d}_g{gp}: d is the instantiated head dim, the
+            // group fits gp, the partials hold nd * hq * splits rows, the counters nd * hkv.
+            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            first_rest = nd;
+        }
+        let rest = batch.num_seqs - first_rest;
+        if rest == 0 {
+            return Ok(out);
+        }
+        let seq0 = first_rest as i32;
+        // Prefill chunks: flash attention on tensor cores from 16 queries, else one warp per
+        // (query, head). Both take the same arguments.
+        let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
+        let (name, cfg) = match flash_dim {
+            Some(at) if self.inner.flash && batch.max_queries >= FLASH_MIN_QUERIES => (
+                PAGED_FLASH_KERNELS[at],
+                LaunchConfig {
+                    grid_dim: (
+                        batch.max_queries.div_ceil(64) as u32,
+                        hq as u32,
+                        rest as u32,
+                    ),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at]) as u32,
+                },
+            ),
+            _ => (
+                "paged_attention_rows_f16",
+                LaunchConfig {
+                    grid_dim: (batch.max_queries.max(1) as u32, hq as u32, rest as u32),
+                    block_dim: (32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            ),
+        };
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&*q.buf)
+            .arg(&k.buf)
+            .arg(&v.buf)
+            .arg(&batch.seqs.buf)
+            .arg(&batch.blocks.buf)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&seq0)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&d_i)
+            .arg(&bs_i)
+            .arg(&scale);
+        // SAFETY: matches paged_flash_attention_d{dp} (64 queries of one head of one sequence
+        // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
+        // opted in at load) or paged_attention_rows_f16 (one warp per query, head and
+        // sequence; d <= MAX_HEAD_DIM).
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+}

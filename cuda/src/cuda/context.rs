@@ -1,0 +1,360 @@
+//! Opening a GPU: the CUDA libraries loaded at run time, the context, stream, cuBLAS handles
+//! and kernels a [`CudaBackend`] holds, and what tests use to find a GPU or skip.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nvrtc::Ptx;
+
+use super::compile::{self, compile_ptx};
+use super::kernels::{
+    flash_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS, GEMV_MAX_ROWS,
+    PAGED_FLASH_KERNELS, SOURCES,
+};
+use super::linear::{Gemv, GEMV_STATIC_SMEM};
+use super::{lt, staging};
+use crate::{Error, Result};
+
+/// The cuBLAS workspace, set once so that GEMMs recorded into a CUDA graph never allocate.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+pub(super) struct Inner {
+    /// Holds the context (and with it the device) alive.
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) blas: CudaBlas,
+    pub(super) kernels: HashMap<&'static str, CudaFunction>,
+    device_name: String,
+    compute_capability: (i32, i32),
+    /// Whether the flash-attention kernels could be given their shared memory.
+    pub(super) flash: bool,
+    /// Multiprocessors: how many blocks it takes to fill the GPU.
+    pub(super) sm_count: usize,
+    /// cuBLAS's workspace (set on the handle), kept alive with it; cuBLASLt's GEMMs use it
+    /// too (`workspace`: its address and size), as everything runs on the one stream.
+    _blas_workspace: CudaSlice<u8>,
+    pub(super) workspace: (cudarc::driver::sys::CUdeviceptr, usize),
+    /// cuBLASLt, for the GEMMs with epilogues (bias, GELU, f16 output).
+    pub(super) lt: lt::Lt,
+    /// Per-op timing ([`Backend::time_ops`](crate::Backend::time_ops)): an event recorded
+    /// after each op, named.
+    pub(super) op_events: std::sync::Mutex<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
+    /// Page-locked memory for large uploads and downloads.
+    pub(super) staging: staging::Staging,
+    /// Shared memory a normed GEMV may stage its input rows in (bytes).
+    pub(super) gemv_smem: usize,
+    /// One counter per (sequence, KV head) of a decode attention launch: how many of its
+    /// splits have finished (the last merges them). Each launch leaves them at 0 again, and
+    /// launches on this backend's one stream run one after another.
+    pub(super) counters: CudaSlice<u32>,
+}
+
+/// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
+#[derive(Clone)]
+pub struct CudaBackend {
+    pub(super) inner: Arc<Inner>,
+}
+
+pub(super) fn cuda_err(op: &str) -> impl Fn(&dyn std::fmt::Display) -> Error + '_ {
+    move |e| Error::Cuda {
+        what: format!("{op}: {e}"),
+    }
+}
+
+pub(super) fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through the pointers; the library is loaded (checked
+    // by the caller with is_culib_present).
+    unsafe {
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
+    }
+    (major, minor)
+}
+
+/// A CUDA library the backend loads at run time: whether it could be, and what to do if not.
+pub struct CudaLibrary {
+    pub name: &'static str,
+    pub present: bool,
+    pub hint: &'static str,
+}
+
+/// The driver, NVRTC, cuBLAS and cuBLASLt, each tried with dlopen only: what
+/// [`CudaBackend::new`] needs before it touches a GPU, and the first lines of `vlm doctor`.
+pub fn cuda_libraries() -> [CudaLibrary; 4] {
+    let toolkit = "install the CUDA toolkit's libraries (or the nvidia-*-cu12 wheels) and put them on LD_LIBRARY_PATH";
+    // SAFETY: these only try to dlopen the libraries.
+    unsafe {
+        [
+            CudaLibrary {
+                name: "NVIDIA driver (libcuda)",
+                present: cudarc::driver::sys::is_culib_present(),
+                hint: "is there an NVIDIA GPU and driver here (and, in a container, the NVIDIA runtime)?",
+            },
+            CudaLibrary {
+                name: "NVRTC (libnvrtc)",
+                present: cudarc::nvrtc::sys::is_culib_present(),
+                hint: toolkit,
+            },
+            CudaLibrary {
+                name: "cuBLAS (libcublas)",
+                present: cudarc::cublas::sys::is_culib_present(),
+                hint: toolkit,
+            },
+            CudaLibrary {
+                name: "cuBLASLt (libcublasLt)",
+                present: cudarc::cublaslt::sys::is_culib_present(),
+                hint: toolkit,
+            },
+        ]
+    }
+}
+
+/// Tests that need a GPU (or NVRTC) skip where there is none, saying so on stderr (past the
+/// harness's capture, so CI logs show it). With `VLM_REQUIRE_GPU=1`, as GPU runs set it, a skip
+/// is a failure instead: a missing driver or library cannot pass as "no GPU here".
+pub fn skip_test(why: &dyn std::fmt::Display) {
+    if std::env::var("VLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("VLM_REQUIRE_GPU=1 but this test cannot run: {why}");
+    }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
+
+/// The GPU a test runs on, or `None` after [`skip_test`] when none can be opened.
+pub fn test_gpu() -> Option<CudaBackend> {
+    CudaBackend::new(0)
+        .map_err(|e| skip_test(&format!("no GPU: {e}")))
+        .ok()
+}
+
+/// Whether NVRTC can be loaded (it needs no GPU: kernels can be compiled anywhere it is).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` for serving: [`CudaBackend::new`], then the self-check
+    /// ([`crate::twin::self_check`]) that runs every kernel against the CPU reference on this
+    /// GPU, with this driver, and refuses the device if any disagrees. About a second; what
+    /// `--device cuda` does everywhere. Once per GPU per process (`vlm serve` opens it twice).
+    pub fn open_verified(ordinal: usize) -> Result<Self> {
+        static VERIFIED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+        // Held through the check: a second opener waits for the first's verdict.
+        let mut verified = VERIFIED.lock().unwrap_or_else(|e| e.into_inner());
+        let gpu = Self::new(ordinal)?;
+        if verified.contains(&ordinal) {
+            return Ok(gpu);
+        }
+        let cases = crate::twin::self_check_cases().len();
+        let bar = indicatif::ProgressBar::new(cases as u64).with_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {pos}/{len} ops match the CPU reference",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
+        );
+        bar.set_message(format!("self-check on {}", gpu.device_name()));
+        let started = std::time::Instant::now();
+        let mut worst = 0.0f32;
+        let checked = crate::twin::self_check(&gpu, |outcome| {
+            tracing::debug!(%outcome, "self-check");
+            worst = worst.max(outcome.share_of_allowed());
+            bar.inc(1);
+        });
+        bar.finish_and_clear();
+        checked?;
+        tracing::info!(
+            device = %gpu.device_name(),
+            ops = cases,
+            worst_diff_over_allowed = worst,
+            seconds = started.elapsed().as_secs_f32(),
+            "CUDA self-check passed: every kernel matches the CPU reference"
+        );
+        verified.push(ordinal);
+        Ok(gpu)
+    }
+
+    /// Opens GPU `ordinal`, compiling (or loading from the disk cache) every kernel. Unchecked:
+    /// tests compare it with the CPU themselves; serving goes through
+    /// [`CudaBackend::open_verified`].
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if let Some(lib) = cuda_libraries().into_iter().find(|l| !l.present) {
+            return Err(Error::Cuda {
+                what: format!("{} could not be loaded: {}", lib.name, lib.hint),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU")(&e))?;
+        staging::keep_freed_host_memory();
+        let device_name = ctx.name().map_err(|e| cuda_err("device name")(&e))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("compute capability")(&e))?;
+        // Keep memory freed into the device's pool there (the default gives it back at every
+        // synchronization, and each step's op outputs would then be mapped afresh: tens of
+        // microseconds per allocation, more than many of the kernels take).
+        {
+            use cudarc::driver::sys;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            let mut keep = u64::MAX;
+            // SAFETY: the context is current (just created); the pool handle is the device's
+            // default, the attribute a u64.
+            unsafe {
+                let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+                if got == sys::CUresult::CUDA_SUCCESS {
+                    sys::cuMemPoolSetAttribute(
+                        pool,
+                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                        (&mut keep) as *mut u64 as *mut std::ffi::c_void,
+                    );
+                }
+            }
+        }
+        // Our own stream, not the legacy default one, which cannot be captured into a graph.
+        // Every op of this backend runs on it, so cudarc's cross-stream event tracking (which
+        // records events around each use, also while capturing) has nothing to guard.
+        // SAFETY: one stream per backend; buffers never cross to another backend's stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream")(&e))?;
+
+        let nv = nvrtc_version();
+        let mut kernels = HashMap::new();
+        for src in &SOURCES {
+            let stem = src.file.trim_end_matches(".cu");
+            let source = kernel_source(src)?;
+            let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
+            let (ptx, cached) = compile::cached_or_compile(&path, || {
+                // NVRTC takes seconds; show that something is happening (hidden off a terminal).
+                let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                    "compiling {} for sm_{}{} (cached afterwards)",
+                    src.file, cc.0, cc.1
+                ));
+                spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+                let ptx = compile_ptx(src.file, &source, cc);
+                spinner.finish_and_clear();
+                ptx
+            })?;
+            tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
+            let module = ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
+            for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
+                let f = module.load_function(k).map_err(|e| Error::KernelCompile {
+                    kernel: k.into(),
+                    log: e.to_string(),
+                })?;
+                kernels.insert(k, f);
+            }
+        }
+        // The flash kernels need more than the default 48 KB of shared memory: opt in. A GPU
+        // that refuses falls back to the plain attention kernel.
+        let flash = FLASH_KERNELS
+            .iter()
+            .zip(FLASH_DIMS)
+            .chain(PAGED_FLASH_KERNELS.iter().zip(FLASH_DIMS))
+            .all(|(k, dp)| {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let set = kernels[k].set_attribute(MAX_SMEM, flash_smem_bytes(dp) as i32);
+            if let Err(e) = &set {
+                tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
+            }
+            set.is_ok()
+        });
+        // The normed GEMVs stage their input rows in shared memory: let them have what the GPU
+        // gives one block (4 rows of 4,096 floats need 64 KB, past the default 48), less what
+        // they declare statically.
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+        let optin = ctx
+            .attribute(OPTIN)
+            .map_err(|e| cuda_err("shared memory per block")(&e))?;
+        let dynamic = (optin as usize).max(48 << 10) - GEMV_STATIC_SMEM;
+        let opted_in = [Gemv::Normed, Gemv::NormedSwiglu]
+            .into_iter()
+            .flat_map(|g| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r)))
+            .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
+        let gemv_smem = if opted_in {
+            dynamic
+        } else {
+            (48 << 10) - GEMV_STATIC_SMEM
+        };
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
+        // A workspace of our own: without one cuBLAS allocates on first use, which a GEMM
+        // being recorded into a CUDA graph (a batched decode step) must not do.
+        let mut workspace = stream
+            .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+            .map_err(|e| cuda_err("allocating the cuBLAS workspace")(&e))?;
+        {
+            let (ptr, _guard) = workspace.device_ptr_mut(&stream);
+            // SAFETY: the workspace lives as long as the handle (both in Inner).
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut _,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()
+            .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
+        }
+        let workspace_ptr = workspace.device_ptr(&stream).0;
+        let lt = lt::Lt::new()?;
+        let counters = stream
+            .alloc_zeros::<u32>(COUNTERS)
+            .map_err(|e| cuda_err("allocating completion counters")(&e))?;
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        let sm_count = ctx.attribute(SMS).map_err(|e| cuda_err("SM count")(&e))? as usize;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                stream,
+                blas,
+                kernels,
+                device_name,
+                compute_capability: cc,
+                flash,
+                sm_count,
+                _blas_workspace: workspace,
+                workspace: (workspace_ptr, CUBLAS_WORKSPACE_BYTES),
+                lt,
+                op_events: std::sync::Mutex::new(None),
+                staging: staging::Staging::new(),
+                gemv_smem,
+                counters,
+            }),
+        })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.inner.device_name
+    }
+
+    /// The CUDA version the driver supports, e.g. "13.0".
+    pub fn driver_version(&self) -> String {
+        let mut v = 0;
+        // SAFETY: writes one int; the driver library is loaded (this backend exists).
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+        format!("{}.{}", v / 1000, (v % 1000) / 10)
+    }
+
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.inner.compute_capability
+    }
+
+    /// Waits for all queued work (for timing and tests).
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(|e| cuda_err("synchronize")(&e))
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Queued kernels may still read buffers about to be freed.
+        let _ = self.stream.synchronize();
+    }
+}

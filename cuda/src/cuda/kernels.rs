@@ -1,0 +1,213 @@
+//! The kernels: which `.cu` file defines which kernel, the names and launch constants the
+//! Rust side shares with them (`#define`d into every source), and the text NVRTC compiles.
+
+use super::compile::compile_ptx;
+use super::linear::GEMV_KERNELS;
+use crate::{Error, Result};
+
+/// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
+macro_rules! with_common {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../kernels/common.cuh"),
+            include_str!(concat!("../../kernels/", $file))
+        )
+    };
+}
+
+/// A `.cu` file and the kernels it defines.
+pub(super) struct KernelSource {
+    pub(super) file: &'static str,
+    source: &'static str,
+    pub(super) kernels: &'static [&'static str],
+    /// Kernels compiled once per row count, 1..=GEMV_MAX_ROWS.
+    pub(super) per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
+}
+
+pub(super) const SOURCES: [KernelSource; 4] = [
+    KernelSource {
+        file: "ops_f32.cu",
+        source: with_common!("ops_f32.cu"),
+        kernels: &OPS_KERNELS,
+        per_rows: &[],
+    },
+    KernelSource {
+        file: "weights_f16.cu",
+        source: with_common!("weights_f16.cu"),
+        kernels: &["cast_f32_to_f16", "embedding_f16w", "fill_uniform_f16"],
+        per_rows: &GEMV_KERNELS,
+    },
+    KernelSource {
+        file: "paged_f16.cu",
+        source: with_common!("paged_f16.cu"),
+        kernels: &[
+            "write_kv_f16",
+            "paged_decode_d32_g1",
+            "paged_decode_d32_g2",
+            "paged_decode_d32_g4",
+            "paged_decode_d32_g8",
+            "paged_decode_d64_g1",
+            "paged_decode_d64_g2",
+            "paged_decode_d64_g4",
+            "paged_decode_d64_g8",
+            "paged_decode_d128_g1",
+            "paged_decode_d128_g2",
+            "paged_decode_d128_g4",
+            "paged_decode_d128_g8",
+            "paged_decode_d256_g1",
+            "paged_decode_d256_g2",
+            "paged_decode_d256_g4",
+            "paged_attention_rows_f16",
+            "qkv_to_cache_f32",
+            "gather_rows_f32",
+            "argmax_rows_f32",
+        ],
+        per_rows: &[],
+    },
+    KernelSource {
+        file: "attention_f16.cu",
+        source: with_common!("attention_f16.cu"),
+        kernels: &[
+            FLASH_KERNELS[0],
+            FLASH_KERNELS[1],
+            FLASH_KERNELS[2],
+            FLASH_KERNELS[3],
+            PAGED_FLASH_KERNELS[0],
+            PAGED_FLASH_KERNELS[1],
+            PAGED_FLASH_KERNELS[2],
+            PAGED_FLASH_KERNELS[3],
+            "pack_kv_f16",
+        ],
+        per_rows: &[],
+    },
+];
+
+/// Flash attention instantiations: head dims padded up to one of these.
+pub(super) const FLASH_DIMS: [usize; 4] = [64, 80, 96, 128];
+pub(super) const FLASH_KERNELS: [&str; 4] = [
+    "flash_attention_d64",
+    "flash_attention_d80",
+    "flash_attention_d96",
+    "flash_attention_d128",
+];
+/// The same for the chunks of prefills in an engine step, reading the paged f16 cache.
+pub(super) const PAGED_FLASH_KERNELS: [&str; 4] = [
+    "paged_flash_attention_d64",
+    "paged_flash_attention_d80",
+    "paged_flash_attention_d96",
+    "paged_flash_attention_d128",
+];
+/// Below this many queries (decode-like), the one-warp-per-query kernel wastes less.
+pub(super) const FLASH_MIN_QUERIES: usize = 16;
+/// Warps per decode block (PD_WARPS), keys whose loads a decode warp keeps in flight (PD_KEYS)
+/// and fewest keys per split (PD_MIN_CHUNK).
+pub(super) const DECODE_WARPS: u32 = 4;
+const DECODE_KEYS: usize = 4;
+pub(super) const DECODE_MIN_CHUNK: usize = 32;
+/// Warps of a qkv_to_cache block, one head each (QK_WARPS).
+pub(super) const QKV_WARPS: u32 = 4;
+/// At most this many splits of one sequence's keys (PD_MAX_SPLITS; the merge takes up to two
+/// a lane).
+pub(super) const DECODE_MAX_SPLITS: usize = 64;
+/// Counters of finished decode splits (Inner::counters).
+pub(super) const COUNTERS: usize = 1 << 16;
+/// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
+/// one compiled for the power of two at or above the group (paged_f16.cu instantiates head dims
+/// 32, 64, 128 and 256 with 1, 2, 4 and 8 heads, bar 256 with 8); `None` where there is none
+/// (then paged_attention_rows_f16 takes the decoding sequences too).
+pub(super) fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
+    Some(match (d, group.next_power_of_two()) {
+        (32, 1) => "paged_decode_d32_g1",
+        (32, 2) => "paged_decode_d32_g2",
+        (32, 4) => "paged_decode_d32_g4",
+        (32, 8) => "paged_decode_d32_g8",
+        (64, 1) => "paged_decode_d64_g1",
+        (64, 2) => "paged_decode_d64_g2",
+        (64, 4) => "paged_decode_d64_g4",
+        (64, 8) => "paged_decode_d64_g8",
+        (128, 1) => "paged_decode_d128_g1",
+        (128, 2) => "paged_decode_d128_g2",
+        (128, 4) => "paged_decode_d128_g4",
+        (128, 8) => "paged_decode_d128_g8",
+        (256, 1) => "paged_decode_d256_g1",
+        (256, 2) => "paged_decode_d256_g2",
+        (256, 4) => "paged_decode_d256_g4",
+        _ => return None,
+    })
+}
+
+/// Dynamic shared memory of flash_attention_d{dp}: a Q tile and two K and V tiles (double
+/// buffered) of 64 rows of dp + 8 halves (FaShared in attention_f16.cu).
+pub(super) fn flash_smem_bytes(dp: usize) -> usize {
+    5 * 64 * 2 * (dp + 8)
+}
+
+const OPS_KERNELS: [&str; 16] = [
+    "add_f32",
+    "gelu_tanh_f32",
+    "gelu_erf_f32",
+    "silu_mul_f32",
+    "silu_mul_halves_f32",
+    "silu_mul_halves_f16",
+    "layer_norm_f32",
+    "layer_norm_f16",
+    "rms_norm_f32",
+    "rms_norm_f16",
+    "rope_f32",
+    "attention_f32",
+    "weighted_gather_f32",
+    "scatter_rows_f32",
+    "broadcast_rows_f32",
+    "fill_uniform_f32",
+];
+/// Threads per block for row-wise kernels.
+pub(super) const ROW_THREADS: u32 = 256;
+/// Largest head dim the attention kernel holds in registers (32 lanes x 8).
+pub(super) const MAX_HEAD_DIM: usize = 256;
+/// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
+pub(super) const GEMV_MAX_ROWS: usize = 4;
+
+/// The constants the kernels share with this file, as `#define` lines put before every kernel
+/// source: one definition, so the two sides cannot disagree (and the kernel cache key, a hash
+/// of the source, changes with them).
+fn shared_defines() -> String {
+    format!(
+        "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define PD_WARPS {DECODE_WARPS}\n\
+         #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
+         #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n"
+    )
+}
+
+/// A kernel file's text as compiled: the shared defines, then `common.cuh` and the file, either
+/// the copies embedded at build time or, when `VLM_KERNEL_DIR` names a directory, the files
+/// there (so a kernel can be edited and re-measured on a GPU machine with the same binary).
+pub(super) fn kernel_source(src: &KernelSource) -> Result<String> {
+    // Empty counts as unset (`VLM_KERNEL_DIR= vlm ...`).
+    let Some(dir) = std::env::var_os("VLM_KERNEL_DIR").filter(|d| !d.is_empty()) else {
+        return Ok(format!("{}{}", shared_defines(), src.source));
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).map_err(|e| Error::Cuda {
+            what: format!(
+                "VLM_KERNEL_DIR is set: reading {}: {e} (unset it to use the kernels built in)",
+                path.display()
+            ),
+        })
+    };
+    Ok(format!(
+        "{}{}{}",
+        shared_defines(),
+        read("common.cuh")?,
+        read(src.file)?
+    ))
+}
+
+/// Every kernel file compiled for `cc`, as (file, PTX): what a GPU of that capability loads.
+pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
+    SOURCES
+        .iter()
+        .map(|s| Ok((s.file, compile_ptx(s.file, &kernel_source(s)?, cc)?)))
+        .collect()
+}

@@ -1,0 +1,235 @@
+//! How an op reaches the stream: kernel lookup, output allocation, launch results, the shape
+//! checks the ops share, per-op timing (named events on the stream) and the recording of a
+//! step into a CUDA graph.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::context::cuda_err;
+use super::kernels::ROW_THREADS;
+use super::{CudaBackend, CudaStepGraph, CudaTensor};
+use crate::{Backend, Error, Result};
+
+impl CudaBackend {
+    pub(super) fn kernel(&self, name: &str) -> &CudaFunction {
+        &self.inner.kernels[name]
+    }
+
+    /// An op's output, not initialized: every op writes all of its output (the kernels and
+    /// the twin tests hold to that), so zeroing it first would be a wasted launch per op.
+    pub(super) fn alloc(&self, shape: Vec<usize>) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        // SAFETY: f32 has no invalid bit patterns; callers write every element before any
+        // read (see above).
+        let buf = unsafe { self.inner.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        Ok(CudaTensor {
+            shape,
+            buf: Arc::new(buf),
+        })
+    }
+
+    /// A zeroed tensor (for outputs some rows of which no kernel writes).
+    pub(super) fn alloc_zeroed(&self, shape: Vec<usize>) -> Result<CudaTensor> {
+        let n: usize = shape.iter().product();
+        let buf = self
+            .inner
+            .stream
+            .alloc_zeros::<f32>(n.max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        Ok(CudaTensor {
+            shape,
+            buf: Arc::new(buf),
+        })
+    }
+
+    pub(super) fn indices(&self, values: &[u32]) -> Result<CudaSlice<u32>> {
+        let v = if values.is_empty() {
+            &[0u32][..]
+        } else {
+            values
+        };
+        self.inner
+            .stream
+            .clone_htod(v)
+            .map_err(|e| cuda_err("uploading indices")(&e))
+    }
+
+    pub(super) fn launched(
+        &self,
+        name: &'static str,
+        r: std::result::Result<(), cudarc::driver::DriverError>,
+    ) -> Result<()> {
+        r.map_err(|e| Error::Cuda {
+            what: format!("launching {name}: {e}"),
+        })?;
+        self.op_done(name)
+    }
+
+    /// While ops are timed, marks the end of op `name` on the stream, and the start of the
+    /// next op (every op is timed from a start mark to its own end).
+    pub(super) fn op_done(&self, name: &'static str) -> Result<()> {
+        self.mark(name)?;
+        self.mark("start")
+    }
+
+    /// While ops are timed, records a named event on the stream.
+    pub(super) fn mark(&self, name: &'static str) -> Result<()> {
+        let mut events = self
+            .inner
+            .op_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(events) = events.as_mut() {
+            use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+            let e = self
+                .inner
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(|e| cuda_err("recording a timing event")(&e))?;
+            events.push((name, e));
+        }
+        Ok(())
+    }
+
+    /// An elementwise op `out = f(a[, b])` over `n` elements.
+    pub(super) fn elementwise(
+        &self,
+        name: &'static str,
+        a: &CudaTensor,
+        b: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let mut out = self.alloc(a.shape.clone())?;
+        let n = a.len() as i32;
+        let cfg = LaunchConfig::for_num_elems(n.max(1) as u32);
+        let stream = &self.inner.stream;
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&*a.buf);
+        if let Some(b) = b {
+            l.arg(&*b.buf);
+        }
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        l.arg(out_buf).arg(&n);
+        // SAFETY: argument types and count match the kernel's signature in ops_f32.cu.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    /// A grid-stride loop over `n` elements.
+    pub(super) fn fill_config(n: u64) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(ROW_THREADS as u64).clamp(1, 65_535) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub(super) fn row_config(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows.max(1) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub(super) fn record_impl(
+        &self,
+        ops: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Option<CudaStepGraph>> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        // Timing events cannot be recorded inside a graph: while ops are timed, steps run op
+        // by op.
+        if self.timing_ops() {
+            return Ok(None);
+        }
+        let stream = &self.inner.stream;
+        // Thread-local: other threads' CUDA calls (another service in the same process) go on.
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| cuda_err("starting a graph capture")(&e))?;
+        let recorded = ops();
+        // Ended whatever ops did, so the stream never stays in capture mode. Buffers the step
+        // allocates and does not free are freed at each launch.
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        recorded?;
+        let graph = graph.map_err(|e| cuda_err("capturing the decode step")(&e))?;
+        Ok(graph.map(CudaStepGraph))
+    }
+
+    pub(super) fn time_ops_impl(&self, on: bool) -> Result<bool> {
+        self.synchronize()?;
+        let mut events = self
+            .inner
+            .op_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *events = on.then(Vec::new);
+        drop(events);
+        if on {
+            self.mark("start")?;
+        }
+        Ok(true)
+    }
+
+    pub(super) fn op_times_impl(&self) -> Result<Vec<crate::backend::OpTime>> {
+        self.synchronize()?;
+        let mut guard = self
+            .inner
+            .op_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(events) = guard.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let mut by_op: Vec<crate::backend::OpTime> = Vec::new();
+        // Each op's end event follows the start mark set when the op before it had finished.
+        for pair in events
+            .windows(2)
+            .filter(|p| p[0].0 == "start" && p[1].0 != "start")
+        {
+            let ms = pair[0]
+                .1
+                .elapsed_ms(&pair[1].1)
+                .map_err(|e| cuda_err("reading a timing event")(&e))? as f64;
+            let name = pair[1].0;
+            match by_op.iter_mut().find(|o| o.op == name) {
+                Some(o) => {
+                    o.launches += 1;
+                    o.ms += ms;
+                }
+                None => by_op.push(crate::backend::OpTime {
+                    op: name,
+                    launches: 1,
+                    ms,
+                }),
+            }
+        }
+        events.clear();
+        drop(guard);
+        self.mark("start")?;
+        by_op.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(by_op)
+    }
+}
+
+pub(super) fn same_shape(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
+    if a.shape != b.shape {
+        return Err(Error::shape(
+            op,
+            format!("shapes differ: {:?} vs {:?}", a.shape, b.shape),
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Result<()> {
+    if w.len() != x.cols() {
+        return Err(Error::shape(
+            op,
+            format!("weight of {} for rows of {:?}", w.len(), x.shape),
+        ));
+    }
+    Ok(())
+}

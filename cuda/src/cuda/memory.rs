@@ -1,0 +1,269 @@
+//! Device memory in and out: uploads and downloads (large ones staged through pinned host
+//! memory), copies and writes, weights (rounded to f16, filled at random, stacked), ids and
+//! the KV cache's buffers, and the device-copy timing.
+
+use std::sync::Arc;
+
+use cudarc::driver::PushKernelArg;
+
+use super::context::cuda_err;
+use super::{staging, CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
+use crate::{Error, HostTensor, Result};
+
+impl CudaBackend {
+    pub(super) fn time_copy_impl(&self, bytes: usize) -> Result<std::time::Duration> {
+        let stream = &self.inner.stream;
+        let alloc = |what| {
+            stream
+                .alloc_zeros::<u8>(bytes.max(1))
+                .map_err(|e| cuda_err(what)(&e))
+        };
+        let (src, mut dst) = (alloc("copy source")?, alloc("copy destination")?);
+        self.synchronize()?;
+        let t = std::time::Instant::now();
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| cuda_err("device copy")(&e))?;
+        self.synchronize()?;
+        Ok(t.elapsed())
+    }
+
+    pub(super) fn upload_impl(&self, t: &HostTensor) -> Result<CudaTensor> {
+        let data = if t.is_empty() { &[0f32][..] } else { t.data() };
+        let stream = &self.inner.stream;
+        let buf = if std::mem::size_of_val(data) >= staging::STAGED_MIN_BYTES {
+            self.inner.staging.upload(stream, data)?
+        } else {
+            stream
+                .clone_htod(data)
+                .map_err(|e| cuda_err("upload")(&e))?
+        };
+        Ok(CudaTensor {
+            shape: t.shape().to_vec(),
+            buf: Arc::new(buf),
+        })
+    }
+
+    pub(super) fn download_impl(&self, t: &CudaTensor) -> Result<HostTensor> {
+        let stream = &self.inner.stream;
+        if t.len() * 4 >= staging::STAGED_MIN_BYTES {
+            let v = self.inner.staging.download(stream, &t.buf, t.len())?;
+            return HostTensor::new(t.shape.clone(), v);
+        }
+        let mut v = stream
+            .clone_dtoh(&*t.buf)
+            .map_err(|e| cuda_err("download")(&e))?;
+        v.truncate(t.len());
+        HostTensor::new(t.shape.clone(), v)
+    }
+
+    pub(super) fn copy_impl(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
+        if dst.len() != src.len() {
+            return Err(Error::shape(
+                "copy",
+                format!("{:?} into {:?}", src.shape, dst.shape),
+            ));
+        }
+        let buf = Arc::make_mut(&mut dst.buf);
+        self.inner
+            .stream
+            .memcpy_dtod(&*src.buf, buf)
+            .map_err(|e| cuda_err("copy")(&e))
+    }
+
+    pub(super) fn upload_weight_impl(&self, t: &HostTensor) -> Result<CudaWeight> {
+        use rayon::prelude::*;
+        let halves: Vec<half::f16> = t
+            .data()
+            .par_iter()
+            .map(|&v| half::f16::from_f32(v))
+            .collect();
+        let buf = self
+            .inner
+            .stream
+            .clone_htod(if halves.is_empty() {
+                &[half::f16::ZERO][..]
+            } else {
+                &halves
+            })
+            .map_err(|e| cuda_err("uploading a weight")(&e))?;
+        Ok(CudaWeight {
+            shape: t.shape().to_vec(),
+            buf: Arc::new(buf),
+        })
+    }
+
+    pub(super) fn random_weight_impl(
+        &self,
+        shape: &[usize],
+        key: u64,
+        bound: f32,
+    ) -> Result<CudaWeight> {
+        let n: usize = shape.iter().product();
+        let mut buf = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>(n.max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let name = "fill_uniform_f16";
+        let n = n as u64;
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&mut buf).arg(&n).arg(&key).arg(&bound);
+        // SAFETY: argument types and count match fill_uniform_f16 in weights_f16.cu.
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        Ok(CudaWeight {
+            shape: shape.to_vec(),
+            buf: Arc::new(buf),
+        })
+    }
+
+    pub(super) fn random_uniform_impl(
+        &self,
+        shape: &[usize],
+        key: u64,
+        bound: f32,
+    ) -> Result<CudaTensor> {
+        let mut out = self.alloc(shape.to_vec())?;
+        let n = out.len() as u64;
+        let name = "fill_uniform_f32";
+        let cfg = Self::fill_config(n);
+        let buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(buf).arg(&n).arg(&key).arg(&bound);
+        // SAFETY: argument types and count match fill_uniform_f32 in ops_f32.cu.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    pub(super) fn stack_weights_impl(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
+        let Some(first) = parts.first() else {
+            return Err(Error::shape("stack_weights", "nothing to stack"));
+        };
+        let cols = first.shape.last().copied().unwrap_or(0);
+        if parts
+            .iter()
+            .any(|p| p.shape.len() != 2 || p.shape[1] != cols)
+        {
+            let shapes: Vec<_> = parts.iter().map(|p| &p.shape).collect();
+            return Err(Error::shape(
+                "stack_weights",
+                format!("row widths differ: {shapes:?}"),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let mut buf = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>((rows * cols).max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let mut at = 0;
+        for p in parts {
+            let n = p.shape[0] * cols;
+            self.inner
+                .stream
+                .memcpy_dtod(&p.buf.slice(..n), &mut buf.slice_mut(at..at + n))
+                .map_err(|e| cuda_err("stack_weights")(&e))?;
+            at += n;
+        }
+        Ok(CudaWeight {
+            shape: vec![rows, cols],
+            buf: Arc::new(buf),
+        })
+    }
+
+    pub(super) fn write_impl(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {
+        if values.len() != dst.len() {
+            return Err(Error::shape(
+                "write",
+                format!("{} values into {:?}", values.len(), dst.shape),
+            ));
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
+        let buf = Arc::make_mut(&mut dst.buf);
+        self.inner
+            .stream
+            .memcpy_htod(values, buf)
+            .map_err(|e| cuda_err("write")(&e))
+    }
+
+    pub(super) fn upload_ids_impl(&self, values: &[u32]) -> Result<CudaIds> {
+        let buf = self
+            .inner
+            .stream
+            .clone_htod(if values.is_empty() {
+                &[0u32][..]
+            } else {
+                values
+            })
+            .map_err(|e| cuda_err("uploading ids")(&e))?;
+        Ok(CudaIds {
+            len: values.len(),
+            buf,
+        })
+    }
+
+    pub(super) fn write_ids_impl(&self, dst: &mut CudaIds, values: &[u32]) -> Result<()> {
+        if values.len() > dst.len {
+            return Err(Error::shape(
+                "write_ids",
+                format!("{} ids into a buffer of {}", values.len(), dst.len),
+            ));
+        }
+        if values.is_empty() {
+            return Ok(());
+        }
+        let mut target = dst.buf.slice_mut(..values.len());
+        self.inner
+            .stream
+            .memcpy_htod(values, &mut target)
+            .map_err(|e| cuda_err("write_ids")(&e))
+    }
+
+    pub(super) fn download_ids_impl(&self, ids: &CudaIds, n: usize) -> Result<Vec<u32>> {
+        if n > ids.len {
+            return Err(Error::shape(
+                "download_ids",
+                format!("{n} ids from a buffer of {}", ids.len),
+            ));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.inner
+            .stream
+            .clone_dtoh(&ids.buf.slice(..n))
+            .map_err(|e| cuda_err("download_ids")(&e))
+    }
+
+    pub(super) fn zeros_cache_impl(
+        &self,
+        slots: usize,
+        heads: usize,
+        dim: usize,
+    ) -> Result<CudaCache> {
+        let buf = self
+            .inner
+            .stream
+            .alloc_zeros::<half::f16>((slots * heads * dim).max(1))
+            .map_err(|e| cuda_err("allocating the KV cache")(&e))?;
+        Ok(CudaCache {
+            shape: [slots, heads, dim],
+            buf,
+        })
+    }
+
+    pub(super) fn download_cache_impl(&self, cache: &CudaCache) -> Result<HostTensor> {
+        let halves = self
+            .inner
+            .stream
+            .clone_dtoh(&cache.buf)
+            .map_err(|e| cuda_err("download_cache")(&e))?;
+        let n: usize = cache.shape.iter().product();
+        HostTensor::new(
+            cache.shape.to_vec(),
+            halves[..n].iter().map(|h| h.to_f32()).collect(),
+        )
+    }
+}

@@ -1,0 +1,50 @@
+//! The device-side types of [`Backend`]: f32 tensors, f16 weights, ids, the paged KV cache's
+//! layers and a recorded step.
+//!
+//! [`Backend`]: crate::Backend
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+/// A tensor in device memory. Clones share the buffer; the in-place row ops copy it first when
+/// it is shared, so a clone never sees another's writes.
+#[derive(Clone)]
+pub struct CudaTensor {
+    pub(super) shape: Vec<usize>,
+    pub(super) buf: Arc<CudaSlice<f32>>,
+}
+
+/// A weight matrix or table in device memory, f16.
+#[derive(Clone)]
+pub struct CudaWeight {
+    pub(super) shape: Vec<usize>,
+    pub(super) buf: Arc<CudaSlice<half::f16>>,
+}
+
+/// Ids in device memory (token ids, cache slots, block lists, picked tokens).
+pub struct CudaIds {
+    pub(super) len: usize,
+    pub(super) buf: CudaSlice<u32>,
+}
+
+/// One layer's keys or values of the paged KV cache, f16 `[slots, heads, dim]`.
+pub struct CudaCache {
+    pub(super) shape: [usize; 3],
+    pub(super) buf: CudaSlice<half::f16>,
+}
+
+impl CudaTensor {
+    pub(super) fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub(super) fn cols(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+    pub(super) fn rows(&self) -> usize {
+        self.len().checked_div(self.cols()).unwrap_or(0)
+    }
+}
+
+/// A recorded decode step: a CUDA graph on the backend's stream.
+pub struct CudaStepGraph(pub(super) cudarc::driver::CudaGraph);
