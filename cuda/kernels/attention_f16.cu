@@ -27,7 +27,8 @@
 
 // Shared memory, dynamic (the host opts in above 48 KB): a Q tile and two K and V tiles (double
 // buffered) of 64 rows, each row DP + 8 halves (the 16-byte pad keeps ldmatrix's eight row reads
-// in distinct banks). Must match flash_smem_bytes in cuda/src/cuda/mod.rs: 640 * (DP + 8) bytes.
+// in distinct banks). Must match flash_smem_bytes in cuda/src/cuda/kernels.rs:
+// 640 * (DP + 8) bytes.
 template <int DP>
 struct FaShared {
     static constexpr int row = DP + 8;          // halves per row

@@ -1,4 +1,4 @@
-// Shared by every kernel file. Each .cu is its own NVRTC program, so cuda/src/cuda/mod.rs
+// Shared by every kernel file. Each .cu is its own NVRTC program, so cuda/src/cuda/kernels.rs
 // puts this text in front of each one (compile errors' line numbers count it).
 
 #define WARP 32

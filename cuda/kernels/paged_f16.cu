@@ -12,7 +12,7 @@
 
 // PD_WARPS (warps per decode block), PD_KEYS (keys whose loads a decode warp keeps in flight)
 // and PD_MIN_CHUNK (fewest keys a decode split takes: fewer, and merging costs more than it
-// saves) are #defined by the host before this source (shared_defines in cuda/src/cuda/mod.rs).
+// saves) are #defined by the host before this source (shared_defines in cuda/src/cuda/kernels.rs).
 
 __device__ __forceinline__ unsigned key_slot(const unsigned* __restrict__ blocks, unsigned off,
                                              int j, int block_size) {

@@ -12,7 +12,7 @@
 
 // GEMV_MAX_ROWS, the rows of x one GEMV launch handles (decode is 1; a few speculative or
 // batched rows still fit in registers), is #defined by the host before this source
-// (shared_defines in cuda/src/cuda/mod.rs), so the two sides cannot disagree.
+// (shared_defines in cuda/src/cuda/kernels.rs), so the two sides cannot disagree.
 
 // Eight weights from one 128-bit load, as floats.
 __device__ __forceinline__ void unpack8(uint4 raw, float f[8]) {

@@ -148,6 +148,12 @@ pub enum Case {
     /// `slice_rows`, `scatter_rows`, `add_rows` together, and that a tensor cloned before an
     /// in-place update keeps its values.
     RowUpdates,
+    /// Image embeddings leaving a stage (`download_embeddings`) and entering the next
+    /// (`upload_embeddings` of f16 rows): the output is the downloaded rows over the uploaded.
+    Embeddings {
+        rows: usize,
+        cols: usize,
+    },
     /// Random-weight generation: bit for bit on every backend.
     RandomUniform {
         shape: Vec<usize>,
@@ -352,6 +358,7 @@ impl Case {
             } => format!("weighted_gather [{rows},{width}] -> {out} x{taps}"),
             Case::RowUpdates => "slice/write/scatter/add rows".into(),
             Case::RandomUniform { shape } => format!("random_uniform {shape:?}"),
+            Case::Embeddings { rows, cols } => format!("embeddings down and up [{rows},{cols}]"),
             Case::RecordReplay => "record once, replay with new inputs".into(),
         }
     }
@@ -370,6 +377,9 @@ impl Case {
             Case::RecordReplay => 1e-4,
             // One rounding per element, or a short sum.
             Case::Add { .. } | Case::WeightedGather { .. } => 1e-6,
+            // A GPU downloads embeddings rounded to f16 (2^-11 of each value at most), where
+            // the CPU keeps f32; f16 rows upload exactly on both.
+            Case::Embeddings { .. } => 1e-3,
             // Transcendentals: the device's expf/tanhf/erff are within a few ulp.
             Case::SiluMul { .. } | Case::Gelu { .. } | Case::Rope { .. } => 1e-5,
             // Reductions over a row, in another order.
@@ -441,6 +451,13 @@ impl Case {
                 be.silu_mul(&up(&[rows, cols], 3)?, &up(&[rows, cols], 4)?)?
             }
             Case::Gelu { rows, cols, kind } => be.gelu(&up(&[rows, cols], 5)?, kind)?,
+            Case::Embeddings { rows, cols } => {
+                let x = input(&[rows, cols], 14);
+                let down = be.download_embeddings(&be.upload(&x)?)?;
+                let halves = crate::Embeddings::F16(crate::HalfTensor::from_f32(&x));
+                let up = be.download(&be.upload_embeddings(&halves)?)?;
+                return HostTensor::concat_rows(&[down.to_f32().into_owned(), up]);
+            }
             Case::LayerNorm { rows, cols } => be.layer_norm(
                 &up(&[rows, cols], 6)?,
                 &up(&[cols], 7)?,
@@ -868,6 +885,14 @@ pub fn self_check_cases() -> Vec<Case> {
             RmsNorm { rows, cols },
         ]);
     }
+    // Small transfers go directly, large ones (past 256 KiB) through page-locked memory.
+    cases.extend([
+        Embeddings { rows: 2, cols: 7 },
+        Embeddings {
+            rows: 64,
+            cols: 4096,
+        },
+    ]);
     for (n, k, m) in [
         (1, 4096, 512),
         (4, 1024, 300),

@@ -70,6 +70,18 @@ fn elementwise_and_norms() {
 }
 
 #[test]
+fn image_embeddings_leave_and_enter_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    // An 8B image's embeddings at 448x448 (196 tokens) and 1344x1344 (1764), and odd sizes.
+    check_all(
+        &g,
+        [(196, 4096), (1764, 4096), (1, 4096), (3, 5)]
+            .into_iter()
+            .map(|(rows, cols)| Case::Embeddings { rows, cols }),
+    );
+}
+
+#[test]
 fn linear_and_swiglu_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // Weights are f16 on the GPU and x is f16-exact, so both sides multiply the same values;

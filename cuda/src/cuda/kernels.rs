@@ -34,7 +34,12 @@ pub(super) const SOURCES: [KernelSource; 4] = [
     KernelSource {
         file: "weights_f16.cu",
         source: with_common!("weights_f16.cu"),
-        kernels: &["cast_f32_to_f16", "embedding_f16w", "fill_uniform_f16"],
+        kernels: &[
+            "cast_f32_to_f16",
+            "cast_f16_to_f32",
+            "embedding_f16w",
+            "fill_uniform_f16",
+        ],
         per_rows: &GEMV_KERNELS,
     },
     KernelSource {

@@ -8,7 +8,7 @@ use cudarc::driver::PushKernelArg;
 
 use super::context::cuda_err;
 use super::{staging, CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
-use crate::{Error, HostTensor, Result};
+use crate::{Embeddings, Error, HalfTensor, HostTensor, Result};
 
 impl CudaBackend {
     pub(super) fn time_copy_impl(&self, bytes: usize) -> Result<std::time::Duration> {
@@ -55,6 +55,51 @@ impl CudaBackend {
             .map_err(|e| cuda_err("download")(&e))?;
         v.truncate(t.len());
         HostTensor::new(t.shape.clone(), v)
+    }
+
+    /// Rounded to f16 on the device, so half the bytes cross the bus and the host converts
+    /// nothing: the wire's element type, as downloaded.
+    pub(super) fn download_embeddings_impl(&self, t: &CudaTensor) -> Result<Embeddings> {
+        let halves = self.to_f16(t)?;
+        let (n, stream) = (t.len(), &self.inner.stream);
+        let values = if n * 2 >= staging::STAGED_MIN_BYTES {
+            self.inner.staging.download(stream, &halves, n)?
+        } else {
+            let mut v = stream
+                .clone_dtoh(&halves)
+                .map_err(|e| cuda_err("download")(&e))?;
+            v.truncate(n);
+            v
+        };
+        Ok(Embeddings::F16(HalfTensor::from_values(
+            t.shape.clone(),
+            values,
+        )?))
+    }
+
+    /// f16 rows go up as they are (from a message's buffer or a mapped segment: half the
+    /// bytes of f32, and no pass over them on the host) and are widened on the device.
+    pub(super) fn upload_embeddings_impl(&self, e: &Embeddings) -> Result<CudaTensor> {
+        let h = match e {
+            Embeddings::F16(h) if !h.is_empty() => h,
+            other => return self.upload_impl(&other.to_f32()),
+        };
+        let (bytes, stream) = (&h.bytes()[..], &self.inner.stream);
+        let raw = if bytes.len() >= staging::STAGED_MIN_BYTES {
+            self.inner.staging.upload(stream, bytes)?
+        } else {
+            stream
+                .clone_htod(bytes)
+                .map_err(|e| cuda_err("upload")(&e))?
+        };
+        let mut out = self.alloc(h.shape().to_vec())?;
+        let n = h.len() as u64;
+        let name = "cast_f16_to_f32";
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&raw).arg(Arc::make_mut(&mut out.buf)).arg(&n);
+        // SAFETY: matches cast_f16_to_f32: raw holds the n halves' 2n bytes, out n floats.
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        Ok(out)
     }
 
     pub(super) fn copy_impl(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {

@@ -44,7 +44,7 @@ use crate::backend::{
     rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection,
     QkvToCache,
 };
-use crate::{Error, HostTensor, Result};
+use crate::{Embeddings, Error, HostTensor, Result};
 use context::cuda_err;
 use launch::{same_shape, width_of};
 
@@ -77,6 +77,14 @@ impl Backend for CudaBackend {
 
     fn download(&self, t: &CudaTensor) -> Result<HostTensor> {
         self.download_impl(t)
+    }
+
+    fn download_embeddings(&self, t: &CudaTensor) -> Result<Embeddings> {
+        self.download_embeddings_impl(t)
+    }
+
+    fn upload_embeddings(&self, e: &Embeddings) -> Result<CudaTensor> {
+        self.upload_embeddings_impl(e)
     }
 
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
