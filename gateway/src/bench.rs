@@ -189,7 +189,7 @@ pub fn run<B: Backend + Clone>(
     let measures = 2
         + opts.image_sides.len()
         + opts.prefill_tokens.len()
-        + opts.ttft_image_sides.len() * (1 + 5 * opts.through_gateway as usize)
+        + opts.ttft_image_sides.len() * (2 + 5 * opts.through_gateway as usize)
         + opts.decode_contexts.len()
         + batched.len();
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
@@ -299,6 +299,23 @@ pub fn run<B: Backend + Clone>(
     // embeddings between the services costs on the host (one conversion pass each way).
     for &side in &opts.ttft_image_sides {
         let request = ttft_request(&pipeline.chat, side, opts.ttft_text_tokens, 0)?;
+        let Part::Image(png) = &request.messages[0].parts[0] else {
+            unreachable!("the request starts with its image")
+        };
+        bar.set_message(format!("preprocess {side}x{side}"));
+        let vision = &pipeline.vision;
+        let preprocessed = time(opts, &bar, || {
+            let t = Instant::now();
+            vision_svc::preprocess::preprocess(png, &vision.preprocess, &vision.limits)?;
+            Ok(t.elapsed())
+        })?;
+        out.push(Measurement {
+            name: format!("image {side}x{side} PNG: decoded and preprocessed"),
+            seconds: preprocessed,
+            work: 1.0,
+            unit: "image",
+            roofline: None,
+        });
         bar.set_message(format!("time to first token, {side}x{side}"));
         let in_process = time(opts, &bar, || {
             let t = Instant::now();
@@ -313,10 +330,7 @@ pub fn run<B: Backend + Clone>(
             roofline: None,
         });
         if opts.through_gateway {
-            let image = match &request.messages[0].parts[0] {
-                Part::Image(png) => pipeline.vision.encode_image(png)?,
-                Part::Text(_) => unreachable!("the request starts with its image"),
-            };
+            let image = pipeline.vision.encode_image(png)?;
             out.extend(pack_and_unpack(&image, side, opts, &bar)?);
         }
     }
@@ -818,6 +832,7 @@ pub fn table(rows: &[Measurement]) -> String {
             "B" => (m.throughput() / 1e9, "GB/s"),
             "B in use" => (m.work / 1e9, "GB"),
             "request" => (m.throughput(), "req/s"),
+            "image" => (m.throughput(), "img/s"),
             _ => (m.throughput(), "tok/s"),
         };
         s.push_str(&format!(

@@ -362,47 +362,53 @@ pub fn patchify_image(img: &RgbImage, cfg: &PreprocessConfig) -> Result<Patches>
         }
         (img.height, img.width)
     };
-    let resized = if (h, w) == (img.height, img.width) {
-        img.clone()
+    let resized;
+    let pixels = if (h, w) == (img.height, img.width) {
+        &img.data
     } else {
-        resize_bicubic(img, w, h)
+        resized = resize_bicubic(img, w, h);
+        &resized.data
     };
 
-    // Normalized planes [3, h, w] in f32, as HF: f64 rescale, then f32 (x - mean) / std.
-    let mut planes = vec![0f32; 3 * h * w];
-    for (i, px) in resized.data.chunks_exact(3).enumerate() {
-        for c in 0..3 {
-            let mut v = px[c] as f32;
+    // Each channel's 256 normalized values, computed as HF computes each pixel (f64
+    // rescale, then f32 (x - mean) / std), so a lookup gives the same bits.
+    let table: [[f32; 256]; 3] = std::array::from_fn(|c| {
+        std::array::from_fn(|byte| {
+            let mut v = byte as f32;
             if cfg.do_rescale {
-                v = (px[c] as f64 * cfg.rescale_factor) as f32;
+                v = (byte as f64 * cfg.rescale_factor) as f32;
             }
             if cfg.do_normalize {
                 v = (v - cfg.image_mean[c]) / cfg.image_std[c];
             }
-            planes[c * h * w + i] = v;
-        }
-    }
+            v
+        })
+    });
 
     let (p, m, t) = (cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size);
     let (gh, gw) = (h / p, w / p);
     let patch_dim = 3 * t * p * p;
     let mut out = vec![0f32; gh * gw * patch_dim];
     // Patch order: (block row, block col, row in block, col in block); inside a patch
-    // (channel, frame, y, x), the frame repeated `t` times.
+    // (channel, frame, y, x), the frame repeated `t` times. One pass, in parallel, from
+    // the RGB bytes straight into the patches.
     out.par_chunks_mut(patch_dim)
         .enumerate()
         .for_each(|(idx, patch)| {
             let (inner, block) = (idx % (m * m), idx / (m * m));
             let (br, bc) = (block / (gw / m), block % (gw / m));
             let (py, px) = (br * m + inner / m, bc * m + inner % m);
-            let mut o = 0;
-            for c in 0..3 {
-                for _ in 0..t {
-                    for y in 0..p {
-                        let row = &planes[c * h * w + (py * p + y) * w + px * p..][..p];
-                        patch[o..o + p].copy_from_slice(row);
-                        o += p;
+            let frame = p * p;
+            for (c, channel) in patch.chunks_exact_mut(t * frame).enumerate() {
+                let (first, repeats) = channel.split_at_mut(frame);
+                for (y, row) in first.chunks_exact_mut(p).enumerate() {
+                    let src = &pixels[((py * p + y) * w + px * p) * 3..][..3 * p];
+                    for (o, rgb) in row.iter_mut().zip(src.chunks_exact(3)) {
+                        *o = table[c][rgb[c] as usize];
                     }
+                }
+                for copy in repeats.chunks_exact_mut(frame) {
+                    copy.copy_from_slice(first);
                 }
             }
         });
