@@ -324,8 +324,9 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        12,
-        "two limits, one ViT size, prefill, image TTFT in process, packing and unpacking its \
+        13,
+        "two limits, one ViT size, prefill, the image's preprocessing, image TTFT in process, \
+         packing and unpacking its \
          embeddings, decode, batched decode, the same through the gateway with a new image \
          (embeddings in the messages, and in shared memory) and with one seen before: {names:?}"
     );
@@ -338,6 +339,7 @@ fn bench_reports_every_measurement_against_the_limits() {
         "through the gateway (embeddings in shared memory)",
         "through the gateway, image seen before",
         "f16) unpacked",
+        "PNG: decoded and preprocessed",
     ] {
         assert!(
             names.iter().any(|n| n.ends_with(row)),
