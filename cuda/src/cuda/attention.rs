@@ -9,9 +9,8 @@ use std::sync::Arc;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::kernels::{
-    decode_kernel, flash_smem_bytes, COUNTERS, DECODE_BALANCE_SPLITS, DECODE_CHUNK_KEYS,
-    DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS,
-    FLASH_MIN_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
+    decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
+    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
 };
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
 use crate::{AttnMask, Error, PagedBatch, QkvToCache, Result};
@@ -320,18 +319,8 @@ impl CudaBackend {
             let nd = batch.decode_seqs;
             // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
             // a long context's splits stay short enough for a few round trips each (attention
-            // at 4096 keys is latency, not bandwidth). Many sequences would fill the GPU with
-            // one block each, but a server's sequences differ in length and the launch lasts
-            // as long as its longest block: up to DECODE_BALANCE_SPLITS splits of about
-            // `decode_chunk_keys` keys make many blocks of similar work, which the GPU hands
-            // out as blocks finish. (Each sequence's keys are cut into `splits` equal parts,
-            // so a recorded step, whose bound is the longest context, gets the most splits
-            // and every one of them has work.)
-            let balance = batch
-                .max_keys
-                .div_ceil(decode_chunk_keys())
-                .min(DECODE_BALANCE_SPLITS);
-            let want = (4 * self.inner.sm_count / (nd * hkv)).max(balance);
+            // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
+            let want = 4 * self.inner.sm_count / (nd * hkv);
             let splits = want
                 .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
                 .clamp(1, DECODE_MAX_SPLITS);
@@ -420,20 +409,4 @@ impl CudaBackend {
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
     }
-}
-
-/// Keys a decode split aims at when many sequences decode together (at most this many a
-/// block, where the grid allows): `VLM_DECODE_CHUNK_KEYS`, default 256; 0 gives every
-/// sequence one block once they fill the GPU (the earlier rule, for comparison).
-fn decode_chunk_keys() -> usize {
-    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *KEYS.get_or_init(|| {
-        std::env::var("VLM_DECODE_CHUNK_KEYS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(
-                DECODE_CHUNK_KEYS,
-                |k: usize| if k == 0 { usize::MAX } else { k },
-            )
-    })
 }

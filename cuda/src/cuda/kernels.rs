@@ -109,10 +109,6 @@ pub(super) const FLASH_MIN_QUERIES: usize = 16;
 pub(super) const DECODE_WARPS: u32 = 4;
 const DECODE_KEYS: usize = 4;
 pub(super) const DECODE_MIN_CHUNK: usize = 32;
-/// Keys a split of a large decode batch aims at (`VLM_DECODE_CHUNK_KEYS` overrides), and the
-/// most splits a sequence is cut into for that.
-pub(super) const DECODE_CHUNK_KEYS: usize = 256;
-pub(super) const DECODE_BALANCE_SPLITS: usize = 8;
 /// Warps of a qkv_to_cache block, one head each (QK_WARPS).
 pub(super) const QKV_WARPS: u32 = 4;
 /// At most this many splits of one sequence's keys (PD_MAX_SPLITS; the merge takes up to two
