@@ -5,7 +5,23 @@
 //! data across only through `upload`/`download`. Ops work on row-major tensors; "rows" means
 //! the matrix view `[n, last_dim]`. Shapes are checked and reported as [`crate::Error::Shape`].
 
+use crate::handoff::DeviceRows;
 use crate::{Embeddings, HostTensor, Result};
+
+/// The tensor `rows` holds, if it is one of `B`'s (rows handed over by another kind of
+/// backend, or a stale deposit, cannot be read here).
+fn handed_over<B: Backend + ?Sized>(rows: &DeviceRows) -> Result<B::Tensor> {
+    rows.get::<B::Tensor>().cloned().ok_or_else(|| {
+        crate::Error::shape(
+            "upload_embeddings",
+            format!(
+                "embeddings {:?} handed over on another kind of device than this {} backend",
+                rows.shape(),
+                std::any::type_name::<B>()
+            ),
+        )
+    })
+}
 
 /// Which GELU: HF's `gelu_pytorch_tanh` (vision MLP) or the exact erf form (`nn.GELU()`, mergers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,7 +173,7 @@ pub trait Backend: Send + Sync + 'static {
     /// is none.
     type Graph;
     /// Activations, norm weights, biases, caches.
-    type Tensor: Clone + Send + Sync;
+    type Tensor: Clone + Send + Sync + 'static;
     /// The matrices of `linear` and the embedding table, stored as the backend reads them best:
     /// f32 on the CPU (the reference), f16 on the GPU (half the bytes each decoded token reads,
     /// tensor-core GEMMs).
@@ -213,9 +229,30 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Embeddings from the other stage as an f32 activation tensor. A GPU uploads f16 rows
     /// as they are (from a message's buffer or a shared-memory mapping) and widens them on
-    /// the device.
+    /// the device. Rows handed over on the device ([`Backend::hand_off`]) are used as they
+    /// are, if they are this backend's kind of tensor.
     fn upload_embeddings(&self, e: &Embeddings) -> Result<Self::Tensor> {
-        self.upload(&e.to_f32())
+        match e {
+            Embeddings::Device(rows) => handed_over::<Self>(rows),
+            host => self.upload(&*host.to_f32()?),
+        }
+    }
+    /// `e` on the host: host embeddings as they are, rows this backend handed over
+    /// downloaded as [`Backend::download_embeddings`] does (vision-svc's cache keeps a host
+    /// copy of what it handed over).
+    fn embeddings_to_host(&self, e: &Embeddings) -> Result<Embeddings> {
+        match e {
+            Embeddings::Device(rows) => self.download_embeddings(&handed_over::<Self>(rows)?),
+            host => Ok(host.clone()),
+        }
+    }
+    /// `t` as embeddings that stay where they are, for the other stage in this process to
+    /// read ([`crate::handoff`]): no copy. A GPU first waits for the work that computes `t`,
+    /// since the reader runs on a stream of its own. `identity` stands for the values in the
+    /// reader's prefix cache.
+    fn hand_off(&self, t: Self::Tensor, identity: Vec<u8>) -> Result<Embeddings> {
+        let shape = self.shape(&t).to_vec();
+        Ok(Embeddings::Device(DeviceRows::new(shape, t, identity)))
     }
     fn zeros(&self, shape: &[usize]) -> Result<Self::Tensor>;
     /// `dst = src` in place (same element count); `dst` keeps its buffer.

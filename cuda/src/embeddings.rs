@@ -14,6 +14,7 @@ use bytes::Bytes;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::handoff::DeviceRows;
 use crate::{Error, HostTensor, Result};
 
 /// A row-major f16 tensor in host memory over shared little-endian bytes: cloning it and
@@ -127,6 +128,13 @@ impl HalfTensor {
     }
 }
 
+fn on_device(op: &'static str) -> Error {
+    Error::shape(
+        op,
+        "the rows are on a device; only the backend that holds them reads them",
+    )
+}
+
 fn check_rows(op: &'static str, start: usize, end: usize, rows: usize) -> Result<()> {
     if start > end || end > rows {
         return Err(Error::shape(
@@ -137,12 +145,15 @@ fn check_rows(op: &'static str, start: usize, end: usize, rows: usize) -> Result
     Ok(())
 }
 
-/// An image's embeddings (or one set of its DeepStack features), `[tokens, hidden]`, in the
-/// precision the backend that made them computes in ([`crate::Backend::download_embeddings`]).
+/// An image's embeddings (or one set of its DeepStack features), `[tokens, hidden]`: on the
+/// host in the precision the backend that made them computes in
+/// ([`crate::Backend::download_embeddings`]), or still on the device, handed over inside one
+/// process ([`crate::handoff`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Embeddings {
     F32(HostTensor),
     F16(HalfTensor),
+    Device(DeviceRows),
 }
 
 impl Embeddings {
@@ -150,50 +161,57 @@ impl Embeddings {
         match self {
             Embeddings::F32(t) => t.shape(),
             Embeddings::F16(t) => t.shape(),
+            Embeddings::Device(t) => t.shape(),
         }
     }
 
+    /// Number of rows of the matrix view `[rows, last_dim]`.
     pub fn rows(&self) -> usize {
+        let shape = self.shape();
+        let cols = shape.last().copied().unwrap_or(1);
+        shape
+            .iter()
+            .product::<usize>()
+            .checked_div(cols)
+            .unwrap_or(0)
+    }
+
+    /// Whether the values are on the host (not [`Embeddings::Device`]).
+    pub fn on_host(&self) -> bool {
+        !matches!(self, Embeddings::Device(_))
+    }
+
+    /// The values as f32: borrowed where they are f32 already, widened (exactly) from f16;
+    /// an error for rows on a device (the backend that holds them reads them).
+    pub fn to_f32(&self) -> Result<Cow<'_, HostTensor>> {
         match self {
-            Embeddings::F32(t) => t.rows(),
-            Embeddings::F16(t) => t.rows(),
+            Embeddings::F32(t) => Ok(Cow::Borrowed(t)),
+            Embeddings::F16(t) => Ok(Cow::Owned(t.to_f32())),
+            Embeddings::Device(_) => Err(on_device("Embeddings::to_f32")),
         }
     }
 
-    /// The values as f32: borrowed where they are f32 already, widened (exactly) otherwise.
-    pub fn to_f32(&self) -> Cow<'_, HostTensor> {
-        match self {
-            Embeddings::F32(t) => Cow::Borrowed(t),
-            Embeddings::F16(t) => Cow::Owned(t.to_f32()),
-        }
-    }
-
-    /// The values as f16, rounded where they are f32.
-    pub fn to_f16(&self) -> HalfTensor {
-        match self {
-            Embeddings::F32(t) => HalfTensor::from_f32(t),
-            Embeddings::F16(t) => t.clone(),
-        }
-    }
-
-    /// The values' bytes as held (f32 or f16, little-endian), e.g. to hash them.
-    pub fn as_bytes(&self) -> &[u8] {
+    /// What stands for the values in a hash (the prefix cache's image identity): their bytes
+    /// as held on the host (f32 or f16, little-endian), or a device tensor's identity.
+    pub fn content(&self) -> &[u8] {
         match self {
             Embeddings::F32(t) => bytemuck::cast_slice(t.data()),
             Embeddings::F16(t) => t.bytes(),
+            Embeddings::Device(t) => t.identity(),
         }
     }
 
-    /// Rows `start..end` (f16 rows share their bytes).
+    /// Rows `start..end` of host embeddings (f16 rows share their bytes).
     pub fn slice_rows(&self, start: usize, end: usize) -> Result<Self> {
         Ok(match self {
             Embeddings::F32(t) => Embeddings::F32(t.slice_rows(start, end)?),
             Embeddings::F16(t) => Embeddings::F16(t.slice_rows(start, end)?),
+            Embeddings::Device(_) => return Err(on_device("Embeddings::slice_rows")),
         })
     }
 
-    /// The given rows of each part, stacked in order: f16 if every part is f16 (their bytes
-    /// copied once), f32 otherwise. Parts must have the same row width.
+    /// The given rows of each part (host embeddings), stacked in order: f16 if every part is
+    /// f16 (their bytes copied once), f32 otherwise. Parts must have the same row width.
     pub fn concat_rows(parts: &[(&Embeddings, Range<usize>)]) -> Result<Self> {
         let Some((first, _)) = parts.first() else {
             return Err(Error::shape("Embeddings::concat_rows", "nothing to stack"));
@@ -219,7 +237,7 @@ impl Embeddings {
             let mut bytes = Vec::with_capacity(rows * cols * 2);
             for (part, range) in parts {
                 bytes.extend_from_slice(
-                    &part.as_bytes()[range.start * cols * 2..range.end * cols * 2],
+                    &part.content()[range.start * cols * 2..range.end * cols * 2],
                 );
             }
             return Ok(Embeddings::F16(HalfTensor::from_bytes(
@@ -229,7 +247,7 @@ impl Embeddings {
         }
         let mut data = Vec::with_capacity(rows * cols);
         for (part, range) in parts {
-            data.extend_from_slice(&part.to_f32().data()[range.start * cols..range.end * cols]);
+            data.extend_from_slice(&part.to_f32()?.data()[range.start * cols..range.end * cols]);
         }
         Ok(Embeddings::F32(HostTensor::new(vec![rows, cols], data)?))
     }
@@ -277,17 +295,25 @@ mod tests {
             Embeddings::F16(HalfTensor::from_f32(&b)),
         );
         let sliced = ha.slice_rows(1, 3).unwrap();
-        assert_eq!(sliced.to_f32().into_owned(), a.slice_rows(1, 3).unwrap());
+        assert_eq!(
+            sliced.to_f32().unwrap().into_owned(),
+            a.slice_rows(1, 3).unwrap()
+        );
         assert!(ha.slice_rows(3, 5).is_err());
 
         let want = HostTensor::concat_rows(&[a.slice_rows(2, 4).unwrap(), b.clone()]).unwrap();
         let halves = Embeddings::concat_rows(&[(&ha, 2..4), (&hb, 0..2)]).unwrap();
         assert!(matches!(halves, Embeddings::F16(_)), "all f16 stays f16");
-        assert_eq!(halves.to_f32().into_owned(), want);
+        assert_eq!(halves.to_f32().unwrap().into_owned(), want);
         let fa = Embeddings::F32(a.clone());
         let mixed = Embeddings::concat_rows(&[(&fa, 2..4), (&hb, 0..2)]).unwrap();
         assert_eq!(mixed, Embeddings::F32(want));
         let narrow = Embeddings::F32(tensor(1, 2));
         assert!(Embeddings::concat_rows(&[(&fa, 0..1), (&narrow, 0..1)]).is_err());
+        // Rows on a device are read by their backend only.
+        let dev = Embeddings::Device(DeviceRows::new(vec![4, 3], a.clone(), b"id".to_vec()));
+        assert_eq!((dev.rows(), dev.content()), (4, &b"id"[..]));
+        assert!(dev.to_f32().is_err() && dev.slice_rows(0, 1).is_err());
+        assert!(Embeddings::concat_rows(&[(&fa, 0..1), (&dev, 0..1)]).is_err());
     }
 }

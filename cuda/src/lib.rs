@@ -6,7 +6,8 @@
 //! - [`Device`]: the `--device` flag and the one dispatcher that picks the backend for it.
 //! - [`HostTensor`]: a row-major f32 tensor in host memory, what goes in and out of a backend.
 //! - [`Embeddings`]: an image's embeddings between the stages, f32 or f16 ([`HalfTensor`], over
-//!   shared bytes), in the precision the backend that made them computes in.
+//!   shared bytes), in the precision the backend that made them computes in, or on the device
+//!   ([`handoff`]: from one stage to the other within one process).
 //! - [`twin`]: a device backend compared with the CPU reference op by op: the GPU twin tests and
 //!   the self-check every GPU passes before it serves.
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
@@ -22,6 +23,7 @@ mod embeddings;
 mod error;
 pub mod files;
 pub mod golden;
+pub mod handoff;
 pub mod nn;
 pub mod npy;
 pub mod random;

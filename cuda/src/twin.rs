@@ -149,7 +149,8 @@ pub enum Case {
     /// in-place update keeps its values.
     RowUpdates,
     /// Image embeddings leaving a stage (`download_embeddings`) and entering the next
-    /// (`upload_embeddings` of f16 rows): the output is the downloaded rows over the uploaded.
+    /// (`upload_embeddings` of f16 rows, and of rows handed over on the device, and those
+    /// downloaded again): the four results stacked.
     Embeddings {
         rows: usize,
         cols: usize,
@@ -378,7 +379,7 @@ impl Case {
             // One rounding per element, or a short sum.
             Case::Add { .. } | Case::WeightedGather { .. } => 1e-6,
             // A GPU downloads embeddings rounded to f16 (2^-11 of each value at most), where
-            // the CPU keeps f32; f16 rows upload exactly on both.
+            // the CPU keeps f32; f16 rows upload exactly on both, handed-over rows are kept.
             Case::Embeddings { .. } => 1e-3,
             // Transcendentals: the device's expf/tanhf/erff are within a few ulp.
             Case::SiluMul { .. } | Case::Gelu { .. } | Case::Rope { .. } => 1e-5,
@@ -456,7 +457,15 @@ impl Case {
                 let down = be.download_embeddings(&be.upload(&x)?)?;
                 let halves = crate::Embeddings::F16(crate::HalfTensor::from_f32(&x));
                 let up = be.download(&be.upload_embeddings(&halves)?)?;
-                return HostTensor::concat_rows(&[down.to_f32().into_owned(), up]);
+                let handed = be.hand_off(be.upload(&x)?, b"twin".to_vec())?;
+                let kept = be.download(&be.upload_embeddings(&handed)?)?;
+                let back = be.embeddings_to_host(&handed)?;
+                return HostTensor::concat_rows(&[
+                    down.to_f32()?.into_owned(),
+                    up,
+                    kept,
+                    back.to_f32()?.into_owned(),
+                ]);
             }
             Case::LayerNorm { rows, cols } => be.layer_norm(
                 &up(&[rows, cols], 6)?,

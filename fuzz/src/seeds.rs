@@ -206,7 +206,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                 pb::EncodeRequest {
                     image: png.clone().into(),
                     dtype: pb::Dtype::F16 as i32,
-                    shm_domain: String::new(),
+                    ..Default::default()
                 },
             ),
         ),

@@ -189,7 +189,7 @@ pub fn run<B: Backend + Clone>(
     let measures = 2
         + opts.image_sides.len()
         + opts.prefill_tokens.len()
-        + opts.ttft_image_sides.len() * (2 + 5 * opts.through_gateway as usize)
+        + opts.ttft_image_sides.len() * (2 + 6 * opts.through_gateway as usize)
         + opts.decode_contexts.len()
         + batched.len();
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
@@ -425,13 +425,16 @@ pub fn run<B: Backend + Clone>(
                 })
                 .collect()
         };
-        let (in_messages, in_shm) = (new_images(1)?, new_images(1 + runs)?);
+        let hops = [Hop::Messages, Hop::SharedMemory, Hop::Device];
+        let requests = (0..hops.len() as u32)
+            .map(|i| new_images(1 + i * runs))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         // The services hold their own copies of the weights: free ours first.
         drop(pipeline);
-        bar.set_message("through the gateway, embeddings in the messages");
-        out.extend(through_gateway(dir, open, opts, &in_messages, false, &bar)?);
-        bar.set_message("through the gateway, embeddings in shared memory");
-        out.extend(through_gateway(dir, open, opts, &in_shm, true, &bar)?);
+        for (hop, requests) in hops.into_iter().zip(&requests) {
+            bar.set_message(format!("through the gateway, {}", hop.name()));
+            out.extend(through_gateway(dir, open, opts, requests, hop, &bar)?);
+        }
     }
     bar.finish_and_clear();
     Ok(out)
@@ -638,7 +641,7 @@ fn pack_and_unpack(
 ) -> anyhow::Result<Vec<Measurement>> {
     use vlm_proto::pb;
     let pack = || vision_svc::server::to_wire(image, pb::Dtype::F16);
-    let packed = pack();
+    let packed = pack()?;
     let bytes = packed.payload_bytes();
     let size = if bytes >= 1_000_000 {
         format!("{:.1} MB", bytes as f64 / 1e6)
@@ -648,7 +651,7 @@ fn pack_and_unpack(
     let what = format!("image {side}x{side}: embeddings ({size} f16)");
     let pack_s = time(opts, bar, || {
         let t = Instant::now();
-        std::hint::black_box(pack());
+        std::hint::black_box(pack()?);
         Ok(t.elapsed())
     })?;
     let request = pb::GenerateRequest {
@@ -688,18 +691,38 @@ fn pack_and_unpack(
 /// For one image side: a request with a new image for each run, and one to send every run.
 type TtftRequests = (usize, Vec<ChatRequest>, ChatRequest);
 
+/// How embeddings go from vision-svc to llm-svc in a [`through_gateway`] run.
+#[derive(Clone, Copy, PartialEq)]
+enum Hop {
+    /// Inside the gRPC messages (services on different hosts).
+    Messages,
+    /// Through a shared-memory segment (services in different processes on one host).
+    SharedMemory,
+    /// Kept on the device (services in one process, as `vlm serve` runs them).
+    Device,
+}
+
+impl Hop {
+    fn name(self) -> &'static str {
+        match self {
+            Hop::Messages => "embeddings in the gRPC messages",
+            Hop::SharedMemory => "embeddings in shared memory",
+            Hop::Device => "embeddings kept on the device",
+        }
+    }
+}
+
 /// Starts vision-svc, llm-svc and the gateway in this process on loopback ports
-/// ([`LocalStack`]), the embeddings going through `shared_memory` or inside the gRPC
-/// messages, waits until they serve, and times requests (one token each) through the
-/// gateway's gRPC ChatStream: for each `(side, new, again)`, `new[i]` in run `i` (an image
-/// vision-svc has not seen); with shared memory, then `again` in every run (seen since the
-/// warm-up).
+/// ([`LocalStack`]), the embeddings going as `hop` says, waits until they serve, and times
+/// requests (one token each) through the gateway's gRPC ChatStream: for each `(side, new,
+/// again)`, `new[i]` in run `i` (an image vision-svc has not seen); kept on the device (what
+/// `vlm serve` does), then `again` in every run (seen since the warm-up).
 fn through_gateway<B: Backend + Clone>(
     dir: &Path,
     open: fn() -> vlm_compute::Result<B>,
     opts: &BenchOptions,
     requests: &[TtftRequests],
-    shared_memory: bool,
+    hop: Hop,
     bar: &ProgressBar,
 ) -> anyhow::Result<Vec<Measurement>> {
     use futures::StreamExt;
@@ -713,7 +736,8 @@ fn through_gateway<B: Backend + Clone>(
     cfg.max_concurrent = 1;
     cfg.vision_max_concurrent = 1;
     cfg.embedding_dtype = vlm_proto::pb::Dtype::F16;
-    cfg.shared_memory = shared_memory;
+    cfg.shared_memory = hop != Hop::Messages;
+    cfg.device_handoff = hop == Hop::Device;
     cfg.default_max_tokens = 1;
     // As in process: every run repeats the prompt, and cached blocks would make its prefill
     // look free, so the difference between the rows would not be the hops alone.
@@ -756,13 +780,9 @@ fn through_gateway<B: Backend + Clone>(
                 anyhow::Ok(t.elapsed())
             })
         };
-        // llm-svc names its shared-memory domain in its first answer.
+        // llm-svc names its shared-memory and device domains in its first answer.
         first_token(to_grpc(&requests[0].2))?;
-        let path = if shared_memory {
-            "embeddings in shared memory"
-        } else {
-            "embeddings in the gRPC messages"
-        };
+        let path = hop.name();
         let mut rows = Vec::new();
         for (side, new, again) in requests {
             let name = ttft_name(*side, opts);
@@ -778,7 +798,7 @@ fn through_gateway<B: Backend + Clone>(
                 unit: "request",
                 roofline: None,
             });
-            if !shared_memory {
+            if hop != Hop::Device {
                 continue;
             }
             let again = to_grpc(again);

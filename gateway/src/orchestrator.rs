@@ -61,9 +61,9 @@ pub struct Orchestrator {
     pub metrics: Metrics,
     /// Offer vision-svc shared memory for the embeddings when llm-svc shares it.
     pub shared_memory: bool,
-    /// The shared-memory domain each llm-svc replica named in its last response headers
-    /// (`vlm_proto::shm`), by address.
-    llm_shm_domains: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// The shared-memory and device domains each llm-svc replica named in its last response
+    /// headers (`vlm_proto::shm`, `vlm_compute::handoff`), by address.
+    llm_domains: std::sync::Mutex<std::collections::HashMap<String, LlmDomains>>,
     /// Longest a stream waits for its client to take the next event; past it the generation
     /// is cancelled, so a client that stops reading holds no permit, KV cache or task.
     pub client_send_timeout: Duration,
@@ -133,7 +133,7 @@ impl Orchestrator {
             image_settings: None,
             metrics,
             shared_memory: true,
-            llm_shm_domains: Default::default(),
+            llm_domains: Default::default(),
             client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
         }
@@ -176,33 +176,38 @@ impl Orchestrator {
         if !self.shared_memory {
             return None;
         }
-        let domains = self
-            .llm_shm_domains
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut named = self.llm.addrs().map(|a| domains.get(a));
+        self.common_llm_domain(|d| d.shm.as_ref())
+    }
+
+    /// The device domain every llm-svc replica shares (one replica, in this process, in
+    /// practice): vision-svc keeps the embeddings on the device if it is its own.
+    fn llm_device_domain(&self) -> Option<String> {
+        self.common_llm_domain(|d| d.device.as_ref())
+    }
+
+    fn common_llm_domain(&self, pick: impl Fn(&LlmDomains) -> Option<&String>) -> Option<String> {
+        let domains = self.llm_domains.lock().unwrap_or_else(|e| e.into_inner());
+        let mut named = self.llm.addrs().map(|a| domains.get(a).and_then(&pick));
         let first = named.next()??;
         named.all(|d| d == Some(first)).then(|| first.clone())
     }
 
-    /// Notes the domain llm-svc at `addr` named in `headers` (none: no shared memory there).
-    fn note_llm_shm_domain(&self, addr: &str, headers: &tonic::metadata::MetadataMap) {
-        let named = headers
-            .get(vlm_proto::shm::DOMAIN_HEADER)
-            .and_then(|v| v.to_str().ok());
-        let mut domains = self
-            .llm_shm_domains
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        match named {
-            Some(d) => {
-                if domains.get(addr).map(String::as_str) != Some(d) {
-                    domains.insert(addr.to_string(), d.to_string());
-                }
-            }
-            None => {
-                domains.remove(addr);
-            }
+    /// Notes the domains llm-svc at `addr` named in `headers` (none: no shared memory or
+    /// device handoff there).
+    fn note_llm_domains(&self, addr: &str, headers: &tonic::metadata::MetadataMap) {
+        let named = |header: &str| {
+            headers
+                .get(header)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let now = LlmDomains {
+            shm: named(vlm_proto::shm::DOMAIN_HEADER),
+            device: named(llm_svc::server::DEVICE_DOMAIN_HEADER),
+        };
+        let mut domains = self.llm_domains.lock().unwrap_or_else(|e| e.into_inner());
+        if domains.get(addr) != Some(&now) {
+            domains.insert(addr.to_string(), now);
         }
     }
 
@@ -213,16 +218,18 @@ impl Orchestrator {
         index: usize,
         image: bytes::Bytes,
         deadline: Option<Instant>,
-    ) -> Result<(EncodeResponse, vlm_proto::shm::Segment), GatewayError> {
+    ) -> Result<(EncodeResponse, Held), GatewayError> {
         let span = info_span!(
             "vision.rpc",
             image = index,
             image_bytes = image.len(),
             embedding_bytes = tracing::field::Empty,
-            shm = tracing::field::Empty
+            shm = tracing::field::Empty,
+            device = tracing::field::Empty
         );
         let started = Instant::now();
         let shm_domain = self.llm_shm_domain().unwrap_or_default();
+        let device_domain = self.llm_device_domain().unwrap_or_default();
         let result = async {
             self.vision
                 .call(|ch| {
@@ -230,6 +237,7 @@ impl Orchestrator {
                         image: image.clone(),
                         dtype: self.embedding_dtype as i32,
                         shm_domain: shm_domain.clone(),
+                        device_domain: device_domain.clone(),
                     };
                     async move {
                         let req = with_deadline(msg, deadline)
@@ -257,10 +265,14 @@ impl Orchestrator {
             .with_label_values(&[outcome])
             .observe(started.elapsed().as_secs_f64());
         let r = result?;
-        let segment = vlm_proto::shm::Segment::new(&r.shm_segment);
+        let held = Held {
+            segment: vlm_proto::shm::Segment::new(&r.shm_segment),
+            device: DeviceHandle(r.device_handle),
+        };
         span.record("embedding_bytes", r.payload_bytes());
         span.record("shm", !r.shm_segment.is_empty());
-        Ok((r, segment))
+        span.record("device", r.device_handle != 0);
+        Ok((r, held))
     }
 
     /// Starts a chat: images encoded, prompt built, generation started. Errors before the
@@ -338,9 +350,9 @@ impl Orchestrator {
             }
         };
         let (encoded, early_prompt) = tokio::join!(encodes, early_prompt);
-        // The segments stay until llm-svc has taken them; any error before removes them.
-        let (encoded, segments): (Vec<EncodeResponse>, Vec<vlm_proto::shm::Segment>) =
-            encoded?.into_iter().unzip();
+        // Segments and device handoffs stay until llm-svc has taken them; any error before
+        // removes them.
+        let (encoded, held): (Vec<EncodeResponse>, Vec<Held>) = encoded?.into_iter().unzip();
 
         let per_image: Vec<usize> = encoded
             .iter()
@@ -364,6 +376,7 @@ impl Orchestrator {
                 deepstack: e.deepstack,
                 grid_thw: e.grid_thw,
                 shm_segment: e.shm_segment,
+                device_handle: e.device_handle,
             })
             .collect();
         let gen = generate_request(&req, prompt, images);
@@ -388,9 +401,9 @@ impl Orchestrator {
             })
             .instrument(span.clone())
             .await?;
-        // llm-svc has the request, and its segments.
-        segments.into_iter().for_each(vlm_proto::shm::Segment::keep);
-        self.note_llm_shm_domain(&llm_addr, upstream.metadata());
+        // llm-svc has the request, and its segments and handoffs.
+        held.into_iter().for_each(Held::keep);
+        self.note_llm_domains(&llm_addr, upstream.metadata());
         let upstream = upstream.into_inner();
         Ok(Started {
             upstream,
@@ -589,6 +602,43 @@ async fn forward(
     }
 }
 
+/// What an encoded image holds until llm-svc takes it: a shared-memory segment, or embeddings
+/// deposited on the device in this process; dropped without [`Held::keep`] (the request
+/// failed on the way), both are let go at once.
+struct Held {
+    segment: vlm_proto::shm::Segment,
+    device: DeviceHandle,
+}
+
+impl Held {
+    fn keep(self) {
+        self.segment.keep();
+        std::mem::forget(self.device);
+    }
+}
+
+/// A device handoff (`vlm_compute::handoff`) not yet taken. Where the gateway runs in the
+/// process that holds it (`vlm serve`), dropping this frees its device memory now instead of
+/// at the deposit's expiry; elsewhere there is nothing under the number here.
+struct DeviceHandle(u64);
+
+impl Drop for DeviceHandle {
+    fn drop(&mut self) {
+        if self.0 != 0 {
+            drop(vlm_compute::handoff::take::<Vec<vlm_compute::Embeddings>>(
+                self.0,
+            ));
+        }
+    }
+}
+
+/// The domains an llm-svc replica named ([`Orchestrator::note_llm_domains`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct LlmDomains {
+    shm: Option<String>,
+    device: Option<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,20 +667,57 @@ mod tests {
         h
     }
 
+    #[test]
+    fn a_handoff_not_passed_on_is_let_go_and_one_passed_on_is_left_to_llm_svc() {
+        use vlm_compute::{handoff, Embeddings};
+        let held = |id| Held {
+            segment: vlm_proto::shm::Segment::new(""),
+            device: DeviceHandle(id),
+        };
+        let dropped = handoff::deposit(Vec::<Embeddings>::new());
+        drop(held(dropped));
+        assert!(
+            handoff::take::<Vec<Embeddings>>(dropped).is_none(),
+            "let go"
+        );
+        let kept = handoff::deposit(Vec::<Embeddings>::new());
+        held(kept).keep();
+        assert!(
+            handoff::take::<Vec<Embeddings>>(kept).is_some(),
+            "still there"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_device_domain_is_offered_when_every_replica_names_the_same_one() {
+        let o = orchestrator(&["a:1"]);
+        assert_eq!(o.llm_device_domain(), None);
+        let mut h = headers(Some("d1"));
+        h.insert(
+            llm_svc::server::DEVICE_DOMAIN_HEADER,
+            "p/cuda".parse().unwrap(),
+        );
+        o.note_llm_domains("a:1", &h);
+        assert_eq!(o.llm_device_domain().as_deref(), Some("p/cuda"));
+        assert_eq!(o.llm_shm_domain().as_deref(), Some("d1"));
+        o.note_llm_domains("a:1", &headers(Some("d1")));
+        assert_eq!(o.llm_device_domain(), None, "no longer named");
+    }
+
     #[tokio::test]
     async fn shared_memory_is_offered_once_every_llm_replica_has_named_one_domain() {
         let mut o = orchestrator(&["a:1", "b:1"]);
         assert_eq!(o.llm_shm_domain(), None, "nothing heard yet");
-        o.note_llm_shm_domain("a:1", &headers(Some("d1")));
+        o.note_llm_domains("a:1", &headers(Some("d1")));
         assert_eq!(o.llm_shm_domain(), None, "b has not named one");
-        o.note_llm_shm_domain("b:1", &headers(Some("d2")));
+        o.note_llm_domains("b:1", &headers(Some("d2")));
         assert_eq!(o.llm_shm_domain(), None, "they differ");
-        o.note_llm_shm_domain("b:1", &headers(Some("d1")));
+        o.note_llm_domains("b:1", &headers(Some("d1")));
         assert_eq!(o.llm_shm_domain().as_deref(), Some("d1"));
         // A replica that stops naming one (restarted elsewhere) ends the offer.
-        o.note_llm_shm_domain("a:1", &headers(None));
+        o.note_llm_domains("a:1", &headers(None));
         assert_eq!(o.llm_shm_domain(), None);
-        o.note_llm_shm_domain("a:1", &headers(Some("d1")));
+        o.note_llm_domains("a:1", &headers(Some("d1")));
         o.shared_memory = false;
         assert_eq!(o.llm_shm_domain(), None, "--no-shared-memory");
     }

@@ -46,6 +46,9 @@ pub struct StackConfig {
     pub embedding_dtype: vlm_proto::pb::Dtype,
     /// Embeddings through shared memory between the services (they share this process's).
     pub shared_memory: bool,
+    /// Embeddings kept on the device from vision-svc to llm-svc (both in this process:
+    /// `vlm_compute::handoff`), where no bytes move at all; ahead of shared memory.
+    pub device_handoff: bool,
     /// `max_tokens` of a request that does not say.
     pub default_max_tokens: usize,
     /// Longest a request may take.
@@ -75,6 +78,7 @@ impl StackConfig {
             engine: llm_svc::EngineConfig::default(),
             embedding_dtype: vlm_proto::pb::Dtype::F32,
             shared_memory: true,
+            device_handoff: true,
             default_max_tokens: 256,
             request_timeout: Duration::from_secs(600),
             api_key: None,
@@ -154,6 +158,7 @@ impl LocalStack {
                 engine: cfg.engine.clone(),
                 registry: registry.clone(),
                 tls: None,
+                device_handoff: cfg.device_handoff,
             },
             open,
             llm,

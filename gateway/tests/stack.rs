@@ -108,3 +108,116 @@ async fn a_model_that_cannot_load_fails_ready_with_the_service_named() {
         "the failed service's error comes back"
     );
 }
+
+/// The three ways embeddings go from vision-svc to llm-svc, in one process: kept on the device
+/// (`vlm serve`'s default: nothing downloaded or sent), through shared memory, and inside the
+/// gRPC messages (f32, as the loopback stack asks). Each gives the tokens `vlm run`'s
+/// in-process pipeline gives (on the CPU bit for bit: f32 all the way), and a device handoff
+/// leaves nothing held once the request has its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_on_the_device_in_shared_memory_or_in_messages_give_vlm_runs_tokens() {
+    check_hops(|| Ok(CpuBackend::new())).await;
+}
+
+/// The same on a GPU (skipped without one): the device path hands the ViT's f32 output over
+/// where `vlm run` and the other paths round it to f16, a difference far below what moves a
+/// greedy token of the fixture (its logits agree with HF's within 5e-2 on the GPU).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_on_a_gpu() {
+    if vlm_compute::cuda::test_gpu().is_none() {
+        return;
+    }
+    check_hops(|| vlm_compute::CudaBackend::new(0)).await;
+}
+
+async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::Result<B>) {
+    use gateway::chat::{Message, Part};
+    use gateway::pipeline::{ChatRequest, Pipeline};
+
+    let image = std::fs::read(fixture().join("images/cat.png")).unwrap();
+    let text = "What is in the picture?";
+    let png = image.clone();
+    // The pipeline waits on its engine from a thread outside the runtime, as `vlm run` does.
+    let local = tokio::task::spawn_blocking(move || {
+        let pipeline = Pipeline::load(
+            &fixture(),
+            open().unwrap(),
+            llm_svc::EngineConfig::default(),
+        )
+        .unwrap();
+        let request = ChatRequest {
+            messages: vec![Message::user(vec![
+                Part::Image(png),
+                Part::Text(text.into()),
+            ])],
+            sampling: llm_svc::SamplingParams::greedy(),
+            max_new_tokens: 6,
+            stop: Vec::new(),
+            ignore_eos: true,
+            return_logits: false,
+        };
+        pipeline
+            .run(&request, |_, _| std::ops::ControlFlow::Continue(()))
+            .unwrap()
+            .generated_token_ids
+    })
+    .await
+    .unwrap();
+
+    let request = vlm_proto::pb::ChatRequest {
+        messages: vec![ChatMessage {
+            role: "user".into(),
+            content: vec![
+                ContentPart {
+                    part: Some(content_part::Part::Image(image)),
+                },
+                ContentPart {
+                    part: Some(content_part::Part::Text(text.into())),
+                },
+            ],
+        }],
+        max_tokens: Some(6),
+        temperature: Some(0.0),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for (device_handoff, shared_memory, path) in [
+        (true, true, "device"),
+        (false, true, "shm"),
+        (false, false, "grpc"),
+    ] {
+        let mut cfg = StackConfig::loopback(fixture());
+        cfg.device_handoff = device_handoff;
+        cfg.shared_memory = shared_memory;
+        // Every request runs the encoder: the cache would answer the second one.
+        cfg.embedding_cache_bytes = 0;
+        let mut stack = LocalStack::start(cfg, open).await.unwrap();
+        stack.ready(Duration::from_secs(300)).await.unwrap();
+        let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
+            .await
+            .unwrap();
+        // The first answer names llm-svc's domains; the second request can use them.
+        for _ in 0..2 {
+            let answer = client.chat(request.clone()).await.unwrap().into_inner();
+            assert_eq!(answer.token_ids, local, "{path}");
+        }
+        let page = reqwest::get(format!("http://{}/metrics", stack.http_addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let counter = format!("vlm_vision_embedding_bytes_total{{path=\"{path}\"}}");
+        let sent = page
+            .lines()
+            .find(|l| l.starts_with(&counter))
+            .unwrap_or_else(|| panic!("no {path} embeddings counted:\n{page}"));
+        assert!(!sent.ends_with(" 0"), "{sent}");
+        assert_eq!(
+            vlm_compute::handoff::held(),
+            0,
+            "{path}: a handoff left held"
+        );
+        stack.stop().await.unwrap();
+    }
+}

@@ -77,6 +77,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         engine: args.engine.config(args.max_context, args.device.is_gpu()),
         registry: registry.clone(),
         tls,
+        // Alone in its process: no vision-svc here to hand embeddings over on the device.
+        device_handoff: false,
     };
     let stop = tokio_util::sync::CancellationToken::new();
     let metrics_stop = stop.clone();

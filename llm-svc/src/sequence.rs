@@ -167,13 +167,19 @@ impl Sequence {
 }
 
 /// An image's identity for the prefix cache: its embeddings' bytes (as held: f32 and f16
-/// embeddings of one image are two identities, as their keys and values differ) and grid.
+/// embeddings of one image are two identities, as their keys and values differ), or for
+/// embeddings kept on the device the identity vision-svc gave them; and its grid.
 pub fn image_hash(embeds: &Embeddings, grid: [usize; 3]) -> BlockHash {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
     for g in grid {
         h.update(&(g as u64).to_le_bytes());
     }
-    h.update(&[matches!(embeds, Embeddings::F16(_)) as u8]);
-    h.update(embeds.as_bytes());
+    let kind: u8 = match embeds {
+        Embeddings::F32(_) => 0,
+        Embeddings::F16(_) => 1,
+        Embeddings::Device(_) => 2,
+    };
+    h.update(&[kind]);
+    h.update(embeds.content());
     h.digest128()
 }

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, Embeddings, HalfTensor, HostTensor, OnDevice, Weights};
+use vlm_compute::{handoff, Backend, Embeddings, HalfTensor, HostTensor, OnDevice, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{shm, telemetry, tensor};
@@ -43,6 +43,10 @@ pub struct ServeConfig {
     pub registry: prometheus::Registry,
     /// TLS (or mutual TLS) on the gRPC port; `None`: plaintext.
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// Name this process and device in the `vlm-device-domain` header, so that a vision-svc
+    /// in the same process hands its embeddings over on the device (`vlm serve`); a service
+    /// alone in its process has no one to take them from.
+    pub device_handoff: bool,
 }
 
 pub struct LlmServer {
@@ -52,7 +56,13 @@ pub struct LlmServer {
     /// [`shm::domain`], sent in every response's headers so the gateway can offer the
     /// same-host path; `None`: no shared memory here.
     shm_domain: Option<tonic::metadata::AsciiMetadataValue>,
+    /// [`handoff::domain`] of this process and backend, sent the same way when
+    /// [`ServeConfig::device_handoff`] is on.
+    device_domain: Option<tonic::metadata::AsciiMetadataValue>,
 }
+
+/// The response header in which llm-svc names its device domain.
+pub const DEVICE_DOMAIN_HEADER: &str = "vlm-device-domain";
 
 fn image_from_pb(
     index: usize,
@@ -77,21 +87,42 @@ fn image_from_pb(
         }
         .map_err(|e| bad(e.to_string()))
     };
-    let embeds = host(
-        img.embeddings
-            .as_ref()
-            .ok_or_else(|| bad("no embeddings".into()))?,
-    )?;
     let [t, h, w] = img.grid_thw[..] else {
         return Err(bad(format!(
             "grid_thw must have 3 entries, got {}",
             img.grid_thw.len()
         )));
     };
+    let grid_thw = [t as usize, h as usize, w as usize];
+    if img.device_handle != 0 {
+        // Kept on the device by vision-svc in this process: the tensors themselves, each
+        // with the encoding's identity for the prefix cache.
+        let mut tensors = handoff::take::<Vec<Embeddings>>(img.device_handle)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                bad(format!(
+                    "no embeddings are held under device handle {:#x} in this process (taken \
+                     already, older than {} s, or sent by a vision-svc elsewhere)",
+                    img.device_handle,
+                    handoff::TTL.as_secs()
+                ))
+            })?;
+        let embeds = tensors.remove(0);
+        return Ok(ImageInput {
+            embeds,
+            deepstack: tensors,
+            grid_thw,
+        });
+    }
+    let embeds = host(
+        img.embeddings
+            .as_ref()
+            .ok_or_else(|| bad("no embeddings".into()))?,
+    )?;
     Ok(ImageInput {
         embeds,
         deepstack: img.deepstack.iter().map(host).collect::<Result<_, _>>()?,
-        grid_thw: [t as usize, h as usize, w as usize],
+        grid_thw,
     })
 }
 
@@ -230,6 +261,11 @@ impl LlmService for LlmServer {
                 .metadata_mut()
                 .insert(shm::DOMAIN_HEADER, domain.clone());
         }
+        if let Some(domain) = &self.device_domain {
+            response
+                .metadata_mut()
+                .insert(DEVICE_DOMAIN_HEADER, domain.clone());
+        }
         Ok(response)
     }
 }
@@ -264,6 +300,10 @@ pub async fn serve<B: Backend>(
         permits: Arc::new(Semaphore::new(max_concurrent)),
         max_concurrent,
         shm_domain: shm::domain().and_then(|d| d.parse().ok()),
+        device_domain: cfg
+            .device_handoff
+            .then(|| handoff::domain(std::any::type_name::<B>()).parse().ok())
+            .flatten(),
     };
     let (health, router) =
         vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
@@ -294,6 +334,34 @@ pub async fn serve<B: Backend>(
 mod tests {
     use super::*;
 
+    #[test]
+    fn device_handles_are_taken_once_and_unknown_ones_refused() {
+        let rows = |n| {
+            let t = HostTensor::zeros(vec![n, 4]);
+            Embeddings::Device(handoff::DeviceRows::new(vec![n, 4], t, b"id".to_vec()))
+        };
+        let id = handoff::deposit(vec![rows(2), rows(2)]);
+        let image = |id| pb::GenerateRequest {
+            images: vec![pb::ImageEmbeddings {
+                grid_thw: vec![1, 2, 4],
+                device_handle: id,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let req = request_from_pb(image(id)).unwrap();
+        assert_eq!(req.images[0].embeds.shape(), &[2, 4]);
+        assert_eq!(req.images[0].deepstack.len(), 1);
+        for again in [id, 12345] {
+            let err = request_from_pb(image(again)).unwrap_err();
+            assert!(
+                matches!(err, Error::BadImage { index: 0, .. })
+                    && err.to_string().contains("no embeddings are held"),
+                "{err}"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn a_bad_request_gets_invalid_argument_even_when_every_place_is_taken() {
         let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
@@ -314,6 +382,7 @@ mod tests {
             permits: Arc::new(Semaphore::new(1)),
             max_concurrent: 1,
             shm_domain: None,
+            device_domain: None,
         };
         let generate = |prompt: Vec<u32>, max_new_tokens: u32| {
             server.generate(Request::new(pb::GenerateRequest {

@@ -127,7 +127,11 @@ fn upload_images<B: Backend>(
                     .iter()
                     .map(|(img, rows)| (pick(img), rows.clone()))
                     .collect();
-                be.upload_embeddings(&Embeddings::concat_rows(&rows)?)
+                if rows.iter().all(|(e, _)| e.on_host()) {
+                    be.upload_embeddings(&Embeddings::concat_rows(&rows)?)
+                } else {
+                    gather_on_device(be, &rows)
+                }
             };
             let layers = parts[0].0.deepstack.len();
             StepImages {
@@ -139,6 +143,25 @@ fn upload_images<B: Backend>(
         }
     };
     Ok(Some(images))
+}
+
+/// The given rows of each part stacked on the device (some parts are there already).
+fn gather_on_device<B: Backend>(
+    be: &B,
+    parts: &[(&Embeddings, Range<usize>)],
+) -> vlm_compute::Result<B::Tensor> {
+    let n = parts.iter().map(|(_, rows)| rows.len()).sum();
+    let cols = parts[0].0.shape().last().copied().unwrap_or(1);
+    let mut out = be.zeros(&[n, cols])?;
+    let mut at = 0;
+    for (e, rows) in parts {
+        let all = be.upload_embeddings(e)?;
+        let part = be.slice_rows(&all, rows.start, rows.end)?;
+        let dst: Vec<usize> = (at..at + rows.len()).collect();
+        be.scatter_rows(&mut out, &dst, &part)?;
+        at += rows.len();
+    }
+    Ok(out)
 }
 
 /// A step's image rows on the device ([`upload_images`]).

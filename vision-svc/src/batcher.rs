@@ -23,11 +23,12 @@ use tracing::{info_span, Span};
 use vlm_compute::Backend;
 
 use crate::metrics::VisionMetrics;
-use crate::{Error, Patches, VisionEncoder, VisionOutput};
+use crate::{Delivery, Error, Patches, VisionEncoder, VisionOutput};
 
 /// An image waiting for its pass.
 struct QueuedImage {
     patches: Patches,
+    delivery: Delivery,
     caller: Caller,
 }
 
@@ -69,6 +70,7 @@ impl Batcher {
     pub async fn encode(
         &self,
         patches: Patches,
+        delivery: Delivery,
         permit: OwnedSemaphorePermit,
         span: Span,
     ) -> Result<VisionOutput, Error> {
@@ -80,7 +82,11 @@ impl Batcher {
             _permit: permit,
         };
         self.queue
-            .send(QueuedImage { patches, caller })
+            .send(QueuedImage {
+                patches,
+                delivery,
+                caller,
+            })
             .map_err(|_| Error::Encoder("the vision encoder loop has stopped".into()))?;
         output.await.map_err(|_| {
             Error::Encoder("the vision encoder loop dropped the image unanswered".into())
@@ -149,8 +155,12 @@ fn run_pass<B: Backend>(
     batch: Vec<QueuedImage>,
     metrics: &VisionMetrics,
 ) {
-    let (patches, callers): (Vec<Patches>, Vec<Caller>) =
-        batch.into_iter().map(|i| (i.patches, i.caller)).unzip();
+    let (mut patches, mut deliveries, mut callers) = (Vec::new(), Vec::new(), Vec::new());
+    for image in batch {
+        patches.push(image.patches);
+        deliveries.push(image.delivery);
+        callers.push(image.caller);
+    }
     let batch_patches: usize = patches.iter().map(|p| p.pixels.rows()).sum();
     metrics.batch_images.observe(patches.len() as f64);
     let spans: Vec<Span> = patches
@@ -167,8 +177,9 @@ fn run_pass<B: Backend>(
             )
         })
         .collect();
-    let result =
-        std::panic::catch_unwind(AssertUnwindSafe(|| encoder.model.forward_batch(&patches)));
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        encoder.model.forward_delivered(&patches, &deliveries)
+    }));
     // Every caller of a failed pass gets the same message (the error itself is not Clone).
     let failed = |what: String| -> Vec<Result<VisionOutput, Error>> {
         (0..callers.len())

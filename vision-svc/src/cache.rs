@@ -171,7 +171,7 @@ mod tests {
             }),
             deepstack: vec![],
             grid_thw: vec![1, 2, 2],
-            shm_segment: String::new(),
+            ..Default::default()
         }
     }
 

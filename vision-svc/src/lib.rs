@@ -19,7 +19,7 @@ use std::path::Path;
 
 pub use config::{PreprocessConfig, VisionConfig};
 pub use error::{Error, Result};
-pub use model::{VisionModel, VisionOutput};
+pub use model::{Delivery, VisionModel, VisionOutput};
 pub use preprocess::{DecodeLimits, Patches};
 use vlm_compute::{Backend, Weights};
 

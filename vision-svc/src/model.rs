@@ -24,8 +24,9 @@ use crate::{Error, Patches, Result, VisionConfig};
 
 const LN_EPS: f32 = 1e-6;
 
-/// What the vision tower produces for one image, on the host: f32 from the CPU, f16 from a GPU
-/// ([`Backend::download_embeddings`]), the element type the wire carries them in.
+/// What the vision tower produces for one image: on the host, f32 from the CPU and f16 from a
+/// GPU ([`Backend::download_embeddings`], the element type the wire carries them in), or kept
+/// on the device ([`Delivery::Device`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct VisionOutput {
     /// `[tokens, out_hidden]`: replaces the image placeholder tokens in the LLM input.
@@ -263,6 +264,10 @@ impl<B: Backend> VisionModel<B> {
         })
     }
 
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     pub fn config(&self) -> &VisionConfig {
         &self.cfg
     }
@@ -356,10 +361,29 @@ impl<B: Backend> VisionModel<B> {
         Ok(out.pop().expect("one output per image"))
     }
 
-    /// Encodes several images in one pass and returns their outputs in the same order. Each
-    /// output equals (on the CPU, bit for bit) what [`Self::forward`] gives for that image
-    /// alone; the pass just runs every GEMM over all images' rows at once.
+    /// Encodes several images in one pass and returns their outputs, on the host, in the same
+    /// order. Each output equals (on the CPU, bit for bit) what [`Self::forward`] gives for
+    /// that image alone; the pass just runs every GEMM over all images' rows at once.
     pub fn forward_batch(&self, images: &[Patches]) -> Result<Vec<VisionOutput>> {
+        let host = vec![Delivery::Host; images.len()];
+        self.forward_delivered(images, &host)
+    }
+
+    /// [`Self::forward_batch`], each image's output delivered as `deliver` says: downloaded,
+    /// or kept on the device for the language stage in this process
+    /// ([`Backend::hand_off`]).
+    pub fn forward_delivered(
+        &self,
+        images: &[Patches],
+        deliver: &[Delivery],
+    ) -> Result<Vec<VisionOutput>> {
+        if deliver.len() != images.len() {
+            return Err(Error::Config(format!(
+                "{} images, {} deliveries",
+                images.len(),
+                deliver.len()
+            )));
+        }
         let be = &self.backend;
         let cfg = &self.cfg;
         if images.is_empty() {
@@ -422,37 +446,63 @@ impl<B: Backend> VisionModel<B> {
         let embeds = self.merger.forward(be, &x)?;
         drop(layers_span);
         let _outputs_span = debug_span!("vit_outputs").entered();
-        // Downloads wait for the device: only once it has run every layer.
-        let embeds = be.download_embeddings(&embeds)?;
-        let deepstack = deepstack
-            .iter()
-            .map(|f| be.download_embeddings(f))
-            .collect::<vlm_compute::Result<Vec<_>>>()?;
-        if let [p] = images {
-            return Ok(vec![VisionOutput {
-                embeds,
-                deepstack,
-                grid_thw: p.grid_thw,
-            }]);
-        }
+        // Downloads wait for the device: only once it has run every layer. One download of
+        // the whole pass serves every image delivered to the host.
+        let downloaded = if deliver.contains(&Delivery::Host) {
+            let all: Vec<Embeddings> = std::iter::once(&embeds)
+                .chain(&deepstack)
+                .map(|t| be.download_embeddings(t))
+                .collect::<vlm_compute::Result<_>>()?;
+            Some(all)
+        } else {
+            None
+        };
 
         // Mergers turn each 2×2 window (4 consecutive rows, never straddling two images) into
         // one token, so image i's tokens are its patches / merge² rows, in pass order.
         let group = cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let whole = images.len() == 1;
         let mut outputs = Vec::with_capacity(images.len());
         let mut start = 0;
-        for (p, &n) in images.iter().zip(&pass.patches_per_image) {
+        for ((p, &n), how) in images.iter().zip(&pass.patches_per_image).zip(deliver) {
             let end = start + n / group;
-            outputs.push(VisionOutput {
-                embeds: embeds.slice_rows(start, end)?,
-                deepstack: deepstack
+            let mut rows: Vec<Embeddings> = match (how, &downloaded) {
+                (Delivery::Host, Some(all)) if whole => all.clone(),
+                (Delivery::Host, Some(all)) => all
                     .iter()
-                    .map(|f| f.slice_rows(start, end))
+                    .map(|t| t.slice_rows(start, end))
                     .collect::<vlm_compute::Result<_>>()?,
+                (Delivery::Host, None) => unreachable!("downloaded when any image is for the host"),
+                (Delivery::Device { identity }, _) => std::iter::once(&embeds)
+                    .chain(&deepstack)
+                    .map(|t| {
+                        let t = if whole {
+                            t.clone()
+                        } else {
+                            be.slice_rows(t, start, end)?
+                        };
+                        be.hand_off(t, identity.clone())
+                    })
+                    .collect::<vlm_compute::Result<_>>()?,
+            };
+            let embeds = rows.remove(0);
+            outputs.push(VisionOutput {
+                embeds,
+                deepstack: rows,
                 grid_thw: p.grid_thw,
             });
             start = end;
         }
         Ok(outputs)
     }
+}
+
+/// Where an image's output goes from a pass.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Delivery {
+    /// Downloaded to the host (f32 from the CPU, f16 from a GPU).
+    Host,
+    /// Kept on the device ([`Embeddings::Device`]) for the language stage in this process;
+    /// `identity` stands for the values in its prefix cache.
+    Device { identity: Vec<u8> },
 }

@@ -19,7 +19,7 @@ use std::sync::{Arc, OnceLock};
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{Backend, Embeddings, OnDevice, Weights};
+use vlm_compute::{handoff, Backend, Embeddings, OnDevice, Weights};
 use vlm_proto::pb::vision_service_server::{VisionService, VisionServiceServer};
 use vlm_proto::pb::{Dtype, EncodeRequest, EncodeResponse};
 use vlm_proto::{shm, telemetry, tensor};
@@ -27,7 +27,7 @@ use vlm_proto::{shm, telemetry, tensor};
 use crate::batcher::Batcher;
 use crate::cache::{self, EmbeddingCache};
 use crate::metrics::VisionMetrics;
-use crate::{preprocess, Error, VisionEncoder, VisionOutput};
+use crate::{preprocess, Delivery, Error, VisionEncoder, VisionOutput};
 
 /// Default of [`ServeConfig::max_batch_patches`]: a 1344×1344 image (84×84 = 7056 patches)
 /// fits alone, and so do ten 448×448 ones (784 each). A pass of this many rows already
@@ -60,7 +60,7 @@ pub struct VisionServer<B: Backend> {
     permits: Arc<Semaphore>,
     max_concurrent: usize,
     metrics: VisionMetrics,
-    cache: EmbeddingCache,
+    cache: Arc<EmbeddingCache>,
     /// The shared memory this process sees ([`shm::domain`]); `None`: none to use.
     shm_domain: Option<String>,
 }
@@ -70,6 +70,20 @@ pub struct VisionServer<B: Backend> {
 struct LoadedEncoder<B: Backend> {
     encoder: Arc<VisionEncoder<B>>,
     batcher: Batcher,
+    /// This process and device ([`handoff::domain`]): an llm-svc that names it takes the
+    /// embeddings on the device.
+    device_domain: String,
+}
+
+impl<B: Backend> LoadedEncoder<B> {
+    fn new(encoder: Arc<VisionEncoder<B>>, batcher: Batcher) -> Self {
+        let device_domain = handoff::domain(std::any::type_name::<B>());
+        Self {
+            encoder,
+            batcher,
+            device_domain,
+        }
+    }
 }
 
 /// Counts an image in flight and, however its request ends, its outcome and time.
@@ -125,6 +139,14 @@ impl<B: Backend> VisionService for VisionServer<B> {
             !req.shm_domain.is_empty() && self.shm_domain.as_ref() == Some(&req.shm_domain);
         let result = async {
             let (response, source) = self.encode_image(req).await?;
+            if response.device_handle != 0 {
+                tracing::Span::current().record("path", "device");
+                self.metrics
+                    .embedding_bytes
+                    .with_label_values(&["device"])
+                    .inc_by(response.payload_bytes() as u64);
+                return Ok((response, source));
+            }
             Ok((self.deliver(response, shared).await?, source))
         }
         .instrument(span)
@@ -175,8 +197,10 @@ impl<B: Backend> VisionServer<B> {
         Ok(response)
     }
 
-    /// An image's embeddings: from the cache, or decoded, preprocessed, run through the ViT
-    /// (batched with others) and packed for the wire, then cached.
+    /// An image's embeddings: from the cache, or decoded, preprocessed and run through the ViT
+    /// (batched with others), then packed for the wire and cached; or, for an llm-svc in this
+    /// process on this device, kept on the device and deposited for it ([`handoff`]), a copy
+    /// downloaded for the cache after the answer.
     async fn encode_image(&self, req: EncodeRequest) -> Result<(EncodeResponse, Source), Error> {
         let Some(loaded) = self.loaded.get() else {
             return Err(Error::Loading);
@@ -186,18 +210,20 @@ impl<B: Backend> VisionServer<B> {
         // says so, and reading it costs next to nothing.
         preprocess::check_header(&req.image, &loaded.encoder.limits)?;
         let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
+        let on_device = req.device_domain == loaded.device_domain;
         // Looked up before a place is taken: a hit costs no device work, so it is never
-        // refused as overloaded.
-        let key = if self.cache.enabled() {
+        // refused as overloaded. The key is also the identity of embeddings kept on the
+        // device (llm-svc's prefix cache cannot hash bytes it never sees).
+        let key = if self.cache.enabled() || on_device {
             let (image, settings) = (req.image.clone(), loaded.encoder.preprocess.clone());
             let key = tokio::task::spawn_blocking(move || cache::key(&image, dtype, &settings))
                 .await
                 .map_err(|e| Error::Encoder(format!("hashing the image failed: {e}")))?;
-            if let Some(hit) = self.cache.get(&key) {
+            if let Some(hit) = self.cache.enabled().then(|| self.cache.get(&key)).flatten() {
                 span.record("cache", "hit");
                 return Ok((hit, Source::Cache));
             }
-            span.record("cache", "miss");
+            span.record("cache", if self.cache.enabled() { "miss" } else { "off" });
             Some(key)
         } else {
             span.record("cache", "off");
@@ -221,9 +247,25 @@ impl<B: Backend> VisionServer<B> {
         })
         .await
         .map_err(|e| Error::Encoder(format!("image preprocessing failed: {e}")))??;
-        let out = loaded.batcher.encode(patches, permit, span.clone()).await?;
+        let delivery = match &key {
+            Some(key) if on_device => Delivery::Device {
+                identity: key.to_vec(),
+            },
+            _ => Delivery::Host,
+        };
+        let out = loaded
+            .batcher
+            .encode(patches, delivery, permit, span.clone())
+            .await?;
         span.record("tokens", out.embeds.shape()[0]);
         tracing::info!(tokens = out.embeds.shape()[0], grid = ?out.grid_thw, "image encoded");
+        if !out.embeds.on_host() {
+            let response = deposit(&out);
+            if let Some(key) = key.filter(|_| self.cache.enabled()) {
+                self.cache_later(loaded, out, key, dtype);
+            }
+            return Ok((response, Source::Encoder));
+        }
         // f16 from a GPU to an f16 wire is the bytes as downloaded; anything else is one
         // conversion pass per tensor, off the runtime's threads (a large image's embeddings
         // are tens of megabytes).
@@ -233,30 +275,88 @@ impl<B: Backend> VisionServer<B> {
             to_wire(&out, dtype)
         })
         .await
-        .map_err(|e| Error::Encoder(format!("packing the embeddings failed: {e}")))?;
-        if let Some(key) = key {
+        .map_err(|e| Error::Encoder(format!("packing the embeddings failed: {e}")))??;
+        if let Some(key) = key.filter(|_| self.cache.enabled()) {
             self.cache.insert(key, &response);
         }
         Ok((response, Source::Encoder))
     }
+
+    /// Downloads embeddings kept on the device and caches them as `dtype` on the wire, off the
+    /// request's path (its answer has gone already). A failure only costs the cache entry.
+    fn cache_later(
+        &self,
+        loaded: &LoadedEncoder<B>,
+        out: VisionOutput,
+        key: cache::CacheKey,
+        dtype: Dtype,
+    ) {
+        let (encoder, cache) = (loaded.encoder.clone(), self.cache.clone());
+        tokio::task::spawn_blocking(move || {
+            let be = encoder.model.backend();
+            let download = |e: &Embeddings| be.embeddings_to_host(e);
+            let host = (|| -> Result<EncodeResponse, Error> {
+                let host = VisionOutput {
+                    embeds: download(&out.embeds)?,
+                    deepstack: out
+                        .deepstack
+                        .iter()
+                        .map(download)
+                        .collect::<vlm_compute::Result<_>>()?,
+                    grid_thw: out.grid_thw,
+                };
+                to_wire(&host, dtype)
+            })();
+            match host {
+                Ok(response) => cache.insert(key, &response),
+                Err(e) => tracing::warn!(error = %e, "embeddings kept on the device not cached"),
+            }
+        });
+    }
+}
+
+/// Deposits an image's embeddings kept on the device ([`handoff`]) and returns the response
+/// that names them: shapes and the handle, no bytes.
+fn deposit(out: &VisionOutput) -> EncodeResponse {
+    let shape_only = |e: &Embeddings| vlm_proto::pb::Tensor {
+        dtype: Dtype::F32 as i32,
+        shape: e.shape().iter().map(|&d| d as u64).collect(),
+        ..Default::default()
+    };
+    let tensors: Vec<Embeddings> = std::iter::once(&out.embeds)
+        .chain(&out.deepstack)
+        .cloned()
+        .collect();
+    EncodeResponse {
+        embeddings: Some(shape_only(&out.embeds)),
+        deepstack: out.deepstack.iter().map(shape_only).collect(),
+        grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
+        shm_segment: String::new(),
+        device_handle: handoff::deposit(tensors),
+    }
 }
 
 /// An image's embeddings as the wire carries them, in `dtype` (unspecified: f32). f16
-/// embeddings sent as f16 are passed on as they are; every other pair is converted.
-pub fn to_wire(out: &VisionOutput, dtype: Dtype) -> EncodeResponse {
-    let pack = |e: &Embeddings| match (e, dtype) {
-        (Embeddings::F16(h), Dtype::F16) => tensor::from_f16_bytes(h.shape(), h.bytes().clone()),
-        (e, dtype) => {
-            let t = e.to_f32();
-            tensor::encode(t.shape(), t.data(), dtype)
-        }
+/// embeddings sent as f16 are passed on as they are; every other pair is converted. The
+/// embeddings must be on the host.
+pub fn to_wire(out: &VisionOutput, dtype: Dtype) -> Result<EncodeResponse, Error> {
+    let pack = |e: &Embeddings| -> Result<vlm_proto::pb::Tensor, Error> {
+        Ok(match (e, dtype) {
+            (Embeddings::F16(h), Dtype::F16) => {
+                tensor::from_f16_bytes(h.shape(), h.bytes().clone())
+            }
+            (e, dtype) => {
+                let t = e.to_f32()?;
+                tensor::encode(t.shape(), t.data(), dtype)
+            }
+        })
     };
-    EncodeResponse {
-        embeddings: Some(pack(&out.embeds)),
-        deepstack: out.deepstack.iter().map(pack).collect(),
+    Ok(EncodeResponse {
+        embeddings: Some(pack(&out.embeds)?),
+        deepstack: out.deepstack.iter().map(pack).collect::<Result<_, _>>()?,
         grid_thw: out.grid_thw.iter().map(|&v| v as u32).collect(),
-        shm_segment: String::new(),
-    }
+        ..Default::default()
+    })
 }
 
 /// `response` with its tensors' bytes moved into a new shared-memory segment.
@@ -308,19 +408,24 @@ pub async fn serve<B: Backend>(
         permits: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
         max_concurrent: cfg.max_concurrent.max(1),
         metrics: metrics.clone(),
-        cache: EmbeddingCache::new(cfg.embedding_cache_bytes, &cfg.registry),
+        cache: Arc::new(EmbeddingCache::new(
+            cfg.embedding_cache_bytes,
+            &cfg.registry,
+        )),
         shm_domain: shm::domain(),
     };
-    // Segments a gateway never passed on (it died between the calls), and those of this
-    // service's earlier runs, are removed.
-    let sweeper = server.shm_domain.is_some().then(|| {
-        tokio::spawn(async {
-            loop {
+    // Segments and device handoffs a gateway never passed on (it died between the calls),
+    // and the segments of this service's earlier runs, are removed.
+    let shared_memory = server.shm_domain.is_some();
+    let sweeper = Some(tokio::spawn(async move {
+        loop {
+            if shared_memory {
                 let _ = tokio::task::spawn_blocking(|| shm::sweep(shm::SEGMENT_TTL)).await;
-                tokio::time::sleep(shm::SEGMENT_TTL / 4).await;
             }
-        })
-    });
+            handoff::sweep(handoff::TTL);
+            tokio::time::sleep(shm::SEGMENT_TTL / 4).await;
+        }
+    }));
     let (health, router) =
         vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
     let svc = VisionServiceServer::new(server)
@@ -337,7 +442,7 @@ pub async fn serve<B: Backend>(
         weights.finish();
         let batcher = Batcher::start(encoder.clone(), max_batch_patches, metrics)
             .map_err(|e| anyhow::anyhow!("cannot start the vision encoder thread: {e}"))?;
-        Ok(LoadedEncoder { encoder, batcher })
+        Ok(LoadedEncoder::new(encoder, batcher))
     });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     let result = vlm_proto::run_service(router, listener, health, name, load, shutdown).await;
@@ -362,13 +467,13 @@ mod tests {
         let batcher =
             Batcher::start(encoder.clone(), DEFAULT_MAX_BATCH_PATCHES, metrics.clone()).unwrap();
         let loaded = Arc::new(OnceLock::new());
-        let _ = loaded.set(LoadedEncoder { encoder, batcher });
+        let _ = loaded.set(LoadedEncoder::new(encoder, batcher));
         VisionServer {
             loaded,
             permits: Arc::new(Semaphore::new(1)),
             max_concurrent: 1,
             metrics,
-            cache: EmbeddingCache::new(cache_bytes, &registry),
+            cache: Arc::new(EmbeddingCache::new(cache_bytes, &registry)),
             shm_domain: shm::domain(),
         }
     }
@@ -407,7 +512,7 @@ mod tests {
         Request::new(EncodeRequest {
             image: image.to_vec().into(),
             dtype: dtype as i32,
-            shm_domain: String::new(),
+            ..Default::default()
         })
     }
 

@@ -55,7 +55,7 @@ fn patches(enc: &VisionEncoder<CpuBackend>, bytes: &[u8]) -> Patches {
 /// Same shape and the same f32 bits.
 fn assert_identical(what: &str, got: &Embeddings, want: &Embeddings) {
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    let (got, want) = (got.to_f32(), want.to_f32());
+    let (got, want) = (got.to_f32().unwrap(), want.to_f32().unwrap());
     let differ = got
         .data()
         .iter()
@@ -166,7 +166,7 @@ async fn encode(
     let req = EncodeRequest {
         image: image.to_vec().into(),
         dtype: Dtype::F32 as i32,
-        shm_domain: String::new(),
+        ..Default::default()
     };
     Ok(client.encode(req).await?.into_inner())
 }

@@ -98,12 +98,12 @@ fn check_tower<B: vlm_compute::Backend>(backend: B, tol: f32) {
         };
         let out = enc.model.forward(&patches).unwrap();
         let hf = g.tensor(&format!("image.{name}.embeds")).unwrap();
-        let (max, _) = diff(&out.embeds.to_f32(), &hf);
+        let (max, _) = diff(&out.embeds.to_f32().unwrap(), &hf);
         assert!(max <= tol, "{name}: embeddings differ by {max}");
         assert_eq!(out.deepstack.len(), 3);
         for (j, ds) in out.deepstack.iter().enumerate() {
             let hf = g.tensor(&format!("image.{name}.deepstack.{j}")).unwrap();
-            let (max, _) = diff(&ds.to_f32(), &hf);
+            let (max, _) = diff(&ds.to_f32().unwrap(), &hf);
             assert!(max <= tol, "{name}: DeepStack {j} differs by {max}");
         }
     }

@@ -2,12 +2,13 @@
 //! memory), copies and writes, weights (rounded to f16, filled at random, stacked), ids and
 //! the KV cache's buffers, and the device-copy timing.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaEvent, PushKernelArg};
 
 use super::context::cuda_err;
 use super::{staging, CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
+use crate::handoff::DeviceRows;
 use crate::{Embeddings, Error, HalfTensor, HostTensor, Result};
 
 impl CudaBackend {
@@ -82,7 +83,16 @@ impl CudaBackend {
     pub(super) fn upload_embeddings_impl(&self, e: &Embeddings) -> Result<CudaTensor> {
         let h = match e {
             Embeddings::F16(h) if !h.is_empty() => h,
-            other => return self.upload_impl(&other.to_f32()),
+            Embeddings::Device(rows) => {
+                let handed = rows.get::<HandedOff>().ok_or_else(|| {
+                    Error::shape(
+                        "upload_embeddings",
+                        format!("embeddings {:?} handed over by a CPU backend", rows.shape()),
+                    )
+                })?;
+                return self.copy_handed_off(handed);
+            }
+            host => return self.upload_impl(&*host.to_f32()?),
         };
         let (bytes, stream) = (&h.bytes()[..], &self.inner.stream);
         let raw = if bytes.len() >= staging::STAGED_MIN_BYTES {
@@ -99,6 +109,46 @@ impl CudaBackend {
         l.arg(&raw).arg(Arc::make_mut(&mut out.buf)).arg(&n);
         // SAFETY: matches cast_f16_to_f32: raw holds the n halves' 2n bytes, out n floats.
         self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    /// The writer's stream must find `t` computed before another stream reads it.
+    pub(super) fn hand_off_impl(&self, t: CudaTensor, identity: Vec<u8>) -> Result<Embeddings> {
+        self.synchronize()?;
+        let shape = t.shape.clone();
+        let handed = HandedOff {
+            tensor: t,
+            last_read: Mutex::new(None),
+        };
+        Ok(Embeddings::Device(DeviceRows::new(shape, handed, identity)))
+    }
+
+    pub(super) fn embeddings_to_host_impl(&self, e: &Embeddings) -> Result<Embeddings> {
+        match e {
+            Embeddings::Device(rows) => match rows.get::<HandedOff>() {
+                Some(handed) => self.download_embeddings_impl(&handed.tensor),
+                None => Err(Error::shape(
+                    "embeddings_to_host",
+                    format!("embeddings {:?} handed over by a CPU backend", rows.shape()),
+                )),
+            },
+            host => Ok(host.clone()),
+        }
+    }
+
+    /// A copy of another backend's tensor on this stream (a device-to-device copy: some
+    /// microseconds for an image), so the step that uses it owns what it reads; the copy's
+    /// place in this stream is noted for the source's drop.
+    fn copy_handed_off(&self, handed: &HandedOff) -> Result<CudaTensor> {
+        let stream = &self.inner.stream;
+        let mut out = self.alloc(handed.tensor.shape.clone())?;
+        stream
+            .memcpy_dtod(&*handed.tensor.buf, Arc::make_mut(&mut out.buf))
+            .map_err(|e| cuda_err("copying handed-over embeddings")(&e))?;
+        let read = stream
+            .record_event(None)
+            .map_err(|e| cuda_err("recording an event")(&e))?;
+        *handed.last_read.lock().unwrap_or_else(|e| e.into_inner()) = Some(read);
         Ok(out)
     }
 
@@ -310,5 +360,25 @@ impl CudaBackend {
             cache.shape.to_vec(),
             halves[..n].iter().map(|h| h.to_f32()).collect(),
         )
+    }
+}
+
+/// A tensor handed to another backend of this process ([`crate::handoff`]). Its memory goes
+/// back on the stream that made it, which knows nothing of the reader's stream: dropping it
+/// first waits for the reader's last copy of it (in practice long done; a request cancelled
+/// while its prefill chunk still runs is the case this covers).
+struct HandedOff {
+    tensor: CudaTensor,
+    last_read: Mutex<Option<CudaEvent>>,
+}
+
+impl Drop for HandedOff {
+    fn drop(&mut self) {
+        let read = self.last_read.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(read) = read.take() {
+            if let Err(e) = read.synchronize() {
+                tracing::warn!(error = %e, "waiting for a read of handed-over embeddings");
+            }
+        }
     }
 }

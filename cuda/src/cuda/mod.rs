@@ -87,6 +87,14 @@ impl Backend for CudaBackend {
         self.upload_embeddings_impl(e)
     }
 
+    fn embeddings_to_host(&self, e: &Embeddings) -> Result<Embeddings> {
+        self.embeddings_to_host_impl(e)
+    }
+
+    fn hand_off(&self, t: CudaTensor, identity: Vec<u8>) -> Result<Embeddings> {
+        self.hand_off_impl(t, identity)
+    }
+
     fn zeros(&self, shape: &[usize]) -> Result<CudaTensor> {
         self.alloc_zeroed(shape.to_vec())
     }

@@ -31,14 +31,14 @@ fn encode_request(body: &[u8]) -> Outcome {
     // As vision-svc's handler: an unknown dtype is read as f32.
     let dtype = pb::Dtype::try_from(req.dtype).unwrap_or(pb::Dtype::F32);
     let out = fixture().vision.encode_image(&req.image).map_err(text)?;
-    let packed = vision_svc::server::to_wire(&out, dtype);
+    let packed = vision_svc::server::to_wire(&out, dtype).expect("host embeddings pack");
     let embeds = packed
         .embeddings
         .as_ref()
         .expect("embeddings are always sent");
     let (shape, values) = tensor::decode(embeds).expect("what vision-svc packs, decode reads");
     assert_eq!(shape, out.embeds.shape());
-    assert_eq!(values.len(), out.embeds.to_f32().len());
+    assert_eq!(values.len(), out.embeds.to_f32().map_err(text)?.len());
     Ok(())
 }
 
