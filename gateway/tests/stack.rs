@@ -10,8 +10,10 @@ use gateway::stack::{LocalStack, StackConfig};
 use vlm_compute::CpuBackend;
 use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ChatMessage, ContentPart};
 
+/// The bundled tiny model (found from the gateway's directory when the test program runs on
+/// another machine, as on the GPU one).
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,14 +139,16 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
     let image = std::fs::read(fixture().join("images/cat.png")).unwrap();
     let text = "What is in the picture?";
     let png = image.clone();
+    // A small cache for each engine: a GPU's pool keeps what the first one frees, so one
+    // sized from the free memory would leave none for the next.
+    let engine = llm_svc::EngineConfig {
+        kv_cache: llm_svc::KvCacheSize::Tokens(4096),
+        ..llm_svc::EngineConfig::default()
+    };
+    let pipeline_engine = engine.clone();
     // The pipeline waits on its engine from a thread outside the runtime, as `vlm run` does.
     let local = tokio::task::spawn_blocking(move || {
-        let pipeline = Pipeline::load(
-            &fixture(),
-            open().unwrap(),
-            llm_svc::EngineConfig::default(),
-        )
-        .unwrap();
+        let pipeline = Pipeline::load(&fixture(), open().unwrap(), pipeline_engine).unwrap();
         let request = ChatRequest {
             messages: vec![Message::user(vec![
                 Part::Image(png),
@@ -189,6 +193,7 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
         let mut cfg = StackConfig::loopback(fixture());
         cfg.device_handoff = device_handoff;
         cfg.shared_memory = shared_memory;
+        cfg.engine = engine.clone();
         // Every request runs the encoder: the cache would answer the second one.
         cfg.embedding_cache_bytes = 0;
         let mut stack = LocalStack::start(cfg, open).await.unwrap();
