@@ -324,11 +324,12 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        13,
-        "two limits, one ViT size, prefill, the image's preprocessing, image TTFT in process, \
-         packing and unpacking its \
-         embeddings, decode, batched decode, the same through the gateway with a new image \
-         (embeddings in the messages, and in shared memory) and with one seen before: {names:?}"
+        15,
+        "two limits, one ViT size, prefill, the image's preprocessing, image TTFT in process \
+         (and with the image already encoded), \
+         packing and unpacking its embeddings, decode, batched decode, the same through the \
+         gateway with a new image (embeddings in the messages, in shared memory and kept on \
+         the device) and with one seen before: {names:?}"
     );
     assert!(
         names.contains(&"decode: batch 3 at context 16"),
@@ -337,6 +338,7 @@ fn bench_reports_every_measurement_against_the_limits() {
     for row in [
         "through the gateway (embeddings in the gRPC messages)",
         "through the gateway (embeddings in shared memory)",
+        "through the gateway (embeddings kept on the device)",
         "through the gateway, image seen before",
         "f16) unpacked",
         "PNG: decoded and preprocessed",

@@ -113,9 +113,10 @@ async fn a_model_that_cannot_load_fails_ready_with_the_service_named() {
 
 /// The three ways embeddings go from vision-svc to llm-svc, in one process: kept on the device
 /// (`vlm serve`'s default: nothing downloaded or sent), through shared memory, and inside the
-/// gRPC messages (f32, as the loopback stack asks). Each gives the tokens `vlm run`'s
-/// in-process pipeline gives (on the CPU bit for bit: f32 all the way), and a device handoff
-/// leaves nothing held once the request has its answer.
+/// gRPC messages (f32, as the loopback stack asks), and from vision-svc's cache (handed over
+/// on the device too). Each gives the tokens `vlm run`'s in-process pipeline gives (on the
+/// CPU bit for bit: f32 all the way), and a device handoff leaves nothing held once the
+/// request has its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_on_the_device_in_shared_memory_or_in_messages_give_vlm_runs_tokens() {
     check_hops(|| Ok(CpuBackend::new())).await;
@@ -225,4 +226,38 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
         );
         stack.stop().await.unwrap();
     }
+
+    // With the embedding cache: vision-svc caches a host copy of what it handed over (after
+    // answering), and hands a hit over on the device too.
+    let mut cfg = StackConfig::loopback(fixture());
+    cfg.engine = engine.clone();
+    let mut stack = LocalStack::start(cfg, open).await.unwrap();
+    stack.ready(Duration::from_secs(300)).await.unwrap();
+    let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
+        .await
+        .unwrap();
+    let metrics = format!("http://{}/metrics", stack.http_addr);
+    let sample = |page: &str, name: &str| -> f64 {
+        page.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let mut hits = 0.0;
+    for _ in 0..100 {
+        let answer = client.chat(request.clone()).await.unwrap().into_inner();
+        assert_eq!(answer.token_ids, local, "cache");
+        let page = reqwest::get(&metrics).await.unwrap().text().await.unwrap();
+        hits = sample(&page, "vlm_vision_embedding_cache_hits_total");
+        if hits > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(hits > 0.0, "the cache never answered");
+    assert_eq!(
+        vlm_compute::handoff::held(),
+        0,
+        "cache: a handoff left held"
+    );
+    stack.stop().await.unwrap();
 }

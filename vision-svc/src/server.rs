@@ -221,7 +221,20 @@ impl<B: Backend> VisionServer<B> {
                 .map_err(|e| Error::Encoder(format!("hashing the image failed: {e}")))?;
             if let Some(hit) = self.cache.enabled().then(|| self.cache.get(&key)).flatten() {
                 span.record("cache", "hit");
-                return Ok((hit, Source::Cache));
+                if !on_device {
+                    return Ok((hit, Source::Cache));
+                }
+                // Uploaded once here and handed over (a host-to-device copy of f16 rows)
+                // rather than written to shared memory and mapped and uploaded there.
+                let encoder = loaded.encoder.clone();
+                let parent = span.clone();
+                let handed = tokio::task::spawn_blocking(move || {
+                    let _span = info_span!(parent: &parent, "upload_cached").entered();
+                    hand_off_cached(encoder.model.backend(), &hit, &key)
+                })
+                .await
+                .map_err(|e| Error::Encoder(format!("handing over cached embeddings: {e}")))??;
+                return Ok((deposit(&handed), Source::Cache));
             }
             span.record("cache", if self.cache.enabled() { "miss" } else { "off" });
             Some(key)
@@ -313,6 +326,41 @@ impl<B: Backend> VisionServer<B> {
             }
         });
     }
+}
+
+/// A cached encoding (host bytes) uploaded to `be`'s device and handed over there, as a
+/// fresh encoding for an llm-svc in this process would be.
+fn hand_off_cached<B: Backend>(
+    be: &B,
+    cached: &EncodeResponse,
+    key: &cache::CacheKey,
+) -> Result<VisionOutput, Error> {
+    let hand_off = |t: Option<&vlm_proto::pb::Tensor>| -> Result<Embeddings, Error> {
+        let t = t.ok_or_else(|| Error::Encoder("a cached encoding without embeddings".into()))?;
+        let host = match tensor::f16_bytes(t).map_err(Error::Encoder)? {
+            Some((shape, bytes)) => {
+                Embeddings::F16(vlm_compute::HalfTensor::from_bytes(shape, bytes)?)
+            }
+            None => {
+                let (shape, data) = tensor::decode(t).map_err(Error::Encoder)?;
+                Embeddings::F32(vlm_compute::HostTensor::new(shape, data)?)
+            }
+        };
+        Ok(be.hand_off(be.upload_embeddings(&host)?, key.to_vec())?)
+    };
+    let mut grid = [0usize; 3];
+    for (g, &v) in grid.iter_mut().zip(&cached.grid_thw) {
+        *g = v as usize;
+    }
+    Ok(VisionOutput {
+        embeds: hand_off(cached.embeddings.as_ref())?,
+        deepstack: cached
+            .deepstack
+            .iter()
+            .map(|t| hand_off(Some(t)))
+            .collect::<Result<_, _>>()?,
+        grid_thw: grid,
+    })
 }
 
 /// Deposits an image's embeddings kept on the device ([`handoff`]) and returns the response
