@@ -487,6 +487,30 @@ fn batched_decode(
     // More than any sequence can generate before the last one is prefilled: at least one
     // prompt's worth of prefill per step, so at most `batch` steps of head start each.
     let budget = tokens + 1 + batch + 16;
+    let mut streams = start_decoding(engine, batch, context, budget)?;
+    prefilled()?;
+    let started = Instant::now();
+    let last = streams.last_mut().expect("batch >= 1");
+    for _ in 0..tokens {
+        match last.blocking_recv() {
+            Some(llm_svc::Event::Token { .. }) => {}
+            other => anyhow::bail!("batched decode: {other:?}"),
+        }
+    }
+    let elapsed = started.elapsed();
+    drop(streams);
+    Ok(elapsed / tokens.max(1) as u32)
+}
+
+/// Submits `batch` sequences of `context` distinct prompt tokens, each to generate `budget`
+/// tokens, and returns once every one has its first token (all are decoding). Dropping the
+/// streams cancels them.
+fn start_decoding(
+    engine: &llm_svc::Engine,
+    batch: usize,
+    context: usize,
+    budget: usize,
+) -> anyhow::Result<Vec<llm_svc::RequestStream>> {
     let mut streams = Vec::with_capacity(batch);
     for b in 0..batch {
         // Distinct prompts (no shared prefix), ids away from the special tokens.
@@ -503,25 +527,14 @@ fn batched_decode(
         };
         streams.push(engine.submit(req, None, tracing::Span::none())?);
     }
-    // Every sequence's first token (the prefills), the last one's last.
+    // Every sequence's first token (the prefills).
     for s in &mut streams {
         match s.blocking_recv() {
             Some(llm_svc::Event::Token { .. }) => {}
             other => anyhow::bail!("batched decode: expected a first token, got {other:?}"),
         }
     }
-    prefilled()?;
-    let started = Instant::now();
-    let last = streams.last_mut().expect("batch >= 1");
-    for _ in 0..tokens {
-        match last.blocking_recv() {
-            Some(llm_svc::Event::Token { .. }) => {}
-            other => anyhow::bail!("batched decode: {other:?}"),
-        }
-    }
-    let elapsed = started.elapsed();
-    drop(streams);
-    Ok(elapsed / tokens.max(1) as u32)
+    Ok(streams)
 }
 
 /// The ViT's input for a `side` x `side` image: random pixels of the right shape (decoding and
@@ -605,6 +618,29 @@ fn profile_steps<B: Backend + Clone>(
     report(format!(
         "{steps} decode steps of {batch} sequences at context {context}"
     ))?;
+    // A loaded server's usual step: the sequences decode while a new prompt's chunk is
+    // prefilled beside them (its arrival may also see a decode step or two go by). One fewer
+    // decoding, so that the engine (sized for `batch` sequences) admits the prompt at once.
+    let decoding = batch.saturating_sub(1).max(1);
+    let streams = start_decoding(&pipeline.engine, decoding, context, 64)?;
+    let chunk = PROFILE_PREFILLS[0];
+    let req = GenerateRequest {
+        prompt: (0..chunk).map(|i| (i % 150 + 20) as u32).collect(),
+        images: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: 1,
+        ignore_eos: true,
+        return_logits: false,
+    };
+    be.op_times()?;
+    pipeline
+        .engine
+        .generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
+    report(format!(
+        "{decoding} sequences at context {context} decoding while a {chunk}-token prompt is \
+         prefilled beside them (the mixed step, and any decode step while it arrived)"
+    ))?;
+    drop(streams);
     be.time_ops(false)?;
     Ok(())
 }
