@@ -270,14 +270,7 @@ pub fn run<B: Backend + Clone>(
     let params = text_params(&tcfg) as f64;
     for &tokens in &opts.prefill_tokens {
         bar.set_message(format!("prefill {tokens}"));
-        let req = GenerateRequest {
-            prompt: prompt(tokens),
-            images: Vec::new(),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: 1,
-            ignore_eos: true,
-            return_logits: false,
-        };
+        let req = greedy_request(prompt(tokens), 1);
         let s = time(opts, &bar, || {
             Ok(pipeline
                 .engine
@@ -331,19 +324,16 @@ pub fn run<B: Backend + Clone>(
         });
         // The floor of a repeated image: its embeddings at hand, only the prompt to prefill.
         let image = pipeline.vision.encode_image(png)?;
+        let prompt = pipeline
+            .chat
+            .prompt_ids(&request.messages, &[image.embeds.rows()])?;
         let encoded = GenerateRequest {
-            prompt: pipeline
-                .chat
-                .prompt_ids(&request.messages, &[image.embeds.rows()])?,
             images: vec![llm_svc::ImageInput {
                 embeds: image.embeds.clone(),
                 deepstack: image.deepstack.clone(),
                 grid_thw: image.grid_thw,
             }],
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: 1,
-            ignore_eos: true,
-            return_logits: false,
+            ..greedy_request(prompt, 1)
         };
         let prefill_only = time(opts, &bar, || {
             let t = Instant::now();
@@ -369,14 +359,7 @@ pub fn run<B: Backend + Clone>(
 
     for &context in &opts.decode_contexts {
         bar.set_message(format!("decode at {context}"));
-        let req = GenerateRequest {
-            prompt: prompt(context),
-            images: Vec::new(),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: opts.decode_tokens + 1,
-            ignore_eos: true,
-            return_logits: false,
-        };
+        let req = greedy_request(prompt(context), opts.decode_tokens + 1);
         let s = time(opts, &bar, || {
             let g = pipeline
                 .engine
@@ -517,14 +500,7 @@ fn start_decoding(
         let prompt = (0..context)
             .map(|i| ((i * 7 + b * 13) % 200 + 10) as u32)
             .collect();
-        let req = GenerateRequest {
-            prompt,
-            images: Vec::new(),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: budget,
-            ignore_eos: true,
-            return_logits: false,
-        };
+        let req = greedy_request(prompt, budget);
         streams.push(engine.submit(req, None, tracing::Span::none())?);
     }
     // Every sequence's first token (the prefills).
@@ -596,14 +572,7 @@ fn profile_steps<B: Backend + Clone>(
         report(format!("ViT + mergers of a {side}x{side} image"))?;
     }
     for tokens in PROFILE_PREFILLS {
-        let req = GenerateRequest {
-            prompt: (0..tokens).map(|i| (i % 100 + 10) as u32).collect(),
-            images: Vec::new(),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: 1,
-            ignore_eos: true,
-            return_logits: false,
-        };
+        let req = greedy_request((0..tokens).map(|i| (i % 100 + 10) as u32).collect(), 1);
         be.op_times()?;
         pipeline
             .engine
@@ -624,14 +593,7 @@ fn profile_steps<B: Backend + Clone>(
     let decoding = batch.saturating_sub(1).max(1);
     let streams = start_decoding(&pipeline.engine, decoding, context, 64)?;
     let chunk = PROFILE_PREFILLS[0];
-    let req = GenerateRequest {
-        prompt: (0..chunk).map(|i| (i % 150 + 20) as u32).collect(),
-        images: Vec::new(),
-        sampling: SamplingParams::greedy(),
-        max_new_tokens: 1,
-        ignore_eos: true,
-        return_logits: false,
-    };
+    let req = greedy_request((0..chunk).map(|i| (i % 150 + 20) as u32).collect(), 1);
     be.op_times()?;
     pipeline
         .engine
@@ -935,6 +897,19 @@ pub fn table(rows: &[Measurement]) -> String {
         ));
     }
     s
+}
+
+/// A greedy text request that generates `max_new_tokens` through any eos (the benchmarks'
+/// fixed lengths).
+fn greedy_request(prompt: Vec<u32>, max_new_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        images: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        max_new_tokens,
+        ignore_eos: true,
+        return_logits: false,
+    }
 }
 
 #[cfg(test)]
