@@ -7,7 +7,8 @@
 #
 # Run from the repository root. PEERS (default ../shared/peers) holds llama.cpp's source and
 # GGUF writer (see its README). STEPS picks parts: "ours load hf llama report" (the default: all).
-# LOAD_ARGS replaces the workload flags of vlm load (default below).
+# LOAD_ARGS replaces the workload flags of vlm load (default below); BENCH_ARGS adds flags to
+# vlm bench (e.g. "--ttft-image-sides 448,1344").
 #
 # Time on one H100 (16 cores), part by part; "measured" where a run showed it, the rest are
 # estimates until a run of this script replaces them:
@@ -52,8 +53,9 @@ fi
 
 if has ours; then
   part "vlm bench"
-  "$vlm" bench --device cuda --model "$model" --random-weights --json "$out/ours.json" \
-    2>&1 | tee "$out/ours.log"
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+  "$vlm" bench --device cuda --model "$model" --random-weights ${BENCH_ARGS:-} \
+    --json "$out/ours.json" 2>&1 | tee "$out/ours.log"
 fi
 
 if has load; then
