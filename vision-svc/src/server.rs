@@ -465,7 +465,7 @@ pub async fn serve<B: Backend>(
     // Segments and device handoffs a gateway never passed on (it died between the calls),
     // and the segments of this service's earlier runs, are removed.
     let shared_memory = server.shm_domain.is_some();
-    let sweeper = Some(tokio::spawn(async move {
+    let sweeper = tokio::spawn(async move {
         loop {
             if shared_memory {
                 let _ = tokio::task::spawn_blocking(|| shm::sweep(shm::SEGMENT_TTL)).await;
@@ -473,7 +473,7 @@ pub async fn serve<B: Backend>(
             handoff::sweep(handoff::TTL);
             tokio::time::sleep(shm::SEGMENT_TTL / 4).await;
         }
-    }));
+    });
     let (health, router) =
         vlm_proto::grpc_server(cfg.tls.clone(), vlm_proto::Audience::Internal).await?;
     let svc = VisionServiceServer::new(server)
@@ -494,9 +494,7 @@ pub async fn serve<B: Backend>(
     });
     let name = <VisionServiceServer<VisionServer<B>> as tonic::server::NamedService>::NAME;
     let result = vlm_proto::run_service(router, listener, health, name, load, shutdown).await;
-    if let Some(sweeper) = sweeper {
-        sweeper.abort();
-    }
+    sweeper.abort();
     result
 }
 
