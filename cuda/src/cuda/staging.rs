@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+use rayon::prelude::*;
 
 use super::context::cuda_err;
 use crate::{Error, Result};
@@ -43,6 +44,23 @@ pub(super) fn keep_freed_host_memory() {
 /// Transfers smaller than this go straight from or to pageable memory (no lock, no copy).
 pub(super) const STAGED_MIN_BYTES: usize = 256 << 10;
 
+/// Copies past this size are split across threads.
+const PARALLEL_COPY_BYTES: usize = 4 << 20;
+
+/// `dst = src` (same length), in 1 MiB pieces on the thread pool for large copies: one thread
+/// copies a few GB/s, and the ViT's patches or an image's embeddings at 1344x1344 are 40-60
+/// MB (a fresh destination's pages are then also faulted in by many threads at once).
+fn copy<T: Pod + Send + Sync>(dst: &mut [T], src: &[T]) {
+    if std::mem::size_of_val(src) < PARALLEL_COPY_BYTES {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let piece = (1 << 20) / std::mem::size_of::<T>().max(1);
+    dst.par_chunks_mut(piece)
+        .zip(src.par_chunks(piece))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
 /// Grown to the largest transfer seen (a batch's logits, an image's embeddings), kept after.
 /// Bytes, viewed as whatever element type a transfer moves (the buffer is page-aligned).
 pub(super) struct Staging {
@@ -57,7 +75,7 @@ impl Staging {
     }
 
     /// The first `len` elements of `src` to a fresh `Vec` through the page-locked buffer.
-    pub(super) fn download<T: DeviceRepr + Pod>(
+    pub(super) fn download<T: DeviceRepr + Pod + Send + Sync>(
         &self,
         stream: &Arc<CudaStream>,
         src: &CudaSlice<T>,
@@ -71,18 +89,20 @@ impl Staging {
             .memcpy_dtoh(&src.slice(..len), host)
             .and_then(|()| stream.synchronize())
             .map_err(|e| cuda_err("download")(&e))?;
-        Ok(host.to_vec())
+        let mut out = vec![T::zeroed(); len];
+        copy(&mut out, host);
+        Ok(out)
     }
 
     /// `data` into a new device buffer through the page-locked buffer.
-    pub(super) fn upload<T: DeviceRepr + Pod>(
+    pub(super) fn upload<T: DeviceRepr + Pod + Send + Sync>(
         &self,
         stream: &Arc<CudaStream>,
         data: &[T],
     ) -> Result<CudaSlice<T>> {
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         let host = Self::view::<T>(&mut guard, stream, data.len())?;
-        host.copy_from_slice(data);
+        copy(host, data);
         // The copy must have left the buffer before the next transfer reuses it.
         let buf = stream
             .clone_htod(&*host)
@@ -118,5 +138,22 @@ impl Staging {
         let all = pinned.as_mut_slice().map_err(|e| cuda_err("staging")(&e))?;
         // Page-aligned, so any element type's alignment holds.
         Ok(bytemuck::cast_slice_mut(&mut all[..bytes]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_copies_split_across_threads_copy_every_element() {
+        for n in [3, (PARALLEL_COPY_BYTES / 4) + 12_345] {
+            let src: Vec<u32> = (0..n as u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect();
+            let mut dst = vec![0u32; n];
+            copy(&mut dst, &src);
+            assert_eq!(dst, src, "{n} elements");
+        }
     }
 }
