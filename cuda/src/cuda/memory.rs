@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaEvent, PushKernelArg};
 
 use super::context::cuda_err;
-use super::{staging, CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
+use super::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 use crate::handoff::DeviceRows;
 use crate::{Embeddings, Error, HalfTensor, HostTensor, Result};
 
@@ -31,14 +31,7 @@ impl CudaBackend {
 
     pub(super) fn upload_impl(&self, t: &HostTensor) -> Result<CudaTensor> {
         let data = if t.is_empty() { &[0f32][..] } else { t.data() };
-        let stream = &self.inner.stream;
-        let buf = if std::mem::size_of_val(data) >= staging::STAGED_MIN_BYTES {
-            self.inner.staging.upload(stream, data)?
-        } else {
-            stream
-                .clone_htod(data)
-                .map_err(|e| cuda_err("upload")(&e))?
-        };
+        let buf = self.inner.staging.upload(&self.inner.stream, data)?;
         Ok(CudaTensor {
             shape: t.shape().to_vec(),
             buf: Arc::new(buf),
@@ -46,15 +39,10 @@ impl CudaBackend {
     }
 
     pub(super) fn download_impl(&self, t: &CudaTensor) -> Result<HostTensor> {
-        let stream = &self.inner.stream;
-        if t.len() * 4 >= staging::STAGED_MIN_BYTES {
-            let v = self.inner.staging.download(stream, &t.buf, t.len())?;
-            return HostTensor::new(t.shape.clone(), v);
-        }
-        let mut v = stream
-            .clone_dtoh(&*t.buf)
-            .map_err(|e| cuda_err("download")(&e))?;
-        v.truncate(t.len());
+        let v = self
+            .inner
+            .staging
+            .download(&self.inner.stream, &t.buf, t.len())?;
         HostTensor::new(t.shape.clone(), v)
     }
 
@@ -62,16 +50,10 @@ impl CudaBackend {
     /// nothing: the wire's element type, as downloaded.
     pub(super) fn download_embeddings_impl(&self, t: &CudaTensor) -> Result<Embeddings> {
         let halves = self.to_f16(t)?;
-        let (n, stream) = (t.len(), &self.inner.stream);
-        let values = if n * 2 >= staging::STAGED_MIN_BYTES {
-            self.inner.staging.download(stream, &halves, n)?
-        } else {
-            let mut v = stream
-                .clone_dtoh(&halves)
-                .map_err(|e| cuda_err("download")(&e))?;
-            v.truncate(n);
-            v
-        };
+        let values = self
+            .inner
+            .staging
+            .download(&self.inner.stream, &halves, t.len())?;
         Ok(Embeddings::F16(HalfTensor::from_values(
             t.shape.clone(),
             values,
@@ -84,24 +66,12 @@ impl CudaBackend {
         let h = match e {
             Embeddings::F16(h) if !h.is_empty() => h,
             Embeddings::Device(rows) => {
-                let handed = rows.get::<HandedOff>().ok_or_else(|| {
-                    Error::shape(
-                        "upload_embeddings",
-                        format!("embeddings {:?} handed over by a CPU backend", rows.shape()),
-                    )
-                })?;
-                return self.copy_handed_off(handed);
+                return self.copy_handed_off(HandedOff::of(rows, "upload_embeddings")?)
             }
             host => return self.upload_impl(&*host.to_f32()?),
         };
-        let (bytes, stream) = (&h.bytes()[..], &self.inner.stream);
-        let raw = if bytes.len() >= staging::STAGED_MIN_BYTES {
-            self.inner.staging.upload(stream, bytes)?
-        } else {
-            stream
-                .clone_htod(bytes)
-                .map_err(|e| cuda_err("upload")(&e))?
-        };
+        let stream = &self.inner.stream;
+        let raw = self.inner.staging.upload(stream, &h.bytes()[..])?;
         let mut out = self.alloc(h.shape().to_vec())?;
         let n = h.len() as u64;
         let name = "cast_f16_to_f32";
@@ -125,13 +95,9 @@ impl CudaBackend {
 
     pub(super) fn embeddings_to_host_impl(&self, e: &Embeddings) -> Result<Embeddings> {
         match e {
-            Embeddings::Device(rows) => match rows.get::<HandedOff>() {
-                Some(handed) => self.download_embeddings_impl(&handed.tensor),
-                None => Err(Error::shape(
-                    "embeddings_to_host",
-                    format!("embeddings {:?} handed over by a CPU backend", rows.shape()),
-                )),
-            },
+            Embeddings::Device(rows) => {
+                self.download_embeddings_impl(&HandedOff::of(rows, "embeddings_to_host")?.tensor)
+            }
             host => Ok(host.clone()),
         }
     }
@@ -370,6 +336,19 @@ impl CudaBackend {
 struct HandedOff {
     tensor: CudaTensor,
     last_read: Mutex<Option<CudaEvent>>,
+}
+
+impl HandedOff {
+    /// The handed-over tensor `rows` holds, for `op`; an error if another kind of backend
+    /// (the CPU) made it.
+    fn of<'a>(rows: &'a DeviceRows, op: &'static str) -> Result<&'a HandedOff> {
+        rows.get::<HandedOff>().ok_or_else(|| {
+            Error::shape(
+                op,
+                format!("embeddings {:?} handed over by a CPU backend", rows.shape()),
+            )
+        })
+    }
 }
 
 impl Drop for HandedOff {

@@ -42,7 +42,7 @@ pub(super) fn keep_freed_host_memory() {
 }
 
 /// Transfers smaller than this go straight from or to pageable memory (no lock, no copy).
-pub(super) const STAGED_MIN_BYTES: usize = 256 << 10;
+const STAGED_MIN_BYTES: usize = 256 << 10;
 
 /// Copies past this size are split across threads.
 const PARALLEL_COPY_BYTES: usize = 4 << 20;
@@ -74,13 +74,21 @@ impl Staging {
         }
     }
 
-    /// The first `len` elements of `src` to a fresh `Vec` through the page-locked buffer.
+    /// The first `len` elements of `src` to a fresh `Vec`: through the page-locked buffer,
+    /// or straight from the device below [`STAGED_MIN_BYTES`].
     pub(super) fn download<T: DeviceRepr + Pod + Send + Sync>(
         &self,
         stream: &Arc<CudaStream>,
         src: &CudaSlice<T>,
         len: usize,
     ) -> Result<Vec<T>> {
+        if len * std::mem::size_of::<T>() < STAGED_MIN_BYTES {
+            let mut v = stream
+                .clone_dtoh(src)
+                .map_err(|e| cuda_err("download")(&e))?;
+            v.truncate(len);
+            return Ok(v);
+        }
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         let host = Self::view::<T>(&mut guard, stream, len)?;
         // Into page-locked memory the copy is truly asynchronous (cudarc waits only for
@@ -94,12 +102,16 @@ impl Staging {
         Ok(out)
     }
 
-    /// `data` into a new device buffer through the page-locked buffer.
+    /// `data` into a new device buffer: through the page-locked buffer, or straight from
+    /// `data` below [`STAGED_MIN_BYTES`].
     pub(super) fn upload<T: DeviceRepr + Pod + Send + Sync>(
         &self,
         stream: &Arc<CudaStream>,
         data: &[T],
     ) -> Result<CudaSlice<T>> {
+        if std::mem::size_of_val(data) < STAGED_MIN_BYTES {
+            return stream.clone_htod(data).map_err(|e| cuda_err("upload")(&e));
+        }
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         let host = Self::view::<T>(&mut guard, stream, data.len())?;
         copy(host, data);
