@@ -51,12 +51,6 @@ impl DeviceRows {
     pub fn identity(&self) -> &[u8] {
         &self.identity
     }
-
-    /// The same rows with another identity.
-    pub fn with_identity(mut self, identity: Vec<u8>) -> Self {
-        self.identity = identity;
-        self
-    }
 }
 
 impl std::fmt::Debug for DeviceRows {
@@ -85,12 +79,12 @@ fn lock() -> std::sync::MutexGuard<'static, Deposits> {
     deposits().lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A random 64-bit number (std's hasher keys are drawn from the OS per process and per
-/// `RandomState`).
+/// A random 64-bit number: the hash of nothing under a fresh `RandomState`, whose keys std
+/// draws from the OS once per thread and steps for every new one.
 fn random() -> u64 {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(Instant::now().elapsed().as_nanos());
-    h.finish()
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
 }
 
 /// What identifies this process and `device` (e.g. "cuda:0"): equal only for two services of
