@@ -3,16 +3,31 @@
 // rounded to f16 (cuda/tests/cuda_twin.rs).
 //
 // Decoding one token reads every weight once, so it is bound by memory bandwidth, not FLOPs
-// (seeds 000 and 002). The GEMVs below are written for that: one warp per output row, 128-bit
-// loads of 8 weights through the read-only path (__ldg), the few activation rows read as float4
-// (from L1/L2, or shared memory once normed), warp-shuffle reductions. Larger batches of rows go
-// to cuBLAS (f16 tensor cores, f32 accumulation) after cast_f32_to_f16.
+// (seeds 000 and 002). The GEMVs below are written for that: GEMV_SPLIT warps per output row,
+// 128-bit loads of 8 weights through the read-only path (__ldg), the few activation rows read as
+// float4 (from L1/L2, or shared memory once normed), warp-shuffle reductions and the row's
+// warps' sums added in shared memory. Larger batches of rows go to cuBLAS (f16 tensor cores, f32
+// accumulation) after cast_f32_to_f16.
 
 #include <cuda_fp16.h>
 
 // GEMV_MAX_ROWS, the rows of x one GEMV launch handles (decode is 1; a few speculative or
-// batched rows still fit in registers), is #defined by the host before this source
-// (shared_defines in cuda/src/cuda/kernels.rs), so the two sides cannot disagree.
+// batched rows still fit in registers), GEMV_WARPS (a block's warps) and GEMV_SPLIT (the warps
+// that share an output row) are #defined by the host before this source (shared_defines in
+// cuda/src/cuda/kernels.rs), so the two sides cannot disagree.
+//
+// How the weights are read, measured on an H100 against a plain streaming read of the same bytes
+// (36 distinct matrices a graph, like a decode step's layers): one warp per row with four loads
+// in flight a lane reached 2.3-2.9 TB/s (o 13.7 us, q/k/v 22.5, down 39.5, gate/up 68.4) where
+// the plain read reaches 2.7-3.0 (12.4, 17.8, 34.0, 66.3). Four warps a row with two loads in
+// flight a lane: 13.1, 18.7, 35.3, 65.8. More bytes in flight a warp made every shape slower
+// (eight loads: down 48 us): the row's warps together read 4 KB of it a round, enough to cover
+// DRAM latency, and rows of 12288 columns (down) take a quarter of the rounds one after another.
+#define GEMV_LOADS 2
+#define GEMV_ROWS_PER_BLOCK (GEMV_WARPS / GEMV_SPLIT)
+// Columns the row's warps take a load, together: warp s of a row, lane l, reads columns
+// (s * WARP + l) * 8 + i * GEMV_STRIDE.
+#define GEMV_STRIDE (GEMV_SPLIT * WARP * 8)
 
 // Eight weights from one 128-bit load, as floats.
 __device__ __forceinline__ void unpack8(uint4 raw, float f[8]) {
@@ -25,15 +40,15 @@ __device__ __forceinline__ void unpack8(uint4 raw, float f[8]) {
     }
 }
 
-// Four 128-bit loads of weight row wr at columns c0, c0 + 256, ... (zeros from k_vec on), all
-// issued before any is used: one at a time cannot cover DRAM latency with one warp per row
-// (against the loads unrolled with the math between them: batch-1 decode 8.08 -> 7.94 ms a
-// token on an H100, 8B shapes).
+// GEMV_LOADS 128-bit loads of weight row wr at columns c0, c0 + GEMV_STRIDE, ... (zeros from
+// k_vec on), all issued before any is used: one at a time cannot cover DRAM latency (against the
+// loads unrolled with the math between them: batch-1 decode 8.08 -> 7.94 ms a token on an H100,
+// 8B shapes).
 __device__ __forceinline__ void load_chunk(const __half* __restrict__ wr, int c0, int k_vec,
-                                           uint4 raw[4]) {
+                                           uint4 raw[GEMV_LOADS]) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        int c = c0 + u * WARP * 8;
+    for (int u = 0; u < GEMV_LOADS; ++u) {
+        int c = c0 + u * GEMV_STRIDE;
         raw[u] = c < k_vec ? __ldg(reinterpret_cast<const uint4*>(wr + c)) : make_uint4(0, 0, 0, 0);
     }
 }
@@ -42,20 +57,25 @@ __device__ __forceinline__ void load_chunk(const __half* __restrict__ wr, int c0
 // (the scalar loop takes any k).
 __device__ __forceinline__ int vec_cols(int k) { return k % 8 == 0 ? k : 0; }
 
-// acc[r] = x[r, :] . wr for the ROWS rows of x (global or shared memory) and one weight row,
-// summed over the warp (every lane returns the totals). raw holds the lane's first loads
-// (load_chunk at lane * 8), which the caller issues before whatever it does first.
+// acc[r] = this warp's share of x[r, :] . wr for the ROWS rows of x (global or shared memory)
+// and one weight row, summed over the warp (every lane returns the sums): the columns of the
+// warp's `slice` of the row (0..GEMV_SPLIT), as the comment on GEMV_STRIDE says. raw holds the
+// lane's first loads (load_chunk at first_col(slice)), which the caller issues before whatever
+// it does first.
+__device__ __forceinline__ int first_col(int slice) { return (slice * WARP + threadIdx.x % WARP) * 8; }
+
 template <int ROWS>
 __device__ __forceinline__ void row_dots(const float* __restrict__ x, const __half* __restrict__ wr,
-                                         int k, int lane, uint4 raw[4], float acc[ROWS]) {
+                                         int k, int slice, uint4 raw[GEMV_LOADS],
+                                         float acc[ROWS]) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    const int k_vec = vec_cols(k);
-    for (int c0 = lane * 8; c0 < k_vec; c0 += WARP * 8 * 4) {
-        if (c0 != lane * 8) load_chunk(wr, c0, k_vec, raw);
+    const int k_vec = vec_cols(k), first = first_col(slice);
+    for (int c0 = first; c0 < k_vec; c0 += GEMV_STRIDE * GEMV_LOADS) {
+        if (c0 != first) load_chunk(wr, c0, k_vec, raw);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            int c = c0 + u * WARP * 8;
+        for (int u = 0; u < GEMV_LOADS; ++u) {
+            int c = c0 + u * GEMV_STRIDE;
             if (c < k_vec) {
                 float wf[8];
                 unpack8(raw[u], wf);
@@ -69,13 +89,37 @@ __device__ __forceinline__ void row_dots(const float* __restrict__ x, const __ha
             }
         }
     }
-    for (int c = k_vec + lane; c < k; c += WARP) {
+    for (int c = k_vec + slice * WARP + threadIdx.x % WARP; c < k; c += GEMV_SPLIT * WARP) {
         float wv = __half2float(wr[c]);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[r] += wv * x[(size_t)r * k + c];
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
+}
+
+// The totals of a row's GEMV_SPLIT warps, left in acc of the row's first warp (slice 0): every
+// warp's lane 0 puts its sums in part, and after a barrier (every thread of the block must
+// come here) the first warp adds them in slice order. The caller alternates between two part
+// buffers, turn by turn, so that a turn's writes cannot meet the turn before's reads.
+template <int N>
+__device__ __forceinline__ void split_total(float acc[N], float (*part)[GEMV_WARPS]) {
+    if (GEMV_SPLIT == 1) return;
+    const int warp = threadIdx.x / WARP;
+    if (threadIdx.x % WARP == 0) {
+#pragma unroll
+        for (int r = 0; r < N; ++r) part[r][warp] = acc[r];
+    }
+    __syncthreads();
+    if (warp % GEMV_SPLIT == 0) {
+#pragma unroll
+        for (int r = 0; r < N; ++r) {
+            float t = 0.0f;
+#pragma unroll
+            for (int s = 0; s < GEMV_SPLIT; ++s) t += part[r][warp + s];
+            acc[r] = t;
+        }
+    }
 }
 
 // The normed kernels' input: xs [ROWS, k] = x * g in shared memory and inv[r] = 1 / rms(x[r])
@@ -137,27 +181,34 @@ __device__ __forceinline__ const float* gemv_input(const float* __restrict__ x,
 // out[r, j] (+)= x[r, :] . w[j, :] (+ bias[j]) for the ROWS rows of x: x [ROWS, k] f32, w [m, k]
 // f16, out [ROWS, m] f32; with NORM, x[r] is RMSNorm(x[r]) * norm_w (eps) first (dynamic
 // shared memory ROWS * k floats). With accumulate, the product is added to what out holds (the
-// residual stream's update, in place). One warp per output column j, every (warps x blocks)-th
-// from the warp's first: a grid smaller than m / warps stages its normed rows once per block,
-// not once per 8 columns (the lm_head's 152k columns read 600 MB of staging through L2 so).
+// residual stream's update, in place). GEMV_SPLIT warps per output column j; a block takes
+// GEMV_ROWS_PER_BLOCK columns a turn, every (GEMV_ROWS_PER_BLOCK x blocks)-th from its first: a
+// grid smaller than that stages its normed rows once per block, not once per turn (the
+// lm_head's 152k columns read 600 MB of staging through L2 so). Every warp of a block takes the
+// same turns (split_total's barrier); one past m reads row m - 1 again and writes nothing.
 template <bool NORM, int ROWS>
 __device__ __forceinline__ void gemv(const float* __restrict__ x, const float* __restrict__ norm_w,
                                      float eps, const __half* __restrict__ w,
                                      const float* __restrict__ bias, int has_bias,
                                      float* __restrict__ out, int accumulate, int m, int k) {
-    const int warps = blockDim.x / WARP, lane = threadIdx.x % WARP;
-    int j = blockIdx.x * warps + threadIdx.x / WARP;
-    // Warps past the last row still stage (every thread reaches the barrier there).
-    uint4 raw[4];
-    load_chunk(w + (size_t)min(j, m - 1) * k, lane * 8, vec_cols(k), raw);
+    __shared__ float part[2][ROWS][GEMV_WARPS];
+    const int warp = threadIdx.x / WARP, slice = warp % GEMV_SPLIT;
+    const bool writes = slice == 0 && threadIdx.x % WARP == 0;
+    const int j0 = blockIdx.x * GEMV_ROWS_PER_BLOCK, step = gridDim.x * GEMV_ROWS_PER_BLOCK;
+    uint4 raw[GEMV_LOADS];
+    load_chunk(w + (size_t)min(j0 + warp / GEMV_SPLIT, m - 1) * k, first_col(slice), vec_cols(k),
+               raw);
     float inv[ROWS];
     const float* xr = gemv_input<NORM, ROWS>(x, norm_w, eps, k, inv);
-    for (bool first = true; j < m; j += gridDim.x * warps, first = false) {
-        const __half* wr = w + (size_t)j * k;
-        if (!first) load_chunk(wr, lane * 8, vec_cols(k), raw);
+    for (int turn = 0, jb = j0; jb < m; jb += step, ++turn) {
+        const int j = jb + warp / GEMV_SPLIT;
         float acc[ROWS];
-        row_dots<ROWS>(xr, wr, k, lane, raw, acc);
-        if (lane == 0) {
+        row_dots<ROWS>(xr, w + (size_t)min(j, m - 1) * k, k, slice, raw, acc);
+        // The next turn's first loads go out before this turn's barrier and writes.
+        if (jb + step < m)
+            load_chunk(w + (size_t)min(j + step, m - 1) * k, first_col(slice), vec_cols(k), raw);
+        split_total<ROWS>(acc, part[turn & 1]);
+        if (writes && j < m) {
             float b = has_bias ? bias[j] : 0.0f;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -176,27 +227,32 @@ __device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
                                             const float* __restrict__ norm_w, float eps,
                                             const __half* __restrict__ gate_up,
                                             float* __restrict__ out, int m, int k) {
-    const int warps = blockDim.x / WARP, lane = threadIdx.x % WARP;
-    int j = blockIdx.x * warps + threadIdx.x / WARP;
-    uint4 graw[4], uraw[4];
-    load_chunk(gate_up + (size_t)min(j, m - 1) * k, lane * 8, vec_cols(k), graw);
-    load_chunk(gate_up + (size_t)(m + min(j, m - 1)) * k, lane * 8, vec_cols(k), uraw);
+    __shared__ float part[2][2 * ROWS][GEMV_WARPS];
+    const int warp = threadIdx.x / WARP, slice = warp % GEMV_SPLIT;
+    const bool writes = slice == 0 && threadIdx.x % WARP == 0;
+    const int j0 = blockIdx.x * GEMV_ROWS_PER_BLOCK, step = gridDim.x * GEMV_ROWS_PER_BLOCK;
+    const int first = min(j0 + warp / GEMV_SPLIT, m - 1);
+    uint4 graw[GEMV_LOADS], uraw[GEMV_LOADS];  // the lane's loads of the gate's and up's rows
+    load_chunk(gate_up + (size_t)first * k, first_col(slice), vec_cols(k), graw);
+    load_chunk(gate_up + (size_t)(m + first) * k, first_col(slice), vec_cols(k), uraw);
     float inv[ROWS];
     const float* xr = gemv_input<NORM, ROWS>(x, norm_w, eps, k, inv);
-    for (bool first = true; j < m; j += gridDim.x * warps, first = false) {
-        const __half* gw = gate_up + (size_t)j * k;
-        const __half* uw = gate_up + (size_t)(m + j) * k;
-        if (!first) {
-            load_chunk(gw, lane * 8, vec_cols(k), graw);
-            load_chunk(uw, lane * 8, vec_cols(k), uraw);
+    for (int turn = 0, jb = j0; jb < m; jb += step, ++turn) {
+        const int j = jb + warp / GEMV_SPLIT, jc = min(j, m - 1);
+        float gu[2 * ROWS];  // the gate's sums, then the up's
+        row_dots<ROWS>(xr, gate_up + (size_t)jc * k, k, slice, graw, gu);
+        row_dots<ROWS>(xr, gate_up + (size_t)(m + jc) * k, k, slice, uraw, gu + ROWS);
+        if (jb + step < m) {  // as in gemv
+            const int next = min(j + step, m - 1);
+            load_chunk(gate_up + (size_t)next * k, first_col(slice), vec_cols(k), graw);
+            load_chunk(gate_up + (size_t)(m + next) * k, first_col(slice), vec_cols(k), uraw);
         }
-        float g[ROWS], u[ROWS];
-        row_dots<ROWS>(xr, gw, k, lane, graw, g);
-        row_dots<ROWS>(xr, uw, k, lane, uraw, u);
-        if (lane == 0) {
+        split_total<2 * ROWS>(gu, part[turn & 1]);
+        if (writes && j < m) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
-                float gv = NORM ? g[r] * inv[r] : g[r], uv = NORM ? u[r] * inv[r] : u[r];
+                float gv = NORM ? gu[r] * inv[r] : gu[r];
+                float uv = NORM ? gu[ROWS + r] * inv[r] : gu[ROWS + r];
                 out[(size_t)r * m + j] = gv / (1.0f + expf(-gv)) * uv;
             }
         }
@@ -209,6 +265,7 @@ __device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
 // kernel for up to 4 rows). A plain kernel and its normed twin share one signature (the plain
 // one ignores norm_w and eps), so the host launches them the same way.
 static_assert(GEMV_MAX_ROWS == 4, "instantiate the GEMVs below for every row count");
+static_assert(GEMV_WARPS % GEMV_SPLIT == 0, "a block holds whole rows");
 
 #define GEMV_KERNEL(NAME, NORM, ROWS)                                                             \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \

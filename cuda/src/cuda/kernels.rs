@@ -2,7 +2,7 @@
 //! Rust side shares with them (`#define`d into every source), and the text NVRTC compiles.
 
 use super::compile::compile_ptx;
-use super::linear::GEMV_KERNELS;
+use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS};
 use crate::{Error, Result};
 
 /// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
@@ -177,7 +177,8 @@ pub(super) const GEMV_MAX_ROWS: usize = 4;
 /// of the source, changes with them).
 fn shared_defines() -> String {
     format!(
-        "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define PD_WARPS {DECODE_WARPS}\n\
+        "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define GEMV_WARPS {GEMV_WARPS}\n\
+         #define GEMV_SPLIT {GEMV_SPLIT}\n#define PD_WARPS {DECODE_WARPS}\n\
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n"
     )

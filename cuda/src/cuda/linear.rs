@@ -21,8 +21,10 @@ use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
 use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 
-/// Output rows per GEMV block: one warp each.
+/// Warps per GEMV block.
 pub(super) const GEMV_WARPS: u32 = 8;
+/// Warps that share one output row of a GEMV (weights_f16.cu says why four).
+pub(super) const GEMV_SPLIT: u32 = 4;
 /// Shared memory the normed GEMVs declare statically (their per-warp sums), at most.
 pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
 
@@ -98,12 +100,12 @@ impl GemmOut for half::f16 {
 }
 
 impl CudaBackend {
-    /// One warp per output column of a GEMV kernel `name`. The normed kernels stage x in
-    /// shared memory once per block, so they get no more blocks than the GPU runs at once, and
-    /// each block loops over the columns.
+    /// GEMV_SPLIT warps per output column of a GEMV kernel `name`. The normed kernels stage x
+    /// in shared memory once per block, so they get no more blocks than the GPU runs at once,
+    /// and each block loops over the columns.
     fn gemv_config(&self, name: &str, m: usize, kind: Gemv, x: &CudaTensor) -> LaunchConfig {
         let block = GEMV_WARPS * 32;
-        let mut blocks = (m as u32).div_ceil(GEMV_WARPS);
+        let mut blocks = (m as u32).div_ceil(GEMV_WARPS / GEMV_SPLIT);
         let mut staged = 0;
         if kind.normed() {
             staged = x.len() * std::mem::size_of::<f32>();
