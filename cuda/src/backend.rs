@@ -170,8 +170,8 @@ pub struct PagedBatch<'a, B: Backend + ?Sized> {
 
 pub trait Backend: Send + Sync + 'static {
     /// A recorded sequence of ops ([`Backend::record`]), e.g. a CUDA graph; `()` where there
-    /// is none.
-    type Graph;
+    /// is none. Sent with the model that keeps it to the thread that runs the model.
+    type Graph: Send;
     /// Activations, norm weights, biases, caches.
     type Tensor: Clone + Send + Sync + 'static;
     /// The matrices of `linear` and the embedding table, stored as the backend reads them best:

@@ -13,6 +13,13 @@
 //! (non-causal) within each image and never across them, which is what HF's per-image
 //! `cu_seqlens` split computes. On the CPU an image's outputs are therefore bit for bit the
 //! same whatever else is in its pass.
+//!
+//! A pass of one image replays its grid's recording where the backend records
+//! ([`Backend::record`]; a CUDA graph): the tower as one launch instead of ~400, which at
+//! 448x448 the host took as long to queue one by one as the device took to run them.
+
+use std::sync::Mutex;
+use std::time::Instant;
 
 use tracing::debug_span;
 use vlm_compute::nn::Linear;
@@ -23,6 +30,12 @@ use vlm_compute::{
 use crate::{Error, Patches, Result, VisionConfig};
 
 const LN_EPS: f32 = 1e-6;
+/// Single-image passes of up to this many patches are recorded, one recording per grid (1024
+/// patches is 512x512 pixels). Past it the device's work hides the host's queueing anyway,
+/// and a recording keeps its activations' memory while it lives.
+const RECORD_MAX_PATCHES: usize = 4096;
+/// Grids whose recordings are kept, the least recently used dropped first.
+const RECORDED_GRIDS: usize = 4;
 
 /// What the vision tower produces for one image: on the host, f32 from the CPU and f16 from a
 /// GPU ([`Backend::download_embeddings`], the element type the wire carries them in), or kept
@@ -197,14 +210,36 @@ impl<B: Backend> Merger<B> {
     }
 }
 
-/// What every block of a pass needs besides the activations: where each image's rows are, and
-/// the 2-D rotary tables of all rows.
+/// What a pass needs besides the patches: where each image's rows are, the learned position
+/// embedding and the 2-D rotary tables of all rows. All of it follows from the images' grids.
 struct Pass<B: Backend> {
     /// Rows of each image, in pass order; attention stays within each run.
     patches_per_image: Vec<usize>,
+    /// `[rows, hidden]`: each image's position embedding, interpolated to its grid.
+    pos_embed: B::Tensor,
     /// `[rows, head_dim]` each, every image's tables one after the other.
     cos: B::Tensor,
     sin: B::Tensor,
+}
+
+/// A single image's pass recorded for its grid: the patches are written into `pixels`, the
+/// recording replayed, and the outputs copied out of `outputs` (the next replay overwrites
+/// them).
+struct RecordedPass<B: Backend> {
+    grid: [usize; 3],
+    /// The grid's constant inputs: kept for the recording, which reads their buffers.
+    _pass: Pass<B>,
+    pixels: B::Tensor,
+    /// The merger's output, then each DeepStack merger's.
+    outputs: Vec<B::Tensor>,
+    graph: B::Graph,
+}
+
+/// The recordings of single-image passes, least recently used first.
+struct Recordings<B: Backend> {
+    passes: Vec<RecordedPass<B>>,
+    /// Set when the backend does not record (or recording failed): never tried again.
+    unsupported: bool,
 }
 
 pub struct VisionModel<B: Backend> {
@@ -217,6 +252,7 @@ pub struct VisionModel<B: Backend> {
     deepstack_mergers: Vec<Merger<B>>,
     /// Rotary inverse frequencies, `head_dim / 4` of them (shared by rows and columns).
     inv_freq: Vec<f32>,
+    recordings: Mutex<Recordings<B>>,
 }
 
 impl<B: Backend> VisionModel<B> {
@@ -261,6 +297,10 @@ impl<B: Backend> VisionModel<B> {
             merger,
             deepstack_mergers,
             inv_freq,
+            recordings: Mutex::new(Recordings {
+                passes: Vec::new(),
+                unsupported: false,
+            }),
         })
     }
 
@@ -394,57 +434,11 @@ impl<B: Backend> VisionModel<B> {
             .map(|p| self.check(p))
             .collect::<Result<Vec<_>>>()?;
         let rows: usize = patches_per_image.iter().sum();
-
-        // Debug spans for where a pass's wall time goes: host inputs and uploads, queueing
-        // the layers (the device runs them meanwhile), then waiting for and copying out the
-        // outputs.
-        let inputs_span = debug_span!("vit_inputs", rows).entered();
-        // Position inputs, image by image: each image's patches get the pos-embed taps and
-        // rotary angles of its own grid, as if it were alone.
-        let (mut taps, mut tap_weights, mut pos) = (Vec::new(), Vec::new(), Vec::new());
-        for p in images {
-            let image_pos = self.patch_positions(p.grid_thw);
-            let (idx, wts) = self.pos_embed_taps(p.grid_thw, &image_pos);
-            taps.extend(idx);
-            tap_weights.extend(wts);
-            pos.extend(image_pos);
-        }
-        let (cos, sin) = self.rope_tables(&pos);
-        let d = cfg.head_dim();
-        let pass = Pass {
-            patches_per_image,
-            cos: be.upload(&HostTensor::new(vec![rows, d], cos)?)?,
-            sin: be.upload(&HostTensor::new(vec![rows, d], sin)?)?,
-        };
-
-        // From here on every op sees one matrix of all images' rows (one image's are that
-        // matrix already: no copy of its pixels on the host).
-        let pixels = match images {
-            [p] => be.upload(&p.pixels)?,
-            _ => {
-                let mut pixels = Vec::with_capacity(rows * cfg.patch_dim());
-                for p in images {
-                    pixels.extend_from_slice(p.pixels.data());
-                }
-                be.upload(&HostTensor::new(vec![rows, cfg.patch_dim()], pixels)?)?
-            }
-        };
-        drop(inputs_span);
-        let layers_span = debug_span!("vit_layers").entered();
-        let x = self.patch_embed.forward(be, &pixels)?;
-        let mut x = be.add(
-            &x,
-            &be.weighted_gather(&self.pos_embed, &taps, &tap_weights, 4)?,
-        )?;
-        let mut deepstack = Vec::new();
-        for (i, block) in self.blocks.iter().enumerate() {
-            block.forward(be, &mut x, &pass)?;
-            if let Some(j) = cfg.deepstack_visual_indexes.iter().position(|&d| d == i) {
-                deepstack.push(self.deepstack_mergers[j].forward(be, &x)?);
-            }
-        }
-        let embeds = self.merger.forward(be, &x)?;
-        drop(layers_span);
+        let mut outputs = self
+            .run(images, patches_per_image.clone(), rows)?
+            .into_iter();
+        let embeds = outputs.next().expect("the merger's output first");
+        let deepstack: Vec<B::Tensor> = outputs.collect();
         let _outputs_span = debug_span!("vit_outputs").entered();
         // Downloads wait for the device: only once it has run every layer. One download of
         // the whole pass serves every image delivered to the host.
@@ -464,7 +458,7 @@ impl<B: Backend> VisionModel<B> {
         let whole = images.len() == 1;
         let mut outputs = Vec::with_capacity(images.len());
         let mut start = 0;
-        for ((p, &n), how) in images.iter().zip(&pass.patches_per_image).zip(deliver) {
+        for ((p, &n), how) in images.iter().zip(&patches_per_image).zip(deliver) {
             let end = start + n / group;
             let mut rows: Vec<Embeddings> = match (how, &downloaded) {
                 (Delivery::Host, Some(all)) if whole => all.clone(),
@@ -494,6 +488,175 @@ impl<B: Backend> VisionModel<B> {
             start = end;
         }
         Ok(outputs)
+    }
+
+    /// The tower's outputs for `images` (`rows` patches, `patches_per_image` of each), all
+    /// images' rows together on the device: the merger's, then each DeepStack merger's. Debug
+    /// spans say where a pass's wall time goes: host inputs and uploads, then queueing the
+    /// layers (the device runs them meanwhile); the caller's `vit_outputs` waits for them.
+    fn run(
+        &self,
+        images: &[Patches],
+        patches_per_image: Vec<usize>,
+        rows: usize,
+    ) -> Result<Vec<B::Tensor>> {
+        let be = &self.backend;
+        if let [image] = images {
+            if rows <= RECORD_MAX_PATCHES && !be.timing_ops() {
+                if let Some(out) = self.replayed(image)? {
+                    return Ok(out);
+                }
+            }
+        }
+        let inputs_span = debug_span!("vit_inputs", rows).entered();
+        let pass = self.pass(images, patches_per_image)?;
+        // From here on every op sees one matrix of all images' rows (one image's are that
+        // matrix already: no copy of its pixels on the host).
+        let pixels = match images {
+            [p] => be.upload(&p.pixels)?,
+            _ => {
+                let mut pixels = Vec::with_capacity(rows * self.cfg.patch_dim());
+                for p in images {
+                    pixels.extend_from_slice(p.pixels.data());
+                }
+                be.upload(&HostTensor::new(vec![rows, self.cfg.patch_dim()], pixels)?)?
+            }
+        };
+        drop(inputs_span);
+        let _layers_span = debug_span!("vit_layers").entered();
+        self.layers(&pixels, &pass)
+    }
+
+    /// The inputs of a pass over `images` besides their patches: position embeddings and
+    /// rotary tables, image by image, each as if its image were alone.
+    fn pass(&self, images: &[Patches], patches_per_image: Vec<usize>) -> Result<Pass<B>> {
+        let be = &self.backend;
+        let rows = patches_per_image.iter().sum();
+        let (mut taps, mut tap_weights, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        for p in images {
+            let image_pos = self.patch_positions(p.grid_thw);
+            let (idx, wts) = self.pos_embed_taps(p.grid_thw, &image_pos);
+            taps.extend(idx);
+            tap_weights.extend(wts);
+            pos.extend(image_pos);
+        }
+        let (cos, sin) = self.rope_tables(&pos);
+        let d = self.cfg.head_dim();
+        Ok(Pass {
+            patches_per_image,
+            pos_embed: be.weighted_gather(&self.pos_embed, &taps, &tap_weights, 4)?,
+            cos: be.upload(&HostTensor::new(vec![rows, d], cos)?)?,
+            sin: be.upload(&HostTensor::new(vec![rows, d], sin)?)?,
+        })
+    }
+
+    /// The layers from the patch embedding to the mergers: what [`Self::run`] returns.
+    fn layers(&self, pixels: &B::Tensor, pass: &Pass<B>) -> Result<Vec<B::Tensor>> {
+        let be = &self.backend;
+        let x = self.patch_embed.forward(be, pixels)?;
+        let mut x = be.add(&x, &pass.pos_embed)?;
+        let mut outputs = vec![];
+        for (i, block) in self.blocks.iter().enumerate() {
+            block.forward(be, &mut x, pass)?;
+            if let Some(j) = self
+                .cfg
+                .deepstack_visual_indexes
+                .iter()
+                .position(|&d| d == i)
+            {
+                outputs.push(self.deepstack_mergers[j].forward(be, &x)?);
+            }
+        }
+        outputs.insert(0, self.merger.forward(be, &x)?);
+        Ok(outputs)
+    }
+
+    /// `image`'s outputs from its grid's recording, recorded first if the grid has none;
+    /// `None` where the backend does not record (the caller runs the ops itself).
+    fn replayed(&self, image: &Patches) -> Result<Option<Vec<B::Tensor>>> {
+        let be = &self.backend;
+        let mut recordings = self.recordings.lock().unwrap_or_else(|e| e.into_inner());
+        if recordings.unsupported {
+            return Ok(None);
+        }
+        let passes = &mut recordings.passes;
+        let recorded = match passes.iter().position(|r| r.grid == image.grid_thw) {
+            Some(at) => passes.remove(at),
+            None => match self.record(image)? {
+                Some(r) => r,
+                None => {
+                    recordings.unsupported = true;
+                    return Ok(None);
+                }
+            },
+        };
+        if passes.len() == RECORDED_GRIDS {
+            passes.remove(0);
+        }
+        passes.push(recorded);
+        let r = passes.last_mut().expect("just pushed");
+        let inputs_span = debug_span!("vit_inputs", rows = image.pixels.shape()[0]).entered();
+        be.write(&mut r.pixels, image.pixels.data())?;
+        drop(inputs_span);
+        let _layers_span = debug_span!("vit_layers", recorded = true).entered();
+        be.replay(&r.graph)?;
+        // Copies out: the next replay writes the same buffers.
+        let out = r
+            .outputs
+            .iter()
+            .map(|t| be.slice_rows(t, 0, be.shape(t)[0]))
+            .collect::<vlm_compute::Result<_>>()?;
+        Ok(Some(out))
+    }
+
+    /// Records the pass of one image of `image`'s grid. `None` if the backend does not record
+    /// or recording failed (logged: passes then run op by op, slower but the same).
+    fn record(&self, image: &Patches) -> Result<Option<RecordedPass<B>>> {
+        let be = &self.backend;
+        let cfg = &self.cfg;
+        let rows = image.pixels.shape()[0];
+        let pass = self.pass(std::slice::from_ref(image), vec![rows])?;
+        let pixels = be.zeros(&[rows, cfg.patch_dim()])?;
+        let tokens = rows / (cfg.spatial_merge_size * cfg.spatial_merge_size);
+        let mut outputs = (0..=cfg.deepstack_visual_indexes.len())
+            .map(|_| be.zeros(&[tokens, cfg.out_hidden_size]))
+            .collect::<vlm_compute::Result<Vec<_>>>()?;
+        let started = Instant::now();
+        let recorded = be.record(&mut || {
+            // Only the backend's errors can come out of the layers.
+            let got = self.layers(&pixels, &pass).map_err(|e| match e {
+                Error::Compute(e) => e,
+                other => vlm_compute::Error::Shape {
+                    op: "ViT pass",
+                    message: other.to_string(),
+                },
+            })?;
+            for (out, t) in outputs.iter_mut().zip(&got) {
+                be.copy(out, t)?;
+            }
+            Ok(())
+        });
+        match recorded {
+            Ok(Some(graph)) => {
+                tracing::debug!(
+                    grid = ?image.grid_thw,
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    "ViT pass recorded"
+                );
+                Ok(Some(RecordedPass {
+                    grid: image.grid_thw,
+                    _pass: pass,
+                    pixels,
+                    outputs,
+                    graph,
+                }))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => {
+                tracing::warn!(grid = ?image.grid_thw, error = %e, "a ViT pass could not be recorded; running passes op by op");
+                Ok(None)
+            }
+        }
     }
 }
 

@@ -106,5 +106,19 @@ fn check_tower<B: vlm_compute::Backend>(backend: B, tol: f32) {
             let (max, _) = diff(&ds.to_f32().unwrap(), &hf);
             assert!(max <= tol, "{name}: DeepStack {j} differs by {max}");
         }
+        // A GPU recorded the first pass for this grid and replays it now; timing ops runs
+        // them one by one (where a backend times them). The same kernels, the same values.
+        let again = enc.model.forward(&patches).unwrap();
+        assert_eq!(again, out, "{name}: a second pass differs from the first");
+        let be = enc.model.backend();
+        if be.time_ops(true).unwrap() {
+            let op_by_op = enc.model.forward(&patches);
+            be.time_ops(false).unwrap();
+            assert_eq!(
+                op_by_op.unwrap(),
+                out,
+                "{name}: op by op differs from the recording"
+            );
+        }
     }
 }

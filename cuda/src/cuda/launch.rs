@@ -154,7 +154,7 @@ impl CudaBackend {
         let graph = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
         recorded?;
-        let graph = graph.map_err(|e| cuda_err("capturing the decode step")(&e))?;
+        let graph = graph.map_err(|e| cuda_err("capturing a recording")(&e))?;
         Ok(graph.map(CudaStepGraph))
     }
 

@@ -243,10 +243,7 @@ impl CudaBackend {
             return Ok(());
         }
         let buf = Arc::make_mut(&mut dst.buf);
-        self.inner
-            .stream
-            .memcpy_htod(values, buf)
-            .map_err(|e| cuda_err("write")(&e))
+        self.inner.staging.write(&self.inner.stream, values, buf)
     }
 
     pub(super) fn upload_ids_impl(&self, values: &[u32]) -> Result<CudaIds> {

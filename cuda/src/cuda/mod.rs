@@ -117,7 +117,7 @@ impl Backend for CudaBackend {
         graph
             .0
             .launch()
-            .map_err(|e| cuda_err("replaying the decode step")(&e))
+            .map_err(|e| cuda_err("replaying a recording")(&e))
     }
 
     fn upload_weight(&self, t: &HostTensor) -> Result<CudaWeight> {

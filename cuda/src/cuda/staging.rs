@@ -112,15 +112,35 @@ impl Staging {
         if std::mem::size_of_val(data) < STAGED_MIN_BYTES {
             return stream.clone_htod(data).map_err(|e| cuda_err("upload")(&e));
         }
+        // SAFETY: every element is written by `write` before anything reads it.
+        let mut buf =
+            unsafe { stream.alloc::<T>(data.len()) }.map_err(|e| cuda_err("upload")(&e))?;
+        self.write(stream, data, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// `data` into the device buffer `dst` (of `data.len()` elements at least), as
+    /// [`Self::upload`] moves it.
+    pub(super) fn write<T: DeviceRepr + Pod + Send + Sync>(
+        &self,
+        stream: &Arc<CudaStream>,
+        data: &[T],
+        dst: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let mut dst = dst.slice_mut(..data.len());
+        if std::mem::size_of_val(data) < STAGED_MIN_BYTES {
+            return stream
+                .memcpy_htod(data, &mut dst)
+                .map_err(|e| cuda_err("upload")(&e));
+        }
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         let host = Self::view::<T>(&mut guard, stream, data.len())?;
         copy(host, data);
         // The copy must have left the buffer before the next transfer reuses it.
-        let buf = stream
-            .clone_htod(&*host)
-            .map_err(|e| cuda_err("upload")(&e))?;
-        stream.synchronize().map_err(|e| cuda_err("upload")(&e))?;
-        Ok(buf)
+        stream
+            .memcpy_htod(&*host, &mut dst)
+            .and_then(|()| stream.synchronize())
+            .map_err(|e| cuda_err("upload")(&e))
     }
 
     /// The first `len` elements of the buffer as `T`s, grown first if it is smaller.

@@ -46,5 +46,12 @@ impl CudaTensor {
     }
 }
 
-/// A recorded decode step: a CUDA graph on the backend's stream.
+/// A recorded sequence of ops (a decode step, a ViT pass): a CUDA graph on the backend's stream.
 pub struct CudaStepGraph(pub(super) cudarc::driver::CudaGraph);
+
+// SAFETY: the graph's handles are plain driver handles, usable from any thread: launching it
+// binds the backend's context to the calling thread first (cudarc's CudaGraph::launch), and
+// whoever holds it launches it through `&self` on the one stream it was recorded for, so two
+// threads cannot run it at once without the holder's own lock (the models keep theirs behind
+// a Mutex or on one thread).
+unsafe impl Send for CudaStepGraph {}
