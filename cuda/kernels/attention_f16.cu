@@ -80,6 +80,15 @@ __device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], unsig
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x with the hardware's approximation (2 ulp; flushes denormal results to 0): the softmax's
+// exponents are <= 0 and its weights need no more. exp2f without fast math wraps the same
+// instruction in range handling that the ALU pipe, the kernel's busiest, pays for every score.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&h);
@@ -249,16 +258,23 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
                 mma_16816(s[n], qf[kk], b[0], b[1]);
             }
         }
-        // Mask, then the running max of each of this thread's two rows over the quad.
+        // Mask (only a tile that reaches past a row's last visible key: the last one, or the
+        // diagonal ones when causal), then the running max of each of this thread's two rows
+        // over the quad.
+        if (kt + FA_BK > min(visible[0], visible[1])) {
+#pragma unroll
+            for (int n = 0; n < NK; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (kt + n * 8 + 2 * t + (e % 2) >= visible[e / 2]) s[n][e] = NEG_INF;
+                }
+            }
+        }
         float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n = 0; n < NK; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int hrow = e / 2, key = kt + n * 8 + 2 * t + (e % 2);
-                if (key >= visible[hrow]) s[n][e] = NEG_INF;
-                tile_max[hrow] = fmaxf(tile_max[hrow], s[n][e]);
-            }
+            for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
         }
         float corr[2], m_use[2];
 #pragma unroll
@@ -269,7 +285,7 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
             float m_new = fmaxf(m_run[hrow], mx);
             // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
             m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
-            corr[hrow] = m_new == NEG_INF ? 1.0f : exp2f(m_run[hrow] - m_new);
+            corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[hrow] - m_new);
             m_run[hrow] = m_new;
         }
         float tile_sum[2] = {0.0f, 0.0f};
@@ -279,7 +295,7 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                p[e] = exp2f(s[n][e] - m_use[e / 2]);  // exp2(-inf) = 0 for masked keys
+                p[e] = fast_exp2(s[n][e] - m_use[e / 2]);  // 2^-inf = 0 for masked keys
                 tile_sum[e / 2] += p[e];
             }
             // The C layout of tile n is the A layout of keys 16(n/2).. (halves a0/a1 or a2/a3).
