@@ -527,12 +527,13 @@ fn vit_input(vcfg: &vision_svc::VisionConfig, side: usize) -> anyhow::Result<Pat
     })
 }
 
-/// The prefills `--profile` breaks down (the cache is sized to hold them).
-const PROFILE_PREFILLS: [usize; 2] = [512, 2048];
+/// The prefills `--profile` breaks down (the cache is sized to hold them): about a 448x448
+/// image's request, a chunk of a long prompt, a long prompt.
+const PROFILE_PREFILLS: [usize; 3] = [256, 512, 2048];
 
-/// `vlm bench --profile`: device time per op of the ViT on each of `image_sides`, of a 512- and
-/// a 2048-token prefill and of a decode step of `batch` sequences, printed slowest first (steps
-/// run op by op meanwhile).
+/// `vlm bench --profile`: device time per op of the ViT on each of `image_sides`, of each of
+/// PROFILE_PREFILLS and of a decode step of `batch` sequences, printed slowest first (steps run
+/// op by op meanwhile).
 fn profile_steps<B: Backend + Clone>(
     be: &B,
     pipeline: &Pipeline<B>,
@@ -592,7 +593,7 @@ fn profile_steps<B: Backend + Clone>(
     // decoding, so that the engine (sized for `batch` sequences) admits the prompt at once.
     let decoding = batch.saturating_sub(1).max(1);
     let streams = start_decoding(&pipeline.engine, decoding, context, 64)?;
-    let chunk = PROFILE_PREFILLS[0];
+    let chunk = 512;
     let req = greedy_request((0..chunk).map(|i| (i % 150 + 20) as u32).collect(), 1);
     be.op_times()?;
     pipeline

@@ -195,7 +195,7 @@ impl<B: Backend + Clone> Pipeline<B> {
             .map(|(index, bytes)| {
                 let out = self
                     .vision
-                    .encode_image(bytes)
+                    .encode_image_for_this_process(bytes)
                     .map_err(|error| Error::Image { index, error })?;
                 Ok(ImageInput {
                     embeds: out.embeds,

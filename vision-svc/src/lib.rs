@@ -62,4 +62,16 @@ impl<B: Backend> VisionEncoder<B> {
         let patches = preprocess::preprocess(bytes, &self.preprocess, &self.limits)?;
         self.model.forward(&patches)
     }
+
+    /// [`Self::encode_image`] for the language stage in this process on the same backend: the
+    /// outputs stay where the tower computed them ([`Delivery::Device`]; on a GPU nothing is
+    /// downloaded and uploaded again), known to its prefix cache by the image's cache key.
+    pub fn encode_image_for_this_process(&self, bytes: &[u8]) -> Result<VisionOutput> {
+        let patches = preprocess::preprocess(bytes, &self.preprocess, &self.limits)?;
+        let identity = cache::key(bytes, vlm_proto::pb::Dtype::F32, &self.preprocess).to_vec();
+        let mut out = self
+            .model
+            .forward_delivered(&[patches], &[Delivery::Device { identity }])?;
+        Ok(out.pop().expect("one output per image"))
+    }
 }

@@ -9,6 +9,23 @@ use vlm_compute::{Backend, Device, OnDevice};
 
 use crate::git_commit;
 
+/// A comma-separated list of sizes; an empty value (`--decode-batches ""`) is an empty list,
+/// which skips that measurement.
+#[derive(Clone, Debug)]
+struct Sizes(Vec<usize>);
+
+impl std::str::FromStr for Sizes {
+    type Err = std::num::ParseIntError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .map(Sizes)
+    }
+}
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Checkpoint directory; with --random-weights only its config.json is read.
@@ -31,35 +48,30 @@ pub struct BenchArgs {
     /// Measured runs of each measurement (median and spread reported).
     #[arg(long, default_value_t = 5)]
     repeats: usize,
-    /// Sides of the square images for the ViT, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "448,896,1344")]
-    image_sides: Vec<usize>,
-    /// Prompt lengths for prefill throughput, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
-    prefill_tokens: Vec<usize>,
-    /// Contexts at which decode tokens/s is measured, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
-    decode_contexts: Vec<usize>,
+    /// Sides of the square images for the ViT, comma-separated; empty for none.
+    #[arg(long, default_value = "448,896,1344")]
+    image_sides: Sizes,
+    /// Prompt lengths for prefill throughput, comma-separated; empty for none.
+    #[arg(long, default_value = "512,4096")]
+    prefill_tokens: Sizes,
+    /// Contexts at which decode tokens/s is measured, comma-separated; empty for none.
+    #[arg(long, default_value = "512,4096")]
+    decode_contexts: Sizes,
     /// Tokens decoded per decode run.
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
     /// Batch sizes for batched decode (that many sequences decoding together at the first
     /// --decode-contexts), comma-separated; empty for none.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64,128")]
-    decode_batches: Vec<usize>,
+    #[arg(long, default_value = "1,8,32,64,128")]
+    decode_batches: Sizes,
     /// Also print, op by op, where device time goes in the ViT (each --image-sides), a prefill
     /// and a batched decode.
     #[arg(long)]
     profile: bool,
     /// Image sides of the time-to-first-token requests (each with --ttft-text-tokens of
-    /// text), comma-separated.
-    #[arg(
-        long,
-        alias = "ttft-image-side",
-        value_delimiter = ',',
-        default_value = "448"
-    )]
-    ttft_image_sides: Vec<usize>,
+    /// text), comma-separated; empty for none.
+    #[arg(long, alias = "ttft-image-side", default_value = "448")]
+    ttft_image_sides: Sizes,
     /// Text tokens of the time-to-first-token request.
     #[arg(long, default_value_t = 32)]
     ttft_text_tokens: usize,
@@ -106,13 +118,13 @@ fn bench_on<B: Backend + Clone>(
     let opts = gateway::bench::BenchOptions {
         warmup: args.warmup,
         repeats: args.repeats,
-        image_sides: args.image_sides.clone(),
-        prefill_tokens: args.prefill_tokens.clone(),
-        decode_contexts: args.decode_contexts.clone(),
+        image_sides: args.image_sides.0.clone(),
+        prefill_tokens: args.prefill_tokens.0.clone(),
+        decode_contexts: args.decode_contexts.0.clone(),
         decode_tokens: args.decode_tokens,
-        decode_batches: args.decode_batches.clone(),
+        decode_batches: args.decode_batches.0.clone(),
         profile: args.profile,
-        ttft_image_sides: args.ttft_image_sides.clone(),
+        ttft_image_sides: args.ttft_image_sides.0.clone(),
         ttft_text_tokens: args.ttft_text_tokens,
         through_gateway: !args.no_gateway,
         random_weights: args.random_weights.then_some(0),
