@@ -10,18 +10,17 @@
 # LOAD_ARGS replaces the workload flags of vlm load (default below); BENCH_ARGS adds flags to
 # vlm bench (e.g. "--ttft-image-sides 448,1344").
 #
-# Time on one H100 (16 cores), part by part; "measured" where a run showed it, the rest are
-# estimates until a run of this script replaces them:
-#   llama.cpp build   ~4.5 min (measured), in the background from the start, at nice 19 so
-#                     that ours take the cores first; llama-batched-bench is one more small
-#                     target on the same objects (estimate: +10 s)
-#   ours    vlm bench, 8B random weights                          ~1.5 min (estimate)
+# Time on one H100 (16 cores), part by part, in the order they run (measured 2026-11-25):
+#   llama.cpp build   ~4.5 min, in the background from the start at nice 19 (skipped when
+#                     WORK holds a build); HF and the GGUF writer run meanwhile
+#   hf      HF transformers                                       ~1 min
+#   llama   GGUF ~36 s, then (once built) llama-bench x3 and llama-batched-bench ~2 min
+#   ours    vlm bench, 8B random weights, after the build: a compile on the same cores slows
+#           every row with host work in it                        ~1.2 min
 #   load    vlm load, 8B, concurrency 1 to 128, 20 s of requests
-#           each plus the drain of the last ones                   ~2.5 min (estimate)
-#   hf      HF transformers                                       ~1.5 min (estimate)
-#   llama   GGUF 36 s (measured), llama-bench x3 ~1 min, llama-batched-bench ~40 s (estimates)
+#           each plus the drain of the last ones                   ~2 min
 #   report  seconds
-# About 8 minutes in all, within one 10-minute device command; each part's log is in OUT_DIR.
+# About 10 minutes on a fresh machine, 5.5 with the build in WORK; each part's log is in OUT_DIR.
 set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
@@ -41,6 +40,13 @@ part() { echo "== $1 (at ${SECONDS}s)"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
 built() { [ -x "$work/b/bin/llama-bench" ] && [ -x "$work/b/bin/llama-batched-bench" ]; }
+# Waits for the background build, if one was started and is not waited for yet.
+wait_build() {
+  if [ -n "${build_pid:-}" ]; then
+    wait "$build_pid" || { tail -20 "$out/llama-build.log"; exit 1; }
+    build_pid=
+  fi
+}
 if has llama && ! built; then
   echo "building llama.cpp in the background ($out/llama-build.log)"
   tar xzf "$peers"/llama.cpp-*.tgz -C "$work"
@@ -49,20 +55,6 @@ if has llama && ! built; then
       -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     && cmake --build $work/b -j$(nproc) --target llama-bench llama-batched-bench" > "$out/llama-build.log" 2>&1 &
   build_pid=$!
-fi
-
-if has ours; then
-  part "vlm bench"
-  # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
-  "$vlm" bench --device cuda --model "$model" --random-weights ${BENCH_ARGS:-} \
-    --json "$out/ours.json" 2>&1 | tee "$out/ours.log"
-fi
-
-if has load; then
-  part "vlm load"
-  # shellcheck disable=SC2086 # load_args is a list of flags
-  "$vlm" load --device cuda --model "$model" --random-weights --concurrency "$levels" $load_args \
-    --json "$out/load.json" 2>&1 | tee "$out/load.log" || echo "vlm load failed: see $out/load.log"
 fi
 
 if has hf; then
@@ -75,7 +67,7 @@ if has llama; then
   part "llama.cpp"
   PYTHONPATH="$work/llama.cpp/gguf-py" python3 "$peers/make_qwen3_gguf.py" \
     "$work/llama.cpp/models/ggml-vocab-qwen2.gguf" "$work/q3-8b-f16.gguf" > "$out/llama-gguf.log" 2>&1
-  if [ -n "${build_pid:-}" ]; then wait "$build_pid" || { tail -20 "$out/llama-build.log"; exit 1; }; fi
+  wait_build
   bench="$work/b/bin/llama-bench -m $work/q3-8b-f16.gguf -ngl 99 -fa 1 -r 3 -o json"
   $bench -p 512,4096 -n 0 > "$out/llama-prefill.json" 2>> "$out/llama.log"
   $bench -p 0 -n 128 > "$out/llama-decode.json" 2>> "$out/llama.log"
@@ -90,6 +82,23 @@ if has llama; then
     --output-format jsonl > "$out/llama-batched.jsonl" 2>> "$out/llama.log"
   cat "$out/llama-batched.jsonl"
   rm -f "$work/q3-8b-f16.gguf"
+fi
+
+# Ours after llama.cpp's build: sharing the cores with a compile slowed every row with host work
+# in it (PNG decoding 1.5 -> 8.1 ms, the ViT at 896 20 -> 30 ms, TTFT 448 17 -> 20 ms on the H100).
+wait_build
+if has ours; then
+  part "vlm bench"
+  # shellcheck disable=SC2086 # BENCH_ARGS is a list of flags
+  "$vlm" bench --device cuda --model "$model" --random-weights ${BENCH_ARGS:-} \
+    --json "$out/ours.json" 2>&1 | tee "$out/ours.log"
+fi
+
+if has load; then
+  part "vlm load"
+  # shellcheck disable=SC2086 # load_args is a list of flags
+  "$vlm" load --device cuda --model "$model" --random-weights --concurrency "$levels" $load_args \
+    --json "$out/load.json" 2>&1 | tee "$out/load.log" || echo "vlm load failed: see $out/load.log"
 fi
 
 if has report; then
