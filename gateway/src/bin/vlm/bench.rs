@@ -64,8 +64,9 @@ pub struct BenchArgs {
     /// --decode-contexts), comma-separated; empty for none.
     #[arg(long, default_value = "1,8,32,64,128")]
     decode_batches: Sizes,
-    /// Also print, op by op, where device time goes in the ViT (each --image-sides), a prefill
-    /// and a batched decode.
+    /// Also print, op by op, where device time goes in the ViT (each --image-sides), prefills
+    /// of 256, 512 and 2048 tokens, a batched decode step and a mixed step (sequences decoding
+    /// while a prompt is prefilled beside them); steps then run op by op, not from recordings.
     #[arg(long)]
     profile: bool,
     /// Image sides of the time-to-first-token requests (each with --ttft-text-tokens of
