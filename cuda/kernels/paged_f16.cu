@@ -59,6 +59,7 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
                                             float* __restrict__ q_out, __half* __restrict__ k_cache,
                                             __half* __restrict__ v_cache, int hq, int hkv, int d,
                                             unsigned num_slots) {
+    constexpr int PER = QK_MAX_DIM / WARP;  // dims a lane holds: i = lane + u * WARP
     __shared__ float buf[QK_WARPS][QK_MAX_DIM];
     const int r = blockIdx.x, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const float* row = qkv + (size_t)r * (hq + 2 * hkv) * d;
@@ -67,33 +68,55 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
     const unsigned slot = slots[r];
     const bool cached = slot < num_slots;
     const int half = d / 2;
+    // What every head of the row needs besides its own values, loaded once and all at once:
+    // the rotary tables and both norms' weights (read after each head's sum, they were two more
+    // round trips a head, in a kernel that decode waits for at every layer).
+    float cr[PER], sr[PER], qw[PER], kw[PER];
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+        const int i = lane + u * WARP;
+        const bool in = i < d;
+        cr[u] = in ? c[i] : 0.0f;
+        sr[u] = in ? s[i] : 0.0f;
+        qw[u] = in ? q_norm[i] : 0.0f;
+        kw[u] = in ? k_norm[i] : 0.0f;
+    }
     for (int h = blockIdx.y * QK_WARPS + warp; h < hq + 2 * hkv; h += gridDim.y * QK_WARPS) {
         const float* x = row + (size_t)h * d;
+        float xv[PER];
+#pragma unroll
+        for (int u = 0; u < PER; ++u) xv[u] = lane + u * WARP < d ? x[lane + u * WARP] : 0.0f;
         if (h >= hq + hkv) {
             if (cached) {
                 __half* dst = v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * d;
-                for (int i = lane; i < d; i += WARP) dst[i] = __float2half_rn(x[i]);
+#pragma unroll
+                for (int u = 0; u < PER; ++u)
+                    if (lane + u * WARP < d) dst[lane + u * WARP] = __float2half_rn(xv[u]);
             }
             continue;
         }
-        const float* w = h < hq ? q_norm : k_norm;
+        const bool is_q = h < hq;
         float ss = 0.0f;
-        for (int i = lane; i < d; i += WARP) ss += x[i] * x[i];
-        float inv = rsqrtf(warp_sum(ss) / d + eps);
-        for (int i = lane; i < d; i += WARP) buf[warp][i] = w[i] * (x[i] * inv);
+#pragma unroll
+        for (int u = 0; u < PER; ++u) ss += xv[u] * xv[u];
+        const float inv = rsqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+        for (int u = 0; u < PER; ++u)
+            if (lane + u * WARP < d) buf[warp][lane + u * WARP] = (is_q ? qw[u] : kw[u]) * (xv[u] * inv);
         __syncwarp();
-        for (int i = lane; i < half; i += WARP) {
-            float x1 = buf[warp][i], x2 = buf[warp][i + half];
-            float o1 = x1 * c[i] - x2 * s[i];
-            float o2 = x2 * c[i + half] + x1 * s[i + half];
-            if (h < hq) {
-                float* dst = q_out + ((size_t)r * hq + h) * d;
-                dst[i] = o1;
-                dst[i + half] = o2;
+        // Rotate-half: out[i] = x[i] cos[i] - x[i + d/2] sin[i] below d/2, and
+        // x[i] cos[i] + x[i - d/2] sin[i] from it.
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int i = lane + u * WARP;
+            if (i >= d) continue;
+            const float xi = buf[warp][i];
+            const float o = i < half ? xi * cr[u] - buf[warp][i + half] * sr[u]
+                                     : xi * cr[u] + buf[warp][i - half] * sr[u];
+            if (is_q) {
+                q_out[((size_t)r * hq + h) * d + i] = o;
             } else if (cached) {
-                __half* dst = k_cache + ((size_t)slot * hkv + (h - hq)) * d;
-                dst[i] = __float2half_rn(o1);
-                dst[i + half] = __float2half_rn(o2);
+                k_cache[((size_t)slot * hkv + (h - hq)) * d + i] = __float2half_rn(o);
             }
         }
         __syncwarp();
