@@ -1,7 +1,8 @@
 //! Embeddings handed from vision-svc to llm-svc inside one process (`vlm serve` runs the
 //! three services in one): the vision tower's output tensors stay where they were computed,
 //! vision-svc deposits them here, and llm-svc takes them by the number it was sent. Nothing
-//! is downloaded, copied, sent or uploaded, and the rows keep the tower's own precision.
+//! crosses to the host (llm-svc's step copies the rows on the device, onto its own stream),
+//! and the rows keep the tower's own precision.
 //!
 //! Negotiated, as shared memory is (`vlm_proto::shm`): llm-svc names its [`domain`] (this
 //! process and its device) in its response headers, the gateway passes it to vision-svc, and

@@ -122,9 +122,10 @@ async fn embeddings_on_the_device_in_shared_memory_or_in_messages_give_vlm_runs_
     check_hops(|| Ok(CpuBackend::new())).await;
 }
 
-/// The same on a GPU (skipped without one): the device path hands the ViT's f32 output over
-/// where `vlm run` and the other paths round it to f16, a difference far below what moves a
-/// greedy token of the fixture (its logits agree with HF's within 5e-2 on the GPU).
+/// The same on a GPU (skipped without one): the device path and `vlm run` keep the ViT's f32
+/// output where the shared-memory and message paths round it to f16, a difference far below
+/// what moves a greedy token of the fixture (its logits agree with HF's within 5e-2 on the
+/// GPU).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_on_a_gpu() {
     if vlm_compute::cuda::test_gpu().is_none() {
