@@ -12,8 +12,9 @@
 // padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
 //
 // Layouts follow the ops interface: q [nq, hq, d], out [nq, hq * d], both f32. Keys and values
-// come through a loader: f16 [hkv, kv_len, DP] packed once per call from the f32 [slots, hkv,
-// d] of `attention` (the ViT; pack_kv_f16 below), or the paged f16 KV cache through a
+// come through a loader: f16 [kv_len, hkv, DP] packed once per call from the f32 [slots, hkv,
+// d] of `attention` (pack_kv_f16 below) or from the ViT's fused projection with RoPE
+// (rope_qkv_pack_f16, `rope_attention_segments`), or the paged f16 KV cache through a
 // sequence's block list (`paged_attention`: prefill chunks of an engine step; see paged_f16.cu
 // for the layout). Either copies 16 bytes at a time with cp.async into one of two K/V buffers
 // while the warps compute on the other. Query i sits at key position first_slot + i; causal: it
@@ -111,20 +112,20 @@ __device__ __forceinline__ void stage_chunk(half* Ks, half* Vs, int r, int c, co
     }
 }
 
-// Keys and values packed by pack_kv_f16: f16 [hkv, kv_len, DP], head dims past d zero.
+// Keys and values packed by pack_kv_f16 or rope_qkv_pack_f16: f16 [kv_len, hkv, DP], head
+// dims past d zero (row-major like the rows they came from, so a run of rows is a sub-range).
 struct PackedF16Kv {
     const half* __restrict__ k;
     const half* __restrict__ v;
-    int kv_len;
+    int hkv;
 
     template <int DP>
     __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
         constexpr int V8 = DP / 8;
-        const size_t head = (size_t)kvh * kv_len * DP;
 #pragma unroll
         for (int idx = threadIdx.x; idx < FA_BK * V8; idx += FA_WARPS * WARP) {
             int r = idx / V8, c = (idx % V8) * 8, j = kt + r;
-            size_t at = j < kv_end ? head + (size_t)j * DP + c : 0;
+            size_t at = j < kv_end ? ((size_t)j * hkv + kvh) * DP + c : 0;
             stage_chunk<DP>(Ks, Vs, r, c, k + at, v + at, j < kv_end);
         }
     }
@@ -137,9 +138,42 @@ extern "C" __global__ void pack_kv_f16(const float* __restrict__ k, const float*
     const int j = blockIdx.x;
     for (int t = threadIdx.x; t < hkv * dp; t += blockDim.x) {
         int h = t / dp, c = t % dp;
-        size_t src = ((size_t)j * hkv + h) * d + c, dst = ((size_t)h * kv_len + j) * dp + c;
+        size_t src = ((size_t)j * hkv + h) * d + c, dst = ((size_t)j * hkv + h) * dp + c;
         kp[dst] = __float2half_rn(c < d ? k[src] : 0.0f);
         vp[dst] = __float2half_rn(c < d ? v[src] : 0.0f);
+    }
+}
+
+// The ViT's fused projection, f32 [n, 3, heads, d] (q, k, v side by side in a row, bias added),
+// into what flash_attention reads, in one pass instead of two RoPE passes and a pack: q rotated,
+// f32 [n, heads, d]; k rotated and v as PackedF16Kv (f16 [n, heads, dp], dims past d zero).
+// Rotate-half RoPE with cos/sin [n, d], the expressions of rope_f32. One block per row.
+extern "C" __global__ void rope_qkv_pack_f16(const float* __restrict__ qkv,
+                                             const float* __restrict__ cos_t,
+                                             const float* __restrict__ sin_t,
+                                             float* __restrict__ q, half* __restrict__ kp,
+                                             half* __restrict__ vp, int heads, int d, int dp) {
+    const int t = blockIdx.x, hd = d / 2, w = heads * d;
+    const float* row = qkv + (size_t)t * 3 * w;
+    const float* c = cos_t + (size_t)t * d;
+    const float* s = sin_t + (size_t)t * d;
+    for (int p = threadIdx.x; p < heads * hd; p += blockDim.x) {
+        const int h = p / hd, i = p % hd, a = h * d + i, b = a + hd;
+        const float c1 = c[i], s1 = s[i], c2 = c[i + hd], s2 = s[i + hd];
+        const float q1 = row[a], q2 = row[b], k1 = row[w + a], k2 = row[w + b];
+        q[(size_t)t * w + a] = q1 * c1 - q2 * s1;
+        q[(size_t)t * w + b] = q2 * c2 + q1 * s2;
+        const size_t at = ((size_t)t * heads + h) * dp + i;
+        kp[at] = __float2half_rn(k1 * c1 - k2 * s1);
+        kp[at + hd] = __float2half_rn(k2 * c2 + k1 * s2);
+        vp[at] = __float2half_rn(row[2 * w + a]);
+        vp[at + hd] = __float2half_rn(row[2 * w + b]);
+    }
+    const int pad = dp - d;
+    for (int p = threadIdx.x; p < heads * pad; p += blockDim.x) {
+        const size_t at = ((size_t)t * heads + p / pad) * dp + d + p % pad;
+        kp[at] = __float2half_rn(0.0f);
+        vp[at] = __float2half_rn(0.0f);
     }
 }
 
@@ -392,7 +426,7 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
         const float* __restrict__ q, const half* __restrict__ k, const half* __restrict__ v,    \
         float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,        \
         int first_slot, float scale) {                                                          \
-        PackedF16Kv kvs{k, v, kv_len};                                                          \
+        PackedF16Kv kvs{k, v, hkv};                                                          \
         flash_attention<DP>(q, kvs, out, blockIdx.x * FA_BQ, nq, hq, hkv, d, kv_len, causal,    \
                             first_slot, scale);                                                 \
     }

@@ -92,6 +92,41 @@ pub(crate) fn layer_norm_linears_op_by_op<B: Backend + ?Sized>(
         .collect()
 }
 
+/// [`Backend::rope_attention_segments`] op by op: q, k and v taken apart by gathering rows of
+/// `qkv` seen as `[3n, heads * d]`, rotated, then [`Backend::attention_segments`].
+pub(crate) fn rope_attention_segments_op_by_op<B: Backend + ?Sized>(
+    be: &B,
+    qkv: &B::Tensor,
+    heads: usize,
+    rope: [&B::Tensor; 2],
+    lens: &[usize],
+) -> Result<B::Tensor> {
+    let shape = be.shape(qkv).to_vec();
+    let [n, cols] = shape[..] else {
+        return Err(crate::Error::shape(
+            "rope_attention_segments",
+            format!("qkv must be [n, 3 * heads * d], got {shape:?}"),
+        ));
+    };
+    if heads == 0 || cols % (3 * heads) != 0 {
+        return Err(crate::Error::shape(
+            "rope_attention_segments",
+            format!("qkv {shape:?} is not [n, 3 * {heads} * d]"),
+        ));
+    }
+    let d = cols / (3 * heads);
+    let rows = be.reshape(qkv.clone(), &[3 * n, heads * d])?;
+    let part = |i: usize| -> Result<B::Tensor> {
+        let ids: Vec<u32> = (0..n).map(|r| (3 * r + i) as u32).collect();
+        let t = be.gather_rows(&rows, &be.upload_ids(&ids)?)?;
+        be.reshape(t, &[n, heads, d])
+    };
+    let [cos, sin] = rope;
+    let q = be.rope(&part(0)?, cos, sin)?;
+    let k = be.rope(&part(1)?, cos, sin)?;
+    be.attention_segments(&q, &k, &part(2)?, lens)
+}
+
 /// [`Backend::layer_norm_mlp`] op by op, as [`layer_norm_linears_op_by_op`].
 pub(crate) fn layer_norm_mlp_op_by_op<B: Backend + ?Sized>(
     be: &B,
@@ -485,6 +520,21 @@ pub trait Backend: Send + Sync + 'static {
             start += len;
         }
         Ok(out)
+    }
+
+    /// The ViT's attention from its fused projection: `qkv [n, 3 * heads * d]` holds each row's
+    /// q, k and v side by side; q and k are rotated by `rope` = `[cos, sin]` (`[n, d]`, as
+    /// [`Backend::rope`]), then attention runs within each run of `lens` rows (as
+    /// [`Backend::attention_segments`]). Returns `[n, heads * d]`. One op, so that a GPU can
+    /// split, rotate and pack for its attention kernel in one pass over the rows.
+    fn rope_attention_segments(
+        &self,
+        qkv: &Self::Tensor,
+        heads: usize,
+        rope: [&Self::Tensor; 2],
+        lens: &[usize],
+    ) -> Result<Self::Tensor> {
+        rope_attention_segments_op_by_op(self, qkv, heads, rope, lens)
     }
 
     // ---- gathers and row updates ----

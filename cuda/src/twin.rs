@@ -97,6 +97,12 @@ pub enum Case {
         heads: usize,
         dim: usize,
     },
+    /// The ViT's attention from its fused q/k/v projection, RoPE included.
+    RopeAttentionSegments {
+        lens: Vec<usize>,
+        heads: usize,
+        dim: usize,
+    },
     /// An engine step's attention over the paged cache: sequences of `(queries, keys)`, the
     /// first `decode` of them with one query (the GPU's split-K decode kernel), the rest
     /// prefill chunks (flash attention from 16 queries, the per-row kernel below). Blocks are
@@ -324,6 +330,9 @@ impl Case {
             Case::AttentionSegments { lens, heads, dim } => {
                 format!("attention_segments {lens:?} h{heads} d{dim}")
             }
+            Case::RopeAttentionSegments { lens, heads, dim } => {
+                format!("rope_attention_segments {lens:?} h{heads} d{dim}")
+            }
             Case::PagedAttention {
                 seqs,
                 decode,
@@ -429,6 +438,8 @@ impl Case {
                     1e-4
                 }
             }
+            // Flash attention for every run, however short (the GPU packs all rows at once).
+            Case::RopeAttentionSegments { .. } => 2e-3,
             // Normed, rotated keys rounded to f16 in the cache (2^-11 relative).
             Case::QkvToCache { .. } => 1e-3,
             // The cache holds f16-exact keys and values on both sides; prefill chunks of 16
@@ -601,6 +612,19 @@ impl Case {
                     &up(&[n, heads, dim], 23)?,
                     &up(&[n, heads, dim], 24)?,
                     &up(&[n, heads, dim], 25)?,
+                    lens,
+                )?
+            }
+            Case::RopeAttentionSegments {
+                ref lens,
+                heads,
+                dim,
+            } => {
+                let n = lens.iter().sum();
+                be.rope_attention_segments(
+                    &up(&[n, 3 * heads * dim], 26)?,
+                    heads,
+                    [&up(&[n, dim], 27)?, &up(&[n, dim], 28)?],
                     lens,
                 )?
             }
@@ -961,6 +985,23 @@ pub fn self_check_cases() -> Vec<Case> {
             dim: 72,
         },
         AttentionSegments {
+            lens: vec![5, 3],
+            heads: 2,
+            dim: 32,
+        },
+        // The ViT's fused path: several images of one pass (runs shorter than a query tile
+        // included), a head dim with no padding, one to pad.
+        RopeAttentionSegments {
+            lens: vec![20, 36, 4, 70],
+            heads: 4,
+            dim: 72,
+        },
+        RopeAttentionSegments {
+            lens: vec![65],
+            heads: 2,
+            dim: 80,
+        },
+        RopeAttentionSegments {
             lens: vec![5, 3],
             heads: 2,
             dim: 32,

@@ -173,7 +173,14 @@ fn rope_and_attention_at_real_sizes() {
             mask,
         },
     );
-    check_all(&g, rope.into_iter().chain(attention));
+    // The ViT's q/k/v from its fused projection, rotated, packed and attended in one op: a
+    // 448x448 image's pass and three images of one pass.
+    let fused = [vec![784], vec![196, 784, 64]].map(|lens| Case::RopeAttentionSegments {
+        lens,
+        heads: 16,
+        dim: 72,
+    });
+    check_all(&g, rope.into_iter().chain(attention).chain(fused));
 }
 
 #[test]

@@ -76,35 +76,19 @@ impl<B: Backend> LayerNorm<B> {
 }
 
 struct Attention<B: Backend> {
-    q: Linear<B>,
-    k: Linear<B>,
-    v: Linear<B>,
+    qkv: Linear<B>,
     proj: Linear<B>,
     heads: usize,
-    head_dim: usize,
 }
 
 impl<B: Backend> Attention<B> {
     fn new(be: &B, w: &WeightPrefix, cfg: &VisionConfig) -> Result<Self> {
         let h = cfg.hidden_size;
-        // The checkpoint stores q, k, v as one [3h, h] projection; split it once here.
-        let qkv_w = w.pp("qkv").get("weight", &[3 * h, h])?;
-        let qkv_b = w.pp("qkv").get("bias", &[3 * h])?.reshape(vec![3 * h, 1])?;
-        let part = |i: usize| -> Result<Linear<B>> {
-            let bias = qkv_b.slice_rows(i * h, (i + 1) * h)?.reshape(vec![h])?;
-            Ok(Linear::from_host(
-                be,
-                &qkv_w.slice_rows(i * h, (i + 1) * h)?,
-                Some(&bias),
-            )?)
-        };
         Ok(Self {
-            q: part(0)?,
-            k: part(1)?,
-            v: part(2)?,
+            // q, k and v as the checkpoint stores them: one [3h, h] projection, one GEMM.
+            qkv: Linear::load(be, &w.pp("qkv"), 3 * h, h, true)?,
             proj: Linear::load(be, &w.pp("proj"), h, h, true)?,
             heads: cfg.num_heads,
-            head_dim: cfg.head_dim(),
         })
     }
 
@@ -116,18 +100,14 @@ impl<B: Backend> Attention<B> {
         norm: &LayerNorm<B>,
         pass: &Pass<B>,
     ) -> Result<()> {
-        let n = be.shape(x)[0];
-        let heads = |t: B::Tensor| be.reshape(t, &[n, self.heads, self.head_dim]);
-        let projections = [&self.q, &self.k, &self.v].map(Linear::projection);
-        let [q, k, v]: [B::Tensor; 3] = be
-            .layer_norm_linears(x, norm.params(), &projections)?
+        let [qkv]: [B::Tensor; 1] = be
+            .layer_norm_linears(x, norm.params(), &[self.qkv.projection()])?
             .try_into()
             .map_err(|_| {
                 Error::Config("layer_norm_linears: not one output per projection".into())
             })?;
-        let q = be.rope(&heads(q)?, &pass.cos, &pass.sin)?;
-        let k = be.rope(&heads(k)?, &pass.cos, &pass.sin)?;
-        let a = be.attention_segments(&q, &k, &heads(v)?, &pass.patches_per_image)?;
+        let rope = [&pass.cos, &pass.sin];
+        let a = be.rope_attention_segments(&qkv, self.heads, rope, &pass.patches_per_image)?;
         Ok(self.proj.forward_add(be, &a, x)?)
     }
 }

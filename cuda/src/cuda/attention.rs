@@ -6,14 +6,31 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::f16;
 
 use super::kernels::{
     decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
     FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
 };
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
+use crate::backend::rope_attention_segments_op_by_op;
 use crate::{AttnMask, Error, PagedBatch, QkvToCache, Result};
+
+/// One flash attention launch's sizes (`CudaBackend::flash_packed`).
+#[derive(Clone, Copy)]
+struct FlashShape {
+    nq: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    /// d padded to a compiled head dim (FLASH_DIMS).
+    dp: usize,
+    kv_len: usize,
+    causal: bool,
+    /// The key position of query 0 (causal).
+    first: usize,
+}
 
 impl CudaBackend {
     pub(super) fn qkv_to_cache_impl(
@@ -159,7 +176,7 @@ impl CudaBackend {
         let mut out = self.alloc(vec![nq, hq * d])?;
         let flash_dim = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
         if let (true, true, Some(dp)) = (self.inner.flash, nq >= FLASH_MIN_QUERIES, flash_dim) {
-            // Keys and values to f16 [hkv, kv_len, dp] once, not once per query tile.
+            // Keys and values to f16 [kv_len, hkv, dp] once, not once per query tile.
             let packed = hkv * kv_len * dp;
             // pack_kv_f16 writes every element (padding dims as zeros).
             let (mut kp, mut vp) = (self.alloc_f16(packed)?, self.alloc_f16(packed)?);
@@ -177,26 +194,23 @@ impl CudaBackend {
                 unsafe { l.launch(Self::row_config(kv_len)) }.map(|_| ()),
             )?;
 
-            let name = FLASH_KERNELS[FLASH_DIMS.iter().position(|&x| x == dp).expect("listed")];
-            let ints = [nq, hq, hkv, d, kv_len, causal as usize, first].map(|v| v as i32);
-            let scale = 1.0f32 / (d as f32).sqrt();
-            let mut l = self.inner.stream.launch_builder(self.kernel(name));
-            l.arg(&*q.buf)
-                .arg(&kp)
-                .arg(&vp)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh"));
-            for v in &ints {
-                l.arg(v);
-            }
-            l.arg(&scale);
-            let cfg = LaunchConfig {
-                grid_dim: (nq.div_ceil(64) as u32, hq as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: flash_smem_bytes(dp) as u32,
+            let out_buf = Arc::get_mut(&mut out.buf).expect("fresh");
+            let shape = FlashShape {
+                nq,
+                hq,
+                hkv,
+                d,
+                dp,
+                kv_len,
+                causal,
+                first,
             };
-            // SAFETY: matches flash_attention_d{dp}: 64 queries of one head per 4-warp block,
-            // shapes checked above, d <= dp, shared memory opted in at load.
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            self.flash_packed(
+                &q.buf.slice(..),
+                [&kp.slice(..), &vp.slice(..)],
+                &mut out_buf.slice_mut(..),
+                shape,
+            )?;
             return Ok(out);
         }
         let (hq_i, hkv_i, d_i, len_i, causal_i, first_i) = (
@@ -230,6 +244,112 @@ impl CudaBackend {
         };
         // SAFETY: matches attention_f32: one warp per (query, head), shapes checked above.
         self.launched("attention_f32", unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+
+    /// flash_attention_d{dp} over keys and values packed as PackedF16Kv (f16 [kv_len, hkv,
+    /// dp]): q [nq, hq, d] and out [nq, hq * d], f32.
+    fn flash_packed(
+        &self,
+        q: &CudaView<f32>,
+        [kp, vp]: [&CudaView<f16>; 2],
+        out: &mut CudaViewMut<f32>,
+        s: FlashShape,
+    ) -> Result<()> {
+        let at = FLASH_DIMS.iter().position(|&x| x == s.dp).expect("a flash dim");
+        let name = FLASH_KERNELS[at];
+        let ints = [s.nq, s.hq, s.hkv, s.d, s.kv_len, s.causal as usize, s.first].map(|v| v as i32);
+        let scale = 1.0f32 / (s.d as f32).sqrt();
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(q).arg(kp).arg(vp).arg(out);
+        for v in &ints {
+            l.arg(v);
+        }
+        l.arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (s.nq.div_ceil(64) as u32, s.hq as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: flash_smem_bytes(s.dp) as u32,
+        };
+        // SAFETY: matches flash_attention_d{dp}: 64 queries of one head per 4-warp block; the
+        // callers check the shapes (q and out nq * hq * d, k and v kv_len * hkv * dp, d <= dp);
+        // shared memory opted in at load.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+    }
+
+    pub(super) fn rope_attention_segments_impl(
+        &self,
+        qkv: &CudaTensor,
+        heads: usize,
+        rope: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Result<CudaTensor> {
+        let [cos, sin] = rope;
+        let (n, cols) = (qkv.rows(), qkv.cols());
+        let d = cols / (3 * heads).max(1);
+        let dp = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
+        let (true, Some(dp)) = (self.inner.flash, dp) else {
+            return rope_attention_segments_op_by_op(self, qkv, heads, rope, lens);
+        };
+        // Anything unusual (and every shape error, with its message) goes op by op.
+        if qkv.shape.len() != 2
+            || n == 0
+            || heads == 0
+            || cols != 3 * heads * d
+            || d % 2 != 0
+            || cos.shape != [n, d]
+            || sin.shape != [n, d]
+            || lens.iter().sum::<usize>() != n
+        {
+            return rope_attention_segments_op_by_op(self, qkv, heads, rope, lens);
+        }
+        let mut q = self.alloc(vec![n, heads, d])?;
+        // rope_qkv_pack_f16 writes every element (padding dims as zeros).
+        let (mut kp, mut vp) = (
+            self.alloc_f16(n * heads * dp)?,
+            self.alloc_f16(n * heads * dp)?,
+        );
+        let name = "rope_qkv_pack_f16";
+        let ints = [heads, d, dp].map(|v| v as i32);
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*qkv.buf)
+            .arg(&*cos.buf)
+            .arg(&*sin.buf)
+            .arg(Arc::get_mut(&mut q.buf).expect("fresh"))
+            .arg(&mut kp)
+            .arg(&mut vp);
+        for v in &ints {
+            l.arg(v);
+        }
+        // SAFETY: matches rope_qkv_pack_f16, one block per row: qkv holds n rows of 3 * heads
+        // * d, cos and sin n rows of d, q n * heads * d floats, kp and vp n * heads * dp halves.
+        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
+
+        // Each image's rows attend to each other only: one launch per run of rows, each on its
+        // sub-range of every buffer (all of them are row-major).
+        let mut out = self.alloc(vec![n, heads * d])?;
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh");
+        let mut start = 0;
+        for &len in lens.iter().filter(|&&len| len > 0) {
+            let rows = |width: usize| start * heads * width..(start + len) * heads * width;
+            let shape = FlashShape {
+                nq: len,
+                hq: heads,
+                hkv: heads,
+                d,
+                dp,
+                kv_len: len,
+                causal: false,
+                first: 0,
+            };
+            self.flash_packed(
+                &q.buf.slice(rows(d)),
+                [&kp.slice(rows(dp)), &vp.slice(rows(dp))],
+                &mut out_buf.slice_mut(rows(d)),
+                shape,
+            )?;
+            start += len;
+        }
         Ok(out)
     }
 

@@ -82,6 +82,7 @@ pub(super) const SOURCES: [KernelSource; 4] = [
             PAGED_FLASH_KERNELS[2],
             PAGED_FLASH_KERNELS[3],
             "pack_kv_f16",
+            "rope_qkv_pack_f16",
         ],
         per_rows: &[],
     },

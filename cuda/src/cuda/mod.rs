@@ -286,6 +286,16 @@ impl Backend for CudaBackend {
         self.attention_impl(q, k, v, kv_len, mask)
     }
 
+    fn rope_attention_segments(
+        &self,
+        qkv: &CudaTensor,
+        heads: usize,
+        rope: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Result<CudaTensor> {
+        self.rope_attention_segments_impl(qkv, heads, rope, lens)
+    }
+
     fn embedding(&self, table: &CudaWeight, ids: &CudaIds) -> Result<CudaTensor> {
         self.embedding_impl(table, ids)
     }
