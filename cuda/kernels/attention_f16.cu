@@ -4,11 +4,11 @@
 // V tiles pass through shared memory. CPU twin: `attention` / `paged_attention` in
 // cuda/src/cpu.rs (through the Backend ops). Runs on sm_80 and later (Jetson Orin's sm_87, H100).
 //
-// A block takes 64 queries of one head; each of its 4 warps owns 16 query rows. Per tile of 64
-// keys: S = Q Kᵀ (a warp's 16 x 64 scores, 32 floats per thread), masked, the online softmax
-// per row (each thread holds two rows' values; a row's max and sum are reduced over the four
-// threads that share it), P rounded to f16 straight from S's registers into the A operand of
-// O += P V. Q is pre-scaled by 1/sqrt(d) * log2(e) so the exponentials are exp2. Head dims are
+// A block takes 64 queries of one head, each of its 4 warps 16 query rows (the wide kernels,
+// for large ViT images: 128 and 32, see FaShared). Per tile of 64 keys: S = Q Kᵀ (16 x 64 scores per m-tile of
+// 16 rows, 32 floats per thread), masked, the online softmax per row (each thread holds two
+// rows' values; a row's max and sum are reduced over the four threads that share it), P
+// rounded to f16 straight from S's registers into the A operand of O += P V. Q is pre-scaled by 1/sqrt(d) * log2(e) so the exponentials are exp2. Head dims are
 // padded with zeros to DP, a multiple of 16 (the ViT's 72 to 80).
 //
 // Layouts follow the ops interface: q [nq, hq, d], out [nq, hq * d], both f32. Keys and values
@@ -23,18 +23,23 @@
 #include <cuda_fp16.h>
 
 #define FA_WARPS 4
-#define FA_BQ 64  // queries per block: 16 per warp
 #define FA_BK 64  // keys per tile
+// A warp takes MT m-tiles of 16 query rows (a block FA_WARPS * 16 * MT queries). With two
+// (flash_attention_wide_d*), every K and V fragment a warp reads from shared memory serves both,
+// halving those reads per product, which bound the ViT's attention at 1344x1344; but the
+// scores and outputs take twice the registers (two blocks an SM, not three) and a call has
+// half the blocks, so the host takes them only for calls of many query tiles.
 
-// Shared memory, dynamic (the host opts in above 48 KB): a Q tile and two K and V tiles (double
-// buffered) of 64 rows, each row DP + 8 halves (the 16-byte pad keeps ldmatrix's eight row reads
-// in distinct banks). Must match flash_smem_bytes in cuda/src/cuda/kernels.rs:
-// 640 * (DP + 8) bytes.
-template <int DP>
+// Shared memory, dynamic (the host opts in above 48 KB): a Q tile of the block's queries and two
+// K and V tiles (double buffered) of 64 rows, each row DP + 8 halves (the 16-byte pad keeps
+// ldmatrix's eight row reads in distinct banks). Must match flash_smem_bytes in
+// cuda/src/cuda/kernels.rs: (64 MT + 256) * 2 * (DP + 8) bytes.
+template <int DP, int MT = 1>
 struct FaShared {
-    static constexpr int row = DP + 8;          // halves per row
-    static constexpr int tile = 64 * row;       // halves per tile
-    static constexpr int bytes = 5 * tile * 2;
+    static constexpr int row = DP + 8;                  // halves per row
+    static constexpr int tile = 64 * row;               // halves per K or V tile
+    static constexpr int q_rows = FA_WARPS * 16 * MT;   // queries per block
+    static constexpr int bytes = (q_rows + 4 * 64) * row * 2;
 };
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -224,15 +229,15 @@ struct PagedF16Kv {
 // the unrolled K/V staging, the H100's 8B prefill of 256 tokens went 10.1-10.2 -> 9.7-9.8 ms,
 // of 2048 65.0 -> 62.5-64.0 ms. (Splitting each key tile over the warps instead, 16 queries a
 // block, gave four times the blocks but each walked every tile: slower, not kept.)
-template <int DP>
+template <int DP, int BQ>
 __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, int q0, int nq,
                                         int hq, int h, int d, float qscale) {
     constexpr int R = FaShared<DP>::row;
-    constexpr int C4 = DP / 4;                           // float4s of a padded row
-    constexpr int PER = FA_BQ * C4 / (FA_WARPS * WARP);  // float4s a thread
-    static_assert(FA_BQ * C4 % (FA_WARPS * WARP) == 0, "whole float4s a thread");
+    constexpr int C4 = DP / 4;                        // float4s of a padded row
+    constexpr int PER = BQ * C4 / (FA_WARPS * WARP);  // float4s a thread
+    static_assert(BQ * C4 % (FA_WARPS * WARP) == 0, "whole float4s a thread");
     if (d % 4 != 0) {
-        for (int idx = threadIdx.x; idx < FA_BQ * DP; idx += FA_WARPS * WARP) {
+        for (int idx = threadIdx.x; idx < BQ * DP; idx += FA_WARPS * WARP) {
             int r = idx / DP, c = idx % DP, i = q0 + r;
             float val = (i < nq && c < d) ? q[((size_t)i * hq + h) * d + c] * qscale : 0.0f;
             Qs[r * R + c] = __float2half_rn(val);
@@ -257,12 +262,14 @@ __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, i
     }
 }
 
-// Queries q0.. (up to 64, of nq) of head blockIdx.y; `kvs` stages their keys and values.
-template <int DP, typename Kv>
+// Queries q0.. (up to FaShared<DP, MT>::q_rows, of nq) of head blockIdx.y; `kvs` stages their
+// keys and values.
+template <int DP, int MT, typename Kv>
 __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, float* __restrict__ out,
                                 int q0, int nq, int hq, int hkv, int d, int kv_len, int causal,
                                 int first_slot, float scale) {
     constexpr int R = FaShared<DP>::row;
+    constexpr int BQ = FaShared<DP, MT>::q_rows;
     constexpr int KD = DP / 16;      // k-steps of Q Kᵀ
     constexpr int ND = DP / 8;       // n-tiles of the output
     constexpr int NK = FA_BK / 8;    // n-tiles of the scores
@@ -270,7 +277,7 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
     half* Qs = reinterpret_cast<half*>(fa_smem);
     // Then K and V of even key tiles, K and V of odd ones: tile i + 1 is copied in while tile i
     // is used.
-    auto k_buf = [&](int i) { return Qs + (1 + 2 * (i % 2)) * FaShared<DP>::tile; };
+    auto k_buf = [&](int i) { return Qs + BQ * R + 2 * (i % 2) * FaShared<DP>::tile; };
     auto v_buf = [&](int i) { return k_buf(i) + FaShared<DP>::tile; };
 
     const int h = blockIdx.y;
@@ -281,31 +288,39 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
     const float qscale = scale * 1.4426950408889634f;
 
     // Keys any query of this block can see.
-    int last_q = min(q0 + FA_BQ, nq) - 1;
+    int last_q = min(q0 + BQ, nq) - 1;
     int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
     const int tiles = (kv_end + FA_BK - 1) / FA_BK;
     // The first K/V tile is on its way while Q is staged.
     if (tiles > 0) kvs.template stage<DP>(k_buf(0), v_buf(0), 0, kv_end, kvh);
     cp_async_commit();
 
-    stage_q<DP>(q, Qs, q0, nq, hq, h, d, qscale);
+    stage_q<DP, BQ>(q, Qs, q0, nq, hq, h, d, qscale);
     __syncthreads();
-    // This warp's 16 query rows as A fragments, one per 16 dims.
+    // The A fragment of m-tile mt, dims 16 kk..: one m-tile's fragments stay in registers; with
+    // two (whose scores and outputs take those registers) they are read again at each key tile.
+    const half* q_frag = Qs + (warp * 16 * MT + lane % 16) * R + 8 * (lane / 16);
     unsigned qf[KD][4];
+    if constexpr (MT == 1) {
 #pragma unroll
-    for (int kk = 0; kk < KD; ++kk)
-        ldmatrix_x4(qf[kk], Qs + (warp * 16 + lane % 16) * R + kk * 16 + 8 * (lane / 16));
+        for (int kk = 0; kk < KD; ++kk) ldmatrix_x4(qf[kk], q_frag + kk * 16);
+    }
 
-    float o[ND][4];
+    float o[MT][ND][4];
+    float m_run[MT][2], l_run[MT][2];
+    // The two query rows this thread holds in each m-tile, and the keys each may see.
+    int qi[MT][2], visible[MT][2];
 #pragma unroll
-    for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
-    // The two query rows this thread holds, and the keys each may see.
-    int qi[2], visible[2];
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        qi[hrow] = q0 + warp * 16 + g + 8 * hrow;
-        visible[hrow] = causal ? min(kv_len, first_slot + qi[hrow] + 1) : kv_len;
+        for (int n = 0; n < ND; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            m_run[mt][hrow] = NEG_INF;
+            l_run[mt][hrow] = 0.0f;
+            qi[mt][hrow] = q0 + (warp * MT + mt) * 16 + g + 8 * hrow;
+            visible[mt][hrow] = causal ? min(kv_len, first_slot + qi[mt][hrow] + 1) : kv_len;
+        }
     }
 
     for (int it = 0; it < tiles; ++it) {
@@ -321,114 +336,147 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
         }
         __syncthreads();
 
-        // S (16 x 64 for this warp) = Q Kᵀ.
-        float s[NK][4];
-#pragma unroll
-        for (int n = 0; n < NK; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                unsigned b[2];
-                ldmatrix_x2(b, Ks + (n * 8 + lane % 8) * R + kk * 16 + 8 * ((lane / 8) % 2));
-                mma_16816(s[n], qf[kk], b[0], b[1]);
-            }
-        }
-        // Mask (only a tile that reaches past a row's last visible key: the last one, or the
-        // diagonal ones when causal), then the running max of each of this thread's two rows
-        // over the quad.
-        if (kt + FA_BK > min(visible[0], visible[1])) {
+        // S (16 x 64 per m-tile) = Q Kᵀ.
+        float s[MT][NK][4];
+        if constexpr (MT == 1) {
 #pragma unroll
             for (int n = 0; n < NK; ++n) {
+                s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (kt + n * 8 + 2 * t + (e % 2) >= visible[e / 2]) s[n][e] = NEG_INF;
+                for (int kk = 0; kk < KD; ++kk) {
+                    unsigned b[2];
+                    ldmatrix_x2(b, Ks + (n * 8 + lane % 8) * R + kk * 16 + 8 * ((lane / 8) % 2));
+                    mma_16816(s[0][n], qf[kk], b[0], b[1]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NK; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+            // Each K fragment read once for all m-tiles.
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_frag + mt * 16 * R + kk * 16);
+#pragma unroll
+                for (int n = 0; n < NK; ++n) {
+                    unsigned b[2];
+                    ldmatrix_x2(b, Ks + (n * 8 + lane % 8) * R + kk * 16 + 8 * ((lane / 8) % 2));
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma_16816(s[mt][n], a[mt], b[0], b[1]);
                 }
             }
         }
-        float tile_max[2] = {NEG_INF, NEG_INF};
+
+        unsigned pf[MT][FA_BK / 16][4];
 #pragma unroll
-        for (int n = 0; n < NK; ++n) {
+        for (int mt = 0; mt < MT; ++mt) {
+            // Mask (only a tile that reaches past a row's last visible key: the last one, or
+            // the diagonal ones when causal), then the running max of each of this thread's two
+            // rows over the quad.
+            if (kt + FA_BK > min(visible[mt][0], visible[mt][1])) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
-        }
-        float corr[2], m_use[2];
+                for (int n = 0; n < NK; ++n) {
 #pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            float mx = tile_max[hrow];
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            float m_new = fmaxf(m_run[hrow], mx);
-            // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
-            m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
-            corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[hrow] - m_new);
-            m_run[hrow] = m_new;
-        }
-        float tile_sum[2] = {0.0f, 0.0f};
-        unsigned pf[FA_BK / 16][4];
-#pragma unroll
-        for (int n = 0; n < NK; ++n) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[e] = fast_exp2(s[n][e] - m_use[e / 2]);  // 2^-inf = 0 for masked keys
-                tile_sum[e / 2] += p[e];
+                    for (int e = 0; e < 4; ++e) {
+                        if (kt + n * 8 + 2 * t + (e % 2) >= visible[mt][e / 2]) s[mt][n][e] = NEG_INF;
+                    }
+                }
             }
-            // The C layout of tile n is the A layout of keys 16(n/2).. (halves a0/a1 or a2/a3).
-            pf[n / 2][(n % 2) * 2 + 0] = pack_half2(p[0], p[1]);
-            pf[n / 2][(n % 2) * 2 + 1] = pack_half2(p[2], p[3]);
-        }
+            float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int hrow = 0; hrow < 2; ++hrow) {
-            float sum = tile_sum[hrow];
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            l_run[hrow] = l_run[hrow] * corr[hrow] + sum;
-        }
+            for (int n = 0; n < NK; ++n) {
 #pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            o[n][0] *= corr[0];
-            o[n][1] *= corr[0];
-            o[n][2] *= corr[1];
-            o[n][3] *= corr[1];
+                for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[mt][n][e]);
+            }
+            float corr[2], m_use[2];
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                float mx = tile_max[hrow];
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                float m_new = fmaxf(m_run[mt][hrow], mx);
+                // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
+                m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
+                corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[mt][hrow] - m_new);
+                m_run[mt][hrow] = m_new;
+            }
+            float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int n = 0; n < NK; ++n) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    p[e] = fast_exp2(s[mt][n][e] - m_use[e / 2]);  // 2^-inf = 0 for masked keys
+                    tile_sum[e / 2] += p[e];
+                }
+                // The C layout of tile n is the A layout of keys 16(n/2).. (halves a0/a1 or
+                // a2/a3).
+                pf[mt][n / 2][(n % 2) * 2 + 0] = pack_half2(p[0], p[1]);
+                pf[mt][n / 2][(n % 2) * 2 + 1] = pack_half2(p[2], p[3]);
+            }
+#pragma unroll
+            for (int hrow = 0; hrow < 2; ++hrow) {
+                float sum = tile_sum[hrow];
+                sum += __shfl_xor_sync(0xffffffff, sum, 1);
+                sum += __shfl_xor_sync(0xffffffff, sum, 2);
+                l_run[mt][hrow] = l_run[mt][hrow] * corr[hrow] + sum;
+            }
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                o[mt][n][0] *= corr[0];
+                o[mt][n][1] *= corr[0];
+                o[mt][n][2] *= corr[1];
+                o[mt][n][3] *= corr[1];
+            }
         }
-        // O (16 x DP) += P (16 x 64) V (64 x DP); V read transposed, two dim tiles at a time.
+        // O (16 x DP per m-tile) += P (16 x 64) V (64 x DP); V read transposed, two dim tiles
+        // at a time, once for all m-tiles.
 #pragma unroll
         for (int kk = 0; kk < FA_BK / 16; ++kk) {
 #pragma unroll
             for (int n = 0; n < ND; n += 2) {
                 unsigned b[4];
                 ldmatrix_x4_trans(b, Vs + (kk * 16 + lane % 16) * R + (n + lane / 16) * 8);
-                mma_16816(o[n], pf[kk], b[0], b[1]);
-                mma_16816(o[n + 1], pf[kk], b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816(o[mt][n], pf[mt][kk], b[0], b[1]);
+                    mma_16816(o[mt][n + 1], pf[mt][kk], b[2], b[3]);
+                }
             }
         }
         __syncthreads();  // before the next iteration copies tile + 2 into these buffers
     }
 
 #pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        int i = qi[hrow];
-        if (i >= nq) continue;
-        // No key at all (kv_len 0): zeros.
-        float inv = l_run[hrow] > 0.0f ? 1.0f / l_run[hrow] : 0.0f;
-        float* dst = out + ((size_t)i * hq + h) * d;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            int c = n * 8 + 2 * t;
-            if (c < d) dst[c] = o[n][2 * hrow] * inv;
-            if (c + 1 < d) dst[c + 1] = o[n][2 * hrow + 1] * inv;
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            int i = qi[mt][hrow];
+            if (i >= nq) continue;
+            // No key at all (kv_len 0): zeros.
+            float inv = l_run[mt][hrow] > 0.0f ? 1.0f / l_run[mt][hrow] : 0.0f;
+            float* dst = out + ((size_t)i * hq + h) * d;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                int c = n * 8 + 2 * t;
+                if (c < d) dst[c] = o[mt][n][2 * hrow] * inv;
+                if (c + 1 < d) dst[c + 1] = o[mt][n][2 * hrow + 1] * inv;
+            }
         }
     }
 }
 
-#define FA_KERNEL(DP)                                                                              \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) flash_attention_d##DP(            \
+#define FA_KERNEL(NAME, DP, MT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) NAME(                          \
         const float* __restrict__ q, const half* __restrict__ k, const half* __restrict__ v,    \
         float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,        \
         int first_slot, float scale) {                                                          \
-        PackedF16Kv kvs{k, v, hkv};                                                          \
-        flash_attention<DP>(q, kvs, out, blockIdx.x * FA_BQ, nq, hq, hkv, d, kv_len, causal,    \
-                            first_slot, scale);                                                 \
+        PackedF16Kv kvs{k, v, hkv};                                                             \
+        flash_attention<DP, MT>(q, kvs, out, blockIdx.x * FaShared<DP, MT>::q_rows, nq, hq, hkv, \
+                                d, kv_len, causal, first_slot, scale);                          \
     }
 
 // The prefill chunks of an engine step: sequence seq0 + blockIdx.z, its queries from row
@@ -440,16 +488,19 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
         float* __restrict__ out, int seq0, int hq, int hkv, int d, int block_size, float scale) { \
         const unsigned* m = seqs + 4 * (seq0 + blockIdx.z);                                     \
         const int row0 = m[0], n = m[1], kv_len = m[2];                                         \
-        if ((int)(blockIdx.x * FA_BQ) >= n) return;                                             \
+        if ((int)(blockIdx.x * FaShared<DP>::q_rows) >= n) return;                              \
         PagedF16Kv kvs{kc, vc, blocks, m[3], block_size, hkv, d};                               \
-        flash_attention<DP>(q + (size_t)row0 * hq * d, kvs, out + (size_t)row0 * hq * d,        \
-                            blockIdx.x * FA_BQ, n, hq, hkv, d, kv_len, 1, kv_len - n, scale);   \
+        flash_attention<DP, 1>(q + (size_t)row0 * hq * d, kvs, out + (size_t)row0 * hq * d,     \
+                            blockIdx.x * FaShared<DP>::q_rows, n, hq, hkv, d, kv_len, 1,       \
+                            kv_len - n, scale);                                                 \
     }
 
-FA_KERNEL(64)
-FA_KERNEL(80)
-FA_KERNEL(96)
-FA_KERNEL(128)
+FA_KERNEL(flash_attention_d64, 64, 1)
+FA_KERNEL(flash_attention_d80, 80, 1)
+FA_KERNEL(flash_attention_d96, 96, 1)
+FA_KERNEL(flash_attention_d128, 128, 1)
+FA_KERNEL(flash_attention_wide_d64, 64, 2)
+FA_KERNEL(flash_attention_wide_d80, 80, 2)
 PAGED_FA_KERNEL(64)
 PAGED_FA_KERNEL(80)
 PAGED_FA_KERNEL(96)

@@ -152,14 +152,19 @@ fn rope_and_attention_at_real_sizes() {
     let causal = |first_query_slot| AttnMask::Causal { first_query_slot };
     // (queries, q heads, kv heads, head dim, kv slots, valid, mask): prefill, the ViT at 448²,
     // prefill after a cached prefix (queries start at slot 512), 8B prefill at 1024, the tiny
-    // fixture's head dim (padded to 64) with a partial query tile, and the f32 kernel below
-    // 16 queries.
+    // fixture's head dim (padded to 64) with a partial query tile, causal GQA at head dim 64,
+    // calls with enough query tiles x heads for the wide kernels on an H100 (two m-tiles a
+    // warp: 1,024 and 1,024 blocks, bidirectional and causal), and the f32 kernel below 16
+    // queries.
     let attention = [
         (37, 32, 8, 128, 64, 37, causal(0)),
         (784, 16, 16, 72, 784, 784, AttnMask::Full),
         (100, 32, 8, 128, 700, 612, causal(512)),
         (1024, 32, 8, 128, 1024, 1024, causal(0)),
         (65, 4, 2, 16, 65, 65, AttnMask::Full),
+        (150, 8, 2, 64, 300, 250, causal(100)),
+        (1024, 128, 16, 72, 1024, 1024, AttnMask::Full),
+        (1000, 128, 16, 64, 1200, 1100, causal(100)),
         (7, 4, 2, 32, 9, 9, causal(2)),
     ]
     .map(

@@ -265,7 +265,10 @@ pub fn run<B: Backend + Clone>(
             Ok(t.elapsed())
         })?;
         let rows = [
-            (format!("vision: ViT + mergers {side}x{side} ({} patches)", g * g), s),
+            (
+                format!("vision: ViT + mergers {side}x{side} ({} patches)", g * g),
+                s,
+            ),
             (
                 format!("vision: ViT + mergers {side}x{side}, outputs downloaded to the host"),
                 s_host,

@@ -11,7 +11,9 @@ use half::f16;
 
 use super::kernels::{
     decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
-    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
+    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WIDE_DIMS,
+    FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, MAX_HEAD_DIM,
+    PAGED_FLASH_KERNELS, QKV_WARPS,
 };
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
 use crate::backend::rope_attention_segments_op_by_op;
@@ -247,8 +249,8 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// flash_attention_d{dp} over keys and values packed as PackedF16Kv (f16 [kv_len, hkv,
-    /// dp]): q [nq, hq, d] and out [nq, hq * d], f32.
+    /// flash_attention_d{dp} (or its wide twin) over keys and values packed as PackedF16Kv
+    /// (f16 [kv_len, hkv, dp]): q [nq, hq, d] and out [nq, hq * d], f32.
     fn flash_packed(
         &self,
         q: &CudaView<f32>,
@@ -256,8 +258,21 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
         s: FlashShape,
     ) -> Result<()> {
-        let at = FLASH_DIMS.iter().position(|&x| x == s.dp).expect("a flash dim");
-        let name = FLASH_KERNELS[at];
+        // The wide kernel (two m-tiles a warp) for calls of many query tiles.
+        let wide = FLASH_WIDE_DIMS.iter().position(|&x| x == s.dp).filter(|_| {
+            s.nq.div_ceil(FLASH_WIDE_QUERIES) * s.hq
+                >= FLASH_WIDE_MIN_WAVES * 2 * self.inner.sm_count
+        });
+        let (name, queries) = match wide {
+            Some(at) => (FLASH_WIDE_KERNELS[at], FLASH_WIDE_QUERIES),
+            None => {
+                let at = FLASH_DIMS
+                    .iter()
+                    .position(|&x| x == s.dp)
+                    .expect("a flash dim");
+                (FLASH_KERNELS[at], FLASH_QUERIES)
+            }
+        };
         let ints = [s.nq, s.hq, s.hkv, s.d, s.kv_len, s.causal as usize, s.first].map(|v| v as i32);
         let scale = 1.0f32 / (s.d as f32).sqrt();
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
@@ -267,11 +282,11 @@ impl CudaBackend {
         }
         l.arg(&scale);
         let cfg = LaunchConfig {
-            grid_dim: (s.nq.div_ceil(64) as u32, s.hq as u32, 1),
+            grid_dim: (s.nq.div_ceil(queries) as u32, s.hq as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: flash_smem_bytes(s.dp) as u32,
+            shared_mem_bytes: flash_smem_bytes(s.dp, queries) as u32,
         };
-        // SAFETY: matches flash_attention_d{dp}: 64 queries of one head per 4-warp block; the
+        // SAFETY: matches flash_attention_(wide_)d{dp}: `queries` of one head per 4-warp block; the
         // callers check the shapes (q and out nq * hq * d, k and v kv_len * hkv * dp, d <= dp);
         // shared memory opted in at load.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
@@ -492,12 +507,12 @@ impl CudaBackend {
                 PAGED_FLASH_KERNELS[at],
                 LaunchConfig {
                     grid_dim: (
-                        batch.max_queries.div_ceil(64) as u32,
+                        batch.max_queries.div_ceil(FLASH_QUERIES) as u32,
                         hq as u32,
                         rest as u32,
                     ),
                     block_dim: (128, 1, 1),
-                    shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at]) as u32,
+                    shared_mem_bytes: flash_smem_bytes(FLASH_DIMS[at], FLASH_QUERIES) as u32,
                 },
             ),
             _ => (

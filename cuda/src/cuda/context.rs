@@ -10,8 +10,9 @@ use cudarc::nvrtc::Ptx;
 
 use super::compile::{self, compile_ptx};
 use super::kernels::{
-    flash_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS, GEMV_MAX_ROWS,
-    PAGED_FLASH_KERNELS, SOURCES,
+    flash_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS, FLASH_QUERIES,
+    FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS,
+    SOURCES,
 };
 use super::linear::{Gemv, GEMV_STATIC_SMEM};
 use super::{lt, staging};
@@ -253,11 +254,18 @@ impl CudaBackend {
         // that refuses falls back to the plain attention kernel.
         let flash = FLASH_KERNELS
             .iter()
-            .zip(FLASH_DIMS)
-            .chain(PAGED_FLASH_KERNELS.iter().zip(FLASH_DIMS))
-            .all(|(k, dp)| {
+            .chain(&PAGED_FLASH_KERNELS)
+            .zip(FLASH_DIMS.iter().chain(&FLASH_DIMS))
+            .map(|(k, &dp)| (k, flash_smem_bytes(dp, FLASH_QUERIES)))
+            .chain(
+                FLASH_WIDE_KERNELS
+                    .iter()
+                    .zip(FLASH_WIDE_DIMS)
+                    .map(|(k, dp)| (k, flash_smem_bytes(dp, FLASH_WIDE_QUERIES))),
+            )
+            .all(|(k, bytes)| {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let set = kernels[k].set_attribute(MAX_SMEM, flash_smem_bytes(dp) as i32);
+            let set = kernels[k].set_attribute(MAX_SMEM, bytes as i32);
             if let Err(e) = &set {
                 tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
             }

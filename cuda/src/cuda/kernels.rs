@@ -81,6 +81,8 @@ pub(super) const SOURCES: [KernelSource; 4] = [
             PAGED_FLASH_KERNELS[1],
             PAGED_FLASH_KERNELS[2],
             PAGED_FLASH_KERNELS[3],
+            FLASH_WIDE_KERNELS[0],
+            FLASH_WIDE_KERNELS[1],
             "pack_kv_f16",
             "rope_qkv_pack_f16",
         ],
@@ -142,10 +144,26 @@ pub(super) fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
     })
 }
 
-/// Dynamic shared memory of flash_attention_d{dp}: a Q tile and two K and V tiles (double
-/// buffered) of 64 rows of dp + 8 halves (FaShared in attention_f16.cu).
-pub(super) fn flash_smem_bytes(dp: usize) -> usize {
-    5 * 64 * 2 * (dp + 8)
+/// The flash kernels whose warps take two m-tiles of 16 queries, 128 queries a block
+/// (`flash_attention_wide_d{dp}`; FaShared in attention_f16.cu), and their head dims: for calls
+/// of many query tiles (a large image's ViT pass), where the shared-memory reads they halve
+/// bound the kernel. Each call of them is half the blocks at two an SM: fewer, they lose.
+pub(super) const FLASH_WIDE_DIMS: [usize; 2] = [64, 80];
+pub(super) const FLASH_WIDE_KERNELS: [&str; 2] =
+    ["flash_attention_wide_d64", "flash_attention_wide_d80"];
+/// Queries a block of a flash kernel takes, and of a wide one.
+pub(super) const FLASH_QUERIES: usize = 64;
+pub(super) const FLASH_WIDE_QUERIES: usize = 128;
+/// A call takes the wide kernel from this many waves of its blocks at two an SM (on the H100,
+/// a 1344x1344 image's 896 blocks: 51.4 -> 47.6 ms a pass; at 896x896, 392 blocks, 15.3 ->
+/// 16.2, and at 448x448 3.7-3.9 -> 4.1-4.2).
+pub(super) const FLASH_WIDE_MIN_WAVES: usize = 3;
+
+/// Dynamic shared memory of a flash kernel taking `queries` a block: a Q tile of them and two
+/// K and V tiles (double buffered) of 64 rows, rows of dp + 8 halves (FaShared in
+/// attention_f16.cu).
+pub(super) fn flash_smem_bytes(dp: usize, queries: usize) -> usize {
+    (queries + 4 * 64) * 2 * (dp + 8)
 }
 
 const OPS_KERNELS: [&str; 16] = [
