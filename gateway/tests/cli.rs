@@ -324,15 +324,17 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        15,
-        "two limits, one ViT size, prefill, the image's preprocessing, image TTFT in process \
+        16,
+        "two limits, one ViT size (outputs kept on the device, and downloaded to the host), \
+         prefill, the image's preprocessing, image TTFT in process \
          (and with the image already encoded), \
          packing and unpacking its embeddings, decode, batched decode, the same through the \
          gateway with a new image (embeddings in the messages, in shared memory and kept on \
          the device) and with one seen before: {names:?}"
     );
     assert!(
-        names.contains(&"decode: batch 3 at context 16"),
+        names.contains(&"decode: batch 3 at context 16")
+            && names.contains(&"vision: ViT + mergers 64x64, outputs downloaded to the host"),
         "{names:?}"
     );
     for row in [
