@@ -58,16 +58,10 @@ enum Command {
     Doctor(doctor::DoctorArgs),
 }
 
-/// The checked-out commit, for reports ("unknown" outside a git checkout).
+/// The commit this binary was built from, for reports ("unknown" when built outside a git
+/// checkout; see build.rs).
 fn git_commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map_or("unknown".into(), |o| {
-            String::from_utf8_lossy(&o.stdout).trim().to_string()
-        })
+    env!("VLM_BUILD_COMMIT").to_string()
 }
 
 /// vision-svc, llm-svc and the gateway on loopback in this process, on `device`
