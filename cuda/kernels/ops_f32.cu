@@ -331,6 +331,23 @@ extern "C" __global__ void weighted_gather_f32(const float* __restrict__ table, 
     }
 }
 
+// The ViT's input from an image's bytes (cuda/src/patches.rs's patchify is its CPU twin):
+// out[i, (c, f, y, x)] = table[c * 256 + channel c of pixel (py * p + y, px * p + x)], where patch
+// i sits at (py, px) of the grid in merge-window order, and every frame f is the same. rgb holds
+// the image's bytes, 3 a pixel, row-major. One block per patch: each thread's writes coalesce.
+extern "C" __global__ void patchify_rgb_f32(const unsigned char* __restrict__ rgb,
+                                            const float* __restrict__ table, float* __restrict__ out,
+                                            int width, int grid_w, int p, int m, int t) {
+    const int i = blockIdx.x, frame = p * p, dim = 3 * t * frame, windows_w = grid_w / m;
+    const int inner = i % (m * m), window = i / (m * m);
+    const int py = window / windows_w * m + inner / m, px = window % windows_w * m + inner % m;
+    float* o = out + (size_t)i * dim;
+    for (int r = threadIdx.x; r < dim; r += blockDim.x) {
+        const int c = r / (t * frame), yx = r % frame, y = yx / p, x = yx % p;
+        o[r] = table[c * 256 + rgb[((size_t)(py * p + y) * width + px * p + x) * 3 + c]];
+    }
+}
+
 // dst[rows[i]] = src[i] (accumulate == 0) or += src[i]; one block per row.
 extern "C" __global__ void scatter_rows_f32(float* __restrict__ dst, const unsigned* __restrict__ rows,
                                             const float* __restrict__ src, int width, int accumulate) {

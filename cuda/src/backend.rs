@@ -6,6 +6,7 @@
 //! the matrix view `[n, last_dim]`. Shapes are checked and reported as [`crate::Error::Shape`].
 
 use crate::handoff::DeviceRows;
+use crate::patches::PatchLayout;
 use crate::{Embeddings, HostTensor, Result};
 
 /// The tensor `rows` holds, if it is one of `B`'s (rows handed over by another kind of
@@ -597,4 +598,20 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// `dst[rows[i]] += src[i]` (DeepStack injection).
     fn add_rows(&self, dst: &mut Self::Tensor, rows: &[usize], src: &Self::Tensor) -> Result<()>;
+    /// The ViT's input from an image's bytes: `rgb` is its `height`×`width`×3 bytes, each of
+    /// which becomes its channel's entry of `table` (`[3 · 256]`, channel-major), laid out as
+    /// [`crate::patches::patchify`] does: `[patches, layout.patch_dim()]` on the device. A GPU
+    /// uploads the bytes, a quarter of the values' size, and computes the values there.
+    fn patchify(
+        &self,
+        rgb: &[u8],
+        height: usize,
+        width: usize,
+        table: &[f32],
+        layout: PatchLayout,
+    ) -> Result<Self::Tensor> {
+        self.upload(&crate::patches::patchify(
+            rgb, height, width, table, layout,
+        )?)
+    }
 }

@@ -26,6 +26,7 @@ pub mod golden;
 pub mod handoff;
 pub mod nn;
 pub mod npy;
+pub mod patches;
 pub mod random;
 mod tensor;
 pub mod twin;

@@ -165,6 +165,12 @@ pub enum Case {
     RandomUniform {
         shape: Vec<usize>,
     },
+    /// The ViT's patches of a `height`×`width` image of random bytes through a random table
+    /// (Qwen3-VL's layout: 16-pixel patches, 2×2 merge windows, 2 frames).
+    Patchify {
+        height: usize,
+        width: usize,
+    },
     /// A decode-like step (embeddings of tokens read from the device, a GEMM, rows written
     /// into a cache at slots read from the device, attention over it, greedy picks) recorded
     /// once ([`Backend::record`]: a CUDA graph) and replayed twice with other tokens, slots
@@ -368,6 +374,7 @@ impl Case {
             } => format!("weighted_gather [{rows},{width}] -> {out} x{taps}"),
             Case::RowUpdates => "slice/write/scatter/add rows".into(),
             Case::RandomUniform { shape } => format!("random_uniform {shape:?}"),
+            Case::Patchify { height, width } => format!("patchify a {width}x{height} image"),
             Case::Embeddings { rows, cols } => format!("embeddings down and up [{rows},{cols}]"),
             Case::RecordReplay => "record once, replay with new inputs".into(),
         }
@@ -382,7 +389,8 @@ impl Case {
             | Case::GatherRows { .. }
             | Case::Embedding { .. }
             | Case::RowUpdates
-            | Case::RandomUniform { .. } => 0.0,
+            | Case::RandomUniform { .. }
+            | Case::Patchify { .. } => 0.0,
             // GEMMs, attention and copies: summation order only (f16-exact operands).
             Case::RecordReplay => 1e-4,
             // One rounding per element, or a short sum.
@@ -730,6 +738,19 @@ impl Case {
                 return HostTensor::concat_rows(&parts);
             }
             Case::RandomUniform { ref shape } => be.random_uniform(shape, 34, 0.027)?,
+            Case::Patchify { height, width } => {
+                // Bytes from a multiplicative hash: every value 0..=255 turns up.
+                let bytes: Vec<u8> = (0..height * width * 3)
+                    .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8)
+                    .collect();
+                let layout = crate::patches::PatchLayout {
+                    patch: 16,
+                    merge: 2,
+                    temporal: 2,
+                };
+                let table = input(&[crate::patches::TABLE_LEN], 35);
+                be.patchify(&bytes, height, width, table.data(), layout)?
+            }
             Case::RecordReplay => return record_and_replay(be),
         };
         be.download(&out)
@@ -1088,6 +1109,10 @@ pub fn self_check_cases() -> Vec<Case> {
         RowUpdates,
         RandomUniform {
             shape: vec![1000, 513],
+        },
+        Patchify {
+            height: 64,
+            width: 96,
         },
         RecordReplay,
     ]);

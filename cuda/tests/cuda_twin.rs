@@ -299,6 +299,17 @@ fn gathers_and_row_updates() {
 }
 
 #[test]
+fn patches_from_image_bytes_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    check_all(
+        &g,
+        [(448, 448), (1344, 1344), (32, 928)]
+            .into_iter()
+            .map(|(height, width)| Case::Patchify { height, width }),
+    );
+}
+
+#[test]
 fn random_weights_are_generated_on_the_gpu_bit_for_bit_as_on_the_cpu() {
     let Some(g) = test_gpu() else { return };
     let key =

@@ -4,9 +4,10 @@
 //! - limits: copy bandwidth (decode reads every weight and the KV cache once per token, so
 //!   bytes per token / bandwidth bounds it) and a large GEMM's FLOP rate (prefill and the ViT
 //!   are GEMM-bound);
-//! - ViT + mergers for square images of the given sides, outputs kept on the device (as the
-//!   language stage of the same process takes them) and downloaded to the host (as a separate
-//!   vision service delivers them);
+//! - ViT + mergers for square images of the given sides, from the image's bytes (the patches
+//!   are cut by the tower's backend, on a GPU on the device) to the outputs, kept on the device
+//!   (as the language stage of the same process takes them) and downloaded to the host (as a
+//!   separate vision service delivers them);
 //! - prefill throughput for text prompts of the given lengths;
 //! - time to first token of image + text requests, in process, and how long packing and
 //!   unpacking their embeddings for the hop between the services takes;
@@ -242,11 +243,11 @@ pub fn run<B: Backend + Clone>(
     let flop_rate = out[1].throughput();
 
     for &side in &opts.image_sides {
-        let patches = vit_input(&vcfg, side)?;
+        let patches = vit_input(&pipeline.vision.preprocess, side)?;
         let g = patches.grid_thw[1];
         bar.set_message(format!("ViT {side}x{side}"));
         // The pass as the language stage of this process takes it (HF's peer row likewise
-        // leaves the output on the GPU): patches uploaded, outputs kept on the device.
+        // leaves the output on the GPU): image bytes uploaded, outputs kept on the device.
         let on_device = [Delivery::Device {
             identity: b"bench".to_vec(),
         }];
@@ -324,6 +325,7 @@ pub fn run<B: Backend + Clone>(
             unreachable!("the request starts with its image")
         };
         bar.set_message(format!("preprocess {side}x{side}"));
+        // The host's part: decoding and resizing (the tower's backend cuts the patches).
         let vision = &pipeline.vision;
         let preprocessed = time(opts, &bar, || {
             let t = Instant::now();
@@ -541,18 +543,29 @@ fn start_decoding(
     Ok(streams)
 }
 
-/// The ViT's input for a `side` x `side` image: random pixels of the right shape (decoding and
-/// resizing are not the ViT's cost).
-fn vit_input(vcfg: &vision_svc::VisionConfig, side: usize) -> anyhow::Result<Patches> {
-    let factor = vcfg.patch_size * vcfg.spatial_merge_size;
-    let g = (side / factor).max(1) * vcfg.spatial_merge_size;
-    Ok(Patches {
-        pixels: HostTensor::new(
-            vec![g * g, vcfg.patch_dim()],
-            vec![0.1; g * g * vcfg.patch_dim()],
-        )?,
-        grid_thw: [1, g, g],
-    })
+/// The ViT's input for a `side` x `side` image, as preprocessing leaves it for the tower: the
+/// image's bytes (a gradient; already at a size the tower takes, so nothing is resized:
+/// decoding and resizing are not the ViT's cost) and the processor's normalization table. The
+/// tower's backend cuts the patches from them, a GPU on the device.
+fn vit_input(pcfg: &vision_svc::PreprocessConfig, side: usize) -> anyhow::Result<Patches> {
+    let factor = pcfg.patch_size * pcfg.merge_size;
+    let side = (side / factor).max(1) * factor;
+    let data = (0..side * side)
+        .flat_map(|i| {
+            let (y, x) = (i / side, i % side);
+            [(x * 255 / side) as u8, (y * 255 / side) as u8, 128]
+        })
+        .collect();
+    let image = vision_svc::preprocess::RgbImage {
+        width: side,
+        height: side,
+        data,
+    };
+    let as_is = vision_svc::PreprocessConfig {
+        do_resize: false,
+        ..pcfg.clone()
+    };
+    Ok(vision_svc::preprocess::image_patches(image, &as_is)?)
 }
 
 /// The prefills `--profile` breaks down (the cache is sized to hold them): about a 448x448
@@ -593,9 +606,8 @@ fn profile_steps<B: Backend + Clone>(
         "\nprofile: an op's time runs from the end of the op before it, so time the GPU spent \
          waiting for the host (uploads, downloads, setup) counts to the op after the wait"
     );
-    let vcfg = pipeline.vision.model.config();
     for &side in image_sides {
-        let patches = vit_input(vcfg, side)?;
+        let patches = vit_input(&pipeline.vision.preprocess, side)?;
         be.op_times()?;
         pipeline.vision.model.forward(&patches)?;
         report(format!("ViT + mergers of a {side}x{side} image"))?;

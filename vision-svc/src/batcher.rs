@@ -114,7 +114,7 @@ fn run<B: Backend>(
         let batch = take_batch(
             &mut queue,
             max_batch_patches,
-            |image| image.patches.pixels.rows(),
+            |image| image.patches.rows(),
             |image| image.caller.reply.is_closed(),
         );
         if !batch.is_empty() {
@@ -161,7 +161,7 @@ fn run_pass<B: Backend>(
         deliveries.push(image.delivery);
         callers.push(image.caller);
     }
-    let batch_patches: usize = patches.iter().map(|p| p.pixels.rows()).sum();
+    let batch_patches: usize = patches.iter().map(|p| p.rows()).sum();
     metrics.batch_images.observe(patches.len() as f64);
     let spans: Vec<Span> = patches
         .iter()
@@ -170,7 +170,7 @@ fn run_pass<B: Backend>(
             info_span!(
                 parent: &c.span,
                 "vision_encode",
-                patches = p.pixels.rows(),
+                patches = p.rows(),
                 batch_images = patches.len(),
                 batch_patches,
                 queued_ms = c.queued_at.elapsed().as_secs_f64() * 1e3

@@ -20,7 +20,7 @@ use std::path::Path;
 pub use config::{PreprocessConfig, VisionConfig};
 pub use error::{Error, Result};
 pub use model::{Delivery, VisionModel, VisionOutput};
-pub use preprocess::{DecodeLimits, Patches};
+pub use preprocess::{DecodeLimits, PatchValues, Patches};
 use vlm_compute::{Backend, Weights};
 
 /// Preprocessing settings plus the vision tower, loaded from one checkpoint directory.

@@ -23,11 +23,12 @@ use std::time::Instant;
 
 use tracing::debug_span;
 use vlm_compute::nn::Linear;
+use vlm_compute::patches::PatchLayout;
 use vlm_compute::{
     Backend, Embeddings, GeluKind, HostTensor, LayerNormParams, WeightPrefix, Weights,
 };
 
-use crate::{Error, Patches, Result, VisionConfig};
+use crate::{Error, PatchValues, Patches, Result, VisionConfig};
 
 const LN_EPS: f32 = 1e-6;
 /// Single-image passes of up to this many patches are recorded, one recording per grid (1024
@@ -359,20 +360,55 @@ impl<B: Backend> VisionModel<B> {
         (cos, sin)
     }
 
+    /// How this tower's patches are cut.
+    fn layout(&self) -> PatchLayout {
+        PatchLayout {
+            patch: self.cfg.patch_size,
+            merge: self.cfg.spatial_merge_size,
+            temporal: self.cfg.temporal_patch_size,
+        }
+    }
+
     /// Checks that `patches` came from this tower's preprocessing; returns its patch count.
     fn check(&self, patches: &Patches) -> Result<usize> {
         let cfg = &self.cfg;
         let grid = patches.grid_thw;
         let m = cfg.spatial_merge_size;
-        let n = grid[0] * grid[1] * grid[2];
-        if grid[1] % m != 0 || grid[2] % m != 0 || patches.pixels.shape() != [n, cfg.patch_dim()] {
+        let n = patches.rows();
+        let (fits, what) = match &patches.values {
+            PatchValues::Values(v) => (
+                v.shape() == [n, cfg.patch_dim()],
+                format!("values {:?}", v.shape()),
+            ),
+            PatchValues::Image { image, layout, .. } => (
+                *layout == self.layout()
+                    && grid[0] == 1
+                    && image.height == grid[1] * layout.patch
+                    && image.width == grid[2] * layout.patch,
+                format!("a {}x{} image cut as {layout:?}", image.width, image.height),
+            ),
+        };
+        if grid[1] % m != 0 || grid[2] % m != 0 || !fits {
             return Err(Error::Config(format!(
-                "patches {:?} with grid {grid:?} do not fit this tower (patch dim {}, merge {m})",
-                patches.pixels.shape(),
+                "patches ({what}) with grid {grid:?} do not fit this tower (patch dim {}, merge {m})",
                 cfg.patch_dim()
             )));
         }
         Ok(n)
+    }
+
+    /// `patches`' values on the device, `[rows, patch dim]`: uploaded, or cut there from the
+    /// image's bytes.
+    fn values_on_device(&self, patches: &Patches) -> Result<B::Tensor> {
+        let be = &self.backend;
+        Ok(match &patches.values {
+            PatchValues::Values(v) => be.upload(v)?,
+            PatchValues::Image {
+                image,
+                table,
+                layout,
+            } => be.patchify(&image.data, image.height, image.width, table, *layout)?,
+        })
     }
 
     /// Encodes one image's patches: [`Self::forward_batch`] of one.
@@ -491,15 +527,19 @@ impl<B: Backend> VisionModel<B> {
         let inputs_span = debug_span!("vit_inputs", rows).entered();
         let pass = self.pass(images, patches_per_image)?;
         // From here on every op sees one matrix of all images' rows (one image's are that
-        // matrix already: no copy of its pixels on the host).
+        // matrix already).
         let pixels = match images {
-            [p] => be.upload(&p.pixels)?,
+            [p] => self.values_on_device(p)?,
             _ => {
-                let mut pixels = Vec::with_capacity(rows * self.cfg.patch_dim());
+                let mut pixels = be.zeros(&[rows, self.cfg.patch_dim()])?;
+                let mut start = 0;
                 for p in images {
-                    pixels.extend_from_slice(p.pixels.data());
+                    let n = p.rows();
+                    let at: Vec<usize> = (start..start + n).collect();
+                    be.scatter_rows(&mut pixels, &at, &self.values_on_device(p)?)?;
+                    start += n;
                 }
-                be.upload(&HostTensor::new(vec![rows, self.cfg.patch_dim()], pixels)?)?
+                pixels
             }
         };
         drop(inputs_span);
@@ -575,8 +615,11 @@ impl<B: Backend> VisionModel<B> {
         }
         passes.push(recorded);
         let r = passes.last_mut().expect("just pushed");
-        let inputs_span = debug_span!("vit_inputs", rows = image.pixels.shape()[0]).entered();
-        be.write(&mut r.pixels, image.pixels.data())?;
+        let inputs_span = debug_span!("vit_inputs", rows = image.rows()).entered();
+        match &image.values {
+            PatchValues::Values(v) => be.write(&mut r.pixels, v.data())?,
+            PatchValues::Image { .. } => be.copy(&mut r.pixels, &self.values_on_device(image)?)?,
+        }
         drop(inputs_span);
         let _layers_span = debug_span!("vit_layers", recorded = true).entered();
         be.replay(&r.graph)?;
@@ -594,7 +637,7 @@ impl<B: Backend> VisionModel<B> {
     fn record(&self, image: &Patches) -> Result<Option<RecordedPass<B>>> {
         let be = &self.backend;
         let cfg = &self.cfg;
-        let rows = image.pixels.shape()[0];
+        let rows = image.rows();
         let pass = self.pass(std::slice::from_ref(image), vec![rows])?;
         let pixels = be.zeros(&[rows, cfg.patch_dim()])?;
         let tokens = rows / (cfg.spatial_merge_size * cfg.spatial_merge_size);

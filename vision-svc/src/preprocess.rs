@@ -10,11 +10,16 @@
 //! 4. rescale by 1/255, normalize by mean/std;
 //! 5. repeat the frame `temporal_patch_size` times and cut `[C, T, P, P]` patches ordered by
 //!    2×2 merge windows, so that four consecutive patches form one merged token.
+//!
+//! Steps 1-3 run here; 4 becomes a table of each channel's 256 values, and 4-5 run where the
+//! tower does ([`vlm_compute::Backend::patchify`], [`vlm_compute::patches`]): a GPU takes the
+//! image's bytes instead of values four times their size.
 
 use std::io::Cursor;
 
 use image::{ImageFormat, ImageReader};
 use rayon::prelude::*;
+use vlm_compute::patches::{patchify, PatchLayout};
 use vlm_compute::HostTensor;
 
 use crate::{Error, PreprocessConfig, Result};
@@ -44,10 +49,45 @@ impl Default for DecodeLimits {
 /// One image, cut into patches for the vision tower.
 #[derive(Clone, Debug)]
 pub struct Patches {
-    /// `[t·h·w, C·T·P·P]`, rows in merge-window order.
-    pub pixels: HostTensor,
+    pub values: PatchValues,
     /// Patch grid (temporal, height, width); the LLM sees `t·h·w / merge²` tokens.
     pub grid_thw: [usize; 3],
+}
+
+/// What a [`Patches`]' values are, or are made from.
+#[derive(Clone, Debug)]
+pub enum PatchValues {
+    /// The image at its final size, and the table that rescales and normalizes each channel's
+    /// byte (`vlm_compute::patches`): the tower's backend cuts the patches
+    /// ([`vlm_compute::Backend::patchify`]). A GPU gets the bytes, a quarter of the values' size.
+    Image {
+        image: RgbImage,
+        table: Vec<f32>,
+        layout: PatchLayout,
+    },
+    /// The values themselves, `[t·h·w, C·T·P·P]`, rows in merge-window order (HF's
+    /// `pixel_values`).
+    Values(HostTensor),
+}
+
+impl Patches {
+    /// How many patches (rows of values).
+    pub fn rows(&self) -> usize {
+        self.grid_thw.iter().product()
+    }
+
+    /// The values on the host, `[rows, C·T·P·P]` (cut from the image where that is what this
+    /// holds).
+    pub fn to_values(&self) -> Result<HostTensor> {
+        Ok(match &self.values {
+            PatchValues::Values(v) => v.clone(),
+            PatchValues::Image {
+                image,
+                table,
+                layout,
+            } => patchify(&image.data, image.height, image.width, table, *layout)?,
+        })
+    }
 }
 
 /// A decoded RGB image, row-major, 3 bytes per pixel.
@@ -339,11 +379,12 @@ pub fn image_tokens_of_size(width: usize, height: usize, cfg: &PreprocessConfig)
 
 pub fn preprocess(bytes: &[u8], cfg: &PreprocessConfig, limits: &DecodeLimits) -> Result<Patches> {
     let img = decode(bytes, limits)?;
-    patchify_image(&img, cfg)
+    image_patches(img, cfg)
 }
 
-/// Everything after decoding: resize, rescale, normalize, patchify.
-pub fn patchify_image(img: &RgbImage, cfg: &PreprocessConfig) -> Result<Patches> {
+/// Everything after decoding that happens on the host: the resize, and the table that rescales
+/// and normalizes. The tower's backend cuts the patches from the result.
+pub fn image_patches(img: RgbImage, cfg: &PreprocessConfig) -> Result<Patches> {
     let factor = cfg.factor();
     let (h, w) = if cfg.do_resize {
         smart_resize(
@@ -362,59 +403,39 @@ pub fn patchify_image(img: &RgbImage, cfg: &PreprocessConfig) -> Result<Patches>
         }
         (img.height, img.width)
     };
-    let resized;
-    let pixels = if (h, w) == (img.height, img.width) {
-        &img.data
+    let image = if (h, w) == (img.height, img.width) {
+        img
     } else {
-        resized = resize_bicubic(img, w, h);
-        &resized.data
+        resize_bicubic(&img, w, h)
     };
-
     // Each channel's 256 normalized values, computed as HF computes each pixel (f64
     // rescale, then f32 (x - mean) / std), so a lookup gives the same bits.
-    let table: [[f32; 256]; 3] = std::array::from_fn(|c| {
-        std::array::from_fn(|byte| {
-            let mut v = byte as f32;
-            if cfg.do_rescale {
-                v = (byte as f64 * cfg.rescale_factor) as f32;
-            }
-            if cfg.do_normalize {
-                v = (v - cfg.image_mean[c]) / cfg.image_std[c];
-            }
-            v
+    let table: Vec<f32> = (0..3)
+        .flat_map(|c| {
+            (0..256).map(move |byte| {
+                let mut v = byte as f32;
+                if cfg.do_rescale {
+                    v = (byte as f64 * cfg.rescale_factor) as f32;
+                }
+                if cfg.do_normalize {
+                    v = (v - cfg.image_mean[c]) / cfg.image_std[c];
+                }
+                v
+            })
         })
-    });
-
-    let (p, m, t) = (cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size);
-    let (gh, gw) = (h / p, w / p);
-    let patch_dim = 3 * t * p * p;
-    let mut out = vec![0f32; gh * gw * patch_dim];
-    // Patch order: (block row, block col, row in block, col in block); inside a patch
-    // (channel, frame, y, x), the frame repeated `t` times. One pass, in parallel, from
-    // the RGB bytes straight into the patches.
-    out.par_chunks_mut(patch_dim)
-        .enumerate()
-        .for_each(|(idx, patch)| {
-            let (inner, block) = (idx % (m * m), idx / (m * m));
-            let (br, bc) = (block / (gw / m), block % (gw / m));
-            let (py, px) = (br * m + inner / m, bc * m + inner % m);
-            let frame = p * p;
-            for (c, channel) in patch.chunks_exact_mut(t * frame).enumerate() {
-                let (first, repeats) = channel.split_at_mut(frame);
-                for (y, row) in first.chunks_exact_mut(p).enumerate() {
-                    let src = &pixels[((py * p + y) * w + px * p) * 3..][..3 * p];
-                    for (o, rgb) in row.iter_mut().zip(src.chunks_exact(3)) {
-                        *o = table[c][rgb[c] as usize];
-                    }
-                }
-                for copy in repeats.chunks_exact_mut(frame) {
-                    copy.copy_from_slice(first);
-                }
-            }
-        });
+        .collect();
+    let layout = PatchLayout {
+        patch: cfg.patch_size,
+        merge: cfg.merge_size,
+        temporal: cfg.temporal_patch_size,
+    };
     Ok(Patches {
-        pixels: HostTensor::new(vec![gh * gw, patch_dim], out)?,
-        grid_thw: [1, gh, gw],
+        values: PatchValues::Image {
+            image,
+            table,
+            layout,
+        },
+        grid_thw: [1, h / cfg.patch_size, w / cfg.patch_size],
     })
 }
 

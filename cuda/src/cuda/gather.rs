@@ -1,5 +1,6 @@
 //! Rows moved by index: the embedding lookup, gathers (plain and weighted), row slices,
-//! scatters and adds into rows, and the argmax that picks each row's token.
+//! scatters and adds into rows, the argmax that picks each row's token, and the ViT's patches
+//! gathered from an image's bytes.
 
 use std::sync::Arc;
 
@@ -7,6 +8,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::context::cuda_err;
 use super::{CudaBackend, CudaIds, CudaTensor, CudaWeight};
+use crate::patches::PatchLayout;
 use crate::{Error, Result};
 
 impl CudaBackend {
@@ -53,6 +55,46 @@ impl CudaBackend {
         self.launched(
             name,
             unsafe { l.launch(Self::row_config(rows.len)) }.map(|_| ()),
+        )?;
+        Ok(out)
+    }
+
+    pub(super) fn patchify_impl(
+        &self,
+        rgb: &[u8],
+        height: usize,
+        width: usize,
+        table: &[f32],
+        layout: PatchLayout,
+    ) -> Result<CudaTensor> {
+        let (gh, gw) = layout.grid(height, width, rgb.len(), table.len())?;
+        let stream = &self.inner.stream;
+        let rgb = self.inner.staging.upload(stream, rgb)?;
+        let table = stream
+            .clone_htod(table)
+            .map_err(|e| cuda_err("uploading a patch table")(&e))?;
+        let mut out = self.alloc(vec![gh * gw, layout.patch_dim()])?;
+        let (w, gw_i) = (width as i32, gw as i32);
+        let (p, m, t) = (
+            layout.patch as i32,
+            layout.merge as i32,
+            layout.temporal as i32,
+        );
+        let name = "patchify_rgb_f32";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&rgb)
+            .arg(&table)
+            .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
+            .arg(&w)
+            .arg(&gw_i)
+            .arg(&p)
+            .arg(&m)
+            .arg(&t);
+        // SAFETY: matches patchify_rgb_f32; grid() checked that rgb holds every pixel's bytes,
+        // that the grid is whole merge windows and that the table has 3 x 256 entries.
+        self.launched(
+            name,
+            unsafe { l.launch(Self::row_config(gh * gw)) }.map(|_| ()),
         )?;
         Ok(out)
     }

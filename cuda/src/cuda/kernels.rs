@@ -166,7 +166,7 @@ pub(super) fn flash_smem_bytes(dp: usize, queries: usize) -> usize {
     (queries + 4 * 64) * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 16] = [
+const OPS_KERNELS: [&str; 17] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -180,6 +180,7 @@ const OPS_KERNELS: [&str; 16] = [
     "rope_f32",
     "attention_f32",
     "weighted_gather_f32",
+    "patchify_rgb_f32",
     "scatter_rows_f32",
     "broadcast_rows_f32",
     "fill_uniform_f32",

@@ -304,6 +304,17 @@ impl Backend for CudaBackend {
         self.gather_rows_impl(x, rows)
     }
 
+    fn patchify(
+        &self,
+        rgb: &[u8],
+        height: usize,
+        width: usize,
+        table: &[f32],
+        layout: crate::patches::PatchLayout,
+    ) -> Result<CudaTensor> {
+        self.patchify_impl(rgb, height, width, table, layout)
+    }
+
     fn weighted_gather(
         &self,
         table: &CudaTensor,

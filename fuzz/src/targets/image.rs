@@ -19,9 +19,10 @@ fn check_patches(p: &Patches, cfg: &PreprocessConfig) {
         "grid {:?} is not a multiple of the merge size",
         p.grid_thw
     );
-    assert_eq!(p.pixels.shape(), [t * h * w, patch_dim]);
+    let values = p.to_values().expect("preprocessed patches cut");
+    assert_eq!(values.shape(), [t * h * w, patch_dim]);
     assert!(
-        p.pixels.data().iter().all(|v| v.is_finite()),
+        values.data().iter().all(|v| v.is_finite()),
         "non-finite pixel values"
     );
 }
@@ -64,13 +65,14 @@ pub fn raw_pixels(data: &[u8]) -> Outcome {
             .collect(),
     };
     let cfg = &fixture().vision.preprocess;
-    let patches = preprocess::patchify_image(&img, cfg).map_err(text)?;
+    let patches = preprocess::image_patches(img, cfg).map_err(text)?;
     check_patches(&patches, cfg);
     // Resampling a flat image gives the same flat image: every normalized value equal.
     if pixels.len() <= 3 && pixels.chunks(3).all(|c| c.iter().all(|&v| v == pixels[0])) {
-        let first = patches.pixels.data()[0];
+        let values = patches.to_values().map_err(text)?;
+        let first = values.data()[0];
         assert!(
-            patches.pixels.data().iter().all(|&v| v == first),
+            values.data().iter().all(|&v| v == first),
             "a flat {width}x{height} image of {} did not stay flat",
             pixels[0]
         );

@@ -49,7 +49,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 5)]
     repeats: usize,
     /// Sides of the square images for the ViT, comma-separated; empty for none. Each is timed
-    /// twice: outputs kept on the device, and downloaded to the host.
+    /// from the image's bytes (the patches are cut on the device) twice: outputs kept on the
+    /// device, and downloaded to the host.
     #[arg(long, default_value = "448,896,1344")]
     image_sides: Sizes,
     /// Prompt lengths for prefill throughput, comma-separated; empty for none.
