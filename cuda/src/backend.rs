@@ -283,9 +283,10 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
     /// `t` as embeddings that stay where they are, for the other stage in this process to
-    /// read ([`crate::handoff`]): no copy. A GPU first waits for the work that computes `t`,
-    /// since the reader runs on a stream of its own. `identity` stands for the values in the
-    /// reader's prefix cache.
+    /// read ([`crate::handoff`]): no copy. The reader runs on a stream of its own: a GPU marks
+    /// where the work that computes `t` ends, and the reader's stream waits for that mark on
+    /// the device (the host does not wait). `identity` stands for the values in the reader's
+    /// prefix cache.
     fn hand_off(&self, t: Self::Tensor, identity: Vec<u8>) -> Result<Embeddings> {
         let shape = self.shape(&t).to_vec();
         Ok(Embeddings::Device(DeviceRows::new(shape, t, identity)))

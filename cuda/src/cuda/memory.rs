@@ -82,12 +82,19 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The writer's stream must find `t` computed before another stream reads it.
+    /// Another stream reads `t` only once this stream has computed it: each reader waits for
+    /// the event recorded here, on the device. The host goes on meanwhile (the language stage
+    /// prepares its step while the tower still runs).
     pub(super) fn hand_off_impl(&self, t: CudaTensor, identity: Vec<u8>) -> Result<Embeddings> {
-        self.synchronize()?;
+        let ready = self
+            .inner
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_err("recording an event")(&e))?;
         let shape = t.shape.clone();
         let handed = HandedOff {
             tensor: t,
+            ready,
             last_read: Mutex::new(None),
         };
         Ok(Embeddings::Device(DeviceRows::new(shape, handed, identity)))
@@ -96,7 +103,9 @@ impl CudaBackend {
     pub(super) fn embeddings_to_host_impl(&self, e: &Embeddings) -> Result<Embeddings> {
         match e {
             Embeddings::Device(rows) => {
-                self.download_embeddings_impl(&HandedOff::of(rows, "embeddings_to_host")?.tensor)
+                let handed = HandedOff::of(rows, "embeddings_to_host")?;
+                self.wait_for(handed)?;
+                self.download_embeddings_impl(&handed.tensor)
             }
             host => Ok(host.clone()),
         }
@@ -107,6 +116,7 @@ impl CudaBackend {
     /// place in this stream is noted for the source's drop.
     fn copy_handed_off(&self, handed: &HandedOff) -> Result<CudaTensor> {
         let stream = &self.inner.stream;
+        self.wait_for(handed)?;
         let mut out = self.alloc(handed.tensor.shape.clone())?;
         stream
             .memcpy_dtod(&*handed.tensor.buf, Arc::make_mut(&mut out.buf))
@@ -116,6 +126,14 @@ impl CudaBackend {
             .map_err(|e| cuda_err("recording an event")(&e))?;
         *handed.last_read.lock().unwrap_or_else(|e| e.into_inner()) = Some(read);
         Ok(out)
+    }
+
+    /// This stream's work from here on waits (on the device) until `handed` is computed.
+    fn wait_for(&self, handed: &HandedOff) -> Result<()> {
+        self.inner
+            .stream
+            .wait(&handed.ready)
+            .map_err(|e| cuda_err("waiting for handed-over embeddings")(&e))
     }
 
     pub(super) fn copy_impl(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
@@ -332,6 +350,8 @@ impl CudaBackend {
 /// while its prefill chunk still runs is the case this covers).
 struct HandedOff {
     tensor: CudaTensor,
+    /// Recorded on the writer's stream after the ops that compute `tensor`.
+    ready: CudaEvent,
     last_read: Mutex<Option<CudaEvent>>,
 }
 
