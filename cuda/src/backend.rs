@@ -326,6 +326,11 @@ pub trait Backend: Send + Sync + 'static {
     fn argmax_rows(&self, x: &Self::Tensor, out: &mut Self::Ids) -> Result<()>;
 
     // ---- profiling ----
+    /// Returns once the device has run every op queued so far (for timing: a GPU's ops return
+    /// when queued). The CPU runs each op as it is called: nothing to wait for.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
     /// Starts (`on`) or stops timing every op on the device (`vlm bench --profile`); `false`
     /// where the backend cannot. While ops are timed, [`Backend::record`] records nothing, so
     /// steps run op by op and each op is timed on its own.

@@ -59,6 +59,9 @@ pub struct ChatRequest {
 
 #[derive(Clone, Debug, Default)]
 pub struct Timings {
+    /// Until the image embeddings are at hand: on a GPU, once the tower's pass is queued (the
+    /// language stage's first step waits for it on the device, and its time shows in
+    /// `prefill`).
     pub vision: Duration,
     pub prefill: Duration,
     pub decode: Duration,

@@ -333,6 +333,10 @@ impl Backend for CudaBackend {
         self.write_impl(dst, values)
     }
 
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)
+    }
+
     fn time_ops(&self, on: bool) -> Result<bool> {
         self.time_ops_impl(on)
     }
