@@ -550,16 +550,10 @@ fn start_decoding(
 fn vit_input(pcfg: &vision_svc::PreprocessConfig, side: usize) -> anyhow::Result<Patches> {
     let factor = pcfg.patch_size * pcfg.merge_size;
     let side = (side / factor).max(1) * factor;
-    let data = (0..side * side)
-        .flat_map(|i| {
-            let (y, x) = (i / side, i % side);
-            [(x * 255 / side) as u8, (y * 255 / side) as u8, 128]
-        })
-        .collect();
     let image = vision_svc::preprocess::RgbImage {
         width: side,
         height: side,
-        data,
+        data: gradient(side as u32).into_raw(),
     };
     let as_is = vision_svc::PreprocessConfig {
         do_resize: false,
@@ -661,6 +655,13 @@ fn memory_row<B: Backend>(out: &mut Vec<Measurement>, name: &str, be: &B, base: 
     }
 }
 
+/// A `side` x `side` image of a smooth gradient: the bench's stand-in for a photo.
+fn gradient(side: u32) -> image::RgbImage {
+    image::RgbImage::from_fn(side, side, |x, y| {
+        image::Rgb([(x * 255 / side) as u8, (y * 255 / side) as u8, 128])
+    })
+}
+
 /// The time-to-first-token request: a PNG of a smooth gradient (decoding and resizing it are
 /// part of the cost, as for a client's image) and text of about `text_tokens` tokens.
 /// Requests of different `variant`s carry different images (one pixel differs), so no cache
@@ -671,10 +672,7 @@ fn ttft_request(
     text_tokens: usize,
     variant: u32,
 ) -> anyhow::Result<ChatRequest> {
-    let side = side as u32;
-    let mut img = image::RgbImage::from_fn(side, side, |x, y| {
-        image::Rgb([(x * 255 / side) as u8, (y * 255 / side) as u8, 128])
-    });
+    let mut img = gradient(side as u32);
     let [a, b, c, d] = variant.to_le_bytes();
     img.put_pixel(0, 0, image::Rgb([a ^ d, b, c]));
     let mut png = Vec::new();
