@@ -229,15 +229,15 @@ struct PagedF16Kv {
 // the unrolled K/V staging, the H100's 8B prefill of 256 tokens went 10.1-10.2 -> 9.7-9.8 ms,
 // of 2048 65.0 -> 62.5-64.0 ms. (Splitting each key tile over the warps instead, 16 queries a
 // block, gave four times the blocks but each walked every tile: slower, not kept.)
-template <int DP, int BQ>
+template <int DP, int BQ, int THREADS = FA_WARPS * WARP>
 __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, int q0, int nq,
                                         int hq, int h, int d, float qscale) {
     constexpr int R = FaShared<DP>::row;
     constexpr int C4 = DP / 4;                        // float4s of a padded row
-    constexpr int PER = BQ * C4 / (FA_WARPS * WARP);  // float4s a thread
-    static_assert(BQ * C4 % (FA_WARPS * WARP) == 0, "whole float4s a thread");
+    constexpr int PER = BQ * C4 / THREADS;  // float4s a thread
+    static_assert(BQ * C4 % THREADS == 0, "whole float4s a thread");
     if (d % 4 != 0) {
-        for (int idx = threadIdx.x; idx < BQ * DP; idx += FA_WARPS * WARP) {
+        for (int idx = threadIdx.x; idx < BQ * DP; idx += THREADS) {
             int r = idx / DP, c = idx % DP, i = q0 + r;
             float val = (i < nq && c < d) ? q[((size_t)i * hq + h) * d + c] * qscale : 0.0f;
             Qs[r * R + c] = __float2half_rn(val);
@@ -247,7 +247,7 @@ __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, i
     float4 v[PER];
 #pragma unroll
     for (int u = 0; u < PER; ++u) {
-        int idx = threadIdx.x + u * FA_WARPS * WARP, r = idx / C4, c = (idx % C4) * 4;
+        int idx = threadIdx.x + u * THREADS, r = idx / C4, c = (idx % C4) * 4;
         int i = q0 + r;
         v[u] = (i < nq && c < d)
                    ? *reinterpret_cast<const float4*>(q + ((size_t)i * hq + h) * d + c)
@@ -255,7 +255,7 @@ __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, i
     }
 #pragma unroll
     for (int u = 0; u < PER; ++u) {
-        int idx = threadIdx.x + u * FA_WARPS * WARP, r = idx / C4, c = (idx % C4) * 4;
+        int idx = threadIdx.x + u * THREADS, r = idx / C4, c = (idx % C4) * 4;
         uint2 packed = make_uint2(pack_half2(v[u].x * qscale, v[u].y * qscale),
                                   pack_half2(v[u].z * qscale, v[u].w * qscale));
         *reinterpret_cast<uint2*>(Qs + r * R + c) = packed;  // 8-byte aligned: R, c even x4

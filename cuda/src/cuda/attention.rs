@@ -1,8 +1,8 @@
 //! Attention and what feeds it: RoPE, the per-head norm + RoPE + cache write of a step's
 //! fused qkv (`qkv_to_cache`), KV cache writes, attention over contiguous keys and values (flash
 //! on tensor cores, or a warp per query) and over the paged cache (split-K decode, paged flash
-//! for prefill chunks); kernels in `cuda/kernels/paged_f16.cu`, `attention_f16.cu` and
-//! `ops_f32.cu`.
+//! for prefill chunks); kernels in `cuda/kernels/paged_f16.cu`, `attention_f16.cu`,
+//! `attention_sm90.cu` (wgmma, H100/H200) and `ops_f32.cu`.
 
 use std::sync::Arc;
 
@@ -10,10 +10,11 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::f16;
 
 use super::kernels::{
-    decode_kernel, flash_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS,
-    FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WIDE_DIMS,
-    FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, MAX_HEAD_DIM,
-    PAGED_FLASH_KERNELS, QKV_WARPS,
+    decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, COUNTERS, DECODE_MAX_SPLITS,
+    DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
+    FLASH_WGMMA_DP, FLASH_WGMMA_KERNEL, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
+    FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
+    FLASH_WIDE_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
 };
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
 use crate::backend::rope_attention_segments_op_by_op;
@@ -258,6 +259,24 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
         s: FlashShape,
     ) -> Result<()> {
+        // Hopper's wgmma kernel for calls of at least a wave of its blocks (the ViT at 896x896
+        // and up).
+        if self.inner.wgmma_flash
+            && s.dp == FLASH_WGMMA_DP
+            && s.d <= FLASH_WGMMA_MAX_D
+            && s.nq.div_ceil(FLASH_WGMMA_QUERIES) * s.hq >= self.inner.sm_count
+        {
+            return self.launch_flash(
+                FLASH_WGMMA_KERNEL,
+                (q, [kp, vp], out),
+                s,
+                LaunchConfig {
+                    grid_dim: (s.nq.div_ceil(FLASH_WGMMA_QUERIES) as u32, s.hq as u32, 1),
+                    block_dim: (FLASH_WGMMA_THREADS, 1, 1),
+                    shared_mem_bytes: flash_wgmma_smem_bytes() as u32,
+                },
+            );
+        }
         // The wide kernel (two m-tiles a warp) for calls of many query tiles.
         let wide = FLASH_WIDE_DIMS.iter().position(|&x| x == s.dp).filter(|_| {
             s.nq.div_ceil(FLASH_WIDE_QUERIES) * s.hq
@@ -273,6 +292,23 @@ impl CudaBackend {
                 (FLASH_KERNELS[at], FLASH_QUERIES)
             }
         };
+        let cfg = LaunchConfig {
+            grid_dim: (s.nq.div_ceil(queries) as u32, s.hq as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: flash_smem_bytes(s.dp, queries) as u32,
+        };
+        self.launch_flash(name, (q, [kp, vp], out), s, cfg)
+    }
+
+    /// One launch of a packed flash kernel (`flash_attention_(wide_|wgmma_)d{dp}`: their
+    /// arguments are the same), `cfg` sized for it by the caller.
+    fn launch_flash(
+        &self,
+        name: &'static str,
+        (q, [kp, vp], out): (&CudaView<f32>, [&CudaView<f16>; 2], &mut CudaViewMut<f32>),
+        s: FlashShape,
+        cfg: LaunchConfig,
+    ) -> Result<()> {
         let ints = [s.nq, s.hq, s.hkv, s.d, s.kv_len, s.causal as usize, s.first].map(|v| v as i32);
         let scale = 1.0f32 / (s.d as f32).sqrt();
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
@@ -281,14 +317,9 @@ impl CudaBackend {
             l.arg(v);
         }
         l.arg(&scale);
-        let cfg = LaunchConfig {
-            grid_dim: (s.nq.div_ceil(queries) as u32, s.hq as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: flash_smem_bytes(s.dp, queries) as u32,
-        };
-        // SAFETY: matches flash_attention_(wide_)d{dp}: `queries` of one head per 4-warp block; the
-        // callers check the shapes (q and out nq * hq * d, k and v kv_len * hkv * dp, d <= dp);
-        // shared memory opted in at load.
+        // SAFETY: matches the kernel `name`, each block one head's queries (flash_packed sizes
+        // the grid by the kernel's queries a block); the callers check the shapes (q and out
+        // nq * hq * d, k and v kv_len * hkv * dp, d <= dp); shared memory opted in at load.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 

@@ -111,10 +111,19 @@ pub fn cached_or_compile(
     Ok((ptx, false))
 }
 
-/// Compiles one kernel file to PTX for compute capability `cc` with NVRTC. Files that include
-/// CUDA headers (`cuda_fp16.h`) need them found (see [`cuda_include_dir`]).
-pub(super) fn compile_ptx(file: &str, source: &str, cc: (i32, i32)) -> Result<String> {
-    let arch: &'static str = Box::leak(format!("compute_{}{}", cc.0, cc.1).into_boxed_str());
+/// Compiles one kernel file to PTX for compute capability `cc` with NVRTC, for that exact chip
+/// when `arch_specific` (`compute_90a`: instructions such as wgmma that later GPUs need not
+/// have). Files that include CUDA headers (`cuda_fp16.h`) need them found (see
+/// [`cuda_include_dir`]).
+pub(super) fn compile_ptx(
+    file: &str,
+    source: &str,
+    cc: (i32, i32),
+    arch_specific: bool,
+) -> Result<String> {
+    let suffix = if arch_specific { "a" } else { "" };
+    let arch: &'static str =
+        Box::leak(format!("compute_{}{}{suffix}", cc.0, cc.1).into_boxed_str());
     let include_paths = if source.contains("#include") {
         vec![cuda_include_dir()?.display().to_string()]
     } else {
@@ -128,7 +137,7 @@ pub(super) fn compile_ptx(file: &str, source: &str, cc: (i32, i32)) -> Result<St
     cudarc::nvrtc::compile_ptx_with_opts(source, opts)
         .map(|p| p.to_src())
         .map_err(|e| Error::KernelCompile {
-            kernel: format!("{file} for compute_{}{}", cc.0, cc.1),
+            kernel: format!("{file} for {arch}"),
             log: match e {
                 cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                     log.to_string_lossy().into_owned()

@@ -10,9 +10,9 @@ use cudarc::nvrtc::Ptx;
 
 use super::compile::{self, compile_ptx};
 use super::kernels::{
-    flash_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS, FLASH_QUERIES,
-    FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS,
-    SOURCES,
+    flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS,
+    FLASH_QUERIES, FLASH_WGMMA_KERNEL, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES,
+    GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
 use super::linear::{Gemv, GEMV_STATIC_SMEM};
 use super::{lt, staging};
@@ -30,6 +30,8 @@ pub(super) struct Inner {
     compute_capability: (i32, i32),
     /// Whether the flash-attention kernels could be given their shared memory.
     pub(super) flash: bool,
+    /// Whether the wgmma flash kernel (sm_90) is loaded and could be given its shared memory.
+    pub(super) wgmma_flash: bool,
     /// Multiprocessors: how many blocks it takes to fill the GPU.
     pub(super) sm_count: usize,
     /// cuBLAS's workspace (set on the handle), kept alive with it; cuBLASLt's GEMMs use it
@@ -223,7 +225,7 @@ impl CudaBackend {
 
         let nv = nvrtc_version();
         let mut kernels = HashMap::new();
-        for src in &SOURCES {
+        for src in SOURCES.iter().filter(|s| s.for_cc(cc)) {
             let stem = src.file.trim_end_matches(".cu");
             let source = kernel_source(src)?;
             let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
@@ -234,7 +236,7 @@ impl CudaBackend {
                     src.file, cc.0, cc.1
                 ));
                 spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-                let ptx = compile_ptx(src.file, &source, cc);
+                let ptx = compile_ptx(src.file, &source, cc, src.sm90a);
                 spinner.finish_and_clear();
                 ptx
             })?;
@@ -271,6 +273,16 @@ impl CudaBackend {
             }
             set.is_ok()
         });
+        // The same for Hopper's wgmma flash kernel, where it was compiled (sm_90).
+        let wgmma_flash = flash
+            && kernels.get(FLASH_WGMMA_KERNEL).is_some_and(|k| {
+                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+                let set = k.set_attribute(MAX_SMEM, flash_wgmma_smem_bytes() as i32);
+                if let Err(e) = &set {
+                    tracing::warn!(kernel = FLASH_WGMMA_KERNEL, error = %e, "wgmma flash attention unavailable; using the mma.sync kernels");
+                }
+                set.is_ok()
+            });
         // The normed GEMVs stage their input rows in shared memory: let them have what the GPU
         // gives one block (4 rows of 4,096 floats need 64 KB, past the default 48), less what
         // they declare statically.
@@ -323,6 +335,7 @@ impl CudaBackend {
                 device_name,
                 compute_capability: cc,
                 flash,
+                wgmma_flash,
                 sm_count,
                 _blas_workspace: workspace,
                 workspace: (workspace_ptr, CUBLAS_WORKSPACE_BYTES),

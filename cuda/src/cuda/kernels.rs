@@ -18,21 +18,29 @@ macro_rules! with_common {
 /// A `.cu` file and the kernels it defines.
 pub(super) struct KernelSource {
     pub(super) file: &'static str,
+    /// Files compiled in front of it, after `common.cuh` (their helpers it uses).
+    prelude: &'static [&'static str],
     source: &'static str,
+    /// Compiled only for sm_90 (H100, H200), as compute_90a: it uses Hopper's own
+    /// instructions (wgmma), which no other GPU has.
+    pub(super) sm90a: bool,
     pub(super) kernels: &'static [&'static str],
     /// Kernels compiled once per row count, 1..=GEMV_MAX_ROWS.
     pub(super) per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
 }
 
-pub(super) const SOURCES: [KernelSource; 4] = [
+pub(super) const SOURCES: [KernelSource; 5] = [
     KernelSource {
         file: "ops_f32.cu",
+        prelude: &[],
         source: with_common!("ops_f32.cu"),
         kernels: &OPS_KERNELS,
         per_rows: &[],
+        sm90a: false,
     },
     KernelSource {
         file: "weights_f16.cu",
+        prelude: &[],
         source: with_common!("weights_f16.cu"),
         kernels: &[
             "cast_f32_to_f16",
@@ -41,9 +49,11 @@ pub(super) const SOURCES: [KernelSource; 4] = [
             "fill_uniform_f16",
         ],
         per_rows: &GEMV_KERNELS,
+        sm90a: false,
     },
     KernelSource {
         file: "paged_f16.cu",
+        prelude: &[],
         source: with_common!("paged_f16.cu"),
         kernels: &[
             "write_kv_f16",
@@ -68,9 +78,11 @@ pub(super) const SOURCES: [KernelSource; 4] = [
             "argmax_rows_f32",
         ],
         per_rows: &[],
+        sm90a: false,
     },
     KernelSource {
         file: "attention_f16.cu",
+        prelude: &[],
         source: with_common!("attention_f16.cu"),
         kernels: &[
             FLASH_KERNELS[0],
@@ -87,8 +99,28 @@ pub(super) const SOURCES: [KernelSource; 4] = [
             "rope_qkv_pack_f16",
         ],
         per_rows: &[],
+        sm90a: false,
+    },
+    KernelSource {
+        file: "attention_sm90.cu",
+        prelude: &["attention_f16.cu"],
+        source: concat!(
+            include_str!("../../kernels/common.cuh"),
+            include_str!("../../kernels/attention_f16.cu"),
+            include_str!("../../kernels/attention_sm90.cu")
+        ),
+        kernels: &[FLASH_WGMMA_KERNEL],
+        per_rows: &[],
+        sm90a: true,
     },
 ];
+
+impl KernelSource {
+    /// Whether a GPU of compute capability `cc` gets this file.
+    pub(super) fn for_cc(&self, cc: (i32, i32)) -> bool {
+        !self.sm90a || cc == (9, 0)
+    }
+}
 
 /// Flash attention instantiations: head dims padded up to one of these.
 pub(super) const FLASH_DIMS: [usize; 4] = [64, 80, 96, 128];
@@ -159,6 +191,26 @@ pub(super) const FLASH_WIDE_QUERIES: usize = 128;
 /// 16.2, and at 448x448 3.7-3.9 -> 4.1-4.2).
 pub(super) const FLASH_WIDE_MIN_WAVES: usize = 3;
 
+/// Flash attention on wgmma (attention_sm90.cu, sm_90 only) for head dims 65..72 packed to 80
+/// (the ViT's 72): 256 queries a block of four warpgroups, one block an SM. The host takes it
+/// for calls of at least a wave of its blocks (on the H100 a 896x896 image's 208 blocks a
+/// call: 0.219 -> 0.192 ms against flash_attention_d80; 1344x1344's 448: 0.99 -> 0.77 against
+/// the wide kernel); below that (448x448: 64 blocks) the mma.sync kernels are faster.
+pub(super) const FLASH_WGMMA_KERNEL: &str = "flash_attention_wgmma_d80";
+pub(super) const FLASH_WGMMA_DP: usize = 80;
+pub(super) const FLASH_WGMMA_MAX_D: usize = 72;
+pub(super) const FLASH_WGMMA_QUERIES: usize = 256;
+pub(super) const FLASH_WGMMA_THREADS: u32 = 512;
+
+/// Dynamic shared memory of flash_attention_wgmma_d80 (FwShared in attention_sm90.cu): the
+/// block's 256 queries and three K and V tiles of 96 keys, f16 (K and Q rows of 80 halves, V of
+/// 72), then six 8-byte mbarriers.
+pub(super) fn flash_wgmma_smem_bytes() -> usize {
+    const BK: usize = 96;
+    const STAGES: usize = 3;
+    (FLASH_WGMMA_QUERIES * 80 + STAGES * BK * (80 + 72)) * 2 + 2 * STAGES * 8
+}
+
 /// Dynamic shared memory of a flash kernel taking `queries` a block: a Q tile of them and two
 /// K and V tiles (double buffered) of 64 rows, rows of dp + 8 halves (FaShared in
 /// attention_f16.cu).
@@ -222,18 +274,23 @@ pub(super) fn kernel_source(src: &KernelSource) -> Result<String> {
             ),
         })
     };
-    Ok(format!(
-        "{}{}{}",
-        shared_defines(),
-        read("common.cuh")?,
-        read(src.file)?
-    ))
+    let mut text = shared_defines() + &read("common.cuh")?;
+    for file in src.prelude {
+        text += &read(file)?;
+    }
+    Ok(text + &read(src.file)?)
 }
 
-/// Every kernel file compiled for `cc`, as (file, PTX): what a GPU of that capability loads.
+/// Every kernel file a GPU of capability `cc` loads, compiled for it, as (file, PTX).
 pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
     SOURCES
         .iter()
-        .map(|s| Ok((s.file, compile_ptx(s.file, &kernel_source(s)?, cc)?)))
+        .filter(|s| s.for_cc(cc))
+        .map(|s| {
+            Ok((
+                s.file,
+                compile_ptx(s.file, &kernel_source(s)?, cc, s.sm90a)?,
+            ))
+        })
         .collect()
 }
