@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 use rayon::prelude::*;
 
 use super::context::cuda_err;
@@ -64,13 +64,32 @@ fn copy<T: Pod + Send + Sync>(dst: &mut [T], src: &[T]) {
 /// Grown to the largest transfer seen (a batch's logits, an image's embeddings), kept after.
 /// Bytes, viewed as whatever element type a transfer moves (the buffer is page-aligned).
 pub(super) struct Staging {
-    buf: Mutex<Option<PinnedHostSlice<u8>>>,
+    buf: Mutex<Slot>,
+}
+
+#[derive(Default)]
+struct Slot {
+    pinned: Option<PinnedHostSlice<u8>>,
+    /// Recorded on the stream after the last upload's copy out of `pinned`: the buffer is not
+    /// written again (nor freed) before it completes. An upload returns once its copy is
+    /// queued, so the host goes on queueing work (the next image's pass) while the GPU still
+    /// runs what came before; it used to wait for the whole stream after every upload.
+    copy_done: Option<CudaEvent>,
+}
+
+impl Drop for Slot {
+    /// The page-locked memory outlives the copy out of it that may still be queued.
+    fn drop(&mut self) {
+        if let Some(event) = &self.copy_done {
+            let _ = event.synchronize();
+        }
+    }
 }
 
 impl Staging {
     pub(super) fn new() -> Self {
         Self {
-            buf: Mutex::new(None),
+            buf: Mutex::new(Slot::default()),
         }
     }
 
@@ -92,7 +111,8 @@ impl Staging {
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         let host = Self::view::<T>(&mut guard, stream, len)?;
         // Into page-locked memory the copy is truly asynchronous (cudarc waits only for
-        // pageable destinations, where the driver does): wait for it before reading.
+        // pageable destinations, where the driver does): wait for it before reading. Stream
+        // order puts it after any upload still reading the buffer.
         stream
             .memcpy_dtoh(&src.slice(..len), host)
             .and_then(|()| stream.synchronize())
@@ -136,20 +156,32 @@ impl Staging {
         let mut guard = self.buf.lock().unwrap_or_else(|e| e.into_inner());
         let host = Self::view::<T>(&mut guard, stream, data.len())?;
         copy(host, data);
-        // The copy must have left the buffer before the next transfer reuses it.
         stream
             .memcpy_htod(&*host, &mut dst)
-            .and_then(|()| stream.synchronize())
-            .map_err(|e| cuda_err("upload")(&e))
+            .map_err(|e| cuda_err("upload")(&e))?;
+        // The next transfer waits for this before it touches the buffer (see Slot).
+        let done = match guard.copy_done.take() {
+            Some(event) => event.record(stream).map(|()| event),
+            None => stream.record_event(None),
+        };
+        guard.copy_done = Some(done.map_err(|e| cuda_err("upload")(&e))?);
+        Ok(())
     }
 
-    /// The first `len` elements of the buffer as `T`s, grown first if it is smaller.
+    /// The first `len` elements of the buffer as `T`s, grown first if it is smaller, once the
+    /// last upload's copy out of it is done.
     fn view<'a, T: Pod>(
-        slot: &'a mut Option<PinnedHostSlice<u8>>,
+        slot: &'a mut Slot,
         stream: &Arc<CudaStream>,
         len: usize,
     ) -> Result<&'a mut [T]> {
+        if let Some(event) = &slot.copy_done {
+            event
+                .synchronize()
+                .map_err(|e| cuda_err("waiting for the last upload")(&e))?;
+        }
         let bytes = len * std::mem::size_of::<T>();
+        let slot = &mut slot.pinned;
         if slot.as_ref().is_none_or(|p| p.len() < bytes) {
             // The old buffer is freed before the larger one is taken.
             *slot = None;
