@@ -10,8 +10,8 @@
 // barriers. Here a warpgroup (4 warps) takes 64 query rows and the tensor cores read Q and K
 // (S = Q Kᵀ) and V (O += P V) straight from shared memory; P comes from S's registers as in
 // flash_attention. H100, 16 heads of 72, one pass of 27 layers' shapes (carry/wg harness):
-// 7,056 queries (1344x1344) 0.99 -> 0.77 ms a call against the wide mma.sync kernel, 3,136
-// (896x896) 0.219 -> 0.192 against flash_attention_d80; at 784 (448x448) mma.sync stays ahead
+// 7,056 queries (1344x1344) 0.98 -> 0.76 ms a call against the wide mma.sync kernel, 3,136
+// (896x896) 0.220 -> 0.194 against flash_attention_d80; at 784 (448x448) mma.sync stays ahead
 // (0.032 against 0.038), so the host takes this kernel only for calls of at least a wave of
 // blocks.
 //
@@ -32,7 +32,7 @@
 
 #define FW_WARPGROUPS 4
 #define FW_STAGES 3
-#define FW_BK 96  // keys a tile
+#define FW_BK 80  // keys a tile (96: 2% slower, more spills; 64: 13% slower)
 
 template <int N>
 struct WgmmaSS;
@@ -42,20 +42,19 @@ struct WgmmaRS;
 // D (64 x N, f32, the warpgroup's accumulators) = (accumulate ? D : 0) + A B, A (64 x 16) and
 // B (16 x N) f16 in shared memory by descriptor, both K-major.
 template <>
-struct WgmmaSS<96> {
-    static __device__ __forceinline__ void run(float (&d)[48], unsigned long long a,
+struct WgmmaSS<80> {
+    static __device__ __forceinline__ void run(float (&d)[40], unsigned long long a,
                                                unsigned long long b, int accumulate) {
         asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, 0, 0;\n}\n"
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
               "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
               "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
               "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
             : "l"(a), "l"(b), "r"(accumulate));
     }
 };
@@ -366,8 +365,8 @@ __device__ void flash_attention_wgmma(const float* __restrict__ q, const PackedF
 }
 
 // Head dims 65..72 (the ViT's 72), packed to 80. At 128 registers (four warpgroups a block,
-// one block an SM) ptxas spills ~50 bytes and notes it serializes some wgmma for registers;
-// measured, it still beats three warpgroups at 166 registers.
+// one block an SM) ptxas spills ~20 bytes a thread; measured, it still beats three warpgroups
+// at 166 registers and 64-key tiles at 126 (no spills).
 extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
     const float* __restrict__ q, const half* __restrict__ k, const half* __restrict__ v,
     float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,

@@ -194,7 +194,7 @@ pub(super) const FLASH_WIDE_MIN_WAVES: usize = 3;
 /// Flash attention on wgmma (attention_sm90.cu, sm_90 only) for head dims 65..72 packed to 80
 /// (the ViT's 72): 256 queries a block of four warpgroups, one block an SM. The host takes it
 /// for calls of at least a wave of its blocks (on the H100 a 896x896 image's 208 blocks a
-/// call: 0.219 -> 0.192 ms against flash_attention_d80; 1344x1344's 448: 0.99 -> 0.77 against
+/// call: 0.220 -> 0.194 ms against flash_attention_d80; 1344x1344's 448: 0.98 -> 0.76 against
 /// the wide kernel); below that (448x448: 64 blocks) the mma.sync kernels are faster.
 pub(super) const FLASH_WGMMA_KERNEL: &str = "flash_attention_wgmma_d80";
 pub(super) const FLASH_WGMMA_DP: usize = 80;
@@ -203,10 +203,10 @@ pub(super) const FLASH_WGMMA_QUERIES: usize = 256;
 pub(super) const FLASH_WGMMA_THREADS: u32 = 512;
 
 /// Dynamic shared memory of flash_attention_wgmma_d80 (FwShared in attention_sm90.cu): the
-/// block's 256 queries and three K and V tiles of 96 keys, f16 (K and Q rows of 80 halves, V of
-/// 72), then six 8-byte mbarriers.
+/// block's 256 queries and three K and V tiles of 80 keys (FW_BK), f16 (K and Q rows of 80
+/// halves, V of 72), then six 8-byte mbarriers.
 pub(super) fn flash_wgmma_smem_bytes() -> usize {
-    const BK: usize = 96;
+    const BK: usize = 80;
     const STAGES: usize = 3;
     (FLASH_WGMMA_QUERIES * 80 + STAGES * BK * (80 + 72)) * 2 + 2 * STAGES * 8
 }
