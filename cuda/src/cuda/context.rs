@@ -226,30 +226,43 @@ impl CudaBackend {
         let nv = nvrtc_version();
         let mut kernels = HashMap::new();
         for src in SOURCES.iter().filter(|s| s.for_cc(cc)) {
-            let stem = src.file.trim_end_matches(".cu");
-            let source = kernel_source(src)?;
-            let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
-            let (ptx, cached) = compile::cached_or_compile(&path, || {
-                // NVRTC takes seconds; show that something is happening (hidden off a terminal).
-                let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
-                    "compiling {} for sm_{}{} (cached afterwards)",
-                    src.file, cc.0, cc.1
-                ));
-                spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-                let ptx = compile_ptx(src.file, &source, cc, src.sm90a);
-                spinner.finish_and_clear();
-                ptx
-            })?;
-            tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
-            let module = ctx
-                .load_module(Ptx::from_src(ptx))
-                .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
-            for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
-                let f = module.load_function(k).map_err(|e| Error::KernelCompile {
-                    kernel: k.into(),
-                    log: e.to_string(),
+            let mut load = || -> Result<()> {
+                let stem = src.file.trim_end_matches(".cu");
+                let source = kernel_source(src)?;
+                let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
+                let (ptx, cached) = compile::cached_or_compile(&path, || {
+                    // NVRTC takes seconds; show that something is happening (hidden off a
+                    // terminal).
+                    let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+                        "compiling {} for sm_{}{} (cached afterwards)",
+                        src.file, cc.0, cc.1
+                    ));
+                    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+                    let ptx = compile_ptx(src.file, &source, cc, src.sm90a);
+                    spinner.finish_and_clear();
+                    ptx
                 })?;
-                kernels.insert(k, f);
+                tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
+                let module = ctx
+                    .load_module(Ptx::from_src(ptx))
+                    .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
+                for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
+                    let f = module.load_function(k).map_err(|e| Error::KernelCompile {
+                        kernel: k.into(),
+                        log: e.to_string(),
+                    })?;
+                    kernels.insert(k, f);
+                }
+                Ok(())
+            };
+            match load() {
+                Ok(()) => {}
+                // Hopper's own kernels are an extra: an NVRTC or driver too old for
+                // compute_90a leaves the GPU on the kernels every GPU has.
+                Err(e) if src.sm90a => {
+                    tracing::warn!(file = src.file, error = %e, "Hopper-only kernels unavailable; using the portable ones")
+                }
+                Err(e) => return Err(e),
             }
         }
         // The flash kernels need more than the default 48 KB of shared memory: opt in. A GPU
