@@ -262,6 +262,64 @@ __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, i
     }
 }
 
+// One tile of scores' online softmax, for the two rows of each 16-row m-tile this thread holds
+// (mma.sync's C layout: s[4n + e] is row e / 2 (+8), key 8n + 2t + e % 2; wgmma's accumulators
+// repeat it along N). Masks keys at or past each row's `visible` (only in a tile that reaches
+// past them: the last one, or the diagonal ones when causal), updates the running max and sum,
+// writes P rounded to f16 as the A fragments of P V (the C layout of key groups 2j and 2j + 1
+// is the A layout of k-step j) and the factor `corr` the output must be scaled by.
+template <int NS>
+__device__ __forceinline__ void tile_softmax(float (&s)[NS * 4], int kt, const int (&visible)[2],
+                                             int t, float (&m_run)[2], float (&l_run)[2],
+                                             float (&corr)[2], unsigned (&p)[NS / 2][4]) {
+    if (kt + NS * 8 > min(visible[0], visible[1])) {
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (kt + n * 8 + 2 * t + (e % 2) >= visible[e / 2]) s[4 * n + e] = NEG_INF;
+            }
+        }
+    }
+    float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[4 * n + e]);
+    }
+    float m_use[2];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        float mx = tile_max[hrow];
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        float m_new = fmaxf(m_run[hrow], mx);
+        // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
+        m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
+        corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[hrow] - m_new);
+        m_run[hrow] = m_new;
+    }
+    float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+        float e4[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            e4[e] = fast_exp2(s[4 * n + e] - m_use[e / 2]);  // 2^-inf = 0 for masked keys
+            tile_sum[e / 2] += e4[e];
+        }
+        p[n / 2][(n % 2) * 2 + 0] = pack_half2(e4[0], e4[1]);
+        p[n / 2][(n % 2) * 2 + 1] = pack_half2(e4[2], e4[3]);
+    }
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        float sum = tile_sum[hrow];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        l_run[hrow] = l_run[hrow] * corr[hrow] + sum;
+    }
+}
+
 // Queries q0.. (up to FaShared<DP, MT>::q_rows, of nq) of head blockIdx.y; `kvs` stages their
 // keys and values.
 template <int DP, int MT, typename Kv>
@@ -373,57 +431,9 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
         unsigned pf[MT][FA_BK / 16][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            // Mask (only a tile that reaches past a row's last visible key: the last one, or
-            // the diagonal ones when causal), then the running max of each of this thread's two
-            // rows over the quad.
-            if (kt + FA_BK > min(visible[mt][0], visible[mt][1])) {
-#pragma unroll
-                for (int n = 0; n < NK; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        if (kt + n * 8 + 2 * t + (e % 2) >= visible[mt][e / 2]) s[mt][n][e] = NEG_INF;
-                    }
-                }
-            }
-            float tile_max[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int n = 0; n < NK; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[mt][n][e]);
-            }
-            float corr[2], m_use[2];
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                float mx = tile_max[hrow];
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-                float m_new = fmaxf(m_run[mt][hrow], mx);
-                // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
-                m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
-                corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[mt][hrow] - m_new);
-                m_run[mt][hrow] = m_new;
-            }
-            float tile_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int n = 0; n < NK; ++n) {
-                float p[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    p[e] = fast_exp2(s[mt][n][e] - m_use[e / 2]);  // 2^-inf = 0 for masked keys
-                    tile_sum[e / 2] += p[e];
-                }
-                // The C layout of tile n is the A layout of keys 16(n/2).. (halves a0/a1 or
-                // a2/a3).
-                pf[mt][n / 2][(n % 2) * 2 + 0] = pack_half2(p[0], p[1]);
-                pf[mt][n / 2][(n % 2) * 2 + 1] = pack_half2(p[2], p[3]);
-            }
-#pragma unroll
-            for (int hrow = 0; hrow < 2; ++hrow) {
-                float sum = tile_sum[hrow];
-                sum += __shfl_xor_sync(0xffffffff, sum, 1);
-                sum += __shfl_xor_sync(0xffffffff, sum, 2);
-                l_run[mt][hrow] = l_run[mt][hrow] * corr[hrow] + sum;
-            }
+            float corr[2];
+            tile_softmax<NK>(reinterpret_cast<float(&)[NK * 4]>(s[mt]), kt, visible[mt], t,
+                             m_run[mt], l_run[mt], corr, pf[mt]);
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
                 o[mt][n][0] *= corr[0];

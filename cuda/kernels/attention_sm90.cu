@@ -189,64 +189,6 @@ __device__ __forceinline__ void fw_stage_q(const float* __restrict__ q, half* Qs
     }
 }
 
-// One tile's softmax for this thread's two rows (flash_attention's, on wgmma's accumulator
-// layout, which per warp is mma.sync's C layout repeated along N): mask, running max and sum
-// updated, P as A fragments in p, corr the factor the output must be scaled by.
-template <int NS>
-__device__ __forceinline__ void fw_softmax(float (&s)[NS * 4], int kt, int row_last, int kv_len,
-                                           int causal, int t, float (&m_run)[2], float (&l_run)[2],
-                                           float (&corr)[2], unsigned (&p)[NS / 2][4]) {
-    // The keys this thread's two rows may see: up to kv_len, and when causal up to the row's
-    // own slot (row_last: the first row's last visible key slot).
-    const int visible[2] = {causal ? min(kv_len, row_last + 1) : kv_len,
-                            causal ? min(kv_len, row_last + 9) : kv_len};
-    if (kt + NS * 8 > visible[0]) {
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if (kt + n * 8 + 2 * t + (e % 2) >= visible[e / 2]) s[4 * n + e] = NEG_INF;
-            }
-        }
-    }
-    float tile_max[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[4 * n + e]);
-    }
-    float m_use[2];
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        float mx = tile_max[hrow];
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        float m_new = fmaxf(m_run[hrow], mx);
-        m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
-        corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[hrow] - m_new);
-        m_run[hrow] = m_new;
-    }
-    float tile_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int n = 0; n < NS; ++n) {
-        float e4[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            e4[e] = fast_exp2(s[4 * n + e] - m_use[e / 2]);
-            tile_sum[e / 2] += e4[e];
-        }
-        p[n / 2][(n % 2) * 2 + 0] = pack_half2(e4[0], e4[1]);
-        p[n / 2][(n % 2) * 2 + 1] = pack_half2(e4[2], e4[3]);
-    }
-#pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        float sum = tile_sum[hrow];
-        sum += __shfl_xor_sync(0xffffffff, sum, 1);
-        sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        l_run[hrow] = l_run[hrow] * corr[hrow] + sum;
-    }
-}
-
 // Queries q0.. (up to 256, of nq) of head blockIdx.y over PackedF16Kv keys and values;
 // arguments as flash_attention's. DP: Q Kᵀ's dims (d padded to 16, its k-step); DV: the
 // output's (d rounded up to 8, wgmma's N step).
@@ -326,7 +268,10 @@ __device__ void flash_attention_wgmma(const float* __restrict__ q, const PackedF
 
         float corr[2];
         unsigned p[FW_BK / 16][4];
-        fw_softmax<NS>(s, it * FW_BK, row_last, kv_len, causal, t, m_run, l_run, corr, p);
+        // The keys this thread's two rows may see (the second row is 8 slots on).
+        const int visible[2] = {causal ? min(kv_len, row_last + 1) : kv_len,
+                                causal ? min(kv_len, row_last + 9) : kv_len};
+        tile_softmax<NS>(s, it * FW_BK, visible, t, m_run, l_run, corr, p);
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
             o[4 * n + 0] *= corr[0];

@@ -418,6 +418,10 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
 /// block is held to 128 registers and spills ~20 bytes a thread; measured on the H100 it still
 /// beats the layouts that do not (three warpgroups at 166 registers: 0.88 against 0.76 ms at
 /// 7,056 queries; 64-key tiles at 126: 0.87).
+const SPILLS_ALLOWED: &str = "flash_attention_wgmma_d80";
+
+/// Whether `line`, ptxas's stack and spill line for `kernel`, is within [`SPILLS_ALLOWED`]'s
+/// allowance.
 fn spill_allowed(kernel: &str, line: &str) -> bool {
     let bytes = |what: &str| {
         line.split(what)
@@ -425,7 +429,7 @@ fn spill_allowed(kernel: &str, line: &str) -> bool {
             .and_then(|l| l.split_whitespace().last())
             .and_then(|n| n.parse::<u32>().ok())
     };
-    kernel == "flash_attention_wgmma_d80"
+    kernel == SPILLS_ALLOWED
         && bytes(" bytes spill stores").is_some_and(|n| n <= 64)
         && bytes(" bytes spill loads").is_some_and(|n| n <= 64)
 }
@@ -487,10 +491,10 @@ fn assemble(ptxas: &std::ffi::OsStr, file: &str, ptx: &str, cc: (i32, i32)) {
         })
         .max()
         .unwrap_or(0);
-    let allowed = if log.contains("flash_attention_wgmma_d80") {
-        " (but flash_attention_wgmma_d80's allowed few bytes)"
+    let allowed = if log.contains(SPILLS_ALLOWED) {
+        format!(" (but {SPILLS_ALLOWED}'s allowed few bytes)")
     } else {
-        ""
+        String::new()
     };
     eprintln!(
         "{file} sm_{}{}: assembles, no spills{allowed}, at most {most} registers",

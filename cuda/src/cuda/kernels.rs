@@ -5,21 +5,22 @@ use super::compile::compile_ptx;
 use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS};
 use crate::{Error, Result};
 
-/// A kernel file's text with `common.cuh` in front (each file is its own NVRTC program).
-macro_rules! with_common {
+/// `common.cuh`, put in front of every kernel file (each file is its own NVRTC program).
+const COMMON: &str = include_str!("../../kernels/common.cuh");
+
+/// A kernel file's name and its text as embedded at build time.
+macro_rules! kernel_file {
     ($file:literal) => {
-        concat!(
-            include_str!("../../kernels/common.cuh"),
-            include_str!(concat!("../../kernels/", $file))
-        )
+        ($file, include_str!(concat!("../../kernels/", $file)))
     };
 }
 
 /// A `.cu` file and the kernels it defines.
 pub(super) struct KernelSource {
     pub(super) file: &'static str,
-    /// Files compiled in front of it, after `common.cuh` (their helpers it uses).
-    prelude: &'static [&'static str],
+    /// Files compiled in front of it, after `common.cuh` (their helpers it uses): name, text.
+    prelude: &'static [(&'static str, &'static str)],
+    /// The file's text.
     source: &'static str,
     /// Compiled only for sm_90 (H100, H200), as compute_90a: it uses Hopper's own
     /// instructions (wgmma), which no other GPU has.
@@ -33,7 +34,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
     KernelSource {
         file: "ops_f32.cu",
         prelude: &[],
-        source: with_common!("ops_f32.cu"),
+        source: kernel_file!("ops_f32.cu").1,
         kernels: &OPS_KERNELS,
         per_rows: &[],
         sm90a: false,
@@ -41,7 +42,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
     KernelSource {
         file: "weights_f16.cu",
         prelude: &[],
-        source: with_common!("weights_f16.cu"),
+        source: kernel_file!("weights_f16.cu").1,
         kernels: &[
             "cast_f32_to_f16",
             "cast_f16_to_f32",
@@ -54,7 +55,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
     KernelSource {
         file: "paged_f16.cu",
         prelude: &[],
-        source: with_common!("paged_f16.cu"),
+        source: kernel_file!("paged_f16.cu").1,
         kernels: &[
             "write_kv_f16",
             "paged_decode_d32_g1",
@@ -83,7 +84,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
     KernelSource {
         file: "attention_f16.cu",
         prelude: &[],
-        source: with_common!("attention_f16.cu"),
+        source: kernel_file!("attention_f16.cu").1,
         kernels: &[
             FLASH_KERNELS[0],
             FLASH_KERNELS[1],
@@ -103,12 +104,8 @@ pub(super) const SOURCES: [KernelSource; 5] = [
     },
     KernelSource {
         file: "attention_sm90.cu",
-        prelude: &["attention_f16.cu"],
-        source: concat!(
-            include_str!("../../kernels/common.cuh"),
-            include_str!("../../kernels/attention_f16.cu"),
-            include_str!("../../kernels/attention_sm90.cu")
-        ),
+        prelude: &[kernel_file!("attention_f16.cu")],
+        source: kernel_file!("attention_sm90.cu").1,
         kernels: &[FLASH_WGMMA_KERNEL],
         per_rows: &[],
         sm90a: true,
@@ -256,29 +253,30 @@ fn shared_defines() -> String {
     )
 }
 
-/// A kernel file's text as compiled: the shared defines, then `common.cuh` and the file, either
-/// the copies embedded at build time or, when `VLM_KERNEL_DIR` names a directory, the files
-/// there (so a kernel can be edited and re-measured on a GPU machine with the same binary).
+/// A kernel file's text as compiled: the shared defines, then `common.cuh`, the file's prelude
+/// and the file, either the copies embedded at build time or, when `VLM_KERNEL_DIR` names a
+/// directory, the files there (so a kernel can be edited and re-measured on a GPU machine with
+/// the same binary).
 pub(super) fn kernel_source(src: &KernelSource) -> Result<String> {
+    let mut files = std::iter::once(("common.cuh", COMMON))
+        .chain(src.prelude.iter().copied())
+        .chain(std::iter::once((src.file, src.source)));
     // Empty counts as unset (`VLM_KERNEL_DIR= vlm ...`).
     let Some(dir) = std::env::var_os("VLM_KERNEL_DIR").filter(|d| !d.is_empty()) else {
-        return Ok(format!("{}{}", shared_defines(), src.source));
+        return Ok(files.fold(shared_defines(), |text, (_, embedded)| text + embedded));
     };
     let dir = std::path::PathBuf::from(dir);
-    let read = |name: &str| {
+    files.try_fold(shared_defines(), |text, (name, _)| {
         let path = dir.join(name);
-        std::fs::read_to_string(&path).map_err(|e| Error::Cuda {
-            what: format!(
-                "VLM_KERNEL_DIR is set: reading {}: {e} (unset it to use the kernels built in)",
-                path.display()
-            ),
-        })
-    };
-    let mut text = shared_defines() + &read("common.cuh")?;
-    for file in src.prelude {
-        text += &read(file)?;
-    }
-    Ok(text + &read(src.file)?)
+        std::fs::read_to_string(&path)
+            .map(|file| text + &file)
+            .map_err(|e| Error::Cuda {
+                what: format!(
+                    "VLM_KERNEL_DIR is set: reading {}: {e} (unset it to use the kernels built in)",
+                    path.display()
+                ),
+            })
+    })
 }
 
 /// Every kernel file a GPU of capability `cc` loads, compiled for it, as (file, PTX).
