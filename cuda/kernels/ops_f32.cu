@@ -102,10 +102,11 @@ extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
     }
 }
 
-// The norms take one block per row. A row of up to NORM_VEC float4s per thread (cols % 4 == 0:
-// every text and ViT width) is loaded once into registers, all of its loads in flight
-// together: a decode step's rows are single and latency-bound, and the loop of dependent
-// scalar loads this replaced took ~15 us a row on an H100. Other widths take the plain loops.
+// RMSNorm, and LayerNorm's rows too wide for a warp (layer_norm_by_warp below), take one block
+// per row. A row of up to NORM_VEC float4s per thread (cols % 4 == 0: every text and ViT width)
+// is loaded once into registers, all of its loads in flight together: a decode step's rows are
+// single and latency-bound, and the loop of dependent scalar loads this replaced took ~15 us a
+// row on an H100. Other widths take the plain loops.
 #define NORM_VEC 8
 
 __device__ __forceinline__ bool norm_in_registers(int cols) {
@@ -159,11 +160,66 @@ __device__ __forceinline__ void store_rms4(const float4 v[NORM_VEC], const float
     }
 }
 
+// LayerNorm of a row that fits one warp's registers (layer_norm_by_warp): LN_WARP_VEC float4s a
+// lane at most (the ViT's 1152 columns: 9), lane l holding float4s l, l + 32, ... (each load a
+// coalesced 512 bytes across the warp), all of them loaded before the first is used. Mean and
+// variance (two passes over the registers, as the CPU's) by shuffles alone: no shared memory,
+// no block barrier. A block takes one row per warp.
+__device__ __forceinline__ bool layer_norm_by_warp(int cols) {
+    return cols % 4 == 0 && cols <= LN_WARP_VEC * 4 * WARP;
+}
+
 template <typename Out>
-__device__ __forceinline__ void layer_norm_row(const float* __restrict__ x,
-                                               const float* __restrict__ w,
-                                               const float* __restrict__ b, Out* __restrict__ out,
-                                               int cols, float eps) {
+__device__ __forceinline__ void layer_norm_warp_row(const float* __restrict__ x,
+                                                    const float* __restrict__ w,
+                                                    const float* __restrict__ b,
+                                                    Out* __restrict__ out, int rows, int cols,
+                                                    float eps) {
+    const int lane = threadIdx.x % WARP;
+    const int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (r >= rows) return;
+    const int n4 = cols / 4;
+    const float4* r4 = reinterpret_cast<const float4*>(x + (size_t)r * cols);
+    Out* o = out + (size_t)r * cols;
+    float4 v[LN_WARP_VEC];
+#pragma unroll
+    for (int u = 0; u < LN_WARP_VEC; ++u) {
+        int i = lane + u * WARP;
+        v[u] = i < n4 ? r4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int u = 0; u < LN_WARP_VEC; ++u) s += v[u].x + v[u].y + v[u].z + v[u].w;
+    const float mean = warp_sum(s) / cols;
+    float var = 0.0f;
+#pragma unroll
+    for (int u = 0; u < LN_WARP_VEC; ++u) {
+        if (lane + u * WARP < n4) {
+            float4 d = make_float4(v[u].x - mean, v[u].y - mean, v[u].z - mean, v[u].w - mean);
+            var += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+        }
+    }
+    const float inv = rsqrtf(warp_sum(var) / cols + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    const float4* b4 = reinterpret_cast<const float4*>(b);
+#pragma unroll
+    for (int u = 0; u < LN_WARP_VEC; ++u) {
+        int i = lane + u * WARP;
+        if (i < n4) {
+            float4 g = w4[i], c = b4[i];
+            store4(o, i,
+                   make_float4((v[u].x - mean) * inv * g.x + c.x, (v[u].y - mean) * inv * g.y + c.y,
+                               (v[u].z - mean) * inv * g.z + c.z, (v[u].w - mean) * inv * g.w + c.w));
+        }
+    }
+}
+
+// Wider rows: one block per row, two block-wide reductions.
+template <typename Out>
+__device__ __forceinline__ void layer_norm_block_row(const float* __restrict__ x,
+                                                     const float* __restrict__ w,
+                                                     const float* __restrict__ b,
+                                                     Out* __restrict__ out, int cols, float eps) {
     const float* row = x + (size_t)blockIdx.x * cols;
     Out* o = out + (size_t)blockIdx.x * cols;
     if (norm_in_registers(cols)) {
@@ -211,18 +267,32 @@ __device__ __forceinline__ void layer_norm_row(const float* __restrict__ x,
         store1(o, i, (row[i] - mean) * inv * w[i] + b[i]);
 }
 
+// Rows as layer_norm_by_warp says: one warp each, blockDim / 32 a block (the host sizes the
+// grid to match, cuda/src/cuda/norm.rs), or one block each.
+template <typename Out>
+__device__ __forceinline__ void layer_norm_rows(const float* __restrict__ x,
+                                                const float* __restrict__ w,
+                                                const float* __restrict__ b, Out* __restrict__ out,
+                                                int rows, int cols, float eps) {
+    if (layer_norm_by_warp(cols)) {
+        layer_norm_warp_row(x, w, b, out, rows, cols, eps);
+    } else {
+        layer_norm_block_row(x, w, b, out, cols, eps);
+    }
+}
+
 extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
                                           const float* __restrict__ b, float* __restrict__ out,
-                                          int cols, float eps) {
-    layer_norm_row(x, w, b, out, cols, eps);
+                                          int rows, int cols, float eps) {
+    layer_norm_rows(x, w, b, out, rows, cols, eps);
 }
 
 // The same norm rounded to f16: the operand of the GEMMs that read it (the ViT's q/k/v and
 // fc1), written once instead of as f32 and then cast.
 extern "C" __global__ void layer_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
                                           const float* __restrict__ b, __half* __restrict__ out,
-                                          int cols, float eps) {
-    layer_norm_row(x, w, b, out, cols, eps);
+                                          int rows, int cols, float eps) {
+    layer_norm_rows(x, w, b, out, rows, cols, eps);
 }
 
 template <typename Out>

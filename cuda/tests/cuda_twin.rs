@@ -378,6 +378,7 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
         for k in [
             "attention_f32",
             "layer_norm_f32",
+            "layer_norm_f16",
             "rope_f32",
             "scatter_rows_f32",
             "gemv_f16w_r1",

@@ -236,6 +236,16 @@ const OPS_KERNELS: [&str; 17] = [
 ];
 /// Threads per block for row-wise kernels.
 pub(super) const ROW_THREADS: u32 = 256;
+/// LayerNorm rows of up to this many float4s a lane (`cols % 4 == 0`, at most 4 x 32 x this
+/// columns: the ViT's 1152, and 1024) are normed by one warp each, in registers, ROW_THREADS /
+/// 32 rows a block; wider rows by a block each (LN_WARP_VEC, `layer_norm_by_warp` in
+/// ops_f32.cu). At 9 the kernels take 64 registers (4 blocks an SM on an H100); at 12, 80.
+pub(super) const LAYER_NORM_WARP_VEC: usize = 9;
+
+/// Whether the LayerNorm kernels take rows of `cols` one warp each (else one block each).
+pub(super) fn layer_norm_by_warp(cols: usize) -> bool {
+    cols % 4 == 0 && cols <= LAYER_NORM_WARP_VEC * 4 * 32
+}
 /// Largest head dim the attention kernel holds in registers (32 lanes x 8).
 pub(super) const MAX_HEAD_DIM: usize = 256;
 /// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
@@ -249,7 +259,8 @@ fn shared_defines() -> String {
         "#define GEMV_MAX_ROWS {GEMV_MAX_ROWS}\n#define GEMV_WARPS {GEMV_WARPS}\n\
          #define GEMV_SPLIT {GEMV_SPLIT}\n#define PD_WARPS {DECODE_WARPS}\n\
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
-         #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n"
+         #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
+         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n"
     )
 }
 
