@@ -149,30 +149,93 @@ extern "C" __global__ void pack_kv_f16(const float* __restrict__ k, const float*
     }
 }
 
-// The ViT's fused projection, f32 [n, 3, heads, d] (q, k, v side by side in a row, bias added),
-// into what flash_attention reads, in one pass instead of two RoPE passes and a pack: q rotated,
+// The ViT's fused projection [n, 3, heads, d] (q, k, v side by side in a row, bias added) into
+// what flash_attention reads, in one pass instead of two RoPE passes and a pack: q rotated,
 // f32 [n, heads, d]; k rotated and v as PackedF16Kv (f16 [n, heads, dp], dims past d zero).
-// Rotate-half RoPE with cos/sin [n, d], the expressions of rope_f32. One block per row.
-extern "C" __global__ void rope_qkv_pack_f16(const float* __restrict__ qkv,
-                                             const float* __restrict__ cos_t,
-                                             const float* __restrict__ sin_t,
-                                             float* __restrict__ q, half* __restrict__ kp,
-                                             half* __restrict__ vp, int heads, int d, int dp) {
-    const int t = blockIdx.x, hd = d / 2, w = heads * d;
-    const float* row = qkv + (size_t)t * 3 * w;
+// Rotate-half RoPE with cos/sin [n, d], the expressions of rope_f32. One block per row. The
+// rows come as f32 (rope_qkv_pack_f16: `rope_attention_segments`) or as the q/k/v GEMM's f16
+// output (rope_qkv16_pack_f16: `layer_norm_rope_attention`, half the bytes to read).
+//
+// A thread takes V neighbouring pairs (i, i + d/2) of a head: V = 2 where d/2 is even (the
+// ViT's 72, and every head dim that is a multiple of 4), so that each value is read and written
+// two at a time; elements stay 8- (f32) or 4-byte (f16) aligned because rows, heads and i are
+// even then.
+template <int V>
+__device__ __forceinline__ void load_n(const float* p, float v[V]) {
+    if constexpr (V == 2) {
+        const float2 x = *reinterpret_cast<const float2*>(p);
+        v[0] = x.x;
+        v[1] = x.y;
+    } else {
+        v[0] = *p;
+    }
+}
+template <int V>
+__device__ __forceinline__ void load_n(const half* p, float v[V]) {
+    if constexpr (V == 2) {
+        const float2 x = __half22float2(*reinterpret_cast<const __half2*>(p));
+        v[0] = x.x;
+        v[1] = x.y;
+    } else {
+        v[0] = __half2float(*p);
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_n(float* p, const float v[V]) {
+    if constexpr (V == 2) {
+        *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+    } else {
+        *p = v[0];
+    }
+}
+template <int V>
+__device__ __forceinline__ void store_n(half* p, const float v[V]) {
+    if constexpr (V == 2) {
+        *reinterpret_cast<__half2*>(p) = __floats2half2_rn(v[0], v[1]);
+    } else {
+        *p = __float2half_rn(v[0]);
+    }
+}
+
+template <int V, typename In>
+__device__ __forceinline__ void rope_qkv_pack_row(const In* __restrict__ qkv,
+                                                  const float* __restrict__ cos_t,
+                                                  const float* __restrict__ sin_t,
+                                                  float* __restrict__ q, half* __restrict__ kp,
+                                                  half* __restrict__ vp, int heads, int d, int dp) {
+    const int t = blockIdx.x, hd = d / 2, w = heads * d, per_head = hd / V;
+    const In* row = qkv + (size_t)t * 3 * w;
     const float* c = cos_t + (size_t)t * d;
     const float* s = sin_t + (size_t)t * d;
-    for (int p = threadIdx.x; p < heads * hd; p += blockDim.x) {
-        const int h = p / hd, i = p % hd, a = h * d + i, b = a + hd;
-        const float c1 = c[i], s1 = s[i], c2 = c[i + hd], s2 = s[i + hd];
-        const float q1 = row[a], q2 = row[b], k1 = row[w + a], k2 = row[w + b];
-        q[(size_t)t * w + a] = q1 * c1 - q2 * s1;
-        q[(size_t)t * w + b] = q2 * c2 + q1 * s2;
+    for (int p = threadIdx.x; p < heads * per_head; p += blockDim.x) {
+        const int h = p / per_head, i = (p % per_head) * V, a = h * d + i, b = a + hd;
+        float c1[V], s1[V], c2[V], s2[V], q1[V], q2[V], k1[V], k2[V], v1[V], v2[V];
+        load_n<V>(c + i, c1);
+        load_n<V>(s + i, s1);
+        load_n<V>(c + i + hd, c2);
+        load_n<V>(s + i + hd, s2);
+        load_n<V>(row + a, q1);
+        load_n<V>(row + b, q2);
+        load_n<V>(row + w + a, k1);
+        load_n<V>(row + w + b, k2);
+        load_n<V>(row + 2 * w + a, v1);
+        load_n<V>(row + 2 * w + b, v2);
+        float qa[V], qb[V], ka[V], kb[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            qa[j] = q1[j] * c1[j] - q2[j] * s1[j];
+            qb[j] = q2[j] * c2[j] + q1[j] * s2[j];
+            ka[j] = k1[j] * c1[j] - k2[j] * s1[j];
+            kb[j] = k2[j] * c2[j] + k1[j] * s2[j];
+        }
+        store_n<V>(q + (size_t)t * w + a, qa);
+        store_n<V>(q + (size_t)t * w + b, qb);
         const size_t at = ((size_t)t * heads + h) * dp + i;
-        kp[at] = __float2half_rn(k1 * c1 - k2 * s1);
-        kp[at + hd] = __float2half_rn(k2 * c2 + k1 * s2);
-        vp[at] = __float2half_rn(row[2 * w + a]);
-        vp[at + hd] = __float2half_rn(row[2 * w + b]);
+        store_n<V>(kp + at, ka);
+        store_n<V>(kp + at + hd, kb);
+        store_n<V>(vp + at, v1);
+        store_n<V>(vp + at + hd, v2);
     }
     const int pad = dp - d;
     for (int p = threadIdx.x; p < heads * pad; p += blockDim.x) {
@@ -180,6 +243,35 @@ extern "C" __global__ void rope_qkv_pack_f16(const float* __restrict__ qkv,
         kp[at] = __float2half_rn(0.0f);
         vp[at] = __float2half_rn(0.0f);
     }
+}
+
+template <typename In>
+__device__ __forceinline__ void rope_qkv_pack(const In* __restrict__ qkv,
+                                              const float* __restrict__ cos_t,
+                                              const float* __restrict__ sin_t,
+                                              float* __restrict__ q, half* __restrict__ kp,
+                                              half* __restrict__ vp, int heads, int d, int dp) {
+    if ((d / 2) % 2 == 0) {
+        rope_qkv_pack_row<2>(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+    } else {
+        rope_qkv_pack_row<1>(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+    }
+}
+
+extern "C" __global__ void rope_qkv_pack_f16(const float* __restrict__ qkv,
+                                             const float* __restrict__ cos_t,
+                                             const float* __restrict__ sin_t,
+                                             float* __restrict__ q, half* __restrict__ kp,
+                                             half* __restrict__ vp, int heads, int d, int dp) {
+    rope_qkv_pack(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+}
+
+extern "C" __global__ void rope_qkv16_pack_f16(const half* __restrict__ qkv,
+                                               const float* __restrict__ cos_t,
+                                               const float* __restrict__ sin_t,
+                                               float* __restrict__ q, half* __restrict__ kp,
+                                               half* __restrict__ vp, int heads, int d, int dp) {
+    rope_qkv_pack(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
 }
 
 // Keys and values of one sequence in the paged f16 cache (paged_f16.cu's layout): already

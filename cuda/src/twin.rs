@@ -1011,7 +1011,8 @@ pub fn self_check_cases() -> Vec<Case> {
             dim: 32,
         },
         // The ViT's fused path: several images of one pass (runs shorter than a query tile
-        // included), a head dim with no padding, one to pad.
+        // included), a head dim with no padding, ones to pad (70, whose halves are odd, takes
+        // the pack's one pair a thread; the others two).
         RopeAttentionSegments {
             lens: vec![20, 36, 4, 70],
             heads: 4,
@@ -1026,6 +1027,11 @@ pub fn self_check_cases() -> Vec<Case> {
             lens: vec![5, 3],
             heads: 2,
             dim: 32,
+        },
+        RopeAttentionSegments {
+            lens: vec![9, 30],
+            heads: 2,
+            dim: 70,
         },
     ]);
     // Paged attention: decode-only batches with long contexts (split-K with many splits, one

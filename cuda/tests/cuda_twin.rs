@@ -380,6 +380,8 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "layer_norm_f32",
             "layer_norm_f16",
             "rope_f32",
+            "rope_qkv_pack_f16",
+            "rope_qkv16_pack_f16",
             "scatter_rows_f32",
             "gemv_f16w_r1",
             "gemv_f16w_r4",

@@ -98,6 +98,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
             FLASH_WIDE_KERNELS[1],
             "pack_kv_f16",
             "rope_qkv_pack_f16",
+            "rope_qkv16_pack_f16",
         ],
         per_rows: &[],
         sm90a: false,
