@@ -78,6 +78,23 @@ impl<B: Backend + ?Sized> Clone for Projection<'_, B> {
 }
 impl<B: Backend + ?Sized> Copy for Projection<'_, B> {}
 
+/// A ViT attention's weights, as [`Backend::layer_norm_rope_attention`] takes them.
+pub struct AttentionWeights<'a, B: Backend + ?Sized> {
+    /// q, k and v stacked, `[3 * heads * d, hidden]`: each output row holds its q, k and v
+    /// side by side.
+    pub qkv: Projection<'a, B>,
+    pub heads: usize,
+    /// The output projection, `[hidden, heads * d]`.
+    pub proj: Projection<'a, B>,
+}
+
+impl<B: Backend + ?Sized> Clone for AttentionWeights<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend + ?Sized> Copy for AttentionWeights<'_, B> {}
+
 /// [`Backend::layer_norm_linears`] op by op: the default, and a GPU's path for what its fused
 /// version does not take.
 pub(crate) fn layer_norm_linears_op_by_op<B: Backend + ?Sized>(
@@ -140,6 +157,28 @@ pub(crate) fn layer_norm_mlp_op_by_op<B: Backend + ?Sized>(
     let h = be.layer_norm(x, norm.w, norm.b, norm.eps)?;
     let h = be.gelu(&be.linear(&h, up.w, up.b)?, act)?;
     be.add_linear(x, &h, down.w, down.b)
+}
+
+/// [`Backend::layer_norm_rope_attention`] op by op, as the ViT ran its attention before the
+/// op existed: [`Backend::layer_norm_linears`], [`Backend::rope_attention_segments`], then
+/// [`Backend::add_linear`]. The default, and a GPU's path for what its fused version does not
+/// take (decode-sized inputs, shapes its kernels have no instance for).
+pub(crate) fn layer_norm_rope_attention_op_by_op<B: Backend + ?Sized>(
+    be: &B,
+    x: &mut B::Tensor,
+    norm: LayerNormParams<B>,
+    attn: AttentionWeights<B>,
+    rope: [&B::Tensor; 2],
+    lens: &[usize],
+) -> Result<()> {
+    let Ok([qkv]) = <[B::Tensor; 1]>::try_from(be.layer_norm_linears(x, norm, &[attn.qkv])?) else {
+        return Err(crate::Error::shape(
+            "layer_norm_rope_attention",
+            "layer_norm_linears gave not one output for its one projection",
+        ));
+    };
+    let a = be.rope_attention_segments(&qkv, attn.heads, rope, lens)?;
+    be.add_linear(x, &a, attn.proj.w, attn.proj.b)
 }
 
 /// [`Backend::rms_norm_mlp`] op by op: the default, and a GPU's path for decode rows (its fused
@@ -445,6 +484,23 @@ pub trait Backend: Send + Sync + 'static {
         down: Projection<Self>,
     ) -> Result<()> {
         layer_norm_mlp_op_by_op(self, x, norm, up, act, down)
+    }
+    /// A pre-norm attention with its residual: `x += proj(attention_segments(rope(q), rope(k),
+    /// v))`, where `[q | k | v] = layer_norm(x) · qkvᵀ + b` (`attn`'s weights, `heads` heads
+    /// of `d`), rotated by `rope` = `[cos, sin]` (`[n, d]`, as [`Backend::rope`]), attending
+    /// within each run of `lens` rows (as [`Backend::attention_segments`]): the ViT block's
+    /// first half. A GPU past its GEMVs' rows writes the norm and the q/k/v product in f16
+    /// (the bias in the GEMM's epilogue), rotates and packs them for its flash attention in one
+    /// pass, and adds the output projection into `x` in its GEMM: no f32 copy of q/k/v.
+    fn layer_norm_rope_attention(
+        &self,
+        x: &mut Self::Tensor,
+        norm: LayerNormParams<Self>,
+        attn: AttentionWeights<Self>,
+        rope: [&Self::Tensor; 2],
+        lens: &[usize],
+    ) -> Result<()> {
+        layer_norm_rope_attention_op_by_op(self, x, norm, attn, rope, lens)
     }
     /// The text decoder's MLP with its residual: `x += (silu(g) ⊙ u) · downᵀ`, where
     /// `[g | u] = rms_norm(x, norm, eps) · gate_upᵀ` (gate and up stacked as in

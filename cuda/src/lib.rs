@@ -33,8 +33,8 @@ pub mod twin;
 mod weights;
 
 pub use backend::{
-    argmax, AttnMask, Backend, GeluKind, LayerNormParams, OpTime, PagedBatch, Projection,
-    QkvToCache,
+    argmax, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams, OpTime, PagedBatch,
+    Projection, QkvToCache,
 };
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};

@@ -69,6 +69,15 @@ pub enum Case {
         k: usize,
         hidden: usize,
     },
+    /// The ViT block's attention half with its residual: `x += proj(attention(rope(q),
+    /// rope(k), v))` of q, k and v from one biased projection of `x`'s LayerNorm (`[n,
+    /// hidden]`, `heads` of `dim`), each run of `lens` rows (an image) attending to itself.
+    LayerNormRopeAttention {
+        lens: Vec<usize>,
+        hidden: usize,
+        heads: usize,
+        dim: usize,
+    },
     /// The text decoder's MLP with its residual: `x += down(silu(gate) ⊙ up)` of the input's
     /// RMSNorm (gate and up stacked in one weight).
     RmsNormMlp {
@@ -320,6 +329,12 @@ impl Case {
             Case::LayerNormMlp { n, k, hidden } => {
                 format!("layer_norm_mlp {n}x{k}->{hidden}->{k}")
             }
+            Case::LayerNormRopeAttention {
+                lens,
+                hidden,
+                heads,
+                dim,
+            } => format!("layer_norm_rope_attention {lens:?} x{hidden} h{heads} d{dim}"),
             Case::RmsNormMlp { n, k, hidden } => {
                 format!("rms_norm_mlp {n}x{k}->{hidden}->{k}")
             }
@@ -448,6 +463,18 @@ impl Case {
             }
             // Flash attention for every run, however short (the GPU packs all rows at once).
             Case::RopeAttentionSegments { .. } => 2e-3,
+            // Flash attention as above (Q, K, V and the probabilities rounded to f16); past 4
+            // rows also the norm, the q/k/v GEMM's output (before RoPE, so q and k are rounded
+            // twice) and the attention's output (the projection's operand): 2^-11 relative
+            // each, a few more roundings on the way to every output than flash alone. Up to 4
+            // rows the GEMVs read and write f32.
+            Case::LayerNormRopeAttention { lens, .. } => {
+                if lens.iter().sum::<usize>() > 4 {
+                    3e-3
+                } else {
+                    2e-3
+                }
+            }
             // Normed, rotated keys rounded to f16 in the cache (2^-11 relative).
             Case::QkvToCache { .. } => 1e-3,
             // The cache holds f16-exact keys and values on both sides; prefill chunks of 16
@@ -578,6 +605,41 @@ impl Case {
                         b: Some(&b2),
                     },
                 )?;
+                x
+            }
+            Case::LayerNormRopeAttention {
+                ref lens,
+                hidden,
+                heads,
+                dim,
+            } => {
+                let (n, width) = (lens.iter().sum(), heads * dim);
+                let mut x = up(&[n, hidden], 80)?;
+                let (gamma, beta) = (up(&[hidden], 81)?, up(&[hidden], 82)?);
+                let norm = crate::LayerNormParams {
+                    w: &gamma,
+                    b: &beta,
+                    eps: 1e-6,
+                };
+                // Scaled as a trained layer's are: q, k and v stay near unit size, and so do
+                // the scores (a softmax of large scores would turn f16 roundings into big
+                // changes of its weights).
+                let qkv = be.upload_weight(&f16_exact(scaled_input(&[3 * width, hidden], 83)))?;
+                let proj = be.upload_weight(&f16_exact(scaled_input(&[hidden, width], 84)))?;
+                let (qkv_b, proj_b) = (up(&[3 * width], 85)?, up(&[hidden], 86)?);
+                let (cos, sin) = (up(&[n, dim], 87)?, up(&[n, dim], 88)?);
+                let attn = crate::AttentionWeights {
+                    qkv: crate::Projection {
+                        w: &qkv,
+                        b: Some(&qkv_b),
+                    },
+                    heads,
+                    proj: crate::Projection {
+                        w: &proj,
+                        b: Some(&proj_b),
+                    },
+                };
+                be.layer_norm_rope_attention(&mut x, norm, attn, [&cos, &sin], lens)?;
                 x
             }
             Case::RmsNormMlp { n, k, hidden } => {
@@ -910,8 +972,9 @@ pub fn compare<B: Backend>(device: &B, case: &Case) -> Result<Outcome> {
     Ok(Outcome::of(case.name(), &cpu, &dev, case.tolerance()))
 }
 
-/// Small sizes that reach every device kernel and the branches inside them: both GEMV paths
-/// (k a multiple of 8 or not) and the GEMM, flash attention at every padded head dim (64, 80,
+/// Small sizes that reach every device kernel and the branches inside them: LayerNorm a warp a
+/// row (1152 columns) and a block a row (4096, and 7), both GEMV paths (k a multiple of 8 or
+/// not) and the GEMM, the ViT's attention half fused and op by op, flash attention at every padded head dim (64, 80,
 /// 96, 128) with full, causal and cached-prefix masks and the f32 attention below 16 queries,
 /// paged attention over shuffled blocks (split-K decode with one and many splits, flash and
 /// per-row prefill chunks, mixed batches), cache writes, the vocabulary-sized argmax with a
@@ -962,6 +1025,21 @@ pub fn self_check_cases() -> Vec<Case> {
             LayerNormLinears { n, k, m },
             LayerNormMlp { n, k, hidden: m },
         ]);
+    }
+    // The ViT block's attention half: fused past 4 rows (two images, one shorter than a query
+    // tile; a head dim whose halves are odd, 70, takes the pack's one-pair-a-thread path), op by
+    // op below.
+    for (lens, hidden, heads, dim) in [
+        (vec![20, 13], 288, 4, 72),
+        (vec![9, 30], 140, 2, 70),
+        (vec![3], 64, 2, 32),
+    ] {
+        cases.push(LayerNormRopeAttention {
+            lens,
+            hidden,
+            heads,
+            dim,
+        });
     }
     // The text MLP: f16 operands past 4 rows (8 columns a thread of the SwiGLU, and 1 where the
     // hidden size is not a multiple of 8), the GEMVs below.

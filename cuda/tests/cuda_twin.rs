@@ -142,6 +142,19 @@ fn vit_block_halves_at_real_sizes() {
                 ]
             }),
     );
+    // The attention half, `layer_norm_rope_attention` (16 heads of 72 over 1152 columns): a
+    // 448x448 image beside a 224x224 one in one pass (fused: f16 q/k/v from cuBLASLt, RoPE and
+    // the pack in one kernel reading them, flash attention per image, the projection added in
+    // its GEMM), and 3 rows (op by op: the GEMVs).
+    check_all(
+        &g,
+        [vec![784, 196], vec![3]].map(|lens| Case::LayerNormRopeAttention {
+            lens,
+            hidden: 1152,
+            heads: 16,
+            dim: 72,
+        }),
+    );
 }
 
 #[test]

@@ -25,7 +25,8 @@ use tracing::debug_span;
 use vlm_compute::nn::Linear;
 use vlm_compute::patches::PatchLayout;
 use vlm_compute::{
-    Backend, Embeddings, GeluKind, HostTensor, LayerNormParams, WeightPrefix, Weights,
+    AttentionWeights, Backend, Embeddings, GeluKind, HostTensor, LayerNormParams, WeightPrefix,
+    Weights,
 };
 
 use crate::{Error, PatchValues, Patches, Result, VisionConfig};
@@ -93,7 +94,8 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// `x += proj(attention(rope(q), rope(k), v))` with q, k, v from `norm(x)`.
+    /// `x += proj(attention(rope(q), rope(k), v))` with q, k, v from `norm(x)`, each image
+    /// attending to itself only: one op ([`Backend::layer_norm_rope_attention`]).
     fn forward(
         &self,
         be: &B,
@@ -101,15 +103,14 @@ impl<B: Backend> Attention<B> {
         norm: &LayerNorm<B>,
         pass: &Pass<B>,
     ) -> Result<()> {
-        let [qkv]: [B::Tensor; 1] = be
-            .layer_norm_linears(x, norm.params(), &[self.qkv.projection()])?
-            .try_into()
-            .map_err(|_| {
-                Error::Config("layer_norm_linears: not one output per projection".into())
-            })?;
+        let weights = AttentionWeights {
+            qkv: self.qkv.projection(),
+            heads: self.heads,
+            proj: self.proj.projection(),
+        };
         let rope = [&pass.cos, &pass.sin];
-        let a = be.rope_attention_segments(&qkv, self.heads, rope, &pass.patches_per_image)?;
-        Ok(self.proj.forward_add(be, &a, x)?)
+        let lens = &pass.patches_per_image;
+        Ok(be.layer_norm_rope_attention(x, norm.params(), weights, rope, lens)?)
     }
 }
 

@@ -1,12 +1,16 @@
 //! Attention and what feeds it: RoPE, the per-head norm + RoPE + cache write of a step's
 //! fused qkv (`qkv_to_cache`), KV cache writes, attention over contiguous keys and values (flash
 //! on tensor cores, or a warp per query) and over the paged cache (split-K decode, paged flash
-//! for prefill chunks); kernels in `cuda/kernels/paged_f16.cu`, `attention_f16.cu`,
-//! `attention_sm90.cu` (wgmma, H100/H200) and `ops_f32.cu`.
+//! for prefill chunks), the ViT's attention from its fused q/k/v (`rope_attention_segments`:
+//! split, RoPE and K/V pack in one kernel, then flash attention per image) and its whole
+//! attention half (`layer_norm_rope_attention`: the same from the q/k/v GEMM's f16 output,
+//! between the norm of norm.rs and the GEMMs of linear.rs); kernels in
+//! `cuda/kernels/paged_f16.cu`, `attention_f16.cu`, `attention_sm90.cu` (wgmma, H100/H200) and
+//! `ops_f32.cu`.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::f16;
 
 use super::kernels::{
@@ -14,11 +18,12 @@ use super::kernels::{
     DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
     FLASH_WGMMA_DP, FLASH_WGMMA_KERNEL, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
     FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
-    FLASH_WIDE_QUERIES, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
 };
+use super::lt::{Epilogue, LtOut, LtShape};
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
-use crate::backend::rope_attention_segments_op_by_op;
-use crate::{AttnMask, Error, PagedBatch, QkvToCache, Result};
+use crate::backend::{layer_norm_rope_attention_op_by_op, rope_attention_segments_op_by_op};
+use crate::{AttentionWeights, AttnMask, Error, LayerNormParams, PagedBatch, QkvToCache, Result};
 
 /// One flash attention launch's sizes (`CudaBackend::flash_packed`).
 #[derive(Clone, Copy)]
@@ -33,6 +38,17 @@ struct FlashShape {
     causal: bool,
     /// The key position of query 0 (causal).
     first: usize,
+}
+
+/// The sizes of the ViT's attention on the flash path (`CudaBackend::vit_attention_dims`).
+#[derive(Clone, Copy)]
+struct VitAttentionDims {
+    /// Rows: the patches of every image in the pass.
+    n: usize,
+    heads: usize,
+    d: usize,
+    /// d padded to a compiled head dim (FLASH_DIMS).
+    dp: usize,
 }
 
 impl CudaBackend {
@@ -330,35 +346,105 @@ impl CudaBackend {
         rope: [&CudaTensor; 2],
         lens: &[usize],
     ) -> Result<CudaTensor> {
-        let [cos, sin] = rope;
-        let (n, cols) = (qkv.rows(), qkv.cols());
-        let d = cols / (3 * heads).max(1);
-        let dp = FLASH_DIMS.iter().copied().find(|&dp| dp >= d);
-        let (true, Some(dp)) = (self.inner.flash, dp) else {
+        let dims = self.vit_attention_dims(qkv.rows(), qkv.cols(), heads, rope, lens);
+        // Anything unusual (and every shape error, with its message) goes op by op.
+        let (2, Some(dims)) = (qkv.shape.len(), dims) else {
             return rope_attention_segments_op_by_op(self, qkv, heads, rope, lens);
         };
-        // Anything unusual (and every shape error, with its message) goes op by op.
-        if qkv.shape.len() != 2
-            || n == 0
-            || heads == 0
-            || cols != 3 * heads * d
-            || d % 2 != 0
-            || cos.shape != [n, d]
-            || sin.shape != [n, d]
-            || lens.iter().sum::<usize>() != n
-        {
-            return rope_attention_segments_op_by_op(self, qkv, heads, rope, lens);
+        self.rope_pack_attend("rope_qkv_pack_f16", &qkv.buf, dims, rope, lens)
+    }
+
+    pub(super) fn layer_norm_rope_attention_impl(
+        &self,
+        x: &mut CudaTensor,
+        norm: LayerNormParams<Self>,
+        attn: AttentionWeights<Self>,
+        rope: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Result<()> {
+        let (n, cols, qkv) = (x.rows(), x.cols(), attn.qkv);
+        let [m3, k] = qkv.w.shape[..] else {
+            return layer_norm_rope_attention_op_by_op(self, x, norm, attn, rope, lens);
+        };
+        let dims = self.vit_attention_dims(n, m3, attn.heads, rope, lens);
+        let qkv_shape = LtShape {
+            n,
+            k: cols,
+            m: m3,
+            out_kind: LtOut::F16,
+            epilogue: Epilogue::Bias,
+        };
+        // The GEMVs read f32 rows; anything unusual (and every shape error, with its message)
+        // goes op by op, as does a bias cuBLASLt has no algorithm for.
+        let fused = n > GEMV_MAX_ROWS
+            && x.shape.len() == 2
+            && k == cols
+            && qkv.b.is_none_or(|b| b.len() == m3)
+            && (qkv.b.is_none() || self.lt_supports(&qkv_shape)?);
+        let (true, Some(dims)) = (fused, dims) else {
+            return layer_norm_rope_attention_op_by_op(self, x, norm, attn, rope, lens);
+        };
+        // q, k and v written once, in f16, by their GEMM (bias in its epilogue).
+        let h16 = self.layer_norm_f16(x, norm)?;
+        let mut qkv16 = self.alloc_f16(n * m3)?;
+        match qkv.b {
+            // An f16 output takes an f16 bias.
+            Some(b) => self.lt_gemm(&qkv_shape, &h16, qkv.w, &self.to_f16(b)?, &mut qkv16)?,
+            None => self.gemm_f16(&h16, n, qkv.w, &mut qkv16, false)?,
         }
+        drop(h16);
+        let a = self.rope_pack_attend("rope_qkv16_pack_f16", &qkv16, dims, rope, lens)?;
+        drop(qkv16);
+        // Past the GEMVs' rows: a rounded to f16 and its projection added into x by the GEMM
+        // (the bias in cuBLASLt's epilogue).
+        self.add_linear_impl(x, &a, attn.proj.w, attn.proj.b)
+    }
+
+    /// The sizes of the ViT's fused q/k/v rows (`n` of `cols = 3 * heads * d`) with `rope` and
+    /// `lens`, where rope_qkv_pack and flash attention take them; `None` for anything else.
+    fn vit_attention_dims(
+        &self,
+        n: usize,
+        cols: usize,
+        heads: usize,
+        [cos, sin]: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Option<VitAttentionDims> {
+        if !self.inner.flash || n == 0 || heads == 0 || cols % (3 * heads) != 0 {
+            return None;
+        }
+        let d = cols / (3 * heads);
+        let dp = FLASH_DIMS.iter().copied().find(|&dp| dp >= d)?;
+        let fits = d > 0
+            && d % 2 == 0
+            && cos.shape == [n, d]
+            && sin.shape == [n, d]
+            && lens.iter().sum::<usize>() == n;
+        fits.then_some(VitAttentionDims { n, heads, d, dp })
+    }
+
+    /// The ViT's q/k/v rows `qkv` (`n` rows of `3 * heads * d`, f32 or f16 as `pack` reads
+    /// them: rope_qkv_pack_f16 or rope_qkv16_pack_f16) rotated and packed in one pass, then
+    /// flash attention within each run of `lens` rows. Sizes as [`Self::vit_attention_dims`]
+    /// found them. Returns `[n, heads * d]`.
+    fn rope_pack_attend<T: DeviceRepr>(
+        &self,
+        pack: &'static str,
+        qkv: &CudaSlice<T>,
+        dims: VitAttentionDims,
+        [cos, sin]: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Result<CudaTensor> {
+        let VitAttentionDims { n, heads, d, dp } = dims;
         let mut q = self.alloc(vec![n, heads, d])?;
-        // rope_qkv_pack_f16 writes every element (padding dims as zeros).
+        // rope_qkv_pack writes every element (padding dims as zeros).
         let (mut kp, mut vp) = (
             self.alloc_f16(n * heads * dp)?,
             self.alloc_f16(n * heads * dp)?,
         );
-        let name = "rope_qkv_pack_f16";
         let ints = [heads, d, dp].map(|v| v as i32);
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*qkv.buf)
+        let mut l = self.inner.stream.launch_builder(self.kernel(pack));
+        l.arg(qkv)
             .arg(&*cos.buf)
             .arg(&*sin.buf)
             .arg(Arc::get_mut(&mut q.buf).expect("fresh"))
@@ -367,9 +453,10 @@ impl CudaBackend {
         for v in &ints {
             l.arg(v);
         }
-        // SAFETY: matches rope_qkv_pack_f16, one block per row: qkv holds n rows of 3 * heads
-        // * d, cos and sin n rows of d, q n * heads * d floats, kp and vp n * heads * dp halves.
-        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
+        // SAFETY: matches rope_qkv_pack_f16 (T = f32) or rope_qkv16_pack_f16 (T = f16), one
+        // block per row: qkv holds n rows of 3 * heads * d, cos and sin n rows of d, q n *
+        // heads * d floats, kp and vp n * heads * dp halves.
+        self.launched(pack, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
 
         // Each image's rows attend to each other only: one launch per run of rows, each on its
         // sub-range of every buffer (all of them are row-major).

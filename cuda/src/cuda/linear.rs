@@ -3,8 +3,8 @@
 //! GELU or f16 output goes into the GEMM's epilogue), and the bodies of the [`Backend`] ops
 //! that use them (`linear`, `rms_norm_linear`, `add_linear`, `layer_norm_linears`,
 //! `layer_norm_mlp`; `swiglu`, `rms_norm_swiglu` and `rms_norm_mlp` through `swiglu_with` and
-//! `rms_norm_mlp_f16`), which the trait's impl in `mod.rs` calls; kernels in
-//! `cuda/kernels/weights_f16.cu`.
+//! `rms_norm_mlp_f16`), which the trait's impl in `mod.rs` calls, and the GEMMs of
+//! `layer_norm_rope_attention` (attention.rs); kernels in `cuda/kernels/weights_f16.cu`.
 //!
 //! [`Backend`]: crate::Backend
 
@@ -220,7 +220,7 @@ impl CudaBackend {
 
     /// [`Self::gemm`] of `x16`, `n` rows already rounded to f16, into f32 or (the operand of
     /// another GEMM) f16; accumulation is f32 either way.
-    fn gemm_f16<O: GemmOut>(
+    pub(super) fn gemm_f16<O: GemmOut>(
         &self,
         x16: &CudaSlice<half::f16>,
         n: usize,

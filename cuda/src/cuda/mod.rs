@@ -41,8 +41,8 @@ mod tensor;
 use std::sync::Arc;
 
 use crate::backend::{
-    rms_norm_mlp_op_by_op, AttnMask, Backend, GeluKind, LayerNormParams, PagedBatch, Projection,
-    QkvToCache,
+    rms_norm_mlp_op_by_op, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams,
+    PagedBatch, Projection, QkvToCache,
 };
 use crate::{Embeddings, Error, HostTensor, Result};
 use context::cuda_err;
@@ -190,6 +190,17 @@ impl Backend for CudaBackend {
         down: Projection<Self>,
     ) -> Result<()> {
         self.layer_norm_mlp_impl(x, norm, up, act, down)
+    }
+
+    fn layer_norm_rope_attention(
+        &self,
+        x: &mut CudaTensor,
+        norm: LayerNormParams<Self>,
+        attn: AttentionWeights<Self>,
+        rope: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Result<()> {
+        self.layer_norm_rope_attention_impl(x, norm, attn, rope, lens)
     }
 
     fn swiglu(&self, x: &CudaTensor, gate_up: &CudaWeight) -> Result<CudaTensor> {
