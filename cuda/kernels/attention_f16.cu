@@ -198,12 +198,26 @@ __device__ __forceinline__ void store_n(half* p, const float v[V]) {
     }
 }
 
-template <int V, typename In>
+// Where rope_qkv_pack puts keys and values: PackedF16Kv's rows (f16 [n, heads, dp]), dims past
+// d zero. attention_sm90.cu has a second layout, the wgmma kernel's tiles.
+struct RowsKvDst {
+    half* __restrict__ k;
+    half* __restrict__ v;
+    int dp;
+    __device__ size_t k_at(int t, int heads, int h, int i) const {
+        return ((size_t)t * heads + h) * dp + i;
+    }
+    __device__ size_t v_at(int t, int heads, int h, int i) const { return k_at(t, heads, h, i); }
+    // V's value at padding dim i >= d.
+    __device__ float v_pad(int) const { return 0.0f; }
+};
+
+template <int V, typename In, typename Dst>
 __device__ __forceinline__ void rope_qkv_pack_row(const In* __restrict__ qkv,
                                                   const float* __restrict__ cos_t,
                                                   const float* __restrict__ sin_t,
-                                                  float* __restrict__ q, half* __restrict__ kp,
-                                                  half* __restrict__ vp, int heads, int d, int dp) {
+                                                  float* __restrict__ q, const Dst& kv, int heads,
+                                                  int d, int dp) {
     const int t = blockIdx.x, hd = d / 2, w = heads * d, per_head = hd / V;
     const In* row = qkv + (size_t)t * 3 * w;
     const float* c = cos_t + (size_t)t * d;
@@ -231,30 +245,30 @@ __device__ __forceinline__ void rope_qkv_pack_row(const In* __restrict__ qkv,
         }
         store_n<V>(q + (size_t)t * w + a, qa);
         store_n<V>(q + (size_t)t * w + b, qb);
-        const size_t at = ((size_t)t * heads + h) * dp + i;
-        store_n<V>(kp + at, ka);
-        store_n<V>(kp + at + hd, kb);
-        store_n<V>(vp + at, v1);
-        store_n<V>(vp + at + hd, v2);
+        // A pair's two dims are neighbours in either layout (i is even when V = 2).
+        store_n<V>(kv.k + kv.k_at(t, heads, h, i), ka);
+        store_n<V>(kv.k + kv.k_at(t, heads, h, i + hd), kb);
+        store_n<V>(kv.v + kv.v_at(t, heads, h, i), v1);
+        store_n<V>(kv.v + kv.v_at(t, heads, h, i + hd), v2);
     }
     const int pad = dp - d;
     for (int p = threadIdx.x; p < heads * pad; p += blockDim.x) {
-        const size_t at = ((size_t)t * heads + p / pad) * dp + d + p % pad;
-        kp[at] = __float2half_rn(0.0f);
-        vp[at] = __float2half_rn(0.0f);
+        const int h = p / pad, i = d + p % pad;
+        kv.k[kv.k_at(t, heads, h, i)] = __float2half_rn(0.0f);
+        kv.v[kv.v_at(t, heads, h, i)] = __float2half_rn(kv.v_pad(i));
     }
 }
 
-template <typename In>
+template <typename In, typename Dst>
 __device__ __forceinline__ void rope_qkv_pack(const In* __restrict__ qkv,
                                               const float* __restrict__ cos_t,
                                               const float* __restrict__ sin_t,
-                                              float* __restrict__ q, half* __restrict__ kp,
-                                              half* __restrict__ vp, int heads, int d, int dp) {
+                                              float* __restrict__ q, const Dst& kv, int heads,
+                                              int d, int dp) {
     if ((d / 2) % 2 == 0) {
-        rope_qkv_pack_row<2>(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+        rope_qkv_pack_row<2>(qkv, cos_t, sin_t, q, kv, heads, d, dp);
     } else {
-        rope_qkv_pack_row<1>(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+        rope_qkv_pack_row<1>(qkv, cos_t, sin_t, q, kv, heads, d, dp);
     }
 }
 
@@ -263,7 +277,7 @@ extern "C" __global__ void rope_qkv_pack_f16(const float* __restrict__ qkv,
                                              const float* __restrict__ sin_t,
                                              float* __restrict__ q, half* __restrict__ kp,
                                              half* __restrict__ vp, int heads, int d, int dp) {
-    rope_qkv_pack(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+    rope_qkv_pack(qkv, cos_t, sin_t, q, RowsKvDst{kp, vp, dp}, heads, d, dp);
 }
 
 extern "C" __global__ void rope_qkv16_pack_f16(const half* __restrict__ qkv,
@@ -271,7 +285,7 @@ extern "C" __global__ void rope_qkv16_pack_f16(const half* __restrict__ qkv,
                                                const float* __restrict__ sin_t,
                                                float* __restrict__ q, half* __restrict__ kp,
                                                half* __restrict__ vp, int heads, int d, int dp) {
-    rope_qkv_pack(qkv, cos_t, sin_t, q, kp, vp, heads, d, dp);
+    rope_qkv_pack(qkv, cos_t, sin_t, q, RowsKvDst{kp, vp, dp}, heads, d, dp);
 }
 
 // Keys and values of one sequence in the paged f16 cache (paged_f16.cu's layout): already
@@ -360,7 +374,10 @@ __device__ __forceinline__ void stage_q(const float* __restrict__ q, half* Qs, i
 // past them: the last one, or the diagonal ones when causal), updates the running max and sum,
 // writes P rounded to f16 as the A fragments of P V (the C layout of key groups 2j and 2j + 1
 // is the A layout of k-step j) and the factor `corr` the output must be scaled by.
-template <int NS>
+// LAZY: the running max moves only when a tile's passes it by more than 8 (weights up to 2^8,
+// exact after the final division), so most tiles leave corr at 1 and the output unscaled.
+// !SUMS: the caller gets the row sums elsewhere (the wgmma kernel, from V's column of ones).
+template <int NS, bool LAZY = false, bool SUMS = true>
 __device__ __forceinline__ void tile_softmax(float (&s)[NS * 4], int kt, const int (&visible)[2],
                                              int t, float (&m_run)[2], float (&l_run)[2],
                                              float (&corr)[2], unsigned (&p)[NS / 2][4]) {
@@ -386,9 +403,12 @@ __device__ __forceinline__ void tile_softmax(float (&s)[NS * 4], int kt, const i
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
         float m_new = fmaxf(m_run[hrow], mx);
+        if (LAZY && m_new <= m_run[hrow] + 8.0f) m_new = m_run[hrow];
         // A row that has seen no key yet keeps max -inf: weigh nothing, rescale nothing.
         m_use[hrow] = m_new == NEG_INF ? 0.0f : m_new;
-        corr[hrow] = m_new == NEG_INF ? 1.0f : fast_exp2(m_run[hrow] - m_new);
+        corr[hrow] = m_new == NEG_INF || (LAZY && m_new == m_run[hrow])
+                         ? 1.0f
+                         : fast_exp2(m_run[hrow] - m_new);
         m_run[hrow] = m_new;
     }
     float tile_sum[2] = {0.0f, 0.0f};
@@ -398,17 +418,19 @@ __device__ __forceinline__ void tile_softmax(float (&s)[NS * 4], int kt, const i
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             e4[e] = fast_exp2(s[4 * n + e] - m_use[e / 2]);  // 2^-inf = 0 for masked keys
-            tile_sum[e / 2] += e4[e];
+            if (SUMS) tile_sum[e / 2] += e4[e];
         }
         p[n / 2][(n % 2) * 2 + 0] = pack_half2(e4[0], e4[1]);
         p[n / 2][(n % 2) * 2 + 1] = pack_half2(e4[2], e4[3]);
     }
+    if (SUMS) {
 #pragma unroll
-    for (int hrow = 0; hrow < 2; ++hrow) {
-        float sum = tile_sum[hrow];
-        sum += __shfl_xor_sync(0xffffffff, sum, 1);
-        sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        l_run[hrow] = l_run[hrow] * corr[hrow] + sum;
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            float sum = tile_sum[hrow];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            l_run[hrow] = l_run[hrow] * corr[hrow] + sum;
+        }
     }
 }
 

@@ -1,38 +1,46 @@
-// Flash attention on Hopper's warpgroup MMA (wgmma), for the ViT's large images. sm_90a only:
-// NVRTC compiles this file after common.cuh and attention_f16.cu (whose helpers, PackedF16Kv
-// layout and stage conventions it shares) for compute_90a on an H100/H200; every other GPU
-// (Jetson Orin's sm_87 included) keeps attention_f16.cu's mma.sync kernels. Same computation
-// as flash_attention there: Q pre-scaled by 1/sqrt(d) log2(e), an online softmax per row in
-// f32 with exp2, P rounded to f16, f32 sums. CPU twin: `attention` in cuda/src/cpu.rs.
+// Flash attention on Hopper's warpgroup MMA (wgmma), for the ViT. sm_90a only: NVRTC compiles
+// this file after common.cuh and attention_f16.cu (whose helpers, tile_softmax and the RoPE
+// pack it shares) for compute_90a on an H100/H200; every other GPU (Jetson Orin's sm_87
+// included) keeps attention_f16.cu's mma.sync kernels. Same computation as flash_attention
+// there: Q pre-scaled by 1/sqrt(d) log2(e), an online softmax per row in f32 with exp2, P
+// rounded to f16, f32 sums. CPU twin: `attention` in cuda/src/cpu.rs, through
+// `rope_attention_segments` and `layer_norm_rope_attention`.
 //
 // Why: with mma.sync every K and V fragment passes through registers (ldmatrix) for each
-// product, and at 1344x1344 the kernel was bound by issuing those reads and its block-wide
-// barriers. Here a warpgroup (4 warps) takes 64 query rows and the tensor cores read Q and K
-// (S = Q Kᵀ) and V (O += P V) straight from shared memory; P comes from S's registers as in
-// flash_attention. H100, 16 heads of 72, one pass of 27 layers' shapes (carry/wg harness):
-// 7,056 queries (1344x1344) 0.98 -> 0.76 ms a call against the wide mma.sync kernel, 3,136
-// (896x896) 0.220 -> 0.194 against flash_attention_d80; at 784 (448x448) mma.sync stays ahead
-// (0.032 against 0.038), so the host takes this kernel only for calls of at least a wave of
-// blocks.
+// product; here a warpgroup (4 warps) takes 64 query rows and the tensor cores read Q and K
+// (S = Q Kᵀ) and V (O += P V) straight from shared memory; P comes from S's registers.
+//
+// Keys and values come pre-tiled (TiledKvDst below, written by rope_qkv_pack_tiled_*): per KV
+// head, tiles of FW_BK keys, each already in the shared-memory layout the tensor cores read, so
+// one thread copies a tile with two bulk copies (TMA) instead of every thread computing ~100
+// instructions of addresses a tile for 16-byte cp.async copies, as the kernel's first version
+// did (ncu: a quarter of its issue slots). V carries a column of ones (dim FW_ONES), so P V
+// also sums each row's weights in f32: no per-score additions for the softmax's sums. With
+// tile_softmax's LAZY rescaling, H100, 16 heads of 72, one call (carry/fa harness):
+// 7,056 queries (1344x1344) 0.77 -> 0.50 ms, 3,136 (896x896) 0.195 -> 0.13, 784 (448x448)
+// 0.031 (flash_attention_d80, which it now replaces there too) -> 0.028.
 //
 // A block: FW_WARPGROUPS warpgroups (256 queries of one head), FW_STAGES buffers of FW_BK keys.
 // Shared memory holds the operands in wgmma's no-swizzle layout: "core matrices" of 8 rows x 16
-// bytes, 128 contiguous bytes each (8 threads' 16-byte copies fill the 32 banks):
+// bytes, 128 contiguous bytes each:
 //   Q and K tiles, K-major (a row's dims contiguous): core (row block rb, dim chunk c) at
 //     (rb * DP/8 + c) * 128 bytes; a k-step's 16 dims are two cores 128 bytes apart (leading
 //     byte offset), row blocks DP * 16 bytes apart (stride byte offset).
 //   V tiles, MN-major (read transposed): core (dim chunk c, key block kb) at
 //     (c * FW_BK/8 + kb) * 128 bytes: key blocks 128 bytes apart (leading), dim chunks
 //     FW_BK * 16 bytes apart (stride).
-// No block-wide barrier in the loop: every thread copies its share of a tile with cp.async and
-// arrives on the tile's `full` mbarrier when its copies land; each warp arrives on the tile's
-// `empty` mbarrier when its products are done. Tile i + FW_STAGES - 2 refills the buffers of
-// tile i - 2, so warpgroups drift up to two tiles apart and one's softmax runs while another's
-// products hold the tensor cores (with one barrier a tile they ran in lockstep: 0.85 ms).
+// No block-wide barrier in the loop: thread 0 starts a tile's copies on its `full` mbarrier
+// (expecting their bytes), and each warp arrives on the tile's `empty` mbarrier when its
+// products are done. Tile i + FW_STAGES - 2 refills the buffers of tile i - 2, so warpgroups
+// drift up to two tiles apart and one's softmax runs while another's products hold the tensor
+// cores (with one barrier a tile they ran in lockstep).
 
 #define FW_WARPGROUPS 4
 #define FW_STAGES 3
-#define FW_BK 80  // keys a tile (96: 2% slower, more spills; 64: 13% slower)
+#define FW_BK 112  // keys a tile (on the H100 at 7,056 queries: 80 0.53 ms, 96 0.51, 112 0.50)
+#define FW_DP 80   // Q Kᵀ's dims: head dims 65..72 padded to a k-step multiple
+#define FW_DV 80   // P V's: the head dims, zeros, V's column of ones at FW_ONES, zeros
+#define FW_ONES 72
 
 template <int N>
 struct WgmmaSS;
@@ -42,19 +50,22 @@ struct WgmmaRS;
 // D (64 x N, f32, the warpgroup's accumulators) = (accumulate ? D : 0) + A B, A (64 x 16) and
 // B (16 x N) f16 in shared memory by descriptor, both K-major.
 template <>
-struct WgmmaSS<80> {
-    static __device__ __forceinline__ void run(float (&d)[40], unsigned long long a,
+struct WgmmaSS<112> {
+    static __device__ __forceinline__ void run(float (&d)[56], unsigned long long a,
                                                unsigned long long b, int accumulate) {
         asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n112k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, %56, %57, p, 1, 1, 0, 0;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
               "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
               "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
               "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+              "+f"(d[54]), "+f"(d[55])
             : "l"(a), "l"(b), "r"(accumulate));
     }
 };
@@ -62,18 +73,19 @@ struct WgmmaSS<80> {
 // D (64 x N, f32) += A B: A (64 x 16, f16) in registers (mma.sync's m16n8k16 A fragment for
 // each warp's 16 rows), B (16 x N, f16) in shared memory, MN-major.
 template <>
-struct WgmmaRS<72> {
-    static __device__ __forceinline__ void run(float (&d)[36], const unsigned (&a)[4],
+struct WgmmaRS<80> {
+    static __device__ __forceinline__ void run(float (&d)[40], const unsigned (&a)[4],
                                                unsigned long long b) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n72k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, {%36, %37, %38, %39}, %40, p, 1, 1, 1;\n}\n"
+            "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, {%40, %41, %42, %43}, %44, p, 1, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
               "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
               "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     }
 };
@@ -106,9 +118,19 @@ __device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lb
 __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(b)), "r"(count) : "memory");
 }
-// Arrives on b once all of this thread's earlier cp.async copies have landed.
-__device__ __forceinline__ void mbar_arrive_copies(unsigned long long* b) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(b)) : "memory");
+// Arrives on b and adds `bytes` to the transaction count its current phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* b, unsigned bytes) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n"
+                 ::"r"(smem_addr(b)), "r"(bytes)
+                 : "memory");
+}
+// `bytes` contiguous bytes global -> shared by the copy engine (TMA), counted on b.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, unsigned bytes,
+                                          unsigned long long* b) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(b))
+        : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(b))
@@ -122,53 +144,87 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity
         "r"(parity)
         : "memory");
 }
-// 16 bytes global -> shared, or 16 zero bytes (nothing read) when !in: every write of a tile
-// goes through cp.async, which its mbarrier tracks.
-__device__ __forceinline__ void cp_async16_or_zero(void* smem, const void* gmem, bool in) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-                 "r"(in ? 16 : 0));
+
+// Where rope_qkv_pack puts keys and values for the wgmma kernel: per KV head, tiles of FW_BK
+// keys, a tile's K (FW_BK x FW_DP) then, in the V array, its V (FW_BK x FW_DV), each in the
+// shared-memory layout above. Dims past d are zeros, but V's FW_ONES is one.
+struct TiledKvDst {
+    half* __restrict__ k;
+    half* __restrict__ v;
+    int tiles;  // per KV head
+    __device__ size_t tile(int t, int h) const {
+        return ((size_t)h * tiles + t / FW_BK) * (FW_BK * FW_DP);
+    }
+    __device__ size_t k_at(int t, int, int h, int i) const {
+        const int j = t % FW_BK;
+        return tile(t, h) + (((j / 8) * (FW_DP / 8) + i / 8) * 8 + j % 8) * 8 + i % 8;
+    }
+    __device__ size_t v_at(int t, int, int h, int i) const {
+        const int j = t % FW_BK;
+        return tile(t, h) + (((i / 8) * (FW_BK / 8) + j / 8) * 8 + j % 8) * 8 + i % 8;
+    }
+    __device__ float v_pad(int i) const { return i == FW_ONES ? 1.0f : 0.0f; }
+};
+static_assert(FW_DP == FW_DV, "K and V tiles share TiledKvDst::tile");
+
+// One image's rows (`len` of them, head dim d <= FW_ONES) of the fused projection, rotated and
+// packed as rope_qkv_pack_f16 does, but K and V into TiledKvDst's `tiles` tiles a head. One
+// block per row of the tiles: the rows past `len` (up to the last tile's end) are zeros, so
+// that no NaN of uninitialized memory reaches P V where the weights are 0.
+template <typename In>
+__device__ __forceinline__ void rope_qkv_pack_tiled(const In* __restrict__ qkv,
+                                                    const float* __restrict__ cos_t,
+                                                    const float* __restrict__ sin_t,
+                                                    float* __restrict__ q, half* __restrict__ kt,
+                                                    half* __restrict__ vt, int heads, int d,
+                                                    int len, int tiles) {
+    const TiledKvDst kv{kt, vt, tiles};
+    const int t = blockIdx.x;
+    if (t < len) {
+        rope_qkv_pack(qkv, cos_t, sin_t, q, kv, heads, d, FW_DP);
+        return;
+    }
+    for (int p = threadIdx.x; p < heads * FW_DP; p += blockDim.x) {
+        const int h = p / FW_DP, i = p % FW_DP;
+        kt[kv.k_at(t, heads, h, i)] = __float2half_rn(0.0f);
+        vt[kv.v_at(t, heads, h, i)] = __float2half_rn(0.0f);
+    }
+}
+
+extern "C" __global__ void rope_qkv_pack_tiled_f16(const float* __restrict__ qkv,
+                                                   const float* __restrict__ cos_t,
+                                                   const float* __restrict__ sin_t,
+                                                   float* __restrict__ q, half* __restrict__ kt,
+                                                   half* __restrict__ vt, int heads, int d,
+                                                   int len, int tiles) {
+    rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, kt, vt, heads, d, len, tiles);
+}
+
+extern "C" __global__ void rope_qkv16_pack_tiled_f16(const half* __restrict__ qkv,
+                                                     const float* __restrict__ cos_t,
+                                                     const float* __restrict__ sin_t,
+                                                     float* __restrict__ q, half* __restrict__ kt,
+                                                     half* __restrict__ vt, int heads, int d,
+                                                     int len, int tiles) {
+    rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, kt, vt, heads, d, len, tiles);
 }
 
 // Shared memory, dynamic: Q, FW_STAGES K tiles, FW_STAGES V tiles, then the full and empty
 // mbarriers. Must match flash_wgmma_smem_bytes in cuda/src/cuda/kernels.rs.
-template <int DP, int DV>
 struct FwShared {
     static constexpr int q_rows = 64 * FW_WARPGROUPS;
-    static constexpr int q_tile = q_rows * DP;  // halves
-    static constexpr int k_tile = FW_BK * DP;
-    static constexpr int v_tile = FW_BK * DV;
+    static constexpr int q_tile = q_rows * FW_DP;  // halves
+    static constexpr int k_tile = FW_BK * FW_DP;
+    static constexpr int v_tile = FW_BK * FW_DV;
     static constexpr int bars = (q_tile + FW_STAGES * (k_tile + v_tile)) * 2;  // byte offset
     static constexpr int bytes = bars + 2 * FW_STAGES * 8;
 };
 
-// Keys kt.. (zeros past kv_end) of KV head kvh into a K and a V tile. A thread's index runs over
-// the 8 rows of a core first: 8 threads fill one core, and a warp reads 64 contiguous bytes of
-// each of 8 rows.
-template <int DP, int DV, int THREADS>
-__device__ __forceinline__ void fw_stage(const PackedF16Kv& kv, half* Ks, half* Vs, int kt,
-                                         int kv_end, int kvh) {
-    constexpr int KC = DP / 8, VC = DV / 8;
-#pragma unroll
-    for (int idx = threadIdx.x; idx < FW_BK * KC; idx += THREADS) {
-        const int r8 = idx % 8, c = (idx / 8) % KC, kb = idx / (8 * KC), j = kt + kb * 8 + r8;
-        const bool in = j < kv_end;
-        cp_async16_or_zero(Ks + (kb * KC + c) * 64 + r8 * 8,
-                           kv.k + (in ? ((size_t)j * kv.hkv + kvh) * DP + c * 8 : 0), in);
-    }
-#pragma unroll
-    for (int idx = threadIdx.x; idx < FW_BK * VC; idx += THREADS) {
-        const int r8 = idx % 8, c = (idx / 8) % VC, kb = idx / (8 * VC), j = kt + kb * 8 + r8;
-        const bool in = j < kv_end;
-        cp_async16_or_zero(Vs + (c * (FW_BK / 8) + kb) * 64 + r8 * 8,
-                           kv.v + (in ? ((size_t)j * kv.hkv + kvh) * DP + c * 8 : 0), in);
-    }
-}
-
 // The block's queries (zeros past nq, dims past d zero), scaled, as f16 in the K tile's layout.
-template <int DP, int BQ, int THREADS>
+template <int BQ, int THREADS>
 __device__ __forceinline__ void fw_stage_q(const float* __restrict__ q, half* Qs, int q0, int nq,
                                            int hq, int h, int d, float qscale) {
-    constexpr int KC = DP / 8, C4 = DP / 4;
+    constexpr int KC = FW_DP / 8, C4 = FW_DP / 4;
     for (int idx = threadIdx.x; idx < BQ * C4; idx += THREADS) {
         const int r = idx / C4, c = (idx % C4) * 4, i = q0 + r;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -189,103 +245,101 @@ __device__ __forceinline__ void fw_stage_q(const float* __restrict__ q, half* Qs
     }
 }
 
-// Queries q0.. (up to 256, of nq) of head blockIdx.y over PackedF16Kv keys and values;
-// arguments as flash_attention's. DP: Q Kᵀ's dims (d padded to 16, its k-step); DV: the
-// output's (d rounded up to 8, wgmma's N step).
-template <int DP, int DV>
-__device__ void flash_attention_wgmma(const float* __restrict__ q, const PackedF16Kv& kvs,
-                                      float* __restrict__ out, int q0, int nq, int hq, int hkv, int d,
-                                      int kv_len, int causal, int first_slot, float scale) {
-    using Sh = FwShared<DP, DV>;
+// Queries 256 * blockIdx.x.. (of nq; q f32 [nq, hq, d], d <= FW_ONES) of head blockIdx.y over
+// all kv_len keys of its KV head, tiled (TiledKvDst); out f32 [nq, hq * d]. Bidirectional (the
+// ViT's attention).
+extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
+    const float* __restrict__ q, const half* __restrict__ kt, const half* __restrict__ vt,
+    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, float scale) {
+    using Sh = FwShared;
     constexpr int THREADS = FW_WARPGROUPS * 128;
-    constexpr int KD = DP / 16;   // k-steps of Q Kᵀ
-    constexpr int NS = FW_BK / 8; // 8-key column groups of S
-    constexpr int NO = DV / 8;    // 8-dim column groups of O
-    extern __shared__ __align__(128) unsigned char fa_smem[];
-    half* Qs = reinterpret_cast<half*>(fa_smem);
+    constexpr int KD = FW_DP / 16;  // k-steps of Q Kᵀ
+    constexpr int NS = FW_BK / 8;   // 8-key column groups of S
+    constexpr int NO = FW_DV / 8;   // 8-dim column groups of O
+    extern __shared__ __align__(128) unsigned char fw_smem[];
+    half* Qs = reinterpret_cast<half*>(fw_smem);
     half* kv0 = Qs + Sh::q_tile;
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(fa_smem + Sh::bars);
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(fw_smem + Sh::bars);
     unsigned long long* empty = full + FW_STAGES;
     auto k_buf = [&](int i) { return kv0 + (i % FW_STAGES) * Sh::k_tile; };
     auto v_buf = [&](int i) { return kv0 + FW_STAGES * Sh::k_tile + (i % FW_STAGES) * Sh::v_tile; };
 
-    const int h = blockIdx.y;
+    const int q0 = blockIdx.x * Sh::q_rows, h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int kvh = h / (hq / hkv);
     const float qscale = scale * 1.4426950408889634f;
-    const int last_q = min(q0 + Sh::q_rows, nq) - 1;
-    const int kv_end = causal ? min(kv_len, first_slot + last_q + 1) : kv_len;
-    const int tiles = (kv_end + FW_BK - 1) / FW_BK;
+    const int tiles = (kv_len + FW_BK - 1) / FW_BK;
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < FW_STAGES; ++i) {
-            mbar_init(full + i, THREADS);
+            mbar_init(full + i, 1);
             mbar_init(empty + i, FW_WARPGROUPS * 4);
         }
     }
     __syncthreads();
+    // Thread 0 only: tile i's K and V, one bulk copy each, on its full mbarrier.
     auto issue = [&](int i) {
-        fw_stage<DP, DV, THREADS>(kvs, k_buf(i), v_buf(i), i * FW_BK, kv_end, kvh);
-        mbar_arrive_copies(full + i % FW_STAGES);
+        constexpr unsigned KB = Sh::k_tile * 2, VB = Sh::v_tile * 2;
+        mbar_arrive_expect(full + i % FW_STAGES, KB + VB);
+        const size_t tile = (size_t)kvh * tiles + i;
+        bulk_copy(k_buf(i), kt + tile * Sh::k_tile, KB, full + i % FW_STAGES);
+        bulk_copy(v_buf(i), vt + tile * Sh::v_tile, VB, full + i % FW_STAGES);
     };
-    for (int i = 0; i < FW_STAGES - 2 && i < tiles; ++i) issue(i);
-    fw_stage_q<DP, Sh::q_rows, THREADS>(q, Qs, q0, nq, hq, h, d, qscale);
-    fence_proxy_async();
+    if (threadIdx.x == 0)
+        for (int i = 0; i < FW_STAGES - 2 && i < tiles; ++i) issue(i);
+    fw_stage_q<Sh::q_rows, THREADS>(q, Qs, q0, nq, hq, h, d, qscale);
+    fence_proxy_async();  // Q was written by the threads; wgmma reads it through the async proxy
     __syncthreads();
     // This warpgroup's 64 rows of Q: row blocks 8 (warp / 4)...
-    const half* q_wg = Qs + (warp / 4) * 8 * (DP / 8) * 64;
+    const half* q_wg = Qs + (warp / 4) * 8 * (FW_DP / 8) * 64;
 
     float o[NO * 4];
 #pragma unroll
     for (int i = 0; i < NO * 4; ++i) o[i] = 0.0f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
-    // This thread's first row, and the slot of the last key it sees when causal (the second
-    // row, 8 on, sees 8 more).
-    const int row0 = q0 + warp * 16 + g;
-    const int row_last = first_slot + row0;
+    float m_run[2] = {NEG_INF, NEG_INF}, l_unused[2];
+    const int visible[2] = {kv_len, kv_len};
     for (int it = 0; it < tiles; ++it) {
         // Tile it + FW_STAGES - 2 into the buffers of tile it - 2, once every warp is done
         // with them.
         const int next = it + FW_STAGES - 2;
-        if (next < tiles) {
+        if (threadIdx.x == 0 && next < tiles) {
             if (it >= 2) mbar_wait(empty + (it - 2) % FW_STAGES, ((it - 2) / FW_STAGES) & 1);
             issue(next);
         }
         mbar_wait(full + it % FW_STAGES, (it / FW_STAGES) & 1);
-        fence_proxy_async();
 
         // S (64 x FW_BK a warpgroup) = Q Kᵀ.
         float s[NS * 4];
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk)
-            WgmmaSS<FW_BK>::run(s, wg_desc(q_wg + kk * 128, 128, DP * 16),
-                                wg_desc(k_buf(it) + kk * 128, 128, DP * 16), kk > 0);
+            WgmmaSS<FW_BK>::run(s, wg_desc(q_wg + kk * 128, 128, FW_DP * 16),
+                                wg_desc(k_buf(it) + kk * 128, 128, FW_DP * 16), kk > 0);
         wg_commit();
         wg_wait_all();
         wg_hold(s);
 
         float corr[2];
         unsigned p[FW_BK / 16][4];
-        // The keys this thread's two rows may see (the second row is 8 slots on).
-        const int visible[2] = {causal ? min(kv_len, row_last + 1) : kv_len,
-                                causal ? min(kv_len, row_last + 9) : kv_len};
-        tile_softmax<NS>(s, it * FW_BK, visible, t, m_run, l_run, corr, p);
+        tile_softmax<NS, true, false>(s, it * FW_BK, visible, t, m_run, l_unused, corr, p);
+        // Lazy rescaling leaves corr at 1 in most tiles: skip the multiplies where a warp's are.
+        if (__any_sync(0xffffffff, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            o[4 * n + 0] *= corr[0];
-            o[4 * n + 1] *= corr[0];
-            o[4 * n + 2] *= corr[1];
-            o[4 * n + 3] *= corr[1];
+            for (int n = 0; n < NO; ++n) {
+                o[4 * n + 0] *= corr[0];
+                o[4 * n + 1] *= corr[0];
+                o[4 * n + 2] *= corr[1];
+                o[4 * n + 3] *= corr[1];
+            }
         }
 
-        // O (64 x DV a warpgroup) += P (64 x FW_BK) V (FW_BK x DV).
+        // O (64 x FW_DV a warpgroup) += P (64 x FW_BK) V (FW_BK x FW_DV).
         wg_hold(o);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < FW_BK / 16; ++kk)
-            WgmmaRS<DV>::run(o, p[kk], wg_desc(v_buf(it) + kk * 128, 128, FW_BK * 16));
+            WgmmaRS<FW_DV>::run(o, p[kk], wg_desc(v_buf(it) + kk * 128, 128, FW_BK * 16));
         wg_commit();
         wg_wait_all();
         wg_hold(o);
@@ -293,12 +347,19 @@ __device__ void flash_attention_wgmma(const float* __restrict__ q, const PackedF
         if (lane == 0) mbar_arrive(empty + it % FW_STAGES);
     }
 
+    // Each row's sum of weights is its column FW_ONES of O, held by the quad's thread t = 0.
+    static_assert(FW_ONES % 8 == 0, "column FW_ONES is o[4 (FW_ONES / 8) + 2 hrow] of t = 0");
+    float l[2];
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow)
+        l[hrow] = __shfl_sync(0xffffffff, o[4 * (FW_ONES / 8) + 2 * hrow], lane & ~3);
+    const int row0 = q0 + warp * 16 + g;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         int i = row0 + 8 * hrow;
         if (i >= nq) continue;
         // No key at all (kv_len 0): zeros.
-        float inv = l_run[hrow] > 0.0f ? 1.0f / l_run[hrow] : 0.0f;
+        float inv = l[hrow] > 0.0f ? 1.0f / l[hrow] : 0.0f;
         float* dst = out + ((size_t)i * hq + h) * d;
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
@@ -307,16 +368,4 @@ __device__ void flash_attention_wgmma(const float* __restrict__ q, const PackedF
             if (c + 1 < d) dst[c + 1] = o[4 * n + 2 * hrow + 1] * inv;
         }
     }
-}
-
-// Head dims 65..72 (the ViT's 72), packed to 80. At 128 registers (four warpgroups a block,
-// one block an SM) ptxas spills ~20 bytes a thread; measured, it still beats three warpgroups
-// at 166 registers and 64-key tiles at 126 (no spills).
-extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
-    const float* __restrict__ q, const half* __restrict__ k, const half* __restrict__ v,
-    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int causal,
-    int first_slot, float scale) {
-    PackedF16Kv kvs{k, v, hkv};
-    flash_attention_wgmma<80, 72>(q, kvs, out, blockIdx.x * FwShared<80, 72>::q_rows, nq, hq, hkv,
-                                  d, kv_len, causal, first_slot, scale);
 }

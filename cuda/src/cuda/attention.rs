@@ -16,9 +16,10 @@ use half::f16;
 use super::kernels::{
     decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, COUNTERS, DECODE_MAX_SPLITS,
     DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
-    FLASH_WGMMA_DP, FLASH_WGMMA_KERNEL, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
+    FLASH_WGMMA_DP, FLASH_WGMMA_KERNEL, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
     FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
-    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK_F16,
+    ROPE_PACK_F32,
 };
 use super::lt::{Epilogue, LtOut, LtShape};
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
@@ -275,24 +276,6 @@ impl CudaBackend {
         out: &mut CudaViewMut<f32>,
         s: FlashShape,
     ) -> Result<()> {
-        // Hopper's wgmma kernel for calls of at least a wave of its blocks (the ViT at 896x896
-        // and up).
-        if self.inner.wgmma_flash
-            && s.dp == FLASH_WGMMA_DP
-            && s.d <= FLASH_WGMMA_MAX_D
-            && s.nq.div_ceil(FLASH_WGMMA_QUERIES) * s.hq >= self.inner.sm_count
-        {
-            return self.launch_flash(
-                FLASH_WGMMA_KERNEL,
-                (q, [kp, vp], out),
-                s,
-                LaunchConfig {
-                    grid_dim: (s.nq.div_ceil(FLASH_WGMMA_QUERIES) as u32, s.hq as u32, 1),
-                    block_dim: (FLASH_WGMMA_THREADS, 1, 1),
-                    shared_mem_bytes: flash_wgmma_smem_bytes() as u32,
-                },
-            );
-        }
         // The wide kernel (two m-tiles a warp) for calls of many query tiles.
         let wide = FLASH_WIDE_DIMS.iter().position(|&x| x == s.dp).filter(|_| {
             s.nq.div_ceil(FLASH_WIDE_QUERIES) * s.hq
@@ -316,8 +299,8 @@ impl CudaBackend {
         self.launch_flash(name, (q, [kp, vp], out), s, cfg)
     }
 
-    /// One launch of a packed flash kernel (`flash_attention_(wide_|wgmma_)d{dp}`: their
-    /// arguments are the same), `cfg` sized for it by the caller.
+    /// One launch of a packed flash kernel (`flash_attention_(wide_)d{dp}`: their arguments are
+    /// the same), `cfg` sized for it by the caller.
     fn launch_flash(
         &self,
         name: &'static str,
@@ -351,7 +334,7 @@ impl CudaBackend {
         let (2, Some(dims)) = (qkv.shape.len(), dims) else {
             return rope_attention_segments_op_by_op(self, qkv, heads, rope, lens);
         };
-        self.rope_pack_attend("rope_qkv_pack_f16", &qkv.buf, dims, rope, lens)
+        self.rope_pack_attend(ROPE_PACK_F32, &qkv.buf, dims, rope, lens)
     }
 
     pub(super) fn layer_norm_rope_attention_impl(
@@ -393,7 +376,7 @@ impl CudaBackend {
             None => self.gemm_f16(&h16, n, qkv.w, &mut qkv16, false)?,
         }
         drop(h16);
-        let a = self.rope_pack_attend("rope_qkv16_pack_f16", &qkv16, dims, rope, lens)?;
+        let a = self.rope_pack_attend(ROPE_PACK_F16, &qkv16, dims, rope, lens)?;
         drop(qkv16);
         // Past the GEMVs' rows: a rounded to f16 and its projection added into x by the GEMM
         // (the bias in cuBLASLt's epilogue).
@@ -429,13 +412,16 @@ impl CudaBackend {
     /// found them. Returns `[n, heads * d]`.
     fn rope_pack_attend<T: DeviceRepr>(
         &self,
-        pack: &'static str,
+        [pack, pack_tiled]: [&'static str; 2],
         qkv: &CudaSlice<T>,
         dims: VitAttentionDims,
         [cos, sin]: [&CudaTensor; 2],
         lens: &[usize],
     ) -> Result<CudaTensor> {
         let VitAttentionDims { n, heads, d, dp } = dims;
+        if self.inner.wgmma_flash && dp == FLASH_WGMMA_DP && d <= FLASH_WGMMA_MAX_D {
+            return self.rope_pack_attend_tiled(pack_tiled, qkv, dims, [cos, sin], lens);
+        }
         let mut q = self.alloc(vec![n, heads, d])?;
         // rope_qkv_pack writes every element (padding dims as zeros).
         let (mut kp, mut vp) = (
@@ -482,6 +468,102 @@ impl CudaBackend {
                 shape,
             )?;
             start += len;
+        }
+        Ok(out)
+    }
+
+    /// [`Self::rope_pack_attend`] on Hopper's wgmma kernel, every image on its own: its rows
+    /// rotated and its keys and values packed into the kernel's tiles (`pack`:
+    /// rope_qkv(16)_pack_tiled_f16), then attended (flash_attention_wgmma_d80).
+    fn rope_pack_attend_tiled<T: DeviceRepr>(
+        &self,
+        pack: &'static str,
+        qkv: &CudaSlice<T>,
+        dims: VitAttentionDims,
+        [cos, sin]: [&CudaTensor; 2],
+        lens: &[usize],
+    ) -> Result<CudaTensor> {
+        let VitAttentionDims { n, heads, d, .. } = dims;
+        let width = 3 * heads * d;
+        // Halves of one KV head's tile of keys (and the same again of values).
+        let tile = FLASH_WGMMA_KEYS * FLASH_WGMMA_DP;
+        let tiles: usize = lens.iter().map(|len| len.div_ceil(FLASH_WGMMA_KEYS)).sum();
+        let mut q = self.alloc(vec![n, heads, d])?;
+        // The pack writes every element of each image's tiles (keys past it as zeros).
+        let (mut kt, mut vt) = (
+            self.alloc_f16(tiles * heads * tile)?,
+            self.alloc_f16(tiles * heads * tile)?,
+        );
+        let mut out = self.alloc(vec![n, heads * d])?;
+        let (q_buf, out_buf) = (
+            Arc::get_mut(&mut q.buf).expect("fresh"),
+            Arc::get_mut(&mut out.buf).expect("fresh"),
+        );
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (mut start, mut at) = (0, 0);
+        for &len in lens.iter().filter(|&&len| len > 0) {
+            let image_tiles = len.div_ceil(FLASH_WGMMA_KEYS);
+            let rows = |width: usize| start * width..(start + len) * width;
+            let packed = at..at + image_tiles * heads * tile;
+            {
+                let (qkv_rows, cos_rows, sin_rows) = (
+                    qkv.slice(rows(width)),
+                    cos.buf.slice(rows(d)),
+                    sin.buf.slice(rows(d)),
+                );
+                let mut q_rows = q_buf.slice_mut(rows(heads * d));
+                let (mut k_tiles, mut v_tiles) =
+                    (kt.slice_mut(packed.clone()), vt.slice_mut(packed.clone()));
+                let ints = [heads, d, len, image_tiles].map(|v| v as i32);
+                let mut l = self.inner.stream.launch_builder(self.kernel(pack));
+                l.arg(&qkv_rows)
+                    .arg(&cos_rows)
+                    .arg(&sin_rows)
+                    .arg(&mut q_rows)
+                    .arg(&mut k_tiles)
+                    .arg(&mut v_tiles);
+                for v in &ints {
+                    l.arg(v);
+                }
+                // SAFETY: matches rope_qkv_pack_tiled_f16 (T = f32) or
+                // rope_qkv16_pack_tiled_f16 (T = f16), one block per row of the image's tiles:
+                // qkv holds its len rows of 3 * heads * d, cos and sin len rows of d, q len *
+                // heads * d floats, kt and vt image_tiles * heads tiles of FLASH_WGMMA_KEYS *
+                // FLASH_WGMMA_DP halves.
+                let cfg = Self::row_config(image_tiles * FLASH_WGMMA_KEYS);
+                self.launched(pack, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            }
+
+            let (q_rows, k_tiles, v_tiles) = (
+                q_buf.slice(rows(heads * d)),
+                kt.slice(packed.clone()),
+                vt.slice(packed),
+            );
+            let mut out_rows = out_buf.slice_mut(rows(heads * d));
+            let ints = [len, heads, heads, d, len].map(|v| v as i32);
+            let mut l = self
+                .inner
+                .stream
+                .launch_builder(self.kernel(FLASH_WGMMA_KERNEL));
+            l.arg(&q_rows)
+                .arg(&k_tiles)
+                .arg(&v_tiles)
+                .arg(&mut out_rows);
+            for v in &ints {
+                l.arg(v);
+            }
+            l.arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: (len.div_ceil(FLASH_WGMMA_QUERIES) as u32, heads as u32, 1),
+                block_dim: (FLASH_WGMMA_THREADS, 1, 1),
+                shared_mem_bytes: flash_wgmma_smem_bytes() as u32,
+            };
+            // SAFETY: matches flash_attention_wgmma_d80: q and out len * heads * d floats, kt
+            // and vt the image's tiles as packed above (d <= FLASH_WGMMA_MAX_D), one block per
+            // FLASH_WGMMA_QUERIES queries of a head; shared memory opted in at load.
+            self.launched(FLASH_WGMMA_KERNEL, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            start += len;
+            at += image_tiles * heads * tile;
         }
         Ok(out)
     }

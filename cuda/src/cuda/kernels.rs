@@ -97,8 +97,8 @@ pub(super) const SOURCES: [KernelSource; 5] = [
             FLASH_WIDE_KERNELS[0],
             FLASH_WIDE_KERNELS[1],
             "pack_kv_f16",
-            "rope_qkv_pack_f16",
-            "rope_qkv16_pack_f16",
+            ROPE_PACK_F32[0],
+            ROPE_PACK_F16[0],
         ],
         per_rows: &[],
         sm90a: false,
@@ -107,7 +107,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
         file: "attention_sm90.cu",
         prelude: &[kernel_file!("attention_f16.cu")],
         source: kernel_file!("attention_sm90.cu").1,
-        kernels: &[FLASH_WGMMA_KERNEL],
+        kernels: &[FLASH_WGMMA_KERNEL, ROPE_PACK_F32[1], ROPE_PACK_F16[1]],
         per_rows: &[],
         sm90a: true,
     },
@@ -190,23 +190,31 @@ pub(super) const FLASH_WIDE_QUERIES: usize = 128;
 pub(super) const FLASH_WIDE_MIN_WAVES: usize = 3;
 
 /// Flash attention on wgmma (attention_sm90.cu, sm_90 only) for head dims 65..72 packed to 80
-/// (the ViT's 72): 256 queries a block of four warpgroups, one block an SM. The host takes it
-/// for calls of at least a wave of its blocks (on the H100 a 896x896 image's 208 blocks a
-/// call: 0.220 -> 0.194 ms against flash_attention_d80; 1344x1344's 448: 0.98 -> 0.76 against
-/// the wide kernel); below that (448x448: 64 blocks) the mma.sync kernels are faster.
+/// (the ViT's 72): 256 queries a block of four warpgroups, one block an SM, over keys and
+/// values the RoPE pack wrote in its tiles of FLASH_WGMMA_KEYS keys. The host takes it for
+/// every image where it was compiled: on the H100 it beats the mma.sync kernels from a
+/// 448x448 image's 784 queries a call (0.031 -> 0.028 ms) to 1344x1344's 7,056 (0.98 -> 0.50).
 pub(super) const FLASH_WGMMA_KERNEL: &str = "flash_attention_wgmma_d80";
 pub(super) const FLASH_WGMMA_DP: usize = 80;
+/// The kernel's V carries a column of ones at dim 72, so head dims stop there.
 pub(super) const FLASH_WGMMA_MAX_D: usize = 72;
 pub(super) const FLASH_WGMMA_QUERIES: usize = 256;
+/// Keys a tile (FW_BK).
+pub(super) const FLASH_WGMMA_KEYS: usize = 112;
 pub(super) const FLASH_WGMMA_THREADS: u32 = 512;
 
+/// The ViT's RoPE + K/V pack of its fused q/k/v rows, from f32 or f16 rows: into PackedF16Kv's
+/// rows (attention_f16.cu, for the mma.sync kernels) and into the wgmma kernel's tiles
+/// (attention_sm90.cu).
+pub(super) const ROPE_PACK_F32: [&str; 2] = ["rope_qkv_pack_f16", "rope_qkv_pack_tiled_f16"];
+pub(super) const ROPE_PACK_F16: [&str; 2] = ["rope_qkv16_pack_f16", "rope_qkv16_pack_tiled_f16"];
+
 /// Dynamic shared memory of flash_attention_wgmma_d80 (FwShared in attention_sm90.cu): the
-/// block's 256 queries and three K and V tiles of 80 keys (FW_BK), f16 (K and Q rows of 80
-/// halves, V of 72), then six 8-byte mbarriers.
+/// block's 256 queries and three K and V tiles, all rows of 80 halves, then six 8-byte
+/// mbarriers.
 pub(super) fn flash_wgmma_smem_bytes() -> usize {
-    const BK: usize = 80;
     const STAGES: usize = 3;
-    (FLASH_WGMMA_QUERIES * 80 + STAGES * BK * (80 + 72)) * 2 + 2 * STAGES * 8
+    (FLASH_WGMMA_QUERIES + 2 * STAGES * FLASH_WGMMA_KEYS) * FLASH_WGMMA_DP * 2 + 2 * STAGES * 8
 }
 
 /// Dynamic shared memory of a flash kernel taking `queries` a block: a Q tile of them and two
