@@ -246,11 +246,14 @@ __device__ __forceinline__ void fw_stage_q(const float* __restrict__ q, half* Qs
 }
 
 // Queries 256 * blockIdx.x.. (of nq; q f32 [nq, hq, d], d <= FW_ONES) of head blockIdx.y over
-// all kv_len keys of its KV head, tiled (TiledKvDst); out f32 [nq, hq * d]. Bidirectional (the
-// ViT's attention).
-extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
-    const float* __restrict__ q, const half* __restrict__ kt, const half* __restrict__ vt,
-    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, float scale) {
+// all kv_len keys of its KV head, tiled (TiledKvDst); out [nq, hq * d], f32 or (rounded, for the
+// GEMM after it) f16. Bidirectional (the ViT's attention).
+template <typename Out>
+__device__ __forceinline__ void flash_attention_wgmma(const float* __restrict__ q,
+                                                      const half* __restrict__ kt,
+                                                      const half* __restrict__ vt,
+                                                      Out* __restrict__ out, int nq, int hq,
+                                                      int hkv, int d, int kv_len, float scale) {
     using Sh = FwShared;
     constexpr int THREADS = FW_WARPGROUPS * 128;
     constexpr int KD = FW_DP / 16;  // k-steps of Q Kᵀ
@@ -360,12 +363,30 @@ extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_atten
         if (i >= nq) continue;
         // No key at all (kv_len 0): zeros.
         float inv = l[hrow] > 0.0f ? 1.0f / l[hrow] : 0.0f;
-        float* dst = out + ((size_t)i * hq + h) * d;
+        Out* dst = out + ((size_t)i * hq + h) * d;
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
-            int c = n * 8 + 2 * t;
-            if (c < d) dst[c] = o[4 * n + 2 * hrow] * inv;
-            if (c + 1 < d) dst[c + 1] = o[4 * n + 2 * hrow + 1] * inv;
+            const int c = n * 8 + 2 * t;
+            const float v2[2] = {o[4 * n + 2 * hrow] * inv, o[4 * n + 2 * hrow + 1] * inv};
+            if (c + 1 < d && d % 2 == 0) {
+                store_n<2>(dst + c, v2);  // c and the row's start even: aligned
+            } else {
+                if (c < d) store_n<1>(dst + c, v2);
+                if (c + 1 < d) store_n<1>(dst + c + 1, v2 + 1);
+            }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
+    const float* __restrict__ q, const half* __restrict__ kt, const half* __restrict__ vt,
+    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, float scale) {
+    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
+    flash_attention_wgmma_d80_f16out(const float* __restrict__ q, const half* __restrict__ kt,
+                                     const half* __restrict__ vt, half* __restrict__ out, int nq,
+                                     int hq, int hkv, int d, int kv_len, float scale) {
+    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, scale);
 }

@@ -422,6 +422,7 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
         // Hopper's wgmma kernel and its pack are built for sm_90 only (as compute_90a).
         for k in [
             "flash_attention_wgmma_d80",
+            "flash_attention_wgmma_d80_f16out",
             "rope_qkv_pack_tiled_f16",
             "rope_qkv16_pack_tiled_f16",
         ] {

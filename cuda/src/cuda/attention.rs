@@ -16,7 +16,7 @@ use half::f16;
 use super::kernels::{
     decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, COUNTERS, DECODE_MAX_SPLITS,
     DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
-    FLASH_WGMMA_DP, FLASH_WGMMA_KERNEL, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
+    FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
     FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK_F16,
     ROPE_PACK_F32,
@@ -376,11 +376,41 @@ impl CudaBackend {
             None => self.gemm_f16(&h16, n, qkv.w, &mut qkv16, false)?,
         }
         drop(h16);
+        let proj = attn.proj;
+        let proj_shape = LtShape {
+            n,
+            k: dims.heads * dims.d,
+            m: cols,
+            out_kind: LtOut::F32 { accumulate: true },
+            epilogue: Epilogue::Bias,
+        };
+        let proj_fits = proj.w.shape == [cols, proj_shape.k]
+            && proj.b.is_none_or(|b| b.len() == cols)
+            && (proj.b.is_none() || self.lt_supports(&proj_shape)?);
+        if self.wgmma_attends(dims) && proj_fits {
+            // The attention written in f16, the projection's operand: its GEMM adds it into x
+            // (the bias in cuBLASLt's epilogue), with no f32 copy and cast between them.
+            let mut a16 = self.alloc_f16(n * proj_shape.k)?;
+            let attend = (FLASH_WGMMA_KERNELS[1], &mut a16);
+            self.rope_pack_attend_tiled(ROPE_PACK_F16[1], &qkv16, dims, rope, lens, attend)?;
+            drop(qkv16);
+            let out = Arc::make_mut(&mut x.buf);
+            return match proj.b {
+                Some(b) => self.lt_gemm(&proj_shape, &a16, proj.w, &b.buf, out),
+                None => self.gemm_f16(&a16, n, proj.w, out, true),
+            };
+        }
         let a = self.rope_pack_attend(ROPE_PACK_F16, &qkv16, dims, rope, lens)?;
         drop(qkv16);
         // Past the GEMVs' rows: a rounded to f16 and its projection added into x by the GEMM
         // (the bias in cuBLASLt's epilogue).
-        self.add_linear_impl(x, &a, attn.proj.w, attn.proj.b)
+        self.add_linear_impl(x, &a, proj.w, proj.b)
+    }
+
+    /// Whether Hopper's wgmma kernel takes the ViT's attention of these sizes (where it was
+    /// compiled and loaded).
+    fn wgmma_attends(&self, dims: VitAttentionDims) -> bool {
+        self.inner.wgmma_flash && dims.dp == FLASH_WGMMA_DP && dims.d <= FLASH_WGMMA_MAX_D
     }
 
     /// The sizes of the ViT's fused q/k/v rows (`n` of `cols = 3 * heads * d`) with `rope` and
@@ -419,8 +449,12 @@ impl CudaBackend {
         lens: &[usize],
     ) -> Result<CudaTensor> {
         let VitAttentionDims { n, heads, d, dp } = dims;
-        if self.inner.wgmma_flash && dp == FLASH_WGMMA_DP && d <= FLASH_WGMMA_MAX_D {
-            return self.rope_pack_attend_tiled(pack_tiled, qkv, dims, [cos, sin], lens);
+        if self.wgmma_attends(dims) {
+            let mut out = self.alloc(vec![n, heads * d])?;
+            let out_buf = Arc::get_mut(&mut out.buf).expect("fresh");
+            let attend = (FLASH_WGMMA_KERNELS[0], out_buf);
+            self.rope_pack_attend_tiled(pack_tiled, qkv, dims, [cos, sin], lens, attend)?;
+            return Ok(out);
         }
         let mut q = self.alloc(vec![n, heads, d])?;
         // rope_qkv_pack writes every element (padding dims as zeros).
@@ -474,15 +508,17 @@ impl CudaBackend {
 
     /// [`Self::rope_pack_attend`] on Hopper's wgmma kernel, every image on its own: its rows
     /// rotated and its keys and values packed into the kernel's tiles (`pack`:
-    /// rope_qkv(16)_pack_tiled_f16), then attended (flash_attention_wgmma_d80).
-    fn rope_pack_attend_tiled<T: DeviceRepr>(
+    /// rope_qkv(16)_pack_tiled_f16), then attended by `attend` (one of FLASH_WGMMA_KERNELS,
+    /// writing `out` [n, heads * d] as f32 or f16).
+    fn rope_pack_attend_tiled<T: DeviceRepr, O: DeviceRepr>(
         &self,
         pack: &'static str,
         qkv: &CudaSlice<T>,
         dims: VitAttentionDims,
         [cos, sin]: [&CudaTensor; 2],
         lens: &[usize],
-    ) -> Result<CudaTensor> {
+        (attend, out_buf): (&'static str, &mut CudaSlice<O>),
+    ) -> Result<()> {
         let VitAttentionDims { n, heads, d, .. } = dims;
         let width = 3 * heads * d;
         // Halves of one KV head's tile of keys (and the same again of values).
@@ -494,11 +530,7 @@ impl CudaBackend {
             self.alloc_f16(tiles * heads * tile)?,
             self.alloc_f16(tiles * heads * tile)?,
         );
-        let mut out = self.alloc(vec![n, heads * d])?;
-        let (q_buf, out_buf) = (
-            Arc::get_mut(&mut q.buf).expect("fresh"),
-            Arc::get_mut(&mut out.buf).expect("fresh"),
-        );
+        let q_buf = Arc::get_mut(&mut q.buf).expect("fresh");
         let scale = 1.0f32 / (d as f32).sqrt();
         let (mut start, mut at) = (0, 0);
         for &len in lens.iter().filter(|&&len| len > 0) {
@@ -541,10 +573,7 @@ impl CudaBackend {
             );
             let mut out_rows = out_buf.slice_mut(rows(heads * d));
             let ints = [len, heads, heads, d, len].map(|v| v as i32);
-            let mut l = self
-                .inner
-                .stream
-                .launch_builder(self.kernel(FLASH_WGMMA_KERNEL));
+            let mut l = self.inner.stream.launch_builder(self.kernel(attend));
             l.arg(&q_rows)
                 .arg(&k_tiles)
                 .arg(&v_tiles)
@@ -558,14 +587,15 @@ impl CudaBackend {
                 block_dim: (FLASH_WGMMA_THREADS, 1, 1),
                 shared_mem_bytes: flash_wgmma_smem_bytes() as u32,
             };
-            // SAFETY: matches flash_attention_wgmma_d80: q and out len * heads * d floats, kt
+            // SAFETY: matches flash_attention_wgmma_d80 (O = f32) or its _f16out build (O =
+            // f16), the caller's pair: q len * heads * d floats, out len * heads * d of O, kt
             // and vt the image's tiles as packed above (d <= FLASH_WGMMA_MAX_D), one block per
             // FLASH_WGMMA_QUERIES queries of a head; shared memory opted in at load.
-            self.launched(FLASH_WGMMA_KERNEL, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            self.launched(attend, unsafe { l.launch(cfg) }.map(|_| ()))?;
             start += len;
             at += image_tiles * heads * tile;
         }
-        Ok(out)
+        Ok(())
     }
 
     pub(super) fn write_kv_impl(

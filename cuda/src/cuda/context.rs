@@ -11,7 +11,7 @@ use cudarc::nvrtc::Ptx;
 use super::compile::{self, compile_ptx};
 use super::kernels::{
     flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS,
-    FLASH_QUERIES, FLASH_WGMMA_KERNEL, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES,
+    FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES,
     GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
 use super::linear::{Gemv, GEMV_STATIC_SMEM};
@@ -288,13 +288,15 @@ impl CudaBackend {
         });
         // The same for Hopper's wgmma flash kernel, where it was compiled (sm_90).
         let wgmma_flash = flash
-            && kernels.get(FLASH_WGMMA_KERNEL).is_some_and(|k| {
-                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-                let set = k.set_attribute(MAX_SMEM, flash_wgmma_smem_bytes() as i32);
-                if let Err(e) = &set {
-                    tracing::warn!(kernel = FLASH_WGMMA_KERNEL, error = %e, "wgmma flash attention unavailable; using the mma.sync kernels");
-                }
-                set.is_ok()
+            && FLASH_WGMMA_KERNELS.iter().all(|&name| {
+                kernels.get(name).is_some_and(|k| {
+                    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+                    let set = k.set_attribute(MAX_SMEM, flash_wgmma_smem_bytes() as i32);
+                    if let Err(e) = &set {
+                        tracing::warn!(kernel = name, error = %e, "wgmma flash attention unavailable; using the mma.sync kernels");
+                    }
+                    set.is_ok()
+                })
             });
         // The normed GEMVs stage their input rows in shared memory: let them have what the GPU
         // gives one block (4 rows of 4,096 floats need 64 KB, past the default 48), less what

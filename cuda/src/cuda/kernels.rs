@@ -107,7 +107,12 @@ pub(super) const SOURCES: [KernelSource; 5] = [
         file: "attention_sm90.cu",
         prelude: &[kernel_file!("attention_f16.cu")],
         source: kernel_file!("attention_sm90.cu").1,
-        kernels: &[FLASH_WGMMA_KERNEL, ROPE_PACK_F32[1], ROPE_PACK_F16[1]],
+        kernels: &[
+            FLASH_WGMMA_KERNELS[0],
+            FLASH_WGMMA_KERNELS[1],
+            ROPE_PACK_F32[1],
+            ROPE_PACK_F16[1],
+        ],
         per_rows: &[],
         sm90a: true,
     },
@@ -194,7 +199,12 @@ pub(super) const FLASH_WIDE_MIN_WAVES: usize = 3;
 /// values the RoPE pack wrote in its tiles of FLASH_WGMMA_KEYS keys. The host takes it for
 /// every image where it was compiled: on the H100 it beats the mma.sync kernels from a
 /// 448x448 image's 784 queries a call (0.031 -> 0.028 ms) to 1344x1344's 7,056 (0.98 -> 0.50).
-pub(super) const FLASH_WGMMA_KERNEL: &str = "flash_attention_wgmma_d80";
+/// Its two builds: writing f32 (`rope_attention_segments`) and f16 (the operand of the GEMM
+/// after it in `layer_norm_rope_attention`).
+pub(super) const FLASH_WGMMA_KERNELS: [&str; 2] = [
+    "flash_attention_wgmma_d80",
+    "flash_attention_wgmma_d80_f16out",
+];
 pub(super) const FLASH_WGMMA_DP: usize = 80;
 /// The kernel's V carries a column of ones at dim 72, so head dims stop there.
 pub(super) const FLASH_WGMMA_MAX_D: usize = 72;
