@@ -157,12 +157,18 @@ extern "C" __global__ void pack_kv_f16(const float* __restrict__ k, const float*
 // output (rope_qkv16_pack_f16: `layer_norm_rope_attention`, half the bytes to read).
 //
 // A thread takes V neighbouring pairs (i, i + d/2) of a head: V = 2 where d/2 is even (the
-// ViT's 72, and every head dim that is a multiple of 4), so that each value is read and written
-// two at a time; elements stay 8- (f32) or 4-byte (f16) aligned because rows, heads and i are
-// even then.
+// ViT's 72), else 1, so that each value is read and written two at a time; elements stay aligned
+// because rows, heads and i are even then. (V = 4 measured slower on the H100: the wgmma
+// kernel's pack in attention_sm90.cu has a faster way for it.) load_n and store_n also move 4.
 template <int V>
 __device__ __forceinline__ void load_n(const float* p, float v[V]) {
-    if constexpr (V == 2) {
+    if constexpr (V == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(p);
+        v[0] = x.x;
+        v[1] = x.y;
+        v[2] = x.z;
+        v[3] = x.w;
+    } else if constexpr (V == 2) {
         const float2 x = *reinterpret_cast<const float2*>(p);
         v[0] = x.x;
         v[1] = x.y;
@@ -172,7 +178,15 @@ __device__ __forceinline__ void load_n(const float* p, float v[V]) {
 }
 template <int V>
 __device__ __forceinline__ void load_n(const half* p, float v[V]) {
-    if constexpr (V == 2) {
+    if constexpr (V == 4) {
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&x.x));
+        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&x.y));
+        v[0] = lo.x;
+        v[1] = lo.y;
+        v[2] = hi.x;
+        v[3] = hi.y;
+    } else if constexpr (V == 2) {
         const float2 x = __half22float2(*reinterpret_cast<const __half2*>(p));
         v[0] = x.x;
         v[1] = x.y;
@@ -183,7 +197,9 @@ __device__ __forceinline__ void load_n(const half* p, float v[V]) {
 
 template <int V>
 __device__ __forceinline__ void store_n(float* p, const float v[V]) {
-    if constexpr (V == 2) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else if constexpr (V == 2) {
         *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
     } else {
         *p = v[0];
@@ -191,7 +207,9 @@ __device__ __forceinline__ void store_n(float* p, const float v[V]) {
 }
 template <int V>
 __device__ __forceinline__ void store_n(half* p, const float v[V]) {
-    if constexpr (V == 2) {
+    if constexpr (V == 4) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]));
+    } else if constexpr (V == 2) {
         *reinterpret_cast<__half2*>(p) = __floats2half2_rn(v[0], v[1]);
     } else {
         *p = __float2half_rn(v[0]);
@@ -208,16 +226,22 @@ struct RowsKvDst {
         return ((size_t)t * heads + h) * dp + i;
     }
     __device__ size_t v_at(int t, int heads, int h, int i) const { return k_at(t, heads, h, i); }
-    // V's value at padding dim i >= d.
-    __device__ float v_pad(int) const { return 0.0f; }
+    // Row t's dims d..dp of every head: zeros.
+    __device__ void pad(int t, int heads, int d, int dp) const {
+        const int n = dp - d;
+        for (int p = threadIdx.x; p < heads * n; p += blockDim.x) {
+            const size_t at = k_at(t, heads, p / n, d + p % n);
+            k[at] = v[at] = __float2half_rn(0.0f);
+        }
+    }
 };
 
-template <int V, typename In, typename Dst>
+template <int V, typename In, typename Q, typename Dst>
 __device__ __forceinline__ void rope_qkv_pack_row(const In* __restrict__ qkv,
                                                   const float* __restrict__ cos_t,
                                                   const float* __restrict__ sin_t,
-                                                  float* __restrict__ q, const Dst& kv, int heads,
-                                                  int d, int dp) {
+                                                  Q* __restrict__ q, float q_scale, const Dst& kv,
+                                                  int heads, int d, int dp) {
     const int t = blockIdx.x, hd = d / 2, w = heads * d, per_head = hd / V;
     const In* row = qkv + (size_t)t * 3 * w;
     const float* c = cos_t + (size_t)t * d;
@@ -238,8 +262,8 @@ __device__ __forceinline__ void rope_qkv_pack_row(const In* __restrict__ qkv,
         float qa[V], qb[V], ka[V], kb[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            qa[j] = q1[j] * c1[j] - q2[j] * s1[j];
-            qb[j] = q2[j] * c2[j] + q1[j] * s2[j];
+            qa[j] = (q1[j] * c1[j] - q2[j] * s1[j]) * q_scale;
+            qb[j] = (q2[j] * c2[j] + q1[j] * s2[j]) * q_scale;
             ka[j] = k1[j] * c1[j] - k2[j] * s1[j];
             kb[j] = k2[j] * c2[j] + k1[j] * s2[j];
         }
@@ -251,24 +275,19 @@ __device__ __forceinline__ void rope_qkv_pack_row(const In* __restrict__ qkv,
         store_n<V>(kv.v + kv.v_at(t, heads, h, i), v1);
         store_n<V>(kv.v + kv.v_at(t, heads, h, i + hd), v2);
     }
-    const int pad = dp - d;
-    for (int p = threadIdx.x; p < heads * pad; p += blockDim.x) {
-        const int h = p / pad, i = d + p % pad;
-        kv.k[kv.k_at(t, heads, h, i)] = __float2half_rn(0.0f);
-        kv.v[kv.v_at(t, heads, h, i)] = __float2half_rn(kv.v_pad(i));
-    }
+    kv.pad(t, heads, d, dp);
 }
 
-template <typename In, typename Dst>
+template <typename In, typename Q, typename Dst>
 __device__ __forceinline__ void rope_qkv_pack(const In* __restrict__ qkv,
                                               const float* __restrict__ cos_t,
-                                              const float* __restrict__ sin_t,
-                                              float* __restrict__ q, const Dst& kv, int heads,
-                                              int d, int dp) {
+                                              const float* __restrict__ sin_t, Q* __restrict__ q,
+                                              float q_scale, const Dst& kv, int heads, int d,
+                                              int dp) {
     if ((d / 2) % 2 == 0) {
-        rope_qkv_pack_row<2>(qkv, cos_t, sin_t, q, kv, heads, d, dp);
+        rope_qkv_pack_row<2>(qkv, cos_t, sin_t, q, q_scale, kv, heads, d, dp);
     } else {
-        rope_qkv_pack_row<1>(qkv, cos_t, sin_t, q, kv, heads, d, dp);
+        rope_qkv_pack_row<1>(qkv, cos_t, sin_t, q, q_scale, kv, heads, d, dp);
     }
 }
 
@@ -277,7 +296,7 @@ extern "C" __global__ void rope_qkv_pack_f16(const float* __restrict__ qkv,
                                              const float* __restrict__ sin_t,
                                              float* __restrict__ q, half* __restrict__ kp,
                                              half* __restrict__ vp, int heads, int d, int dp) {
-    rope_qkv_pack(qkv, cos_t, sin_t, q, RowsKvDst{kp, vp, dp}, heads, d, dp);
+    rope_qkv_pack(qkv, cos_t, sin_t, q, 1.0f, RowsKvDst{kp, vp, dp}, heads, d, dp);
 }
 
 extern "C" __global__ void rope_qkv16_pack_f16(const half* __restrict__ qkv,
@@ -285,7 +304,7 @@ extern "C" __global__ void rope_qkv16_pack_f16(const half* __restrict__ qkv,
                                                const float* __restrict__ sin_t,
                                                float* __restrict__ q, half* __restrict__ kp,
                                                half* __restrict__ vp, int heads, int d, int dp) {
-    rope_qkv_pack(qkv, cos_t, sin_t, q, RowsKvDst{kp, vp, dp}, heads, d, dp);
+    rope_qkv_pack(qkv, cos_t, sin_t, q, 1.0f, RowsKvDst{kp, vp, dp}, heads, d, dp);
 }
 
 // Keys and values of one sequence in the paged f16 cache (paged_f16.cu's layout): already

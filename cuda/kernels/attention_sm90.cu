@@ -163,50 +163,127 @@ struct TiledKvDst {
         const int j = t % FW_BK;
         return tile(t, h) + (((i / 8) * (FW_BK / 8) + j / 8) * 8 + j % 8) * 8 + i % 8;
     }
-    __device__ float v_pad(int i) const { return i == FW_ONES ? 1.0f : 0.0f; }
+    // Row t's dims d..FW_DP of every head: zeros, but V's FW_ONES is one. Whole 16-byte chunks
+    // where d is a multiple of 8 (the ViT's 72: one chunk a head each of K and V).
+    __device__ void pad(int t, int heads, int d, int) const {
+        if (d % 8 == 0) {
+            const int chunks = (FW_DP - d) / 8;
+            for (int p = threadIdx.x; p < heads * chunks; p += blockDim.x) {
+                const int h = p / chunks, i = d + (p % chunks) * 8;
+                const bool ones = i == FW_ONES;  // FW_ONES % 8 == 0: a chunk's first dim
+                *reinterpret_cast<uint4*>(k + k_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(v + v_at(t, heads, h, i)) =
+                    make_uint4(ones ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
+            }
+            return;
+        }
+        const int n = FW_DP - d;
+        for (int p = threadIdx.x; p < heads * n; p += blockDim.x) {
+            const int h = p / n, i = d + p % n;
+            k[k_at(t, heads, h, i)] = __float2half_rn(0.0f);
+            v[v_at(t, heads, h, i)] = __float2half_rn(i == FW_ONES ? 1.0f : 0.0f);
+        }
+    }
+    // Row t (a key past the image) of every head, K and V: zeros.
+    __device__ void zero(int t, int heads) const {
+        constexpr int chunks = FW_DP / 8;
+        for (int p = threadIdx.x; p < heads * chunks; p += blockDim.x) {
+            const int h = p / chunks, i = (p % chunks) * 8;
+            *reinterpret_cast<uint4*>(k + k_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(v + v_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
+        }
+    }
 };
 static_assert(FW_DP == FW_DV, "K and V tiles share TiledKvDst::tile");
 
 // One image's rows (`len` of them, head dim d <= FW_ONES) of the fused projection, rotated and
-// packed as rope_qkv_pack_f16 does, but K and V into TiledKvDst's `tiles` tiles a head. One
+// packed as rope_qkv_pack_f16 does, but q as f16 pre-scaled by q_scale (1/sqrt(d) log2 e: what
+// the kernel's exp2 softmax wants) and K and V into TiledKvDst's `tiles` tiles a head. One
 // block per row of the tiles: the rows past `len` (up to the last tile's end) are zeros, so
 // that no NaN of uninitialized memory reaches P V where the weights are 0.
+//
+// Where d is a multiple of 8 (the ViT's 72) a thread takes one 16-byte chunk (8 dims) of a
+// head's q, K and V, whose stores are then whole 16 bytes of the tiles: ncu on 896x896 put
+// the pair-a-thread way (4-byte stores scattered over the tiles' 128-byte cores) at 39 us a
+// layer.
+// 8 values rounded to f16 at p, 16-byte aligned: one store.
+__device__ __forceinline__ void store8(half* p, const float v[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]),
+                                              pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+}
+
 template <typename In>
 __device__ __forceinline__ void rope_qkv_pack_tiled(const In* __restrict__ qkv,
                                                     const float* __restrict__ cos_t,
                                                     const float* __restrict__ sin_t,
-                                                    float* __restrict__ q, half* __restrict__ kt,
-                                                    half* __restrict__ vt, int heads, int d,
-                                                    int len, int tiles) {
+                                                    half* __restrict__ q, float q_scale,
+                                                    half* __restrict__ kt, half* __restrict__ vt,
+                                                    int heads, int d, int len, int tiles) {
     const TiledKvDst kv{kt, vt, tiles};
     const int t = blockIdx.x;
-    if (t < len) {
-        rope_qkv_pack(qkv, cos_t, sin_t, q, kv, heads, d, FW_DP);
+    if (t >= len) {
+        kv.zero(t, heads);
         return;
     }
-    for (int p = threadIdx.x; p < heads * FW_DP; p += blockDim.x) {
-        const int h = p / FW_DP, i = p % FW_DP;
-        kt[kv.k_at(t, heads, h, i)] = __float2half_rn(0.0f);
-        vt[kv.v_at(t, heads, h, i)] = __float2half_rn(0.0f);
+    if (d % 8 != 0) {
+        rope_qkv_pack(qkv, cos_t, sin_t, q, q_scale, kv, heads, d, FW_DP);
+        return;
+    }
+    constexpr int CH = FW_DP / 8;  // chunks a head: the head dims', then padding
+    const int hd = d / 2, w = heads * d;
+    const In* row = qkv + (size_t)t * 3 * w;
+    for (int p = threadIdx.x; p < heads * CH; p += blockDim.x) {
+        const int h = p / CH, i0 = (p % CH) * 8;
+        if (i0 >= d) {
+            // Padding: zeros, but V's FW_ONES is one (FW_ONES % 8 == 0: a chunk's first dim).
+            *reinterpret_cast<uint4*>(kt + kv.k_at(t, heads, h, i0)) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(vt + kv.v_at(t, heads, h, i0)) =
+                make_uint4(i0 == FW_ONES ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
+            continue;
+        }
+        float qo[8], ko[8], vo[8];
+        // Two groups of 4 dims; each group's rotate-half partners are 4 dims at i -+ d/2 (d/2
+        // is a multiple of 4), the same side of the middle for all 4.
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+            const int i = i0 + 4 * g, j = i < hd ? i + hd : i - hd;
+            const float sign = i < hd ? -1.0f : 1.0f;
+            float c[4], s[4], qi[4], qj[4], ki[4], kj[4];
+            load_n<4>(cos_t + (size_t)t * d + i, c);
+            load_n<4>(sin_t + (size_t)t * d + i, s);
+            load_n<4>(row + h * d + i, qi);
+            load_n<4>(row + h * d + j, qj);
+            load_n<4>(row + w + h * d + i, ki);
+            load_n<4>(row + w + h * d + j, kj);
+            load_n<4>(row + 2 * w + h * d + i, vo + 4 * g);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                qo[4 * g + e] = (qi[e] * c[e] + sign * qj[e] * s[e]) * q_scale;
+                ko[4 * g + e] = ki[e] * c[e] + sign * kj[e] * s[e];
+            }
+        }
+        store8(q + (size_t)t * w + h * d + i0, qo);
+        store8(kt + kv.k_at(t, heads, h, i0), ko);
+        store8(vt + kv.v_at(t, heads, h, i0), vo);
     }
 }
 
 extern "C" __global__ void rope_qkv_pack_tiled_f16(const float* __restrict__ qkv,
                                                    const float* __restrict__ cos_t,
                                                    const float* __restrict__ sin_t,
-                                                   float* __restrict__ q, half* __restrict__ kt,
-                                                   half* __restrict__ vt, int heads, int d,
-                                                   int len, int tiles) {
-    rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, kt, vt, heads, d, len, tiles);
+                                                   half* __restrict__ q, float q_scale,
+                                                   half* __restrict__ kt, half* __restrict__ vt,
+                                                   int heads, int d, int len, int tiles) {
+    rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, q_scale, kt, vt, heads, d, len, tiles);
 }
 
 extern "C" __global__ void rope_qkv16_pack_tiled_f16(const half* __restrict__ qkv,
                                                      const float* __restrict__ cos_t,
                                                      const float* __restrict__ sin_t,
-                                                     float* __restrict__ q, half* __restrict__ kt,
-                                                     half* __restrict__ vt, int heads, int d,
-                                                     int len, int tiles) {
-    rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, kt, vt, heads, d, len, tiles);
+                                                     half* __restrict__ q, float q_scale,
+                                                     half* __restrict__ kt, half* __restrict__ vt,
+                                                     int heads, int d, int len, int tiles) {
+    rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, q_scale, kt, vt, heads, d, len, tiles);
 }
 
 // Shared memory, dynamic: Q, FW_STAGES K tiles, FW_STAGES V tiles, then the full and empty
@@ -220,40 +297,40 @@ struct FwShared {
     static constexpr int bytes = bars + 2 * FW_STAGES * 8;
 };
 
-// The block's queries (zeros past nq, dims past d zero), scaled, as f16 in the K tile's layout.
+// The block's queries (zeros past nq, dims past d zero, already scaled) in the K tile's layout:
+// 16 bytes a thread at a time where d is a multiple of 8.
 template <int BQ, int THREADS>
-__device__ __forceinline__ void fw_stage_q(const float* __restrict__ q, half* Qs, int q0, int nq,
-                                           int hq, int h, int d, float qscale) {
-    constexpr int KC = FW_DP / 8, C4 = FW_DP / 4;
-    for (int idx = threadIdx.x; idx < BQ * C4; idx += THREADS) {
-        const int r = idx / C4, c = (idx % C4) * 4, i = q0 + r;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+__device__ __forceinline__ void fw_stage_q(const half* __restrict__ q, half* Qs, int q0, int nq,
+                                           int hq, int h, int d) {
+    constexpr int KC = FW_DP / 8;
+    for (int idx = threadIdx.x; idx < BQ * KC; idx += THREADS) {
+        const int r = idx / KC, c = (idx % KC) * 8, i = q0 + r;
+        const half* src = q + ((size_t)i * hq + h) * d + c;
+        uint4 v = make_uint4(0, 0, 0, 0);
         if (i < nq && c < d) {
-            const float* src = q + ((size_t)i * hq + h) * d;
-            if (d % 4 == 0) {
-                v = *reinterpret_cast<const float4*>(src + c);
+            if (d % 8 == 0) {
+                v = *reinterpret_cast<const uint4*>(src);
             } else {
-                v.x = src[c];
-                v.y = c + 1 < d ? src[c + 1] : 0.0f;
-                v.z = c + 2 < d ? src[c + 2] : 0.0f;
-                v.w = c + 3 < d ? src[c + 3] : 0.0f;
+                __align__(16) half e[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) e[j] = c + j < d ? src[j] : __float2half_rn(0.0f);
+                v = *reinterpret_cast<const uint4*>(e);
             }
         }
-        uint2 packed = make_uint2(pack_half2(v.x * qscale, v.y * qscale),
-                                  pack_half2(v.z * qscale, v.w * qscale));
-        *reinterpret_cast<uint2*>(Qs + ((r / 8) * KC + c / 8) * 64 + (r % 8) * 8 + c % 8) = packed;
+        *reinterpret_cast<uint4*>(Qs + ((r / 8) * KC + c / 8) * 64 + (r % 8) * 8) = v;
     }
 }
 
-// Queries 256 * blockIdx.x.. (of nq; q f32 [nq, hq, d], d <= FW_ONES) of head blockIdx.y over
-// all kv_len keys of its KV head, tiled (TiledKvDst); out [nq, hq * d], f32 or (rounded, for the
-// GEMM after it) f16. Bidirectional (the ViT's attention).
+// Queries 256 * blockIdx.x.. (of nq; q f16 [nq, hq, d] as rope_qkv_pack_tiled scaled it, d <=
+// FW_ONES) of head blockIdx.y over all kv_len keys of its KV head, tiled (TiledKvDst); out
+// [nq, hq * d], f32 or (rounded, for the GEMM after it) f16. Bidirectional (the ViT's
+// attention).
 template <typename Out>
-__device__ __forceinline__ void flash_attention_wgmma(const float* __restrict__ q,
+__device__ __forceinline__ void flash_attention_wgmma(const half* __restrict__ q,
                                                       const half* __restrict__ kt,
                                                       const half* __restrict__ vt,
                                                       Out* __restrict__ out, int nq, int hq,
-                                                      int hkv, int d, int kv_len, float scale) {
+                                                      int hkv, int d, int kv_len) {
     using Sh = FwShared;
     constexpr int THREADS = FW_WARPGROUPS * 128;
     constexpr int KD = FW_DP / 16;  // k-steps of Q Kᵀ
@@ -271,7 +348,6 @@ __device__ __forceinline__ void flash_attention_wgmma(const float* __restrict__ 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int kvh = h / (hq / hkv);
-    const float qscale = scale * 1.4426950408889634f;
     const int tiles = (kv_len + FW_BK - 1) / FW_BK;
 
     if (threadIdx.x == 0) {
@@ -291,7 +367,7 @@ __device__ __forceinline__ void flash_attention_wgmma(const float* __restrict__ 
     };
     if (threadIdx.x == 0)
         for (int i = 0; i < FW_STAGES - 2 && i < tiles; ++i) issue(i);
-    fw_stage_q<Sh::q_rows, THREADS>(q, Qs, q0, nq, hq, h, d, qscale);
+    fw_stage_q<Sh::q_rows, THREADS>(q, Qs, q0, nq, hq, h, d);
     fence_proxy_async();  // Q was written by the threads; wgmma reads it through the async proxy
     __syncthreads();
     // This warpgroup's 64 rows of Q: row blocks 8 (warp / 4)...
@@ -379,14 +455,14 @@ __device__ __forceinline__ void flash_attention_wgmma(const float* __restrict__ 
 }
 
 extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
-    const float* __restrict__ q, const half* __restrict__ kt, const half* __restrict__ vt,
-    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, float scale) {
-    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, scale);
+    const half* __restrict__ q, const half* __restrict__ kt, const half* __restrict__ vt,
+    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len) {
+    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len);
 }
 
 extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
-    flash_attention_wgmma_d80_f16out(const float* __restrict__ q, const half* __restrict__ kt,
+    flash_attention_wgmma_d80_f16out(const half* __restrict__ q, const half* __restrict__ kt,
                                      const half* __restrict__ vt, half* __restrict__ out, int nq,
-                                     int hq, int hkv, int d, int kv_len, float scale) {
-    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, scale);
+                                     int hq, int hkv, int d, int kv_len) {
+    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len);
 }

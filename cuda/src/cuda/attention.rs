@@ -524,14 +524,15 @@ impl CudaBackend {
         // Halves of one KV head's tile of keys (and the same again of values).
         let tile = FLASH_WGMMA_KEYS * FLASH_WGMMA_DP;
         let tiles: usize = lens.iter().map(|len| len.div_ceil(FLASH_WGMMA_KEYS)).sum();
-        let mut q = self.alloc(vec![n, heads, d])?;
+        // q as f16, scaled for the kernel's exp2 softmax by the pack.
+        let mut q = self.alloc_f16(n * heads * d)?;
+        let q_scale = std::f32::consts::LOG2_E / (d as f32).sqrt();
         // The pack writes every element of each image's tiles (keys past it as zeros).
         let (mut kt, mut vt) = (
             self.alloc_f16(tiles * heads * tile)?,
             self.alloc_f16(tiles * heads * tile)?,
         );
-        let q_buf = Arc::get_mut(&mut q.buf).expect("fresh");
-        let scale = 1.0f32 / (d as f32).sqrt();
+
         let (mut start, mut at) = (0, 0);
         for &len in lens.iter().filter(|&&len| len > 0) {
             let image_tiles = len.div_ceil(FLASH_WGMMA_KEYS);
@@ -543,7 +544,7 @@ impl CudaBackend {
                     cos.buf.slice(rows(d)),
                     sin.buf.slice(rows(d)),
                 );
-                let mut q_rows = q_buf.slice_mut(rows(heads * d));
+                let mut q_rows = q.slice_mut(rows(heads * d));
                 let (mut k_tiles, mut v_tiles) =
                     (kt.slice_mut(packed.clone()), vt.slice_mut(packed.clone()));
                 let ints = [heads, d, len, image_tiles].map(|v| v as i32);
@@ -552,6 +553,7 @@ impl CudaBackend {
                     .arg(&cos_rows)
                     .arg(&sin_rows)
                     .arg(&mut q_rows)
+                    .arg(&q_scale)
                     .arg(&mut k_tiles)
                     .arg(&mut v_tiles);
                 for v in &ints {
@@ -560,14 +562,14 @@ impl CudaBackend {
                 // SAFETY: matches rope_qkv_pack_tiled_f16 (T = f32) or
                 // rope_qkv16_pack_tiled_f16 (T = f16), one block per row of the image's tiles:
                 // qkv holds its len rows of 3 * heads * d, cos and sin len rows of d, q len *
-                // heads * d floats, kt and vt image_tiles * heads tiles of FLASH_WGMMA_KEYS *
+                // heads * d halves, kt and vt image_tiles * heads tiles of FLASH_WGMMA_KEYS *
                 // FLASH_WGMMA_DP halves.
                 let cfg = Self::row_config(image_tiles * FLASH_WGMMA_KEYS);
                 self.launched(pack, unsafe { l.launch(cfg) }.map(|_| ()))?;
             }
 
             let (q_rows, k_tiles, v_tiles) = (
-                q_buf.slice(rows(heads * d)),
+                q.slice(rows(heads * d)),
                 kt.slice(packed.clone()),
                 vt.slice(packed),
             );
@@ -581,14 +583,13 @@ impl CudaBackend {
             for v in &ints {
                 l.arg(v);
             }
-            l.arg(&scale);
             let cfg = LaunchConfig {
                 grid_dim: (len.div_ceil(FLASH_WGMMA_QUERIES) as u32, heads as u32, 1),
                 block_dim: (FLASH_WGMMA_THREADS, 1, 1),
                 shared_mem_bytes: flash_wgmma_smem_bytes() as u32,
             };
             // SAFETY: matches flash_attention_wgmma_d80 (O = f32) or its _f16out build (O =
-            // f16), the caller's pair: q len * heads * d floats, out len * heads * d of O, kt
+            // f16), the caller's pair: q len * heads * d halves, out len * heads * d of O, kt
             // and vt the image's tiles as packed above (d <= FLASH_WGMMA_MAX_D), one block per
             // FLASH_WGMMA_QUERIES queries of a head; shared memory opted in at load.
             self.launched(attend, unsafe { l.launch(cfg) }.map(|_| ()))?;
