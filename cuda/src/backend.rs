@@ -491,7 +491,8 @@ pub trait Backend: Send + Sync + 'static {
     /// within each run of `lens` rows (as [`Backend::attention_segments`]): the ViT block's
     /// first half. A GPU past its GEMVs' rows writes the norm and the q/k/v product in f16
     /// (the bias in the GEMM's epilogue), rotates and packs them for its flash attention in one
-    /// pass, and adds the output projection into `x` in its GEMM: no f32 copy of q/k/v.
+    /// pass, and adds the output projection into `x` in its GEMM (on an H100 the attention is
+    /// written in f16, that GEMM's operand): no f32 copy of q/k/v.
     fn layer_norm_rope_attention(
         &self,
         x: &mut Self::Tensor,
