@@ -2,9 +2,10 @@
 //! fused qkv (`qkv_to_cache`), KV cache writes, attention over contiguous keys and values (flash
 //! on tensor cores, or a warp per query) and over the paged cache (split-K decode, paged flash
 //! for prefill chunks), the ViT's attention from its fused q/k/v (`rope_attention_segments`:
-//! split, RoPE and K/V pack in one kernel, then flash attention per image) and its whole
-//! attention half (`layer_norm_rope_attention`: the same from the q/k/v GEMM's f16 output,
-//! between the norm of norm.rs and the GEMMs of linear.rs); kernels in
+//! split, RoPE and K/V pack in one kernel, then flash attention per image; on Hopper the pack
+//! writes the wgmma kernel's tiles) and its whole attention half (`layer_norm_rope_attention`:
+//! the same from the q/k/v GEMM's f16 output, between the norm of norm.rs and the GEMMs of
+//! linear.rs); kernels in
 //! `cuda/kernels/paged_f16.cu`, `attention_f16.cu`, `attention_sm90.cu` (wgmma, H100/H200) and
 //! `ops_f32.cu`.
 
@@ -436,10 +437,12 @@ impl CudaBackend {
         fits.then_some(VitAttentionDims { n, heads, d, dp })
     }
 
-    /// The ViT's q/k/v rows `qkv` (`n` rows of `3 * heads * d`, f32 or f16 as `pack` reads
-    /// them: rope_qkv_pack_f16 or rope_qkv16_pack_f16) rotated and packed in one pass, then
-    /// flash attention within each run of `lens` rows. Sizes as [`Self::vit_attention_dims`]
-    /// found them. Returns `[n, heads * d]`.
+    /// The ViT's q/k/v rows `qkv` (`n` rows of `3 * heads * d`, f32 or f16 as the pack reads
+    /// them: ROPE_PACK_F32 or ROPE_PACK_F16, each a row-layout and a tiled kernel) rotated and
+    /// packed in one pass, then flash attention within each run of `lens` rows: on an
+    /// H100/H200 the tiled pack and the wgmma kernel ([`Self::rope_pack_attend_tiled`]), else
+    /// the row pack and the mma.sync kernels. Sizes as [`Self::vit_attention_dims`] found them.
+    /// Returns `[n, heads * d]`.
     fn rope_pack_attend<T: DeviceRepr>(
         &self,
         [pack, pack_tiled]: [&'static str; 2],
