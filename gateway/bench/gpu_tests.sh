@@ -11,7 +11,7 @@
 # small sizes and at the 8B and ViT sizes), golden_vision and golden_text (HF's outputs),
 # vision-svc's and llm-svc's batching (batched results equal each request run alone), the
 # gateway's stack (the three services give what `vlm run` gives). `run` prints a line a program
-# and its passed/failed counts, keeps each program's output in LOG_DIR (default DIR/logs) and
+# and its passed/failed counts, keeps each program's output in LOG_DIR (default DIR-logs) and
 # exits non-zero if any program failed. VLM_REQUIRE_GPU=0 runs them where there is no GPU
 # (every GPU test then says SKIPPED): a check of the bundle itself.
 set -euo pipefail
@@ -33,23 +33,28 @@ case "$cmd" in
 build)
   rm -rf "$dir"
   mkdir -p "$dir"
-  cargo build --release -p gateway --bin vlm
-  cp target/release/vlm "$dir/"
-  # cargo names each test program's executable in its JSON messages; each goes to
-  # DIR/<crate's directory>/<test name>.
-  cargo test --release --no-run --message-format=json "${packages[@]}" "${tests[@]}" |
-    python3 -c '
+  # cargo names each program's executable in its JSON messages, wherever CARGO_TARGET_DIR puts
+  # it: vlm goes to DIR, each test program to DIR/<crate's directory>/<test name>. The other
+  # binaries cargo builds for the tests (llm-svc, vision-svc) are left out.
+  {
+    cargo build --release --message-format=json -p gateway --bin vlm
+    cargo test --release --no-run --message-format=json "${packages[@]}" "${tests[@]}"
+  } | python3 -c '
 import json, os, shutil, sys
 root, out = os.getcwd(), sys.argv[1]
 for line in sys.stdin:
     msg = json.loads(line)
     if msg.get("reason") != "compiler-artifact" or not msg.get("executable"):
         continue
-    if msg["target"]["kind"] != ["test"]:
+    kind, name = msg["target"]["kind"], msg["target"]["name"]
+    if kind == ["bin"] and name == "vlm":
+        dest = os.path.join(out, name)
+    elif kind == ["test"]:
+        crate = os.path.relpath(os.path.dirname(msg["manifest_path"]), root)
+        os.makedirs(os.path.join(out, crate), exist_ok=True)
+        dest = os.path.join(out, crate, name)
+    else:
         continue
-    crate = os.path.relpath(os.path.dirname(msg["manifest_path"]), root)
-    os.makedirs(os.path.join(out, crate), exist_ok=True)
-    dest = os.path.join(out, crate, msg["target"]["name"])
     shutil.copy2(msg["executable"], dest)
     print(dest)
 ' "$dir"
@@ -62,7 +67,7 @@ run)
   fi
   [ -d "$dir" ] || { echo "no $dir or $dir.tar.gz: build it first" >&2; exit 2; }
   bundle=$(realpath "$dir")
-  logs=$(realpath -m "${3:-$dir/logs}")
+  logs=$(realpath -m "${3:-$dir-logs}")
   mkdir -p "$logs"
   export VLM_REQUIRE_GPU=${VLM_REQUIRE_GPU:-1}
   failed=0 ran=0
@@ -75,8 +80,8 @@ run)
     log="$logs/$crate-$name.log"
     rc=0
     (cd "$crate" && "$exe" --nocapture) >"$log" 2>&1 || rc=$?
-    passed=$(awk '/^test result:/ { p += $4 } END { print p + 0 }' "$log")
-    fails=$(awk '/^test result:/ { f += $6 } END { print f + 0 }' "$log")
+    # Each suite's "test result: ok. P passed; F failed; ...", summed as .ci/run sums them.
+    read -r passed fails < <(awk '/^test result:/ { p += $4; f += $6 } END { print p + 0, f + 0 }' "$log")
     if [ "$rc" -ne 0 ]; then
       failed=1
       result="FAILED (exit $rc): $passed passed, $fails failed; see $log"
