@@ -286,6 +286,93 @@ extern "C" __global__ void rope_qkv16_pack_tiled_f16(const half* __restrict__ qk
     rope_qkv_pack_tiled(qkv, cos_t, sin_t, q, q_scale, kt, vt, heads, d, len, tiles);
 }
 
+// The same pack from f16 rows with d a multiple of 8, PACK_ROWS rows a block: the rows are
+// first staged in shared memory with whole 16-byte loads, then q is written row by row and K
+// and V with the block's rows side by side, so that each 16-byte line of a tile's core is
+// stored next to its neighbours' (two rows fill a 32-byte sector). ncu on the one-row-a-block
+// kernel above at 896x896 (30.6 us a layer): 39% excess sectors from its 8-byte loads of a
+// chunk and of its rotate-half partner and its lone 16-byte stores into the cores, and a third
+// of the warps it could hold resident. The partner's 4 dims (d/2 away, not on a chunk's
+// boundary for d = 72) now come from shared memory. PACK_ROWS is #defined by the host
+// (shared_defines).
+
+// 8 dims i0.. of one head's q or k (src: its d halves, staged) rotated by RoPE (cos_t and sin_t
+// at this row): two groups of 4, each with its rotate-half partners 4 dims at i -+ d/2.
+__device__ __forceinline__ void rope8(const half* src, const float* __restrict__ cos_t,
+                                      const float* __restrict__ sin_t, int i0, int hd,
+                                      float out[8]) {
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+        const int i = i0 + 4 * g, j = i < hd ? i + hd : i - hd;
+        const float sign = i < hd ? -1.0f : 1.0f;
+        float c[4], s[4], xi[4], xj[4];
+        load_n<4>(cos_t + i, c);
+        load_n<4>(sin_t + i, s);
+        load_n<4>(src + i, xi);
+        load_n<4>(src + j, xj);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[4 * g + e] = xi[e] * c[e] + sign * xj[e] * s[e];
+    }
+}
+
+// As rope_qkv16_pack_tiled_f16 for d % 8 == 0, PACK_ROWS rows of the tiles a block (tiles *
+// FW_BK / PACK_ROWS blocks), dynamic shared memory PACK_ROWS (3 heads d + 8) halves.
+extern "C" __global__ void __launch_bounds__(256)
+    rope_qkv16_pack_tiled_rows_f16(const half* __restrict__ qkv, const float* __restrict__ cos_t,
+                                   const float* __restrict__ sin_t, half* __restrict__ q,
+                                   float q_scale, half* __restrict__ kt, half* __restrict__ vt,
+                                   int heads, int d, int len, int tiles) {
+    extern __shared__ __align__(16) unsigned char pk_smem[];
+    half* rows = reinterpret_cast<half*>(pk_smem);
+    const int w = heads * d;
+    const int stride = 3 * w + 8;  // halves a staged row: 16 bytes apart in banks row to row
+    const int t0 = blockIdx.x * PACK_ROWS, hd = d / 2;
+    const TiledKvDst kv{kt, vt, tiles};
+
+    const int row_chunks = 3 * w / 8;
+    for (int p = threadIdx.x; p < PACK_ROWS * row_chunks; p += blockDim.x) {
+        const int r = p / row_chunks, c = p % row_chunks, t = t0 + r;
+        if (t < len)
+            *reinterpret_cast<uint4*>(rows + r * stride + c * 8) =
+                *reinterpret_cast<const uint4*>(qkv + (size_t)t * 3 * w + c * 8);
+    }
+    __syncthreads();
+
+    // q: a row's chunks side by side.
+    const int qc = d / 8;
+    for (int p = threadIdx.x; p < PACK_ROWS * heads * qc; p += blockDim.x) {
+        const int r = p / (heads * qc), h = p % (heads * qc) / qc, i0 = p % qc * 8;
+        const int t = t0 + r;
+        if (t >= len) continue;
+        float qo[8];
+        rope8(rows + r * stride + h * d, cos_t + (size_t)t * d, sin_t + (size_t)t * d, i0, hd, qo);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qo[e] *= q_scale;
+        store8(q + (size_t)t * w + h * d + i0, qo);
+    }
+
+    // K and V: the block's rows of one core side by side. Dims past d: zeros, but V's FW_ONES
+    // is one; rows past the image: zeros.
+    constexpr int CH = FW_DP / 8;
+    for (int p = threadIdx.x; p < heads * CH * PACK_ROWS; p += blockDim.x) {
+        const int r = p % PACK_ROWS, h = p / PACK_ROWS / CH, i0 = p / PACK_ROWS % CH * 8;
+        const int t = t0 + r;
+        uint4* k_dst = reinterpret_cast<uint4*>(kt + kv.k_at(t, heads, h, i0));
+        uint4* v_dst = reinterpret_cast<uint4*>(vt + kv.v_at(t, heads, h, i0));
+        if (t >= len || i0 >= d) {
+            const bool ones = t < len && i0 == FW_ONES;  // FW_ONES % 8 == 0: a chunk's first dim
+            *k_dst = make_uint4(0, 0, 0, 0);
+            *v_dst = make_uint4(ones ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
+            continue;
+        }
+        const half* row = rows + r * stride;
+        float ko[8];
+        rope8(row + w + h * d, cos_t + (size_t)t * d, sin_t + (size_t)t * d, i0, hd, ko);
+        store8(reinterpret_cast<half*>(k_dst), ko);
+        *v_dst = *reinterpret_cast<const uint4*>(row + 2 * w + h * d + i0);
+    }
+}
+
 // Shared memory, dynamic: Q, FW_STAGES K tiles, FW_STAGES V tiles, then the full and empty
 // mbarriers. Must match flash_wgmma_smem_bytes in cuda/src/cuda/kernels.rs.
 struct FwShared {

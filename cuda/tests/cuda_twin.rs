@@ -425,6 +425,7 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "flash_attention_wgmma_d80_f16out",
             "rope_qkv_pack_tiled_f16",
             "rope_qkv16_pack_tiled_f16",
+            "rope_qkv16_pack_tiled_rows_f16",
         ] {
             assert_eq!(
                 ptx.contains(&format!(".entry {k}")),

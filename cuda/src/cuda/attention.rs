@@ -15,12 +15,13 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
 use half::f16;
 
 use super::kernels::{
-    decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, COUNTERS, DECODE_MAX_SPLITS,
-    DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
-    FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
-    FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
-    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK_F16,
-    ROPE_PACK_F32,
+    decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, pack_rows_smem_bytes, COUNTERS,
+    DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS,
+    FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS,
+    FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES, FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS,
+    FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM,
+    PACK_ROWS, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16,
+    ROPE_PACK_F32, ROW_THREADS,
 };
 use super::lt::{Epilogue, LtOut, LtShape};
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
@@ -551,6 +552,26 @@ impl CudaBackend {
                 let (mut k_tiles, mut v_tiles) =
                     (kt.slice_mut(packed.clone()), vt.slice_mut(packed.clone()));
                 let ints = [heads, d, len, image_tiles].map(|v| v as i32);
+                // From f16 rows with d a multiple of 8, PACK_ROWS rows a block staged in shared
+                // memory (within the default 48 KB).
+                let rows = image_tiles * FLASH_WGMMA_KEYS;
+                let smem = pack_rows_smem_bytes(width);
+                let (pack, cfg) = if pack == ROPE_PACK_F16[1] && d % 8 == 0 && smem <= 48 << 10 {
+                    let cfg = LaunchConfig {
+                        grid_dim: ((rows / PACK_ROWS) as u32, 1, 1),
+                        block_dim: (ROW_THREADS, 1, 1),
+                        shared_mem_bytes: smem as u32,
+                    };
+                    (ROPE_PACK16_TILED_ROWS, cfg)
+                } else {
+                    (pack, Self::row_config(rows))
+                };
+                // SAFETY: matches rope_qkv_pack_tiled_f16 (T = f32), rope_qkv16_pack_tiled_f16
+                // (T = f16) or rope_qkv16_pack_tiled_rows_f16 (T = f16, d % 8 == 0), one block
+                // per row (or PACK_ROWS rows, with their shared memory) of the image's tiles:
+                // qkv holds its len rows of 3 * heads * d, cos and sin len rows of d, q len *
+                // heads * d halves, kt and vt image_tiles * heads tiles of FLASH_WGMMA_KEYS *
+                // FLASH_WGMMA_DP halves.
                 let mut l = self.inner.stream.launch_builder(self.kernel(pack));
                 l.arg(&qkv_rows)
                     .arg(&cos_rows)
@@ -562,12 +583,6 @@ impl CudaBackend {
                 for v in &ints {
                     l.arg(v);
                 }
-                // SAFETY: matches rope_qkv_pack_tiled_f16 (T = f32) or
-                // rope_qkv16_pack_tiled_f16 (T = f16), one block per row of the image's tiles:
-                // qkv holds its len rows of 3 * heads * d, cos and sin len rows of d, q len *
-                // heads * d halves, kt and vt image_tiles * heads tiles of FLASH_WGMMA_KEYS *
-                // FLASH_WGMMA_DP halves.
-                let cfg = Self::row_config(image_tiles * FLASH_WGMMA_KEYS);
                 self.launched(pack, unsafe { l.launch(cfg) }.map(|_| ()))?;
             }
 

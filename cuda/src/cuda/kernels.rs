@@ -112,6 +112,7 @@ pub(super) const SOURCES: [KernelSource; 5] = [
             FLASH_WGMMA_KERNELS[1],
             ROPE_PACK_F32[1],
             ROPE_PACK_F16[1],
+            ROPE_PACK16_TILED_ROWS,
         ],
         per_rows: &[],
         sm90a: true,
@@ -218,6 +219,17 @@ pub(super) const FLASH_WGMMA_THREADS: u32 = 512;
 /// (attention_sm90.cu).
 pub(super) const ROPE_PACK_F32: [&str; 2] = ["rope_qkv_pack_f16", "rope_qkv_pack_tiled_f16"];
 pub(super) const ROPE_PACK_F16: [&str; 2] = ["rope_qkv16_pack_f16", "rope_qkv16_pack_tiled_f16"];
+/// The tiled pack from f16 rows for head dims that are multiples of 8 (the ViT's 72):
+/// PACK_ROWS rows a block, staged in shared memory (rope_qkv16_pack_tiled_rows_f16).
+pub(super) const ROPE_PACK16_TILED_ROWS: &str = "rope_qkv16_pack_tiled_rows_f16";
+/// Rows a block of ROPE_PACK16_TILED_ROWS (PACK_ROWS in the kernel): a tile of
+/// FLASH_WGMMA_KEYS rows is whole blocks.
+pub(super) const PACK_ROWS: usize = 4;
+const _: () = assert!(FLASH_WGMMA_KEYS % PACK_ROWS == 0);
+/// Dynamic shared memory of ROPE_PACK16_TILED_ROWS for rows of `width` (3 heads d) halves.
+pub(super) fn pack_rows_smem_bytes(width: usize) -> usize {
+    PACK_ROWS * (width + 8) * 2
+}
 
 /// Dynamic shared memory of flash_attention_wgmma_d80 (FwShared in attention_sm90.cu): the
 /// block's 256 queries and three K and V tiles, all rows of 80 halves, then six 8-byte
@@ -279,7 +291,7 @@ fn shared_defines() -> String {
          #define GEMV_SPLIT {GEMV_SPLIT}\n#define PD_WARPS {DECODE_WARPS}\n\
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
-         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n"
+         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n"
     )
 }
 
