@@ -1,0 +1,319 @@
+// Where batch-1 decode's time between the weights goes: one decoding layer's four GEMVs at the
+// 8B sizes (q/k/v 6144 x 4096, o 4096 x 4096, gate/up 24576 x 4096, down 4096 x 12288; f16,
+// 36 layers of distinct weights, 13.9 GB) run as
+//   R  a plain streaming read of the same bytes (the bandwidth a GEMV could reach),
+//   A  four kernels a layer recorded in a CUDA graph (a decode step's structure),
+//   B  one persistent cooperative kernel, a grid barrier between GEMVs,
+//   C  B with each warp's first loads of the next GEMV held in registers across the barrier,
+//   D  B with each lane's first chunks of the next GEMV copied into shared memory by cp.async
+//      before the barrier (no registers held), read from there after it,
+// and A and D again with a 10 us stand-in for decode attention between q/k/v and o.
+//
+// Not part of the build: a research harness for the GPU machine, plain CUDA (nvcc):
+//   nvcc -O3 -std=c++17 -arch=sm_90a cuda/bench/gemv_chain.cu -o /tmp/gemv_chain && /tmp/gemv_chain
+//
+// On an H100 80GB HBM3 (2026-11-26), us a layer (medians of 9): R 125.6-126.7 (3.05 TB/s); A
+// 143.8-144.1; B 146.0; C 167.0 (registers: 3 blocks an SM); D with 8 chunks (4 KB a warp) 135.2
+// -135.4, with 12 and 16 133.8-139.3 by occupancy; with the attention stand-in A 155.0, D 150.2.
+// So the gaps between a step's GEMVs cost ~18 us a layer (0.65 ms a token at 36 layers) over a
+// plain read, a barrier alone recovers none of it, and weights copied ahead across the barrier
+// recover half; hiding attention too needs most of the o projection (33.5 MB) in flight while
+// it runs. See docs/benchmarks.md, "Batch-1 decode's gaps between GEMVs, measured".
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+namespace cg = cooperative_groups;
+
+constexpr int H = 4096, QKV = 6144, I = 12288, LAYERS = 36;
+constexpr int THREADS = 256, WARPS = THREADS / 32;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    const half2* a = reinterpret_cast<const half2*>(&w);
+    const half2* b = reinterpret_cast<const half2*>(&x);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 fa = __half22float2(a[i]), fb = __half22float2(b[i]);
+        s += fa.x * fb.x + fa.y * fb.y;
+    }
+    return s;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+// Rows r = gw, gw + nw, ... of y = W x (K columns); `pre`: this warp's first row's first PF
+// chunks a lane, already loaded (C), or nullptr.
+template <int K, int PF>
+__device__ __forceinline__ void gemv_rows(const half* __restrict__ W, const half* __restrict__ x,
+                                          half* __restrict__ y, int M, int gw, int nw,
+                                          const uint4* pre) {
+    const int lane = threadIdx.x % 32;
+    constexpr int CH = K / 8 / 32;  // 16-byte chunks a lane a row
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    bool first = true;
+    for (int r = gw; r < M; r += nw) {
+        const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)r * K);
+        float acc = 0.f;
+        constexpr int U = CH < 16 ? CH : 16;
+#pragma unroll 1
+        for (int c0 = 0; c0 < CH; c0 += U) {
+            uint4 w[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                w[u] = (PF > 0 && first && c0 == 0 && u < PF && pre) ? pre[u] : ld_stream(wr + (c0 + u) * 32 + lane);
+#pragma unroll
+            for (int u = 0; u < U; ++u) acc += dot8(w[u], xr[(c0 + u) * 32 + lane]);
+        }
+        first = false;
+        acc = warp_sum(acc);
+        if (lane == 0) y[r] = __float2half_rn(acc * 0.01f);
+    }
+}
+
+template <int K>
+__global__ void __launch_bounds__(THREADS) gemv_kernel(const half* W, const half* x, half* y, int M) {
+    const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
+    gemv_rows<K, 0>(W, x, y, M, gw, nw, nullptr);
+}
+
+struct Layer { const half *qkv, *o, *gu, *down; };
+
+template <int K, int PF>
+__device__ __forceinline__ void prefetch_first(const half* W, int M, int gw, uint4* pre) {
+    const int lane = threadIdx.x % 32;
+    if (gw < M) {
+        const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)gw * K);
+#pragma unroll
+        for (int u = 0; u < PF; ++u) pre[u] = ld_stream(wr + u * 32 + lane);
+    }
+}
+
+// D: each lane's first 16 chunks of its warp's first row of the next GEMV copied into shared
+// memory by cp.async before the barrier (no registers held), read from there after it.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+template <int K, int PFC>
+__device__ __forceinline__ void prefetch_smem(const half* W, int M, int gw, uint4* sm) {
+    const int lane = threadIdx.x % 32;
+    if (gw < M) {
+        const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)gw * K);
+#pragma unroll
+        for (int u = 0; u < PFC; ++u) cp_async16(sm + u * 32 + lane, wr + u * 32 + lane);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int K, int PFC>
+__device__ __forceinline__ void gemv_rows_sm(const half* __restrict__ W, const half* __restrict__ x,
+                                             half* __restrict__ y, int M, int gw, int nw,
+                                             const uint4* sm, bool have) {
+    const int lane = threadIdx.x % 32;
+    constexpr int CH = K / 8 / 32;
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    if (have) asm volatile("cp.async.wait_all;" ::: "memory");
+    bool first = have;
+    for (int r = gw; r < M; r += nw) {
+        const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)r * K);
+        float acc = 0.f;
+#pragma unroll 1
+        for (int c0 = 0; c0 < CH; c0 += 16) {
+            uint4 w[16];
+            if (first && c0 == 0) {
+#pragma unroll
+                for (int u = 0; u < 16; ++u)
+                    w[u] = u < PFC ? sm[u * 32 + lane] : ld_stream(wr + u * 32 + lane);
+            } else {
+#pragma unroll
+                for (int u = 0; u < 16; ++u) w[u] = ld_stream(wr + (c0 + u) * 32 + lane);
+            }
+#pragma unroll
+            for (int u = 0; u < 16; ++u) acc += dot8(w[u], xr[(c0 + u) * 32 + lane]);
+        }
+        first = false;
+        acc = warp_sum(acc);
+        if (lane == 0) y[r] = __float2half_rn(acc * 0.01f);
+    }
+}
+// A stand-in for decode attention between q/k/v and o: 64 blocks busy for `ns` nanoseconds.
+__device__ __forceinline__ void spin_ns(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while ((long long)(t - t0) < ns);
+}
+__global__ void spin_kernel(long long ns) { if (threadIdx.x == 0) spin_ns(ns); }
+
+template <int PFC, int ATT_NS = 0>
+__global__ void __launch_bounds__(THREADS, 2) persistent_sm(const Layer* layers, half* x, half* a,
+                                                         half* b, half* c) {
+    cg::grid_group grid = cg::this_grid();
+    extern __shared__ uint4 smem_all[];
+    uint4* sm = smem_all + (threadIdx.x / 32) * PFC * 32;
+    const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
+    for (int l = 0; l < LAYERS; ++l) {
+        const Layer L = layers[l];
+        gemv_rows_sm<H, PFC>(L.qkv, x, a, QKV, gw, nw, sm, l > 0);
+        prefetch_smem<H, PFC>(L.o, H, gw, sm);
+        if (ATT_NS) {
+            grid.sync();  // attention reads q/k/v
+            if (blockIdx.x < 64 && threadIdx.x == 0) spin_ns(ATT_NS);
+        }
+        grid.sync();
+        gemv_rows_sm<H, PFC>(L.o, a, b, H, gw, nw, sm, true);
+        prefetch_smem<H, PFC>(L.gu, 2 * I, gw, sm);
+        grid.sync();
+        gemv_rows_sm<H, PFC>(L.gu, b, c, 2 * I, gw, nw, sm, true);
+        prefetch_smem<I, PFC>(L.down, H, gw, sm);
+        grid.sync();
+        gemv_rows_sm<I, PFC>(L.down, c, x, H, gw, nw, sm, true);
+        if (l + 1 < LAYERS) prefetch_smem<H, PFC>(layers[l + 1].qkv, QKV, gw, sm);
+        grid.sync();
+    }
+}
+
+// All layers in one cooperative kernel: qkv -> o -> gate/up -> down, a grid barrier between.
+template <int PF>
+__global__ void __launch_bounds__(THREADS) persistent(const Layer* layers, half* x, half* a,
+                                                      half* b, half* c) {
+    cg::grid_group grid = cg::this_grid();
+    const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
+    uint4 pre[PF > 0 ? PF : 1];
+    for (int l = 0; l < LAYERS; ++l) {
+        const Layer L = layers[l];
+        gemv_rows<H, PF>(L.qkv, x, a, QKV, gw, nw, PF && l > 0 ? pre : nullptr);
+        if (PF) prefetch_first<H, PF>(L.o, H, gw, pre);
+        grid.sync();
+        gemv_rows<H, PF>(L.o, a, b, H, gw, nw, PF ? pre : nullptr);
+        if (PF) prefetch_first<H, PF>(L.gu, 2 * I, gw, pre);
+        grid.sync();
+        gemv_rows<H, PF>(L.gu, b, c, 2 * I, gw, nw, PF ? pre : nullptr);
+        if (PF) prefetch_first<I, PF>(L.down, H, gw, pre);
+        grid.sync();
+        gemv_rows<I, PF>(L.down, c, x, H, gw, nw, PF ? pre : nullptr);
+        if (PF && l + 1 < LAYERS) prefetch_first<H, PF>(layers[l + 1].qkv, QKV, gw, pre);
+        grid.sync();
+    }
+}
+
+__global__ void read_all(const uint4* p, size_t n, unsigned* sink) {
+    unsigned s = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = ld_stream(p + i);
+        s ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (s == 0x12345678) *sink = s;
+}
+
+__global__ void fill(half* p, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = __float2half_rn(((i * 2654435761u) % 1000) * 1e-4f);
+}
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+
+int main() {
+    const size_t per_layer = (size_t)QKV * H + (size_t)H * H + (size_t)2 * I * H + (size_t)H * I;
+    half* w;
+    CK(cudaMalloc(&w, per_layer * LAYERS * 2));
+    fill<<<4096, 256>>>(w, per_layer * LAYERS);
+    std::vector<Layer> hl(LAYERS);
+    for (int l = 0; l < LAYERS; ++l) {
+        half* p = w + per_layer * l;
+        hl[l].qkv = p; p += (size_t)QKV * H;
+        hl[l].o = p; p += (size_t)H * H;
+        hl[l].gu = p; p += (size_t)2 * I * H;
+        hl[l].down = p;
+    }
+    Layer* dl;
+    CK(cudaMalloc(&dl, sizeof(Layer) * LAYERS));
+    CK(cudaMemcpy(dl, hl.data(), sizeof(Layer) * LAYERS, cudaMemcpyHostToDevice));
+    half *x, *a, *b, *c;
+    CK(cudaMalloc(&x, H * 2)); CK(cudaMalloc(&a, QKV * 2)); CK(cudaMalloc(&b, H * 2)); CK(cudaMalloc(&c, 2 * I * 2));
+    fill<<<16, 256>>>(x, H); fill<<<16, 256>>>(a, QKV); fill<<<16, 256>>>(b, H); fill<<<64, 256>>>(c, 2 * I);
+    unsigned* sink; CK(cudaMalloc(&sink, 4));
+    int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    cudaStream_t s; cudaStreamCreate(&s);
+    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    auto timeit = [&](auto&& f, const char* name, int reps) {
+        f(); cudaStreamSynchronize(s);
+        std::vector<float> ts;
+        for (int i = 0; i < reps; ++i) {
+            cudaEventRecord(e0, s); f(); cudaEventRecord(e1, s); cudaEventSynchronize(e1);
+            float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms);
+        }
+        std::sort(ts.begin(), ts.end());
+        double bytes = per_layer * LAYERS * 2.0;
+        printf("%-44s median %.3f ms (min %.3f)  %.1f us/layer  %.2f TB/s  err=%s\n", name, ts[reps / 2], ts[0],
+               ts[reps / 2] * 1000 / LAYERS, bytes / (ts[reps / 2] * 1e-3) / 1e12, cudaGetErrorString(cudaGetLastError()));
+    };
+    // R: plain read
+    for (int g : {sms * 4, sms * 8, sms * 16})
+        timeit([&] { read_all<<<g, 512, 0, s>>>((const uint4*)w, per_layer * LAYERS / 8, sink); }, g == sms * 8 ? "R read, 8 blocks/SM" : (g == sms * 4 ? "R read, 4 blocks/SM" : "R read, 16 blocks/SM"), 9);
+    // A: separate kernels in a graph
+    for (int bps : {4, 8}) {
+        cudaGraph_t graph; cudaGraphExec_t ge;
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+        for (int l = 0; l < LAYERS; ++l) {
+            gemv_kernel<H><<<sms * bps, THREADS, 0, s>>>(hl[l].qkv, x, a, QKV);
+            gemv_kernel<H><<<sms * bps, THREADS, 0, s>>>(hl[l].o, a, b, H);
+            gemv_kernel<H><<<sms * bps, THREADS, 0, s>>>(hl[l].gu, b, c, 2 * I);
+            gemv_kernel<I><<<sms * bps, THREADS, 0, s>>>(hl[l].down, c, x, H);
+        }
+        cudaStreamEndCapture(s, &graph);
+        CK(cudaGraphInstantiate(&ge, graph, 0));
+        char name[64]; snprintf(name, 64, "A 4 kernels a layer, graph, %d blocks/SM", bps);
+        timeit([&] { cudaGraphLaunch(ge, s); }, name, 9);
+    }
+    // B / C: persistent
+    auto coop = [&](auto kern, int bps, const char* name) {
+        int occ; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, THREADS, 0);
+        int g = sms * (bps < occ ? bps : occ);
+        void* args[] = {(void*)&dl, (void*)&x, (void*)&a, (void*)&b, (void*)&c};
+        char n2[128]; snprintf(n2, 128, "%s, %d blocks/SM (occ %d)", name, g / sms, occ);
+        timeit([&] { cudaLaunchCooperativeKernel((void*)kern, g, THREADS, args, 0, s); }, n2, 9);
+    };
+    coop(persistent<0>, 4, "B persistent, grid barrier");
+    coop(persistent<4>, 4, "C persistent + 4 chunks prefetched");
+    auto coop_sm = [&](auto kern, int pfc, int bps, const char* tag = "") {
+        const int smem = WARPS * pfc * 32 * 16;
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        int occ; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, THREADS, smem);
+        int g = sms * (bps < occ ? bps : occ);
+        void* args[] = {(void*)&dl, (void*)&x, (void*)&a, (void*)&b, (void*)&c};
+        char n2[128]; snprintf(n2, 128, "D%s persistent + %d chunks via cp.async, %d blocks/SM (occ %d)", tag, pfc, g / sms, occ);
+        timeit([&] { cudaLaunchCooperativeKernel((void*)kern, g, THREADS, args, smem, s); }, n2, 9);
+    };
+    coop_sm(persistent_sm<8>, 8, 4);
+    coop_sm(persistent_sm<12>, 12, 4);
+    coop_sm(persistent_sm<16>, 16, 4);
+    // With a 10 us stand-in for attention between q/k/v and o, against four kernels and a
+    // spin kernel a layer.
+    {
+        cudaGraph_t graph; cudaGraphExec_t ge;
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+        for (int l = 0; l < LAYERS; ++l) {
+            gemv_kernel<H><<<sms * 4, THREADS, 0, s>>>(hl[l].qkv, x, a, QKV);
+            spin_kernel<<<64, 32, 0, s>>>(10000);
+            gemv_kernel<H><<<sms * 4, THREADS, 0, s>>>(hl[l].o, a, b, H);
+            gemv_kernel<H><<<sms * 4, THREADS, 0, s>>>(hl[l].gu, b, c, 2 * I);
+            gemv_kernel<I><<<sms * 4, THREADS, 0, s>>>(hl[l].down, c, x, H);
+        }
+        cudaStreamEndCapture(s, &graph);
+        CK(cudaGraphInstantiate(&ge, graph, 0));
+        timeit([&] { cudaGraphLaunch(ge, s); }, "A + 10 us attention stand-in, graph", 9);
+    }
+    coop_sm(persistent_sm<12, 10000>, 12, 4, " + 10 us attention stand-in,");
+    coop_sm(persistent_sm<16, 10000>, 16, 4, " + 10 us attention stand-in,");
+    return 0;
+}
