@@ -7,18 +7,23 @@
 //   C  B with each warp's first loads of the next GEMV held in registers across the barrier,
 //   D  B with each lane's first chunks of the next GEMV copied into shared memory by cp.async
 //      before the barrier (no registers held), read from there after it,
-// and A and D again with a 10 us stand-in for decode attention between q/k/v and o.
+//   E  A with programmatic dependent launch, each GEMV at half an SM's warps staging its
+//      first weights into shared memory before it waits for the one before,
+// and A, D and E again with a 10 us stand-in for decode attention between q/k/v and o.
 //
 // Not part of the build: a research harness for the GPU machine, plain CUDA (nvcc):
 //   nvcc -O3 -std=c++17 -arch=sm_90a cuda/bench/gemv_chain.cu -o /tmp/gemv_chain && /tmp/gemv_chain
 //
 // On an H100 80GB HBM3 (2026-11-26), us a layer (medians of 9): R 125.6-126.7 (3.05 TB/s); A
 // 143.8-144.1; B 146.0; C 167.0 (registers: 3 blocks an SM); D with 8 chunks (4 KB a warp) 135.2
-// -135.4, with 12 and 16 133.8-139.3 by occupancy; with the attention stand-in A 155.0, D 150.2.
+// -135.4, with 12 and 16 133.8-139.3 by occupancy; E at one block (8 warps) an SM 134.5, at two
+// 142.2; with the attention stand-in A 155.0, D 150.2, E 152.0 (two blocks) and 175.8 (one).
 // So the gaps between a step's GEMVs cost ~18 us a layer (0.65 ms a token at 36 layers) over a
-// plain read, a barrier alone recovers none of it, and weights copied ahead across the barrier
-// recover half; hiding attention too needs most of the o projection (33.5 MB) in flight while
-// it runs. See docs/benchmarks.md, "Batch-1 decode's gaps between GEMVs, measured".
+// plain read, a barrier alone recovers none of it, and weights staged ahead recover half: in
+// one persistent kernel (D) or, as well, with four kernels under programmatic dependent launch
+// when each leaves room on the SMs for the next (E); hiding attention too needs most of the o
+// projection (33.5 MB) in flight while it runs. See docs/benchmarks.md, "Batch-1 decode's gaps
+// between GEMVs, measured".
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <algorithm>
@@ -153,6 +158,12 @@ __device__ __forceinline__ void spin_ns(long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while ((long long)(t - t0) < ns);
 }
 __global__ void spin_kernel(long long ns) { if (threadIdx.x == 0) spin_ns(ns); }
+// The same as a dependent launch that lets the next kernel be scheduled at once.
+__global__ void spin_pdl(long long ns) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (threadIdx.x == 0) spin_ns(ns);
+}
 
 template <int PFC, int ATT_NS = 0>
 __global__ void __launch_bounds__(THREADS, 2) persistent_sm(const Layer* layers, half* x, half* a,
@@ -180,6 +191,22 @@ __global__ void __launch_bounds__(THREADS, 2) persistent_sm(const Layer* layers,
         if (l + 1 < LAYERS) prefetch_smem<H, PFC>(layers[l + 1].qkv, QKV, gw, sm);
         grid.sync();
     }
+}
+
+// E: four kernels a layer again, but launched with programmatic dependent launch: each kernel
+// lets the next be scheduled at once (launch_dependents first thing), and the next, at half
+// the SM's warps so that it finds room beside the running one, stages its first weights into
+// shared memory by cp.async before griddepcontrol.wait (which returns once the previous grid
+// has finished and its writes are visible).
+template <int K, int PFC>
+__global__ void __launch_bounds__(THREADS) gemv_pdl(const half* W, const half* x, half* y, int M) {
+    extern __shared__ uint4 smem_pdl[];
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    uint4* sm = smem_pdl + (threadIdx.x / 32) * PFC * 32;
+    const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
+    prefetch_smem<K, PFC>(W, M, gw, sm);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    gemv_rows_sm<K, PFC>(W, x, y, M, gw, nw, sm, true);
 }
 
 // All layers in one cooperative kernel: qkv -> o -> gate/up -> down, a grid barrier between.
@@ -315,5 +342,57 @@ int main() {
     }
     coop_sm(persistent_sm<12, 10000>, 12, 4, " + 10 us attention stand-in,");
     coop_sm(persistent_sm<16, 10000>, 16, 4, " + 10 us attention stand-in,");
+    // E: programmatic dependent launch, recorded.
+    auto pdl_cfg = [&](int blocks, int threads, int smem, cudaLaunchAttribute* attr) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cfg;
+    };
+    auto pdl = [&](auto kern, int blocks, int smem, const half* W, const half* in, half* out, int M) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(THREADS);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kern, W, in, out, M);
+    };
+    for (int bps : {1, 2}) {
+        constexpr int PFC = 8;
+        const int smem = WARPS * PFC * 32 * 16;
+        cudaFuncSetAttribute(gemv_pdl<H, PFC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(gemv_pdl<I, PFC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        for (int att : {0, 1}) {
+            cudaGraph_t graph; cudaGraphExec_t ge;
+            cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+            for (int l = 0; l < LAYERS; ++l) {
+                CK(pdl(gemv_pdl<H, PFC>, sms * bps, smem, hl[l].qkv, x, a, QKV));
+                if (att) {
+                    cudaLaunchAttribute at[1];
+                    cudaLaunchConfig_t sc = pdl_cfg(64, 32, 0, at);
+                    CK(cudaLaunchKernelEx(&sc, spin_pdl, (long long)10000));
+                }
+                CK(pdl(gemv_pdl<H, PFC>, sms * bps, smem, hl[l].o, a, b, H));
+                CK(pdl(gemv_pdl<H, PFC>, sms * bps, smem, hl[l].gu, b, c, 2 * I));
+                CK(pdl(gemv_pdl<I, PFC>, sms * bps, smem, hl[l].down, c, x, H));
+            }
+            CK(cudaStreamEndCapture(s, &graph));
+            CK(cudaGraphInstantiate(&ge, graph, 0));
+            char name[128];
+            snprintf(name, 128, "E PDL + 8 chunks via cp.async, %d blocks/SM%s", bps, att ? " + 10 us stand-in" : "");
+            timeit([&] { cudaGraphLaunch(ge, s); }, name, 9);
+        }
+    }
     return 0;
 }
