@@ -168,13 +168,8 @@ struct TiledKvDst {
     __device__ void pad(int t, int heads, int d, int) const {
         if (d % 8 == 0) {
             const int chunks = (FW_DP - d) / 8;
-            for (int p = threadIdx.x; p < heads * chunks; p += blockDim.x) {
-                const int h = p / chunks, i = d + (p % chunks) * 8;
-                const bool ones = i == FW_ONES;  // FW_ONES % 8 == 0: a chunk's first dim
-                *reinterpret_cast<uint4*>(k + k_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
-                *reinterpret_cast<uint4*>(v + v_at(t, heads, h, i)) =
-                    make_uint4(ones ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
-            }
+            for (int p = threadIdx.x; p < heads * chunks; p += blockDim.x)
+                pad_chunk(t, heads, p / chunks, d + (p % chunks) * 8, true);
             return;
         }
         const int n = FW_DP - d;
@@ -187,11 +182,16 @@ struct TiledKvDst {
     // Row t (a key past the image) of every head, K and V: zeros.
     __device__ void zero(int t, int heads) const {
         constexpr int chunks = FW_DP / 8;
-        for (int p = threadIdx.x; p < heads * chunks; p += blockDim.x) {
-            const int h = p / chunks, i = (p % chunks) * 8;
-            *reinterpret_cast<uint4*>(k + k_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4*>(v + v_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
-        }
+        for (int p = threadIdx.x; p < heads * chunks; p += blockDim.x)
+            pad_chunk(t, heads, p / chunks, (p % chunks) * 8, false);
+    }
+    // The 8 dims from i (a multiple of 8) of row t, head h, K and V: zeros, but V's FW_ONES is
+    // one where `ones` (a row's padding dims; not a row past the image). FW_ONES % 8 == 0: it
+    // is a chunk's first dim.
+    __device__ void pad_chunk(int t, int heads, int h, int i, bool ones) const {
+        *reinterpret_cast<uint4*>(k + k_at(t, heads, h, i)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v + v_at(t, heads, h, i)) =
+            make_uint4(ones && i == FW_ONES ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
     }
 };
 static_assert(FW_DP == FW_DV, "K and V tiles share TiledKvDst::tile");
@@ -210,6 +210,27 @@ static_assert(FW_DP == FW_DV, "K and V tiles share TiledKvDst::tile");
 __device__ __forceinline__ void store8(half* p, const float v[8]) {
     *reinterpret_cast<uint4*>(p) = make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]),
                                               pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+}
+
+// 8 dims i0.. (a multiple of 8) of one head's q or k (src: its d values) rotated by RoPE
+// (cos_t and sin_t at this row) and scaled: two groups of 4, each with its rotate-half
+// partners 4 dims at i -+ d/2 (d/2 is a multiple of 4), the same side of the middle for all 4.
+template <typename In>
+__device__ __forceinline__ void rope8(const In* src, const float* __restrict__ cos_t,
+                                      const float* __restrict__ sin_t, int i0, int hd,
+                                      float scale, float out[8]) {
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+        const int i = i0 + 4 * g, j = i < hd ? i + hd : i - hd;
+        const float sign = i < hd ? -1.0f : 1.0f;
+        float c[4], s[4], xi[4], xj[4];
+        load_n<4>(cos_t + i, c);
+        load_n<4>(sin_t + i, s);
+        load_n<4>(src + i, xi);
+        load_n<4>(src + j, xj);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[4 * g + e] = (xi[e] * c[e] + sign * xj[e] * s[e]) * scale;
+    }
 }
 
 template <typename In>
@@ -232,36 +253,18 @@ __device__ __forceinline__ void rope_qkv_pack_tiled(const In* __restrict__ qkv,
     constexpr int CH = FW_DP / 8;  // chunks a head: the head dims', then padding
     const int hd = d / 2, w = heads * d;
     const In* row = qkv + (size_t)t * 3 * w;
+    const float *cos_row = cos_t + (size_t)t * d, *sin_row = sin_t + (size_t)t * d;
     for (int p = threadIdx.x; p < heads * CH; p += blockDim.x) {
         const int h = p / CH, i0 = (p % CH) * 8;
         if (i0 >= d) {
-            // Padding: zeros, but V's FW_ONES is one (FW_ONES % 8 == 0: a chunk's first dim).
-            *reinterpret_cast<uint4*>(kt + kv.k_at(t, heads, h, i0)) = make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4*>(vt + kv.v_at(t, heads, h, i0)) =
-                make_uint4(i0 == FW_ONES ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
+            kv.pad_chunk(t, heads, h, i0, true);
             continue;
         }
         float qo[8], ko[8], vo[8];
-        // Two groups of 4 dims; each group's rotate-half partners are 4 dims at i -+ d/2 (d/2
-        // is a multiple of 4), the same side of the middle for all 4.
-#pragma unroll
-        for (int g = 0; g < 2; ++g) {
-            const int i = i0 + 4 * g, j = i < hd ? i + hd : i - hd;
-            const float sign = i < hd ? -1.0f : 1.0f;
-            float c[4], s[4], qi[4], qj[4], ki[4], kj[4];
-            load_n<4>(cos_t + (size_t)t * d + i, c);
-            load_n<4>(sin_t + (size_t)t * d + i, s);
-            load_n<4>(row + h * d + i, qi);
-            load_n<4>(row + h * d + j, qj);
-            load_n<4>(row + w + h * d + i, ki);
-            load_n<4>(row + w + h * d + j, kj);
-            load_n<4>(row + 2 * w + h * d + i, vo + 4 * g);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                qo[4 * g + e] = (qi[e] * c[e] + sign * qj[e] * s[e]) * q_scale;
-                ko[4 * g + e] = ki[e] * c[e] + sign * kj[e] * s[e];
-            }
-        }
+        rope8(row + h * d, cos_row, sin_row, i0, hd, q_scale, qo);
+        rope8(row + w + h * d, cos_row, sin_row, i0, hd, 1.0f, ko);
+        load_n<4>(row + 2 * w + h * d + i0, vo);
+        load_n<4>(row + 2 * w + h * d + i0 + 4, vo + 4);
         store8(q + (size_t)t * w + h * d + i0, qo);
         store8(kt + kv.k_at(t, heads, h, i0), ko);
         store8(vt + kv.v_at(t, heads, h, i0), vo);
@@ -296,25 +299,6 @@ extern "C" __global__ void rope_qkv16_pack_tiled_f16(const half* __restrict__ qk
 // boundary for d = 72) now come from shared memory. PACK_ROWS is #defined by the host
 // (shared_defines).
 
-// 8 dims i0.. of one head's q or k (src: its d halves, staged) rotated by RoPE (cos_t and sin_t
-// at this row): two groups of 4, each with its rotate-half partners 4 dims at i -+ d/2.
-__device__ __forceinline__ void rope8(const half* src, const float* __restrict__ cos_t,
-                                      const float* __restrict__ sin_t, int i0, int hd,
-                                      float out[8]) {
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-        const int i = i0 + 4 * g, j = i < hd ? i + hd : i - hd;
-        const float sign = i < hd ? -1.0f : 1.0f;
-        float c[4], s[4], xi[4], xj[4];
-        load_n<4>(cos_t + i, c);
-        load_n<4>(sin_t + i, s);
-        load_n<4>(src + i, xi);
-        load_n<4>(src + j, xj);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) out[4 * g + e] = xi[e] * c[e] + sign * xj[e] * s[e];
-    }
-}
-
 // As rope_qkv16_pack_tiled_f16 for d % 8 == 0, PACK_ROWS rows of the tiles a block (tiles *
 // FW_BK / PACK_ROWS blocks), dynamic shared memory PACK_ROWS (3 heads d + 8) halves.
 extern "C" __global__ void __launch_bounds__(256)
@@ -345,9 +329,8 @@ extern "C" __global__ void __launch_bounds__(256)
         const int t = t0 + r;
         if (t >= len) continue;
         float qo[8];
-        rope8(rows + r * stride + h * d, cos_t + (size_t)t * d, sin_t + (size_t)t * d, i0, hd, qo);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) qo[e] *= q_scale;
+        rope8(rows + r * stride + h * d, cos_t + (size_t)t * d, sin_t + (size_t)t * d, i0, hd,
+              q_scale, qo);
         store8(q + (size_t)t * w + h * d + i0, qo);
     }
 
@@ -357,19 +340,16 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int p = threadIdx.x; p < heads * CH * PACK_ROWS; p += blockDim.x) {
         const int r = p % PACK_ROWS, h = p / PACK_ROWS / CH, i0 = p / PACK_ROWS % CH * 8;
         const int t = t0 + r;
-        uint4* k_dst = reinterpret_cast<uint4*>(kt + kv.k_at(t, heads, h, i0));
-        uint4* v_dst = reinterpret_cast<uint4*>(vt + kv.v_at(t, heads, h, i0));
         if (t >= len || i0 >= d) {
-            const bool ones = t < len && i0 == FW_ONES;  // FW_ONES % 8 == 0: a chunk's first dim
-            *k_dst = make_uint4(0, 0, 0, 0);
-            *v_dst = make_uint4(ones ? pack_half2(1.0f, 0.0f) : 0u, 0, 0, 0);
+            kv.pad_chunk(t, heads, h, i0, t < len);
             continue;
         }
         const half* row = rows + r * stride;
         float ko[8];
-        rope8(row + w + h * d, cos_t + (size_t)t * d, sin_t + (size_t)t * d, i0, hd, ko);
-        store8(reinterpret_cast<half*>(k_dst), ko);
-        *v_dst = *reinterpret_cast<const uint4*>(row + 2 * w + h * d + i0);
+        rope8(row + w + h * d, cos_t + (size_t)t * d, sin_t + (size_t)t * d, i0, hd, 1.0f, ko);
+        store8(kt + kv.k_at(t, heads, h, i0), ko);
+        *reinterpret_cast<uint4*>(vt + kv.v_at(t, heads, h, i0)) =
+            *reinterpret_cast<const uint4*>(row + 2 * w + h * d + i0);
     }
 }
 

@@ -16,7 +16,7 @@ use half::f16;
 
 use super::kernels::{
     decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, pack_rows_smem_bytes, COUNTERS,
-    DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS, FLASH_DIMS, FLASH_KERNELS,
+    DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS,
     FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS,
     FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES, FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS,
     FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM,
@@ -553,10 +553,11 @@ impl CudaBackend {
                     (kt.slice_mut(packed.clone()), vt.slice_mut(packed.clone()));
                 let ints = [heads, d, len, image_tiles].map(|v| v as i32);
                 // From f16 rows with d a multiple of 8, PACK_ROWS rows a block staged in shared
-                // memory (within the default 48 KB).
+                // memory (within what a block gets without opting in).
                 let rows = image_tiles * FLASH_WGMMA_KEYS;
                 let smem = pack_rows_smem_bytes(width);
-                let (pack, cfg) = if pack == ROPE_PACK_F16[1] && d % 8 == 0 && smem <= 48 << 10 {
+                let (pack, cfg) = if pack == ROPE_PACK_F16[1] && d % 8 == 0 && smem <= DEFAULT_SMEM
+                {
                     let cfg = LaunchConfig {
                         grid_dim: ((rows / PACK_ROWS) as u32, 1, 1),
                         block_dim: (ROW_THREADS, 1, 1),

@@ -10,9 +10,9 @@ use cudarc::nvrtc::Ptx;
 
 use super::compile::{self, compile_ptx};
 use super::kernels::{
-    flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, FLASH_DIMS, FLASH_KERNELS,
-    FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES,
-    GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
+    flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, DEFAULT_SMEM, FLASH_DIMS,
+    FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
 use super::linear::{Gemv, GEMV_STATIC_SMEM};
 use super::{lt, staging};
@@ -306,7 +306,7 @@ impl CudaBackend {
         let optin = ctx
             .attribute(OPTIN)
             .map_err(|e| cuda_err("shared memory per block")(&e))?;
-        let dynamic = (optin as usize).max(48 << 10) - GEMV_STATIC_SMEM;
+        let dynamic = (optin as usize).max(DEFAULT_SMEM) - GEMV_STATIC_SMEM;
         let opted_in = [Gemv::Normed, Gemv::NormedSwiglu]
             .into_iter()
             .flat_map(|g| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r)))
@@ -314,7 +314,7 @@ impl CudaBackend {
         let gemv_smem = if opted_in {
             dynamic
         } else {
-            (48 << 10) - GEMV_STATIC_SMEM
+            DEFAULT_SMEM - GEMV_STATIC_SMEM
         };
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
         // A workspace of our own: without one cuBLAS allocates on first use, which a GEMM

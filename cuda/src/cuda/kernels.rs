@@ -219,6 +219,8 @@ pub(super) const FLASH_WGMMA_THREADS: u32 = 512;
 /// (attention_sm90.cu).
 pub(super) const ROPE_PACK_F32: [&str; 2] = ["rope_qkv_pack_f16", "rope_qkv_pack_tiled_f16"];
 pub(super) const ROPE_PACK_F16: [&str; 2] = ["rope_qkv16_pack_f16", "rope_qkv16_pack_tiled_f16"];
+/// Shared memory any block may take without opting in (bytes), on every GPU CUDA supports.
+pub(super) const DEFAULT_SMEM: usize = 48 << 10;
 /// The tiled pack from f16 rows for head dims that are multiples of 8 (the ViT's 72):
 /// PACK_ROWS rows a block, staged in shared memory (rope_qkv16_pack_tiled_rows_f16).
 pub(super) const ROPE_PACK16_TILED_ROWS: &str = "rope_qkv16_pack_tiled_rows_f16";
