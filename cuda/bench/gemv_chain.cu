@@ -9,7 +9,12 @@
 //      before the barrier (no registers held), read from there after it,
 //   E  A with programmatic dependent launch, each GEMV at half an SM's warps staging its
 //      first weights into shared memory before it waits for the one before,
-// and A, D and E again with a 10 us stand-in for decode attention between q/k/v and o.
+// and A, D and E again with a 10 us stand-in for decode attention between q/k/v and o; then a
+// decode layer's shape (q/k/v, a 2 us RoPE stand-in, an 8 us attention stand-in that lets its
+// dependent start, o, gate/up, down) as
+//   A' plain launches,
+//   F  E with each kernel's trigger after its wait (only the next kernel resident early),
+//   G  F with rows past a warp's first handed out by an atomic ticket.
 //
 // Not part of the build: a research harness for the GPU machine, plain CUDA (nvcc):
 //   nvcc -O3 -std=c++17 -arch=sm_90a cuda/bench/gemv_chain.cu -o /tmp/gemv_chain && /tmp/gemv_chain
@@ -18,6 +23,11 @@
 // 143.8-144.1; B 146.0; C 167.0 (registers: 3 blocks an SM); D with 8 chunks (4 KB a warp) 135.2
 // -135.4, with 12 and 16 133.8-139.3 by occupancy; E at one block (8 warps) an SM 134.5, at two
 // 142.2; with the attention stand-in A 155.0, D 150.2, E 152.0 (two blocks) and 175.8 (one).
+// The decode layer's shape: A' 155.6; F 174.7 (trigger first, one block an SM), 180.3 (late,
+// one), 153.3 (late, two); G 155.2 (one block an SM) and 149.5 (two), and without the
+// stand-ins 137.4 / 138.0. At one block an SM the scheduler doubles blocks up on some SMs while
+// others still run the kernel before (a static share of rows then waits on those SMs); rows
+// handed out as asked for (G) undo that. G at two blocks an SM is the production streamed GEMV.
 // So the gaps between a step's GEMVs cost ~18 us a layer (0.65 ms a token at 36 layers) over a
 // plain read, a barrier alone recovers none of it, and weights staged ahead recover half: in
 // one persistent kernel (D) or, as well, with four kernels under programmatic dependent launch
@@ -209,6 +219,71 @@ __global__ void __launch_bounds__(THREADS) gemv_pdl(const half* W, const half* x
     gemv_rows_sm<K, PFC>(W, x, y, M, gw, nw, sm, true);
 }
 
+// F: E with the trigger after the wait, so that only the next kernel (not every one after it)
+// is resident and staging beside the running one.
+template <int K, int PFC>
+__global__ void __launch_bounds__(THREADS) gemv_pdl_late(const half* W, const half* x, half* y, int M) {
+    extern __shared__ uint4 smem_pdl[];
+    uint4* sm = smem_pdl + (threadIdx.x / 32) * PFC * 32;
+    const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
+    prefetch_smem<K, PFC>(W, M, gw, sm);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    gemv_rows_sm<K, PFC>(W, x, y, M, gw, nw, sm, true);
+}
+// G: F with rows handed out as they are taken: each warp's first row is its own (staged before
+// the wait), every later one comes from an atomic counter (zeroed at the step's start), asked
+// for before the row in hand is summed. A block that shares its SM with another of the same
+// grid (the scheduler places blocks where room is, not one an SM) then takes fewer rows
+// instead of holding the kernel's end back.
+template <int K, int PFC>
+__global__ void __launch_bounds__(THREADS) gemv_pdl_dyn(const half* W, const half* x, half* y, int M,
+                                                     unsigned* counter) {
+    extern __shared__ uint4 smem_pdl[];
+    uint4* sm = smem_pdl + (threadIdx.x / 32) * PFC * 32;
+    const int lane = threadIdx.x % 32;
+    const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
+    prefetch_smem<K, PFC>(W, M, gw, sm);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    constexpr int CH = K / 8 / 32;
+    const uint4* xr = reinterpret_cast<const uint4*>(x);
+    int r = gw;
+    bool first = true;
+    while (r < M) {
+        unsigned nxt = 0;
+        if (lane == 0) nxt = atomicAdd(counter, 1u);
+        const uint4* wr = reinterpret_cast<const uint4*>(W + (size_t)r * K);
+        float acc = 0.f;
+#pragma unroll 1
+        for (int c0 = 0; c0 < CH; c0 += 16) {
+            uint4 w[16];
+            if (first && c0 == 0) {
+#pragma unroll
+                for (int u = 0; u < 16; ++u)
+                    w[u] = u < PFC ? sm[u * 32 + lane] : ld_stream(wr + u * 32 + lane);
+            } else {
+#pragma unroll
+                for (int u = 0; u < 16; ++u) w[u] = ld_stream(wr + (c0 + u) * 32 + lane);
+            }
+#pragma unroll
+            for (int u = 0; u < 16; ++u) acc += dot8(w[u], xr[(c0 + u) * 32 + lane]);
+        }
+        first = false;
+        acc = warp_sum(acc);
+        if (lane == 0) y[r] = __float2half_rn(acc * 0.01f);
+        r = nw + (int)__shfl_sync(0xffffffff, nxt, 0);
+    }
+}
+
+// Stand-ins for a decode layer's small kernels: the q/k norm + RoPE + cache write (launched
+// plainly) and attention (plain launch, lets its dependent start at once).
+__global__ void spin_trigger(long long ns) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0) spin_ns(ns);
+}
+
 // All layers in one cooperative kernel: qkv -> o -> gate/up -> down, a grid barrier between.
 template <int PF>
 __global__ void __launch_bounds__(THREADS) persistent(const Layer* layers, half* x, half* a,
@@ -393,6 +468,86 @@ int main() {
             snprintf(name, 128, "E PDL + 8 chunks via cp.async, %d blocks/SM%s", bps, att ? " + 10 us stand-in" : "");
             timeit([&] { cudaGraphLaunch(ge, s); }, name, 9);
         }
+    }
+    // F: a decode layer's shape: q/k/v GEMV, a 2 us RoPE stand-in (8 blocks), an 8 us
+    // attention stand-in (64 blocks), o, gate/up, down. A': all plain launches; F: the GEMVs
+    // under programmatic dependent launch, trigger after the wait (late) or first (E's).
+    for (int mode = 0; mode < 4; ++mode) {
+        constexpr int PFC = 8;
+        const int smem = WARPS * PFC * 32 * 16;
+        const int bps = mode == 3 ? 2 : 1;
+        auto kH = mode == 1 ? gemv_pdl<H, PFC> : gemv_pdl_late<H, PFC>;
+        auto kI = mode == 1 ? gemv_pdl<I, PFC> : gemv_pdl_late<I, PFC>;
+        cudaFuncSetAttribute(kH, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(kI, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaGraph_t graph; cudaGraphExec_t ge;
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+        for (int l = 0; l < LAYERS; ++l) {
+            if (mode == 0) {
+                gemv_kernel<H><<<sms * 4, THREADS, 0, s>>>(hl[l].qkv, x, a, QKV);
+                spin_kernel<<<8, 32, 0, s>>>(2000);
+                spin_kernel<<<64, 32, 0, s>>>(8000);
+                gemv_kernel<H><<<sms * 4, THREADS, 0, s>>>(hl[l].o, a, b, H);
+                gemv_kernel<H><<<sms * 4, THREADS, 0, s>>>(hl[l].gu, b, c, 2 * I);
+                gemv_kernel<I><<<sms * 4, THREADS, 0, s>>>(hl[l].down, c, x, H);
+            } else {
+                CK(pdl(kH, sms * bps, smem, hl[l].qkv, x, a, QKV));
+                spin_kernel<<<8, 32, 0, s>>>(2000);
+                spin_trigger<<<64, 32, 0, s>>>(8000);
+                CK(pdl(kH, sms * bps, smem, hl[l].o, a, b, H));
+                CK(pdl(kH, sms * bps, smem, hl[l].gu, b, c, 2 * I));
+                CK(pdl(kI, sms * bps, smem, hl[l].down, c, x, H));
+            }
+        }
+        CK(cudaStreamEndCapture(s, &graph));
+        CK(cudaGraphInstantiate(&ge, graph, 0));
+        const char* names[] = {"A' plain, 2+8 us stand-ins", "F trigger first, 1 block/SM, stand-ins",
+                               "F trigger late, 1 block/SM, stand-ins", "F trigger late, 2 blocks/SM, stand-ins"};
+        timeit([&] { cudaGraphLaunch(ge, s); }, names[mode], 9);
+    }
+    // G: F late with rows handed out by a counter, at 1 and 2 blocks an SM.
+    unsigned* counters;
+    CK(cudaMalloc(&counters, LAYERS * 4 * sizeof(unsigned)));
+    auto pdl_dyn = [&](auto kern, int blocks, int smem, const half* W, const half* in, half* out, int M,
+                       unsigned* ctr) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(THREADS);
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = s;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return cudaLaunchKernelEx(&cfg, kern, W, in, out, M, ctr);
+    };
+    for (int mode = 0; mode < 4; ++mode) {
+        constexpr int PFC = 8;
+        const int smem = WARPS * PFC * 32 * 16;
+        const int bps = mode % 2 ? 2 : 1;
+        const bool stand = mode >= 2;
+        cudaFuncSetAttribute(gemv_pdl_dyn<H, PFC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaFuncSetAttribute(gemv_pdl_dyn<I, PFC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaGraph_t graph; cudaGraphExec_t ge;
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+        CK(cudaMemsetAsync(counters, 0, LAYERS * 4 * sizeof(unsigned), s));
+        for (int l = 0; l < LAYERS; ++l) {
+            unsigned* ctr = counters + 4 * l;
+            CK(pdl_dyn(gemv_pdl_dyn<H, PFC>, sms * bps, smem, hl[l].qkv, x, a, QKV, ctr));
+            if (stand) {
+                spin_kernel<<<8, 32, 0, s>>>(2000);
+                spin_trigger<<<64, 32, 0, s>>>(8000);
+            }
+            CK(pdl_dyn(gemv_pdl_dyn<H, PFC>, sms * bps, smem, hl[l].o, a, b, H, ctr + 1));
+            CK(pdl_dyn(gemv_pdl_dyn<H, PFC>, sms * bps, smem, hl[l].gu, b, c, 2 * I, ctr + 2));
+            CK(pdl_dyn(gemv_pdl_dyn<I, PFC>, sms * bps, smem, hl[l].down, c, x, H, ctr + 3));
+        }
+        CK(cudaStreamEndCapture(s, &graph));
+        CK(cudaGraphInstantiate(&ge, graph, 0));
+        char name[128];
+        snprintf(name, 128, "G dynamic rows, %d blocks/SM%s", bps, stand ? ", stand-ins" : "");
+        timeit([&] { cudaGraphLaunch(ge, s); }, name, 9);
     }
     return 0;
 }
