@@ -9,6 +9,22 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90 and later; nothing before). A kernel launched with the
+// programmatic attribute may start while the kernel before it still runs: grid_wait() returns
+// once that kernel has finished and its writes are visible, so everything before it may read
+// only what no kernel of the stream writes (weights). grid_launch_dependents() lets the kernel
+// after this one start early the same way; without it, that one starts when this one ends.
+__device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Element i of a random-weight matrix with `key`: cuda/src/random.rs's SplitMix64 hash, so the
 // values equal the CPU's bit for bit.
 __device__ __forceinline__ float random_uniform(unsigned long long key, unsigned long long i,

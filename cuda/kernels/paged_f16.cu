@@ -442,6 +442,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
             const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
             float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
             int hq, int hkv, int block_size, float scale) {                                       \
+        grid_launch_dependents(); /* the o projection's GEMV may stage its weights meanwhile */   \
         paged_decode<D, GP>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, hkv,         \
                             block_size, scale);                                                   \
     }

@@ -127,7 +127,7 @@ __device__ __forceinline__ void split_total(float acc[N], float (*part)[GEMV_WAR
 // all its warps. Against each warp norming the rows it reads from L1 (the norm weight read
 // beside x, the squares summed by every warp), the GEMVs of one 8B decode step, timed alone on
 // an H100: 6.28 -> 5.79 ms, within 0.02 ms of the same GEMVs without the norm.
-extern __shared__ float gemv_staged[];
+extern __shared__ __align__(16) float gemv_staged[];
 
 template <int ROWS>
 __device__ __forceinline__ void stage_normed(const float* __restrict__ x,
@@ -259,6 +259,254 @@ __device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
     }
 }
 
+// ---- The streamed GEMVs: decode's GEMVs under programmatic dependent launch (sm_90) ----
+//
+// Each GEMV above fills its pipeline from empty and drains it: between a decode step's GEMVs
+// that costs ~18 us a layer on an H100 (cuda/bench/gemv_chain.cu). These kernels are launched
+// so that they start while the kernel before them still runs (common.cuh's grid_wait): each
+// warp copies the first STREAM_STAGED 16-byte chunks a lane of its first weight row into shared
+// memory by cp.async, and only then waits. The host launches two blocks an SM, so the next
+// kernel's blocks find room beside the running one (every SM full, as above, leaves them none);
+// with that few warps each lane keeps SG_LOADS chunks in flight (a whole row of 4,096 columns
+// at once). One warp per output row. Rows past the first go to whichever warp asks next (an
+// atomic ticket): the scheduler places a grid's blocks where there is room, not one an SM, and
+// a static share would leave an SM with two blocks holding the kernel's end back.
+//
+// STREAM_STAGED is #defined by the host (it sizes the shared memory). Rows of x: as above.
+#define SG_LOADS(ROWS) ((ROWS) <= 2 ? 16 : 8)  // 3-4 rows: the registers of the sums and x
+static_assert(SG_LOADS(GEMV_MAX_ROWS) >= STREAM_STAGED, "the staged chunks are one round's first");
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+
+// Eight weights, or zeros past k_vec; streamed past L1 (read once).
+__device__ __forceinline__ uint4 load_or_zero(const __half* __restrict__ wr, int c, int k_vec) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (c < k_vec)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(wr + c));
+    return v;
+}
+
+// A lane's chunk u of a row: columns lane * 8 + u * WARP * 8 (a warp reads 512 bytes a chunk).
+// The first STREAM_STAGED of row wr, into this warp's `st`.
+__device__ __forceinline__ void stage_first(const __half* __restrict__ wr, int k, uint4* st) {
+    const int lane = threadIdx.x % WARP, k_vec = vec_cols(k);
+#pragma unroll
+    for (int u = 0; u < STREAM_STAGED; ++u) {
+        int c = lane * 8 + u * WARP * 8;
+        if (c < k_vec) cp_async16(st + u * WARP + lane, wr + c);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// acc[r] = x[r, :] . wr for the ROWS rows of x, summed over the warp (every lane returns the
+// sums). `staged`: the lane's first STREAM_STAGED chunks of wr in shared memory, or null.
+template <int ROWS>
+__device__ __forceinline__ void stream_dots(const float* __restrict__ x,
+                                            const __half* __restrict__ wr, int k,
+                                            const uint4* staged, float acc[ROWS]) {
+    constexpr int L = SG_LOADS(ROWS);
+    const int lane = threadIdx.x % WARP, k_vec = vec_cols(k);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    for (int c0 = lane * 8; c0 < k_vec; c0 += L * WARP * 8) {
+        uint4 raw[L];
+        if (staged) {
+#pragma unroll
+            for (int u = 0; u < L; ++u)
+                raw[u] = u < STREAM_STAGED ? staged[u * WARP + lane]
+                                           : load_or_zero(wr, c0 + u * WARP * 8, k_vec);
+            staged = nullptr;
+        } else {
+#pragma unroll
+            for (int u = 0; u < L; ++u) raw[u] = load_or_zero(wr, c0 + u * WARP * 8, k_vec);
+        }
+#pragma unroll
+        for (int u = 0; u < L; ++u) {
+            const int c = c0 + u * WARP * 8;
+            if (c < k_vec) {
+                float wf[8];
+                unpack8(raw[u], wf);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c);
+                    float4 a = xr[0], b = xr[1];
+                    acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w +
+                              wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+                }
+            }
+        }
+    }
+    for (int c = k_vec + lane; c < k; c += WARP) {
+        float wv = __half2float(wr[c]);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] += wv * x[(size_t)r * k + c];
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
+}
+
+// The streamed GEMVs read x from shared memory, normed or not: read from L1 (the classic
+// plain GEMVs do), a warp's x of each chunk waits on L1 after its weights arrive, and at two
+// blocks an SM too few warps hide that (ncu, batch-1 decode on an H100: the o and down
+// projections 24.1 and 56.4 us so, against 17.5 and 40.4 for the classic kernels). Copied by
+// cp.async, every 16 bytes of a block's copy in flight at once: a plain loop of loads and
+// stores waits once per round (12 rounds before the down projection's first row: o and down
+// 20.6 and 46.3 us; by cp.async 19.4 and 42.2). The layout: x's rows (ROWS * k floats), with NORM the norm weights
+// (k floats), then each warp's staged weight chunks, each part 16-byte aligned.
+__device__ __forceinline__ size_t padded4(size_t n) { return (n + 3) / 4 * 4; }
+
+template <bool NORM, int ROWS>
+__device__ __forceinline__ uint4* warp_stage(int k) {
+    const size_t floats = padded4((size_t)ROWS * k) + (NORM ? padded4(k) : 0);
+    return reinterpret_cast<uint4*>(gemv_staged + floats) + (threadIdx.x / WARP) * STREAM_STAGED * WARP;
+}
+
+// n floats from src to shared dst: by cp.async where both are 16-byte aligned (the caller
+// commits and waits), else a plain copy.
+__device__ __forceinline__ void copy_floats(float* dst, const float* __restrict__ src, int n) {
+    if (n % 4 == 0 && reinterpret_cast<size_t>(src) % 16 == 0) {
+        for (int i = threadIdx.x; i < n / 4; i += blockDim.x) cp_async16(dst + 4 * i, src + 4 * i);
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+// Before grid_wait: with NORM, the norm weights, which no kernel writes, into their place.
+template <bool NORM, int ROWS>
+__device__ __forceinline__ void stage_norm_weights(const float* __restrict__ norm_w, int k) {
+    if (NORM) copy_floats(gemv_staged + padded4((size_t)ROWS * k), norm_w, k);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// After grid_wait: x's rows into shared memory; with NORM, x * g there and inv[r] = 1 /
+// rms(x[r]) (stage_normed's result, its last scaling left for after the dot products). Waits
+// for every cp.async of the thread (the staged weights too). Every thread of the block calls it.
+template <bool NORM, int ROWS>
+__device__ __forceinline__ const float* stream_input(const float* __restrict__ x, float eps,
+                                                     int k, float inv[ROWS]) {
+    float* xs = gemv_staged;
+    copy_floats(xs, x, ROWS * k);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    if (NORM) {
+        __shared__ float partial[ROWS][32];
+        const float* g = gemv_staged + padded4((size_t)ROWS * k);
+        const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float s = 0.0f;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) s += xs[r * k + i] * xs[r * k + i];
+            s = warp_sum(s);
+            if (lane == 0) partial[r][warp] = s;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float t = 0.0f;
+            for (int w = 0; w < warps; ++w) t += partial[r][w];
+            inv[r] = rsqrtf(t / k + eps);
+            for (int i = threadIdx.x; i < k; i += blockDim.x) xs[r * k + i] *= g[i];
+        }
+        __syncthreads();
+    }
+    return xs;
+}
+
+// Rows past a warp's first: ticket[0] counts those handed out. ticket[1] counts finished blocks;
+// the last block sets both to 0 again, which the next launch sees (it reads them only after
+// grid_wait, and launches on the backend's one stream run one after another).
+__device__ __forceinline__ unsigned take_ticket(unsigned* ticket) {
+    return threadIdx.x % WARP == 0 ? atomicAdd(ticket, 1u) : 0u;
+}
+__device__ __forceinline__ void tickets_done(unsigned* ticket) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(ticket + 1, 1u) == gridDim.x - 1) {
+            ticket[0] = 0;
+            ticket[1] = 0;
+        }
+    }
+}
+
+// gemv's product (same arguments and result), streamed.
+template <bool NORM, int ROWS>
+__device__ __forceinline__ void gemv_streamed(const float* __restrict__ x,
+                                              const float* __restrict__ norm_w, float eps,
+                                              const __half* __restrict__ w,
+                                              const float* __restrict__ bias, int has_bias,
+                                              float* __restrict__ out, int accumulate, int m,
+                                              int k, unsigned* __restrict__ ticket) {
+    const int warps = gridDim.x * GEMV_WARPS;
+    int j = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP;
+    uint4* st = warp_stage<NORM, ROWS>(k);
+    if (j < m) stage_first(w + (size_t)j * k, k, st);
+    stage_norm_weights<NORM, ROWS>(norm_w, k);
+    grid_wait();
+    grid_launch_dependents();
+    float inv[ROWS];
+    const float* xr = stream_input<NORM, ROWS>(x, eps, k, inv);
+    const uint4* staged = st;
+    while (j < m) {
+        const unsigned next = take_ticket(ticket);  // asked for before the row is summed
+        float acc[ROWS];
+        stream_dots<ROWS>(xr, w + (size_t)j * k, k, staged, acc);
+        staged = nullptr;
+        if (threadIdx.x % WARP == 0) {
+            float b = has_bias ? bias[j] : 0.0f;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float* o = out + (size_t)r * m + j;
+                *o = (accumulate ? *o : 0.0f) + (NORM ? acc[r] * inv[r] : acc[r]) + b;
+            }
+        }
+        j = warps + (int)__shfl_sync(0xffffffff, next, 0);
+    }
+    tickets_done(ticket);
+}
+
+// swiglu_gemv's product, streamed: a warp's row j is gate row j then up row j.
+template <bool NORM, int ROWS>
+__device__ __forceinline__ void swiglu_streamed(const float* __restrict__ x,
+                                                const float* __restrict__ norm_w, float eps,
+                                                const __half* __restrict__ gate_up,
+                                                float* __restrict__ out, int m, int k,
+                                                unsigned* __restrict__ ticket) {
+    const int warps = gridDim.x * GEMV_WARPS;
+    int j = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP;
+    uint4* st = warp_stage<NORM, ROWS>(k);
+    if (j < m) stage_first(gate_up + (size_t)j * k, k, st);
+    stage_norm_weights<NORM, ROWS>(norm_w, k);
+    grid_wait();
+    grid_launch_dependents();
+    float inv[ROWS];
+    const float* xr = stream_input<NORM, ROWS>(x, eps, k, inv);
+    const uint4* staged = st;
+    while (j < m) {
+        const unsigned next = take_ticket(ticket);
+        float g[ROWS], u[ROWS];
+        stream_dots<ROWS>(xr, gate_up + (size_t)j * k, k, staged, g);
+        stream_dots<ROWS>(xr, gate_up + (size_t)(m + j) * k, k, nullptr, u);
+        staged = nullptr;
+        if (threadIdx.x % WARP == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float gv = NORM ? g[r] * inv[r] : g[r];
+                float uv = NORM ? u[r] * inv[r] : u[r];
+                out[(size_t)r * m + j] = gv / (1.0f + expf(-gv)) * uv;
+            }
+        }
+        j = warps + (int)__shfl_sync(0xffffffff, next, 0);
+    }
+    tickets_done(ticket);
+}
+
 // Each kernel is compiled for 1 to GEMV_MAX_ROWS rows of x, NAME_r1 .. NAME_r4: with the row
 // count known, the loops over rows unroll with no tests and no registers for rows that are not
 // there (the GEMVs of one 8B decode step, timed alone on an H100: 6.12 -> 5.77 ms against one
@@ -288,6 +536,29 @@ FOR_ROWS(GEMV_KERNEL, gemv_f16w, false)
 FOR_ROWS(GEMV_KERNEL, rms_norm_gemv_f16w, true)
 FOR_ROWS(SWIGLU_KERNEL, swiglu_gemv_f16w, false)
 FOR_ROWS(SWIGLU_KERNEL, rms_norm_swiglu_gemv_f16w, true)
+
+// The streamed ones: the same signatures plus the ticket, at most 128 registers a thread so
+// that two blocks fit an SM.
+#define GEMV_STREAMED_KERNEL(NAME, NORM, ROWS)                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2) NAME##_r##ROWS(            \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const __half* __restrict__ w, const float* __restrict__ bias, int has_bias,               \
+        float* __restrict__ out, int accumulate, int m, int k, unsigned* __restrict__ ticket) {   \
+        gemv_streamed<NORM, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m, k,       \
+                                  ticket);                                                        \
+    }
+#define SWIGLU_STREAMED_KERNEL(NAME, NORM, ROWS)                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2) NAME##_r##ROWS(            \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const __half* __restrict__ gate_up, float* __restrict__ out, int m, int k,                \
+        unsigned* __restrict__ ticket) {                                                          \
+        swiglu_streamed<NORM, ROWS>(x, norm_w, eps, gate_up, out, m, k, ticket);                  \
+    }
+
+FOR_ROWS(GEMV_STREAMED_KERNEL, gemv_f16w_streamed, false)
+FOR_ROWS(GEMV_STREAMED_KERNEL, rms_norm_gemv_f16w_streamed, true)
+FOR_ROWS(SWIGLU_STREAMED_KERNEL, swiglu_gemv_f16w_streamed, false)
+FOR_ROWS(SWIGLU_STREAMED_KERNEL, rms_norm_swiglu_gemv_f16w_streamed, true)
 
 // Activations to f16 for the tensor-core GEMM. Round to nearest; values past f16's range
 // become inf, which the GEMM then shows rather than hides.

@@ -184,7 +184,8 @@ pub enum Case {
     /// into a cache at slots read from the device, attention over it, greedy picks) recorded
     /// once ([`Backend::record`]: a CUDA graph) and replayed twice with other tokens, slots
     /// and block lists written in between: the replays must read the new values and write
-    /// where they say, as every batched decode step does.
+    /// where they say, as every batched decode step does. A text MLP's GEMVs follow the
+    /// attention, as in a decode layer.
     RecordReplay,
 }
 
@@ -869,9 +870,12 @@ fn paged_attention<B: Backend>(
 /// [`Case::RecordReplay`]: what a batched decode step (`TextModel::decode`) relies on, in
 /// miniature: two sequences, blocks of 4 slots.
 fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
-    let (vocab, width, heads, dim, bs) = (64, 256, 2, 64, 4);
+    let (vocab, width, heads, dim, bs, hidden) = (64, 256, 2, 64, 4, 192);
     let table = be.upload_weight(&f16_exact(input(&[vocab, width], 35)))?;
     let w = be.upload_weight(&f16_exact(input(&[heads * dim, width], 36)))?;
+    let norm = be.upload(&input(&[heads * dim], 37))?;
+    let gate_up = be.upload_weight(&f16_exact(scaled_input(&[2 * hidden, heads * dim], 38)))?;
+    let down = be.upload_weight(&f16_exact(scaled_input(&[heads * dim, hidden], 39)))?;
     let mut tokens = be.upload_ids(&[0, 0])?;
     let mut slots = be.upload_ids(&[0, 0])?;
     let mut seqs = be.upload_ids(&[0; 8])?;
@@ -899,6 +903,11 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
         };
         let q = be.reshape(y, &[2, heads, dim])?;
         let a = be.paged_attention(&q, cache, cache, &batch)?;
+        // A text MLP on the attention's rows: GEMVs one after another, as in a decode layer
+        // (on sm_90 under programmatic dependent launch, each replay handing rows out anew).
+        let mut a = be.reshape(a, &[2, heads * dim])?;
+        let h = be.rms_norm_swiglu(&a, &norm, 1e-6, &gate_up)?;
+        be.add_linear(&mut a, &h, &down, None)?;
         be.argmax_rows(&a, picks)?;
         be.copy(out, &a)
     };

@@ -107,6 +107,33 @@ fn linear_and_swiglu_at_real_sizes() {
 }
 
 #[test]
+fn decode_gemvs_without_programmatic_launch() {
+    let Some(g) = test_gpu() else { return };
+    // On sm_90 the GEMVs above are the streamed kernels under programmatic dependent launch;
+    // the classic ones (every other GPU, and VLM_PDL=0) are checked here too. Elsewhere this
+    // runs the classic ones twice.
+    g.set_programmatic_launch(false);
+    check_all(
+        &g,
+        [
+            (1, 4096, 12288),
+            (1, 12288, 4096),
+            (4, 4096, 6144),
+            (3, 7, 5),
+            (1, 4100, 9),
+        ]
+        .into_iter()
+        .flat_map(|(n, k, m)| Case::linears(n, k, m))
+        .chain([Case::RmsNormMlp {
+            n: 1,
+            k: 4096,
+            hidden: 12288,
+        }])
+        .chain([Case::RecordReplay]),
+    );
+}
+
+#[test]
 fn text_mlp_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // The 8B text MLP (4096 -> 12288 -> 4096): one decode row (GEMVs), a batch of 64 rows

@@ -396,7 +396,7 @@ impl CudaBackend {
             let attend = (FLASH_WGMMA_KERNELS[1], &mut a16);
             self.rope_pack_attend_tiled(ROPE_PACK_F16[1], &qkv16, dims, rope, lens, attend)?;
             drop(qkv16);
-            let out = Arc::make_mut(&mut x.buf);
+            let out = self.unshared(x)?;
             return match proj.b {
                 Some(b) => self.lt_gemm(&proj_shape, &a16, proj.w, &b.buf, out),
                 None => self.gemm_f16(&a16, n, proj.w, out, true),

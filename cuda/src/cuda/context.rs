@@ -51,6 +51,15 @@ pub(super) struct Inner {
     /// splits have finished (the last merges them). Each launch leaves them at 0 again, and
     /// launches on this backend's one stream run one after another.
     pub(super) counters: CudaSlice<u32>,
+    /// Whether GEMVs of decode rows take the streamed kernels under programmatic dependent
+    /// launch (sm_90 and later, unless `VLM_PDL=0`; see weights_f16.cu), and the two
+    /// counters those kernels hand rows out with (each launch leaves them at 0 again).
+    pub(super) programmatic: std::sync::atomic::AtomicBool,
+    pub(super) gemv_ticket: CudaSlice<u32>,
+    /// While a step is recorded, the memory its buffers come from (recording.rs), and the
+    /// stream that allocates them there.
+    pub(super) recording: std::sync::Mutex<Option<Arc<super::recording::RecordingPool>>>,
+    pub(super) side_stream: Arc<cudarc::driver::CudaStream>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -222,6 +231,9 @@ impl CudaBackend {
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("creating a stream")(&e))?;
+        let side_stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream")(&e))?;
 
         let nv = nvrtc_version();
         let mut kernels = HashMap::new();
@@ -298,18 +310,22 @@ impl CudaBackend {
                     set.is_ok()
                 })
             });
-        // The normed GEMVs stage their input rows in shared memory: let them have what the GPU
-        // gives one block (4 rows of 4,096 floats need 64 KB, past the default 48), less what
-        // they declare statically.
+        // The normed GEMVs, and every streamed one, stage their input rows in shared memory:
+        // let them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past
+        // the default 48), less what they declare statically.
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
         use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
         let optin = ctx
             .attribute(OPTIN)
             .map_err(|e| cuda_err("shared memory per block")(&e))?;
         let dynamic = (optin as usize).max(DEFAULT_SMEM) - GEMV_STATIC_SMEM;
-        let opted_in = [Gemv::Normed, Gemv::NormedSwiglu]
+        let streamed = [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
             .into_iter()
-            .flat_map(|g| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r)))
+            .map(|g| (g, true));
+        let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
+            .into_iter()
+            .chain(streamed)
+            .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
             .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
         let gemv_smem = if opted_in {
             dynamic
@@ -342,6 +358,16 @@ impl CudaBackend {
             .map_err(|e| cuda_err("allocating completion counters")(&e))?;
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         let sm_count = ctx.attribute(SMS).map_err(|e| cuda_err("SM count")(&e))? as usize;
+        let gemv_ticket = stream
+            .alloc_zeros::<u32>(2)
+            .map_err(|e| cuda_err("allocating the GEMV ticket")(&e))?;
+        // Programmatic dependent launch came with sm_90, and into recorded graphs with CUDA
+        // 12.3's driver; `VLM_PDL=0` turns it off (to compare).
+        let mut driver = 0;
+        // SAFETY: writes one int; the driver library is loaded (the context exists).
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        let programmatic =
+            cc.0 >= 9 && driver >= 12_030 && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
         Ok(Self {
             inner: Arc::new(Inner {
                 stream,
@@ -359,6 +385,10 @@ impl CudaBackend {
                 staging: staging::Staging::new(),
                 gemv_smem,
                 counters,
+                programmatic: programmatic.into(),
+                gemv_ticket,
+                recording: std::sync::Mutex::new(None),
+                side_stream,
             }),
         })
     }
@@ -377,6 +407,28 @@ impl CudaBackend {
 
     pub fn compute_capability(&self) -> (i32, i32) {
         self.inner.compute_capability
+    }
+
+    /// Whether decode's GEMVs run under programmatic dependent launch (sm_90 and later by
+    /// default, `VLM_PDL=0` to turn it off).
+    pub fn programmatic_launch(&self) -> bool {
+        self.inner
+            .programmatic
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch off, or on again where the GPU has it (sm_90 and
+    /// later); returns whether it is on. For tests that check both paths on one GPU; a step
+    /// already recorded keeps the launches it was recorded with.
+    pub fn set_programmatic_launch(&self, on: bool) -> bool {
+        let mut driver = 0;
+        // SAFETY: as in new.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        let on = on && self.inner.compute_capability.0 >= 9 && driver >= 12_030;
+        self.inner
+            .programmatic
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        on
     }
 
     /// Waits for all queued work (for timing and tests).

@@ -226,7 +226,7 @@ impl CudaBackend {
         }
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.indices(&idx)?;
-        let buf = Arc::make_mut(&mut dst.buf);
+        let buf = self.unshared(dst)?;
         let (w, acc) = (width as i32, accumulate as i32);
         let mut l = self
             .inner

@@ -2,7 +2,7 @@
 //! Rust side shares with them (`#define`d into every source), and the text NVRTC compiles.
 
 use super::compile::compile_ptx;
-use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS};
+use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
 use crate::{Error, Result};
 
 /// `common.cuh`, put in front of every kernel file (each file is its own NVRTC program).
@@ -293,7 +293,8 @@ fn shared_defines() -> String {
          #define GEMV_SPLIT {GEMV_SPLIT}\n#define PD_WARPS {DECODE_WARPS}\n\
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
-         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n"
+         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
+         #define STREAM_STAGED {STREAM_STAGED}\n"
     )
 }
 

@@ -1,6 +1,5 @@
 //! How an op reaches the stream: kernel lookup, output allocation, launch results, the shape
-//! checks the ops share, per-op timing (named events on the stream) and the recording of a
-//! step into a CUDA graph.
+//! checks the ops share and per-op timing (named events on the stream).
 
 use std::sync::Arc;
 
@@ -8,8 +7,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::context::cuda_err;
 use super::kernels::ROW_THREADS;
-use super::{CudaBackend, CudaStepGraph, CudaTensor};
-use crate::{Backend, Error, Result};
+use super::{CudaBackend, CudaTensor};
+use crate::{Error, Result};
 
 impl CudaBackend {
     pub(super) fn kernel(&self, name: &str) -> &CudaFunction {
@@ -20,10 +19,7 @@ impl CudaBackend {
     /// the twin tests hold to that), so zeroing it first would be a wasted launch per op.
     pub(super) fn alloc(&self, shape: Vec<usize>) -> Result<CudaTensor> {
         let n: usize = shape.iter().product();
-        // SAFETY: f32 has no invalid bit patterns; callers write every element before any
-        // read (see above).
-        let buf = unsafe { self.inner.stream.alloc::<f32>(n.max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let buf = self.alloc_slice::<f32>(n)?;
         Ok(CudaTensor {
             shape,
             buf: Arc::new(buf),
@@ -33,11 +29,11 @@ impl CudaBackend {
     /// A zeroed tensor (for outputs some rows of which no kernel writes).
     pub(super) fn alloc_zeroed(&self, shape: Vec<usize>) -> Result<CudaTensor> {
         let n: usize = shape.iter().product();
-        let buf = self
-            .inner
+        let mut buf = self.alloc_slice::<f32>(n)?;
+        self.inner
             .stream
-            .alloc_zeros::<f32>(n.max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+            .memset_zeros(&mut buf)
+            .map_err(|e| cuda_err("zeroing device memory")(&e))?;
         Ok(CudaTensor {
             shape,
             buf: Arc::new(buf),
@@ -65,6 +61,50 @@ impl CudaBackend {
             what: format!("launching {name}: {e}"),
         })?;
         self.op_done(name)
+    }
+
+    /// Launches kernel `name` with `args`, pointers to each argument's value in the kernel's
+    /// order. With `programmatic`, under programmatic dependent launch (sm_90): the kernel may
+    /// start while the one before it on the stream still runs, so it must wait for it
+    /// (common.cuh's grid_wait) before it reads anything a kernel writes. In a recording the
+    /// edge from the kernel before becomes a programmatic one where that is a kernel.
+    ///
+    /// # Safety
+    ///
+    /// `args` must match the kernel's parameters in number, order and type, and every buffer
+    /// behind them must hold what the kernel reads and writes.
+    pub(super) unsafe fn launch_args(
+        &self,
+        name: &'static str,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+        programmatic: bool,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        let stream = &self.inner.stream;
+        stream.context().bind_to_thread()?;
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: programmatic as u32,
+        };
+        sys::cuLaunchKernelEx(
+            &config,
+            self.kernel(name).cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
     }
 
     /// While ops are timed, marks the end of op `name` on the stream, and the start of the
@@ -131,31 +171,6 @@ impl CudaBackend {
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
-    }
-
-    pub(super) fn record_impl(
-        &self,
-        ops: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<Option<CudaStepGraph>> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        // Timing events cannot be recorded inside a graph: while ops are timed, steps run op
-        // by op.
-        if self.timing_ops() {
-            return Ok(None);
-        }
-        let stream = &self.inner.stream;
-        // Thread-local: other threads' CUDA calls (another service in the same process) go on.
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| cuda_err("starting a graph capture")(&e))?;
-        let recorded = ops();
-        // Ended whatever ops did, so the stream never stays in capture mode. Buffers the step
-        // allocates and does not free are freed at each launch.
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        recorded?;
-        let graph = graph.map_err(|e| cuda_err("capturing a recording")(&e))?;
-        Ok(graph.map(CudaStepGraph))
     }
 
     pub(super) fn time_ops_impl(&self, on: bool) -> Result<bool> {

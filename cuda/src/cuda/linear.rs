@@ -27,8 +27,17 @@ pub(super) const GEMV_WARPS: u32 = 8;
 pub(super) const GEMV_SPLIT: u32 = 4;
 /// Shared memory the normed GEMVs declare statically (their per-warp sums), at most.
 pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
+/// The streamed GEMVs (weights_f16.cu): 16-byte chunks a lane copies into shared memory
+/// before it waits for the kernel before it (8: 4 KB a warp, 32 KB a block).
+pub(super) const STREAM_STAGED: usize = 8;
+/// Blocks of a streamed GEMV an SM: two, so that the next kernel's blocks find room beside
+/// the running one's (cuda/bench/gemv_chain.cu measured one and two).
+const STREAM_BLOCKS_PER_SM: usize = 2;
+/// The streamed GEMVs' staged weights, bytes a block.
+const STREAM_STAGE_BYTES: usize = GEMV_WARPS as usize * STREAM_STAGED * 32 * 16;
 
-/// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows.
+/// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows: the four
+/// kinds below, then the same four streamed (run under programmatic dependent launch).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Gemv {
     Plain,
@@ -38,7 +47,7 @@ pub(super) enum Gemv {
     NormedSwiglu,
 }
 
-pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 4] = [
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 8] = [
     [
         "gemv_f16w_r1",
         "gemv_f16w_r2",
@@ -63,12 +72,36 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 4] = [
         "rms_norm_swiglu_gemv_f16w_r3",
         "rms_norm_swiglu_gemv_f16w_r4",
     ],
+    [
+        "gemv_f16w_streamed_r1",
+        "gemv_f16w_streamed_r2",
+        "gemv_f16w_streamed_r3",
+        "gemv_f16w_streamed_r4",
+    ],
+    [
+        "rms_norm_gemv_f16w_streamed_r1",
+        "rms_norm_gemv_f16w_streamed_r2",
+        "rms_norm_gemv_f16w_streamed_r3",
+        "rms_norm_gemv_f16w_streamed_r4",
+    ],
+    [
+        "swiglu_gemv_f16w_streamed_r1",
+        "swiglu_gemv_f16w_streamed_r2",
+        "swiglu_gemv_f16w_streamed_r3",
+        "swiglu_gemv_f16w_streamed_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_f16w_streamed_r1",
+        "rms_norm_swiglu_gemv_f16w_streamed_r2",
+        "rms_norm_swiglu_gemv_f16w_streamed_r3",
+        "rms_norm_swiglu_gemv_f16w_streamed_r4",
+    ],
 ];
 
 impl Gemv {
-    /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows.
-    pub(super) fn kernel(self, rows: usize) -> &'static str {
-        GEMV_KERNELS[self as usize][rows - 1]
+    /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
+    pub(super) fn kernel(self, rows: usize, streamed: bool) -> &'static str {
+        GEMV_KERNELS[self as usize + if streamed { 4 } else { 0 }][rows - 1]
     }
 
     pub(super) fn normed(self) -> bool {
@@ -100,15 +133,53 @@ impl GemmOut for half::f16 {
 }
 
 impl CudaBackend {
-    /// GEMV_SPLIT warps per output column of a GEMV kernel `name`. The normed kernels stage x
-    /// in shared memory once per block, so they get no more blocks than the GPU runs at once,
-    /// and each block loops over the columns.
-    fn gemv_config(&self, name: &str, m: usize, kind: Gemv, x: &CudaTensor) -> LaunchConfig {
+    /// Whether GEMV `kind` of `x`'s rows takes the streamed kernel: under programmatic
+    /// dependent launch, where its shared memory fits one block (rows of 12,288 floats up to
+    /// 3). The rest take the classic kernels.
+    fn streamed(&self, kind: Gemv, x: &CudaTensor) -> bool {
+        self.inner
+            .programmatic
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && Self::stream_smem(kind, x) <= self.inner.gemv_smem
+    }
+
+    /// A streamed GEMV's dynamic shared memory (weights_f16.cu's warp_stage): x's rows, the
+    /// norm weights if normed, then the staged weights, each part 16-byte aligned.
+    fn stream_smem(kind: Gemv, x: &CudaTensor) -> usize {
+        let floats = |n: usize| (n * std::mem::size_of::<f32>()).next_multiple_of(16);
+        floats(x.len()) + if kind.normed() { floats(x.cols()) } else { 0 } + STREAM_STAGE_BYTES
+    }
+
+    /// The launch of GEMV kernel `name` for `m` output columns. The classic kernels: GEMV_SPLIT
+    /// warps per column; the normed ones stage x in shared memory once per block, so they get
+    /// no more blocks than the GPU runs at once, and each block loops over the columns. The
+    /// streamed ones: a warp per column, STREAM_BLOCKS_PER_SM blocks an SM at most.
+    fn gemv_config(
+        &self,
+        name: &str,
+        m: usize,
+        kind: Gemv,
+        x: &CudaTensor,
+        streamed: bool,
+    ) -> LaunchConfig {
         let block = GEMV_WARPS * 32;
+        if streamed {
+            let blocks = m
+                .div_ceil(GEMV_WARPS as usize)
+                .clamp(1, STREAM_BLOCKS_PER_SM * self.inner.sm_count);
+            return LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: Self::stream_smem(kind, x) as u32,
+            };
+        }
+        let staged = if kind.normed() {
+            x.len() * std::mem::size_of::<f32>()
+        } else {
+            0
+        };
         let mut blocks = (m as u32).div_ceil(GEMV_WARPS / GEMV_SPLIT);
-        let mut staged = 0;
         if kind.normed() {
-            staged = x.len() * std::mem::size_of::<f32>();
             let resident = self
                 .kernel(name)
                 .occupancy_max_active_blocks_per_multiprocessor(block, staged, None)
@@ -121,6 +192,58 @@ impl CudaBackend {
             block_dim: (block, 1, 1),
             shared_mem_bytes: staged as u32,
         }
+    }
+
+    /// Launches GEMV `kind` for x's rows (1..=GEMV_MAX_ROWS) into `out`, `m` columns: with
+    /// GEMV_KERNEL's arguments (weights_f16.cu) for the plain kinds, SWIGLU_KERNEL's (no bias,
+    /// never accumulating) for the SwiGLU ones. The streamed kernels take the ticket too and
+    /// go out under programmatic dependent launch.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv(
+        &self,
+        kind: Gemv,
+        x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+        w: &CudaWeight,
+        bias: Option<&CudaTensor>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+        m: usize,
+    ) -> Result<()> {
+        use std::ffi::c_void;
+        fn arg<T>(v: &T) -> *mut c_void {
+            v as *const T as *mut c_void
+        }
+        let streamed = self.streamed(kind, x);
+        let name = kind.kernel(x.rows(), streamed);
+        let cfg = self.gemv_config(name, m, kind, x, streamed);
+        let stream = &self.inner.stream;
+        let (has_bias, acc) = (bias.is_some() as i32, accumulate as i32);
+        let (mm, kk) = (m as i32, x.cols() as i32);
+        let eps = norm.map_or(0.0f32, |(_, eps)| eps);
+        // Pointers the kernel never reads (no bias, no norm) are given x.
+        let (xp, _x) = x.buf.device_ptr(stream);
+        let (np, _n) = norm.map_or(&*x.buf, |(n, _)| &*n.buf).device_ptr(stream);
+        let (bp, _b) = bias.map_or(&*x.buf, |b| &*b.buf).device_ptr(stream);
+        let (wp, _w) = w.buf.device_ptr(stream);
+        let (tp, _t) = self.inner.gemv_ticket.device_ptr(stream);
+        let (op, _o) = out.device_ptr_mut(stream);
+        let mut args = vec![arg(&xp), arg(&np), arg(&eps), arg(&wp)];
+        match kind {
+            Gemv::Plain | Gemv::Normed => {
+                args.extend([arg(&bp), arg(&has_bias), arg(&op), arg(&acc)])
+            }
+            Gemv::Swiglu | Gemv::NormedSwiglu => args.push(arg(&op)),
+        }
+        args.extend([arg(&mm), arg(&kk)]);
+        if streamed {
+            args.push(arg(&tp));
+        }
+        // SAFETY: the arguments are the kernel's (above), in its order; shapes are checked by
+        // the callers, and a normed kernel's staged rows fit its shared memory
+        // (normed_gemv_fits).
+        let launched = unsafe { self.launch_args(name, cfg, &mut args, streamed) };
+        self.launched(name, launched)
     }
 
     /// `x [.., k]` against `w [m, k]` (and `b [m]`): returns `m`.
@@ -174,29 +297,7 @@ impl CudaBackend {
         } else {
             Gemv::Plain
         };
-        let name = kind.kernel(x.rows());
-        let m = w.shape[0];
-        let (has_bias, acc) = (b.is_some() as i32, accumulate as i32);
-        let (mm, kk) = (m as i32, x.cols() as i32);
-        // Pointers the kernel never reads (no bias, no norm) are given x.
-        let bias = b.map_or(&*x.buf, |b| &*b.buf);
-        let (norm_w, eps) = norm.map_or((&*x.buf, 0.0f32), |(n, eps)| (&*n.buf, eps));
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(norm_w)
-            .arg(&eps)
-            .arg(&*w.buf)
-            .arg(bias)
-            .arg(&has_bias)
-            .arg(out)
-            .arg(&acc)
-            .arg(&mm)
-            .arg(&kk);
-        let cfg = self.gemv_config(name, m, kind, x);
-        // SAFETY: matches GEMV_KERNEL in weights_f16.cu for x's rows (1..=GEMV_MAX_ROWS);
-        // shapes checked; the normed kernel's staged rows fit its shared memory
-        // (normed_gemv_fits).
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+        self.launch_gemv(kind, x, norm, w, b, out, accumulate, w.shape[0])
     }
 
     /// Whether the normed GEMV kernels take `x`: up to GEMV_MAX_ROWS rows, all of which they
@@ -414,14 +515,13 @@ impl CudaBackend {
             name,
             unsafe { l.launch(Self::fill_config((n * m / per) as u64)) }.map(|_| ()),
         )?;
-        self.gemm_f16(&g16, n, down, Arc::make_mut(&mut x.buf), true)
+        self.gemm_f16(&g16, n, down, self.unshared(x)?, true)
     }
 
     /// Room for `len` halves, not initialized: every caller's kernel or GEMM writes all of it.
     pub(super) fn alloc_f16(&self, len: usize) -> Result<CudaSlice<half::f16>> {
-        // SAFETY: f16 has no invalid bit patterns, and callers write every element first.
-        unsafe { self.inner.stream.alloc::<half::f16>(len.max(1)) }
-            .map_err(|e| cuda_err("allocating device memory")(&e))
+        // f16 has no invalid bit patterns, and callers write every element first.
+        self.alloc_slice::<half::f16>(len)
     }
 
     /// `swiglu` (and `rms_norm_swiglu`, with `norm`): the fused GEMV for up to
@@ -469,22 +569,8 @@ impl CudaBackend {
         } else {
             Gemv::Swiglu
         };
-        let name = kind.kernel(n);
-        let (mm, kk) = (m as i32, x.cols() as i32);
-        let (norm_w, eps) = norm.map_or((&*x.buf, 0.0f32), |(n, eps)| (&*n.buf, eps));
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(norm_w)
-            .arg(&eps)
-            .arg(&*gate_up.buf)
-            .arg(Arc::get_mut(&mut out.buf).expect("fresh buffer"))
-            .arg(&mm)
-            .arg(&kk);
-        let cfg = self.gemv_config(name, m, kind, x);
-        // SAFETY: matches SWIGLU_KERNEL in weights_f16.cu for x's rows (1..=GEMV_MAX_ROWS);
-        // shapes checked; the normed kernel's staged rows fit its shared memory
-        // (normed_gemv_fits).
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        let out_buf = Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        self.launch_gemv(kind, x, norm, gate_up, None, out_buf, false, m)?;
         Ok(out)
     }
 }
@@ -552,11 +638,11 @@ impl CudaBackend {
             return Ok(());
         }
         if n <= GEMV_MAX_ROWS {
-            return self.gemv(a, None, w, b, Arc::make_mut(&mut x.buf), true);
+            return self.gemv(a, None, w, b, self.unshared(x)?, true);
         }
         // The GEMM adds into its output (beta = 1), the bias in cuBLASLt's epilogue.
         let Some(b) = b else {
-            return self.gemm(a, w, Arc::make_mut(&mut x.buf), true);
+            return self.gemm(a, w, self.unshared(x)?, true);
         };
         let shape = LtShape {
             n,
@@ -570,7 +656,7 @@ impl CudaBackend {
             return Ok(());
         }
         let a16 = self.to_f16(a)?;
-        self.lt_gemm(&shape, &a16, w, &b.buf, Arc::make_mut(&mut x.buf))?;
+        self.lt_gemm(&shape, &a16, w, &b.buf, self.unshared(x)?)?;
         Ok(())
     }
 
@@ -641,7 +727,7 @@ impl CudaBackend {
                 let b_up16 = self.to_f16(b_up)?;
                 let mut hidden16 = self.alloc_f16(n * hidden)?;
                 self.lt_gemm(&up_shape, &h16, up.w, &b_up16, &mut hidden16)?;
-                let out = Arc::make_mut(&mut x.buf);
+                let out = self.unshared(x)?;
                 self.lt_gemm(&down_shape, &hidden16, down.w, &b_down.buf, out)?;
                 return Ok(());
             }

@@ -76,7 +76,7 @@ impl CudaBackend {
         let n = h.len() as u64;
         let name = "cast_f16_to_f32";
         let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&raw).arg(Arc::make_mut(&mut out.buf)).arg(&n);
+        l.arg(&raw).arg(self.unshared(&mut out)?).arg(&n);
         // SAFETY: matches cast_f16_to_f32: raw holds the n halves' 2n bytes, out n floats.
         self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
         Ok(out)
@@ -119,7 +119,7 @@ impl CudaBackend {
         self.wait_for(handed)?;
         let mut out = self.alloc(handed.tensor.shape.clone())?;
         stream
-            .memcpy_dtod(&*handed.tensor.buf, Arc::make_mut(&mut out.buf))
+            .memcpy_dtod(&*handed.tensor.buf, self.unshared(&mut out)?)
             .map_err(|e| cuda_err("copying handed-over embeddings")(&e))?;
         let read = stream
             .record_event(None)
@@ -143,7 +143,7 @@ impl CudaBackend {
                 format!("{:?} into {:?}", src.shape, dst.shape),
             ));
         }
-        let buf = Arc::make_mut(&mut dst.buf);
+        let buf = self.unshared(dst)?;
         self.inner
             .stream
             .memcpy_dtod(&*src.buf, buf)
@@ -260,7 +260,7 @@ impl CudaBackend {
         if values.is_empty() {
             return Ok(());
         }
-        let buf = Arc::make_mut(&mut dst.buf);
+        let buf = self.unshared(dst)?;
         self.inner.staging.write(&self.inner.stream, values, buf)
     }
 

@@ -19,7 +19,8 @@
 //! The files: `context.rs` opens the GPU (libraries, stream, cuBLAS, kernels, the self-check);
 //! `kernels.rs` says which kernel is in which `.cu` file and holds the constants the kernels
 //! share with their launches; [`compile`] compiles and caches them; `tensor.rs` has the device
-//! types; `launch.rs` the helpers every op launches through, per-op timing and graph capture.
+//! types; `launch.rs` the helpers every op launches through and per-op timing; `recording.rs` graph
+//! capture and the memory of a recorded step.
 //! The ops are by family, each body called from the one trait impl below: `linear.rs` (GEMVs
 //! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs`, `gather.rs` and
 //! `memory.rs` (with `staging.rs` for pinned host memory). [`doctor`] is `vlm doctor`'s checks.
@@ -35,6 +36,7 @@ mod linear;
 mod lt;
 mod memory;
 mod norm;
+mod recording;
 mod staging;
 mod tensor;
 
@@ -115,7 +117,7 @@ impl Backend for CudaBackend {
 
     fn replay(&self, graph: &CudaStepGraph) -> Result<()> {
         graph
-            .0
+            .graph
             .launch()
             .map_err(|e| cuda_err("replaying a recording")(&e))
     }

@@ -46,8 +46,12 @@ impl CudaTensor {
     }
 }
 
-/// A recorded sequence of ops (a decode step, a ViT pass): a CUDA graph on the backend's stream.
-pub struct CudaStepGraph(pub(super) cudarc::driver::CudaGraph);
+/// A recorded sequence of ops (a decode step, a ViT pass): a CUDA graph on the backend's
+/// stream, and the memory of the buffers its ops made (recording.rs).
+pub struct CudaStepGraph {
+    pub(super) graph: cudarc::driver::CudaGraph,
+    pub(super) _pool: std::sync::Arc<super::recording::RecordingPool>,
+}
 
 // SAFETY: the graph's handles are plain driver handles, usable from any thread: launching it
 // binds the backend's context to the calling thread first (cudarc's CudaGraph::launch), and
