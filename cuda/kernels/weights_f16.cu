@@ -435,8 +435,9 @@ __device__ __forceinline__ void tickets_done(unsigned* ticket) {
     }
 }
 
-// gemv's product (same arguments and result), streamed.
-template <bool NORM, int ROWS>
+// gemv's product (same arguments and result) and, with SWIGLU, swiglu_gemv's (w = gate_up, m
+// its half: a warp's row j is gate row j, then up row j), streamed.
+template <bool NORM, bool SWIGLU, int ROWS>
 __device__ __forceinline__ void gemv_streamed(const float* __restrict__ x,
                                               const float* __restrict__ norm_w, float eps,
                                               const __half* __restrict__ w,
@@ -455,51 +456,19 @@ __device__ __forceinline__ void gemv_streamed(const float* __restrict__ x,
     const uint4* staged = st;
     while (j < m) {
         const unsigned next = take_ticket(ticket);  // asked for before the row is summed
-        float acc[ROWS];
+        float acc[ROWS], up[ROWS];
         stream_dots<ROWS>(xr, w + (size_t)j * k, k, staged, acc);
+        if (SWIGLU) stream_dots<ROWS>(xr, w + (size_t)(m + j) * k, k, nullptr, up);
         staged = nullptr;
         if (threadIdx.x % WARP == 0) {
-            float b = has_bias ? bias[j] : 0.0f;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
+                const float a = NORM ? acc[r] * inv[r] : acc[r];
                 float* o = out + (size_t)r * m + j;
-                *o = (accumulate ? *o : 0.0f) + (NORM ? acc[r] * inv[r] : acc[r]) + b;
-            }
-        }
-        j = warps + (int)__shfl_sync(0xffffffff, next, 0);
-    }
-    tickets_done(ticket);
-}
-
-// swiglu_gemv's product, streamed: a warp's row j is gate row j then up row j.
-template <bool NORM, int ROWS>
-__device__ __forceinline__ void swiglu_streamed(const float* __restrict__ x,
-                                                const float* __restrict__ norm_w, float eps,
-                                                const __half* __restrict__ gate_up,
-                                                float* __restrict__ out, int m, int k,
-                                                unsigned* __restrict__ ticket) {
-    const int warps = gridDim.x * GEMV_WARPS;
-    int j = blockIdx.x * GEMV_WARPS + threadIdx.x / WARP;
-    uint4* st = warp_stage<NORM, ROWS>(k);
-    if (j < m) stage_first(gate_up + (size_t)j * k, k, st);
-    stage_norm_weights<NORM, ROWS>(norm_w, k);
-    grid_wait();
-    grid_launch_dependents();
-    float inv[ROWS];
-    const float* xr = stream_input<NORM, ROWS>(x, eps, k, inv);
-    const uint4* staged = st;
-    while (j < m) {
-        const unsigned next = take_ticket(ticket);
-        float g[ROWS], u[ROWS];
-        stream_dots<ROWS>(xr, gate_up + (size_t)j * k, k, staged, g);
-        stream_dots<ROWS>(xr, gate_up + (size_t)(m + j) * k, k, nullptr, u);
-        staged = nullptr;
-        if (threadIdx.x % WARP == 0) {
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                float gv = NORM ? g[r] * inv[r] : g[r];
-                float uv = NORM ? u[r] * inv[r] : u[r];
-                out[(size_t)r * m + j] = gv / (1.0f + expf(-gv)) * uv;
+                if (SWIGLU)
+                    *o = a / (1.0f + expf(-a)) * (NORM ? up[r] * inv[r] : up[r]);
+                else
+                    *o = (accumulate ? *o : 0.0f) + a + (has_bias ? bias[j] : 0.0f);
             }
         }
         j = warps + (int)__shfl_sync(0xffffffff, next, 0);
@@ -544,15 +513,16 @@ FOR_ROWS(SWIGLU_KERNEL, rms_norm_swiglu_gemv_f16w, true)
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const __half* __restrict__ w, const float* __restrict__ bias, int has_bias,               \
         float* __restrict__ out, int accumulate, int m, int k, unsigned* __restrict__ ticket) {   \
-        gemv_streamed<NORM, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m, k,       \
-                                  ticket);                                                        \
+        gemv_streamed<NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m,   \
+                                         k, ticket);                                              \
     }
 #define SWIGLU_STREAMED_KERNEL(NAME, NORM, ROWS)                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 2) NAME##_r##ROWS(            \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const __half* __restrict__ gate_up, float* __restrict__ out, int m, int k,                \
         unsigned* __restrict__ ticket) {                                                          \
-        swiglu_streamed<NORM, ROWS>(x, norm_w, eps, gate_up, out, m, k, ticket);                  \
+        gemv_streamed<NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k,       \
+                                        ticket);                                                  \
     }
 
 FOR_ROWS(GEMV_STREAMED_KERNEL, gemv_f16w_streamed, false)
