@@ -81,6 +81,11 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
         qw[u] = in ? q_norm[i] : 0.0f;
         kw[u] = in ? k_norm[i] : 0.0f;
     }
+    // Under programmatic dependent launch this kernel starts while the q/k/v GEMV drains: what
+    // it read above (the step's slots and rotary tables, written before the step, and the norm
+    // weights) no kernel writes; the GEMV's output only after the wait.
+    grid_wait();
+    grid_launch_dependents();
     for (int h = blockIdx.y * QK_WARPS + warp; h < hq + 2 * hkv; h += gridDim.y * QK_WARPS) {
         const float* x = row + (size_t)h * d;
         float xv[PER];
@@ -236,7 +241,13 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     const int step = PD_WARPS * PD_KEYS;
     RawHalves<E> ka[KH], va[KH], kb[KH], vb[KH];
     int j0 = begin + warp * PD_KEYS;
-    issue(j0, ka, va);
+    // Under programmatic dependent launch this kernel starts while qkv_to_cache runs, which
+    // writes q and each sequence's newest key (kv_len - 1): only a first group of older keys
+    // goes out before the wait.
+    const bool early = j0 + PD_KEYS < (int)kv_len;
+    if (early) issue(j0, ka, va);
+    grid_wait();
+    if (!early) issue(j0, ka, va);
 
     float qr[GP][E], acc[GP][E], m[GP], l[GP];
 #pragma unroll

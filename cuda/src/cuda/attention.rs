@@ -11,7 +11,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
 use half::f16;
 
 use super::kernels::{
@@ -23,6 +26,7 @@ use super::kernels::{
     PACK_ROWS, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16,
     ROPE_PACK_F32, ROW_THREADS,
 };
+use super::launch::arg;
 use super::lt::{Epilogue, LtOut, LtShape};
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
 use crate::backend::{layer_norm_rope_attention_op_by_op, rope_attention_segments_op_by_op};
@@ -82,36 +86,51 @@ impl CudaBackend {
                 ),
             ));
         }
-        let mut q = self.alloc(vec![n, hq, d])?;
+        let q = self.alloc(vec![n, hq, d])?;
         if n == 0 {
             return Ok(q);
         }
         let name = "qkv_to_cache_f32";
         let (hq_i, hkv_i, d_i, ns) = (hq as i32, hkv as i32, d as i32, slots as u32);
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*qkv.buf)
-            .arg(&*how.q_norm.buf)
-            .arg(&*how.k_norm.buf)
-            .arg(&how.eps)
-            .arg(&*how.cos.buf)
-            .arg(&*how.sin.buf)
-            .arg(&how.slots.buf)
-            .arg(Arc::get_mut(&mut q.buf).expect("fresh buffer"))
-            .arg(&mut k_cache.buf)
-            .arg(&mut v_cache.buf)
-            .arg(&hq_i)
-            .arg(&hkv_i)
-            .arg(&d_i)
-            .arg(&ns);
-        let heads = (hq + 2 * hkv) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, heads.div_ceil(QKV_WARPS), 1),
-            block_dim: (QKV_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches qkv_to_cache_f32 (QK_WARPS warps, head dims up to QK_MAX_DIM);
-        // shapes checked; the kernel checks every slot against the cache.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        {
+            let stream = &self.inner.stream;
+            let (qkv_p, _qkv) = qkv.buf.device_ptr(stream);
+            let (qn_p, _qn) = how.q_norm.buf.device_ptr(stream);
+            let (kn_p, _kn) = how.k_norm.buf.device_ptr(stream);
+            let (cos_p, _cos) = how.cos.buf.device_ptr(stream);
+            let (sin_p, _sin) = how.sin.buf.device_ptr(stream);
+            let (slots_p, _slots) = how.slots.buf.device_ptr(stream);
+            let (q_p, _q) = q.buf.device_ptr(stream);
+            let (kc_p, _kc) = k_cache.buf.device_ptr_mut(stream);
+            let (vc_p, _vc) = v_cache.buf.device_ptr_mut(stream);
+            let mut args = [
+                arg(&qkv_p),
+                arg(&qn_p),
+                arg(&kn_p),
+                arg(&how.eps),
+                arg(&cos_p),
+                arg(&sin_p),
+                arg(&slots_p),
+                arg(&q_p),
+                arg(&kc_p),
+                arg(&vc_p),
+                arg(&hq_i),
+                arg(&hkv_i),
+                arg(&d_i),
+                arg(&ns),
+            ];
+            let heads = (hq + 2 * hkv) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, heads.div_ceil(QKV_WARPS), 1),
+                block_dim: (QKV_WARPS * 32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the arguments are qkv_to_cache_f32's, in its order (QK_WARPS warps, head
+            // dims up to QK_MAX_DIM); shapes checked; the kernel checks every slot against the
+            // cache, and reads what the kernel before it writes only after its grid_wait.
+            let launched = unsafe { self.launch_args(name, cfg, &mut args, self.programmatic()) };
+            self.launched(name, launched)?;
+        }
         Ok(q)
     }
 
@@ -717,31 +736,44 @@ impl CudaBackend {
                     ),
                 ));
             }
-            let mut part_o = self.alloc(vec![nd * hq * splits, d])?;
-            let mut part_ml = self.alloc(vec![nd * hq * splits, 2])?;
-            let mut l = stream.launch_builder(self.kernel(name));
-            l.arg(&*q.buf)
-                .arg(&k.buf)
-                .arg(&v.buf)
-                .arg(&batch.seqs.buf)
-                .arg(&batch.blocks.buf)
-                .arg(Arc::get_mut(&mut part_o.buf).expect("fresh"))
-                .arg(Arc::get_mut(&mut part_ml.buf).expect("fresh"))
-                // Written by the kernel, which leaves them at 0 again (Inner::counters).
-                .arg(&self.inner.counters)
-                .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
-                .arg(&hq_i)
-                .arg(&hkv_i)
-                .arg(&bs_i)
-                .arg(&scale);
+            let part_o = self.alloc(vec![nd * hq * splits, d])?;
+            let part_ml = self.alloc(vec![nd * hq * splits, 2])?;
+            let (q_p, _q) = q.buf.device_ptr(stream);
+            let (k_p, _k) = k.buf.device_ptr(stream);
+            let (v_p, _v) = v.buf.device_ptr(stream);
+            let (seqs_p, _seqs) = batch.seqs.buf.device_ptr(stream);
+            let (blocks_p, _blocks) = batch.blocks.buf.device_ptr(stream);
+            let (po_p, _po) = part_o.buf.device_ptr(stream);
+            let (pml_p, _pml) = part_ml.buf.device_ptr(stream);
+            // Written by the kernel, which leaves them at 0 again (Inner::counters).
+            let (done_p, _done) = self.inner.counters.device_ptr(stream);
+            let (out_p, _out) = out.buf.device_ptr(stream);
+            let mut args = [
+                arg(&q_p),
+                arg(&k_p),
+                arg(&v_p),
+                arg(&seqs_p),
+                arg(&blocks_p),
+                arg(&po_p),
+                arg(&pml_p),
+                arg(&done_p),
+                arg(&out_p),
+                arg(&hq_i),
+                arg(&hkv_i),
+                arg(&bs_i),
+                arg(&scale),
+            ];
             let cfg = LaunchConfig {
                 grid_dim: (nd as u32, hkv as u32, splits as u32),
                 block_dim: (DECODE_WARPS * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches paged_decode_d{d}_g{gp}: d is the instantiated head dim, the
-            // group fits gp, the partials hold nd * hq * splits rows, the counters nd * hkv.
-            self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+            // SAFETY: the arguments are paged_decode_d{d}_g{gp}'s, in its order: d is the
+            // instantiated head dim, the group fits gp, the partials hold nd * hq * splits rows,
+            // the counters nd * hkv; before its grid_wait the kernel reads only the step's
+            // tables and keys older than the step's.
+            let launched = unsafe { self.launch_args(name, cfg, &mut args, self.programmatic()) };
+            self.launched(name, launched)?;
             first_rest = nd;
         }
         let rest = batch.num_seqs - first_rest;

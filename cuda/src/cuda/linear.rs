@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfi
 
 use super::context::cuda_err;
 use super::kernels::GEMV_MAX_ROWS;
-use super::launch::width_of;
+use super::launch::{arg, width_of};
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
@@ -137,10 +137,7 @@ impl CudaBackend {
     /// dependent launch, where its shared memory fits one block (rows of 12,288 floats up to
     /// 3). The rest take the classic kernels.
     fn streamed(&self, kind: Gemv, x: &CudaTensor) -> bool {
-        self.inner
-            .programmatic
-            .load(std::sync::atomic::Ordering::Relaxed)
-            && Self::stream_smem(kind, x) <= self.inner.gemv_smem
+        self.programmatic() && Self::stream_smem(kind, x) <= self.inner.gemv_smem
     }
 
     /// A streamed GEMV's dynamic shared memory (weights_f16.cu's warp_stage): x's rows, the
@@ -210,10 +207,6 @@ impl CudaBackend {
         accumulate: bool,
         m: usize,
     ) -> Result<()> {
-        use std::ffi::c_void;
-        fn arg<T>(v: &T) -> *mut c_void {
-            v as *const T as *mut c_void
-        }
         let streamed = self.streamed(kind, x);
         let name = kind.kernel(x.rows(), streamed);
         let cfg = self.gemv_config(name, m, kind, x, streamed);
