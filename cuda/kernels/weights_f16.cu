@@ -270,7 +270,9 @@ __device__ __forceinline__ void swiglu_gemv(const float* __restrict__ x,
 // with that few warps each lane keeps SG_LOADS chunks in flight (a whole row of 4,096 columns
 // at once). One warp per output row. Rows past the first go to whichever warp asks next (an
 // atomic ticket): the scheduler places a grid's blocks where there is room, not one an SM, and
-// a static share would leave an SM with two blocks holding the kernel's end back.
+// a static share would leave an SM with two blocks holding the kernel's end back. On an H100
+// a batch-1 decode step went 6.06 -> 6.00 ms so, although each kernel alone is 2-14% slower
+// than its classic twin (the early starts win that back; docs/benchmarks.md).
 //
 // STREAM_STAGED is #defined by the host (it sizes the shared memory). Rows of x: as above.
 #define SG_LOADS(ROWS) ((ROWS) <= 2 ? 16 : 8)  // 3-4 rows: the registers of the sums and x
@@ -420,7 +422,8 @@ __device__ __forceinline__ const float* stream_input(const float* __restrict__ x
 
 // Rows past a warp's first: ticket[0] counts those handed out. ticket[1] counts finished blocks;
 // the last block sets both to 0 again, which the next launch sees (it reads them only after
-// grid_wait, and launches on the backend's one stream run one after another).
+// grid_wait, and launches on the backend's one stream run one after another). A warp uses
+// every ticket it asks for before it finishes, so none lands after the reset.
 __device__ __forceinline__ unsigned take_ticket(unsigned* ticket) {
     return threadIdx.x % WARP == 0 ? atomicAdd(ticket, 1u) : 0u;
 }

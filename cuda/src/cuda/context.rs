@@ -51,9 +51,10 @@ pub(super) struct Inner {
     /// splits have finished (the last merges them). Each launch leaves them at 0 again, and
     /// launches on this backend's one stream run one after another.
     pub(super) counters: CudaSlice<u32>,
-    /// Whether GEMVs of decode rows take the streamed kernels under programmatic dependent
-    /// launch (sm_90 and later, unless `VLM_PDL=0`; see weights_f16.cu), and the two
-    /// counters those kernels hand rows out with (each launch leaves them at 0 again).
+    /// Whether decode's kernels go out under programmatic dependent launch (the streamed
+    /// GEMVs of weights_f16.cu, the q/k step, decode attention; [`programmatic_capable`],
+    /// unless `VLM_PDL=0`), and the two counters the streamed GEMVs hand rows out with (each
+    /// launch leaves them at 0 again).
     pub(super) programmatic: std::sync::atomic::AtomicBool,
     pub(super) gemv_ticket: CudaSlice<u32>,
     /// While a step is recorded, the memory its buffers come from (recording.rs), and the
@@ -72,6 +73,15 @@ pub(super) fn cuda_err(op: &str) -> impl Fn(&dyn std::fmt::Display) -> Error + '
     move |e| Error::Cuda {
         what: format!("{op}: {e}"),
     }
+}
+
+/// Whether a GPU of capability `cc` and this driver have programmatic dependent launch: sm_90
+/// and later, and a CUDA 12.3 driver or later (the first to capture it into graphs).
+fn programmatic_capable(cc: (i32, i32)) -> bool {
+    let mut driver = 0;
+    // SAFETY: writes one int; the driver library is loaded (a context exists).
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    cc.0 >= 9 && driver >= 12_030
 }
 
 pub(super) fn nvrtc_version() -> (i32, i32) {
@@ -361,13 +371,9 @@ impl CudaBackend {
         let gemv_ticket = stream
             .alloc_zeros::<u32>(2)
             .map_err(|e| cuda_err("allocating the GEMV ticket")(&e))?;
-        // Programmatic dependent launch came with sm_90, and into recorded graphs with CUDA
-        // 12.3's driver; `VLM_PDL=0` turns it off (to compare).
-        let mut driver = 0;
-        // SAFETY: writes one int; the driver library is loaded (the context exists).
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        // `VLM_PDL=0` turns programmatic dependent launch off (to compare).
         let programmatic =
-            cc.0 >= 9 && driver >= 12_030 && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
+            programmatic_capable(cc) && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
         Ok(Self {
             inner: Arc::new(Inner {
                 stream,
@@ -409,8 +415,8 @@ impl CudaBackend {
         self.inner.compute_capability
     }
 
-    /// Whether decode's GEMVs run under programmatic dependent launch (sm_90 and later by
-    /// default, `VLM_PDL=0` to turn it off).
+    /// Whether decode's kernels run under programmatic dependent launch (where the GPU and
+    /// driver have it, unless `VLM_PDL=0`).
     pub fn programmatic_launch(&self) -> bool {
         self.inner
             .programmatic
@@ -421,10 +427,7 @@ impl CudaBackend {
     /// later); returns whether it is on. For tests that check both paths on one GPU; a step
     /// already recorded keeps the launches it was recorded with.
     pub fn set_programmatic_launch(&self, on: bool) -> bool {
-        let mut driver = 0;
-        // SAFETY: as in new.
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
-        let on = on && self.inner.compute_capability.0 >= 9 && driver >= 12_030;
+        let on = on && programmatic_capable(self.inner.compute_capability);
         self.inner
             .programmatic
             .store(on, std::sync::atomic::Ordering::Relaxed);
