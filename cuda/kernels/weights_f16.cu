@@ -40,6 +40,21 @@ __device__ __forceinline__ void unpack8(uint4 raw, float f[8]) {
     }
 }
 
+// acc[r] += x[r, c .. c + 8) . the eight weights in raw, for the ROWS rows of x [ROWS, k].
+template <int ROWS>
+__device__ __forceinline__ void dot8(const float* __restrict__ x, int k, int c, uint4 raw,
+                                     float acc[ROWS]) {
+    float wf[8];
+    unpack8(raw, wf);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c);
+        float4 a = xr[0], b = xr[1];
+        acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x +
+                  wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+    }
+}
+
 // GEMV_LOADS 128-bit loads of weight row wr at columns c0, c0 + GEMV_STRIDE, ... (zeros from
 // k_vec on), all issued before any is used: one at a time cannot cover DRAM latency (against the
 // loads unrolled with the math between them: batch-1 decode 8.08 -> 7.94 ms a token on an H100,
@@ -76,17 +91,7 @@ __device__ __forceinline__ void row_dots(const float* __restrict__ x, const __ha
 #pragma unroll
         for (int u = 0; u < GEMV_LOADS; ++u) {
             int c = c0 + u * GEMV_STRIDE;
-            if (c < k_vec) {
-                float wf[8];
-                unpack8(raw[u], wf);
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c);
-                    float4 a = xr[0], b = xr[1];
-                    acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w +
-                              wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
-                }
-            }
+            if (c < k_vec) dot8<ROWS>(x, k, c, raw[u], acc);
         }
     }
     for (int c = k_vec + slice * WARP + threadIdx.x % WARP; c < k; c += GEMV_SPLIT * WARP) {
@@ -330,17 +335,7 @@ __device__ __forceinline__ void stream_dots(const float* __restrict__ x,
 #pragma unroll
         for (int u = 0; u < L; ++u) {
             const int c = c0 + u * WARP * 8;
-            if (c < k_vec) {
-                float wf[8];
-                unpack8(raw[u], wf);
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c);
-                    float4 a = xr[0], b = xr[1];
-                    acc[r] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w +
-                              wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
-                }
-            }
+            if (c < k_vec) dot8<ROWS>(x, k, c, raw[u], acc);
         }
     }
     for (int c = k_vec + lane; c < k; c += WARP) {
