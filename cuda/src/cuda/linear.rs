@@ -233,8 +233,10 @@ impl CudaBackend {
             args.push(arg(&tp));
         }
         // SAFETY: the arguments are the kernel's (above), in its order; shapes are checked by
-        // the callers, and a normed kernel's staged rows fit its shared memory
-        // (normed_gemv_fits).
+        // the callers; a classic normed kernel's staged rows fit its shared memory
+        // (normed_gemv_fits), and a streamed kernel is taken only where all it stages fits
+        // (streamed); a streamed kernel reads what the kernel before it writes only after its
+        // grid_wait.
         let launched = unsafe { self.launch_args(name, cfg, &mut args, streamed) };
         self.launched(name, launched)
     }
