@@ -418,9 +418,7 @@ impl CudaBackend {
     /// Whether decode's kernels run under programmatic dependent launch (where the GPU and
     /// driver have it, unless `VLM_PDL=0`).
     pub fn programmatic_launch(&self) -> bool {
-        self.inner
-            .programmatic
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.programmatic()
     }
 
     /// Turns programmatic dependent launch off, or on again where the GPU has it (sm_90 and
