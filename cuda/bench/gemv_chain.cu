@@ -14,7 +14,12 @@
 // dependent start, o, gate/up, down) as
 //   A' plain launches,
 //   F  E with each kernel's trigger after its wait (only the next kernel resident early),
-//   G  F with rows past a warp's first handed out by an atomic ticket.
+//   G  F with rows past a warp's first handed out by an atomic ticket,
+//   P  G (two blocks an SM, stand-ins) with the o projection's weights asked of L2 (TMA bulk
+//      prefetch from a stand-in, or the o GEMV's own lines before its wait) or its warps'
+//      whole first rows staged, while the stand-ins run;
+// and with `gemv_chain l2`, Q: the o projection alone, cold, after a read of o and after L2
+// prefetches of it; and when a dependent's blocks enter SMs that run the kernel before.
 //
 // Not part of the build: a research harness for the GPU machine, plain CUDA (nvcc):
 //   nvcc -O3 -std=c++17 -arch=sm_90a cuda/bench/gemv_chain.cu -o /tmp/gemv_chain && /tmp/gemv_chain
@@ -34,10 +39,21 @@
 // when each leaves room on the SMs for the next (E); hiding attention too needs most of the o
 // projection (33.5 MB) in flight while it runs. See docs/benchmarks.md, "Batch-1 decode's gaps
 // between GEMVs, measured".
+//
+// P and Q (same GPU, 2026-11-26, fourteenth session; docs/benchmarks.md, "A decode step on the
+// GPU's timeline"): P none 148.8 us a layer; o prefetched by 8 SMs' bulk copies 161.2-163.1
+// (they outlast the stand-ins and then compete with gate/up), by 64 SMs' 147.7; by the o
+// GEMV's own prefetches 148.1-148.9; whole first rows staged 147.8-148.1; o plus 8 / 16 MB of
+// gate/up 165-172. Q: o alone 17.0-17.2 us cold, 14.7-14.9 with all of it in L2, 15.3-15.9
+// after prefetches: a 33.5 MB GEMV is held by its start and end, not by DRAM. A dependent with
+// 64 KB of dynamic shared memory enters an SM that runs an 8 us stand-in only when the
+// stand-in ends (entries 0.4-8.3 us); with none, or with every kernel's carveout at 100%, all
+// enter at 0.4 us: an SM changes its L1 / shared split only when empty.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 namespace cg = cooperative_groups;
 
@@ -236,7 +252,10 @@ __global__ void __launch_bounds__(THREADS) gemv_pdl_late(const half* W, const ha
 // for before the row in hand is summed. A block that shares its SM with another of the same
 // grid (the scheduler places blocks where room is, not one an SM) then takes fewer rows
 // instead of holding the kernel's end back.
-template <int K, int PFC>
+// L2 (P): before the wait, the rest of the warp's rows gw, gw + nw, ... (all of W over the
+// grid) asked of L2: 1 by each lane's prefetch.global.L2 of 128-byte lines, 2 by one bulk
+// prefetch a row.
+template <int K, int PFC, int L2 = 0>
 __global__ void __launch_bounds__(THREADS) gemv_pdl_dyn(const half* W, const half* x, half* y, int M,
                                                      unsigned* counter) {
     extern __shared__ uint4 smem_pdl[];
@@ -244,6 +263,18 @@ __global__ void __launch_bounds__(THREADS) gemv_pdl_dyn(const half* W, const hal
     const int lane = threadIdx.x % 32;
     const int gw = blockIdx.x * WARPS + threadIdx.x / 32, nw = gridDim.x * WARPS;
     prefetch_smem<K, PFC>(W, M, gw, sm);
+    if (L2) {
+        for (int r = gw; r < M; r += nw) {
+            const char* row = reinterpret_cast<const char*>(W + (size_t)r * K);
+            const int first = r == gw ? PFC * 32 * 16 : 0;
+            if (L2 == 1) {
+                for (int off = first + lane * 128; off < K * 2; off += 32 * 128)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+            } else if (lane == 0 && first < K * 2) {
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row + first), "r"(K * 2 - first) : "memory");
+            }
+        }
+    }
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -281,6 +312,19 @@ __global__ void __launch_bounds__(THREADS) gemv_pdl_dyn(const half* W, const hal
 // plainly) and attention (plain launch, lets its dependent start at once).
 __global__ void spin_trigger(long long ns) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0) spin_ns(ns);
+}
+
+// P's stand-ins: the same spins, each block first asking L2 (TMA's bulk prefetch, sm_90) for
+// its share of `bytes` from p in pieces of `piece` bytes, one piece a thread a round.
+__global__ void spin_prefetch(long long ns, const char* p, size_t bytes, unsigned piece, int trigger) {
+    if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const size_t share = (bytes / gridDim.x + 15) / 16 * 16;
+    const size_t begin = blockIdx.x * share, end = begin + share < bytes ? begin + share : bytes;
+    for (size_t off = begin + (size_t)threadIdx.x * piece; off < end; off += (size_t)blockDim.x * piece) {
+        unsigned n = end - off < piece ? (unsigned)(end - off) : piece;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
     if (threadIdx.x == 0) spin_ns(ns);
 }
 
@@ -324,7 +368,117 @@ __global__ void fill(half* p, size_t n) {
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
-int main() {
+// Q (`gemv_chain l2`): is a GEMV faster when its weights are in L2, and do L2 prefetches get
+// them there? The o projection (4096 x 4096, 33.5 MB) timed alone after L2 is flushed (a 400 MB
+// read), then after a read of o itself, after prefetches of o and a 10 us wait.
+__global__ void l2_lines(const char* p, size_t bytes) {
+    for (size_t off = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 128; off < bytes;
+         off += (size_t)gridDim.x * blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+__global__ void l2_bulk(const char* p, size_t bytes, unsigned piece) {
+    for (size_t off = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * piece; off < bytes;
+         off += (size_t)gridDim.x * blockDim.x * piece) {
+        unsigned n = bytes - off < piece ? (unsigned)(bytes - off) : piece;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
+}
+// When do a dependent's blocks start? t[0]: the stand-in's start; t[1 + b]: block b's entry,
+// t[1 + gridDim + b]: after its wait.
+__global__ void spin_trigger_t(long long ns, unsigned long long* t) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0) {
+        unsigned long long t0;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        if (blockIdx.x == 0) t[0] = t0;
+        spin_ns(ns);
+    }
+}
+__global__ void __launch_bounds__(THREADS) probe_pdl(unsigned long long* t) {
+    unsigned long long a, b;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(a));
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(b));
+    if (threadIdx.x == 0) { t[1 + blockIdx.x] = a; t[1 + gridDim.x + blockIdx.x] = b; }
+}
+static int l2_experiments(const half* w, size_t per_layer, const std::vector<Layer>& hl, half* a, half* b,
+                          unsigned* sink, int sms, cudaStream_t s) {
+    unsigned* ctr;
+    CK(cudaMalloc(&ctr, 4));
+    constexpr int PFC = 8;
+    const int smem = WARPS * PFC * 32 * 16;
+    cudaFuncSetAttribute(gemv_pdl_dyn<H, PFC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const char* o = (const char*)hl[0].o;
+    const size_t ob = (size_t)H * H * 2;
+    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    auto run = [&](const char* name, auto&& before) {
+        std::vector<float> ts;
+        for (int i = 0; i < 15; ++i) {
+            read_all<<<sms * 8, 512, 0, s>>>((const uint4*)(w + per_layer * 10), per_layer * 2 / 16, sink);
+            cudaMemsetAsync(ctr, 0, 4, s);
+            before();
+            cudaEventRecord(e0, s);
+            gemv_pdl_dyn<H, PFC><<<sms * 2, THREADS, smem, s>>>(hl[0].o, a, b, H, ctr);
+            cudaEventRecord(e1, s);
+            cudaEventSynchronize(e1);
+            float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1000);
+        }
+        std::sort(ts.begin(), ts.end());
+        printf("Q %-48s o GEMV %.1f us (min %.1f)  err=%s\n", name, ts[7], ts[0], cudaGetErrorString(cudaGetLastError()));
+    };
+    {
+        unsigned long long* t;
+        const int blocks = sms * 2;
+        CK(cudaMalloc(&t, (1 + 2 * blocks) * 8));
+        for (int smemb : {0, 64 * 1024, -64 * 1024}) {
+            const bool carve = smemb < 0;
+            smemb = carve ? -smemb : smemb;
+            // With every kernel asking for the most shared memory, an SM never waits to drain
+            // before it changes its L1/shared split for the next kernel.
+            cudaFuncSetAttribute(spin_trigger_t, cudaFuncAttributePreferredSharedMemoryCarveout, carve ? 100 : -1);
+            cudaFuncSetAttribute(probe_pdl, cudaFuncAttributePreferredSharedMemoryCarveout, carve ? 100 : -1);
+            cudaFuncSetAttribute(probe_pdl, cudaFuncAttributeMaxDynamicSharedMemorySize, smemb);
+            for (int graph : {0, 1}) {
+                cudaGraph_t g; cudaGraphExec_t ge;
+                if (graph) CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+                spin_trigger_t<<<64, 32, 0, s>>>(8000, t);
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(blocks); cfg.blockDim = dim3(THREADS); cfg.dynamicSmemBytes = smemb; cfg.stream = s;
+                cudaLaunchAttribute attr[1];
+                attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                attr[0].val.programmaticStreamSerializationAllowed = 1;
+                cfg.attrs = attr; cfg.numAttrs = 1;
+                CK(cudaLaunchKernelEx(&cfg, probe_pdl, t));
+                if (graph) { CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0)); CK(cudaGraphLaunch(ge, s)); CK(cudaGraphLaunch(ge, s)); }
+                CK(cudaStreamSynchronize(s));
+                std::vector<unsigned long long> h(1 + 2 * blocks);
+                CK(cudaMemcpy(h.data(), t, h.size() * 8, cudaMemcpyDeviceToHost));
+                long long e0 = 1LL << 62, e1 = 0, w0 = 1LL << 62, w1 = 0;
+                for (int b2 = 0; b2 < blocks; ++b2) {
+                    long long e = h[1 + b2] - h[0], w = h[1 + blocks + b2] - h[0];
+                    e0 = std::min(e0, e); e1 = std::max(e1, e); w0 = std::min(w0, w); w1 = std::max(w1, w);
+                }
+                printf("Q probe after an 8 us trigger-first stand-in (%s, %d KB smem%s): entries %.1f..%.1f us, waits end %.1f..%.1f us\n",
+                       graph ? "graph" : "stream", smemb / 1024, carve ? ", carveout 100" : "", e0 / 1e3, e1 / 1e3, w0 / 1e3, w1 / 1e3);
+            }
+        }
+    }
+    run("cold", [&] {});
+    run("after a 10 us wait", [&] { spin_kernel<<<1, 32, 0, s>>>(10000); });
+    run("after reading o", [&] { read_all<<<sms * 8, 512, 0, s>>>((const uint4*)o, ob / 16, sink); });
+    for (int wait : {0, 10000, 20000}) {
+        char n[96];
+        snprintf(n, 96, "lines prefetched, %d us wait", wait / 1000);
+        run(n, [&] { l2_lines<<<sms * 2, 256, 0, s>>>(o, ob); spin_kernel<<<1, 32, 0, s>>>(wait); });
+        for (unsigned piece : {4096u, 65536u}) {
+            snprintf(n, 96, "bulk %u KB pieces, %d us wait", piece / 1024, wait / 1000);
+            run(n, [&] { l2_bulk<<<sms * 2, 32, 0, s>>>(o, ob, piece); spin_kernel<<<1, 32, 0, s>>>(wait); });
+        }
+    }
+    return 0;
+}
+
+int main(int argc, char** argv) {
     const size_t per_layer = (size_t)QKV * H + (size_t)H * H + (size_t)2 * I * H + (size_t)H * I;
     half* w;
     CK(cudaMalloc(&w, per_layer * LAYERS * 2));
@@ -346,6 +500,7 @@ int main() {
     unsigned* sink; CK(cudaMalloc(&sink, 4));
     int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     cudaStream_t s; cudaStreamCreate(&s);
+    if (argc > 1 && std::string(argv[1]) == "l2") return l2_experiments(w, per_layer, hl, a, b, sink, sms, s);
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     auto timeit = [&](auto&& f, const char* name, int reps) {
         f(); cudaStreamSynchronize(s);
@@ -548,6 +703,68 @@ int main() {
         char name[128];
         snprintf(name, 128, "G dynamic rows, %d blocks/SM%s", bps, stand ? ", stand-ins" : "");
         timeit([&] { cudaGraphLaunch(ge, s); }, name, 9);
+    }
+    // P: G at two blocks an SM with the stand-ins, the o projection's weights (and some of
+    // gate/up's) asked of L2 while the stand-ins run, when DRAM is otherwise idle. `where`:
+    // -1 nowhere; 0 the RoPE stand-in's bulk prefetch (o_frac of o, gu_bytes of gate/up, in
+    // `piece`s); 1 the attention stand-in's; 2 / 3 the o GEMV's own rows before its wait, by
+    // lines / in bulk; 4 as 2, plus a quarter of o by the attention stand-in; 5 / 6 the o GEMV
+    // staging 16 / 12 chunks a lane (whole first rows / three quarters). Then again with every
+    // kernel's shared-memory carveout at 100% (no reconfiguring SMs between kernels).
+    struct PMode { const char* name; int where; double o_frac; size_t gu_bytes; unsigned piece; };
+    const PMode pmodes[] = {
+        {"P none (G again)", -1, 0, 0, 65536},
+        {"P RoPE stand-in prefetches o, 64 KB pieces", 0, 1.0, 0, 65536},
+        {"P RoPE stand-in prefetches o, 16 KB pieces", 0, 1.0, 0, 16384},
+        {"P attention stand-in prefetches o", 1, 1.0, 0, 65536},
+        {"P RoPE stand-in prefetches half of o", 0, 0.5, 0, 65536},
+        {"P RoPE stand-in prefetches o + 8 MB gate/up", 0, 1.0, 8u << 20, 65536},
+        {"P RoPE stand-in prefetches o + 16 MB gate/up", 0, 1.0, 16u << 20, 65536},
+        {"P o GEMV prefetches its rows by lines", 2, 0, 0, 0},
+        {"P o GEMV prefetches its rows in bulk", 3, 0, 0, 0},
+        {"P o GEMV by lines + attention stand-in bulk", 4, 0, 0, 65536},
+        {"P o GEMV stages whole first rows (16 chunks)", 5, 0, 0, 0},
+        {"P o GEMV stages 12 chunks", 6, 0, 0, 0},
+    };
+    for (int carve : {0, 1})
+    for (const PMode& pm : pmodes) {
+        if (carve && pm.where != -1 && pm.where != 1 && pm.where != 5) continue;
+        for (const void* f : {(const void*)spin_kernel, (const void*)spin_trigger, (const void*)spin_prefetch,
+                              (const void*)gemv_pdl_dyn<H, 8, 0>, (const void*)gemv_pdl_dyn<I, 8, 0>,
+                              (const void*)gemv_pdl_dyn<H, 16, 0>})
+            cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, carve ? 100 : -1);
+        constexpr int PFC = 8;
+        const int smem = WARPS * PFC * 32 * 16;
+        cudaGraph_t graph; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        CK(cudaMemsetAsync(counters, 0, LAYERS * 4 * sizeof(unsigned), s));
+        for (int l = 0; l < LAYERS; ++l) {
+            unsigned* ctr = counters + 4 * l;
+            CK(pdl_dyn(gemv_pdl_dyn<H, PFC>, sms * 2, smem, hl[l].qkv, x, a, QKV, ctr));
+            const size_t ob = (size_t)(pm.o_frac * H * H * 2) / 16 * 16;
+            // o and gate/up are adjacent in the harness's layout, so one range covers both.
+            const size_t bytes = pm.gu_bytes ? (size_t)H * H * 2 + pm.gu_bytes : ob;
+            if (pm.where == 0) spin_prefetch<<<8, 32, 0, s>>>(2000, (const char*)hl[l].o, bytes, pm.piece, 0);
+            else spin_kernel<<<8, 32, 0, s>>>(2000);
+            if (pm.where == 4) spin_prefetch<<<64, 32, 0, s>>>(8000, (const char*)hl[l].o, (size_t)H * H / 2, pm.piece, 1);
+            else if (pm.where == 1) spin_prefetch<<<64, 32, 0, s>>>(8000, (const char*)hl[l].o, bytes, pm.piece, 1);
+            else spin_trigger<<<64, 32, 0, s>>>(8000);
+            auto ko = pm.where == 2 || pm.where == 4 ? gemv_pdl_dyn<H, PFC, 1>
+                      : pm.where == 3                ? gemv_pdl_dyn<H, PFC, 2>
+                                                     : gemv_pdl_dyn<H, PFC, 0>;
+            int osmem = smem;
+            if (pm.where == 5) { ko = gemv_pdl_dyn<H, 16, 0>; osmem = WARPS * 16 * 32 * 16; }
+            if (pm.where == 6) { ko = gemv_pdl_dyn<H, 12, 0>; osmem = WARPS * 12 * 32 * 16; }
+            cudaFuncSetAttribute(ko, cudaFuncAttributeMaxDynamicSharedMemorySize, osmem);
+            CK(pdl_dyn(ko, sms * 2, osmem, hl[l].o, a, b, H, ctr + 1));
+            CK(pdl_dyn(gemv_pdl_dyn<H, PFC>, sms * 2, smem, hl[l].gu, b, c, 2 * I, ctr + 2));
+            CK(pdl_dyn(gemv_pdl_dyn<I, PFC>, sms * 2, smem, hl[l].down, c, x, H, ctr + 3));
+        }
+        CK(cudaStreamEndCapture(s, &graph));
+        CK(cudaGraphInstantiate(&ge, graph, 0));
+        char pn[128];
+        snprintf(pn, 128, "%s%s", pm.name, carve ? ", carveout 100" : "");
+        timeit([&] { cudaGraphLaunch(ge, s); }, pn, 9);
     }
     return 0;
 }
