@@ -19,7 +19,9 @@
 //      prefetch from a stand-in, or the o GEMV's own lines before its wait) or its warps'
 //      whole first rows staged, while the stand-ins run;
 // and with `gemv_chain l2`, Q: the o projection alone, cold, after a read of o and after L2
-// prefetches of it; and when a dependent's blocks enter SMs that run the kernel before.
+// prefetches of it; and when a dependent's blocks enter SMs that run the kernel before; and with
+// `gemv_chain df`, DF: all 144 GEMVs as one dataflow kernel (rows by one ticket, a GEMV's rows
+// waiting on a counter of the one before's, no kernel boundary).
 //
 // Not part of the build: a research harness for the GPU machine, plain CUDA (nvcc):
 //   nvcc -O3 -std=c++17 -arch=sm_90a cuda/bench/gemv_chain.cu -o /tmp/gemv_chain && /tmp/gemv_chain
@@ -48,7 +50,10 @@
 // after prefetches: a 33.5 MB GEMV is held by its start and end, not by DRAM. A dependent with
 // 64 KB of dynamic shared memory enters an SM that runs an 8 us stand-in only when the
 // stand-in ends (entries 0.4-8.3 us); with none, or with every kernel's carveout at 100%, all
-// enter at 0.4 us: an SM changes its L1 / shared split only when empty.
+// enter at 0.4 us: an SM changes its L1 / shared split only when empty. DF: 206-209 us a layer
+// with each row counted done by a release (a fence a row), 149-151 with a warp's rows of a GEMV
+// counted at once when it moves on; R 124.5-124.9 and G 138.2 in the same runs. The waits at
+// each GEMV's end cost no less without kernel boundaries than with them.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <algorithm>
@@ -478,6 +483,120 @@ static int l2_experiments(const half* w, size_t per_layer, const std::vector<Lay
     return 0;
 }
 
+// DF (`gemv_chain df`): every GEMV of every layer in one persistent kernel as a dataflow: rows
+// of all 144 GEMVs are handed out in order by one ticket; a warp issues its row's first 16
+// loads a lane and asks for its next ticket, then waits (lane 0 polling with acquire) for the
+// previous GEMV's rows all to be done, then reads its input through L1 (each GEMV writes
+// its own buffer, never rewritten, so no line can be stale) and sums; lane 0 writes the output,
+// and the warp counts its rows of a GEMV done (with release, one fence) when it moves on. No
+// kernel boundary or grid barrier: a warp that finishes its rows of one GEMV starts streaming
+// the next one's weights at once, and the next GEMV's first rows start as soon as the last
+// row of the one before is done.
+struct DfGemv { const half* W; const half* x; half* y; int M, K; };
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+template <int SLEEP>
+__global__ void __launch_bounds__(THREADS, 2) dataflow(const DfGemv* gs, int ng, unsigned* done, unsigned* ticket) {
+    const int lane = threadIdx.x % 32;
+    int g = 0, ready = 0;    // ready: the last GEMV whose input this warp has seen complete
+    unsigned g_start = 0, pending = 0;  // pending: rows of GEMV g summed, not yet counted done
+    DfGemv G = gs[0];
+    unsigned t = 0;
+    if (lane == 0) t = atomicAdd(ticket, 1u);
+    t = __shfl_sync(0xffffffff, t, 0);
+    while (true) {
+        const int g_prev = g;
+        while (g < ng && t >= g_start + (unsigned)G.M) {
+            g_start += G.M;
+            if (++g < ng) G = gs[g];
+        }
+        // Rows are counted done (with release: one fence) once a GEMV, when the warp moves on.
+        if (g != g_prev && pending) {
+            if (lane == 0)
+                asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(done + g_prev), "r"(pending) : "memory");
+            pending = 0;
+        }
+        if (g >= ng) break;
+        const int r = (int)(t - g_start), CH = G.K / 256;
+        const uint4* wr = reinterpret_cast<const uint4*>(G.W + (size_t)r * G.K);
+        // The row's first 16 chunks a lane go out before the wait, the next ticket too.
+        uint4 w[16];
+#pragma unroll
+        for (int u = 0; u < 16; ++u) w[u] = ld_stream(wr + u * 32 + lane);
+        unsigned next = 0;
+        if (lane == 0) next = atomicAdd(ticket, 1u);
+        if (g > ready) {  // polled once a GEMV
+            if (lane == 0) {
+                const unsigned need = gs[g - 1].M;
+                while (ld_acquire(done + g - 1) < need)
+                    if (SLEEP) __nanosleep(SLEEP);
+            }
+            ready = g;
+        }
+        __syncwarp();
+        const uint4* xr = reinterpret_cast<const uint4*>(G.x);
+        float acc = 0.f;
+        for (int c0 = 0; c0 < CH; c0 += 16) {
+            if (c0 > 0) {
+#pragma unroll
+                for (int u = 0; u < 16; ++u) w[u] = ld_stream(wr + (c0 + u) * 32 + lane);
+            }
+#pragma unroll
+            for (int u = 0; u < 16; ++u) acc += dot8(w[u], xr[(c0 + u) * 32 + lane]);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) G.y[r] = __float2half_rn(acc * 0.01f);
+        ++pending;
+        t = __shfl_sync(0xffffffff, next, 0);
+    }
+}
+static int df_experiments(const std::vector<Layer>& hl, const half* x0, int sms, cudaStream_t s, size_t bytes) {
+    // Each GEMV's own output buffer: q/k/v 6144, o 4096, gate/up 24576 (down reads its first
+    // 12288), down 4096.
+    std::vector<DfGemv> gs;
+    const half* in = x0;
+    for (int l = 0; l < LAYERS; ++l) {
+        half *a, *b, *c, *d;
+        CK(cudaMalloc(&a, QKV * 2)); CK(cudaMalloc(&b, H * 2)); CK(cudaMalloc(&c, 2 * I * 2)); CK(cudaMalloc(&d, H * 2));
+        gs.push_back({hl[l].qkv, in, a, QKV, H});
+        gs.push_back({hl[l].o, a, b, H, H});
+        gs.push_back({hl[l].gu, b, c, 2 * I, H});
+        gs.push_back({hl[l].down, c, d, H, I});
+        in = d;
+    }
+    DfGemv* dgs;
+    CK(cudaMalloc(&dgs, gs.size() * sizeof(DfGemv)));
+    CK(cudaMemcpy(dgs, gs.data(), gs.size() * sizeof(DfGemv), cudaMemcpyHostToDevice));
+    unsigned* cnt;  // [0]: the ticket, [1 ..]: each GEMV's rows done
+    CK(cudaMalloc(&cnt, (1 + gs.size()) * sizeof(unsigned)));
+    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    auto go = [&](auto kern, const char* name) {
+        const int smem = 0;
+        std::vector<float> ts;
+        for (int i = 0; i < 10; ++i) {
+            cudaMemsetAsync(cnt, 0, (1 + gs.size()) * sizeof(unsigned), s);
+            cudaEventRecord(e0, s);
+            kern<<<sms * 2, THREADS, smem, s>>>(dgs, (int)gs.size(), cnt + 1, cnt);
+            cudaEventRecord(e1, s);
+            cudaEventSynchronize(e1);
+            float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms);
+        }
+        std::sort(ts.begin() + 1, ts.end());
+        const float med = ts[5];
+        printf("DF %-40s median %.3f ms  %.1f us/layer  %.2f TB/s  err=%s\n", name, med, med * 1000 / LAYERS,
+               bytes / (med * 1e-3) / 1e12, cudaGetErrorString(cudaGetLastError()));
+    };
+    for (int rep = 0; rep < 2; ++rep) {
+        go(dataflow<0>, "dataflow, busy poll");
+        go(dataflow<100>, "dataflow, 100 ns sleeps");
+        go(dataflow<500>, "dataflow, 500 ns sleeps");
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
     const size_t per_layer = (size_t)QKV * H + (size_t)H * H + (size_t)2 * I * H + (size_t)H * I;
     half* w;
@@ -501,6 +620,23 @@ int main(int argc, char** argv) {
     int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     cudaStream_t s; cudaStreamCreate(&s);
     if (argc > 1 && std::string(argv[1]) == "l2") return l2_experiments(w, per_layer, hl, a, b, sink, sms, s);
+    if (argc > 1 && std::string(argv[1]) == "df") {
+        // R (a plain read of the same bytes) and G without stand-ins for comparison are in the
+        // full run; here the same read first.
+        for (int rep = 0; rep < 2; ++rep) {
+            cudaEvent_t r0, r1; cudaEventCreate(&r0); cudaEventCreate(&r1);
+            std::vector<float> ts;
+            for (int i = 0; i < 9; ++i) {
+                cudaEventRecord(r0, s);
+                read_all<<<sms * 8, 512, 0, s>>>((const uint4*)w, per_layer * LAYERS / 8, sink);
+                cudaEventRecord(r1, s); cudaEventSynchronize(r1);
+                float ms; cudaEventElapsedTime(&ms, r0, r1); ts.push_back(ms);
+            }
+            std::sort(ts.begin(), ts.end());
+            printf("R  plain read                               median %.3f ms  %.1f us/layer\n", ts[4], ts[4] * 1000 / LAYERS);
+        }
+        return df_experiments(hl, x, sms, s, per_layer * LAYERS * 2.0);
+    }
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     auto timeit = [&](auto&& f, const char* name, int reps) {
         f(); cudaStreamSynchronize(s);
