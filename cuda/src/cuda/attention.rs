@@ -128,7 +128,8 @@ impl CudaBackend {
             // SAFETY: the arguments are qkv_to_cache_f32's, in its order (QK_WARPS warps, head
             // dims up to QK_MAX_DIM); shapes checked; the kernel checks every slot against the
             // cache, and reads what the kernel before it writes only after its grid_wait.
-            let launched = unsafe { self.launch_args(name, cfg, &mut args, self.programmatic()) };
+            let launched =
+                unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
             self.launched(name, launched)?;
         }
         Ok(q)
@@ -772,7 +773,8 @@ impl CudaBackend {
             // instantiated head dim, the group fits gp, the partials hold nd * hq * splits rows,
             // the counters nd * hkv; before its grid_wait the kernel reads only the step's
             // tables and keys older than the step's.
-            let launched = unsafe { self.launch_args(name, cfg, &mut args, self.programmatic()) };
+            let launched =
+                unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
             self.launched(name, launched)?;
             first_rest = nd;
         }

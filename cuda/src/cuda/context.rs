@@ -433,10 +433,13 @@ impl CudaBackend {
         self.inner.compute_capability
     }
 
-    /// Whether decode's kernels run under programmatic dependent launch (where the GPU and
-    /// driver have it, unless `VLM_PDL=0`).
+    /// Whether decode's kernels, those that wait for the one before them (common.cuh's
+    /// grid_wait), run under programmatic dependent launch (sm_90 and a CUDA 12.3+ driver,
+    /// unless `VLM_PDL=0`).
     pub fn programmatic_launch(&self) -> bool {
-        self.programmatic()
+        self.inner
+            .programmatic
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Turns programmatic dependent launch off, or on again where the GPU has it (sm_90 and

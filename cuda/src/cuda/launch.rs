@@ -63,14 +63,6 @@ impl CudaBackend {
         self.op_done(name)
     }
 
-    /// Whether kernels that wait for the one before them (common.cuh's grid_wait) go out under
-    /// programmatic dependent launch (sm_90 and a CUDA 12.3+ driver, unless `VLM_PDL=0`).
-    pub(super) fn programmatic(&self) -> bool {
-        self.inner
-            .programmatic
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Launches kernel `name` with `args`, pointers to each argument's value in the kernel's
     /// order. With `programmatic`, under programmatic dependent launch (sm_90): the kernel may
     /// start while the one before it on the stream still runs, so it must wait for it

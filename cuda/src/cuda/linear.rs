@@ -137,7 +137,7 @@ impl CudaBackend {
     /// dependent launch, where its shared memory fits one block (rows of 12,288 floats up to
     /// 3). The rest take the classic kernels.
     fn streamed(&self, kind: Gemv, x: &CudaTensor) -> bool {
-        self.programmatic() && Self::stream_smem(kind, x) <= self.inner.gemv_smem
+        self.programmatic_launch() && Self::stream_smem(kind, x) <= self.inner.gemv_smem
     }
 
     /// A streamed GEMV's dynamic shared memory (weights_f16.cu's warp_stage): x's rows, the
