@@ -353,15 +353,17 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// Shared memory, dynamic: Q, FW_STAGES K tiles, FW_STAGES V tiles, then the full and empty
-// mbarriers. Must match flash_wgmma_smem_bytes in cuda/src/cuda/kernels.rs.
+// Shared memory, dynamic: Q, FW_STAGES K tiles, FW_STAGES V tiles, the full and empty
+// mbarriers, then fw_merge's flag (16 bytes; a static one would move the tiles off their 1 KB
+// alignment). Must match flash_wgmma_smem_bytes in cuda/src/cuda/kernels.rs.
 struct FwShared {
     static constexpr int q_rows = 64 * FW_WARPGROUPS;
     static constexpr int q_tile = q_rows * FW_DP;  // halves
     static constexpr int k_tile = FW_BK * FW_DP;
     static constexpr int v_tile = FW_BK * FW_DV;
     static constexpr int bars = (q_tile + FW_STAGES * (k_tile + v_tile)) * 2;  // byte offset
-    static constexpr int bytes = bars + 2 * FW_STAGES * 8;
+    static constexpr int flag = bars + 2 * FW_STAGES * 8;  // fw_merge's
+    static constexpr int bytes = flag + 16;
 };
 
 // The block's queries (zeros past nq, dims past d zero, already scaled) in the K tile's layout:
@@ -388,118 +390,46 @@ __device__ __forceinline__ void fw_stage_q(const half* __restrict__ q, half* Qs,
     }
 }
 
-// Queries 256 * blockIdx.x.. (of nq; q f16 [nq, hq, d] as rope_qkv_pack_tiled scaled it, d <=
-// FW_ONES) of head blockIdx.y over all kv_len keys of its KV head, tiled (TiledKvDst); out
-// [nq, hq * d], f32 or (rounded, for the GEMM after it) f16. Bidirectional (the ViT's
-// attention).
+// float4s a thread of one partial result (FwPartials): O's FW_DV / 2 accumulators, then its two
+// rows' running maxima.
+#define FW_PART_VEC (FW_DV / 8 + 1)
+
+// Partial results of the blocks whose keys several CTAs share (see flash_attention_wgmma): two
+// slots a CTA of the rest, for the block its keys start in (0) and the one they end in (1); a
+// slot holds each thread's unnormalized O and running maxima, thread-minor so that the stores
+// and loads are whole lines.
+struct FwPartials {
+    float4* __restrict__ slots;
+    __device__ float4* at(int slot) const {
+        return slots + (size_t)slot * FW_PART_VEC * (FW_WARPGROUPS * 128) + threadIdx.x;
+    }
+};
+
+// How the blocks past the full waves share the rest of the grid (see flash_attention_wgmma):
+// their key tiles, block by block, are units; rest CTA r takes units [r U / R, (r + 1) U / R)
+// of the U = blocks x tiles, R CTAs.
+struct FwRest {
+    int ctas, units, tiles;
+    __device__ int first_unit(int r) const { return r * units / ctas; }
+    __device__ int cta_of(int u) const { return ((u + 1) * ctas - 1) / units; }
+    // Rest CTA r's slot for its share of block b (counted from the first one past the whole).
+    __device__ int slot(int r, int b) const {
+        return 2 * r + (first_unit(r) / tiles == b ? 0 : 1);
+    }
+};
+
+// A block's 256 queries of one head (zeros past nq) as this thread holds them in O's
+// accumulators, divided by each row's sum of weights (column FW_ONES, held by the quad's thread
+// t = 0), into out [nq, hq * d].
 template <typename Out>
-__device__ __forceinline__ void flash_attention_wgmma(const half* __restrict__ q,
-                                                      const half* __restrict__ kt,
-                                                      const half* __restrict__ vt,
-                                                      Out* __restrict__ out, int nq, int hq,
-                                                      int hkv, int d, int kv_len) {
-    using Sh = FwShared;
-    constexpr int THREADS = FW_WARPGROUPS * 128;
-    constexpr int KD = FW_DP / 16;  // k-steps of Q Kᵀ
-    constexpr int NS = FW_BK / 8;   // 8-key column groups of S
-    constexpr int NO = FW_DV / 8;   // 8-dim column groups of O
-    extern __shared__ __align__(128) unsigned char fw_smem[];
-    half* Qs = reinterpret_cast<half*>(fw_smem);
-    half* kv0 = Qs + Sh::q_tile;
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(fw_smem + Sh::bars);
-    unsigned long long* empty = full + FW_STAGES;
-    auto k_buf = [&](int i) { return kv0 + (i % FW_STAGES) * Sh::k_tile; };
-    auto v_buf = [&](int i) { return kv0 + FW_STAGES * Sh::k_tile + (i % FW_STAGES) * Sh::v_tile; };
-
-    const int q0 = blockIdx.x * Sh::q_rows, h = blockIdx.y;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int kvh = h / (hq / hkv);
-    const int tiles = (kv_len + FW_BK - 1) / FW_BK;
-
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < FW_STAGES; ++i) {
-            mbar_init(full + i, 1);
-            mbar_init(empty + i, FW_WARPGROUPS * 4);
-        }
-    }
-    __syncthreads();
-    // Thread 0 only: tile i's K and V, one bulk copy each, on its full mbarrier.
-    auto issue = [&](int i) {
-        constexpr unsigned KB = Sh::k_tile * 2, VB = Sh::v_tile * 2;
-        mbar_arrive_expect(full + i % FW_STAGES, KB + VB);
-        const size_t tile = (size_t)kvh * tiles + i;
-        bulk_copy(k_buf(i), kt + tile * Sh::k_tile, KB, full + i % FW_STAGES);
-        bulk_copy(v_buf(i), vt + tile * Sh::v_tile, VB, full + i % FW_STAGES);
-    };
-    if (threadIdx.x == 0)
-        for (int i = 0; i < FW_STAGES - 2 && i < tiles; ++i) issue(i);
-    fw_stage_q<Sh::q_rows, THREADS>(q, Qs, q0, nq, hq, h, d);
-    fence_proxy_async();  // Q was written by the threads; wgmma reads it through the async proxy
-    __syncthreads();
-    // This warpgroup's 64 rows of Q: row blocks 8 (warp / 4)...
-    const half* q_wg = Qs + (warp / 4) * 8 * (FW_DP / 8) * 64;
-
-    float o[NO * 4];
-#pragma unroll
-    for (int i = 0; i < NO * 4; ++i) o[i] = 0.0f;
-    float m_run[2] = {NEG_INF, NEG_INF}, l_unused[2];
-    const int visible[2] = {kv_len, kv_len};
-    for (int it = 0; it < tiles; ++it) {
-        // Tile it + FW_STAGES - 2 into the buffers of tile it - 2, once every warp is done
-        // with them.
-        const int next = it + FW_STAGES - 2;
-        if (threadIdx.x == 0 && next < tiles) {
-            if (it >= 2) mbar_wait(empty + (it - 2) % FW_STAGES, ((it - 2) / FW_STAGES) & 1);
-            issue(next);
-        }
-        mbar_wait(full + it % FW_STAGES, (it / FW_STAGES) & 1);
-
-        // S (64 x FW_BK a warpgroup) = Q Kᵀ.
-        float s[NS * 4];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk)
-            WgmmaSS<FW_BK>::run(s, wg_desc(q_wg + kk * 128, 128, FW_DP * 16),
-                                wg_desc(k_buf(it) + kk * 128, 128, FW_DP * 16), kk > 0);
-        wg_commit();
-        wg_wait_all();
-        wg_hold(s);
-
-        float corr[2];
-        unsigned p[FW_BK / 16][4];
-        tile_softmax<NS, true, false>(s, it * FW_BK, visible, t, m_run, l_unused, corr, p);
-        // Lazy rescaling leaves corr at 1 in most tiles: skip the multiplies where a warp's are.
-        if (__any_sync(0xffffffff, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                o[4 * n + 0] *= corr[0];
-                o[4 * n + 1] *= corr[0];
-                o[4 * n + 2] *= corr[1];
-                o[4 * n + 3] *= corr[1];
-            }
-        }
-
-        // O (64 x FW_DV a warpgroup) += P (64 x FW_BK) V (FW_BK x FW_DV).
-        wg_hold(o);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < FW_BK / 16; ++kk)
-            WgmmaRS<FW_DV>::run(o, p[kk], wg_desc(v_buf(it) + kk * 128, 128, FW_BK * 16));
-        wg_commit();
-        wg_wait_all();
-        wg_hold(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + it % FW_STAGES);
-    }
-
-    // Each row's sum of weights is its column FW_ONES of O, held by the quad's thread t = 0.
+__device__ __forceinline__ void fw_store(const float (&o)[FW_DV / 2], Out* __restrict__ out,
+                                         int row0, int nq, int hq, int h, int d) {
+    const int lane = threadIdx.x % 32, t = lane % 4;
     static_assert(FW_ONES % 8 == 0, "column FW_ONES is o[4 (FW_ONES / 8) + 2 hrow] of t = 0");
     float l[2];
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow)
         l[hrow] = __shfl_sync(0xffffffff, o[4 * (FW_ONES / 8) + 2 * hrow], lane & ~3);
-    const int row0 = q0 + warp * 16 + g;
 #pragma unroll
     for (int hrow = 0; hrow < 2; ++hrow) {
         int i = row0 + 8 * hrow;
@@ -508,7 +438,7 @@ __device__ __forceinline__ void flash_attention_wgmma(const half* __restrict__ q
         float inv = l[hrow] > 0.0f ? 1.0f / l[hrow] : 0.0f;
         Out* dst = out + ((size_t)i * hq + h) * d;
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
+        for (int n = 0; n < FW_DV / 8; ++n) {
             const int c = n * 8 + 2 * t;
             const float v2[2] = {o[4 * n + 2 * hrow] * inv, o[4 * n + 2 * hrow + 1] * inv};
             if (c + 1 < d && d % 2 == 0) {
@@ -521,15 +451,235 @@ __device__ __forceinline__ void flash_attention_wgmma(const half* __restrict__ q
     }
 }
 
+// Split block b's share of rest CTA r, in o and m_run, where rest CTAs r_lo..r_hi (two or
+// more) share the block: stored in r's slot and counted; the CTA that counts last merges the
+// other shares into o and m_run, by their running maxima as the online softmax merges tiles,
+// and answers true (o is then the block's whole result, to store). `flag`: a shared int.
+__device__ __forceinline__ bool fw_merge(float (&o)[FW_DV / 2], float (&m_run)[2],
+                                         const FwRest& rest, int r, int b, int r_lo, int r_hi,
+                                         unsigned* __restrict__ counters, FwPartials partials,
+                                         int* flag) {
+    constexpr int THREADS = FW_WARPGROUPS * 128, NO = FW_DV / 8;
+    float4* mine = partials.at(rest.slot(r, b));
+#pragma unroll
+    for (int c = 0; c < NO; ++c)
+        mine[c * THREADS] = make_float4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
+    mine[NO * THREADS] = make_float4(m_run[0], m_run[1], 0.0f, 0.0f);
+    __threadfence();  // the share visible before the count that says it is there
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *flag = atomicAdd(counters + b, 1u) == (unsigned)(r_hi - r_lo);
+        if (*flag) counters[b] = 0;  // every share has counted: 0 for the next kernel
+    }
+    __syncthreads();
+    if (!*flag) return false;
+    __threadfence();
+    for (int other_r = r_lo; other_r <= r_hi; ++other_r) {
+        if (other_r == r) continue;
+        const float4* other = partials.at(rest.slot(other_r, b));
+        const float4 mo = __ldcg(other + NO * THREADS);
+        const float m_other[2] = {mo.x, mo.y};
+        float mine_w[2], other_w[2];
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+            const float m_new = fmaxf(m_run[hrow], m_other[hrow]);
+            // Every share has seen a key of the image, so its maximum is finite.
+            mine_w[hrow] = fast_exp2(m_run[hrow] - m_new);
+            other_w[hrow] = fast_exp2(m_other[hrow] - m_new);
+            m_run[hrow] = m_new;
+        }
+#pragma unroll
+        for (int c4 = 0; c4 < NO; ++c4) {
+            const float4 v = __ldcg(other + c4 * THREADS);
+            o[4 * c4 + 0] = o[4 * c4 + 0] * mine_w[0] + v.x * other_w[0];
+            o[4 * c4 + 1] = o[4 * c4 + 1] * mine_w[0] + v.y * other_w[0];
+            o[4 * c4 + 2] = o[4 * c4 + 2] * mine_w[1] + v.z * other_w[1];
+            o[4 * c4 + 3] = o[4 * c4 + 3] * mine_w[1] + v.w * other_w[1];
+        }
+    }
+    return true;
+}
+
+// Key tiles first..first + count of one block (queries q0.. of head h, KV head kvh) into o and
+// m_run (zeroed here), this CTA's tiles n0.. of its pipeline (buffers and mbarrier phases):
+// the block's queries into shared memory, then the tiles, thread 0 loading them.
+__device__ __forceinline__ void fw_attend(const half* __restrict__ q, const half* __restrict__ kt,
+                                          const half* __restrict__ vt, int nq, int hq, int d,
+                                          int kv_len, int q0, int h, int kvh, int first,
+                                          int count, int n0, float (&o)[FW_DV / 2],
+                                          float (&m_run)[2]) {
+    using Sh = FwShared;
+    constexpr int THREADS = FW_WARPGROUPS * 128;
+    constexpr int KD = FW_DP / 16;  // k-steps of Q Kᵀ
+    constexpr int NS = FW_BK / 8;   // 8-key column groups of S
+    constexpr int NO = FW_DV / 8;   // 8-dim column groups of O
+    extern __shared__ __align__(128) unsigned char fw_smem[];
+    half* Qs = reinterpret_cast<half*>(fw_smem);
+    half* kv0 = Qs + Sh::q_tile;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(fw_smem + Sh::bars);
+    unsigned long long* empty = full + FW_STAGES;
+    auto k_buf = [&](int i) { return kv0 + (i % FW_STAGES) * Sh::k_tile; };
+    auto v_buf = [&](int i) { return kv0 + FW_STAGES * Sh::k_tile + (i % FW_STAGES) * Sh::v_tile; };
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+    const int tiles = (kv_len + FW_BK - 1) / FW_BK;
+
+    // Thread 0 only: tile first + i's K and V, one bulk copy each, on pipeline slot n0 + i's
+    // full mbarrier.
+    auto issue = [&](int i) {
+        constexpr unsigned KB = Sh::k_tile * 2, VB = Sh::v_tile * 2;
+        const int n = n0 + i;
+        mbar_arrive_expect(full + n % FW_STAGES, KB + VB);
+        const size_t tile = (size_t)kvh * tiles + first + i;
+        bulk_copy(k_buf(n), kt + tile * Sh::k_tile, KB, full + n % FW_STAGES);
+        bulk_copy(v_buf(n), vt + tile * Sh::v_tile, VB, full + n % FW_STAGES);
+    };
+    if (threadIdx.x == 0)
+        for (int i = 0; i < FW_STAGES - 2 && i < count; ++i) {
+            // Slot n0 + i's buffers were slot n0 + i - FW_STAGES's: done with once every warp
+            // has arrived for it.
+            const int n = n0 + i;
+            if (n >= FW_STAGES)
+                mbar_wait(empty + n % FW_STAGES, ((n - FW_STAGES) / FW_STAGES) & 1);
+            issue(i);
+        }
+    fw_stage_q<Sh::q_rows, THREADS>(q, Qs, q0, nq, hq, h, d);
+    fence_proxy_async();  // Q was written by the threads; wgmma reads it through the async proxy
+    __syncthreads();
+    // This warpgroup's 64 rows of Q: row blocks 8 (warp / 4)...
+    const half* q_wg = Qs + (warp / 4) * 8 * (FW_DP / 8) * 64;
+
+#pragma unroll
+    for (int i = 0; i < NO * 4; ++i) o[i] = 0.0f;
+    m_run[0] = m_run[1] = NEG_INF;
+    float l_unused[2];
+    const int visible[2] = {kv_len, kv_len};
+    for (int it = 0; it < count; ++it) {
+        const int n = n0 + it;
+        // Tile it + FW_STAGES - 2 into the buffers of slot n - 2, once every warp is done with
+        // them.
+        const int next = it + FW_STAGES - 2;
+        if (threadIdx.x == 0 && next < count) {
+            if (n >= 2) mbar_wait(empty + (n - 2) % FW_STAGES, ((n - 2) / FW_STAGES) & 1);
+            issue(next);
+        }
+        mbar_wait(full + n % FW_STAGES, (n / FW_STAGES) & 1);
+
+        // S (64 x FW_BK a warpgroup) = Q Kᵀ.
+        float s[NS * 4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk)
+            WgmmaSS<FW_BK>::run(s, wg_desc(q_wg + kk * 128, 128, FW_DP * 16),
+                                wg_desc(k_buf(n) + kk * 128, 128, FW_DP * 16), kk > 0);
+        wg_commit();
+        wg_wait_all();
+        wg_hold(s);
+
+        float corr[2];
+        unsigned p[FW_BK / 16][4];
+        tile_softmax<NS, true, false>(s, (first + it) * FW_BK, visible, t, m_run, l_unused, corr,
+                                      p);
+        // Lazy rescaling leaves corr at 1 in most tiles: skip the multiplies where a warp's are.
+        if (__any_sync(0xffffffff, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+            for (int c = 0; c < NO; ++c) {
+                o[4 * c + 0] *= corr[0];
+                o[4 * c + 1] *= corr[0];
+                o[4 * c + 2] *= corr[1];
+                o[4 * c + 3] *= corr[1];
+            }
+        }
+
+        // O (64 x FW_DV a warpgroup) += P (64 x FW_BK) V (FW_BK x FW_DV).
+        wg_hold(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < FW_BK / 16; ++kk)
+            WgmmaRS<FW_DV>::run(o, p[kk], wg_desc(v_buf(n) + kk * 128, 128, FW_BK * 16));
+        wg_commit();
+        wg_wait_all();
+        wg_hold(o);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + n % FW_STAGES);
+    }
+}
+
+// Queries (of nq; q f16 [nq, hq, d] as rope_qkv_pack_tiled scaled it, d <= FW_ONES) over all
+// kv_len keys of their KV head, tiled (TiledKvDst); out [nq, hq * d], f32 or (rounded, for the
+// GEMM after it) f16. Bidirectional (the ViT's attention).
+//
+// Blocks are 256 queries of a head (block b: head b / qblocks, queries (b % qblocks) * 256..),
+// one CTA an SM. A block a CTA leaves SMs idle in the last wave: 896x896 is 16 heads x 13
+// blocks = 208 blocks on 132 SMs, two waves of which the second is 58% full (1344x1344: 448
+// blocks, the fourth wave 39%; 448x448's 64 blocks fill half the SMs). So the first `whole`
+// blocks (the full waves) take a CTA each, and the key tiles of the rest, block by block, are
+// spread evenly over the other CTAs (FwRest), at most two blocks' tiles each as the host sizes
+// it. A block whose tiles one CTA runs is written as it ends; one shared by several is merged
+// by the last of them to finish (a counter a split block, `counters`, left at 0 again) from the
+// others' shares (`partials`).
+template <typename Out>
+__device__ __forceinline__ void flash_attention_wgmma(const half* __restrict__ q,
+                                                      const half* __restrict__ kt,
+                                                      const half* __restrict__ vt,
+                                                      Out* __restrict__ out, int nq, int hq,
+                                                      int hkv, int d, int kv_len, int whole,
+                                                      unsigned* __restrict__ counters,
+                                                      FwPartials partials) {
+    using Sh = FwShared;
+    extern __shared__ __align__(128) unsigned char fw_smem[];
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(fw_smem + Sh::bars);
+    unsigned long long* empty = full + FW_STAGES;
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+    const int tiles = (kv_len + FW_BK - 1) / FW_BK;
+    const int qblocks = (nq + Sh::q_rows - 1) / Sh::q_rows;
+    const int group = hq / hkv;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < FW_STAGES; ++i) {
+            mbar_init(full + i, 1);
+            mbar_init(empty + i, FW_WARPGROUPS * 4);
+        }
+    }
+    __syncthreads();
+    float o[FW_DV / 2], m_run[2];
+    if ((int)blockIdx.x < whole) {
+        const int b = blockIdx.x, h = b / qblocks, q0 = b % qblocks * Sh::q_rows;
+        fw_attend(q, kt, vt, nq, hq, d, kv_len, q0, h, h / group, 0, tiles, 0, o, m_run);
+        fw_store(o, out, q0 + warp * 16 + g, nq, hq, h, d);
+        return;
+    }
+
+    // The rest: this CTA's units, in the first split block's tiles and maybe the next one's.
+    const FwRest rest{(int)gridDim.x - whole, (qblocks * hq - whole) * tiles, tiles};
+    const int r = blockIdx.x - whole, u0 = rest.first_unit(r), u1 = rest.first_unit(r + 1);
+    int* merges = reinterpret_cast<int*>(fw_smem + Sh::flag);
+    for (int b = u0 / tiles, n0 = 0; b * tiles < u1; ++b) {
+        const int first = max(u0 - b * tiles, 0), end = min(u1 - b * tiles, tiles);
+        const int h = (whole + b) / qblocks, q0 = (whole + b) % qblocks * Sh::q_rows;
+        if (n0 > 0) __syncthreads();  // every warpgroup done with the last block's queries
+        fw_attend(q, kt, vt, nq, hq, d, kv_len, q0, h, h / group, first, end - first, n0, o,
+                  m_run);
+        n0 += end - first;
+        const int r_lo = rest.cta_of(b * tiles), r_hi = rest.cta_of((b + 1) * tiles - 1);
+        if (r_lo == r_hi || fw_merge(o, m_run, rest, r, b, r_lo, r_hi, counters, partials, merges))
+            fw_store(o, out, q0 + warp * 16 + g, nq, hq, h, d);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1) flash_attention_wgmma_d80(
     const half* __restrict__ q, const half* __restrict__ kt, const half* __restrict__ vt,
-    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len) {
-    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len);
+    float* __restrict__ out, int nq, int hq, int hkv, int d, int kv_len, int whole,
+    unsigned* __restrict__ counters, float4* __restrict__ partials) {
+    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, whole, counters,
+                          FwPartials{partials});
 }
 
 extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
     flash_attention_wgmma_d80_f16out(const half* __restrict__ q, const half* __restrict__ kt,
                                      const half* __restrict__ vt, half* __restrict__ out, int nq,
-                                     int hq, int hkv, int d, int kv_len) {
-    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len);
+                                     int hq, int hkv, int d, int kv_len, int whole,
+                                     unsigned* __restrict__ counters,
+                                     float4* __restrict__ partials) {
+    flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, whole, counters,
+                          FwPartials{partials});
 }

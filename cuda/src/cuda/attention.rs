@@ -18,13 +18,13 @@ use cudarc::driver::{
 use half::f16;
 
 use super::kernels::{
-    decode_kernel, flash_smem_bytes, flash_wgmma_smem_bytes, pack_rows_smem_bytes, COUNTERS,
-    DECODE_MAX_SPLITS, DECODE_MIN_CHUNK, DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS,
-    FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS,
-    FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES, FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS,
-    FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM,
-    PACK_ROWS, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16,
-    ROPE_PACK_F32, ROW_THREADS,
+    decode_kernel, flash_smem_bytes, flash_wgmma_grid, flash_wgmma_partial_floats,
+    flash_wgmma_smem_bytes, pack_rows_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK,
+    DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
+    FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
+    FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS, PAGED_FLASH_KERNELS, QKV_WARPS,
+    ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16, ROPE_PACK_F32, ROW_THREADS,
 };
 use super::launch::arg;
 use super::lt::{Epilogue, LtOut, LtShape};
@@ -613,7 +613,21 @@ impl CudaBackend {
                 vt.slice(packed),
             );
             let mut out_rows = out_buf.slice_mut(rows(heads * d));
-            let ints = [len, heads, heads, d, len].map(|v| v as i32);
+            // The blocks of the full waves a CTA each, the key tiles of the rest spread over
+            // the SMs (FwRest).
+            let blocks = len.div_ceil(FLASH_WGMMA_QUERIES) * heads;
+            let (whole, ctas) = flash_wgmma_grid(blocks, image_tiles, self.inner.sm_count);
+            if blocks - whole > COUNTERS {
+                return Err(Error::shape(
+                    "vit attention",
+                    format!("{len} rows of {heads} heads: more than {COUNTERS} counters"),
+                ));
+            }
+            // Written by the kernel, which leaves them at 0 again (Inner::counters).
+            let (counters, _done) = self.inner.counters.device_ptr(&self.inner.stream);
+            let mut partials =
+                self.alloc_slice::<f32>(flash_wgmma_partial_floats(ctas - whole).max(1))?;
+            let ints = [len, heads, heads, d, len, whole].map(|v| v as i32);
             let mut l = self.inner.stream.launch_builder(self.kernel(attend));
             l.arg(&q_rows)
                 .arg(&k_tiles)
@@ -622,15 +636,18 @@ impl CudaBackend {
             for v in &ints {
                 l.arg(v);
             }
+            l.arg(&counters).arg(&mut partials);
             let cfg = LaunchConfig {
-                grid_dim: (len.div_ceil(FLASH_WGMMA_QUERIES) as u32, heads as u32, 1),
+                grid_dim: (ctas as u32, 1, 1),
                 block_dim: (FLASH_WGMMA_THREADS, 1, 1),
                 shared_mem_bytes: flash_wgmma_smem_bytes() as u32,
             };
             // SAFETY: matches flash_attention_wgmma_d80 (O = f32) or its _f16out build (O =
             // f16), the caller's pair: q len * heads * d halves, out len * heads * d of O, kt
-            // and vt the image's tiles as packed above (d <= FLASH_WGMMA_MAX_D), one block per
-            // FLASH_WGMMA_QUERIES queries of a head; shared memory opted in at load.
+            // and vt the image's tiles as packed above (d <= FLASH_WGMMA_MAX_D), a CTA for each
+            // of the first `whole` blocks of FLASH_WGMMA_QUERIES queries of a head and at least
+            // one for each other (flash_wgmma_grid), a counter (zero) for each of those and
+            // two partial results for each CTA past `whole`; shared memory opted in at load.
             self.launched(attend, unsafe { l.launch(cfg) }.map(|_| ()))?;
             start += len;
             at += image_tiles * heads * tile;

@@ -196,9 +196,10 @@ pub(super) const FLASH_WIDE_QUERIES: usize = 128;
 pub(super) const FLASH_WIDE_MIN_WAVES: usize = 3;
 
 /// Flash attention on wgmma (attention_sm90.cu, sm_90 only) for head dims 65..72 packed to 80
-/// (the ViT's 72): 256 queries a block of four warpgroups, one block an SM, over keys and
-/// values the RoPE pack wrote in its tiles of FLASH_WGMMA_KEYS keys. The host takes it for
-/// every image where it was compiled: on the H100 it beats the mma.sync kernels from a
+/// (the ViT's 72): blocks of 256 queries for four warpgroups, one CTA an SM, over keys and
+/// values the RoPE pack wrote in its tiles of FLASH_WGMMA_KEYS keys; the blocks past the full
+/// waves share CTAs by their key tiles (flash_wgmma_grid). The host takes it for every image
+/// where it was compiled: on the H100 it beats the mma.sync kernels from a
 /// 448x448 image's 784 queries a call (0.031 -> 0.028 ms) to 1344x1344's 7,056 (0.98 -> 0.50).
 /// Its two builds: writing f32 (`rope_attention_segments`) and f16 (the operand of the GEMM
 /// after it in `layer_norm_rope_attention`).
@@ -234,11 +235,66 @@ pub(super) fn pack_rows_smem_bytes(width: usize) -> usize {
 }
 
 /// Dynamic shared memory of flash_attention_wgmma_d80 (FwShared in attention_sm90.cu): the
-/// block's 256 queries and three K and V tiles, all rows of 80 halves, then six 8-byte
-/// mbarriers.
+/// block's 256 queries and three K and V tiles, all rows of 80 halves, six 8-byte mbarriers,
+/// then 16 bytes for the merge's flag.
 pub(super) fn flash_wgmma_smem_bytes() -> usize {
     const STAGES: usize = 3;
-    (FLASH_WGMMA_QUERIES + 2 * STAGES * FLASH_WGMMA_KEYS) * FLASH_WGMMA_DP * 2 + 2 * STAGES * 8
+    (FLASH_WGMMA_QUERIES + 2 * STAGES * FLASH_WGMMA_KEYS) * FLASH_WGMMA_DP * 2 + 2 * STAGES * 8 + 16
+}
+
+/// f32s of flash_attention_wgmma_d80's partial results for `ctas` CTAs past its whole blocks
+/// (FwPartials): two slots a CTA, each every thread's 80 / 2 accumulators and two running
+/// maxima (11 float4).
+pub(super) fn flash_wgmma_partial_floats(ctas: usize) -> usize {
+    2 * ctas * (FLASH_WGMMA_DP / 8 + 1) * 4 * FLASH_WGMMA_THREADS as usize
+}
+
+/// The most CTAs past the full waves for each block left (each shares a block with up to this
+/// many others, which its last one merges).
+const FLASH_WGMMA_MAX_SHARES: usize = 4;
+/// What a CTA's sharing costs beyond its key tiles, in tiles, from H100 timings at 448 to
+/// 1344: storing its share and the merge, and, for a CTA whose tiles run into a second block,
+/// that block's queries and the pipeline's restart.
+const FLASH_WGMMA_SHARE_COST: usize = 2;
+const FLASH_WGMMA_SECOND_BLOCK_COST: usize = 4;
+
+/// How flash_attention_wgmma_d80 spreads `blocks` blocks of queries, `tiles` key tiles each,
+/// over `sms` SMs (FwRest): (whole, ctas), the first `whole` blocks a CTA each (the full waves)
+/// and the key tiles of the rest spread evenly over the other `ctas - whole` CTAs, where that
+/// ends sooner than a CTA a block. A block a CTA left SMs idle in the last wave: 896x896's 208
+/// blocks are two waves on an H100's 132 SMs, the second 58% full. The rest go either k CTAs a
+/// block (each a k-th of its tiles) or over every SM (whose tiles then run into a second
+/// block), whichever the costs above make shorter. On an H100 a call went 20.4 -> 19.2 us at
+/// 448x448 (two CTAs a block), 116 -> 106 at 896x896 and 483 -> 422 at 1344x1344 (every SM).
+pub(super) fn flash_wgmma_grid(blocks: usize, tiles: usize, sms: usize) -> (usize, usize) {
+    let sms = sms.max(1);
+    let whole = blocks / sms * sms;
+    let rest = blocks - whole;
+    // The kernel counts a CTA's first unit as r rest tiles / CTAs in 32 bits.
+    if rest == 0 || sms * rest * tiles > i32::MAX as usize {
+        return (blocks, blocks);
+    }
+    // The last wave's length in tiles with the rest over `ctas` CTAs.
+    let wave = |ctas: usize| {
+        let second_block = ctas % rest != 0;
+        (rest * tiles).div_ceil(ctas)
+            + FLASH_WGMMA_SHARE_COST
+            + if second_block {
+                FLASH_WGMMA_SECOND_BLOCK_COST
+            } else {
+                0
+            }
+    };
+    let most = sms.min(rest * FLASH_WGMMA_MAX_SHARES);
+    let best = (2..=most / rest)
+        .map(|k| rest * k)
+        .chain(std::iter::once(most))
+        .filter(|&ctas| ctas > rest)
+        .min_by_key(|&ctas| (wave(ctas), ctas));
+    match best {
+        Some(ctas) if wave(ctas) < tiles => (whole, whole + ctas),
+        _ => (blocks, blocks),
+    }
 }
 
 /// Dynamic shared memory of a flash kernel taking `queries` a block: a Q tile of them and two
@@ -336,4 +392,34 @@ pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
             ))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ViT's attention on an H100 (132 SMs), 16 heads: the blocks of the full waves whole,
+    /// the rest as measured best (2026-11-26): 448x448 two CTAs a block, 896x896 and 1344x1344
+    /// over every SM; a small image, or blocks that fill whole waves, a CTA a block.
+    #[test]
+    fn the_vits_attention_grid_ends_its_last_wave_early() {
+        let grid = |patches: usize| {
+            let tiles = patches.div_ceil(FLASH_WGMMA_KEYS);
+            flash_wgmma_grid(patches.div_ceil(FLASH_WGMMA_QUERIES) * 16, tiles, 132)
+        };
+        assert_eq!(grid(784), (0, 128));
+        assert_eq!(grid(3136), (132, 264));
+        assert_eq!(grid(7056), (396, 528));
+        assert_eq!(grid(196), (16, 16));
+        assert_eq!(flash_wgmma_grid(264, 28, 132), (264, 264));
+        // Every block past `whole` gets a CTA at least, and a CTA's tiles span two blocks at
+        // most (the kernel's FwRest), whatever the sizes.
+        for blocks in 1..600 {
+            for tiles in [1, 2, 7, 28, 63, 200] {
+                let (whole, ctas) = flash_wgmma_grid(blocks, tiles, 132);
+                assert!(whole <= blocks && ctas >= blocks, "{blocks} x {tiles}");
+                assert!(ctas - whole <= 132, "{blocks} x {tiles}");
+            }
+        }
+    }
 }
