@@ -71,10 +71,20 @@ impl VisionConfig {
             ));
         }
         let side = self.pos_grid_side();
-        if side * side != self.num_position_embeddings {
+        if side.checked_mul(side) != Some(self.num_position_embeddings) {
             return bad(format!(
                 "num_position_embeddings {} is not a square",
                 self.num_position_embeddings
+            ));
+        }
+        let patch_dim = [self.temporal_patch_size, self.patch_size, self.patch_size]
+            .into_iter()
+            .try_fold(self.in_channels, |n, m| n.checked_mul(m));
+        if patch_dim.is_none_or(|n| n == 0) {
+            return bad(format!(
+                "a patch of in_channels {} x temporal_patch_size {} x patch_size {}² elements \
+                 is empty or too large",
+                self.in_channels, self.temporal_patch_size, self.patch_size
             ));
         }
         if let Some(&i) = self
@@ -331,6 +341,32 @@ mod tests {
             err.contains("config.json") && err.contains("vision_config"),
             "{err}"
         );
+    }
+
+    /// Sizes no product of which fits a usize are refused by name (the fuzzer's checkpoint
+    /// target once found `num_position_embeddings` 2^64 - 1 overflowing its square).
+    #[test]
+    fn sizes_past_usize_are_refused() {
+        let committed =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl");
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(committed.join("config.json")).unwrap()).unwrap();
+        for (key, value, named) in [
+            (
+                "num_position_embeddings",
+                u64::MAX,
+                "num_position_embeddings",
+            ),
+            ("patch_size", u64::MAX / 2, "patch_size"),
+            ("in_channels", 0, "in_channels"),
+        ] {
+            let mut config = config.clone();
+            config["vision_config"][key] = value.into();
+            let d = tmpdir(key);
+            std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+            let err = VisionConfig::from_dir(&d).unwrap_err().to_string();
+            assert!(err.contains(named), "{key}: {err}");
+        }
     }
 
     #[test]
