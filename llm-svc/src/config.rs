@@ -281,7 +281,7 @@ impl TextConfig {
         let [t, h, w] = section[..] else {
             return bad(format!("mrope_section {section:?} must have 3 entries"));
         };
-        if t + h + w != head_dim / 2 {
+        if t.checked_add(h).and_then(|th| th.checked_add(w)) != Some(head_dim / 2) {
             return bad(format!(
                 "mrope_section {section:?} must sum to head_dim / 2 = {}",
                 head_dim / 2
@@ -354,6 +354,14 @@ mod tests {
         std::fs::write(
             dir.join("config.json"),
             text.replace("[24, 20, 20]", "[24, 20]"),
+        )
+        .unwrap();
+        let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("mrope_section"), "{err}");
+        // Sections whose sum overflows are refused, not a panic.
+        std::fs::write(
+            dir.join("config.json"),
+            text.replace("[24, 20, 20]", "[18446744073709551615, 20, 20]"),
         )
         .unwrap();
         let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();

@@ -80,6 +80,15 @@ impl VisionConfig {
         let patch_dim = [self.temporal_patch_size, self.patch_size, self.patch_size]
             .into_iter()
             .try_fold(self.in_channels, |n, m| n.checked_mul(m));
+        let merged = [self.spatial_merge_size; 2]
+            .into_iter()
+            .try_fold(self.hidden_size, |n, m| n.checked_mul(m));
+        if merged.is_none_or(|n| n == 0) {
+            return bad(format!(
+                "hidden_size {} x spatial_merge_size {}² (the mergers' width) is empty or too large",
+                self.hidden_size, self.spatial_merge_size
+            ));
+        }
         if patch_dim.is_none_or(|n| n == 0) {
             return bad(format!(
                 "a patch of in_channels {} x temporal_patch_size {} x patch_size {}² elements \
@@ -359,6 +368,7 @@ mod tests {
             ),
             ("patch_size", u64::MAX / 2, "patch_size"),
             ("in_channels", 0, "in_channels"),
+            ("spatial_merge_size", u64::MAX / 4, "spatial_merge_size"),
         ] {
             let mut config = config.clone();
             config["vision_config"][key] = value.into();
