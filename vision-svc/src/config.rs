@@ -77,9 +77,6 @@ impl VisionConfig {
                 self.num_position_embeddings
             ));
         }
-        let patch_dim = [self.temporal_patch_size, self.patch_size, self.patch_size]
-            .into_iter()
-            .try_fold(self.in_channels, |n, m| n.checked_mul(m));
         let merged = [self.spatial_merge_size; 2]
             .into_iter()
             .try_fold(self.hidden_size, |n, m| n.checked_mul(m));
@@ -89,6 +86,9 @@ impl VisionConfig {
                 self.hidden_size, self.spatial_merge_size
             ));
         }
+        let patch_dim = [self.temporal_patch_size, self.patch_size, self.patch_size]
+            .into_iter()
+            .try_fold(self.in_channels, |n, m| n.checked_mul(m));
         if patch_dim.is_none_or(|n| n == 0) {
             return bad(format!(
                 "a patch of in_channels {} x temporal_patch_size {} x patch_size {}² elements \
@@ -360,22 +360,18 @@ mod tests {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl");
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(committed.join("config.json")).unwrap()).unwrap();
-        for (key, value, named) in [
-            (
-                "num_position_embeddings",
-                u64::MAX,
-                "num_position_embeddings",
-            ),
-            ("patch_size", u64::MAX / 2, "patch_size"),
-            ("in_channels", 0, "in_channels"),
-            ("spatial_merge_size", u64::MAX / 4, "spatial_merge_size"),
+        for (key, value) in [
+            ("num_position_embeddings", u64::MAX),
+            ("patch_size", u64::MAX / 2),
+            ("in_channels", 0),
+            ("spatial_merge_size", u64::MAX / 4),
         ] {
             let mut config = config.clone();
             config["vision_config"][key] = value.into();
             let d = tmpdir(key);
             std::fs::write(d.join("config.json"), config.to_string()).unwrap();
             let err = VisionConfig::from_dir(&d).unwrap_err().to_string();
-            assert!(err.contains(named), "{key}: {err}");
+            assert!(err.contains(key), "{key}: {err}");
         }
     }
 
