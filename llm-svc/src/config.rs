@@ -351,21 +351,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("vlm-tcfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let text = std::fs::read_to_string(repo("deploy/models/qwen3-vl-8b/config.json")).unwrap();
-        std::fs::write(
-            dir.join("config.json"),
-            text.replace("[24, 20, 20]", "[24, 20]"),
-        )
-        .unwrap();
-        let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();
-        assert!(err.contains("mrope_section"), "{err}");
-        // Sections whose sum overflows are refused, not a panic.
-        std::fs::write(
-            dir.join("config.json"),
-            text.replace("[24, 20, 20]", "[18446744073709551615, 20, 20]"),
-        )
-        .unwrap();
-        let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();
-        assert!(err.contains("mrope_section"), "{err}");
+        // Two entries, and a sum past usize (refused, not a panic).
+        for section in ["[24, 20]", "[18446744073709551615, 20, 20]"] {
+            std::fs::write(
+                dir.join("config.json"),
+                text.replace("[24, 20, 20]", section),
+            )
+            .unwrap();
+            let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains("mrope_section"), "{section}: {err}");
+        }
         std::fs::write(
             dir.join("config.json"),
             text.replace("\"hidden_size\": 4096,", ""),
