@@ -36,15 +36,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// Sixteen bytes read once (weights): past L1.
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // Element i of a random-weight matrix with `key`: cuda/src/random.rs's SplitMix64 hash, so the
 // values equal the CPU's bit for bit.
 __device__ __forceinline__ float random_uniform(unsigned long long key, unsigned long long i,

@@ -171,26 +171,48 @@ __device__ __forceinline__ float half_warp_sum(float v) {
     return v;
 }
 
-// One warp's share of a sequence's keys [begin, end) for the G = hq / hkv (<= GP) query heads
-// of KV head kvh: the online softmax of every W-th group of PD_KEYS keys, starting at group
-// `warp`. Returns the warp's unnormalized output acc (lanes hl of both halves hold dims
-// hl * E ..), its running max m (base 2: q is scaled by log2 e) and sum l, each head's. Waits
-// for the kernel before (grid_wait) after the first group's loads: under programmatic dependent
-// launch this runs while qkv_to_cache writes q and each sequence's newest key (kv_len - 1).
-template <int D, int GP, int W>
-__device__ __forceinline__ void decode_warp(const float* __restrict__ q, const __half* __restrict__ kc,
-                                            const __half* __restrict__ vc,
-                                            const unsigned* __restrict__ blocks, unsigned row,
-                                            unsigned kv_len, unsigned off, int begin, int end,
-                                            int hq, int hkv, int kvh, int block_size, float scale,
-                                            float (&acc)[GP][D / (WARP / 2)], float (&m)[GP],
-                                            float (&l)[GP]) {
+// Split-K decode attention over the paged cache (seeds 000/001, flash-decoding). Block
+// (s, kvh, split) takes sequence s's one query for the G = hq / hkv query heads that share KV
+// head kvh, and the split-th chunk of its keys: each key row is read once for all G heads.
+//
+// Each half-warp takes a key (16 lanes of D / 16 consecutive dims: 16-byte loads at D = 128),
+// so one shuffle tree reduces two keys' scores. A warp takes PD_KEYS consecutive keys at a
+// time, every PD_WARPS-th such group, all their loads issued before any math, and the halves
+// keep separate online softmaxes (base 2: q is scaled by log2 e) merged at the end. The loop is
+// software-pipelined: the next group's loads are issued before this group's math, so a warp
+// always has loads in flight (with the one-split path below, on an H100 at 512 keys: batch 64
+// 9.94 -> 9.56 ms a step, batch 128 13.54 -> 12.84). Measured
+// with ncu on an H100 (8B shapes, 64 sequences at 512 keys): the kernel this replaces, a whole
+// warp per key, issued ~235 instructions a key (five-level shuffle trees, a division per key for
+// the block table) and reached 23% of DRAM bandwidth. GP, the heads per KV head the kernel is
+// compiled for, is the power of two at or above G (registers scale with it; heads g >= G are
+// skipped). The warps merge through shared memory; the block writes its unnormalized output and
+// (max, sum) per head, natural log: part_o [seqs, hq, splits, D], part_ml [seqs, hq, splits, 2].
+// The last block of a (sequence, KV head) to finish, as counted in `done` (one counter each,
+// zero between launches: that block sets it back), merges the splits into out [rows, hq, D]. A
+// second kernel for the merge cost a launch per layer, longer than the merge itself at batch 1.
+// With one split (large batches), the block writes out itself: no partials, fence or counter.
+template <int D, int GP>
+__device__ void paged_decode(const float* __restrict__ q, const __half* __restrict__ kc,
+                             const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
+                             const unsigned* __restrict__ blocks, float* __restrict__ part_o,
+                             float* __restrict__ part_ml, unsigned* __restrict__ done,
+                             float* __restrict__ out, int hq, int hkv, int block_size,
+                             float scale) {
     constexpr int H = WARP / 2;      // lanes per key
     constexpr int E = D / H;         // dims per lane
     constexpr int KH = PD_KEYS / 2;  // keys per half-warp per step
+    const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int half = lane / H, hl = lane % H;
     const int G = hq / hkv;
+    const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
+    int chunk = ((int)kv_len + splits - 1) / splits;
+    chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
+    const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
+    // Splits past the keys (the grid is sized for the longest sequence a recorded step may
+    // see) only count themselves in; the merge reads the first `active`.
+    const int active = min(splits, ((int)kv_len + chunk - 1) / chunk);
     // Block sizes are powers of two in practice: a shift, not a division, per key.
     const bool pow2 = (block_size & (block_size - 1)) == 0;
     const int shift = __ffs(block_size) - 1;
@@ -216,16 +238,18 @@ __device__ __forceinline__ void decode_warp(const float* __restrict__ q, const _
     // so that the two round trips overlap (H100, 8B, two rounds against the loads after q:
     // batch-1 decode at 512 keys 6.058 / 6.081 -> 6.032 / 6.032 ms a token, at 4096 6.475 /
     // 6.503 -> 6.430 / 6.417, batch 64 9.471 / 9.469 -> 9.273 / 9.297 ms a step).
-    const int step = W * PD_KEYS;
+    const int step = PD_WARPS * PD_KEYS;
     RawHalves<E> ka[KH], va[KH], kb[KH], vb[KH];
     int j0 = begin + warp * PD_KEYS;
-    // Only a first group of keys older than the step's goes out before the wait.
+    // Under programmatic dependent launch this kernel starts while qkv_to_cache runs, which
+    // writes q and each sequence's newest key (kv_len - 1): only a first group of older keys
+    // goes out before the wait.
     const bool early = j0 + PD_KEYS < (int)kv_len;
     if (early) issue(j0, ka, va);
     grid_wait();
     if (!early) issue(j0, ka, va);
 
-    float qr[GP][E];
+    float qr[GP][E], acc[GP][E], m[GP], l[GP];
 #pragma unroll
     for (int g = 0; g < GP; ++g) {
         m[g] = NEG_INF;
@@ -304,52 +328,6 @@ __device__ __forceinline__ void decode_warp(const float* __restrict__ q, const _
         }
         m[g] = mm;
     }
-}
-
-// Split-K decode attention over the paged cache (seeds 000/001, flash-decoding). Block
-// (s, kvh, split) takes sequence s's one query for the G = hq / hkv query heads that share KV
-// head kvh, and the split-th chunk of its keys: each key row is read once for all G heads.
-//
-// Each half-warp takes a key (16 lanes of D / 16 consecutive dims: 16-byte loads at D = 128),
-// so one shuffle tree reduces two keys' scores. A warp takes PD_KEYS consecutive keys at a
-// time, every PD_WARPS-th such group, all their loads issued before any math, and the halves
-// keep separate online softmaxes (base 2: q is scaled by log2 e) merged at the end. The loop is
-// software-pipelined: the next group's loads are issued before this group's math, so a warp
-// always has loads in flight (with the one-split path below, on an H100 at 512 keys: batch 64
-// 9.94 -> 9.56 ms a step, batch 128 13.54 -> 12.84). Measured
-// with ncu on an H100 (8B shapes, 64 sequences at 512 keys): the kernel this replaces, a whole
-// warp per key, issued ~235 instructions a key (five-level shuffle trees, a division per key for
-// the block table) and reached 23% of DRAM bandwidth. GP, the heads per KV head the kernel is
-// compiled for, is the power of two at or above G (registers scale with it; heads g >= G are
-// skipped). The warps merge through shared memory; the block writes its unnormalized output and
-// (max, sum) per head, natural log: part_o [seqs, hq, splits, D], part_ml [seqs, hq, splits, 2].
-// The last block of a (sequence, KV head) to finish, as counted in `done` (one counter each,
-// zero between launches: that block sets it back), merges the splits into out [rows, hq, D]. A
-// second kernel for the merge cost a launch per layer, longer than the merge itself at batch 1.
-// With one split (large batches), the block writes out itself: no partials, fence or counter.
-template <int D, int GP>
-__device__ void paged_decode(const float* __restrict__ q, const __half* __restrict__ kc,
-                             const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
-                             const unsigned* __restrict__ blocks, float* __restrict__ part_o,
-                             float* __restrict__ part_ml, unsigned* __restrict__ done,
-                             float* __restrict__ out, int hq, int hkv, int block_size,
-                             float scale) {
-    constexpr int H = WARP / 2;  // lanes per key
-    constexpr int E = D / H;     // dims per lane
-    const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int half = lane / H, hl = lane % H;
-    const int G = hq / hkv;
-    const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
-    int chunk = ((int)kv_len + splits - 1) / splits;
-    chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
-    const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
-    // Splits past the keys (the grid is sized for the longest sequence a recorded step may
-    // see) only count themselves in; the merge reads the first `active`.
-    const int active = min(splits, ((int)kv_len + chunk - 1) / chunk);
-    float acc[GP][E], m[GP], l[GP];
-    decode_warp<D, GP, PD_WARPS>(q, kc, vc, blocks, row, kv_len, off, begin, end, hq, hkv, kvh,
-                                 block_size, scale, acc, m, l);
 
     __shared__ float sm_m[PD_WARPS][GP], sm_l[PD_WARPS][GP];
     __shared__ float sm_o[PD_WARPS][GP][D];
@@ -495,261 +473,6 @@ PD_KERNEL(128, 8, 2)
 PD_KERNEL(256, 1, 4)
 PD_KERNEL(256, 2, 2)
 PD_KERNEL(256, 4, 2)
-
-// ---- Batch-1 decode: attention and the o projection in one kernel ----
-//
-// At batch 1 attention reads 2-17 MB of keys and values in a chain of round trips (q, keys,
-// partials, a counter, the merge) while DRAM idles, and the o projection's GEMV then fills and
-// drains its own pipeline: on an H100 the two added 26 / 36 us a layer at 512 / 4096 keys
-// against 12 / 17 us to read their bytes (docs/benchmarks.md). Here one kernel does both, and
-// the o projection's weights stream in from its first instruction, while the kernels before
-// it drain and while attention runs. One block an SM, all resident at once (a cooperative
-// launch), block b taking rows [b R, b R + R) of o (R = m / blocks rounded up):
-//
-// 1. Its first `staged_rows` rows go into shared memory by cp.async before anything else (no
-//    kernel writes weights), and each warp's first row past those into registers once the key
-//    loop is done.
-// 2. Blocks b < hkv * splits take split b % splits of KV head b / splits: the G query heads'
-//    online softmax over that share of the keys, as paged_decode, into part_o / part_ml.
-// 3. After a grid barrier the same blocks merge the splits, each a slice of its head group's
-//    G * D columns, into att [hq * D].
-// 4. After a second barrier every block copies att into shared memory and adds its rows'
-//    products (and bias) into x: whole rows, so the sums are the GEMV's, in a fixed order.
-//
-// `bar` counts arrivals (N blocks: N, then 2N at the barriers; the last of 3N, at exit, sets
-// it back to 0 for the next launch). FO_WARPS warps a block; FO_CHUNKS 16-byte chunks of a
-// row a lane in flight at once (a 4,096-column row).
-#define FO_CHUNKS 16
-
-__device__ __forceinline__ void fo_grid_barrier(unsigned* bar, unsigned target) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(bar, 1u);
-        unsigned seen;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
-        } while (seen < target);
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// dot(8 halves of w, a[0..8]).
-__device__ __forceinline__ float dot8_half(uint4 w, const float* a) {
-    const float4 a0 = *reinterpret_cast<const float4*>(a);
-    const float4 a1 = *reinterpret_cast<const float4*>(a + 4);
-    const float2 w0 = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
-    const float2 w1 = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
-    const float2 w2 = __half22float2(*reinterpret_cast<const __half2*>(&w.z));
-    const float2 w3 = __half22float2(*reinterpret_cast<const __half2*>(&w.w));
-    return w0.x * a0.x + w0.y * a0.y + w1.x * a0.z + w1.y * a0.w + w2.x * a1.x + w2.y * a1.y +
-           w3.x * a1.z + w3.y * a1.w;
-}
-
-// The lane's part of row wr (k halves) . att (shared, k floats), from chunk c_start (16 bytes):
-// chunks c_start + u * WARP of each group of FO_CHUNKS * WARP, all of a group's loads out
-// before its sums.
-__device__ __forceinline__ float fo_row_part(const __half* __restrict__ wr, int k,
-                                             const float* att, int c_start) {
-    const int chunks = k / 8;
-    float sum = 0.0f;
-    for (int c0 = c_start; c0 < chunks; c0 += FO_CHUNKS * WARP) {
-        uint4 raw[FO_CHUNKS];
-#pragma unroll
-        for (int u = 0; u < FO_CHUNKS; ++u) {
-            const int c = c0 + u * WARP;
-            raw[u] = c < chunks ? ldg_stream(wr + (size_t)c * 8) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < FO_CHUNKS; ++u) {
-            const int c = c0 + u * WARP;
-            if (c < chunks) sum += dot8_half(raw[u], att + c * 8);
-        }
-    }
-    return sum;
-}
-
-template <int D, int GP>
-__device__ __forceinline__ void paged_decode_o(
-    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
-    const unsigned* __restrict__ seqs, const unsigned* __restrict__ blocks,
-    const __half* __restrict__ w_o, const float* __restrict__ bias, int has_bias,
-    float* __restrict__ x, float* __restrict__ part_o, float* __restrict__ part_ml,
-    float* __restrict__ att_g, unsigned* __restrict__ bar, int hq, int hkv, int splits,
-    int block_size, float scale, int m, int staged_rows) {
-    // Built for sm_90 and later only (the host launches it nowhere else: without programmatic
-    // dependent launch its weight loads could not start early).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int H = WARP / 2, E = D / H, W = FO_WARPS;
-    extern __shared__ __align__(16) float fo_shared[];  // att [k], then the staged rows
-    __shared__ float sm_m[W][GP], sm_l[W][GP];
-    __shared__ float sm_o[W][GP][D];
-    const int nb = gridDim.x, b = blockIdx.x;
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, half = lane / H, hl = lane % H;
-    const int G = hq / hkv, k = hq * D, chunks = k / 8;
-    // This block's rows of o, [r0, r1), the first `staged` of them in shared memory (worked
-    // out again after the key loop, whose registers they would take).
-    auto rows = [&](int& r0, int& r1, int& staged) {
-        const int per = (m + nb - 1) / nb;
-        r0 = min(m, b * per);
-        r1 = min(m, r0 + per);
-        staged = min(r1 - r0, staged_rows);
-    };
-    float* att = fo_shared;
-    uint4* st = reinterpret_cast<uint4*>(fo_shared + k);
-
-    // 1. The staged rows' weights.
-    {
-        int r0, r1, staged;
-        rows(r0, r1, staged);
-        // A warp a row (the rows it later sums), no division a chunk.
-        for (int i = warp; i < staged; i += W) {
-            const __half* wr = w_o + (size_t)(r0 + i) * k;
-            for (int c = lane; c < chunks; c += WARP) cp_async16(st + (size_t)i * chunks + c, wr + c * 8);
-        }
-        cp_async_commit();
-    }
-
-    // 2. A split of a KV head's keys.
-    const unsigned row = seqs[0], kv_len = seqs[2], off = seqs[3];
-    const bool attends = b < hkv * splits;
-    const int kvh = b / splits, split = b % splits;
-    if (attends) {
-        const int chunk = ((int)kv_len + splits - 1) / splits;
-        const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
-        float acc[GP][E], mx[GP], l[GP];
-        decode_warp<D, GP, W>(q, kc, vc, blocks, row, kv_len, off, begin, end, hq, hkv, kvh,
-                              block_size, scale, acc, mx, l);
-#pragma unroll
-        for (int g = 0; g < GP; ++g) {
-            if (g < G && half == 0) {
-                if (hl == 0) {
-                    sm_m[warp][g] = mx[g];
-                    sm_l[warp][g] = l[g];
-                }
-#pragma unroll
-                for (int e = 0; e < E; ++e) sm_o[warp][g][hl * E + e] = acc[g][e];
-            }
-        }
-    } else {
-        grid_wait();
-    }
-    // Each warp's first row past the staged ones, loaded while the splits merge.
-    int r0, r1, staged;
-    rows(r0, r1, staged);
-    const int first_row = r0 + staged + warp;
-    uint4 first[FO_CHUNKS];
-#pragma unroll
-    for (int u = 0; u < FO_CHUNKS; ++u) {
-        const int c = lane + u * WARP;
-        first[u] = first_row < r1 && c < chunks ? ldg_stream(w_o + (size_t)first_row * k + c * 8)
-                                                : make_uint4(0, 0, 0, 0);
-    }
-    __syncthreads();
-    if (attends) {
-        // The block's warps into one split: unnormalized output and (max, sum), base 2.
-        for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
-            const int g = t / D, c = t % D;
-            float mb = NEG_INF;
-            for (int w = 0; w < W; ++w) mb = fmaxf(mb, sm_m[w][g]);
-            float lb = 0.0f, o = 0.0f;
-            for (int w = 0; w < W; ++w) {
-                if (sm_m[w][g] == NEG_INF) continue;
-                const float f = exp2f(sm_m[w][g] - mb);
-                lb += sm_l[w][g] * f;
-                o += sm_o[w][g][c] * f;
-            }
-            const size_t p = (size_t)(kvh * G + g) * splits + split;
-            part_o[p * D + c] = o;
-            if (c == 0) {
-                part_ml[p * 2] = mb;
-                part_ml[p * 2 + 1] = lb;
-            }
-        }
-    }
-    fo_grid_barrier(bar, nb);
-
-    // 3. The splits merged, a slice of the head group's columns a block.
-    if (attends) {
-        const int slice = (G * D + splits - 1) / splits;
-        for (int i = threadIdx.x; i < slice; i += blockDim.x) {
-            const int t = split * slice + i;
-            if (t >= G * D) break;
-            const int g = t / D, c = t % D;
-            const size_t p0 = (size_t)(kvh * G + g) * splits;
-            // Every split's loads at once (one round trip to L2, not one a split).
-            float ms[FUSED_O_MAX_SPLITS], ls[FUSED_O_MAX_SPLITS], os[FUSED_O_MAX_SPLITS];
-            float mm = NEG_INF;
-#pragma unroll
-            for (int s2 = 0; s2 < FUSED_O_MAX_SPLITS; ++s2) {
-                const bool in = s2 < splits;
-                ms[s2] = in ? __ldcg(part_ml + (p0 + s2) * 2) : NEG_INF;
-                ls[s2] = in ? __ldcg(part_ml + (p0 + s2) * 2 + 1) : 0.0f;
-                os[s2] = in ? __ldcg(part_o + (p0 + s2) * D + c) : 0.0f;
-                mm = fmaxf(mm, ms[s2]);
-            }
-            float total = 0.0f, o = 0.0f;
-#pragma unroll
-            for (int s2 = 0; s2 < FUSED_O_MAX_SPLITS; ++s2) {
-                const float f = ms[s2] == NEG_INF ? 0.0f : exp2f(ms[s2] - mm);
-                total += ls[s2] * f;
-                o += os[s2] * f;
-            }
-            att_g[(kvh * G + g) * D + c] = o / total;
-        }
-    }
-    fo_grid_barrier(bar, 2 * nb);
-
-    // 4. att into shared memory (through L2: other blocks wrote it), then this block's rows.
-    for (int i = threadIdx.x; i < k / 4; i += blockDim.x) cp_async16(att + 4 * i, att_g + 4 * i);
-    cp_async_commit();
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();
-    float* xr = x + (size_t)row * m;
-    for (int i = warp; i < staged; i += W) {
-        float sum = 0.0f;
-        for (int c = lane; c < chunks; c += WARP) sum += dot8_half(st[(size_t)i * chunks + c], att + c * 8);
-        sum = warp_sum(sum);
-        if (lane == 0) xr[r0 + i] += sum + (has_bias ? bias[r0 + i] : 0.0f);
-    }
-    if (first_row < r1) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int u = 0; u < FO_CHUNKS; ++u) {
-            const int c = lane + u * WARP;
-            if (c < chunks) sum += dot8_half(first[u], att + c * 8);
-        }
-        sum += fo_row_part(w_o + (size_t)first_row * k, k, att, lane + FO_CHUNKS * WARP);
-        sum = warp_sum(sum);
-        if (lane == 0) xr[first_row] += sum + (has_bias ? bias[first_row] : 0.0f);
-    }
-    for (int j = first_row + W; j < r1; j += W) {
-        const float sum = warp_sum(fo_row_part(w_o + (size_t)j * k, k, att, lane));
-        if (lane == 0) xr[j] += sum + (has_bias ? bias[j] : 0.0f);
-    }
-    if (threadIdx.x == 0 && atomicAdd(bar, 1u) == 3 * (unsigned)nb - 1) *bar = 0;
-#endif
-}
-
-// paged_decode_o_d{D}_g{GP}: one block an SM (the key loop's registers fill it).
-#define FO_KERNEL(D, GP)                                                                          \
-    extern "C" __global__ void __launch_bounds__(FO_WARPS * WARP, 1) paged_decode_o_d##D##_g##GP( \
-        const float* __restrict__ q, const __half* __restrict__ kc,                               \
-        const __half* __restrict__ vc, const unsigned* __restrict__ seqs,                         \
-        const unsigned* __restrict__ blocks, const __half* __restrict__ w_o,                      \
-        const float* __restrict__ bias, int has_bias, float* __restrict__ x,                      \
-        float* __restrict__ part_o, float* __restrict__ part_ml, float* __restrict__ att,         \
-        unsigned* __restrict__ bar, int hq, int hkv, int splits, int block_size, float scale,     \
-        int m, int staged_rows) {                                                                 \
-        grid_launch_dependents();                                                                 \
-        paged_decode_o<D, GP>(q, kc, vc, seqs, blocks, w_o, bias, has_bias, x, part_o, part_ml,   \
-                              att, bar, hq, hkv, splits, block_size, scale, m, staged_rows);      \
-    }
-
-FO_KERNEL(32, 2)
-FO_KERNEL(128, 2)
-FO_KERNEL(128, 4)
 
 // Any head dim up to 256, any number of queries: one warp per (sequence, query, head), online
 // softmax over the sequence's keys; lanes hold dims lane, lane + 32, ... Sequence seq0 + z of

@@ -298,7 +298,12 @@ static_assert(SG_LOADS(GEMV_MAX_ROWS) >= STREAM_STAGED, "the staged chunks are o
 
 // Eight weights, or zeros past k_vec; streamed past L1 (read once).
 __device__ __forceinline__ uint4 load_or_zero(const __half* __restrict__ wr, int c, int k_vec) {
-    return c < k_vec ? ldg_stream(wr + c) : make_uint4(0, 0, 0, 0);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (c < k_vec)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(wr + c));
+    return v;
 }
 
 // A lane's chunk u of a row: columns lane * 8 + u * WARP * 8 (a warp reads 512 bytes a chunk).

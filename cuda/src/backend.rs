@@ -652,23 +652,6 @@ pub trait Backend: Send + Sync + 'static {
         v: &Self::Cache,
         batch: &PagedBatch<Self>,
     ) -> Result<Self::Tensor>;
-    /// `x += paged_attention(q, k, v, batch) · wᵀ (+ b)`: attention and the output projection
-    /// that reads it ([`Backend::paged_attention`], [`Backend::add_linear`]). A GPU decoding one
-    /// sequence does both in one kernel, whose weight loads overlap attention's round trips.
-    #[allow(clippy::too_many_arguments)]
-    fn paged_attention_add_linear(
-        &self,
-        x: &mut Self::Tensor,
-        q: &Self::Tensor,
-        k: &Self::Cache,
-        v: &Self::Cache,
-        batch: &PagedBatch<Self>,
-        w: &Self::Weight,
-        b: Option<&Self::Tensor>,
-    ) -> Result<()> {
-        let a = self.paged_attention(q, k, v, batch)?;
-        self.add_linear(x, &a, w, b)
-    }
     /// `dst[rows[i]] = src[i]` (placing image embeddings at the image-token positions).
     fn scatter_rows(
         &self,

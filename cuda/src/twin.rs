@@ -124,17 +124,6 @@ pub enum Case {
         dim: usize,
         block_size: usize,
     },
-    /// One decoding sequence's attention over `keys` cached keys, projected by o (`[hidden,
-    /// q_heads * dim]`, with a bias or not) and added into the residual row: on a GPU (sm_90)
-    /// one fused kernel, elsewhere the two ops.
-    PagedAttentionO {
-        keys: usize,
-        q_heads: usize,
-        kv_heads: usize,
-        dim: usize,
-        hidden: usize,
-        bias: bool,
-    },
     /// A fused q/k/v projection's rows normed, rotated and written into the caches.
     QkvToCache {
         tokens: usize,
@@ -376,17 +365,6 @@ impl Case {
             } => format!(
                 "paged_attention {seqs:?} ({decode} decoding) h{q_heads}/{kv_heads} d{dim} blocks of {block_size}"
             ),
-            Case::PagedAttentionO {
-                keys,
-                q_heads,
-                kv_heads,
-                dim,
-                hidden,
-                bias,
-            } => format!(
-                "paged_attention_add_linear {keys} keys h{q_heads}/{kv_heads} d{dim} -> {hidden}{}",
-                if *bias { " + bias" } else { "" }
-            ),
             Case::WriteKv {
                 slots,
                 heads,
@@ -500,8 +478,6 @@ impl Case {
             }
             // Normed, rotated keys rounded to f16 in the cache (2^-11 relative).
             Case::QkvToCache { .. } => 1e-3,
-            // Decode attention's 1e-4, then f32 sums over the heads' columns in another order.
-            Case::PagedAttentionO { .. } => 1e-4,
             // The cache holds f16-exact keys and values on both sides; prefill chunks of 16
             // queries and more also round Q and the probabilities to f16 (flash attention).
             Case::PagedAttention { seqs, decode, .. } => {
@@ -730,36 +706,7 @@ impl Case {
                 kv_heads,
                 dim,
                 block_size,
-            } => {
-                let batch =
-                    PagedInputs::new(be, seqs, decode, [q_heads, kv_heads, dim], block_size)?;
-                be.paged_attention(&batch.q, &batch.k, &batch.v, &batch.batch())?
-            }
-            Case::PagedAttentionO {
-                keys,
-                q_heads,
-                kv_heads,
-                dim,
-                hidden,
-                bias,
-            } => {
-                let batch = PagedInputs::new(be, &[(1, keys)], 1, [q_heads, kv_heads, dim], 16)?;
-                // The residual row at the size of what attention adds to it, so that an error
-                // in either shows.
-                let mut x = be.upload(&scaled_input(&[1, hidden], 45))?;
-                let w = be.upload_weight(&f16_exact(scaled_input(&[hidden, q_heads * dim], 46)))?;
-                let b = if bias { Some(up(&[hidden], 47)?) } else { None };
-                be.paged_attention_add_linear(
-                    &mut x,
-                    &batch.q,
-                    &batch.k,
-                    &batch.v,
-                    &batch.batch(),
-                    &w,
-                    b.as_ref(),
-                )?;
-                x
-            }
+            } => return paged_attention(be, seqs, decode, [q_heads, kv_heads, dim], block_size),
             Case::QkvToCache {
                 tokens,
                 q_heads,
@@ -873,79 +820,51 @@ impl Case {
     }
 }
 
-/// The inputs of [`Case::PagedAttention`] and [`Case::PagedAttentionO`]: a cache of shuffled
-/// blocks holding f16-exact keys and values, queries for every sequence's last `queries`
-/// positions.
-struct PagedInputs<B: Backend> {
-    q: B::Tensor,
-    k: B::Cache,
-    v: B::Cache,
-    seqs: B::Ids,
-    blocks: B::Ids,
-    num_seqs: usize,
+/// The inputs of [`Case::PagedAttention`]: a cache of shuffled blocks holding f16-exact keys
+/// and values, queries for every sequence's last `queries` positions; returns the output.
+fn paged_attention<B: Backend>(
+    be: &B,
+    seqs: &[(usize, usize)],
     decode: usize,
-    max_queries: usize,
-    max_keys: usize,
+    [q_heads, kv_heads, dim]: [usize; 3],
     block_size: usize,
-}
-
-impl<B: Backend> PagedInputs<B> {
-    fn new(
-        be: &B,
-        seqs: &[(usize, usize)],
-        decode: usize,
-        [q_heads, kv_heads, dim]: [usize; 3],
-        block_size: usize,
-    ) -> Result<Self> {
-        let blocks_each: Vec<usize> = seqs.iter().map(|&(_, k)| k.div_ceil(block_size)).collect();
-        let total_blocks: usize = blocks_each.iter().sum::<usize>() + 3;
-        let slots = total_blocks * block_size;
-        // A fixed shuffle of the blocks (block 0 left unused, as the engine's null block).
-        let mut order: Vec<u32> = (1..total_blocks as u32).collect();
-        for i in (1..order.len()).rev() {
-            let j = (crate::random::uniform(7, i as u64, 1.0).abs() * (i + 1) as f32) as usize
-                % (i + 1);
-            order.swap(i, j);
-        }
-        let all_slots: Vec<u32> = (0..slots as u32).collect();
-        let slots_ids = be.upload_ids(&all_slots)?;
-        let mut k = be.zeros_cache(slots, kv_heads, dim)?;
-        let mut v = be.zeros_cache(slots, kv_heads, dim)?;
-        let fill = |key| be.upload(&f16_exact(input(&[slots, kv_heads, dim], key)));
-        be.write_kv(&mut k, &slots_ids, &fill(40)?)?;
-        be.write_kv(&mut v, &slots_ids, &fill(41)?)?;
-        let (mut meta, mut blocks, mut row) = (Vec::new(), Vec::new(), 0);
-        let mut next = order.iter();
-        for (&(queries, keys), &nb) in seqs.iter().zip(&blocks_each) {
-            meta.extend([row, queries, keys, blocks.len()].map(|v| v as u32));
-            blocks.extend(next.by_ref().take(nb));
-            row += queries;
-        }
-        Ok(Self {
-            q: be.upload(&input(&[row, q_heads, dim], 42))?,
-            k,
-            v,
-            seqs: be.upload_ids(&meta)?,
-            blocks: be.upload_ids(&blocks)?,
-            num_seqs: seqs.len(),
-            decode,
-            max_queries: seqs.iter().map(|s| s.0).max().unwrap_or(0),
-            max_keys: seqs.iter().map(|s| s.1).max().unwrap_or(0),
-            block_size,
-        })
+) -> Result<HostTensor> {
+    let blocks_each: Vec<usize> = seqs.iter().map(|&(_, k)| k.div_ceil(block_size)).collect();
+    let total_blocks: usize = blocks_each.iter().sum::<usize>() + 3;
+    let slots = total_blocks * block_size;
+    // A fixed shuffle of the blocks (block 0 left unused, as the engine's null block).
+    let mut order: Vec<u32> = (1..total_blocks as u32).collect();
+    for i in (1..order.len()).rev() {
+        let j =
+            (crate::random::uniform(7, i as u64, 1.0).abs() * (i + 1) as f32) as usize % (i + 1);
+        order.swap(i, j);
     }
-
-    fn batch(&self) -> crate::PagedBatch<'_, B> {
-        crate::PagedBatch {
-            seqs: &self.seqs,
-            blocks: &self.blocks,
-            num_seqs: self.num_seqs,
-            decode_seqs: self.decode,
-            max_queries: self.max_queries,
-            max_keys: self.max_keys,
-            block_size: self.block_size,
-        }
+    let all_slots: Vec<u32> = (0..slots as u32).collect();
+    let slots_ids = be.upload_ids(&all_slots)?;
+    let mut k = be.zeros_cache(slots, kv_heads, dim)?;
+    let mut v = be.zeros_cache(slots, kv_heads, dim)?;
+    let fill = |key| be.upload(&f16_exact(input(&[slots, kv_heads, dim], key)));
+    be.write_kv(&mut k, &slots_ids, &fill(40)?)?;
+    be.write_kv(&mut v, &slots_ids, &fill(41)?)?;
+    let (mut meta, mut blocks, mut row) = (Vec::new(), Vec::new(), 0);
+    let mut next = order.iter();
+    for (&(queries, keys), &nb) in seqs.iter().zip(&blocks_each) {
+        meta.extend([row, queries, keys, blocks.len()].map(|v| v as u32));
+        blocks.extend(next.by_ref().take(nb));
+        row += queries;
     }
+    let q = be.upload(&input(&[row, q_heads, dim], 42))?;
+    let (seqs_ids, block_ids) = (be.upload_ids(&meta)?, be.upload_ids(&blocks)?);
+    let batch = crate::PagedBatch {
+        seqs: &seqs_ids,
+        blocks: &block_ids,
+        num_seqs: seqs.len(),
+        decode_seqs: decode,
+        max_queries: seqs.iter().map(|s| s.0).max().unwrap_or(0),
+        max_keys: seqs.iter().map(|s| s.1).max().unwrap_or(0),
+        block_size,
+    };
+    be.download(&be.paged_attention(&q, &k, &v, &batch)?)
 }
 
 /// [`Case::RecordReplay`]: what a batched decode step (`TextModel::decode`) relies on, in
@@ -1229,26 +1148,6 @@ pub fn self_check_cases() -> Vec<Case> {
             block_size,
         });
     }
-    // Batch-1 decode's fused attention + o projection: the 8B's heads with a bias, the tiny
-    // fixture's.
-    cases.extend([
-        PagedAttentionO {
-            keys: 70,
-            q_heads: 32,
-            kv_heads: 8,
-            dim: 128,
-            hidden: 512,
-            bias: true,
-        },
-        PagedAttentionO {
-            keys: 5,
-            q_heads: 4,
-            kv_heads: 2,
-            dim: 32,
-            hidden: 64,
-            bias: false,
-        },
-    ]);
     cases.extend([
         QkvToCache {
             tokens: 3,

@@ -104,8 +104,8 @@ impl<B: Backend> Attention<B> {
             slots: step.slots,
         };
         let q = be.qkv_to_cache(&qkv, &how, k_cache, v_cache)?;
-        let o = self.o.projection();
-        be.paged_attention_add_linear(x, &q, k_cache, v_cache, &step.attn, o.w, o.b)
+        let a = be.paged_attention(&q, k_cache, v_cache, &step.attn)?;
+        self.o.forward_add(be, &a, x)
     }
 }
 

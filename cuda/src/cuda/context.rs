@@ -57,8 +57,6 @@ pub(super) struct Inner {
     /// launch leaves them at 0 again).
     pub(super) programmatic: std::sync::atomic::AtomicBool,
     pub(super) gemv_ticket: CudaSlice<u32>,
-    /// The fused batch-1 attention + o projection kernels this GPU runs (decode_o.rs).
-    pub(super) fused_o: super::decode_o::FusedO,
     /// While a step is recorded, the memory its buffers come from (recording.rs), and the
     /// stream that allocates them there.
     pub(super) recording: std::sync::Mutex<Option<Arc<super::recording::RecordingPool>>>,
@@ -391,7 +389,6 @@ impl CudaBackend {
         let gemv_ticket = stream
             .alloc_zeros::<u32>(2)
             .map_err(|e| cuda_err("allocating the GEMV ticket")(&e))?;
-        let fused_o = super::decode_o::FusedO::setup(&kernels, cc, optin as usize);
         // `VLM_PDL=0` turns programmatic dependent launch off (to compare).
         let programmatic =
             programmatic_capable(cc) && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
@@ -414,7 +411,6 @@ impl CudaBackend {
                 counters,
                 programmatic: programmatic.into(),
                 gemv_ticket,
-                fused_o,
                 recording: std::sync::Mutex::new(None),
                 side_stream,
             }),

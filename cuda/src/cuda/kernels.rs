@@ -58,9 +58,6 @@ pub(super) const SOURCES: [KernelSource; 5] = [
         source: kernel_file!("paged_f16.cu").1,
         kernels: &[
             "write_kv_f16",
-            "paged_decode_o_d32_g2",
-            "paged_decode_o_d128_g2",
-            "paged_decode_o_d128_g4",
             "paged_decode_d32_g1",
             "paged_decode_d32_g2",
             "paged_decode_d32_g4",
@@ -151,29 +148,6 @@ pub(super) const FLASH_MIN_QUERIES: usize = 16;
 pub(super) const DECODE_WARPS: u32 = 4;
 const DECODE_KEYS: usize = 4;
 pub(super) const DECODE_MIN_CHUNK: usize = 32;
-/// Warps of a block of the fused batch-1 attention + o projection (FO_WARPS): one block an
-/// SM. Twelve, not 16: at 16 the key loop would have to fit 128 registers a thread, and with
-/// the block's row bookkeeping live across it ptxas spills.
-pub(super) const FUSED_O_WARPS: u32 = 12;
-/// Most splits of a KV head's keys in the fused kernel, one block each (FUSED_O_MAX_SPLITS:
-/// its merge loads every split's partials at once).
-pub(super) const FUSED_O_MAX_SPLITS: usize = 16;
-/// The fused batch-1 attention + o projection for head dim `d` and `group` query heads per KV
-/// head (paged_f16.cu's paged_decode_o, instantiated for the tiny test model's 32 x 2 and the
-/// 128 x 2 and 128 x 4 of Qwen3's models); `None` where there is none.
-pub(super) fn fused_o_kernel(d: usize, group: usize) -> Option<&'static str> {
-    Some(match (d, group.next_power_of_two()) {
-        (32, 2) => "paged_decode_o_d32_g2",
-        (128, 2) => "paged_decode_o_d128_g2",
-        (128, 4) => "paged_decode_o_d128_g4",
-        _ => return None,
-    })
-}
-pub(super) const FUSED_O_KERNELS: [&str; 3] = [
-    "paged_decode_o_d32_g2",
-    "paged_decode_o_d128_g2",
-    "paged_decode_o_d128_g4",
-];
 /// Warps of a qkv_to_cache block, one head each (QK_WARPS).
 pub(super) const QKV_WARPS: u32 = 4;
 /// At most this many splits of one sequence's keys (PD_MAX_SPLITS; the merge takes up to two
@@ -376,8 +350,7 @@ fn shared_defines() -> String {
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
          #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
-         #define STREAM_STAGED {STREAM_STAGED}\n#define FO_WARPS {FUSED_O_WARPS}\n\
-         #define FUSED_O_MAX_SPLITS {FUSED_O_MAX_SPLITS}\n"
+         #define STREAM_STAGED {STREAM_STAGED}\n"
     )
 }
 

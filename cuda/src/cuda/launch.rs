@@ -80,39 +80,12 @@ impl CudaBackend {
         args: &mut [*mut std::ffi::c_void],
         programmatic: bool,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        self.launch_with(name, cfg, args, programmatic, false)
-    }
-
-    /// [`Self::launch_args`], with `cooperative` as a cooperative launch: every block of the
-    /// grid resident at once (or the launch fails), so that blocks may wait for each other.
-    ///
-    /// # Safety
-    ///
-    /// As [`Self::launch_args`].
-    pub(super) unsafe fn launch_with(
-        &self,
-        name: &'static str,
-        cfg: LaunchConfig,
-        args: &mut [*mut std::ffi::c_void],
-        programmatic: bool,
-        cooperative: bool,
-    ) -> std::result::Result<(), cudarc::driver::DriverError> {
         use cudarc::driver::sys;
         let stream = &self.inner.stream;
         stream.context().bind_to_thread()?;
-        let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
-        let mut n = 0;
-        if programmatic {
-            attrs[n].id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if cooperative {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-            attrs[n].value.cooperative = 1;
-            n += 1;
-        }
+        let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -122,8 +95,8 @@ impl CudaBackend {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
+            attrs: &mut attr,
+            numAttrs: programmatic as u32,
         };
         sys::cuLaunchKernelEx(
             &config,

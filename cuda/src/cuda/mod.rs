@@ -22,14 +22,12 @@
 //! types; `launch.rs` the helpers every op launches through and per-op timing; `recording.rs` graph
 //! capture and the memory of a recorded step.
 //! The ops are by family, each body called from the one trait impl below: `linear.rs` (GEMVs
-//! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs` (and `decode_o.rs`: batch-1
-//! decode's attention and o projection in one kernel), `gather.rs` and
+//! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs`, `gather.rs` and
 //! `memory.rs` (with `staging.rs` for pinned host memory). [`doctor`] is `vlm doctor`'s checks.
 
 mod attention;
 pub mod compile;
 mod context;
-mod decode_o;
 pub mod doctor;
 mod gather;
 mod kernels;
@@ -400,19 +398,6 @@ impl Backend for CudaBackend {
         batch: &PagedBatch<Self>,
     ) -> Result<CudaTensor> {
         self.paged_attention_impl(q, k, v, batch)
-    }
-
-    fn paged_attention_add_linear(
-        &self,
-        x: &mut CudaTensor,
-        q: &CudaTensor,
-        k: &CudaCache,
-        v: &CudaCache,
-        batch: &PagedBatch<Self>,
-        w: &CudaWeight,
-        b: Option<&CudaTensor>,
-    ) -> Result<()> {
-        self.paged_attention_add_linear_impl(x, q, k, v, batch, w, b)
     }
 
     fn scatter_rows(&self, dst: &mut CudaTensor, rows: &[usize], src: &CudaTensor) -> Result<()> {
