@@ -1,6 +1,6 @@
 // The paged KV cache (f16) and the kernels of a batched engine step that read or write it, plus
 // the step's per-row gathers. CPU twins in cuda/src/cpu.rs: write_kv, paged_attention,
-// gather_rows, argmax_rows.
+// gather_rows.
 //
 // Cache layout, per layer: [slots, hkv, d] f16, slot = block * block_size + offset. A step's
 // sequences are described by `seqs` ([num_seqs * 4] u32: first query row, query count n, keys
@@ -540,64 +540,4 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x,
     }
     const float* src = x + (size_t)r * cols;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
-}
-
-// Greedy picks for a batch: out[r] = the index of the largest value in row r of x [rows, n],
-// the lowest on ties (as torch.argmax). One block per row.
-__device__ __forceinline__ void argmax_merge_rows(float& v, int& i, float ov, int oi) {
-    if (ov > v || (ov == v && oi < i)) {
-        v = ov;
-        i = oi;
-    }
-}
-
-extern "C" __global__ void argmax_rows_f32(const float* __restrict__ x, int n,
-                                           unsigned* __restrict__ out) {
-    const float* row = x + (size_t)blockIdx.x * n;
-    float v = NEG_INF;
-    int i = 0x7fffffff;
-    if (n % 4 == 0) {
-        // A vocabulary-sized row: 16-byte loads, four in flight per thread (one at a time
-        // took 64 us for 152k logits on an H100, most of it waiting on memory).
-        const float4* r4 = reinterpret_cast<const float4*>(row);
-        int n4 = n / 4;
-        for (int j0 = threadIdx.x; j0 < n4; j0 += 4 * blockDim.x) {
-            float4 q[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int j = j0 + u * blockDim.x;
-                q[u] = j < n4 ? r4[j] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int j = 4 * (j0 + u * blockDim.x);
-                argmax_merge_rows(v, i, q[u].x, j);
-                argmax_merge_rows(v, i, q[u].y, j + 1);
-                argmax_merge_rows(v, i, q[u].z, j + 2);
-                argmax_merge_rows(v, i, q[u].w, j + 3);
-            }
-        }
-    } else {
-        for (int j = threadIdx.x; j < n; j += blockDim.x) argmax_merge_rows(v, i, row[j], j);
-    }
-    __shared__ float sv[WARP];
-    __shared__ int si[WARP];
-    for (int o = WARP / 2; o > 0; o >>= 1)
-        argmax_merge_rows(v, i, __shfl_xor_sync(0xffffffff, v, o), __shfl_xor_sync(0xffffffff, i, o));
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    if (lane == 0) {
-        sv[warp] = v;
-        si[warp] = i;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        int warps = (blockDim.x + WARP - 1) / WARP;
-        v = lane < warps ? sv[lane] : NEG_INF;
-        i = lane < warps ? si[lane] : 0x7fffffff;
-        for (int o = WARP / 2; o > 0; o >>= 1)
-            argmax_merge_rows(v, i, __shfl_xor_sync(0xffffffff, v, o),
-                              __shfl_xor_sync(0xffffffff, i, o));
-        // A row of NaN (or all -inf) has no largest value: report 0, as the CPU's first index.
-        if (lane == 0) out[blockIdx.x] = (unsigned)(i == 0x7fffffff ? 0 : i);
-    }
 }

@@ -243,6 +243,26 @@ pub struct PagedBatch<'a, B: Backend + ?Sized> {
     pub block_size: usize,
 }
 
+/// The buffers of [`Backend::sample_rows`] for a step of `rows` rows and a vocabulary of
+/// `vocab`. They stay put, so a recorded step reads each step's parameters from them.
+pub struct SampleIo<'a, B: Backend + ?Sized> {
+    /// `[rows × SAMPLE_WORDS]`: each row's [`crate::sampling::RowParams::to_words`].
+    pub params: &'a B::Ids,
+    /// The step's `logit_bias` entries ([`crate::sampling::bias_words`]), which rows index.
+    pub bias: &'a B::Ids,
+    /// `[slots × vocab]` token counts of the sequences with penalties (a row names its slot);
+    /// each pick adds one to its token's.
+    pub counts: &'a mut B::Ids,
+    /// `[rows, vocab]`: the processed logits (room the draw works in).
+    pub scratch: &'a mut B::Tensor,
+    /// `[rows]`: the picks.
+    pub picks: &'a mut B::Ids,
+    /// `[rows, LOGPROB_COLS]`: the pick's raw logprob, then the best tokens' (rows that asked).
+    pub logprobs: &'a mut B::Tensor,
+    /// `[rows × MAX_TOP_LOGPROBS]`: the best tokens' ids, best first.
+    pub top_ids: &'a mut B::Ids,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// A recorded sequence of ops ([`Backend::record`]), e.g. a CUDA graph; `()` where there
     /// is none. Sent with the model that keeps it to the thread that runs the model.
@@ -351,7 +371,12 @@ pub trait Backend: Send + Sync + 'static {
     /// `values` as device ids.
     fn upload_ids(&self, values: &[u32]) -> Result<Self::Ids>;
     /// Overwrites the first `values.len()` ids of `dst` (a step's input buffer that stays put).
-    fn write_ids(&self, dst: &mut Self::Ids, values: &[u32]) -> Result<()>;
+    fn write_ids(&self, dst: &mut Self::Ids, values: &[u32]) -> Result<()> {
+        self.write_ids_at(dst, 0, values)
+    }
+    /// Overwrites `values.len()` ids of `dst` from index `at` (one sequence's row of the token
+    /// counts, say).
+    fn write_ids_at(&self, dst: &mut Self::Ids, at: usize, values: &[u32]) -> Result<()>;
     /// The first `n` ids of `ids`.
     fn download_ids(&self, ids: &Self::Ids, n: usize) -> Result<Vec<u32>>;
     /// A zeroed cache for one layer's keys or values: `[slots, heads, dim]`.
@@ -359,10 +384,11 @@ pub trait Backend: Send + Sync + 'static {
     /// A cache's contents as f32 (tests and the self-check).
     fn download_cache(&self, cache: &Self::Cache) -> Result<HostTensor>;
 
-    /// `out[i]` = the index of the largest value in row `i` of `x [n, cols]`, the first on
-    /// ties (as `torch.argmax`): greedy decoding on the device, so only ids come back.
-    /// `out` holds at least `n` ids.
-    fn argmax_rows(&self, x: &Self::Tensor, out: &mut Self::Ids) -> Result<()>;
+    /// Each row's next token from its logits (`[rows, vocab]`) by the rule of
+    /// [`crate::sampling`]: greedy, or drawn after bias, penalties, temperature, top-k, top-p
+    /// and min-p, per row's parameters; the picks' token counts updated. Only `io`'s outputs
+    /// leave the device.
+    fn sample_rows(&self, logits: &Self::Tensor, io: SampleIo<'_, Self>) -> Result<()>;
 
     // ---- profiling ----
     /// Returns once the device has run every op queued so far (for timing: a GPU's ops return

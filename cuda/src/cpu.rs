@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache};
+use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache, SampleIo};
 use crate::{Error, HostTensor, Result};
 
 /// Rows per rayon task for cheap elementwise/row ops: below this, threading costs more than it saves.
@@ -188,14 +188,18 @@ impl Backend for CpuBackend {
         Ok(values.to_vec())
     }
 
-    fn write_ids(&self, dst: &mut Vec<u32>, values: &[u32]) -> Result<()> {
-        if values.len() > dst.len() {
+    fn write_ids_at(&self, dst: &mut Vec<u32>, at: usize, values: &[u32]) -> Result<()> {
+        if at + values.len() > dst.len() {
             return Err(Error::shape(
                 "write_ids",
-                format!("{} ids into a buffer of {}", values.len(), dst.len()),
+                format!(
+                    "{} ids at {at} into a buffer of {}",
+                    values.len(),
+                    dst.len()
+                ),
             ));
         }
-        dst[..values.len()].copy_from_slice(values);
+        dst[at..at + values.len()].copy_from_slice(values);
         Ok(())
     }
 
@@ -216,17 +220,50 @@ impl Backend for CpuBackend {
         Ok(cache.clone())
     }
 
-    fn argmax_rows(&self, x: &HostTensor, out: &mut Vec<u32>) -> Result<()> {
-        let n = x.rows();
-        if out.len() < n || x.cols() == 0 {
+    fn sample_rows(&self, logits: &HostTensor, io: SampleIo<'_, Self>) -> Result<()> {
+        use crate::sampling::{sample_row, RowParams, LOGPROB_COLS, MAX_TOP_LOGPROBS, NO_SLOT};
+        let (rows, vocab) = (logits.rows(), logits.cols());
+        let words = crate::sampling::SAMPLE_WORDS;
+        if io.params.len() < rows * words
+            || io.picks.len() < rows
+            || io.logprobs.len() < rows * LOGPROB_COLS
+            || io.top_ids.len() < rows * MAX_TOP_LOGPROBS
+        {
             return Err(Error::shape(
-                "argmax_rows",
-                format!("{n} rows of {:?} into {} ids", x.shape(), out.len()),
+                "sample_rows",
+                format!("{rows} rows of {:?} into buffers too small", logits.shape()),
             ));
         }
-        // In place: no copy of the rows (600 KB each at the 8B vocabulary).
-        for (i, o) in out.iter_mut().take(n).enumerate() {
-            *o = crate::backend::argmax(x.row(i));
+        let out = io.logprobs.data_mut();
+        for r in 0..rows {
+            let p = RowParams::from_words(&io.params[r * words..(r + 1) * words]);
+            let bias_at = 2 * p.bias_start as usize..2 * (p.bias_start + p.bias_len) as usize;
+            let bias: Vec<(u32, f32)> = io
+                .bias
+                .get(bias_at)
+                .ok_or_else(|| Error::shape("sample_rows", format!("row {r}: bias range")))?
+                .chunks(2)
+                .map(|w| (w[0], f32::from_bits(w[1])))
+                .collect();
+            if bias.iter().any(|&(t, _)| t as usize >= vocab) {
+                return Err(Error::shape("sample_rows", format!("row {r}: bias token")));
+            }
+            let counts = if p.slot == NO_SLOT {
+                None
+            } else {
+                let at = p.slot as usize * vocab;
+                Some(io.counts.get_mut(at..at + vocab).ok_or_else(|| {
+                    Error::shape("sample_rows", format!("row {r}: count slot {}", p.slot))
+                })?)
+            };
+            let pick = sample_row(logits.row(r), &p, &bias, counts);
+            io.picks[r] = pick.token;
+            let row = &mut out[r * LOGPROB_COLS..(r + 1) * LOGPROB_COLS];
+            row[0] = pick.logprob;
+            for (i, &(id, lp)) in pick.top.iter().enumerate() {
+                row[1 + i] = lp;
+                io.top_ids[r * MAX_TOP_LOGPROBS + i] = id;
+            }
         }
         Ok(())
     }
@@ -947,15 +984,6 @@ mod tests {
             ..batch
         };
         assert!(b.paged_attention(&q, &k, &v, &batch).is_err());
-    }
-
-    #[test]
-    fn argmax_rows_takes_the_first_maximum_of_each_row() {
-        let b = CpuBackend;
-        let mut out = vec![7; 3];
-        b.argmax_rows(&t(&[2, 3], &[0., 2., 2., -1., -3., -2.]), &mut out)
-            .unwrap();
-        assert_eq!(out, [1, 0, 7]);
     }
 
     #[test]

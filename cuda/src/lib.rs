@@ -12,6 +12,8 @@
 //!   the self-check every GPU passes before it serves.
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
 //!   converted from f32/f16/bf16 to f32 by name with shape checks.
+//! - [`sampling`]: the rule that picks each sequence's next token (greedy or a seeded draw
+//!   after penalties, temperature, top-k, top-p and min-p), shared by the CPU and the GPU.
 //! - [`files`]: reading the JSON files of a checkpoint directory with errors that name the file
 //!   and the key.
 
@@ -28,13 +30,14 @@ pub mod nn;
 pub mod npy;
 pub mod patches;
 pub mod random;
+pub mod sampling;
 mod tensor;
 pub mod twin;
 mod weights;
 
 pub use backend::{
     argmax, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams, OpTime, PagedBatch,
-    Projection, QkvToCache,
+    Projection, QkvToCache, SampleIo,
 };
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};

@@ -138,12 +138,25 @@ pub enum Case {
         dim: usize,
         rows: usize,
     },
-    /// Greedy picks over `rows` rows of `n` logits; `tie` puts the same largest value at two
-    /// places of the last row.
+    /// Greedy picks ([`Backend::sample_rows`] at temperature 0) over `rows` rows of `n`
+    /// logits; `tie` puts the same largest value at two places of the last row.
     ArgmaxRows {
         rows: usize,
         n: usize,
         tie: Option<(usize, usize)>,
+    },
+    /// A step's draws ([`Backend::sample_rows`]) over `rows` rows of `vocab` logits, each row
+    /// with other settings (greedy, temperature, top-k, top-p, min-p, penalties, bias,
+    /// logprobs; [`sample_settings`]), twice, so the second draw sees the counts the first
+    /// updated. The picks, the best tokens' ids and the count table must be equal.
+    SampleRows {
+        rows: usize,
+        vocab: usize,
+    },
+    /// The same draws' raw logprobs (values from a log-sum-exp in another order).
+    SampleLogprobs {
+        rows: usize,
+        vocab: usize,
     },
     /// Rows picked from a matrix by device ids (the rows whose logits a step needs).
     GatherRows {
@@ -389,6 +402,10 @@ impl Case {
                 taps,
             } => format!("weighted_gather [{rows},{width}] -> {out} x{taps}"),
             Case::RowUpdates => "slice/write/scatter/add rows".into(),
+            Case::SampleRows { rows, vocab } => format!("sample_rows {rows} x {vocab}"),
+            Case::SampleLogprobs { rows, vocab } => {
+                format!("sample_rows' logprobs {rows} x {vocab}")
+            }
             Case::RandomUniform { shape } => format!("random_uniform {shape:?}"),
             Case::Patchify { height, width } => format!("patchify a {width}x{height} image"),
             Case::Embeddings { rows, cols } => format!("embeddings down and up [{rows},{cols}]"),
@@ -402,6 +419,7 @@ impl Case {
             // Exact on every backend: gathers, copies, comparisons, integer hashing.
             Case::WriteKv { .. }
             | Case::ArgmaxRows { .. }
+            | Case::SampleRows { .. }
             | Case::GatherRows { .. }
             | Case::Embedding { .. }
             | Case::RowUpdates
@@ -409,6 +427,8 @@ impl Case {
             | Case::Patchify { .. } => 0.0,
             // GEMMs, attention and copies: summation order only (f16-exact operands).
             Case::RecordReplay => 1e-4,
+            // A log-sum-exp over the vocabulary in another order, and the device's expf/logf.
+            Case::SampleLogprobs { .. } => 1e-5,
             // One rounding per element, or a short sum.
             Case::Add { .. } | Case::WeightedGather { .. } => 1e-6,
             // A GPU downloads embeddings rounded to f16 (2^-11 of each value at most), where
@@ -756,11 +776,13 @@ impl Case {
                     logits.data_mut()[last + a] = 5.0;
                     logits.data_mut()[last + b] = 5.0;
                 }
-                let mut out = be.upload_ids(&vec![0; rows])?;
-                be.argmax_rows(&be.upload(&logits)?, &mut out)?;
-                let ids = be.download_ids(&out, rows)?;
+                let mut picks = GreedyPicks::new(be, rows, n)?;
+                picks.pick(be, &be.upload(&logits)?)?;
+                let ids = be.download_ids(&picks.picks, rows)?;
                 return HostTensor::new(vec![rows], ids.iter().map(|&i| i as f32).collect());
             }
+            Case::SampleRows { rows, vocab } => return Ok(sample_case(be, rows, vocab)?.0),
+            Case::SampleLogprobs { rows, vocab } => return Ok(sample_case(be, rows, vocab)?.1),
             Case::GatherRows { rows, cols } => {
                 let x = up(&[rows, cols], 27)?;
                 let pick: Vec<u32> = [rows - 1, 0, rows / 2, rows - 1].map(|r| r as u32).into();
@@ -882,14 +904,14 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
     let mut blocks = be.upload_ids(&[0; 8])?;
     let mut cache = be.zeros_cache(8 * bs, heads, dim)?;
     let mut out = be.zeros(&[2, heads * dim])?;
-    let mut picks = be.upload_ids(&[0, 0])?;
+    let mut picks = GreedyPicks::new(be, 2, heads * dim)?;
     let step = |tokens: &B::Ids,
                 slots: &B::Ids,
                 seqs: &B::Ids,
                 blocks: &B::Ids,
                 cache: &mut B::Cache,
                 out: &mut B::Tensor,
-                picks: &mut B::Ids| {
+                picks: &mut GreedyPicks<B>| {
         let y = be.linear(&be.embedding(&table, tokens)?, &w, None)?;
         be.write_kv(cache, slots, &y)?;
         let batch = crate::PagedBatch {
@@ -908,7 +930,7 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
         let mut a = be.reshape(a, &[2, heads * dim])?;
         let h = be.rms_norm_swiglu(&a, &norm, 1e-6, &gate_up)?;
         be.add_linear(&mut a, &h, &down, None)?;
-        be.argmax_rows(&a, picks)?;
+        picks.pick(be, &a)?;
         be.copy(out, &a)
     };
     // Backends that do not record (the CPU) run the step directly each time instead.
@@ -937,7 +959,7 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
             )?,
         }
         parts.push(be.download(&out)?);
-        let p = be.download_ids(&picks, 2)?;
+        let p = be.download_ids(&picks.picks, 2)?;
         parts.push(HostTensor::new(
             vec![1, heads * dim],
             (0..heads * dim)
@@ -946,6 +968,200 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
         )?);
     }
     HostTensor::concat_rows(&parts)
+}
+
+/// Greedy picks through [`Backend::sample_rows`] (nothing changes the logits, nothing is
+/// drawn), for the cases that pick tokens.
+struct GreedyPicks<B: Backend> {
+    params: B::Ids,
+    bias: B::Ids,
+    counts: B::Ids,
+    scratch: B::Tensor,
+    picks: B::Ids,
+    logprobs: B::Tensor,
+    top_ids: B::Ids,
+}
+
+impl<B: Backend> GreedyPicks<B> {
+    fn new(be: &B, rows: usize, cols: usize) -> Result<Self> {
+        use crate::sampling::{RowParams, LOGPROB_COLS, MAX_TOP_LOGPROBS};
+        Ok(Self {
+            params: be.upload_ids(&RowParams::default().to_words().repeat(rows))?,
+            bias: be.upload_ids(&[0, 0])?,
+            counts: be.upload_ids(&[0])?,
+            scratch: be.zeros(&[rows, cols])?,
+            picks: be.upload_ids(&vec![0; rows])?,
+            logprobs: be.zeros(&[rows, LOGPROB_COLS])?,
+            top_ids: be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?,
+        })
+    }
+
+    fn pick(&mut self, be: &B, logits: &B::Tensor) -> Result<()> {
+        be.sample_rows(
+            logits,
+            crate::SampleIo {
+                params: &self.params,
+                bias: &self.bias,
+                counts: &mut self.counts,
+                scratch: &mut self.scratch,
+                picks: &mut self.picks,
+                logprobs: &mut self.logprobs,
+                top_ids: &mut self.top_ids,
+            },
+        )
+    }
+}
+
+/// The settings of row `r` of a [`Case::SampleRows`]: every path of the rule in turn.
+pub fn sample_settings(r: usize) -> crate::sampling::RowParams {
+    use crate::sampling::RowParams;
+    let t = |temperature| RowParams {
+        temperature,
+        ..Default::default()
+    };
+    let mut p = match r % 11 {
+        0 => t(0.0),
+        1 => t(1.0),
+        // Qwen3-VL's recommended settings.
+        2 => RowParams {
+            top_k: 20,
+            top_p: 0.8,
+            presence_penalty: 1.5,
+            slot: 0,
+            ..t(0.7)
+        },
+        // top-p over the whole vocabulary (no top-k to shrink it first).
+        3 => RowParams {
+            top_p: 0.9,
+            ..t(0.7)
+        },
+        4 => RowParams {
+            min_p: 0.1,
+            ..t(1.0)
+        },
+        // Few enough left after top-k for shared memory, and too many.
+        5 => RowParams {
+            top_k: 1000,
+            ..t(0.6)
+        },
+        6 => RowParams {
+            top_k: 4000,
+            top_p: 0.95,
+            ..t(0.8)
+        },
+        // Greedy with penalties (prompt tokens too).
+        7 => RowParams {
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.5,
+            slot: 0,
+            ..t(0.0)
+        },
+        8 => RowParams {
+            logprobs: 1 + 5,
+            bias_len: 2,
+            ..t(1.0)
+        },
+        9 => RowParams {
+            top_k: 50,
+            logprobs: 1 + 20,
+            ..t(1.2)
+        },
+        _ => RowParams {
+            top_p: 0.5,
+            logprobs: 1,
+            ..t(0.05)
+        },
+    };
+    p.seed = 1234 + r as u64;
+    p.position = 100 + r as u32;
+    p
+}
+
+/// [`Case::SampleRows`] and [`Case::SampleLogprobs`]: the exact outputs (both draws' picks,
+/// the best tokens' ids, the count table) and the logprobs.
+fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTensor, HostTensor)> {
+    use crate::sampling::{bias_words, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS, NO_SLOT};
+    // Logits spread as a model's are (a few units), with peaks every 997 tokens.
+    let mut logits = input(&[rows, vocab], 40);
+    for (i, v) in logits.data_mut().iter_mut().enumerate() {
+        *v *= 4.0;
+        if i % 997 == 5 {
+            *v += 6.0;
+        }
+    }
+    let mut params: Vec<_> = (0..rows).map(sample_settings).collect();
+    let mut slots = 0;
+    let mut bias = Vec::new();
+    for (r, p) in params.iter_mut().enumerate() {
+        if p.slot != NO_SLOT {
+            p.slot = slots;
+            slots += 1;
+        }
+        if p.bias_len > 0 {
+            // Ban the best token, favour token 7.
+            let best = crate::argmax(logits.row(r));
+            p.bias_start = (bias.len()) as u32;
+            bias.extend([(best, -100.0), (7 % vocab as u32, 5.0)]);
+        }
+    }
+    // Some tokens in the prompt, some generated before.
+    let counts: Vec<u32> = (0..slots as usize * vocab)
+        .map(|i| match i % 101 {
+            0 => IN_PROMPT,
+            1 => 2,
+            2 => IN_PROMPT | 1,
+            _ => 0,
+        })
+        .collect();
+    let mut counts = be.upload_ids(&counts)?;
+    let x = be.upload(&logits)?;
+    let bias = be.upload_ids(
+        &bias_words(&bias)
+            .into_iter()
+            .chain([0, 0])
+            .collect::<Vec<_>>(),
+    )?;
+    let mut scratch = be.zeros(&[rows, vocab])?;
+    let mut picks = be.upload_ids(&vec![0; rows])?;
+    let mut logprobs = be.zeros(&[rows, LOGPROB_COLS])?;
+    let mut top_ids = be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?;
+    let (mut exact, mut values) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let words: Vec<u32> = params.iter().flat_map(|p| p.to_words()).collect();
+        be.sample_rows(
+            &x,
+            crate::SampleIo {
+                params: &be.upload_ids(&words)?,
+                bias: &bias,
+                counts: &mut counts,
+                scratch: &mut scratch,
+                picks: &mut picks,
+                logprobs: &mut logprobs,
+                top_ids: &mut top_ids,
+            },
+        )?;
+        exact.extend(be.download_ids(&picks, rows)?);
+        let ids = be.download_ids(&top_ids, rows * MAX_TOP_LOGPROBS)?;
+        let lp = be.download(&logprobs)?;
+        for (r, p) in params.iter_mut().enumerate() {
+            if p.logprobs > 0 {
+                let n = p.logprobs as usize;
+                exact.extend(&ids[r * MAX_TOP_LOGPROBS..][..n - 1]);
+                values.extend(&lp.row(r)[..n]);
+            }
+            p.position += 1;
+        }
+    }
+    // Counts with the prompt bit moved to bit 20 (f32 holds every such value exactly).
+    let table = be.download_ids(&counts, slots as usize * vocab)?;
+    exact.extend(
+        table
+            .iter()
+            .map(|&c| (c & !IN_PROMPT) | if c & IN_PROMPT != 0 { 1 << 20 } else { 0 }),
+    );
+    let exact = HostTensor::new(vec![exact.len()], exact.iter().map(|&v| v as f32).collect())?;
+    let values = HostTensor::new(vec![values.len()], values)?;
+    Ok((exact, values))
 }
 
 /// The inputs of a case: uniform in [-1, 1), a pure function of (shape, key).
@@ -1187,6 +1403,14 @@ pub fn self_check_cases() -> Vec<Case> {
             rows: 5,
             n: 7,
             tie: None,
+        },
+        SampleRows {
+            rows: 11,
+            vocab: 5000,
+        },
+        SampleLogprobs {
+            rows: 11,
+            vocab: 5000,
         },
         GatherRows { rows: 9, cols: 700 },
         Embedding {

@@ -311,6 +311,20 @@ fn paged_kv_cache_at_real_sizes() {
             },
         ],
     );
+    // Draws on the device: the 8B vocabulary at batch 1 and over every setting (greedy,
+    // temperature, top-k, top-p, min-p, penalties, bias, logprobs) at 33 and 128 rows, and the
+    // tiny model's vocabulary (not a multiple of 4). The same tokens as the CPU's.
+    check_all(
+        &g,
+        [(1, 151_936), (33, 151_936), (128, 151_936), (11, 414)]
+            .into_iter()
+            .flat_map(|(rows, vocab)| {
+                [
+                    Case::SampleRows { rows, vocab },
+                    Case::SampleLogprobs { rows, vocab },
+                ]
+            }),
+    );
     // `write` refreshes a buffer in place: a clone taken before keeps the old values.
     let values = HostTensor::new(vec![1, 128], (0..128).map(|i| i as f32).collect()).unwrap();
     let mut t = g.upload(&values).unwrap();
@@ -434,7 +448,7 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "qkv_to_cache_f32",
             "paged_decode_d128_g4",
             "paged_attention_rows_f16",
-            "argmax_rows_f32",
+            "sample_rows_f32",
             "gather_rows_f32",
             "flash_attention_d80",
             "flash_attention_d128",

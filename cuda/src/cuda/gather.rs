@@ -1,10 +1,10 @@
 //! Rows moved by index: the embedding lookup, gathers (plain and weighted), row slices,
-//! scatters and adds into rows, the argmax that picks each row's token, and the ViT's patches
+//! scatters and adds into rows, and the ViT's patches
 //! gathered from an image's bytes.
 
 use std::sync::Arc;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 
 use super::context::cuda_err;
 use super::{CudaBackend, CudaIds, CudaTensor, CudaWeight};
@@ -174,30 +174,6 @@ impl CudaBackend {
                 .map_err(|e| cuda_err("slice_rows")(&e))?;
         }
         Ok(out)
-    }
-
-    pub(super) fn argmax_rows_impl(&self, x: &CudaTensor, out: &mut CudaIds) -> Result<()> {
-        let (n, cols) = (x.rows(), x.cols());
-        if out.len < n || cols == 0 {
-            return Err(Error::shape(
-                "argmax_rows",
-                format!("{n} rows of {:?} into {} ids", x.shape, out.len),
-            ));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let name = "argmax_rows_f32";
-        let c = cols as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&c).arg(&mut out.buf);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches argmax_rows_f32, one block per row; out holds at least n ids.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 
     /// `dst[rows[i]] (+)= src[i]` with rows of `width` elements.

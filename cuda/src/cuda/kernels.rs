@@ -3,6 +3,7 @@
 
 use super::compile::compile_ptx;
 use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
+use crate::sampling::{LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS};
 use crate::{Error, Result};
 
 /// `common.cuh`, put in front of every kernel file (each file is its own NVRTC program).
@@ -30,7 +31,7 @@ pub(super) struct KernelSource {
     pub(super) per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
 }
 
-pub(super) const SOURCES: [KernelSource; 5] = [
+pub(super) const SOURCES: [KernelSource; 6] = [
     KernelSource {
         file: "ops_f32.cu",
         prelude: &[],
@@ -76,8 +77,15 @@ pub(super) const SOURCES: [KernelSource; 5] = [
             "paged_attention_rows_f16",
             "qkv_to_cache_f32",
             "gather_rows_f32",
-            "argmax_rows_f32",
         ],
+        per_rows: &[],
+        sm90a: false,
+    },
+    KernelSource {
+        file: "sampling_f32.cu",
+        prelude: &[],
+        source: kernel_file!("sampling_f32.cu").1,
+        kernels: &["sample_rows_f32"],
         per_rows: &[],
         sm90a: false,
     },
@@ -350,7 +358,8 @@ fn shared_defines() -> String {
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
          #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
-         #define STREAM_STAGED {STREAM_STAGED}\n"
+         #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
+         #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n"
     )
 }
 

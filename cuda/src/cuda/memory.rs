@@ -280,17 +280,22 @@ impl CudaBackend {
         })
     }
 
-    pub(super) fn write_ids_impl(&self, dst: &mut CudaIds, values: &[u32]) -> Result<()> {
-        if values.len() > dst.len {
+    pub(super) fn write_ids_impl(
+        &self,
+        dst: &mut CudaIds,
+        at: usize,
+        values: &[u32],
+    ) -> Result<()> {
+        if at + values.len() > dst.len {
             return Err(Error::shape(
                 "write_ids",
-                format!("{} ids into a buffer of {}", values.len(), dst.len),
+                format!("{} ids at {at} into a buffer of {}", values.len(), dst.len),
             ));
         }
         if values.is_empty() {
             return Ok(());
         }
-        let mut target = dst.buf.slice_mut(..values.len());
+        let mut target = dst.buf.slice_mut(at..at + values.len());
         self.inner
             .stream
             .memcpy_htod(values, &mut target)

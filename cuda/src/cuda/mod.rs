@@ -23,7 +23,7 @@
 //! capture and the memory of a recorded step.
 //! The ops are by family, each body called from the one trait impl below: `linear.rs` (GEMVs
 //! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs`, `gather.rs` and
-//! `memory.rs` (with `staging.rs` for pinned host memory). [`doctor`] is `vlm doctor`'s checks.
+//! `memory.rs` (with `staging.rs` for pinned host memory), `sampling.rs` (each row's next token). [`doctor`] is `vlm doctor`'s checks.
 
 mod attention;
 pub mod compile;
@@ -37,6 +37,7 @@ mod lt;
 mod memory;
 mod norm;
 mod recording;
+mod sampling;
 mod staging;
 mod tensor;
 
@@ -44,7 +45,7 @@ use std::sync::Arc;
 
 use crate::backend::{
     rms_norm_mlp_op_by_op, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams,
-    PagedBatch, Projection, QkvToCache,
+    PagedBatch, Projection, QkvToCache, SampleIo,
 };
 use crate::{Embeddings, Error, HostTensor, Result};
 use context::cuda_err;
@@ -366,8 +367,8 @@ impl Backend for CudaBackend {
         self.upload_ids_impl(values)
     }
 
-    fn write_ids(&self, dst: &mut CudaIds, values: &[u32]) -> Result<()> {
-        self.write_ids_impl(dst, values)
+    fn write_ids_at(&self, dst: &mut CudaIds, at: usize, values: &[u32]) -> Result<()> {
+        self.write_ids_impl(dst, at, values)
     }
 
     fn download_ids(&self, ids: &CudaIds, n: usize) -> Result<Vec<u32>> {
@@ -382,8 +383,8 @@ impl Backend for CudaBackend {
         self.download_cache_impl(cache)
     }
 
-    fn argmax_rows(&self, x: &CudaTensor, out: &mut CudaIds) -> Result<()> {
-        self.argmax_rows_impl(x, out)
+    fn sample_rows(&self, logits: &CudaTensor, io: SampleIo<'_, Self>) -> Result<()> {
+        self.sample_rows_impl(logits, io)
     }
 
     fn write_kv(&self, cache: &mut CudaCache, slots: &CudaIds, rows: &CudaTensor) -> Result<()> {

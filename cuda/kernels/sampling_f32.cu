@@ -1,0 +1,508 @@
+// Each row's next token, on the device: cuda/src/sampling.rs states the rule and is the CPU
+// twin. Every value that decides the pick (processed logits, weights, keys, masses, the draw)
+// comes from the same correctly rounded operations as there (the __f*_rn intrinsics, which the
+// compiler never fuses), or from integers, so the twin tests demand the same token.
+//
+// One block of S_THREADS a row. The row is read in passes; each warp owns a contiguous segment
+// of it, so passes that need id order (the compaction, the draw) keep it, and each pass has 8
+// loads a thread in flight. No pass sorts: thresholds come from radix selection over 8-bit
+// digits of the keys (top-k by count, top-p by mass), and once few candidates remain they are
+// compacted into shared memory and the remaining passes read only them.
+
+#define S_THREADS 1024
+#define S_WARPS (S_THREADS / WARP)
+#define S_UNROLL 8
+#define S_CUTOFF (-21.0f)
+// Candidates kept in shared memory once the filters leave at most this many.
+#define S_LIST 2048
+#define S_IN_PROMPT 0x80000000u
+#define S_NO_SLOT 0xffffffffu
+
+// Must stay the same operations as det_exp in sampling.rs.
+__device__ __forceinline__ float s_exp(float d) {
+    float t = __fmul_rn(d, 1.44269504088896340736f);
+    float k = floorf(__fadd_rn(t, 0.5f));
+    float f = __fsub_rn(t, k);
+    float p = 1.5252734e-5f;
+    p = fmaf(p, f, 1.5403531e-4f);
+    p = fmaf(p, f, 1.3333558e-3f);
+    p = fmaf(p, f, 9.618129e-3f);
+    p = fmaf(p, f, 5.550411e-2f);
+    p = fmaf(p, f, 2.402265e-1f);
+    p = fmaf(p, f, 6.931472e-1f);
+    p = fmaf(p, f, 1.0f);
+    return __fmul_rn(p, __int_as_float(((int)k + 127) << 23));
+}
+
+__device__ __forceinline__ unsigned s_weight(float d) {
+    return (unsigned)__fmul_rn(s_exp(d), 2147483648.0f);
+}
+
+__device__ __forceinline__ unsigned s_key(float y) {
+    unsigned b = __float_as_uint(__fadd_rn(y, 0.0f));
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ uint4 s_philox(uint4 c, unsigned k0, unsigned k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// One row's parameters (RowParams::to_words' layout).
+struct SParams {
+    float temperature, top_p, min_p, presence, frequency, repetition;
+    unsigned top_k, seed_lo, seed_hi, position, stream, slot, logprobs, bias_start, bias_len;
+};
+
+__device__ __forceinline__ SParams s_params(const unsigned* w) {
+    SParams p;
+    p.temperature = __uint_as_float(w[0]);
+    p.top_k = w[1];
+    p.top_p = __uint_as_float(w[2]);
+    p.min_p = __uint_as_float(w[3]);
+    p.presence = __uint_as_float(w[4]);
+    p.frequency = __uint_as_float(w[5]);
+    p.repetition = __uint_as_float(w[6]);
+    p.seed_lo = w[7];
+    p.seed_hi = w[8];
+    p.position = w[9];
+    p.stream = w[10];
+    p.slot = w[11];
+    p.logprobs = w[12];
+    p.bias_start = w[13];
+    p.bias_len = w[14];
+    return p;
+}
+
+// process() in sampling.rs, then the temperature.
+__device__ __forceinline__ float s_process(float l, float bias, unsigned count, const SParams& p) {
+    float x = __fadd_rn(l, bias);
+    if (p.slot != S_NO_SLOT) {
+        unsigned n = count & ~S_IN_PROMPT;
+        if ((n > 0 || (count & S_IN_PROMPT)) && p.repetition != 1.0f)
+            x = x > 0.0f ? __fdiv_rn(x, p.repetition) : __fmul_rn(x, p.repetition);
+        x = __fsub_rn(x, __fmul_rn(p.frequency, (float)n));
+        if (n > 0) x = __fsub_rn(x, p.presence);
+    }
+    return p.temperature > 0.0f ? __fdiv_rn(x, p.temperature) : x;
+}
+
+struct SShared {
+    unsigned cnt[256];
+    unsigned long long mass[256];
+    unsigned long long part[S_WARPS];
+    float fpart[S_WARPS];
+    unsigned ipart[S_WARPS];
+    unsigned list_id[S_LIST], list_key[S_LIST], list_w[S_LIST];
+    unsigned u[4];
+    unsigned long long u64[2];
+    float f[2];
+};
+
+// Where a pass's elements come from: the row in global memory (tempered logits, whose
+// candidates are within S_CUTOFF of `max`; or the raw logits, every non-NaN one), or the
+// candidates compacted into shared memory.
+struct SElems {
+    const float* y;
+    int n;
+    bool list, raw;
+    float max;
+};
+
+// Which elements a pass counts: key at least `tau`, weight at least `wmin`.
+struct SFilter {
+    unsigned tau;
+    double wmin;
+    __device__ __forceinline__ bool operator()(unsigned key, unsigned w) const {
+        return key >= tau && (double)w >= wmin;
+    }
+};
+
+// Calls f(on, id, key, w) for every element, warp by warp over each warp's segment in id
+// order, all 32 lanes together (f may use warp intrinsics).
+template <bool NEED_W, class F>
+__device__ __forceinline__ void s_each(const SElems& e, const SShared& s, F f) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int step = WARP * S_UNROLL;
+    const int seg = (e.n + S_WARPS * step - 1) / (S_WARPS * step) * step;
+    const int lo = min(e.n, warp * seg), hi = min(e.n, lo + seg);
+    for (int j0 = lo; j0 < hi; j0 += step) {
+        float v[S_UNROLL];
+        if (!e.list) {
+#pragma unroll
+            for (int u = 0; u < S_UNROLL; ++u) {
+                int j = j0 + u * WARP + lane;
+                v[u] = j < hi ? e.y[j] : NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < S_UNROLL; ++u) {
+            int j = j0 + u * WARP + lane;
+            bool on = j < hi;
+            unsigned id = j, key = 0, w = 0;
+            if (e.list) {
+                if (on) {
+                    id = s.list_id[j];
+                    key = s.list_key[j];
+                    w = s.list_w[j];
+                }
+            } else if (e.raw) {
+                on = on && !isnan(v[u]);
+                key = s_key(v[u]);
+            } else {
+                float d = __fsub_rn(v[u], e.max);
+                on = on && d > S_CUTOFF;
+                key = s_key(v[u]);
+                if (NEED_W && on) w = s_weight(d);
+            }
+            f(on, id, key, w);
+        }
+    }
+}
+
+// Adds each lane's element to bin `bin`: one atomic per distinct bin per warp (logits cluster
+// in few bins, which one atomic per element would serialize).
+__device__ __forceinline__ void s_hist_add(SShared& s, bool on, unsigned bin, unsigned w, bool with_mass) {
+    unsigned act = __ballot_sync(0xffffffffu, on);
+    if (!on) return;
+    unsigned peers = __match_any_sync(act, bin);
+    bool leader = (threadIdx.x % WARP) == (unsigned)(__ffs(peers) - 1);
+    if (with_mass) {
+        // Two 16-bit halves: 32 weights of up to 2^31 would overflow one u32 sum.
+        unsigned lo = __reduce_add_sync(peers, w & 0xffffu);
+        unsigned hi = __reduce_add_sync(peers, w >> 16);
+        if (leader) atomicAdd(&s.mass[bin], ((unsigned long long)hi << 16) + lo);
+    }
+    if (leader) atomicAdd(&s.cnt[bin], (unsigned)__popc(peers));
+}
+
+// Histogram over the next 8-bit digit (at `shift`) of the keys that match `prefix` on `mask`.
+template <bool MASS>
+__device__ void s_histogram(const SElems& e, SFilter flt, unsigned prefix, unsigned mask, int shift, SShared& s) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+        s.cnt[b] = 0;
+        s.mass[b] = 0;
+    }
+    __syncthreads();
+    s_each<MASS>(e, s, [&](bool on, unsigned, unsigned key, unsigned w) {
+        on = on && flt(key, w) && (key & mask) == prefix;
+        s_hist_add(s, on, (key >> shift) & 255u, w, MASS);
+    });
+    __syncthreads();
+}
+
+// The key of the `need`-th largest element that passes `flt`, or 0 (keep all) if no more
+// than `need` pass.
+__device__ unsigned s_select_by_count(const SElems& e, SFilter flt, unsigned need, SShared& s) {
+    unsigned prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        s_histogram<false>(e, flt, prefix, mask, shift, s);
+        if (threadIdx.x == 0) {
+            unsigned total = 0;
+            for (int b = 0; b < 256; ++b) total += s.cnt[b];
+            unsigned left = need, found = 0, digit = 0;
+            if (shift < 24 || total > need) {
+                for (int b = 255; b >= 0; --b) {
+                    if (s.cnt[b] < left) {
+                        left -= s.cnt[b];
+                    } else {
+                        digit = b;
+                        found = 1;
+                        break;
+                    }
+                }
+            }
+            s.u[0] = found;
+            s.u[1] = digit;
+            s.u[2] = left;
+        }
+        __syncthreads();
+        unsigned found = s.u[0], digit = s.u[1];
+        need = s.u[2];
+        __syncthreads();
+        if (!found) return 0;
+        prefix |= digit << shift;
+        mask |= 255u << shift;
+    }
+    return prefix;
+}
+
+// Top-p: the lowest key whose strictly better elements (of those passing `flt`) weigh less
+// than top_p of their total, or 0 (keep all).
+__device__ unsigned s_select_by_mass(const SElems& e, SFilter flt, float top_p, SShared& s) {
+    unsigned prefix = 0, mask = 0;
+    unsigned long long above = 0, bound = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        s_histogram<true>(e, flt, prefix, mask, shift, s);
+        if (threadIdx.x == 0) {
+            if (shift == 24) {
+                unsigned long long total = 0;
+                for (int b = 0; b < 256; ++b) total += s.mass[b];
+                bound = (unsigned long long)((double)top_p * (double)total);
+                if (bound == 0) bound = 1;
+            }
+            unsigned found = 0, digit = 0;
+            for (int b = 255; b >= 0; --b) {
+                if (above + s.mass[b] < bound) {
+                    above += s.mass[b];
+                } else {
+                    digit = b;
+                    found = 1;
+                    break;
+                }
+            }
+            s.u[0] = found;
+            s.u[1] = digit;
+        }
+        __syncthreads();
+        unsigned found = s.u[0], digit = s.u[1];
+        __syncthreads();
+        if (!found) return 0;
+        prefix |= digit << shift;
+        mask |= 255u << shift;
+    }
+    return prefix;
+}
+
+// Writes the elements that pass `keep` (a functor of key and weight), in id order, to the list
+// from index `at`, at most `limit` of them; returns how many pass (all of them, written or
+// not). Every thread gets the count.
+template <class K>
+__device__ unsigned s_compact(const SElems& e, K keep, unsigned at, unsigned limit, SShared& s) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    unsigned mine = 0;
+    s_each<true>(e, s, [&](bool on, unsigned, unsigned key, unsigned w) {
+        mine += __popc(__ballot_sync(0xffffffffu, on && keep(key, w)));
+    });
+    if (lane == 0) s.ipart[warp] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned run = 0;
+        for (int g = 0; g < S_WARPS; ++g) {
+            unsigned c = s.ipart[g];
+            s.ipart[g] = run;
+            run += c;
+        }
+        s.u[3] = run;
+    }
+    __syncthreads();
+    unsigned total = s.u[3];
+    unsigned rank = s.ipart[warp];
+    s_each<true>(e, s, [&](bool on, unsigned id, unsigned key, unsigned w) {
+        bool k = on && keep(key, w);
+        unsigned ballot = __ballot_sync(0xffffffffu, k);
+        unsigned r = rank + __popc(ballot & ((1u << lane) - 1));
+        if (k && r < limit) {
+            s.list_id[at + r] = id;
+            s.list_key[at + r] = key;
+            s.list_w[at + r] = w;
+        }
+        rank += __popc(ballot);
+    });
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ unsigned long long s_warp_sum64(unsigned long long v) {
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The draw: the first element (id order) whose running weight passes bits x total / 2^64.
+// Returns 0xffffffff if nothing passes `flt`.
+__device__ unsigned s_draw(const SElems& e, SFilter flt, unsigned long long bits, SShared& s) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    unsigned long long mine = 0;
+    s_each<true>(e, s, [&](bool on, unsigned, unsigned key, unsigned w) {
+        if (on && flt(key, w)) mine += w;
+    });
+    mine = s_warp_sum64(mine);
+    if (lane == 0) s.part[warp] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long total = 0;
+        for (int g = 0; g < S_WARPS; ++g) total += s.part[g];
+        unsigned long long target = __umul64hi(bits, total), before = 0;
+        unsigned owner = S_WARPS;
+        for (int g = 0; g < S_WARPS && total > 0; ++g) {
+            if (before + s.part[g] > target) {
+                owner = g;
+                break;
+            }
+            before += s.part[g];
+        }
+        s.u[0] = owner;
+        s.u64[0] = target;
+        s.u64[1] = before;
+        s.u[1] = 0xffffffffu;
+    }
+    __syncthreads();
+    if (warp == (int)s.u[0]) {
+        unsigned long long target = s.u64[0], before = s.u64[1];
+        bool done = false;
+        s_each<true>(e, s, [&](bool on, unsigned id, unsigned key, unsigned w) {
+            if (done) return;  // warp-uniform
+            unsigned long long x = (on && flt(key, w)) ? w : 0, run = x;
+            for (int o = 1; o < WARP; o <<= 1) {
+                unsigned long long t = __shfl_up_sync(0xffffffffu, run, o);
+                if (lane >= o) run += t;
+            }
+            unsigned hit = __ballot_sync(0xffffffffu, x > 0 && before + run > target);
+            if (hit) {
+                if (lane == __ffs(hit) - 1) s.u[1] = id;
+                done = true;
+            }
+            before += __shfl_sync(0xffffffffu, run, WARP - 1);
+        });
+    }
+    __syncthreads();
+    return s.u[1];
+}
+
+__device__ __forceinline__ void s_merge_max(float& v, unsigned& i, float ov, unsigned oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+// The largest value of y[0..n) and its first index (NaN never wins; all NaN gives index 0).
+__device__ void s_argmax(const float* y, int n, SShared& s, float& best, unsigned& at) {
+    float v = NEG_INF;
+    unsigned i = 0xffffffffu;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) s_merge_max(v, i, y[j], j);
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        s_merge_max(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) {
+        s.fpart[warp] = v;
+        s.ipart[warp] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int g = 1; g < S_WARPS; ++g) s_merge_max(v, i, s.fpart[g], s.ipart[g]);
+        s.f[0] = v;
+        s.u[0] = i == 0xffffffffu ? 0 : i;
+    }
+    __syncthreads();
+    best = s.f[0];
+    at = s.u[0];
+    __syncthreads();
+}
+
+// Raw logprobs: the log-sum-exp (returned) and the best n tokens, written to the row's
+// outputs (ids best first, ties by lower id).
+__device__ float s_top_logprobs(const float* l, int n_vocab, unsigned n, SShared& s,
+                                float* lp_out, unsigned* id_out) {
+    float best;
+    unsigned at;
+    s_argmax(l, n_vocab, s, best, at);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n_vocab; j += blockDim.x) {
+        float x = l[j];
+        if (!isnan(x)) sum += expf(x - best);
+    }
+    sum = warp_sum(sum);
+    if (threadIdx.x % WARP == 0) s.fpart[threadIdx.x / WARP] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int g = 0; g < S_WARPS; ++g) t += s.fpart[g];
+        s.f[1] = best + logf(t);
+    }
+    __syncthreads();
+    float lse = s.f[1];
+    if (n == 0) return lse;
+    SElems raw = {l, n_vocab, false, true, 0.0f};
+    SFilter all = {0u, 0.0};
+    unsigned tau = s_select_by_count(raw, all, n, s);
+    // Those above the n-th (fewer than n), then its ties by id, up to n in all.
+    unsigned above = s_compact(raw, [&](unsigned key, unsigned) { return key > tau; }, 0, S_LIST, s);
+    above = min(above, n);
+    s_compact(raw, [&](unsigned key, unsigned) { return key == tau; }, above, n - above, s);
+    if (threadIdx.x == 0) {
+        unsigned m = min(n, (unsigned)n_vocab);
+        // Best first: higher key, then lower id (insertion sort of at most 20).
+        for (unsigned a = 1; a < m; ++a) {
+            unsigned id = s.list_id[a], key = s.list_key[a];
+            int b = a - 1;
+            while (b >= 0 && (s.list_key[b] < key || (s.list_key[b] == key && s.list_id[b] > id))) {
+                s.list_id[b + 1] = s.list_id[b];
+                s.list_key[b + 1] = s.list_key[b];
+                --b;
+            }
+            s.list_id[b + 1] = id;
+            s.list_key[b + 1] = key;
+        }
+        for (unsigned a = 0; a < m; ++a) {
+            id_out[a] = s.list_id[a];
+            lp_out[a] = l[s.list_id[a]] - lse;
+        }
+    }
+    __syncthreads();
+    return lse;
+}
+
+extern "C" __global__ void __launch_bounds__(S_THREADS)
+    sample_rows_f32(const float* __restrict__ logits, int vocab, const unsigned* __restrict__ params,
+                    const unsigned* __restrict__ bias, unsigned* __restrict__ counts,
+                    float* __restrict__ scratch, unsigned* __restrict__ picks,
+                    float* __restrict__ logprobs, unsigned* __restrict__ top_ids) {
+    __shared__ SShared s;
+    const int row = blockIdx.x;
+    const SParams p = s_params(params + (size_t)row * SAMPLE_WORDS);
+    const float* l = logits + (size_t)row * vocab;
+    float* lp_row = logprobs + (size_t)row * LOGPROB_COLS;
+    float lse = 0.0f;
+    if (p.logprobs > 0)
+        lse = s_top_logprobs(l, vocab, p.logprobs - 1, s, lp_row + 1,
+                             top_ids + (size_t)row * MAX_TOP_LOGPROBS);
+    const unsigned* cnt = p.slot == S_NO_SLOT ? nullptr : counts + (size_t)p.slot * vocab;
+    const bool plain = p.temperature == 0.0f && !cnt && p.bias_len == 0;
+    float* y = plain ? nullptr : scratch + (size_t)row * vocab;
+    if (!plain) {
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x)
+            y[j] = s_process(l[j], 0.0f, cnt ? cnt[j] : 0u, p);
+        __syncthreads();
+        for (unsigned e = threadIdx.x; e < p.bias_len; e += blockDim.x) {
+            unsigned t = bias[2 * (p.bias_start + e)];
+            float b = __uint_as_float(bias[2 * (p.bias_start + e) + 1]);
+            y[t] = s_process(l[t], b, cnt ? cnt[t] : 0u, p);
+        }
+        __syncthreads();
+    }
+    float best;
+    unsigned pick;
+    s_argmax(plain ? l : y, vocab, s, best, pick);
+    if (p.temperature > 0.0f && isfinite(best)) {
+        SElems e = {y, vocab, false, false, best};
+        SFilter flt = {0u, 0.0};
+        if (p.top_k > 0) flt.tau = s_select_by_count(e, flt, p.top_k, s);
+        // Few enough left: the rest of the passes read them from shared memory.
+        SFilter keep = flt;
+        unsigned left = s_compact(e, keep, 0, S_LIST, s);
+        if (left <= S_LIST) {
+            e.list = true;
+            e.n = left;
+        }
+        if (p.top_p < 1.0f) flt.tau = max(flt.tau, s_select_by_mass(e, flt, p.top_p, s));
+        if (p.min_p > 0.0f) flt.wmin = (double)p.min_p * 2147483648.0;
+        uint4 x = s_philox(make_uint4(p.position, p.stream, 0x73616d70u, 0u), p.seed_lo, p.seed_hi);
+        unsigned long long bits = ((unsigned long long)x.x << 32) | x.y;
+        unsigned drawn = s_draw(e, flt, bits, s);
+        if (drawn != 0xffffffffu) pick = drawn;
+    }
+    if (threadIdx.x == 0) {
+        picks[row] = pick;
+        if (p.slot != S_NO_SLOT) counts[(size_t)p.slot * vocab + pick] += 1;
+        lp_row[0] = p.logprobs > 0 ? l[pick] - lse : __int_as_float(0x7fc00000);
+    }
+}
