@@ -24,6 +24,7 @@ use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rand::Rng;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::Span;
 use vlm_compute::{Backend, Embeddings, Weights};
@@ -32,7 +33,7 @@ use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
 use crate::metrics::EngineMetrics;
 use crate::model::TextModel;
 use crate::mrope::{image_spans, prompt_positions, ImageSpan};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{SamplingParams, TokenLogprob};
 use crate::scheduler::{Planned, Scheduler, SchedulerConfig};
 use crate::sequence::{image_hash, PlacedImage, Sequence, SequenceLimits};
 use crate::step::{StepOutput, StepRunner};
@@ -91,6 +92,8 @@ pub struct TokenEvent<'a> {
     pub index: usize,
     /// The logits the token was chosen from, `[vocab]`, if the request asked for them.
     pub logits: Option<&'a [f32]>,
+    /// Its logprob and the best alternatives', if the request asked for them.
+    pub logprob: Option<&'a TokenLogprob>,
 }
 
 #[derive(Clone, Debug)]
@@ -109,7 +112,11 @@ pub struct Generation {
 /// What a request's stream carries, in order: its tokens, then one `Finished` or `Failed`.
 #[derive(Debug)]
 pub enum Event {
-    Token { id: u32, logits: Option<Vec<f32>> },
+    Token {
+        id: u32,
+        logits: Option<Vec<f32>>,
+        logprob: Option<TokenLogprob>,
+    },
     Finished(Generation),
     Failed(Error),
 }
@@ -320,6 +327,16 @@ impl Engine {
             });
         }
         req.sampling.validate()?;
+        if let Some(&(id, _)) = req
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|b| b.0 as usize >= vocab)
+        {
+            return Err(Error::InvalidParameter(format!(
+                "`logit_bias` names token {id}, outside the vocabulary of {vocab}"
+            )));
+        }
         if req.max_new_tokens == 0 {
             return Err(Error::InvalidParameter(
                 "`max_new_tokens` must be at least 1, got 0".into(),
@@ -378,7 +395,7 @@ impl Engine {
         span: Span,
     ) -> Result<RequestStream> {
         let spans = self.check(&req)?;
-        let sampler = Sampler::new(req.sampling.clone())?;
+        let seed = req.sampling.seed.unwrap_or_else(|| rand::rng().random());
         let positions = prompt_positions(req.prompt.len(), &spans);
         let images = spans
             .iter()
@@ -400,7 +417,16 @@ impl Engine {
             deadline,
         };
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let seq = Sequence::new(id, req.prompt, positions, images, sampler, limits, tx, span);
+        let seq = Sequence::new(
+            id,
+            req.prompt,
+            positions,
+            images,
+            (req.sampling, seed),
+            limits,
+            tx,
+            span,
+        );
         self.tx
             .send(seq)
             .map_err(|_| Error::Engine("the engine has stopped".into()))?;
@@ -419,7 +445,11 @@ impl Engine {
         let (mut tokens, mut first) = (Vec::new(), None);
         loop {
             match stream.blocking_recv() {
-                Some(Event::Token { id, logits }) => {
+                Some(Event::Token {
+                    id,
+                    logits,
+                    logprob,
+                }) => {
                     let now = Instant::now();
                     first.get_or_insert(now);
                     tokens.push(id);
@@ -427,6 +457,7 @@ impl Engine {
                         token: id,
                         index: tokens.len() - 1,
                         logits: logits.as_deref(),
+                        logprob: logprob.as_ref(),
                     });
                     if flow.is_break() {
                         let first = first.unwrap_or(now);
@@ -503,7 +534,8 @@ fn device_tokens(
     let activations = 2 * ec.max_batch_tokens * (8 * h + 3 * q + 6 * kv + 4 * i) * 4;
     // Logits of every recorded batch size up to the largest batch, and of an eager step.
     let logits = 3 * ec.max_batch_seqs.next_power_of_two() * text.vocab_size * 4;
-    let reserve = activations + logits + (1usize << 30);
+    let sampler = StepRunner::<vlm_compute::CpuBackend>::sampler_bytes(text, ec.max_batch_seqs);
+    let reserve = activations + logits + sampler + (1usize << 30);
     let budget = (fraction as f64 * total as f64) as usize;
     let used = total - free;
     let left = budget.saturating_sub(used).saturating_sub(reserve);
@@ -662,23 +694,15 @@ impl<B: Backend> EngineLoop<B> {
     fn step(&mut self, plan: &[Planned]) {
         let started = Instant::now();
         let running = &self.sched.running;
-        let samples =
-            |p: &&Planned| running[p.index].computed + p.tokens == running[p.index].tokens.len();
-        let need_logits: Vec<bool> = plan
+        let sampling = plan
             .iter()
-            .filter(samples)
-            .map(|p| {
-                let s = &running[p.index];
-                s.limits.return_logits || !s.sampler.is_greedy()
-            })
-            .collect();
-        let result = self
-            .steps
-            .run(&self.model, &mut self.kv, plan, running, &need_logits);
+            .filter(|p| running[p.index].computed + p.tokens == running[p.index].tokens.len())
+            .count();
+        let result = self.steps.run(&self.model, &mut self.kv, plan, running);
         let m = &self.shared.metrics;
         let seconds = started.elapsed().as_secs_f64();
         let tokens = plan.iter().map(|p| p.tokens).sum::<usize>();
-        let decode_only = tokens == plan.len() && need_logits.len() == plan.len();
+        let decode_only = tokens == plan.len() && sampling == plan.len();
         let kind = if decode_only { "decode" } else { "mixed" };
         m.step_seconds.with_label_values(&[kind]).observe(seconds);
         m.step_tokens.observe(tokens as f64);
@@ -727,11 +751,9 @@ impl<B: Backend> EngineLoop<B> {
             if seq.computed < seq.tokens.len() {
                 continue;
             }
+            let token = out.picks[sampled];
             let logits = out.logits[sampled].take();
-            let token = match &logits {
-                Some(l) if !seq.sampler.is_greedy() => seq.sampler.sample(l),
-                _ => out.greedy[sampled],
-            };
+            let logprob = out.logprobs[sampled].take();
             sampled += 1;
             let now = Instant::now();
             if seq.first_token.is_none() {
@@ -745,7 +767,11 @@ impl<B: Backend> EngineLoop<B> {
             }
             seq.tokens.push(token);
             self.reported.tokens_since_log += 1;
-            let _ = seq.events.send(Event::Token { id: token, logits });
+            let _ = seq.events.send(Event::Token {
+                id: token,
+                logits,
+                logprob,
+            });
             let generated = seq.generated();
             let finish = if !seq.limits.ignore_eos && eos.contains(&token) {
                 Some(FinishReason::Eos)

@@ -30,4 +30,4 @@ pub use engine::{
 pub use error::{Error, Result};
 pub use kv_cache::PagedKv;
 pub use model::TextModel;
-pub use sampler::{argmax, Sampler, SamplingParams};
+pub use sampler::{argmax, SamplingParams, TokenLogprob, MAX_LOGIT_BIAS};

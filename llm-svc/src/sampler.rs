@@ -1,11 +1,14 @@
-//! Choosing the next token from logits: greedy at temperature 0, otherwise temperature, then
-//! top-k, then top-p (nucleus), then a draw from a seeded ChaCha8 stream, so a request with a
-//! seed is reproducible. The order and the nucleus rule follow HF's logits warpers.
+//! What a request asks of its token choices, checked at the door, and how each step's row of
+//! the device's sampler ([`vlm_compute::sampling`], the rule; the backend's `sample_rows`)
+//! is filled from it. The logits never leave the device: only the picks, and the logprobs a
+//! request asked for, come back.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use vlm_compute::sampling::{RowParams, MAX_TOP_LOGPROBS, NO_SLOT};
 
 use crate::{Error, Result};
+
+/// Most `logit_bias` entries a request may give.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -15,7 +18,23 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches this; 1 keeps all. In (0, 1].
     pub top_p: f32,
-    /// Seed of the sampling stream; `None` draws one from the OS.
+    /// Keep tokens with at least this fraction of the best token's probability; 0 keeps all.
+    pub min_p: f32,
+    /// OpenAI's: subtracted once from the logit of every token generated so far. In [-2, 2].
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted per time a token was generated. In [-2, 2].
+    pub frequency_penalty: f32,
+    /// HF's (as vLLM): a token seen in the prompt or the output has its positive logit divided
+    /// by it, its negative logit multiplied. 1 is off; in (0, 10].
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens before the penalties; each in [-100, 100], ids
+    /// distinct and in the vocabulary.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// `Some(n)`: each token comes with its logprob and the `n` (at most 20) most likely
+    /// tokens' (raw: before bias, penalties and temperature).
+    pub logprobs: Option<usize>,
+    /// Seed of the draws; `None` draws one from the OS. A seeded request gives the same tokens
+    /// alone or in any batch.
     pub seed: Option<u64>,
 }
 
@@ -25,9 +44,24 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            logprobs: None,
             seed: None,
         }
     }
+}
+
+/// A generated token's logprob and its alternatives', as a request with `logprobs` gets them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// Of the token that was picked.
+    pub logprob: f32,
+    /// The most likely tokens and their logprobs, best first.
+    pub top: Vec<(u32, f32)>,
 }
 
 impl SamplingParams {
@@ -35,253 +69,204 @@ impl SamplingParams {
         Self::default()
     }
 
-    /// Checks every field; the message names the field, the rule and the value given.
+    /// Checks every field; the message names the field, the rule and the value given. Token
+    /// ids of `logit_bias` are checked against the vocabulary by the engine.
     pub fn validate(&self) -> Result<()> {
-        if !self.temperature.is_finite() || !(0.0..=100.0).contains(&self.temperature) {
-            return Err(Error::InvalidParameter(format!(
+        let bad = |msg: String| Err(Error::InvalidParameter(msg));
+        let within = |v: f32, lo: f32, hi: f32| v.is_finite() && (lo..=hi).contains(&v);
+        if !within(self.temperature, 0.0, 100.0) {
+            return bad(format!(
                 "`temperature` must be between 0 and 100, got {}",
                 self.temperature
-            )));
+            ));
         }
         if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
-            return Err(Error::InvalidParameter(format!(
-                "`top_p` must be in (0, 1], got {}",
-                self.top_p
-            )));
+            return bad(format!("`top_p` must be in (0, 1], got {}", self.top_p));
+        }
+        if self.top_k > u32::MAX as usize {
+            return bad(format!("`top_k` must fit in 32 bits, got {}", self.top_k));
+        }
+        if !within(self.min_p, 0.0, 1.0) {
+            return bad(format!("`min_p` must be in [0, 1], got {}", self.min_p));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !within(v, -2.0, 2.0) {
+                return bad(format!("`{name}` must be in [-2, 2], got {v}"));
+            }
+        }
+        if !within(self.repetition_penalty, 0.0, 10.0) || self.repetition_penalty == 0.0 {
+            return bad(format!(
+                "`repetition_penalty` must be in (0, 10], got {}",
+                self.repetition_penalty
+            ));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return bad(format!(
+                "`logit_bias` may have at most {MAX_LOGIT_BIAS} entries, got {}",
+                self.logit_bias.len()
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for &(id, b) in &self.logit_bias {
+            if !within(b, -100.0, 100.0) {
+                return bad(format!(
+                    "`logit_bias` values must be in [-100, 100], got {b} for token {id}"
+                ));
+            }
+            if !seen.insert(id) {
+                return bad(format!("`logit_bias` names token {id} twice"));
+            }
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_TOP_LOGPROBS {
+                return bad(format!(
+                    "`top_logprobs` must be at most {MAX_TOP_LOGPROBS}, got {n}"
+                ));
+            }
         }
         Ok(())
     }
-}
 
-pub struct Sampler {
-    params: SamplingParams,
-    rng: ChaCha8Rng,
+    /// Whether the draw needs the sequence's token counts on the device (a penalty is on).
+    pub fn needs_counts(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
+
+    /// The device sampler's row for choosing token `position` of a sequence whose draws use
+    /// `seed`, its counts in `slot` (or [`NO_SLOT`]) and its bias entries from `bias_start`.
+    pub fn row(
+        &self,
+        seed: u64,
+        position: usize,
+        slot: Option<u32>,
+        bias_start: usize,
+    ) -> RowParams {
+        // Below vLLM's 1e-5 a temperature is greedy (dividing by it would overflow).
+        let temperature = if self.temperature < 1e-5 {
+            0.0
+        } else {
+            self.temperature
+        };
+        RowParams {
+            temperature,
+            top_k: self.top_k as u32,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            seed,
+            position: position as u32,
+            stream: 0,
+            slot: slot.unwrap_or(NO_SLOT),
+            logprobs: self.logprobs.map_or(0, |n| 1 + n as u32),
+            bias_start: bias_start as u32,
+            bias_len: self.logit_bias.len() as u32,
+        }
+    }
 }
 
 /// Greedy decoding's pick, shared with the backends' on-device argmax reference.
 pub use vlm_compute::argmax;
 
-impl Sampler {
-    pub fn new(params: SamplingParams) -> Result<Self> {
-        params.validate()?;
-        let seed = params.seed.unwrap_or_else(|| rand::rng().random());
-        Ok(Self {
-            params,
-            rng: ChaCha8Rng::seed_from_u64(seed),
-        })
-    }
-
-    /// Whether this always picks the most likely token (then the backend can, on the device).
-    pub fn is_greedy(&self) -> bool {
-        self.params.temperature == 0.0 || self.params.top_k == 1
-    }
-
-    /// Picks a token: temperature, then the `top_k` best, then the smallest best-first set
-    /// holding `top_p` of their probability (HF's order of warpers), then a draw. At the 8B
-    /// vocabulary (151,936) this must not sort everything: a full sort per token costs
-    /// milliseconds, as much as a decode step on a GPU. It drops what can never be drawn,
-    /// selects (O(n)) and sorts only the front that the cut needs.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if self.is_greedy() {
-            return argmax(logits);
-        }
-        // Best first: higher logit, then lower id. A total order, so selecting the best k is
-        // exactly what a stable sort would put first.
-        fn better(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
-            b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
-        }
-        // Tokens more than 30 temperatures below the best weigh under e^-30 (1e-13) of it:
-        // even all 151,936 of them together stay below f32's resolution of the total, so they
-        // can never be drawn. Leaving them out makes the rest small enough to select and sort.
-        let best = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
-        let floor = best - 30.0 * p.temperature;
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, &l)| l >= floor)
-            .map(|(i, &l)| (i as u32, l / p.temperature))
-            .collect();
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, better);
-            cand.truncate(p.top_k);
-        }
-        let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-        let weight = |c: &(u32, f32)| (c.1 - max).exp();
-        if p.top_p < 1.0 {
-            let total: f32 = cand.iter().map(weight).sum();
-            // Keep tokens while the mass before them is below top_p (at least one). Sort a
-            // front of the candidates; if the cut is not inside it, take a larger front.
-            let mut front = cand.len().min(64);
-            loop {
-                if front < cand.len() {
-                    cand.select_nth_unstable_by(front - 1, better);
-                }
-                cand[..front].sort_by(better);
-                let mut before = 0.0;
-                let cut = cand[..front].iter().position(|c| {
-                    let reached = before >= p.top_p;
-                    before += weight(c) / total;
-                    reached
-                });
-                if let Some(keep) = cut {
-                    cand.truncate(keep.max(1));
-                    break;
-                }
-                if front == cand.len() {
-                    break;
-                }
-                front = (front * 8).min(cand.len());
-            }
-        } else if p.top_k > 0 {
-            cand.sort_by(better);
-        }
-        // The draw walks the kept tokens best first when they were cut, in id order when all
-        // of them were kept (the same distribution, without sorting the whole vocabulary).
-        let kept: f32 = cand.iter().map(weight).sum();
-        let r = self.rng.random::<f32>() * kept;
-        let mut acc = 0.0;
-        for c in &cand {
-            acc += weight(c);
-            if r < acc {
-                return c.0;
-            }
-        }
-        cand[cand.len() - 1].0
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            top_k,
-            top_p,
-            seed: Some(seed),
-        }
-    }
-
-    #[test]
-    fn greedy_takes_the_first_maximum() {
-        let mut s = Sampler::new(SamplingParams::greedy()).unwrap();
-        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
-    }
-
-    #[test]
-    fn top_k_and_top_p_restrict_the_candidates() {
-        let logits = [5.0, 4.9, 0.0, -1.0, 4.8];
-        let mut s = Sampler::new(params(1.0, 2, 1.0, 7)).unwrap();
-        for _ in 0..200 {
-            assert!(matches!(s.sample(&logits), 0 | 1));
-        }
-        // Token 0 alone holds > 30% of the mass, so top_p = 0.3 keeps only it.
-        let mut s = Sampler::new(params(1.0, 0, 0.3, 7)).unwrap();
-        for _ in 0..200 {
-            assert_eq!(s.sample(&logits), 0);
-        }
-    }
-
-    #[test]
-    fn same_seed_same_tokens_and_temperature_spreads_choices() {
-        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let run = |seed| {
-            let mut s = Sampler::new(params(1.0, 0, 1.0, seed)).unwrap();
-            (0..64).map(|_| s.sample(&logits)).collect::<Vec<_>>()
-        };
-        assert_eq!(run(3), run(3));
-        assert_ne!(run(3), run(4));
-        let distinct: std::collections::HashSet<_> = run(3).into_iter().collect();
-        assert!(
-            distinct.len() > 10,
-            "temperature 1 over flat logits picks many tokens"
-        );
-    }
-
-    /// The tokens the reference (sort everything, cut, renormalize) keeps for `p`.
-    fn kept_by_full_sort(logits: &[f32], p: &SamplingParams) -> Vec<u32> {
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / p.temperature))
-            .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let max = cand[0].1;
-        let probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
-        let total: f32 = probs.iter().sum();
-        let mut mass = 0.0;
-        let keep = probs
-            .iter()
-            .take_while(|&&x| {
-                let before = mass;
-                mass += x / total;
-                before < p.top_p
-            })
-            .count()
-            .max(1);
-        let mut kept: Vec<u32> = cand[..keep].iter().map(|c| c.0).collect();
-        kept.sort();
-        kept
-    }
-
-    #[test]
-    fn selection_keeps_what_a_full_sort_keeps_at_the_8b_vocabulary() {
-        // Which tokens can come out, seen over many draws, against the reference's set.
-        let mut rng = ChaCha8Rng::seed_from_u64(5);
-        let vocab = 151_936;
-        // (temperature, top_k, top_p, a peak every n tokens): few peaks (the cut in the first
-        // sorted front), ~500 peaks (the front grows), top-k alone, top-k then top-p.
-        for (t, k, top_p, every) in [
-            (0.7, 0, 0.8, 9973),
-            (1.0, 0, 0.5, 300),
-            (0.5, 40, 1.0, 9973),
-            (1.0, 30, 0.9, 300),
-        ] {
-            // Peaks over a long flat tail, as real logits are.
-            let logits: Vec<f32> = (0..vocab)
-                .map(|i| {
-                    let noise: f32 = rng.random_range(-1.0..1.0);
-                    if i % every == 0 {
-                        14.0 + noise
-                    } else {
-                        noise
-                    }
-                })
-                .collect();
-            let p = params(t, k, top_p, 1);
-            let allowed: std::collections::HashSet<u32> =
-                kept_by_full_sort(&logits, &p).into_iter().collect();
-            let mut s = Sampler::new(p.clone()).unwrap();
-            let drawn: std::collections::HashSet<u32> =
-                (0..100).map(|_| s.sample(&logits)).collect();
-            let tag = format!("t {t} k {k} p {top_p} every {every}");
-            assert!(
-                drawn.is_subset(&allowed),
-                "{tag}: drew outside the kept set"
-            );
-            if allowed.len() <= 12 {
-                assert_eq!(drawn, allowed, "{tag}: 100 draws reach every kept token");
-            } else {
-                assert!(drawn.len() > 12, "{tag}: draws spread over the kept set");
-            }
-        }
-    }
-
     #[test]
     fn bad_values_are_rejected_with_the_field_name() {
-        for (p, field) in [
-            (params(-1.0, 0, 1.0, 0), "temperature"),
-            (params(f32::NAN, 0, 1.0, 0), "temperature"),
-            (params(1.0, 0, 0.0, 0), "top_p"),
-            (params(1.0, 0, 1.5, 0), "top_p"),
+        let p = SamplingParams::default;
+        for (params, field) in [
+            (
+                SamplingParams {
+                    temperature: -1.0,
+                    ..p()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..p()
+                },
+                "temperature",
+            ),
+            (SamplingParams { top_p: 0.0, ..p() }, "top_p"),
+            (SamplingParams { top_p: 1.5, ..p() }, "top_p"),
+            (SamplingParams { min_p: 1.5, ..p() }, "min_p"),
+            (
+                SamplingParams {
+                    presence_penalty: 2.5,
+                    ..p()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -3.0,
+                    ..p()
+                },
+                "frequency_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..p()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(3, 101.0)],
+                    ..p()
+                },
+                "logit_bias",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(3, 1.0), (3, 2.0)],
+                    ..p()
+                },
+                "logit_bias",
+            ),
+            (
+                SamplingParams {
+                    logprobs: Some(21),
+                    ..p()
+                },
+                "top_logprobs",
+            ),
         ] {
-            let err = Sampler::new(p).err().unwrap().to_string();
+            let err = params.validate().err().unwrap().to_string();
             assert!(err.contains(field), "{err}");
         }
+        assert!(p().validate().is_ok());
+    }
+
+    #[test]
+    fn rows_carry_every_setting() {
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            presence_penalty: 1.5,
+            logit_bias: vec![(5, 1.0), (9, -2.0)],
+            logprobs: Some(3),
+            ..Default::default()
+        };
+        let row = p.row(42, 17, Some(3), 6);
+        assert_eq!((row.seed, row.position, row.slot), (42, 17, 3));
+        assert_eq!((row.bias_start, row.bias_len, row.logprobs), (6, 2, 4));
+        assert!(p.needs_counts());
+        let tiny = SamplingParams {
+            temperature: 1e-7,
+            ..Default::default()
+        };
+        assert!(tiny.row(0, 0, None, 0).is_plain_greedy());
     }
 }

@@ -160,7 +160,7 @@ impl Scheduler {
 mod tests {
     use super::*;
     use crate::mrope::PromptPositions;
-    use crate::sampler::{Sampler, SamplingParams};
+    use crate::sampler::SamplingParams;
     use crate::sequence::SequenceLimits;
 
     fn seq(id: u64, prompt: usize) -> Sequence {
@@ -174,7 +174,7 @@ mod tests {
                 delta: 0,
             },
             Vec::new(),
-            Sampler::new(SamplingParams::greedy()).unwrap(),
+            (SamplingParams::greedy(), 0),
             SequenceLimits {
                 max_new_tokens: 100,
                 max_len: 1000,

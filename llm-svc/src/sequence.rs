@@ -1,6 +1,6 @@
 //! One request inside the engine: its tokens (prompt, then what it has generated), where its
 //! images sit, how far its keys and values are computed, the cache blocks holding them, its
-//! sampler, and the channel its tokens go back through.
+//! sampling settings, and the channel its tokens go back through.
 
 use std::time::Instant;
 
@@ -10,7 +10,7 @@ use vlm_compute::Embeddings;
 use crate::engine::Event;
 use crate::kv_cache::{block_hash, BlockHash};
 use crate::mrope::PromptPositions;
-use crate::sampler::Sampler;
+use crate::sampler::SamplingParams;
 
 /// An image's embeddings and where its tokens are in the prompt.
 pub struct PlacedImage {
@@ -41,7 +41,10 @@ pub struct Sequence {
     pub prompt_len: usize,
     pub positions: PromptPositions,
     pub images: Vec<PlacedImage>,
-    pub sampler: Sampler,
+    /// How its tokens are chosen, and the seed of its draws (the request's, or one from the
+    /// OS).
+    pub sampling: SamplingParams,
+    pub seed: u64,
     pub limits: SequenceLimits,
     /// Cache blocks holding this sequence's keys and values, in order.
     pub blocks: Vec<u32>,
@@ -73,7 +76,7 @@ impl Sequence {
         prompt: Vec<u32>,
         positions: PromptPositions,
         images: Vec<PlacedImage>,
-        sampler: Sampler,
+        (sampling, seed): (SamplingParams, u64),
         limits: SequenceLimits,
         events: UnboundedSender<Event>,
         span: tracing::Span,
@@ -91,7 +94,8 @@ impl Sequence {
             prompt_len,
             positions,
             images,
-            sampler,
+            sampling,
+            seed,
             limits,
             blocks: Vec::new(),
             computed: 0,

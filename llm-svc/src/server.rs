@@ -27,6 +27,7 @@ use vlm_proto::{shm, telemetry, tensor};
 
 use crate::{
     Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, SamplingParams,
+    TokenLogprob,
 };
 
 pub struct ServeConfig {
@@ -126,6 +127,34 @@ fn image_from_pb(
     })
 }
 
+/// The wire's sampling fields as the engine takes them; the engine's `validate` checks them.
+/// Zeros that proto3 cannot tell from unset mean off (`top_p` 0 is 1); `repetition_penalty`
+/// is optional on the wire because its off value is 1.
+pub fn sampling_from_pb(s: pb::SamplingParams) -> SamplingParams {
+    SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as usize,
+        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+        min_p: s.min_p,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        logit_bias: s.logit_bias.into_iter().collect(),
+        logprobs: s.top_logprobs.map(|n| n as usize),
+        seed: s.seed,
+    }
+}
+
+/// A generated token's logprobs as the wire carries them.
+pub fn logprobs_to_pb(lp: TokenLogprob) -> pb::TokenLogprobs {
+    let (top_ids, top_logprobs) = lp.top.into_iter().unzip();
+    pb::TokenLogprobs {
+        logprob: lp.logprob,
+        top_ids,
+        top_logprobs,
+    }
+}
+
 /// A `GenerateRequest` off the wire as the engine takes it (tensors decoded, shared-memory
 /// segments mapped and their names removed); the engine's `validate` checks the rest.
 pub fn request_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateRequest, Error> {
@@ -152,12 +181,7 @@ pub fn request_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateRequest, 
             })
             .collect::<Result<_, _>>()?,
         prompt: req.prompt_token_ids,
-        sampling: SamplingParams {
-            temperature: s.temperature,
-            top_k: s.top_k as usize,
-            top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
-            seed: s.seed,
-        },
+        sampling: sampling_from_pb(s),
         max_new_tokens: req.max_new_tokens as usize,
         ignore_eos: req.ignore_eos,
         return_logits: false,
@@ -220,9 +244,10 @@ impl LlmService for LlmServer {
                 let _permit = permit;
                 while let Some(event) = stream.recv().await {
                     let (msg, last) = match event {
-                        Event::Token { id, .. } => (
+                        Event::Token { id, logprob, .. } => (
                             Ok(GenerateResponse {
                                 token_ids: vec![id],
+                                logprobs: logprob.map(logprobs_to_pb).into_iter().collect(),
                                 ..Default::default()
                             }),
                             false,
@@ -236,12 +261,12 @@ impl LlmService for LlmServer {
                                 FinishReason::Eos | FinishReason::Stopped => PbFinish::Stop,
                             };
                             let msg = GenerateResponse {
-                                token_ids: vec![],
                                 finish_reason: finish as i32,
                                 usage: Some(Usage {
                                     prompt_tokens: gen.prompt_tokens as u32,
                                     completion_tokens: gen.tokens.len() as u32,
                                 }),
+                                ..Default::default()
                             };
                             (Ok(msg), true)
                         }
@@ -333,6 +358,47 @@ pub async fn serve<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_sampling_field_crosses_the_wire_and_unset_ones_are_off() {
+        let wire = pb::SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            seed: Some(9),
+            min_p: 0.05,
+            presence_penalty: 1.5,
+            frequency_penalty: -0.5,
+            repetition_penalty: Some(1.1),
+            logit_bias: [(7, -100.0), (3, 2.5)].into(),
+            top_logprobs: Some(0),
+        };
+        let want = SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            min_p: 0.05,
+            presence_penalty: 1.5,
+            frequency_penalty: -0.5,
+            repetition_penalty: 1.1,
+            logit_bias: vec![(3, 2.5), (7, -100.0)],
+            logprobs: Some(0),
+            seed: Some(9),
+        };
+        assert_eq!(sampling_from_pb(wire), want);
+        assert_eq!(
+            sampling_from_pb(pb::SamplingParams::default()),
+            SamplingParams::default()
+        );
+        let lp = logprobs_to_pb(TokenLogprob {
+            logprob: -0.25,
+            top: vec![(5, -0.25), (9, -1.5)],
+        });
+        assert_eq!(
+            (lp.top_ids, lp.top_logprobs),
+            (vec![5, 9], vec![-0.25, -1.5])
+        );
+    }
 
     #[test]
     fn device_handles_are_taken_once_and_unknown_ones_refused() {

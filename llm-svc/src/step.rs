@@ -1,6 +1,8 @@
 //! One engine step on the device: the scheduler's plan turned into the model's inputs (token
-//! ids, M-RoPE tables, cache slots, block lists, image rows), the forward pass, and the picked
-//! tokens (and, where a sequence needs them, its logits) brought back.
+//! ids, M-RoPE tables, cache slots, block lists, image rows), the forward pass, each sampling
+//! sequence's token picked on the device ([`Backend::sample_rows`]: greedy or drawn, with its
+//! penalties, bias and logprobs), and the picks (and, where a sequence asked, its logits and
+//! logprobs) brought back. The logits themselves stay on the device.
 //!
 //! Steps where every sequence decodes one token and no image is involved are replayed from a
 //! recording ([`Backend::record`], a CUDA graph), one per batch-size bucket: the inputs are
@@ -11,11 +13,15 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch};
+use vlm_compute::sampling::{
+    bias_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS,
+};
+use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch, SampleIo};
 
 use crate::kv_cache::{PagedKv, NULL_BLOCK};
 use crate::model::{ImageRows, LogitsOf, StepInput, TextModel};
 use crate::mrope;
+use crate::sampler::{TokenLogprob, MAX_LOGIT_BIAS};
 use crate::scheduler::Planned;
 use crate::sequence::{PlacedImage, Sequence};
 use crate::{Result, TextConfig};
@@ -36,6 +42,11 @@ struct HostStep<'a> {
     max_keys: usize,
     /// Row of each sequence that samples this step (its last), in plan order.
     sample_rows: Vec<u32>,
+    /// The sampler's row for each of them, their `logit_bias` entries (which the rows index)
+    /// and whether each wants its logits on the host.
+    draws: Vec<RowParams>,
+    bias: Vec<(u32, f32)>,
+    need_logits: Vec<bool>,
     /// Rows holding image tokens, and the images they come from, in the same order: each with
     /// the range of its rows in this step.
     image_rows: Vec<usize>,
@@ -45,7 +56,12 @@ struct HostStep<'a> {
 }
 
 impl<'a> HostStep<'a> {
-    fn build(plan: &[Planned], running: &'a [Sequence], block_size: usize) -> Self {
+    fn build(
+        plan: &[Planned],
+        running: &'a [Sequence],
+        block_size: usize,
+        counts: &CountSlots,
+    ) -> Self {
         let mut s = HostStep {
             ids: Vec::new(),
             positions: Vec::new(),
@@ -56,6 +72,9 @@ impl<'a> HostStep<'a> {
             max_queries: 0,
             max_keys: 0,
             sample_rows: Vec::new(),
+            draws: Vec::new(),
+            bias: Vec::new(),
+            need_logits: Vec::new(),
             image_rows: Vec::new(),
             image_parts: Vec::new(),
             started: Instant::now(),
@@ -81,6 +100,12 @@ impl<'a> HostStep<'a> {
             }
             if to == seq.tokens.len() {
                 s.sample_rows.push((row0 + p.tokens - 1) as u32);
+                let sampling = &seq.sampling;
+                let slot = counts.slot_of(seq.id);
+                s.draws
+                    .push(sampling.row(seq.seed, seq.tokens.len(), slot, s.bias.len()));
+                s.bias.extend_from_slice(&sampling.logit_bias);
+                s.need_logits.push(seq.limits.return_logits);
             }
             s.max_queries = s.max_queries.max(p.tokens);
             s.max_keys = s.max_keys.max(to);
@@ -98,6 +123,7 @@ impl<'a> HostStep<'a> {
             self.positions.push([0; 3]);
             self.slots.push(0);
             self.seqs.extend([r as u32, 1, 1, null_list]);
+            self.draws.push(RowParams::default());
         }
     }
 }
@@ -172,10 +198,12 @@ struct StepImages<B: Backend> {
 
 /// What a step gives back for each sequence that sampled, in plan order.
 pub struct StepOutput {
-    /// The most likely next token.
-    pub greedy: Vec<u32>,
-    /// The logits, for the sequences that asked for them (`need_logits`).
+    /// The picked tokens.
+    pub picks: Vec<u32>,
+    /// The logits, for the sequences that asked for them (`return_logits`).
     pub logits: Vec<Option<Vec<f32>>>,
+    /// The picks' logprobs, for the sequences that asked for them.
+    pub logprobs: Vec<Option<TokenLogprob>>,
     /// Host time until all of the step's work was queued on the device (inputs built and
     /// uploaded, ops launched or the recording replayed); the rest of the step is waiting
     /// for the device and reading its results. Where a step's time goes, in the engine's log.
@@ -183,6 +211,25 @@ pub struct StepOutput {
     /// the host may queue the next one meanwhile; some calls then wait for the device, and
     /// that wait counts here.
     pub enqueue: Duration,
+}
+
+/// The sampler's outputs for a step of `rows` rows, and its parameter words.
+struct SampleOut<B: Backend> {
+    params: B::Ids,
+    picks: B::Ids,
+    logprobs: B::Tensor,
+    top_ids: B::Ids,
+}
+
+impl<B: Backend> SampleOut<B> {
+    fn new(be: &B, rows: usize) -> Result<Self> {
+        Ok(Self {
+            params: be.upload_ids(&vec![0; rows * SAMPLE_WORDS])?,
+            picks: be.upload_ids(&vec![0; rows])?,
+            logprobs: be.zeros(&[rows, LOGPROB_COLS])?,
+            top_ids: be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?,
+        })
+    }
 }
 
 /// A recorded decode step of `rows` sequences and the buffers it reads and writes.
@@ -194,7 +241,7 @@ struct DecodeGraph<B: Backend> {
     cos: B::Tensor,
     sin: B::Tensor,
     logits: B::Tensor,
-    greedy: B::Ids,
+    out: SampleOut<B>,
     graph: B::Graph,
 }
 
@@ -203,6 +250,89 @@ enum Recording {
     Untried,
     Works,
     Unsupported,
+}
+
+/// Which row of the device's token-count table each sequence with penalties uses. A slot is
+/// taken the first step a sequence samples and filled from its tokens (prompt tokens flagged,
+/// generated ones counted); the sampler adds each pick. A slot whose sequence has left the
+/// running set (finished, cancelled or preempted) is free again: a preempted sequence gets a
+/// slot filled anew when it runs again. There are as many slots as sequences can run.
+pub struct CountSlots {
+    owners: Vec<Option<u64>>,
+}
+
+impl CountSlots {
+    fn new(slots: usize) -> Self {
+        Self {
+            owners: vec![None; slots],
+        }
+    }
+
+    fn slot_of(&self, seq: u64) -> Option<u32> {
+        self.owners
+            .iter()
+            .position(|o| *o == Some(seq))
+            .map(|s| s as u32)
+    }
+
+    /// Gives every sequence of `plan` that samples with penalties a slot, filling new ones.
+    fn assign<B: Backend>(
+        &mut self,
+        be: &B,
+        table: &mut B::Ids,
+        vocab: usize,
+        plan: &[Planned],
+        running: &[Sequence],
+    ) -> Result<()> {
+        let wants = |p: &Planned| {
+            let seq = &running[p.index];
+            seq.sampling.needs_counts()
+                && seq.computed + p.tokens == seq.tokens.len()
+                && self.slot_of(seq.id).is_none()
+        };
+        if !plan.iter().any(wants) {
+            return Ok(());
+        }
+        let live: std::collections::HashSet<u64> = running.iter().map(|s| s.id).collect();
+        for o in self.owners.iter_mut() {
+            if o.is_some_and(|id| !live.contains(&id)) {
+                *o = None;
+            }
+        }
+        for p in plan {
+            let seq = &running[p.index];
+            if !seq.sampling.needs_counts()
+                || seq.computed + p.tokens != seq.tokens.len()
+                || self.slot_of(seq.id).is_some()
+            {
+                continue;
+            }
+            let slot = self
+                .owners
+                .iter()
+                .position(Option::is_none)
+                .expect("a slot for every running sequence");
+            self.owners[slot] = Some(seq.id);
+            let mut row = vec![0u32; vocab];
+            for &t in &seq.tokens[..seq.prompt_len] {
+                row[t as usize] |= IN_PROMPT;
+            }
+            for &t in &seq.tokens[seq.prompt_len..] {
+                row[t as usize] += 1;
+            }
+            be.write_ids_at(table, slot * vocab, &row)?;
+        }
+        Ok(())
+    }
+}
+
+/// The sampler's buffers every step shares: the token counts, the processed logits' room and
+/// the bias entries of a recorded step (one step runs at a time).
+struct SamplerState<B: Backend> {
+    counts: B::Ids,
+    slots: CountSlots,
+    scratch: B::Tensor,
+    graph_bias: B::Ids,
 }
 
 pub struct StepRunner<B: Backend> {
@@ -216,6 +346,7 @@ pub struct StepRunner<B: Backend> {
     graphs: Vec<DecodeGraph<B>>,
     /// The block lists of a recorded step (shared by all buckets, one runs at a time).
     graph_blocks: Option<B::Ids>,
+    sampler: Option<SamplerState<B>>,
 }
 
 impl<B: Backend> StepRunner<B> {
@@ -229,7 +360,14 @@ impl<B: Backend> StepRunner<B> {
             recording: Recording::Untried,
             graphs: Vec::new(),
             graph_blocks: None,
+            sampler: None,
         }
+    }
+
+    /// Device bytes of the sampler's shared buffers for `max_batch` sequences (for the KV
+    /// cache's sizing): the count table and the processed logits' room.
+    pub fn sampler_bytes(cfg: &TextConfig, max_batch: usize) -> usize {
+        2 * max_batch.next_power_of_two() * cfg.vocab_size * 4
     }
 
     /// Recorded decode steps so far (for logs).
@@ -245,17 +383,31 @@ impl<B: Backend> StepRunner<B> {
             .filter(|&b| b <= self.max_batch.next_power_of_two().max(1))
     }
 
-    /// Runs `plan` (sequences from `running`); `need_logits[i]` says whether the i-th sampling
-    /// sequence wants its logits on the host.
+    /// Runs `plan` (sequences from `running`): the forward pass and each sampling sequence's
+    /// pick.
     pub fn run(
         &mut self,
         model: &TextModel<B>,
         kv: &mut PagedKv<B>,
         plan: &[Planned],
         running: &[Sequence],
-        need_logits: &[bool],
     ) -> Result<StepOutput> {
-        let mut host = HostStep::build(plan, running, self.block_size);
+        let be = model.backend();
+        let vocab = self.cfg.vocab_size;
+        if self.sampler.is_none() {
+            let rows = self.max_batch.next_power_of_two();
+            self.sampler = Some(SamplerState {
+                counts: be.upload_ids(&vec![0; rows * vocab])?,
+                slots: CountSlots::new(self.max_batch),
+                scratch: be.zeros(&[rows, vocab])?,
+                graph_bias: be.upload_ids(&vec![0; 2 * rows * MAX_LOGIT_BIAS + 2])?,
+            });
+        }
+        let sampler = self.sampler.as_mut().expect("made above");
+        sampler
+            .slots
+            .assign(be, &mut sampler.counts, vocab, plan, running)?;
+        let mut host = HostStep::build(plan, running, self.block_size, &sampler.slots);
         let decode_only = host.decode_seqs == plan.len()
             && host.sample_rows.len() == plan.len()
             && host.image_rows.is_empty();
@@ -265,15 +417,16 @@ impl<B: Backend> StepRunner<B> {
         if decode_only && replayable {
             if let Some(rows) = self.bucket(plan.len()) {
                 host.pad_to(rows);
-                if let Some(out) = self.replay(model, kv, &host, rows, plan.len(), need_logits)? {
+                if let Some(out) = self.replay(model, kv, &host, rows, plan.len())? {
                     return Ok(out);
                 }
                 let started = host.started;
-                host = HostStep::build(plan, running, self.block_size);
+                let slots = &self.sampler.as_ref().expect("made above").slots;
+                host = HostStep::build(plan, running, self.block_size, slots);
                 host.started = started;
             }
         }
-        self.eager(model, kv, &host, need_logits)
+        self.eager(model, kv, &host)
     }
 
     /// The M-RoPE tables for `positions`.
@@ -281,30 +434,50 @@ impl<B: Backend> StepRunner<B> {
         mrope::rope_tables(&self.cfg, &self.inv_freq, positions)
     }
 
-    /// Picks and logits from a step's logits `[rows, vocab]` (the first `n` rows sampled), for
-    /// a step that began at `started` and whose work is all queued now.
+    /// The picks (and what else was asked for) of a step whose sampler wrote `out` for its
+    /// first `host.draws` rows (the first `n` real), from logits `[rows, vocab]`, once all of
+    /// the step's work is queued.
     fn outputs(
         be: &B,
         logits: &B::Tensor,
-        greedy: &B::Ids,
+        out: &SampleOut<B>,
+        host: &HostStep,
         n: usize,
-        need_logits: &[bool],
-        started: Instant,
     ) -> Result<StepOutput> {
-        let enqueue = started.elapsed();
-        let greedy = be.download_ids(greedy, n)?;
-        let mut out = vec![None; n];
-        if need_logits.iter().any(|&w| w) {
-            let host = be.download(logits)?;
-            for (i, o) in out.iter_mut().enumerate() {
-                if need_logits[i] {
-                    *o = Some(host.row(i).to_vec());
+        let enqueue = host.started.elapsed();
+        let picks = be.download_ids(&out.picks, n)?;
+        let mut logits_out = vec![None; n];
+        if host.need_logits.iter().any(|&w| w) {
+            let all = be.download(logits)?;
+            for (i, o) in logits_out.iter_mut().enumerate() {
+                if host.need_logits[i] {
+                    *o = Some(all.row(i).to_vec());
                 }
             }
         }
+        let mut logprobs = vec![None; n];
+        if host.draws[..n].iter().any(|d| d.logprobs > 0) {
+            let values = be.download(&out.logprobs)?;
+            let ids = be.download_ids(&out.top_ids, n * MAX_TOP_LOGPROBS)?;
+            for (i, o) in logprobs.iter_mut().enumerate() {
+                let asked = host.draws[i].logprobs as usize;
+                if asked == 0 {
+                    continue;
+                }
+                let row = values.row(i);
+                let top = (0..asked - 1)
+                    .map(|j| (ids[i * MAX_TOP_LOGPROBS + j], row[1 + j]))
+                    .collect();
+                *o = Some(TokenLogprob {
+                    logprob: row[0],
+                    top,
+                });
+            }
+        }
         Ok(StepOutput {
-            greedy,
-            logits: out,
+            picks,
+            logits: logits_out,
+            logprobs,
             enqueue,
         })
     }
@@ -314,7 +487,6 @@ impl<B: Backend> StepRunner<B> {
         model: &TextModel<B>,
         kv: &mut PagedKv<B>,
         host: &HostStep,
-        need_logits: &[bool],
     ) -> Result<StepOutput> {
         let started = host.started;
         let be = model.backend();
@@ -361,23 +533,39 @@ impl<B: Backend> StepRunner<B> {
                 "step run op by op, not waited for (it picks no token)"
             );
             return Ok(StepOutput {
-                greedy: Vec::new(),
+                picks: Vec::new(),
                 logits: Vec::new(),
+                logprobs: Vec::new(),
                 enqueue: started.elapsed(),
             });
         };
-        let mut greedy = be.upload_ids(&vec![0; n])?;
-        be.argmax_rows(&logits, &mut greedy)?;
-        let out = Self::outputs(be, &logits, &greedy, n, need_logits, started)?;
+        let mut out = SampleOut::new(be, n)?;
+        let words: Vec<u32> = host.draws.iter().flat_map(|d| d.to_words()).collect();
+        be.write_ids(&mut out.params, &words)?;
+        let bias = be.upload_ids(&[bias_words(&host.bias), vec![0, 0]].concat())?;
+        let sampler = self.sampler.as_mut().expect("made by run");
+        be.sample_rows(
+            &logits,
+            SampleIo {
+                params: &out.params,
+                bias: &bias,
+                counts: &mut sampler.counts,
+                scratch: &mut sampler.scratch,
+                picks: &mut out.picks,
+                logprobs: &mut out.logprobs,
+                top_ids: &mut out.top_ids,
+            },
+        )?;
+        let result = Self::outputs(be, &logits, &out, host, n)?;
         tracing::debug!(
             rows = host.ids.len(),
             sequences = host.seqs.len() / 4,
             prepare_ms = prepared.as_secs_f64() * 1e3,
-            enqueue_ms = out.enqueue.as_secs_f64() * 1e3,
+            enqueue_ms = result.enqueue.as_secs_f64() * 1e3,
             total_ms = started.elapsed().as_secs_f64() * 1e3,
             "step run op by op"
         );
-        Ok(out)
+        Ok(result)
     }
 
     /// Replays (recording first if needed) the decode step for `rows` (padded) rows of which
@@ -389,9 +577,7 @@ impl<B: Backend> StepRunner<B> {
         host: &HostStep,
         rows: usize,
         n: usize,
-        need_logits: &[bool],
     ) -> Result<Option<StepOutput>> {
-        let started = host.started;
         let be = model.backend();
         if self.graph_blocks.is_none() {
             let per_seq = self.max_context.div_ceil(self.block_size);
@@ -411,15 +597,20 @@ impl<B: Backend> StepRunner<B> {
         let (cos, sin) = self.rope(&host.positions)?;
         let blocks = self.graph_blocks.as_mut().expect("allocated above");
         be.write_ids(blocks, &host.blocks)?;
+        if !host.bias.is_empty() {
+            let sampler = self.sampler.as_mut().expect("made by run");
+            be.write_ids(&mut sampler.graph_bias, &bias_words(&host.bias))?;
+        }
         let g = &mut self.graphs[at];
         be.write_ids(&mut g.ids, &host.ids)?;
         be.write_ids(&mut g.slots, &host.slots)?;
         be.write_ids(&mut g.seqs, &host.seqs)?;
         be.write(&mut g.cos, cos.data())?;
         be.write(&mut g.sin, sin.data())?;
+        let words: Vec<u32> = host.draws.iter().flat_map(|d| d.to_words()).collect();
+        be.write_ids(&mut g.out.params, &words)?;
         be.replay(&g.graph)?;
-        let wanted: Vec<bool> = need_logits.iter().copied().take(n).collect();
-        Self::outputs(be, &g.logits, &g.greedy, n, &wanted, started).map(Some)
+        Self::outputs(be, &g.logits, &g.out, host, n).map(Some)
     }
 
     /// Records the decode step for `rows` rows: `None` if the backend does not record (then
@@ -443,6 +634,9 @@ impl<B: Backend> StepRunner<B> {
             max_queries: 1,
             max_keys: 1,
             sample_rows: Vec::new(),
+            draws: Vec::new(),
+            bias: Vec::new(),
+            need_logits: Vec::new(),
             image_rows: Vec::new(),
             image_parts: Vec::new(),
             started: Instant::now(),
@@ -454,8 +648,11 @@ impl<B: Backend> StepRunner<B> {
         let cos = be.zeros(&[rows, d])?;
         let sin = be.zeros(&[rows, d])?;
         let mut logits = be.zeros(&[rows, vocab])?;
-        let mut greedy = be.upload_ids(&vec![0; rows])?;
+        let mut out = SampleOut::new(be, rows)?;
+        let words: Vec<u32> = pad.draws.iter().flat_map(|d| d.to_words()).collect();
+        be.write_ids(&mut out.params, &words)?;
         let blocks = self.graph_blocks.as_ref().expect("allocated by replay");
+        let sampler = self.sampler.as_mut().expect("made by run");
         let (block_size, max_context) = (self.block_size, self.max_context);
         let started = std::time::Instant::now();
         let recorded = be.record(&mut || {
@@ -476,9 +673,20 @@ impl<B: Backend> StepRunner<B> {
                 images: None,
                 logits: LogitsOf::AllRows,
             };
-            let out = model.forward(kv, &step)?.expect("every row's logits");
-            be.copy(&mut logits, &out)?;
-            be.argmax_rows(&logits, &mut greedy)
+            let forward = model.forward(kv, &step)?.expect("every row's logits");
+            be.copy(&mut logits, &forward)?;
+            be.sample_rows(
+                &logits,
+                SampleIo {
+                    params: &out.params,
+                    bias: &sampler.graph_bias,
+                    counts: &mut sampler.counts,
+                    scratch: &mut sampler.scratch,
+                    picks: &mut out.picks,
+                    logprobs: &mut out.logprobs,
+                    top_ids: &mut out.top_ids,
+                },
+            )
         });
         match recorded {
             Ok(Some(graph)) => {
@@ -496,7 +704,7 @@ impl<B: Backend> StepRunner<B> {
                     cos,
                     sin,
                     logits,
-                    greedy,
+                    out,
                     graph,
                 }))
             }

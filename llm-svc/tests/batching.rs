@@ -77,6 +77,14 @@ fn requests() -> Vec<GenerateRequest> {
                 temperature: 0.8,
                 top_k: 20 + i,
                 top_p: 0.9,
+                min_p: 0.02 * i as f32,
+                // Penalties (their token counts live on the device), a bias and logprobs on
+                // some: none of it may depend on the batch.
+                presence_penalty: if i % 2 == 1 { 1.5 } else { 0.0 },
+                frequency_penalty: if i % 3 == 2 { 0.4 } else { 0.0 },
+                repetition_penalty: if i % 2 == 0 { 1.2 } else { 1.0 },
+                logit_bias: vec![(17, 3.0), (40 + i as u32, -100.0)],
+                logprobs: (i % 2 == 0).then_some(3),
                 seed: Some(i as u64),
             },
             max_new_tokens: 20 - i,
@@ -384,6 +392,71 @@ fn on_cuda_batched_greedy_tokens_match_alone() {
                 break;
             }
             assert_eq!(got[step], tokens[step], "greedy token {step}");
+        }
+    }
+    wait_idle(&e);
+}
+
+/// On the GPU, every sampled token is the sampling rule's pick (`vlm_compute::sampling`, the
+/// CPU twin) from the logits it was picked from, with the sequence's own seed, position and
+/// token counts, whatever the batch: the device's sampler in the recorded decode steps and
+/// the eager ones, its count table and its slots.
+#[test]
+fn on_cuda_sampled_tokens_are_the_rules_picks_in_any_batch() {
+    use vlm_compute::sampling::{sample_row, IN_PROMPT};
+    let Some(gpu) = vlm_compute::cuda::test_gpu() else {
+        return;
+    };
+    let reqs: Vec<GenerateRequest> = requests()
+        .into_iter()
+        .filter(|r| r.sampling.temperature > 0.0)
+        .map(|r| GenerateRequest {
+            return_logits: true,
+            ..r
+        })
+        .collect();
+    let e = engine_on(gpu, EngineConfig::default());
+    let streams: Vec<_> = reqs
+        .iter()
+        .map(|r| e.submit(r.clone(), None, tracing::Span::none()).unwrap())
+        .collect();
+    for (r, mut s) in reqs.iter().zip(streams) {
+        let sampling = &r.sampling;
+        let vocab = 414;
+        let mut counts = vec![0u32; vocab];
+        for &t in &r.prompt {
+            counts[t as usize] |= IN_PROMPT;
+        }
+        let mut tokens = r.prompt.clone();
+        loop {
+            match s.blocking_recv().expect("the stream ends with Finished") {
+                Event::Token {
+                    id,
+                    logits,
+                    logprob,
+                } => {
+                    let logits = logits.expect("asked for");
+                    let slot = sampling.needs_counts().then_some(0);
+                    let row = sampling.row(sampling.seed.unwrap(), tokens.len(), slot, 0);
+                    let want = sample_row(
+                        &logits,
+                        &row,
+                        &sampling.logit_bias,
+                        slot.map(|_| &mut counts[..]),
+                    );
+                    assert_eq!(id, want.token, "token {}", tokens.len());
+                    assert_eq!(logprob.is_some(), sampling.logprobs.is_some());
+                    if let Some(lp) = logprob {
+                        assert!((lp.logprob - want.logprob).abs() < 1e-4);
+                        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+                        let want_ids: Vec<u32> = want.top.iter().map(|t| t.0).collect();
+                        assert_eq!(ids, want_ids);
+                    }
+                    tokens.push(id);
+                }
+                Event::Finished(_) => break,
+                Event::Failed(e) => panic!("a request failed: {e}"),
+            }
         }
     }
     wait_idle(&e);
