@@ -10,6 +10,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // another replica) is a reference count, not a copy of megabytes.
         .bytes(".vlm.v1.Tensor.data")
         .bytes(".vlm.v1.EncodeRequest.image")
+        // Ordered by token id, so a request's bias entries go on in one order every time.
+        .btree_map(".vlm.v1.SamplingParams.logit_bias")
+        .btree_map(".vlm.v1.ChatRequest.logit_bias")
         .file_descriptor_set_path(out.join("vlm_descriptor.bin"))
         .compile_protos(&["vlm/v1/vlm.proto"], &["."])?;
     println!("cargo:rerun-if-changed=vlm/v1/vlm.proto");

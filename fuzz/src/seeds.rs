@@ -166,6 +166,14 @@ fn openai() -> Vec<(String, Vec<u8>)> {
                 {"type": "image_url", "image_url": {"url": data_url(&png)}},
                 {"type": "text", "text": "Compare."}]}]}),
         ),
+        (
+            "sampling-controls",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "temperature": 0.8, "min_p": 0.05, "presence_penalty": 0.5,
+                "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+                "logit_bias": {"3": 2.5, "7": -100}, "logprobs": true, "top_logprobs": 5,
+                "user": "u1", "tools": []}),
+        ),
     ];
     bodies
         .into_iter()
@@ -222,6 +230,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                         top_k: 3,
                         top_p: 0.9,
                         seed: Some(1),
+                        ..Default::default()
                     }),
                     ..Default::default()
                 },

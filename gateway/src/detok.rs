@@ -4,9 +4,13 @@
 //! UTF-8 character: byte-level BPE can split one character over several tokens, so text is
 //! released only once the decoded tail no longer ends in U+FFFD (the approach of TGI's router).
 //! [`StopStrings`] cuts the text at the first stop string and holds back any tail that could
-//! still become one, so a client never sees part of a stop string.
+//! still become one, so a client never sees part of a stop string. [`TokenBytes`] gives one
+//! token's own bytes and text, as logprobs show each token.
 
-use tokenizers::Tokenizer;
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
+use tokenizers::{DecoderWrapper, Tokenizer};
 
 use crate::{Error, Result};
 
@@ -154,6 +158,73 @@ impl<'a> TextStream<'a> {
     }
 }
 
+/// One token on its own, as a response's logprobs show it: its bytes, which may be part of a
+/// UTF-8 character (byte-level BPE splits characters over tokens), and its text, those bytes
+/// with U+FFFD where a character is incomplete.
+pub struct TokenBytes<'a> {
+    tokenizer: &'a Tokenizer,
+    /// GPT-2's byte-level vocabulary (Qwen's): each vocabulary character stands for a byte.
+    byte_level: bool,
+}
+
+/// GPT-2's `bytes_to_unicode` backwards: the byte each character of a byte-level vocabulary
+/// stands for. Printable bytes stand for themselves; the others (controls, space, 0x7F-0xA0,
+/// 0xAD) for U+0100 onwards, in byte order.
+static BYTE_LEVEL_CHARS: LazyLock<HashMap<char, u8>> = LazyLock::new(|| {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut shifted = 0;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                shifted += 1;
+                (char::from_u32(255 + shifted).unwrap_or('\0'), b)
+            }
+        })
+        .collect()
+});
+
+impl<'a> TokenBytes<'a> {
+    pub fn new(tokenizer: &'a Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            byte_level: matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_))),
+        }
+    }
+
+    /// Token `id`'s bytes: from its vocabulary entry where the vocabulary spells bytes
+    /// (byte-level characters, or SentencePiece's `<0xHH>` byte fallback), else the UTF-8 of
+    /// its decoding alone (added tokens).
+    pub fn bytes(&self, id: u32) -> Result<Vec<u8>> {
+        if let Some(piece) = self.tokenizer.id_to_token(id) {
+            if self.byte_level {
+                let bytes: Option<Vec<u8>> = piece
+                    .chars()
+                    .map(|c| BYTE_LEVEL_CHARS.get(&c).copied())
+                    .collect();
+                if let Some(bytes) = bytes {
+                    return Ok(bytes);
+                }
+            } else if let Some(hex) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')) {
+                if let (2, Ok(b)) = (hex.len(), u8::from_str_radix(hex, 16)) {
+                    return Ok(vec![b]);
+                }
+            }
+        }
+        self.tokenizer
+            .decode(&[id], false)
+            .map(String::into_bytes)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// Token `id`'s text alone and its bytes.
+    pub fn text_and_bytes(&self, id: u32) -> Result<(String, Vec<u8>)> {
+        let bytes = self.bytes(id)?;
+        Ok((String::from_utf8_lossy(&bytes).into_owned(), bytes))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +240,26 @@ mod tests {
         assert_eq!(s.push("x"), ("Ex".into(), false));
         assert_eq!(s.push(" E"), (" ".into(), false));
         assert_eq!(s.finish(), "E");
+    }
+
+    #[test]
+    fn token_bytes_undo_the_byte_level_alphabet() {
+        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let tb = TokenBytes::new(&tokenizer);
+        assert!(tb.byte_level);
+        assert_eq!(BYTE_LEVEL_CHARS.len(), 256);
+        assert_eq!(BYTE_LEVEL_CHARS[&'Ġ'], b' ');
+        assert_eq!(BYTE_LEVEL_CHARS[&'Ċ'], b'\n');
+        // Every token's bytes are what decoding it alone gives, where that is whole UTF-8.
+        for id in 0..tokenizer.get_vocab_size(true) as u32 {
+            let (text, bytes) = tb.text_and_bytes(id).unwrap();
+            let decoded = tokenizer.decode(&[id], false).unwrap();
+            if std::str::from_utf8(&bytes).is_ok() {
+                assert_eq!(text, decoded, "token {id}");
+            }
+            assert!(!bytes.is_empty() || decoded.is_empty(), "token {id}");
+        }
     }
 
     #[test]

@@ -19,6 +19,12 @@ pub enum Error {
     /// The model directory is missing or is not a checkpoint.
     #[error("{0}")]
     ModelDir(String),
+    /// The checkpoint's generation_config.json cannot give sampling defaults.
+    #[error("{}: {message} (--generation-config none ignores the file)", file.display())]
+    GenerationConfig {
+        file: std::path::PathBuf,
+        message: String,
+    },
     #[error(transparent)]
     Vision(#[from] vision_svc::Error),
     #[error(transparent)]
@@ -37,9 +43,11 @@ impl Error {
             Error::Image { error, .. } => error.is_invalid_input(),
             Error::Vision(e) => e.is_invalid_input(),
             Error::Llm(e) => e.is_invalid_input(),
-            Error::Template(_) | Error::Tokenizer(_) | Error::ModelDir(_) | Error::Compute(_) => {
-                false
-            }
+            Error::Template(_)
+            | Error::Tokenizer(_)
+            | Error::ModelDir(_)
+            | Error::GenerationConfig { .. }
+            | Error::Compute(_) => false,
         }
     }
 }

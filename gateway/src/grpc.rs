@@ -1,11 +1,12 @@
 //! The public gRPC API (`vlm.v1.Gateway`): `Chat` (unary) and `ChatStream` (server-streaming).
+//! Requests are read as the HTTP API reads its own: the same sampling fields, the same
+//! checkpoint defaults for those left out ([`crate::sampling`]), the same logprobs per token.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use llm_svc::SamplingParams;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
@@ -14,8 +15,9 @@ use vlm_proto::telemetry;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
-use crate::orchestrator::{ChatEvent, Orchestrator};
+use crate::orchestrator::{ChatEvent, Logprob, Orchestrator, TokenLogprobs};
 use crate::pipeline::ChatRequest;
+use crate::sampling::{RequestedSampling, SamplingDefaults};
 
 pub struct GatewayService {
     pub orchestrator: Arc<Orchestrator>,
@@ -25,11 +27,48 @@ pub struct GatewayService {
     pub request_timeout: Duration,
 }
 
-/// Checks roles and parts and applies the defaults.
+/// The request's sampling fields; the ranges are checked once the defaults are in.
+fn requested_sampling(r: &pb::ChatRequest) -> Result<RequestedSampling, GatewayError> {
+    let max = vlm_compute::sampling::MAX_TOP_LOGPROBS;
+    let logprobs = match (r.logprobs, r.top_logprobs) {
+        (_, Some(n)) if n as usize > max => {
+            return Err(GatewayError::Invalid(format!(
+                "`top_logprobs` must be between 0 and {max}, got {n}"
+            )))
+        }
+        (false, Some(n)) => {
+            return Err(GatewayError::Invalid(format!(
+                "`top_logprobs` ({n}) needs `logprobs` set to true"
+            )))
+        }
+        (true, n) => Some(n.unwrap_or(0) as usize),
+        (false, None) => None,
+    };
+    Ok(RequestedSampling {
+        temperature: r.temperature,
+        top_k: r.top_k.map(|k| k as usize),
+        top_p: r.top_p,
+        min_p: r.min_p,
+        presence_penalty: r.presence_penalty,
+        frequency_penalty: r.frequency_penalty,
+        repetition_penalty: r.repetition_penalty,
+        logit_bias: r.logit_bias.iter().map(|(&id, &b)| (id, b)).collect(),
+        logprobs,
+        seed: r.seed,
+    })
+}
+
+/// Checks roles, parts and sampling values, and applies the defaults: `default_max_tokens`,
+/// and `defaults` for the sampling fields left out.
 pub fn request_from_pb(
     r: pb::ChatRequest,
     default_max_tokens: usize,
+    defaults: &SamplingDefaults,
 ) -> Result<ChatRequest, GatewayError> {
+    let sampling = defaults.apply(requested_sampling(&r)?);
+    sampling
+        .validate()
+        .map_err(|e| GatewayError::Invalid(e.to_string()))?;
     let mut messages = Vec::with_capacity(r.messages.len());
     for (i, m) in r.messages.into_iter().enumerate() {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
@@ -57,17 +96,32 @@ pub fn request_from_pb(
     }
     Ok(ChatRequest {
         messages,
-        sampling: SamplingParams {
-            temperature: r.temperature.unwrap_or(0.0),
-            top_k: r.top_k.unwrap_or(0) as usize,
-            top_p: r.top_p.unwrap_or(1.0),
-            seed: r.seed,
-        },
+        sampling,
         max_new_tokens: r.max_tokens.map_or(default_max_tokens, |m| m as usize),
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         return_logits: false,
     })
+}
+
+fn top_logprob_to_pb(l: Logprob) -> pb::ChatTopLogprob {
+    pb::ChatTopLogprob {
+        token: l.text,
+        logprob: l.logprob,
+        bytes: l.bytes,
+        token_id: l.id,
+    }
+}
+
+/// A token's logprobs as the public API carries them.
+fn logprobs_to_pb(t: TokenLogprobs) -> pb::ChatTokenLogprob {
+    pb::ChatTokenLogprob {
+        token: t.token.text,
+        logprob: t.token.logprob,
+        bytes: t.token.bytes,
+        top: t.top.into_iter().map(top_logprob_to_pb).collect(),
+        token_id: t.token.id,
+    }
 }
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::ChatChunk, Status>> + Send>>;
@@ -95,14 +149,24 @@ impl Gateway for GatewayService {
         telemetry::adopt_remote_parent(&span, request.metadata());
         let timeout = self.timeout(request.metadata());
         async move {
-            let req = request_from_pb(request.into_inner(), self.default_max_tokens)?;
+            let req = request_from_pb(
+                request.into_inner(),
+                self.default_max_tokens,
+                &self.orchestrator.sampling_defaults,
+            )?;
             let mut rx = self.orchestrator.chat(req, "grpc", Some(timeout)).await?;
             let mut out = pb::ChatResponse::default();
             while let Some(ev) = rx.recv().await {
                 match ev? {
-                    ChatEvent::Delta { text, token_ids } => {
+                    ChatEvent::Delta {
+                        text,
+                        token_ids,
+                        logprobs,
+                    } => {
                         out.text.push_str(&text);
                         out.token_ids.extend(token_ids);
+                        out.logprobs
+                            .extend(logprobs.into_iter().map(logprobs_to_pb));
                     }
                     ChatEvent::Done {
                         finish,
@@ -139,16 +203,25 @@ impl Gateway for GatewayService {
         telemetry::adopt_remote_parent(&span, request.metadata());
         let timeout = self.timeout(request.metadata());
         let rx = async {
-            let req = request_from_pb(request.into_inner(), self.default_max_tokens)?;
+            let req = request_from_pb(
+                request.into_inner(),
+                self.default_max_tokens,
+                &self.orchestrator.sampling_defaults,
+            )?;
             self.orchestrator.chat(req, "grpc", Some(timeout)).await
         }
         .instrument(span)
         .await?;
         let chunks = ReceiverStream::new(rx).map(|ev| {
             Ok(match ev? {
-                ChatEvent::Delta { text, token_ids } => pb::ChatChunk {
+                ChatEvent::Delta {
                     text,
                     token_ids,
+                    logprobs,
+                } => pb::ChatChunk {
+                    text,
+                    token_ids,
+                    logprobs: logprobs.into_iter().map(logprobs_to_pb).collect(),
                     ..Default::default()
                 },
                 ChatEvent::Done {

@@ -2,9 +2,13 @@
 //! events with `stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics`.
 //!
 //! Images come as `image_url` parts holding `data:` URLs (base64); the gateway fetches nothing
-//! from the network. Beyond OpenAI's fields it accepts vLLM's `top_k`, `ignore_eos` and
-//! `return_token_ids`. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
-//! with the status from [`GatewayError::http_status`].
+//! from the network. Beyond OpenAI's fields it accepts vLLM's `top_k`, `min_p`,
+//! `repetition_penalty`, `ignore_eos` and `return_token_ids`; fields that would change the
+//! answer and are not implemented, and unknown ones, are refused naming the field
+//! (`http/fields.rs`). Sampling fields a request leaves out take the checkpoint's defaults
+//! ([`crate::sampling`]). Logprobs come in OpenAI's shape, per token with its text and bytes.
+//! Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status
+//! from [`GatewayError::http_status`].
 //!
 //! Hostile input is refused before it costs much: a body over `--max-body-bytes` gets 413
 //! without being read further; JSON nested past serde_json's depth limit (128) or not UTF-8
@@ -24,17 +28,19 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
 use futures::StreamExt;
-use llm_svc::SamplingParams;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::{field::Empty, info_span, Instrument};
 use vlm_proto::pb;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
-use crate::orchestrator::{ChatEvent, Orchestrator};
+use crate::orchestrator::{ChatEvent, Logprob, Orchestrator, TokenLogprobs};
 use crate::pipeline::{ChatRequest, RequestLimits};
+use crate::sampling::{RequestedSampling, SamplingDefaults};
+
+mod fields;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -74,38 +80,38 @@ fn error_response(e: &GatewayError) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// The fields read of a chat completion request ([`fields::READ`] names the same set; the
+/// others are dropped or refused before this is read). Every field may be null, as absent.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct OpenAiRequest {
-    #[serde(default)]
     model: Option<String>,
     messages: Vec<OpenAiMessage>,
-    #[serde(default)]
     max_tokens: Option<u64>,
-    #[serde(default)]
     max_completion_tokens: Option<u64>,
-    #[serde(default)]
     temperature: Option<f32>,
-    #[serde(default)]
     top_p: Option<f32>,
-    /// Not in OpenAI's API; accepted as vLLM does.
-    #[serde(default)]
+    /// Not in OpenAI's API; accepted as vLLM does (-1 is off).
     top_k: Option<i64>,
-    #[serde(default)]
+    /// Not in OpenAI's API; accepted as vLLM does.
+    min_p: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    /// Not in OpenAI's API; accepted as vLLM does (HF's multiplicative penalty).
+    repetition_penalty: Option<f32>,
+    /// Token ids, as strings, to numbers added to their logits.
+    logit_bias: Option<Map<String, Value>>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
     seed: Option<u64>,
-    #[serde(default)]
     stop: Option<Value>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
+    stream: Option<bool>,
     stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    n: Option<u32>,
+    n: Option<i64>,
     /// Not in OpenAI's API; as vLLM: keep generating through eos.
-    #[serde(default)]
-    ignore_eos: bool,
+    ignore_eos: Option<bool>,
     /// Not in OpenAI's API; as vLLM: each choice carries the generated token ids.
-    #[serde(default)]
-    return_token_ids: bool,
+    return_token_ids: Option<bool>,
 }
 
 /// How the client asked to be answered, besides the chat itself.
@@ -119,6 +125,8 @@ struct ResponseOptions {
     /// those whose text is held back (an incomplete character), so a client can count and
     /// time each token (`vlm load` does).
     return_token_ids: bool,
+    /// `logprobs` in each choice (each streamed chunk's, for its tokens); null otherwise.
+    logprobs: bool,
 }
 
 #[derive(Deserialize)]
@@ -164,20 +172,98 @@ fn data_url_bytes(url: &str, at: &str, max_bytes: usize) -> Result<Vec<u8>, Gate
         .map_err(|e| GatewayError::Invalid(format!("{at}: invalid base64: {e}")))
 }
 
+/// The request's sampling fields, checked for what only the HTTP API can get wrong (the
+/// shapes of `top_k`, `logit_bias`, `top_logprobs`); the ranges are checked once the
+/// defaults are in ([`llm_svc::SamplingParams::validate`]).
+fn requested_sampling(r: &OpenAiRequest) -> Result<RequestedSampling, GatewayError> {
+    let bad = |m: String| Err(GatewayError::Invalid(m));
+    let top_k = match r.top_k {
+        None => None,
+        Some(-1) => Some(0),
+        Some(k) if k >= 0 => Some(k as usize),
+        Some(k) => return bad(format!("`top_k` must be -1 (off) or at least 0, got {k}")),
+    };
+    let mut logit_bias = Vec::new();
+    for (key, value) in r.logit_bias.iter().flatten() {
+        let Ok(id) = key.parse::<u32>() else {
+            return bad(format!(
+                "`logit_bias` keys must be token ids (non-negative integers), got {key:?}"
+            ));
+        };
+        let Some(bias) = value.as_f64() else {
+            return bad(format!(
+                "`logit_bias` values must be numbers, got {value} for token {id}"
+            ));
+        };
+        logit_bias.push((id, bias as f32));
+    }
+    // Ordered by id, as the gRPC API's map is; duplicates ("7" and "07") stay for validate().
+    logit_bias.sort_by_key(|b| b.0);
+    let max = vlm_compute::sampling::MAX_TOP_LOGPROBS as i64;
+    let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
+        (_, Some(n)) if !(0..=max).contains(&n) => {
+            return bad(format!(
+                "`top_logprobs` must be between 0 and {max}, got {n}"
+            ))
+        }
+        (false, Some(n)) => {
+            return bad(format!("`top_logprobs` ({n}) needs `logprobs` set to true"))
+        }
+        (true, n) => Some(n.unwrap_or(0) as usize),
+        (false, None) => None,
+    };
+    Ok(RequestedSampling {
+        temperature: r.temperature,
+        top_k,
+        top_p: r.top_p,
+        min_p: r.min_p,
+        presence_penalty: r.presence_penalty,
+        frequency_penalty: r.frequency_penalty,
+        repetition_penalty: r.repetition_penalty,
+        logit_bias,
+        logprobs,
+        seed: r.seed,
+    })
+}
+
+/// A body that is not a chat completion request: the message names where it went wrong.
+fn not_a_request(at: &str, e: impl std::fmt::Display) -> GatewayError {
+    let at = if at.is_empty() || at == "." {
+        String::new()
+    } else {
+        format!("`{at}`: ")
+    };
+    GatewayError::Invalid(format!(
+        "request body is not a valid chat completion request: {at}{e}"
+    ))
+}
+
 fn parse_request(
     body: &[u8],
     default_max_tokens: usize,
     limits: &RequestLimits,
+    defaults: &SamplingDefaults,
 ) -> Result<(ChatRequest, ResponseOptions), GatewayError> {
-    let r: OpenAiRequest = serde_json::from_slice(body).map_err(|e| {
-        GatewayError::Invalid(format!(
-            "request body is not a valid chat completion request: {e}"
-        ))
-    })?;
-    let _ = r.model; // one model per gateway: any name is accepted
-    if r.n.is_some_and(|n| n != 1) {
-        return Err(GatewayError::Invalid("`n` must be 1".into()));
+    // Read as a map first, so that fields are refused by name before any is interpreted;
+    // the values move into the request unchanged (no copy of an image's base64).
+    let mut fields: Map<String, Value> =
+        serde_json::from_slice(body).map_err(|e| not_a_request("", e))?;
+    fields::check(&mut fields)?;
+    let r: OpenAiRequest = serde_path_to_error::deserialize(Value::Object(fields))
+        .map_err(|e| not_a_request(&e.path().to_string(), e.inner()))?;
+    let _ = &r.model; // one model per gateway: any name is accepted
+    match r.n {
+        None | Some(1) => {}
+        Some(n) => {
+            return Err(GatewayError::Invalid(format!(
+                "`n` must be 1 (one choice per request), got {n}"
+            )))
+        }
     }
+    let sampling = defaults.apply(requested_sampling(&r)?);
+    sampling
+        .validate()
+        .map_err(|e| GatewayError::Invalid(e.to_string()))?;
     // Counted before any image is decoded (validate_request counts again, for gRPC too).
     let images = r
         .messages
@@ -264,37 +350,25 @@ fn parse_request(
             ))
         }
     };
-    let top_k = match r.top_k {
-        None | Some(-1) => 0,
-        Some(k) if k >= 0 => k as usize,
-        Some(k) => {
-            return Err(GatewayError::Invalid(format!(
-                "`top_k` must be -1 (off) or at least 0, got {k}"
-            )))
-        }
-    };
     let max_tokens = r
         .max_completion_tokens
         .or(r.max_tokens)
         .map_or(default_max_tokens, |m| m as usize);
     let options = ResponseOptions {
-        stream: r.stream,
+        stream: r.stream.unwrap_or(false),
         include_usage: r.stream_options.is_some_and(|o| o.include_usage),
-        return_token_ids: r.return_token_ids,
+        return_token_ids: r.return_token_ids.unwrap_or(false),
+        logprobs: sampling.logprobs.is_some(),
     };
     Ok((
         ChatRequest {
             messages,
-            sampling: SamplingParams {
-                // OpenAI's default temperature is 1; ours is greedy unless asked, as documented.
-                temperature: r.temperature.unwrap_or(0.0),
-                top_k,
-                top_p: r.top_p.unwrap_or(1.0),
-                seed: r.seed,
-            },
+            // OpenAI's default temperature is 1; ours is the checkpoint's, else greedy, as
+            // documented.
+            sampling,
             max_new_tokens: max_tokens,
             stop,
-            ignore_eos: r.ignore_eos,
+            ignore_eos: r.ignore_eos.unwrap_or(false),
             return_logits: false,
         },
         options,
@@ -313,14 +387,46 @@ fn body_rejected(e: &BytesRejection, limits: &RequestLimits) -> GatewayError {
     }
 }
 
-/// `POST /v1/chat/completions`'s body as the handler reads it (the response options dropped),
-/// for the fuzz targets in `fuzz/`.
+/// `POST /v1/chat/completions`'s body as the handler reads it (the response options dropped,
+/// no checkpoint defaults), for the fuzz targets in `fuzz/`.
 pub fn parse_chat_request(
     body: &[u8],
     default_max_tokens: usize,
     limits: &RequestLimits,
 ) -> Result<ChatRequest, GatewayError> {
-    parse_request(body, default_max_tokens, limits).map(|(req, _)| req)
+    parse_request(
+        body,
+        default_max_tokens,
+        limits,
+        &SamplingDefaults::default(),
+    )
+    .map(|(req, _)| req)
+}
+
+/// OpenAI's stand-in for a logprob of minus infinity, which JSON cannot carry.
+const NEG_INF_LOGPROB: f32 = -9999.0;
+
+fn logprob_json(l: &Logprob) -> Value {
+    let logprob = if l.logprob.is_finite() {
+        l.logprob
+    } else {
+        NEG_INF_LOGPROB
+    };
+    json!({"token": l.text, "logprob": logprob, "bytes": l.bytes})
+}
+
+/// A choice's `logprobs` in OpenAI's shape: `{"content": [{"token", "logprob", "bytes",
+/// "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}`, one entry per token.
+fn logprobs_json(tokens: &[TokenLogprobs]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut entry = logprob_json(&t.token);
+            entry["top_logprobs"] = t.top.iter().map(logprob_json).collect();
+            entry
+        })
+        .collect();
+    json!({ "content": content })
 }
 
 fn finish_str(f: pb::FinishReason) -> &'static str {
@@ -354,8 +460,13 @@ async fn chat_completions(
         Ok(b) => b,
         Err(e) => return error_response(&body_rejected(&e, &st.orchestrator.limits)),
     };
-    let (req, options) = match parse_request(&body, st.default_max_tokens, &st.orchestrator.limits)
-    {
+    let parsed = parse_request(
+        &body,
+        st.default_max_tokens,
+        &st.orchestrator.limits,
+        &st.orchestrator.sampling_defaults,
+    );
+    let (req, options) = match parsed {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
@@ -373,15 +484,17 @@ async fn chat_completions(
     if !options.stream {
         let mut rx = rx;
         let (mut text, mut finish, mut usage) = (String::new(), "stop", (0, 0));
-        let mut token_ids = Vec::new();
+        let (mut token_ids, mut logprobs) = (Vec::new(), Vec::new());
         while let Some(ev) = rx.recv().await {
             match ev {
                 Ok(ChatEvent::Delta {
                     text: t,
                     token_ids: ids,
+                    logprobs: l,
                 }) => {
                     text.push_str(&t);
                     token_ids.extend(ids);
+                    logprobs.extend(l);
                 }
                 Ok(ChatEvent::Done {
                     finish: f,
@@ -410,6 +523,9 @@ async fn chat_completions(
         if options.return_token_ids {
             body["choices"][0]["token_ids"] = json!(token_ids);
         }
+        if options.logprobs {
+            body["choices"][0]["logprobs"] = logprobs_json(&logprobs);
+        }
         return Json(body).into_response();
     }
 
@@ -428,16 +544,30 @@ async fn chat_completions(
         async move { c }
     });
     let usage_chunk = chunk.clone();
-    let (include_usage, return_token_ids) = (options.include_usage, options.return_token_ids);
+    let include_usage = options.include_usage;
     let events = ReceiverStream::new(rx).flat_map(move |ev| {
         let items: Vec<Value> = match ev {
-            Ok(ChatEvent::Delta { text, token_ids }) if return_token_ids => {
-                let mut c = chunk(json!({"content": text}), None);
-                c["choices"][0]["token_ids"] = json!(token_ids);
-                vec![c]
+            Ok(ChatEvent::Delta {
+                text,
+                token_ids,
+                logprobs,
+            }) => {
+                // A step whose text is held back still gets a chunk when it carries what the
+                // client asked to see of every token.
+                let with_logprobs = options.logprobs && !logprobs.is_empty();
+                if text.is_empty() && !options.return_token_ids && !with_logprobs {
+                    vec![]
+                } else {
+                    let mut c = chunk(json!({ "content": text }), None);
+                    if options.return_token_ids {
+                        c["choices"][0]["token_ids"] = json!(token_ids);
+                    }
+                    if with_logprobs {
+                        c["choices"][0]["logprobs"] = logprobs_json(&logprobs);
+                    }
+                    vec![c]
+                }
             }
-            Ok(ChatEvent::Delta { text, .. }) if text.is_empty() => vec![],
-            Ok(ChatEvent::Delta { text, .. }) => vec![chunk(json!({"content": text}), None)],
             Ok(ChatEvent::Done {
                 finish,
                 prompt_tokens,
@@ -505,8 +635,217 @@ async fn metrics(State(st): State<HttpState>) -> Response {
 mod hostile;
 
 #[cfg(test)]
+mod canned_llm;
+
+#[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `body` as the handler reads it, with no checkpoint defaults.
+    fn parse(
+        body: &Value,
+        default_max_tokens: usize,
+    ) -> Result<(ChatRequest, ResponseOptions), GatewayError> {
+        parse_request(
+            body.to_string().as_bytes(),
+            default_max_tokens,
+            &RequestLimits::default(),
+            &SamplingDefaults::default(),
+        )
+    }
+
+    /// A one-message chat with `fields` added.
+    fn chat_with(fields: Value) -> Value {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    }
+
+    fn field(name: &str, value: Value) -> Value {
+        Value::Object(Map::from_iter([(name.to_string(), value)]))
+    }
+
+    #[test]
+    fn reads_every_sampling_control() {
+        let (req, options) = parse(
+            &chat_with(json!({
+                "temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+                "logit_bias": {"7": -100, "3": 2.5}, "logprobs": true, "top_logprobs": 4,
+                "seed": 11, "n": 1,
+            })),
+            8,
+        )
+        .unwrap();
+        let want = llm_svc::SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 0.9,
+            min_p: 0.05,
+            presence_penalty: 1.5,
+            frequency_penalty: -0.5,
+            repetition_penalty: 1.1,
+            logit_bias: vec![(3, 2.5), (7, -100.0)],
+            logprobs: Some(4),
+            seed: Some(11),
+        };
+        assert_eq!(req.sampling, want);
+        assert!(options.logprobs);
+        // logprobs alone: the pick's logprob, no alternatives; false or absent: none.
+        let (req, options) = parse(&chat_with(json!({"logprobs": true})), 8).unwrap();
+        assert_eq!((req.sampling.logprobs, options.logprobs), (Some(0), true));
+        let (req, options) = parse(&chat_with(json!({"logprobs": false})), 8).unwrap();
+        assert_eq!((req.sampling.logprobs, options.logprobs), (None, false));
+        // Absent fields are off: greedy, no penalties.
+        let (req, _) = parse(&chat_with(json!({})), 8).unwrap();
+        assert_eq!(req.sampling, llm_svc::SamplingParams::default());
+    }
+
+    #[test]
+    fn bad_sampling_values_are_a_400_naming_the_field() {
+        for (fields, name) in [
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                "`top_logprobs`",
+            ),
+            (
+                json!({"logprobs": true, "top_logprobs": -1}),
+                "`top_logprobs`",
+            ),
+            (json!({"top_logprobs": 2}), "`top_logprobs`"),
+            (json!({"logprobs": false, "top_logprobs": 2}), "`logprobs`"),
+            (json!({"n": 0}), "`n`"),
+            (json!({"n": 2}), "`n`"),
+            (json!({"presence_penalty": 2.5}), "`presence_penalty`"),
+            (json!({"presence_penalty": -2.01}), "`presence_penalty`"),
+            (json!({"frequency_penalty": -3}), "`frequency_penalty`"),
+            (json!({"frequency_penalty": 2.1}), "`frequency_penalty`"),
+            (json!({"repetition_penalty": 0}), "`repetition_penalty`"),
+            (json!({"repetition_penalty": 11}), "`repetition_penalty`"),
+            (json!({"logit_bias": {"5": 101}}), "`logit_bias`"),
+            (json!({"logit_bias": {"5": -100.5}}), "`logit_bias`"),
+            (json!({"logit_bias": {"abc": 1}}), "`logit_bias`"),
+            (json!({"logit_bias": {"-1": 1}}), "`logit_bias`"),
+            (json!({"logit_bias": {"5": "up"}}), "`logit_bias`"),
+            (json!({"logit_bias": {"5": 1, "05": 2}}), "`logit_bias`"),
+            (json!({"logit_bias": [1, 2]}), "`logit_bias`"),
+            (json!({"min_p": 1.5}), "`min_p`"),
+            (json!({"min_p": -0.1}), "`min_p`"),
+            (json!({"top_k": -2}), "`top_k`"),
+            (json!({"temperature": "hot"}), "`temperature`"),
+            (json!({"logprobs": "yes"}), "`logprobs`"),
+        ] {
+            let e = parse(&chat_with(fields.clone()), 8).unwrap_err();
+            assert_eq!(e.http_status(), 400, "{fields}: {e}");
+            assert!(e.to_string().contains(name), "{fields}: {e}");
+        }
+        // At the edges of the ranges, accepted.
+        for fields in [
+            json!({"logprobs": true, "top_logprobs": 20}),
+            json!({"logprobs": true, "top_logprobs": 0}),
+            json!({"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 10}),
+            json!({"logit_bias": {"5": 100, "6": -100}, "min_p": 1}),
+            json!({"n": null, "logprobs": null, "top_logprobs": null, "logit_bias": null}),
+        ] {
+            assert!(parse(&chat_with(fields.clone()), 8).is_ok(), "{fields}");
+        }
+    }
+
+    #[test]
+    fn unimplemented_fields_are_refused_inert_ones_accepted_and_unknown_ones_named() {
+        let e = parse(&chat_with(json!({"tools": [{"type": "function"}]})), 8).unwrap_err();
+        assert_eq!(e.http_status(), 400);
+        assert!(e.to_string().contains("`tools` is not supported"), "{e}");
+        for (name, _) in fields::REFUSED {
+            let e = parse(&chat_with(field(name, json!("something"))), 8).unwrap_err();
+            assert!(e.to_string().contains(&format!("`{name}`")), "{name}: {e}");
+        }
+        // The same fields sent as null or as their off value ask for nothing.
+        for off in [
+            json!({"tools": [], "tool_choice": "none", "functions": null}),
+            json!({"response_format": {"type": "text"}, "modalities": ["text"]}),
+            json!({"best_of": 1, "use_beam_search": false, "skip_special_tokens": true}),
+        ] {
+            assert!(parse(&chat_with(off.clone()), 8).is_ok(), "{off}");
+        }
+        assert!(parse(
+            &chat_with(json!({"response_format": {"type": "json_object"}})),
+            8
+        )
+        .is_err());
+        for name in fields::IGNORED {
+            let (req, _) = parse(&chat_with(field(name, json!({"any": "thing"}))), 8)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(req.sampling, llm_svc::SamplingParams::default(), "{name}");
+        }
+        let e = parse(&chat_with(json!({"user": "u1", "frobnicate": 1})), 8).unwrap_err();
+        assert_eq!(e.http_status(), 400);
+        assert!(e.to_string().contains("unknown field `frobnicate`"), "{e}");
+        // Every field the list says is read, the request struct reads (null is absent).
+        for name in fields::READ.iter().filter(|&&n| n != "messages") {
+            parse(&chat_with(field(name, Value::Null)), 8)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+
+    #[test]
+    fn checkpoint_defaults_fill_only_what_the_body_leaves_out() {
+        let defaults = SamplingDefaults {
+            temperature: Some(0.7),
+            top_k: Some(20),
+            top_p: Some(0.8),
+            presence_penalty: Some(1.5),
+            ..Default::default()
+        };
+        let body = chat_with(json!({"temperature": 0, "presence_penalty": 0}));
+        let (req, _) = parse_request(
+            body.to_string().as_bytes(),
+            8,
+            &RequestLimits::default(),
+            &defaults,
+        )
+        .unwrap();
+        let s = req.sampling;
+        assert_eq!(
+            (s.temperature, s.top_k, s.top_p, s.presence_penalty),
+            (0.0, 20, 0.8, 0.0)
+        );
+    }
+
+    #[test]
+    fn logprobs_take_openai_shape_with_each_tokens_text_and_bytes() {
+        let lp = |id, text: &str, bytes: &[u8], logprob| Logprob {
+            id,
+            text: text.into(),
+            bytes: bytes.to_vec(),
+            logprob,
+        };
+        let tokens = vec![
+            TokenLogprobs {
+                token: lp(5, " the", b" the", -0.5),
+                top: vec![
+                    lp(5, " the", b" the", -0.5),
+                    lp(9, "\u{FFFD}", &[0xE2], f32::NEG_INFINITY),
+                ],
+            },
+            TokenLogprobs {
+                token: lp(7, "\u{FFFD}", &[0xE2, 0x80], -1.25),
+                top: vec![],
+            },
+        ];
+        assert_eq!(
+            logprobs_json(&tokens),
+            json!({"content": [
+                {"token": " the", "logprob": -0.5, "bytes": [32, 116, 104, 101], "top_logprobs": [
+                    {"token": " the", "logprob": -0.5, "bytes": [32, 116, 104, 101]},
+                    {"token": "\u{FFFD}", "logprob": -9999.0, "bytes": [226]},
+                ]},
+                {"token": "\u{FFFD}", "logprob": -1.25, "bytes": [226, 128], "top_logprobs": []},
+            ]})
+        );
+    }
 
     #[test]
     fn parses_openai_messages_with_data_urls_and_defaults() {
@@ -523,8 +862,7 @@ mod tests {
             "stop": "END",
             "max_tokens": 5,
         });
-        let (req, options) =
-            parse_request(body.to_string().as_bytes(), 256, &RequestLimits::default()).unwrap();
+        let (req, options) = parse(&body, 256).unwrap();
         assert!(!options.stream && !options.include_usage && !options.return_token_ids);
         assert_eq!(req.max_new_tokens, 5);
         assert_eq!(req.stop, vec!["END".to_string()]);
@@ -536,17 +874,21 @@ mod tests {
     fn rejects_remote_urls_bad_roles_and_bad_json_with_the_field() {
         let remote = json!({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]});
-        let e =
-            parse_request(remote.to_string().as_bytes(), 1, &RequestLimits::default()).unwrap_err();
+        let e = parse(&remote, 1).unwrap_err();
         assert!(
             e.to_string().contains("messages[0].content[0]") && e.to_string().contains("https"),
             "{e}"
         );
         let role = json!({"messages": [{"role": "robot", "content": "hi"}]});
-        let e =
-            parse_request(role.to_string().as_bytes(), 1, &RequestLimits::default()).unwrap_err();
+        let e = parse(&role, 1).unwrap_err();
         assert!(e.to_string().contains("messages[0].role"), "{e}");
-        let e = parse_request(b"{not json", 1, &RequestLimits::default()).unwrap_err();
+        let e = parse_request(
+            b"{not json",
+            1,
+            &RequestLimits::default(),
+            &SamplingDefaults::default(),
+        )
+        .unwrap_err();
         assert_eq!(e.http_status(), 400);
     }
 
@@ -560,8 +902,7 @@ mod tests {
             "ignore_eos": true,
             "top_k": -1,
         });
-        let (req, options) =
-            parse_request(body.to_string().as_bytes(), 7, &RequestLimits::default()).unwrap();
+        let (req, options) = parse(&body, 7).unwrap();
         assert!(options.stream && options.include_usage && options.return_token_ids);
         assert!(req.ignore_eos);
         assert_eq!((req.sampling.top_k, req.max_new_tokens), (0, 7));

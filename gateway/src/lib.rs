@@ -3,6 +3,8 @@
 //! - [`auth`]: the optional API key, and the access and TLS flags of the public ports.
 //! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
+//! - [`sampling`]: a request's sampling fields, with the checkpoint's defaults for those it
+//!   leaves out.
 //! - [`pipeline`]: the whole request in one process (`vlm run`).
 //! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas;
 //!   [`gateway_error`]: what a request can fail with, as gRPC and HTTP statuses.
@@ -21,6 +23,7 @@ pub mod load;
 pub mod metrics;
 pub mod orchestrator;
 pub mod pipeline;
+pub mod sampling;
 pub mod serve;
 pub mod stack;
 pub mod upstream;

@@ -14,6 +14,8 @@
 //! upstream stream is dropped, and the LLM service stops decoding. A client that stays but
 //! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
 //! The caller's deadline is passed on to every upstream call.
+//! A request's sampling fields reach llm-svc whole ([`generate_request`]); the logprobs it
+//! asked for come back per token and leave here with each token's text ([`TokenLogprobs`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,23 +30,89 @@ use vlm_proto::pb::{self, EncodeRequest, EncodeResponse};
 use vlm_proto::telemetry;
 
 use crate::chat::{ChatTokenizer, Message, Part};
-use crate::detok::TextStream;
+use crate::detok::{TextStream, TokenBytes};
 pub use crate::gateway_error::GatewayError;
 use crate::metrics::Metrics;
 use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits};
+use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
 use crate::upstream::Upstreams;
 
 /// What a chat stream yields.
 #[derive(Debug, Clone)]
 pub enum ChatEvent {
-    /// New tokens and the text they complete (possibly empty).
-    Delta { text: String, token_ids: Vec<u32> },
+    /// New tokens and the text they complete (possibly empty); with logprobs asked for, one
+    /// [`TokenLogprobs`] per token, else none.
+    Delta {
+        text: String,
+        token_ids: Vec<u32>,
+        logprobs: Vec<TokenLogprobs>,
+    },
     /// The end: why, and the token counts.
     Done {
         finish: pb::FinishReason,
         prompt_tokens: u32,
         completion_tokens: u32,
     },
+}
+
+/// A token with its logprob, as responses show it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprob {
+    pub id: u32,
+    /// The token alone, decoded (U+FFFD where it holds part of a character).
+    pub text: String,
+    /// The token's own bytes, possibly an incomplete UTF-8 sequence.
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// A generated token's logprob and the most likely tokens' at its step, best first (raw:
+/// from the model's logits before logit_bias, penalties and temperature).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: Logprob,
+    pub top: Vec<Logprob>,
+}
+
+/// The logprobs llm-svc sent with `ids`, with each token's text; none when none were asked.
+fn logprobs_with_text(
+    ids: &[u32],
+    wire: Vec<pb::TokenLogprobs>,
+    tokens: &TokenBytes,
+) -> Result<Vec<TokenLogprobs>, GatewayError> {
+    if wire.is_empty() {
+        return Ok(Vec::new());
+    }
+    if wire.len() != ids.len() {
+        return Err(GatewayError::Internal(format!(
+            "llm-svc sent {} logprobs for {} tokens",
+            wire.len(),
+            ids.len()
+        )));
+    }
+    let logprob = |id: u32, logprob: f32| -> Result<Logprob, GatewayError> {
+        let (text, bytes) = tokens.text_and_bytes(id)?;
+        Ok(Logprob {
+            id,
+            text,
+            bytes,
+            logprob,
+        })
+    };
+    ids.iter()
+        .zip(wire)
+        .map(|(&id, w)| {
+            Ok(TokenLogprobs {
+                token: logprob(id, w.logprob)?,
+                top: w
+                    .top_ids
+                    .iter()
+                    .zip(&w.top_logprobs)
+                    .map(|(&id, &lp)| logprob(id, lp))
+                    .collect::<Result<_, _>>()?,
+            })
+        })
+        .collect()
 }
 
 pub struct Orchestrator {
@@ -67,6 +135,13 @@ pub struct Orchestrator {
     /// Longest a stream waits for its client to take the next event; past it the generation
     /// is cancelled, so a client that stops reading holds no permit, KV cache or task.
     pub client_send_timeout: Duration,
+    /// Values of the sampling fields a request leaves out (the checkpoint's
+    /// generation_config.json, unless `--generation-config none`); both APIs resolve their
+    /// requests with them.
+    pub sampling_defaults: SamplingDefaults,
+    /// The model's vocabulary, to refuse `logit_bias` ids outside it before any upstream
+    /// call; `None`: llm-svc alone checks them.
+    pub vocab_size: Option<usize>,
     permits: Arc<Semaphore>,
 }
 
@@ -135,6 +210,8 @@ impl Orchestrator {
             shared_memory: true,
             llm_domains: Default::default(),
             client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
+            sampling_defaults: SamplingDefaults::default(),
+            vocab_size: None,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
         }
     }
@@ -319,6 +396,9 @@ impl Orchestrator {
         let deadline = timeout.map(|t| arrived + t);
         // Checked before it takes a place: a bad request is a 400 even when the gateway is full.
         validate_request(&req, &self.limits)?;
+        if let Some(vocab) = self.vocab_size {
+            check_logit_bias_ids(&req.sampling, vocab)?;
+        }
         let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
             GatewayError::Overloaded(
                 "the gateway is serving its limit of concurrent requests; retry later".into(),
@@ -426,14 +506,26 @@ pub fn generate_request(
     pb::GenerateRequest {
         prompt_token_ids: prompt,
         images,
-        sampling: Some(pb::SamplingParams {
-            temperature: req.sampling.temperature,
-            top_k: req.sampling.top_k as u32,
-            top_p: req.sampling.top_p,
-            seed: req.sampling.seed,
-        }),
+        sampling: Some(sampling_to_pb(&req.sampling)),
         max_new_tokens: req.max_new_tokens as u32,
         ignore_eos: req.ignore_eos,
+    }
+}
+
+/// The engine's sampling fields as llm-svc's wire carries them (`llm_svc::server::
+/// sampling_from_pb` reads them back).
+pub fn sampling_to_pb(s: &llm_svc::SamplingParams) -> pb::SamplingParams {
+    pb::SamplingParams {
+        temperature: s.temperature,
+        top_k: s.top_k as u32,
+        top_p: s.top_p,
+        seed: s.seed,
+        min_p: s.min_p,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        repetition_penalty: Some(s.repetition_penalty),
+        logit_bias: s.logit_bias.iter().copied().collect(),
+        top_logprobs: s.logprobs.map(|n| n as u32),
     }
 }
 
@@ -471,6 +563,7 @@ async fn forward(
 ) {
     let permit = s.permit;
     let mut text = TextStream::new(chat.tokenizer(), stop);
+    let token_bytes = TokenBytes::new(chat.tokenizer());
     let mut last_token: Option<Instant> = None;
     let mut ttft: Option<Duration> = None;
     let mut generated = 0u32;
@@ -480,7 +573,7 @@ async fn forward(
         e
     };
     loop {
-        let msg = match s.upstream.message().await {
+        let mut msg = match s.upstream.message().await {
             Ok(Some(m)) => m,
             Ok(None) => {
                 let e = fail(
@@ -529,6 +622,15 @@ async fn forward(
             }
         }
         metrics.generated_tokens.inc_by(msg.token_ids.len() as u64);
+        let logprobs = std::mem::take(&mut msg.logprobs);
+        let logprobs = match logprobs_with_text(&msg.token_ids, logprobs, &token_bytes) {
+            Ok(l) => l,
+            Err(e) => {
+                let e = fail(&mut guard, e);
+                let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
+                return;
+            }
+        };
         let finish =
             pb::FinishReason::try_from(msg.finish_reason).unwrap_or(pb::FinishReason::Unspecified);
         let done = stop_hit || finish != pb::FinishReason::Unspecified;
@@ -546,6 +648,7 @@ async fn forward(
             let delta = ChatEvent::Delta {
                 text: visible,
                 token_ids: msg.token_ids.clone(),
+                logprobs,
             };
             match tokio::time::timeout(send_timeout, tx.send(Ok(delta))).await {
                 Ok(Ok(())) => {}
@@ -686,6 +789,37 @@ mod tests {
             handoff::take::<Vec<Embeddings>>(kept).is_some(),
             "still there"
         );
+    }
+
+    #[test]
+    fn every_sampling_field_reaches_llm_svc_as_it_reads_them() {
+        let s = llm_svc::SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            min_p: 0.05,
+            presence_penalty: 1.5,
+            frequency_penalty: -0.5,
+            repetition_penalty: 1.1,
+            logit_bias: vec![(3, 2.5), (7, -100.0)],
+            logprobs: Some(5),
+            seed: Some(9),
+        };
+        let greedy = llm_svc::SamplingParams::default();
+        for p in [s, greedy] {
+            assert_eq!(llm_svc::server::sampling_from_pb(sampling_to_pb(&p)), p);
+        }
+    }
+
+    #[tokio::test]
+    async fn logprobs_come_one_per_token_or_not_at_all() {
+        let o = orchestrator(&["a:1"]);
+        let tokens = TokenBytes::new(o.chat.tokenizer());
+        assert!(logprobs_with_text(&[1, 2], vec![], &tokens)
+            .unwrap()
+            .is_empty());
+        let e = logprobs_with_text(&[1, 2], vec![Default::default()], &tokens).unwrap_err();
+        assert!(e.to_string().contains("1 logprobs for 2 tokens"), "{e}");
     }
 
     #[tokio::test]

@@ -23,6 +23,7 @@ use crate::http::{router, HttpState};
 use crate::metrics::Metrics;
 use crate::orchestrator::Orchestrator;
 use crate::pipeline::{check_model_dir, RequestLimits};
+use crate::sampling::{GenerationConfig, SamplingDefaults};
 use crate::upstream::{upstream_endpoint, Upstreams};
 
 pub struct GatewayConfig {
@@ -54,6 +55,9 @@ pub struct GatewayConfig {
     pub tls: Option<ServerIdentity>,
     /// TLS (with a client certificate: mutual TLS) to vision-svc and llm-svc.
     pub upstream_tls: Option<ClientTlsConfig>,
+    /// Whether the checkpoint's generation_config.json gives the sampling fields a request
+    /// leaves out (`--generation-config`).
+    pub generation_config: GenerationConfig,
 }
 
 /// Longest one upstream replica's health probe (connect and check) may take.
@@ -164,6 +168,11 @@ pub async fn serve(
     check_model_dir(&cfg.model)?;
     let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
     let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id)?;
+    let sampling_defaults = SamplingDefaults::load(&cfg.model, cfg.generation_config)?;
+    if !sampling_defaults.is_empty() {
+        // As vLLM says it: a request that names no temperature is not greedy here.
+        tracing::info!(defaults = ?sampling_defaults, "sampling fields a request leaves out take the checkpoint's generation_config.json values (--generation-config none: greedy)");
+    }
     let mut metrics = Metrics::new();
     for r in &cfg.also_metrics {
         metrics.also_show(r.clone());
@@ -186,6 +195,8 @@ pub async fn serve(
         }
     };
     orchestrator.client_send_timeout = cfg.client_send_timeout;
+    orchestrator.sampling_defaults = sampling_defaults;
+    orchestrator.vocab_size = Some(llm_cfg.text.vocab_size);
     let orchestrator = Arc::new(orchestrator);
     let health = Arc::new(
         UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),

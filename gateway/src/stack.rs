@@ -57,6 +57,9 @@ pub struct StackConfig {
     pub api_key: Option<crate::auth::ApiKey>,
     /// HTTPS and gRPC over TLS on the public ports.
     pub tls: Option<vlm_proto::tls::ServerIdentity>,
+    /// Whether the checkpoint's generation_config.json gives the sampling fields a request
+    /// leaves out.
+    pub generation_config: crate::sampling::GenerationConfig,
 }
 
 impl StackConfig {
@@ -83,6 +86,7 @@ impl StackConfig {
             request_timeout: Duration::from_secs(600),
             api_key: None,
             tls: None,
+            generation_config: Default::default(),
         }
     }
 }
@@ -183,6 +187,7 @@ impl LocalStack {
                 tls: cfg.tls.clone(),
                 // The model services are this process's own, on loopback.
                 upstream_tls: None,
+                generation_config: cfg.generation_config,
             },
             grpc,
             http,

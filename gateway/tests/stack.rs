@@ -1,6 +1,6 @@
 //! `gateway::stack::LocalStack`, the one way `vlm serve`, `vlm bench` and `vlm load` start the
-//! three services in process: it serves the bundled tiny model through both public APIs and
-//! stops cleanly, and a model that cannot load fails `ready` with the service's name and its
+//! three services in process: it serves the bundled tiny model through both public APIs (with
+//! logprobs when asked) and stops cleanly, and a model that cannot load fails `ready` with the service's name and its
 //! error instead of waiting out the timeout.
 
 use std::path::PathBuf;
@@ -75,6 +75,84 @@ async fn serves_the_tiny_model_and_stops() {
         .unwrap()
         .into_inner();
     assert_eq!(streamed, unary.token_ids, "{sse}");
+    stack.stop().await.unwrap();
+}
+
+/// Logprobs from the engine through both APIs: one entry per generated token with as many
+/// alternatives as asked, best first; greedy's pick is the best of the raw logprobs; the two
+/// APIs agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_come_with_every_token_through_both_apis() {
+    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 5, "ignore_eos": true, "return_token_ids": true,
+        "logprobs": true, "top_logprobs": 3,
+    });
+    let answer: serde_json::Value = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", stack.http_addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let choice = &answer["choices"][0];
+    let content = choice["logprobs"]["content"].as_array().expect("logprobs");
+    assert_eq!(content.len(), 5, "{answer}");
+    assert_eq!(choice["token_ids"].as_array().unwrap().len(), 5);
+    for entry in content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(
+            lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0,
+            "{entry}"
+        );
+        assert_eq!(
+            entry["token"], top[0]["token"],
+            "greedy picks the best: {entry}"
+        );
+        assert_eq!(entry["bytes"], top[0]["bytes"], "{entry}");
+    }
+
+    let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
+        .await
+        .unwrap();
+    let grpc = client
+        .chat(vlm_proto::pb::ChatRequest {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: vec![ContentPart {
+                    part: Some(content_part::Part::Text("hello".into())),
+                }],
+            }],
+            max_tokens: Some(5),
+            ignore_eos: true,
+            logprobs: true,
+            top_logprobs: Some(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let http_ids: Vec<u64> = choice["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_u64().unwrap())
+        .collect();
+    let grpc_ids: Vec<u64> = grpc.token_ids.iter().map(|&i| i as u64).collect();
+    assert_eq!(grpc_ids, http_ids);
+    for ((lp, &id), entry) in grpc.logprobs.iter().zip(&grpc.token_ids).zip(content) {
+        assert_eq!((lp.token_id, lp.top.len(), lp.top[0].token_id), (id, 3, id));
+        assert!((lp.logprob as f64 - entry["logprob"].as_f64().unwrap()).abs() < 1e-4);
+    }
+    assert_eq!(grpc.logprobs.len(), 5);
     stack.stop().await.unwrap();
 }
 

@@ -93,12 +93,7 @@ pub fn chat_messages(data: &[u8]) -> Outcome {
     }
     let req = ChatRequest {
         messages,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: None,
-        },
+        sampling: SamplingParams::greedy(),
         max_new_tokens: 16,
         stop: Vec::new(),
         ignore_eos: false,

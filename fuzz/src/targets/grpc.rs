@@ -74,6 +74,6 @@ fn generate_request(body: &[u8]) -> Outcome {
 
 fn chat_request(body: &[u8]) -> Outcome {
     let req = pb::ChatRequest::decode(body).map_err(text)?;
-    let req = ::gateway::grpc::request_from_pb(req, 256).map_err(text)?;
+    let req = ::gateway::grpc::request_from_pb(req, 256, &Default::default()).map_err(text)?;
     super::gateway::gateway_steps(&req)
 }

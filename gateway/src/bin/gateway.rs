@@ -95,6 +95,16 @@ struct Args {
     /// containers sharing their IPC namespace), which saves copying them through the gateway.
     #[arg(long, env = "VLM_NO_SHARED_MEMORY")]
     no_shared_memory: bool,
+    /// Where the sampling fields a request leaves out (temperature, top_k, top_p, min_p, the
+    /// penalties) come from: auto, the checkpoint's generation_config.json for each key it
+    /// has ("do_sample": false: greedy), as vLLM; none, greedy with every control off.
+    #[arg(
+        long,
+        env = "VLM_GENERATION_CONFIG",
+        value_enum,
+        default_value = "auto"
+    )]
+    generation_config: gateway::sampling::GenerationConfig,
     #[command(flatten)]
     access: gateway::auth::AccessArgs,
     #[command(flatten)]
@@ -155,6 +165,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         api_key,
         tls,
         upstream_tls,
+        generation_config: args.generation_config,
     };
     let token = CancellationToken::new();
     let stop = token.clone();

@@ -100,6 +100,7 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            ..Default::default()
         },
         max_new_tokens: args.max_new_tokens,
         stop: args.stop.clone(),

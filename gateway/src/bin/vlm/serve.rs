@@ -51,6 +51,10 @@ pub struct ServeArgs {
     /// what the KV cache holds).
     #[arg(long)]
     max_context: Option<usize>,
+    /// Where the sampling fields a request leaves out come from: auto, the checkpoint's
+    /// generation_config.json for each key it has, as vLLM; none, greedy.
+    #[arg(long, value_enum, default_value = "auto")]
+    generation_config: gateway::sampling::GenerationConfig,
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
     #[command(flatten)]
@@ -84,6 +88,7 @@ pub async fn serve(
     cfg.max_concurrent = args.max_concurrent;
     cfg.vision_max_concurrent = args.vision_max_concurrent;
     cfg.embedding_cache_bytes = args.embedding_cache_bytes;
+    cfg.generation_config = args.generation_config;
     cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
     let model_name = cfg.model_name.clone();
     let stack = start_stack(cfg, args.device)
