@@ -49,6 +49,9 @@ pub struct BenchOptions {
     pub decode_batches: Vec<usize>,
     /// Also print where a prefill and a batched decode step spend device time, op by op.
     pub profile: bool,
+    /// Also measure every decode row sampled as Qwen3-VL's model card asks (temperature 0.7,
+    /// top-p 0.8, top-k 20, presence penalty 1.5, a fixed seed), beside greedy.
+    pub sampled_decode: bool,
     /// The time-to-first-token requests: one square image of each of these sides and about
     /// `ttft_text_tokens` text tokens.
     pub ttft_image_sides: Vec<usize>,
@@ -387,9 +390,22 @@ pub fn run<B: Backend + Clone>(
         }
     }
 
-    for &context in &opts.decode_contexts {
-        bar.set_message(format!("decode at {context}"));
-        let req = greedy_request(prompt(context), opts.decode_tokens + 1);
+    let samplings: Vec<(&str, SamplingParams)> = std::iter::once(("", SamplingParams::greedy()))
+        .chain(
+            opts.sampled_decode
+                .then(|| (", sampled", recommended_sampling())),
+        )
+        .collect();
+    for (&context, (tag, sampling)) in opts
+        .decode_contexts
+        .iter()
+        .flat_map(|c| samplings.iter().map(move |s| (c, s)))
+    {
+        bar.set_message(format!("decode at {context}{tag}"));
+        let req = GenerateRequest {
+            sampling: sampling.clone(),
+            ..greedy_request(prompt(context), opts.decode_tokens + 1)
+        };
         let s = time(opts, &bar, || {
             let g = pipeline
                 .engine
@@ -402,7 +418,7 @@ pub fn run<B: Backend + Clone>(
         // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), and the cache.
         let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
         let mut meas = Measurement {
-            name: format!("decode: batch 1 at context {context}"),
+            name: format!("decode: batch 1 at context {context}{tag}"),
             seconds: s,
             work: 1.0,
             unit: "token",
@@ -411,14 +427,18 @@ pub fn run<B: Backend + Clone>(
         meas.roofline = Some(meas.throughput() * bytes_per_token / bandwidth);
         out.push(meas);
     }
-    for &batch in &batched {
-        bar.set_message(format!("decode batch {batch}"));
+    for (&batch, (tag, sampling)) in batched
+        .iter()
+        .flat_map(|b| samplings.iter().map(move |s| (b, s)))
+    {
+        bar.set_message(format!("decode batch {batch}{tag}"));
         let s = time(opts, &bar, || {
             batched_decode(
                 &pipeline.engine,
                 batch,
                 batch_context,
                 opts.decode_tokens,
+                sampling,
                 || Ok(()),
             )
         })?;
@@ -426,7 +446,7 @@ pub fn run<B: Backend + Clone>(
             * (batch_context + opts.decode_tokens / 2) as f64
             * llm_svc::PagedKv::<B>::bytes_per_token(&tcfg) as f64;
         let mut meas = Measurement {
-            name: format!("decode: batch {batch} at context {batch_context}"),
+            name: format!("decode: batch {batch} at context {batch_context}{tag}"),
             seconds: s,
             work: batch as f64,
             unit: "token",
@@ -495,12 +515,13 @@ fn batched_decode(
     batch: usize,
     context: usize,
     tokens: usize,
+    sampling: &SamplingParams,
     mut prefilled: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Duration> {
     // More than any sequence can generate before the last one is prefilled: at least one
     // prompt's worth of prefill per step, so at most `batch` steps of head start each.
     let budget = tokens + 1 + batch + 16;
-    let mut streams = start_decoding(engine, batch, context, budget)?;
+    let mut streams = start_decoding(engine, batch, context, budget, sampling)?;
     prefilled()?;
     let started = Instant::now();
     let last = streams.last_mut().expect("batch >= 1");
@@ -523,6 +544,7 @@ fn start_decoding(
     batch: usize,
     context: usize,
     budget: usize,
+    sampling: &SamplingParams,
 ) -> anyhow::Result<Vec<llm_svc::RequestStream>> {
     let mut streams = Vec::with_capacity(batch);
     for b in 0..batch {
@@ -530,7 +552,13 @@ fn start_decoding(
         let prompt = (0..context)
             .map(|i| ((i * 7 + b * 13) % 200 + 10) as u32)
             .collect();
-        let req = greedy_request(prompt, budget);
+        let req = GenerateRequest {
+            sampling: SamplingParams {
+                seed: Some(b as u64),
+                ..sampling.clone()
+            },
+            ..greedy_request(prompt, budget)
+        };
         streams.push(engine.submit(req, None, tracing::Span::none())?);
     }
     // Every sequence's first token (the prefills).
@@ -616,9 +644,14 @@ fn profile_steps<B: Backend + Clone>(
     }
     let steps = 8;
     // Times from the moment every sequence is prefilled: decode steps only.
-    batched_decode(&pipeline.engine, batch, context, steps, || {
-        be.op_times().map(|_| ()).map_err(anyhow::Error::from)
-    })?;
+    batched_decode(
+        &pipeline.engine,
+        batch,
+        context,
+        steps,
+        &SamplingParams::greedy(),
+        || be.op_times().map(|_| ()).map_err(anyhow::Error::from),
+    )?;
     report(format!(
         "{steps} decode steps of {batch} sequences at context {context}"
     ))?;
@@ -626,7 +659,13 @@ fn profile_steps<B: Backend + Clone>(
     // prefilled beside them (its arrival may also see a decode step or two go by). One fewer
     // decoding, so that the engine (sized for `batch` sequences) admits the prompt at once.
     let decoding = batch.saturating_sub(1).max(1);
-    let streams = start_decoding(&pipeline.engine, decoding, context, 64)?;
+    let streams = start_decoding(
+        &pipeline.engine,
+        decoding,
+        context,
+        64,
+        &SamplingParams::greedy(),
+    )?;
     let chunk = 512;
     let req = greedy_request((0..chunk).map(|i| (i % 150 + 20) as u32).collect(), 1);
     be.op_times()?;
@@ -936,6 +975,18 @@ pub fn table(rows: &[Measurement]) -> String {
         ));
     }
     s
+}
+
+/// Qwen3-VL's recommended sampling (its model card): what real clients send.
+pub fn recommended_sampling() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.7,
+        top_p: 0.8,
+        top_k: 20,
+        presence_penalty: 1.5,
+        seed: Some(0),
+        ..SamplingParams::greedy()
+    }
 }
 
 /// A greedy text request that generates `max_new_tokens` through any eos (the benchmarks'

@@ -82,11 +82,31 @@ pub struct Workload {
     pub api: ApiMix,
     /// The same seed gives the same requests, in the same order.
     pub seed: u64,
+    /// How tokens are chosen: greedy by default, or sampled as real clients ask.
+    pub sampling: LoadSampling,
+}
+
+/// The sampling fields every request of a run sends (request `i` also sends seed `i`, so a
+/// run is reproducible).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoadSampling {
+    pub temperature: f32,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub presence_penalty: Option<f32>,
+}
+
+impl LoadSampling {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
 }
 
 /// One request of the run, ready to send.
 #[derive(Clone, Debug)]
 pub struct LoadRequest {
+    /// Its index in the run (also its sampling seed).
+    pub index: u64,
     pub api: Api,
     pub text: String,
     /// PNG bytes.
@@ -169,7 +189,12 @@ impl RequestMaker {
             ApiMix::Mixed if place % 2 == 0 => Api::Http,
             ApiMix::Mixed => Api::Grpc,
         };
-        Ok(LoadRequest { api, text, image })
+        Ok(LoadRequest {
+            index,
+            api,
+            text,
+            image,
+        })
     }
 
     /// Words drawn at random from [`WORDS`], about `tokens` tokens of them. Random words make
@@ -495,16 +520,28 @@ fn http_body(req: &LoadRequest, w: &Workload, model_name: &str) -> Value {
         content.push(json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{b64}")}}));
     }
     content.push(json!({"type": "text", "text": req.text}));
-    json!({
+    let mut body = json!({
         "model": model_name,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": w.max_tokens,
-        "temperature": 0,
+        "temperature": w.sampling.temperature,
+        "seed": req.index,
         "stream": true,
         "stream_options": {"include_usage": true},
         "ignore_eos": true,
         "return_token_ids": true,
-    })
+    });
+    let o = body.as_object_mut().expect("an object");
+    if let Some(p) = w.sampling.top_p {
+        o.insert("top_p".into(), p.into());
+    }
+    if let Some(k) = w.sampling.top_k {
+        o.insert("top_k".into(), k.into());
+    }
+    if let Some(p) = w.sampling.presence_penalty {
+        o.insert("presence_penalty".into(), p.into());
+    }
+    body
 }
 
 fn grpc_request(req: &LoadRequest, w: &Workload) -> pb::ChatRequest {
@@ -523,7 +560,11 @@ fn grpc_request(req: &LoadRequest, w: &Workload) -> pb::ChatRequest {
             content,
         }],
         max_tokens: Some(w.max_tokens as u32),
-        temperature: Some(0.0),
+        temperature: Some(w.sampling.temperature),
+        top_p: w.sampling.top_p,
+        top_k: w.sampling.top_k,
+        presence_penalty: w.sampling.presence_penalty,
+        seed: Some(req.index),
         ignore_eos: true,
         ..Default::default()
     }
@@ -783,6 +824,7 @@ mod tests {
             image_side: 32,
             api,
             seed: 7,
+            sampling: LoadSampling::default(),
         }
     }
 

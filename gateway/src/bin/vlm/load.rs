@@ -77,6 +77,20 @@ pub struct LoadArgs {
     /// Seed of the prompts and images: the same seed sends the same requests.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Sampling temperature of every request (0: greedy). Qwen3-VL's model card asks for 0.7
+    /// with --top-p 0.8 --top-k 20 --presence-penalty 1.5, what real clients send. Each
+    /// request also sends its index as its seed, so runs repeat.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling's probability mass (sent only when given).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep the k most likely tokens (sent only when given).
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// OpenAI's presence penalty, in [-2, 2] (sent only when given).
+    #[arg(long)]
+    presence_penalty: Option<f32>,
     /// Requests sent one at a time before the first level, not measured (connections,
     /// kernels and caches warm up).
     #[arg(long, default_value_t = 2)]
@@ -260,6 +274,12 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         image_side: args.image_side,
         api: args.api,
         seed: args.seed,
+        sampling: gateway::load::LoadSampling {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            presence_penalty: args.presence_penalty,
+        },
     };
     let tokenizer = model.as_deref().map(tokenizer).transpose()?;
     let counted_by = if tokenizer.is_some() {
@@ -277,9 +297,20 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     }
     let levels = run?;
 
+    let sampling = if args.temperature == 0.0 {
+        "greedy".to_string()
+    } else {
+        format!(
+            "sampled at temperature {} top-p {} top-k {} presence penalty {}",
+            args.temperature,
+            args.top_p.unwrap_or(1.0),
+            args.top_k.unwrap_or(0),
+            args.presence_penalty.unwrap_or(0.0)
+        )
+    };
     let config = format!(
         "prompts of {}-{} text tokens (mean {}, counted by {counted_by}), {} generated with \
-         ignore_eos, {}, api {}, seed {}; {served_by}",
+         ignore_eos, {}, {sampling}, api {}, seed {}; {served_by}",
         args.prompt_tokens.div_ceil(2).max(1),
         (args.prompt_tokens * 3 / 2).max(1),
         args.prompt_tokens,
