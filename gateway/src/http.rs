@@ -690,6 +690,7 @@ mod tests {
             logit_bias: vec![(3, 2.5), (7, -100.0)],
             logprobs: Some(4),
             seed: Some(11),
+            choice: 0,
         };
         assert_eq!(req.sampling, want);
         assert!(options.logprobs);

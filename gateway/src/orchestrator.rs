@@ -526,6 +526,7 @@ pub fn sampling_to_pb(s: &llm_svc::SamplingParams) -> pb::SamplingParams {
         repetition_penalty: Some(s.repetition_penalty),
         logit_bias: s.logit_bias.iter().copied().collect(),
         top_logprobs: s.logprobs.map(|n| n as u32),
+        choice: s.choice,
     }
 }
 
@@ -804,6 +805,7 @@ mod tests {
             logit_bias: vec![(3, 2.5), (7, -100.0)],
             logprobs: Some(5),
             seed: Some(9),
+            choice: 2,
         };
         let greedy = llm_svc::SamplingParams::default();
         for p in [s, greedy] {

@@ -150,6 +150,8 @@ impl SamplingDefaults {
             logit_bias: r.logit_bias,
             logprobs: r.logprobs,
             seed: r.seed,
+            // One request's choices are numbered by the orchestrator.
+            choice: 0,
         }
     }
 }

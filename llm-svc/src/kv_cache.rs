@@ -238,6 +238,15 @@ impl BlockPool {
         hit
     }
 
+    /// How many leading `hashes` are cached, as [`BlockPool::lookup`] would find them, without
+    /// taking them.
+    pub fn cached_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.cached.contains_key(h))
+            .count()
+    }
+
     /// Counts one admitted prompt of `queried` tokens of which `hit` were found cached.
     pub fn count_lookup(&mut self, queried: usize, hit: usize) {
         self.stats.queried_tokens += queried as u64;
@@ -303,6 +312,7 @@ mod tests {
         pool.register(seq[0], h0);
         pool.register(seq[1], h1);
         // Still referenced: a second sequence shares both blocks.
+        assert_eq!(pool.cached_prefix(&[h0, h1, 77]), 2);
         assert_eq!(pool.lookup(&[h0, h1, 77]), seq);
         assert_eq!(pool.num_in_use(), 2);
         pool.release(seq.iter().rev().copied());

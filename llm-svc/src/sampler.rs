@@ -36,6 +36,9 @@ pub struct SamplingParams {
     /// Seed of the draws; `None` draws one from the OS. A seeded request gives the same tokens
     /// alone or in any batch.
     pub seed: Option<u64>,
+    /// Which of a request's choices (`n` > 1) this sequence is: the draws' Philox stream, so
+    /// choices with one seed draw differently. Choice 0 draws as a request of one choice.
+    pub choice: u32,
 }
 
 impl Default for SamplingParams {
@@ -51,6 +54,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             logprobs: None,
             seed: None,
+            choice: 0,
         }
     }
 }
@@ -162,7 +166,7 @@ impl SamplingParams {
             repetition_penalty: self.repetition_penalty,
             seed,
             position: position as u32,
-            stream: 0,
+            stream: self.choice,
             slot: slot.unwrap_or(NO_SLOT),
             logprobs: self.logprobs.map_or(0, |n| 1 + n as u32),
             bias_start: bias_start as u32,
@@ -257,10 +261,12 @@ mod tests {
             presence_penalty: 1.5,
             logit_bias: vec![(5, 1.0), (9, -2.0)],
             logprobs: Some(3),
+            choice: 2,
             ..Default::default()
         };
         let row = p.row(42, 17, Some(3), 6);
         assert_eq!((row.seed, row.position, row.slot), (42, 17, 3));
+        assert_eq!(row.stream, 2);
         assert_eq!((row.bias_start, row.bias_len, row.logprobs), (6, 2, 4));
         assert!(p.needs_counts());
         let tiny = SamplingParams {

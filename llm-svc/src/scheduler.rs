@@ -11,14 +11,18 @@
 //!    to be recomputed when there is room again.
 //! 2. Then waiting sequences, first come first served, while the budget, the sequence limit
 //!    and free blocks (less a small reserve for the running ones to grow into) allow. A newly
-//!    admitted prompt starts after the longest prefix found in the prefix cache.
+//!    admitted prompt starts after the longest prefix found in the prefix cache. A prompt whose
+//!    next uncached block a running sequence is computing now (the same prompt arriving
+//!    together: a request's `n` choices, clients that share a long system prompt) waits until
+//!    that block is registered, and is admitted sharing it instead of computing it a second
+//!    time; those behind it are not held up.
 //!
 //! Sequences with one token to compute come first in the plan: a GPU runs them through its
 //! split-K decode kernel and the rest through flash attention.
 
 use std::collections::VecDeque;
 
-use crate::kv_cache::BlockPool;
+use crate::kv_cache::{BlockHash, BlockPool};
 use crate::sequence::Sequence;
 
 #[derive(Clone, Debug)]
@@ -72,6 +76,14 @@ impl Scheduler {
         seq.preemptions += 1;
     }
 
+    /// Whether a running sequence is to compute block `index` of its tokens under `hash` and
+    /// has not yet (the block is registered once it has).
+    fn computing(running: &[Sequence], index: usize, hash: BlockHash) -> bool {
+        running
+            .iter()
+            .any(|r| r.registered <= index && r.hashes.get(index) == Some(&hash))
+    }
+
     /// Plans the next step, allocating the blocks it needs. Empty when there is nothing to do.
     pub fn schedule(&mut self, pool: &mut BlockPool) -> Vec<Planned> {
         let mut budget = self.cfg.max_tokens;
@@ -109,8 +121,11 @@ impl Scheduler {
         }
         // New admissions only when nothing had to give way this step.
         let reserve = pool.capacity() / 100;
+        // The next waiting sequence to consider: those before it wait for a running one's
+        // blocks.
+        let mut next = 0;
         while !preempted && budget > 0 && self.running.len() < self.cfg.max_seqs {
-            let Some(seq) = self.waiting.front_mut() else {
+            let Some(seq) = self.waiting.get_mut(next) else {
                 break;
             };
             let bs = pool.block_size();
@@ -119,6 +134,11 @@ impl Scheduler {
                 seq.hash_full_blocks(bs);
                 // At least the last token is computed: its logits pick the next one.
                 let usable = (seq.tokens.len() - 1) / bs;
+                let cached = pool.cached_prefix(&seq.hashes[..usable]);
+                if cached < usable && Self::computing(&self.running, cached, seq.hashes[cached]) {
+                    next += 1;
+                    continue;
+                }
                 hit = pool.lookup(&seq.hashes[..usable]);
             }
             let computed = hit.len() * bs;
@@ -134,7 +154,10 @@ impl Scheduler {
                 pool.release(hit.into_iter().rev());
                 break;
             };
-            let mut seq = self.waiting.pop_front().expect("front exists");
+            let mut seq = self
+                .waiting
+                .remove(next)
+                .expect("sequence `next` is waiting");
             if seq.cached_tokens.is_none() {
                 pool.count_lookup(seq.prompt_len, computed.min(seq.prompt_len));
                 seq.cached_tokens = Some(computed.min(seq.prompt_len));
@@ -333,5 +356,58 @@ mod tests {
         assert_eq!(again.cached_tokens, Some(8));
         assert_eq!(again.blocks[..2], s.running[0].blocks[..2]);
         assert_eq!(pool.stats().hit_tokens, 8);
+    }
+
+    #[test]
+    fn a_prompt_being_computed_is_waited_for_and_shared_and_others_go_ahead() {
+        let mut pool = BlockPool::new(64, 4);
+        let mut s = sched(8, 100);
+        // Two choices of one request (the same 10 tokens), then another prompt.
+        s.waiting.push_back(seq(0, 10));
+        s.waiting.push_back(seq(0, 10));
+        s.waiting.push_back(seq(1, 10));
+        let plan = s.schedule(&mut pool);
+        let ids: Vec<u64> = s.running.iter().map(|q| q.id).collect();
+        assert_eq!(
+            ids,
+            [0, 1],
+            "the second choice waits, the other prompt does not"
+        );
+        assert_eq!(plan.iter().map(|p| p.tokens).sum::<usize>(), 20);
+        assert_eq!(s.waiting.len(), 1);
+        // Nothing computed yet: it still waits.
+        assert_eq!(s.schedule(&mut pool).len(), 2);
+        assert_eq!(s.waiting.len(), 1);
+        // The engine computes and registers the first one's blocks ...
+        let plan = [
+            Planned {
+                index: 0,
+                tokens: 10,
+            },
+            Planned {
+                index: 1,
+                tokens: 10,
+            },
+        ];
+        run(&mut s, &plan);
+        for r in &mut s.running {
+            r.hash_full_blocks(4);
+            for (b, h) in r.blocks.iter().zip(&r.hashes) {
+                pool.register(*b, *h);
+            }
+            r.registered = r.hashes.len();
+        }
+        // ... and the second choice comes in sharing its two full blocks.
+        let plan = s.schedule(&mut pool);
+        assert_eq!(
+            plan.last(),
+            Some(&Planned {
+                index: 2,
+                tokens: 2
+            })
+        );
+        let second = &s.running[2];
+        assert_eq!(second.cached_tokens, Some(8));
+        assert_eq!(second.blocks[..2], s.running[0].blocks[..2]);
     }
 }

@@ -142,6 +142,7 @@ pub fn sampling_from_pb(s: pb::SamplingParams) -> SamplingParams {
         logit_bias: s.logit_bias.into_iter().collect(),
         logprobs: s.top_logprobs.map(|n| n as usize),
         seed: s.seed,
+        choice: s.choice,
     }
 }
 
@@ -372,6 +373,7 @@ mod tests {
             repetition_penalty: Some(1.1),
             logit_bias: [(7, -100.0), (3, 2.5)].into(),
             top_logprobs: Some(0),
+            choice: 3,
         };
         let want = SamplingParams {
             temperature: 0.7,
@@ -384,6 +386,7 @@ mod tests {
             logit_bias: vec![(3, 2.5), (7, -100.0)],
             logprobs: Some(0),
             seed: Some(9),
+            choice: 3,
         };
         assert_eq!(sampling_from_pb(wire), want);
         assert_eq!(

@@ -86,6 +86,7 @@ fn requests() -> Vec<GenerateRequest> {
                 logit_bias: vec![(17, 3.0), (40 + i as u32, -100.0)],
                 logprobs: (i % 2 == 0).then_some(3),
                 seed: Some(i as u64),
+                choice: 0,
             },
             max_new_tokens: 20 - i,
             ..base
@@ -224,6 +225,66 @@ fn prefix_cache_hits_give_the_same_tokens_as_misses() {
     assert!(m.prefix_hit_tokens.get() > 0);
     assert!(m.prefix_hit_tokens.get() < m.prefix_queried_tokens.get());
     wait_idle(&with);
+}
+
+/// A request's `n` choices as the gateway sends them: the same prompt and seed, submitted
+/// together with `choice` 0, 1, ... Each draws its own tokens, choice 0 those of the request
+/// alone, and every choice after the first finds the prompt's full blocks computed by the
+/// first instead of computing them again beside it.
+#[test]
+fn choices_of_one_prompt_draw_their_own_tokens_and_share_its_blocks() {
+    let reference_engine = engine(EngineConfig::default());
+    // The sampled request of every case (with images and without).
+    for r in requests().into_iter().skip(1).step_by(2) {
+        let choices: Vec<GenerateRequest> = (0..4)
+            .map(|c| GenerateRequest {
+                sampling: SamplingParams {
+                    choice: c,
+                    ..r.sampling.clone()
+                },
+                ..r.clone()
+            })
+            .collect();
+        let alone_tokens = alone(&reference_engine, &choices);
+        // A fresh engine each time: nothing of the prompt is cached before.
+        let e = engine(EngineConfig::default());
+        let streams: Vec<_> = choices
+            .iter()
+            .map(|c| e.submit(c.clone(), None, tracing::Span::none()).unwrap())
+            .collect();
+        let gens: Vec<_> = streams
+            .into_iter()
+            .map(|mut s| loop {
+                match s.blocking_recv().expect("the stream ends with Finished") {
+                    Event::Token { .. } => {}
+                    Event::Finished(g) => break g,
+                    Event::Failed(e) => panic!("a choice failed: {e}"),
+                }
+            })
+            .collect();
+        let tokens: Vec<Vec<u32>> = gens.iter().map(|g| g.tokens.clone()).collect();
+        assert_eq!(tokens, alone_tokens, "each choice as it draws alone");
+        assert_eq!(
+            tokens[0],
+            alone(&reference_engine, std::slice::from_ref(&r))[0],
+            "choice 0 is the request of one choice"
+        );
+        for i in 0..tokens.len() {
+            for j in 0..i {
+                assert_ne!(tokens[i], tokens[j], "choices {j} and {i} drew alike");
+            }
+        }
+        let full_blocks = (r.prompt.len() - 1) / 16 * 16;
+        let cached: Vec<usize> = gens.iter().map(|g| g.cached_tokens).collect();
+        assert_eq!(
+            cached,
+            [0, full_blocks, full_blocks, full_blocks],
+            "{} prompt tokens",
+            r.prompt.len()
+        );
+        assert_eq!(e.metrics().prefix_hit_tokens.get(), 3 * full_blocks as u64);
+        wait_idle(&e);
+    }
 }
 
 #[test]
