@@ -1,6 +1,8 @@
 //! The public gRPC API (`vlm.v1.Gateway`): `Chat` (unary) and `ChatStream` (server-streaming).
 //! Requests are read as the HTTP API reads its own: the same sampling fields, the same
 //! checkpoint defaults for those left out ([`crate::sampling`]), the same logprobs per token.
+//! With `n` set, `ChatResponse.choices` lists every choice (the top-level fields stay choice
+//! 0's, as for a client that predates `n`) and each `ChatChunk` names its choice in `index`.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -15,7 +17,7 @@ use vlm_proto::telemetry;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
-use crate::orchestrator::{ChatEvent, Logprob, Orchestrator, TokenLogprobs};
+use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
 use crate::pipeline::ChatRequest;
 use crate::sampling::{RequestedSampling, SamplingDefaults};
 
@@ -149,39 +151,64 @@ impl Gateway for GatewayService {
         telemetry::adopt_remote_parent(&span, request.metadata());
         let timeout = self.timeout(request.metadata());
         async move {
+            let r = request.into_inner();
+            let n_set = r.n.is_some();
+            let n = choices(r.n.map(i64::from))?;
             let req = request_from_pb(
-                request.into_inner(),
+                r,
                 self.default_max_tokens,
                 &self.orchestrator.sampling_defaults,
             )?;
-            let mut rx = self.orchestrator.chat(req, "grpc", Some(timeout)).await?;
-            let mut out = pb::ChatResponse::default();
+            let mut rx = self
+                .orchestrator
+                .chat(req, n, "grpc", Some(timeout))
+                .await?;
+            let mut choices: Vec<pb::ChatChoice> = (0..n)
+                .map(|i| pb::ChatChoice {
+                    index: i as u32,
+                    ..Default::default()
+                })
+                .collect();
+            let mut usage = pb::Usage::default();
             while let Some(ev) = rx.recv().await {
                 match ev? {
                     ChatEvent::Delta {
+                        choice,
                         text,
                         token_ids,
                         logprobs,
                     } => {
-                        out.text.push_str(&text);
-                        out.token_ids.extend(token_ids);
-                        out.logprobs
-                            .extend(logprobs.into_iter().map(logprobs_to_pb));
+                        let c = &mut choices[choice as usize];
+                        c.text.push_str(&text);
+                        c.token_ids.extend(token_ids);
+                        c.logprobs.extend(logprobs.into_iter().map(logprobs_to_pb));
                     }
                     ChatEvent::Done {
+                        choice,
                         finish,
                         prompt_tokens,
                         completion_tokens,
                     } => {
-                        out.finish_reason = finish as i32;
-                        out.usage = Some(pb::Usage {
-                            prompt_tokens,
-                            completion_tokens,
-                        });
+                        choices[choice as usize].finish_reason = finish as i32;
+                        usage.prompt_tokens = prompt_tokens;
+                        usage.completion_tokens += completion_tokens;
                     }
                 }
             }
-            Ok(Response::new(out))
+            // The top-level fields are choice 0's; `choices` has them all when n was asked.
+            let first = if n_set {
+                choices[0].clone()
+            } else {
+                std::mem::take(&mut choices[0])
+            };
+            Ok(Response::new(pb::ChatResponse {
+                text: first.text,
+                token_ids: first.token_ids,
+                finish_reason: first.finish_reason,
+                usage: Some(usage),
+                logprobs: first.logprobs,
+                choices: if n_set { choices } else { Vec::new() },
+            }))
         }
         .instrument(span)
         .await
@@ -203,32 +230,38 @@ impl Gateway for GatewayService {
         telemetry::adopt_remote_parent(&span, request.metadata());
         let timeout = self.timeout(request.metadata());
         let rx = async {
+            let r = request.into_inner();
+            let n = choices(r.n.map(i64::from))?;
             let req = request_from_pb(
-                request.into_inner(),
+                r,
                 self.default_max_tokens,
                 &self.orchestrator.sampling_defaults,
             )?;
-            self.orchestrator.chat(req, "grpc", Some(timeout)).await
+            self.orchestrator.chat(req, n, "grpc", Some(timeout)).await
         }
         .instrument(span)
         .await?;
         let chunks = ReceiverStream::new(rx).map(|ev| {
             Ok(match ev? {
                 ChatEvent::Delta {
+                    choice,
                     text,
                     token_ids,
                     logprobs,
                 } => pb::ChatChunk {
+                    index: choice,
                     text,
                     token_ids,
                     logprobs: logprobs.into_iter().map(logprobs_to_pb).collect(),
                     ..Default::default()
                 },
                 ChatEvent::Done {
+                    choice,
                     finish,
                     prompt_tokens,
                     completion_tokens,
                 } => pb::ChatChunk {
+                    index: choice,
                     finish_reason: finish as i32,
                     usage: Some(pb::Usage {
                         prompt_tokens,

@@ -5,7 +5,8 @@
 //! from the network. Beyond OpenAI's fields it accepts vLLM's `top_k`, `min_p`,
 //! `repetition_penalty`, `ignore_eos` and `return_token_ids`; fields that would change the
 //! answer and are not implemented, and unknown ones, are refused naming the field
-//! (`http/fields.rs`). Sampling fields a request leaves out take the checkpoint's defaults
+//! (`http/fields.rs`). `n` choices come in OpenAI's shape, each with its `index` (one
+//! `finish_reason` each; streamed chunks interleaved). Sampling fields a request leaves out take the checkpoint's defaults
 //! ([`crate::sampling`]). Logprobs come in OpenAI's shape, per token with its text and bytes.
 //! Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status
 //! from [`GatewayError::http_status`].
@@ -36,7 +37,7 @@ use vlm_proto::pb;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
-use crate::orchestrator::{ChatEvent, Logprob, Orchestrator, TokenLogprobs};
+use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
 use crate::pipeline::{ChatRequest, RequestLimits};
 use crate::sampling::{RequestedSampling, SamplingDefaults};
 
@@ -117,6 +118,8 @@ struct OpenAiRequest {
 /// How the client asked to be answered, besides the chat itself.
 #[derive(Debug, Default)]
 struct ResponseOptions {
+    /// Choices to generate (`n`, checked).
+    n: usize,
     /// Server-sent events, one chunk per step, instead of one JSON response.
     stream: bool,
     /// A last streamed chunk with the token counts (`stream_options.include_usage`).
@@ -252,14 +255,7 @@ fn parse_request(
     let r: OpenAiRequest = serde_path_to_error::deserialize(Value::Object(fields))
         .map_err(|e| not_a_request(&e.path().to_string(), e.inner()))?;
     let _ = &r.model; // one model per gateway: any name is accepted
-    match r.n {
-        None | Some(1) => {}
-        Some(n) => {
-            return Err(GatewayError::Invalid(format!(
-                "`n` must be 1 (one choice per request), got {n}"
-            )))
-        }
-    }
+    let n = choices(r.n)?;
     let sampling = defaults.apply(requested_sampling(&r)?);
     sampling
         .validate()
@@ -355,6 +351,7 @@ fn parse_request(
         .or(r.max_tokens)
         .map_or(default_max_tokens, |m| m as usize);
     let options = ResponseOptions {
+        n,
         stream: r.stream.unwrap_or(false),
         include_usage: r.stream_options.is_some_and(|o| o.include_usage),
         return_token_ids: r.return_token_ids.unwrap_or(false),
@@ -429,6 +426,25 @@ fn logprobs_json(tokens: &[TokenLogprobs]) -> Value {
     json!({ "content": content })
 }
 
+/// One choice of a unary answer, as its events build it.
+struct ChoiceOut {
+    text: String,
+    finish: &'static str,
+    token_ids: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
+}
+
+impl Default for ChoiceOut {
+    fn default() -> Self {
+        Self {
+            text: String::new(),
+            finish: "stop",
+            token_ids: Vec::new(),
+            logprobs: Vec::new(),
+        }
+    }
+}
+
 fn finish_str(f: pb::FinishReason) -> &'static str {
     match f {
         pb::FinishReason::Length => "length",
@@ -473,7 +489,7 @@ async fn chat_completions(
     span.record("stream", options.stream);
     let started = st
         .orchestrator
-        .chat(req, "http", Some(st.request_timeout))
+        .chat(req, options.n, "http", Some(st.request_timeout))
         .instrument(span.clone())
         .await;
     let rx = match started {
@@ -481,73 +497,91 @@ async fn chat_completions(
         Err(e) => return error_response(&e),
     };
     let created = now_secs();
+    let n = options.n;
     if !options.stream {
         let mut rx = rx;
-        let (mut text, mut finish, mut usage) = (String::new(), "stop", (0, 0));
-        let (mut token_ids, mut logprobs) = (Vec::new(), Vec::new());
+        let mut choices: Vec<ChoiceOut> = (0..n).map(|_| ChoiceOut::default()).collect();
+        let (mut prompt_tokens, mut completion_tokens) = (0, 0);
         while let Some(ev) = rx.recv().await {
             match ev {
                 Ok(ChatEvent::Delta {
-                    text: t,
-                    token_ids: ids,
-                    logprobs: l,
+                    choice,
+                    text,
+                    token_ids,
+                    logprobs,
                 }) => {
-                    text.push_str(&t);
-                    token_ids.extend(ids);
-                    logprobs.extend(l);
+                    let c = &mut choices[choice as usize];
+                    c.text.push_str(&text);
+                    c.token_ids.extend(token_ids);
+                    c.logprobs.extend(logprobs);
                 }
                 Ok(ChatEvent::Done {
-                    finish: f,
-                    prompt_tokens,
-                    completion_tokens,
+                    choice,
+                    finish,
+                    prompt_tokens: p,
+                    completion_tokens: c,
                 }) => {
-                    finish = finish_str(f);
-                    usage = (prompt_tokens, completion_tokens);
+                    choices[choice as usize].finish = finish_str(finish);
+                    prompt_tokens = p;
+                    completion_tokens += c;
                 }
                 Err(e) => return error_response(&e),
             }
         }
-        let mut body = json!({
+        let choices: Vec<Value> = choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let mut choice = json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": null,
+                    "finish_reason": c.finish,
+                });
+                if options.return_token_ids {
+                    choice["token_ids"] = json!(c.token_ids);
+                }
+                if options.logprobs {
+                    choice["logprobs"] = logprobs_json(&c.logprobs);
+                }
+                choice
+            })
+            .collect();
+        let body = json!({
             "id": id,
             "object": "chat.completion",
             "created": created,
             "model": st.model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish,
-            }],
-            "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0 + usage.1},
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
         });
-        if options.return_token_ids {
-            body["choices"][0]["token_ids"] = json!(token_ids);
-        }
-        if options.logprobs {
-            body["choices"][0]["logprobs"] = logprobs_json(&logprobs);
-        }
         return Json(body).into_response();
     }
 
     let model = st.model_name.clone();
-    let chunk = move |delta: Value, finish: Option<&str>| {
+    let chunk = move |choice: u32, delta: Value, finish: Option<&str>| {
         json!({
             "id": id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": choice, "delta": delta, "logprobs": null, "finish_reason": finish}],
         })
     };
-    let first = futures::stream::once({
-        let c = chunk(json!({"role": "assistant", "content": ""}), None);
-        async move { c }
-    });
+    // Each choice opens with its role.
+    let first = futures::stream::iter(
+        (0..n as u32)
+            .map(|i| chunk(i, json!({"role": "assistant", "content": ""}), None))
+            .collect::<Vec<_>>(),
+    );
     let usage_chunk = chunk.clone();
     let include_usage = options.include_usage;
+    // Choices finished, and their tokens: the usage chunk follows the last one's finish.
+    let (mut finished, mut completion_total) = (0, 0);
     let events = ReceiverStream::new(rx).flat_map(move |ev| {
         let items: Vec<Value> = match ev {
             Ok(ChatEvent::Delta {
+                choice,
                 text,
                 token_ids,
                 logprobs,
@@ -558,7 +592,7 @@ async fn chat_completions(
                 if text.is_empty() && !options.return_token_ids && !with_logprobs {
                     vec![]
                 } else {
-                    let mut c = chunk(json!({ "content": text }), None);
+                    let mut c = chunk(choice, json!({ "content": text }), None);
                     if options.return_token_ids {
                         c["choices"][0]["token_ids"] = json!(token_ids);
                     }
@@ -569,18 +603,21 @@ async fn chat_completions(
                 }
             }
             Ok(ChatEvent::Done {
+                choice,
                 finish,
                 prompt_tokens,
                 completion_tokens,
             }) => {
-                let mut v = vec![chunk(json!({}), Some(finish_str(finish)))];
-                if include_usage {
-                    let mut u = usage_chunk(json!({}), None);
+                finished += 1;
+                completion_total += completion_tokens;
+                let mut v = vec![chunk(choice, json!({}), Some(finish_str(finish)))];
+                if include_usage && finished == n {
+                    let mut u = usage_chunk(0, json!({}), None);
                     u["choices"] = json!([]);
                     u["usage"] = json!({
                         "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens,
+                        "completion_tokens": completion_total,
+                        "total_tokens": prompt_tokens + completion_total,
                     });
                     v.push(u);
                 }
@@ -718,7 +755,9 @@ mod tests {
             (json!({"top_logprobs": 2}), "`top_logprobs`"),
             (json!({"logprobs": false, "top_logprobs": 2}), "`logprobs`"),
             (json!({"n": 0}), "`n`"),
-            (json!({"n": 2}), "`n`"),
+            (json!({"n": -1}), "`n`"),
+            (json!({"n": 17}), "`n`"),
+            (json!({"n": 2.5}), "`n`"),
             (json!({"presence_penalty": 2.5}), "`presence_penalty`"),
             (json!({"presence_penalty": -2.01}), "`presence_penalty`"),
             (json!({"frequency_penalty": -3}), "`frequency_penalty`"),
@@ -749,6 +788,7 @@ mod tests {
             json!({"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 10}),
             json!({"logit_bias": {"5": 100, "6": -100}, "min_p": 1}),
             json!({"n": null, "logprobs": null, "top_logprobs": null, "logit_bias": null}),
+            json!({"n": 16}),
         ] {
             assert!(parse(&chat_with(fields.clone()), 8).is_ok(), "{fields}");
         }

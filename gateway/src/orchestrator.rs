@@ -16,12 +16,22 @@
 //! The caller's deadline is passed on to every upstream call.
 //! A request's sampling fields reach llm-svc whole ([`generate_request`]); the logprobs it
 //! asked for come back per token and leave here with each token's text ([`TokenLogprobs`]).
+//!
+//! A request for `n` > 1 choices (at most [`MAX_CHOICES`]) is `n` generations on one llm-svc
+//! replica, choice `i` with `SamplingParams.choice = i` (its own draws under the same seed):
+//! the images are encoded once and their embeddings sent with each (inside the messages:
+//! a shared-memory segment or a device handoff is taken by the first call that names it), the
+//! prompt's blocks computed once and shared through the prefix cache (llm-svc's scheduler
+//! holds the others back until the first has computed them). One task relays all of them,
+//! each choice with its own detokenizer and stop strings, its events tagged with its index.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::try_join_all;
+use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::StreamMap;
 use tonic::Status;
 use tracing::{info_span, Instrument};
 use vlm_proto::pb::llm_service_client::LlmServiceClient;
@@ -37,18 +47,37 @@ use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits}
 use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
 use crate::upstream::Upstreams;
 
-/// What a chat stream yields.
+/// Most choices one request may ask for (`n`).
+pub const MAX_CHOICES: usize = 16;
+
+/// A request's `n` (unset: 1) checked against [`MAX_CHOICES`], as both APIs read it.
+pub fn choices(n: Option<i64>) -> Result<usize, GatewayError> {
+    match n {
+        None => Ok(1),
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
+        Some(n) => Err(GatewayError::Invalid(format!(
+            "`n` (choices per request) must be between 1 and {MAX_CHOICES}, got {n}"
+        ))),
+    }
+}
+
+/// What a chat stream yields: each choice's deltas, then its `Done`, the choices' events
+/// interleaved as their tokens come; the stream ends after the last choice's `Done` (or an
+/// error, which ends every choice).
 #[derive(Debug, Clone)]
 pub enum ChatEvent {
-    /// New tokens and the text they complete (possibly empty); with logprobs asked for, one
-    /// [`TokenLogprobs`] per token, else none.
+    /// New tokens of choice `choice` and the text they complete (possibly empty); with
+    /// logprobs asked for, one [`TokenLogprobs`] per token, else none.
     Delta {
+        choice: u32,
         text: String,
         token_ids: Vec<u32>,
         logprobs: Vec<TokenLogprobs>,
     },
-    /// The end: why, and the token counts.
+    /// The end of choice `choice`: why, and its token counts (the prompt's is the request's,
+    /// the same in every choice).
     Done {
+        choice: u32,
         finish: pb::FinishReason,
         prompt_tokens: u32,
         completion_tokens: u32,
@@ -143,6 +172,8 @@ pub struct Orchestrator {
     /// call; `None`: llm-svc alone checks them.
     pub vocab_size: Option<usize>,
     permits: Arc<Semaphore>,
+    /// The permits there are in all (`--max-concurrent`): a request of `n` choices takes `n`.
+    max_concurrent: usize,
 }
 
 /// Default of [`Orchestrator::client_send_timeout`]: far longer than any pause of a client
@@ -213,6 +244,7 @@ impl Orchestrator {
             sampling_defaults: SamplingDefaults::default(),
             vocab_size: None,
             permits: Arc::new(Semaphore::new(max_concurrent.max(1))),
+            max_concurrent: max_concurrent.max(1),
         }
     }
 
@@ -289,12 +321,14 @@ impl Orchestrator {
     }
 
     /// Encodes one image. Embeddings that come in a shared-memory segment come with its
-    /// guard, which removes the segment unless llm-svc takes it.
+    /// guard, which removes the segment unless llm-svc takes it. `inline`: the embeddings
+    /// come inside the response whatever llm-svc could take (they go to several calls).
     async fn encode_image(
         &self,
         index: usize,
         image: bytes::Bytes,
         deadline: Option<Instant>,
+        inline: bool,
     ) -> Result<(EncodeResponse, Held), GatewayError> {
         let span = info_span!(
             "vision.rpc",
@@ -305,8 +339,14 @@ impl Orchestrator {
             device = tracing::field::Empty
         );
         let started = Instant::now();
-        let shm_domain = self.llm_shm_domain().unwrap_or_default();
-        let device_domain = self.llm_device_domain().unwrap_or_default();
+        let (shm_domain, device_domain) = if inline {
+            Default::default()
+        } else {
+            (
+                self.llm_shm_domain().unwrap_or_default(),
+                self.llm_device_domain().unwrap_or_default(),
+            )
+        };
         let result = async {
             self.vision
                 .call(|ch| {
@@ -352,17 +392,19 @@ impl Orchestrator {
         Ok((r, held))
     }
 
-    /// Starts a chat: images encoded, prompt built, generation started. Errors before the
-    /// first token come back here; later ones arrive in the stream. `api` labels the metrics.
+    /// Starts a chat of `n` choices (checked by [`choices`]): images encoded, prompt built,
+    /// generations started. Errors before the first token come back here; later ones arrive
+    /// in the stream. `api` labels the metrics.
     pub async fn chat(
         &self,
         req: ChatRequest,
+        n: usize,
         api: &'static str,
         timeout: Option<Duration>,
     ) -> Result<mpsc::Receiver<Result<ChatEvent, GatewayError>>, GatewayError> {
         let mut guard = RequestGuard::new(&self.metrics, api);
         let stop = req.stop.clone();
-        let started = match self.start(req, timeout).await {
+        let started = match self.start(req, n, timeout).await {
             Ok(s) => s,
             Err(e) => {
                 guard.outcome = e.kind();
@@ -390,6 +432,7 @@ impl Orchestrator {
     async fn start(
         &self,
         req: ChatRequest,
+        n: usize,
         timeout: Option<Duration>,
     ) -> Result<Started, GatewayError> {
         let arrived = Instant::now();
@@ -399,11 +442,24 @@ impl Orchestrator {
         if let Some(vocab) = self.vocab_size {
             check_logit_bias_ids(&req.sampling, vocab)?;
         }
-        let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
-            GatewayError::Overloaded(
-                "the gateway is serving its limit of concurrent requests; retry later".into(),
-            )
-        })?;
+        choices(Some(n as i64))?;
+        if n > self.max_concurrent {
+            return Err(GatewayError::Invalid(format!(
+                "`n` must be at most {} on this gateway (--max-concurrent: each choice is a \
+                 stream of its own), got {n}",
+                self.max_concurrent
+            )));
+        }
+        // Each choice is a stream upstream, and counts as one.
+        let permit = self
+            .permits
+            .clone()
+            .try_acquire_many_owned(n as u32)
+            .map_err(|_| {
+                GatewayError::Overloaded(
+                    "the gateway is serving its limit of concurrent requests; retry later".into(),
+                )
+            })?;
 
         let images: Vec<bytes::Bytes> = image_parts(&req.messages)
             .map(|i| bytes::Bytes::copy_from_slice(i))
@@ -421,7 +477,7 @@ impl Orchestrator {
             images
                 .into_iter()
                 .enumerate()
-                .map(|(i, bytes)| self.encode_image(i, bytes, deadline)),
+                .map(|(i, bytes)| self.encode_image(i, bytes, deadline, n > 1)),
         );
         let early_prompt = async {
             match &expected {
@@ -464,29 +520,45 @@ impl Orchestrator {
         let span = info_span!(
             "llm.rpc",
             prompt_tokens,
+            choices = n,
             generated_tokens = tracing::field::Empty
         );
-        let (upstream, llm_addr) = self
+        let generate = |ch, choice: usize| {
+            let mut msg = gen.clone();
+            if let Some(s) = &mut msg.sampling {
+                s.choice = choice as u32;
+            }
+            async move {
+                let req = with_deadline(msg, deadline)
+                    .map_err(|e| Status::deadline_exceeded(e.to_string()))?;
+                let mut client = LlmServiceClient::new(ch)
+                    .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+                client.generate(req).await
+            }
+        };
+        let (first, llm_addr) = self
             .llm
-            .call(|ch| {
-                let msg = gen.clone();
-                async move {
-                    let req = with_deadline(msg, deadline)
-                        .map_err(|e| Status::deadline_exceeded(e.to_string()))?;
-                    let mut client = LlmServiceClient::new(ch)
-                        .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
-                        .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
-                    client.generate(req).await
-                }
-            })
+            .call(|ch| generate(ch, 0))
             .instrument(span.clone())
             .await?;
         // llm-svc has the request, and its segments and handoffs.
         held.into_iter().for_each(Held::keep);
-        self.note_llm_domains(&llm_addr, upstream.metadata());
-        let upstream = upstream.into_inner();
+        self.note_llm_domains(&llm_addr, first.metadata());
+        let mut upstreams = vec![first.into_inner()];
+        if n > 1 {
+            // The other choices go where the first went, to share its prompt's blocks.
+            let ch = self.llm.channel(&llm_addr).ok_or_else(|| {
+                GatewayError::Internal(format!("no llm-svc replica at {llm_addr}"))
+            })?;
+            let rest = try_join_all((1..n).map(|i| generate(ch.clone(), i)))
+                .instrument(span.clone())
+                .await
+                .map_err(|s| GatewayError::upstream("llm-svc", &llm_addr, &s))?;
+            upstreams.extend(rest.into_iter().map(tonic::Response::into_inner));
+        }
         Ok(Started {
-            upstream,
+            upstreams,
             llm_addr,
             permit,
             prompt_tokens,
@@ -540,9 +612,9 @@ impl Orchestrator {
     }
 }
 
-/// A generation under way upstream.
+/// A request's generations under way upstream, one per choice.
 struct Started {
-    upstream: tonic::Streaming<pb::GenerateResponse>,
+    upstreams: Vec<tonic::Streaming<pb::GenerateResponse>>,
     llm_addr: String,
     /// Held until the stream ends: concurrency is counted per stream, not per call.
     permit: tokio::sync::OwnedSemaphorePermit,
@@ -551,10 +623,46 @@ struct Started {
     span: tracing::Span,
 }
 
-/// Relays the LLM stream to the client as text; returning drops the upstream stream, which
-/// cancels the generation (client gone, stop string, error).
+/// One choice's tokens as they are relayed: its own text (detokenizer and stop strings).
+struct ChoiceText<'a> {
+    text: TextStream<'a>,
+    generated: u32,
+    last_token: Option<Instant>,
+}
+
+/// A choice's upstream messages, then `None` once the stream has ended.
+type ChoiceStream =
+    std::pin::Pin<Box<dyn Stream<Item = Option<Result<pb::GenerateResponse, Status>>> + Send>>;
+
+/// How relaying a request ended.
+enum Relayed {
+    /// Every choice finished: the last one's `Done`, still to send.
+    Finished(ChatEvent),
+    Failed(GatewayError),
+    /// The client's receiver is gone.
+    ClientGone,
+    /// The client took nothing for the send timeout.
+    ClientStalled,
+}
+
+/// Offers `ev` to the client for at most `timeout`.
+async fn send_event(
+    tx: &mpsc::Sender<Result<ChatEvent, GatewayError>>,
+    ev: ChatEvent,
+    timeout: Duration,
+) -> Result<(), Relayed> {
+    match tokio::time::timeout(timeout, tx.send(Ok(ev))).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(Relayed::ClientGone),
+        Err(_) => Err(Relayed::ClientStalled),
+    }
+}
+
+/// Relays the LLM streams (one per choice) to the client as text, each event tagged with its
+/// choice; a choice that ends (its finish reason, a stop string) drops its stream, which
+/// cancels its generation, and returning drops the rest (client gone, error).
 async fn forward(
-    mut s: Started,
+    s: Started,
     stop: Vec<String>,
     tx: mpsc::Sender<Result<ChatEvent, GatewayError>>,
     mut guard: RequestGuard,
@@ -562,146 +670,168 @@ async fn forward(
     metrics: Metrics,
     send_timeout: Duration,
 ) {
-    let permit = s.permit;
-    let mut text = TextStream::new(chat.tokenizer(), stop);
+    let Started {
+        upstreams,
+        llm_addr,
+        permit,
+        prompt_tokens,
+        arrived,
+        span,
+    } = s;
+    let n = upstreams.len();
     let token_bytes = TokenBytes::new(chat.tokenizer());
-    let mut last_token: Option<Instant> = None;
+    let mut choices: Vec<ChoiceText> = (0..n)
+        .map(|_| ChoiceText {
+            text: TextStream::new(chat.tokenizer(), stop.clone()),
+            generated: 0,
+            last_token: None,
+        })
+        .collect();
+    let mut streams: StreamMap<usize, ChoiceStream> = StreamMap::new();
+    for (i, up) in upstreams.into_iter().enumerate() {
+        let ended = futures::stream::once(async { None });
+        streams.insert(i, Box::pin(up.map(Some).chain(ended)));
+    }
     let mut ttft: Option<Duration> = None;
     let mut generated = 0u32;
-    let fail = |guard: &mut RequestGuard, e: GatewayError| {
-        guard.outcome = e.kind();
-        tracing::warn!(error = %e, kind = e.kind(), "request failed mid-stream");
-        e
-    };
-    loop {
-        let mut msg = match s.upstream.message().await {
-            Ok(Some(m)) => m,
-            Ok(None) => {
-                let e = fail(
-                    &mut guard,
-                    GatewayError::Internal("the LLM stream ended without a finish reason".into()),
-                );
-                let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
-                return;
-            }
-            Err(st) => {
-                let e = fail(
-                    &mut guard,
-                    GatewayError::upstream("llm-svc", &s.llm_addr, &st),
-                );
-                let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
-                return;
-            }
-        };
-        let now = Instant::now();
-        let mut visible = String::new();
-        let mut stop_hit = false;
-        for &t in &msg.token_ids {
-            match last_token {
+    let mut finishes: Vec<&'static str> = vec![""; n];
+    let relayed = async {
+        while let Some((i, item)) = streams.next().await {
+            let mut msg = match item {
+                Some(Ok(m)) => m,
                 None => {
-                    ttft = Some(now - s.arrived);
-                    metrics
-                        .time_to_first_token
-                        .observe((now - s.arrived).as_secs_f64());
+                    return Relayed::Failed(GatewayError::Internal(
+                        "the LLM stream ended without a finish reason".into(),
+                    ))
                 }
-                Some(prev) => metrics
-                    .inter_token_latency
-                    .observe((now - prev).as_secs_f64()),
-            }
-            last_token = Some(now);
-            generated += 1;
-            match text.push(t) {
-                Ok((v, hit)) => {
-                    visible.push_str(&v);
-                    stop_hit |= hit;
+                Some(Err(st)) => {
+                    return Relayed::Failed(GatewayError::upstream("llm-svc", &llm_addr, &st))
                 }
-                Err(e) => {
-                    let e = fail(&mut guard, e.into());
-                    let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
-                    return;
-                }
-            }
-        }
-        metrics.generated_tokens.inc_by(msg.token_ids.len() as u64);
-        let logprobs = std::mem::take(&mut msg.logprobs);
-        let logprobs = match logprobs_with_text(&msg.token_ids, logprobs, &token_bytes) {
-            Ok(l) => l,
-            Err(e) => {
-                let e = fail(&mut guard, e);
-                let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
-                return;
-            }
-        };
-        let finish =
-            pb::FinishReason::try_from(msg.finish_reason).unwrap_or(pb::FinishReason::Unspecified);
-        let done = stop_hit || finish != pb::FinishReason::Unspecified;
-        if done && !stop_hit {
-            match text.finish() {
-                Ok(tail) => visible.push_str(&tail),
-                Err(e) => {
-                    let e = fail(&mut guard, e.into());
-                    let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
-                    return;
-                }
-            }
-        }
-        if !visible.is_empty() || !msg.token_ids.is_empty() {
-            let delta = ChatEvent::Delta {
-                text: visible,
-                token_ids: msg.token_ids.clone(),
-                logprobs,
             };
-            match tokio::time::timeout(send_timeout, tx.send(Ok(delta))).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => {
-                    tracing::info!(
-                        generated,
-                        "client went away; cancelling the generation upstream"
-                    );
-                    return;
+            let choice = &mut choices[i];
+            let now = Instant::now();
+            let mut visible = String::new();
+            let mut stop_hit = false;
+            for &t in &msg.token_ids {
+                match (ttft, choice.last_token) {
+                    (None, _) => {
+                        ttft = Some(now - arrived);
+                        metrics
+                            .time_to_first_token
+                            .observe((now - arrived).as_secs_f64());
+                    }
+                    (Some(_), Some(prev)) => metrics
+                        .inter_token_latency
+                        .observe((now - prev).as_secs_f64()),
+                    // A later choice's first token: neither.
+                    (Some(_), None) => {}
                 }
-                Err(_) => {
-                    // Cancel upstream and free the permit now; the error is offered to the
-                    // client for one more timeout, in case it resumes reading.
-                    drop(s.upstream);
-                    drop(permit);
-                    let e = GatewayError::DeadlineExceeded(format!(
-                        "the client read nothing for {send_timeout:?}; the generation was cancelled"
-                    ));
-                    guard.outcome = "client_stalled";
-                    tracing::warn!(generated, error = %e, "client stopped reading");
-                    drop(guard);
-                    let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
-                    return;
+                choice.last_token = Some(now);
+                choice.generated += 1;
+                generated += 1;
+                match choice.text.push(t) {
+                    Ok((v, hit)) => {
+                        visible.push_str(&v);
+                        stop_hit |= hit;
+                    }
+                    Err(e) => return Relayed::Failed(e.into()),
                 }
             }
-        }
-        if done {
-            metrics.prompt_tokens.inc_by(s.prompt_tokens as u64);
-            s.span.record("generated_tokens", generated);
-            guard.outcome = "ok";
-            tracing::info!(
-                prompt_tokens = s.prompt_tokens,
-                generated,
-                finish = if stop_hit {
+            metrics.generated_tokens.inc_by(msg.token_ids.len() as u64);
+            let logprobs = std::mem::take(&mut msg.logprobs);
+            let logprobs = match logprobs_with_text(&msg.token_ids, logprobs, &token_bytes) {
+                Ok(l) => l,
+                Err(e) => return Relayed::Failed(e),
+            };
+            let finish = pb::FinishReason::try_from(msg.finish_reason)
+                .unwrap_or(pb::FinishReason::Unspecified);
+            let done = stop_hit || finish != pb::FinishReason::Unspecified;
+            if done && !stop_hit {
+                match choice.text.finish() {
+                    Ok(tail) => visible.push_str(&tail),
+                    Err(e) => return Relayed::Failed(e.into()),
+                }
+            }
+            if !visible.is_empty() || !msg.token_ids.is_empty() {
+                let delta = ChatEvent::Delta {
+                    choice: i as u32,
+                    text: visible,
+                    token_ids: msg.token_ids,
+                    logprobs,
+                };
+                if let Err(end) = send_event(&tx, delta, send_timeout).await {
+                    return end;
+                }
+            }
+            if done {
+                // A stop string: this choice's generation is cancelled here.
+                streams.remove(&i);
+                finishes[i] = if stop_hit {
                     "stop_string"
                 } else {
                     finish.as_str_name()
-                },
+                };
+                let done = ChatEvent::Done {
+                    choice: i as u32,
+                    finish: if stop_hit {
+                        pb::FinishReason::Stop
+                    } else {
+                        finish
+                    },
+                    prompt_tokens,
+                    completion_tokens: choice.generated,
+                };
+                if streams.is_empty() {
+                    return Relayed::Finished(done);
+                }
+                if let Err(end) = send_event(&tx, done, send_timeout).await {
+                    return end;
+                }
+            }
+        }
+        Relayed::Failed(GatewayError::Internal(
+            "the LLM streams ended without a finish reason".into(),
+        ))
+    }
+    .await;
+    match relayed {
+        Relayed::Finished(last) => {
+            metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+            span.record("generated_tokens", generated);
+            guard.outcome = "ok";
+            tracing::info!(
+                prompt_tokens,
+                generated,
+                finish = finishes.join(","),
                 ttft_ms = ttft.map_or(0.0, |t| t.as_secs_f64() * 1e3),
                 "request done"
             );
-            let done = tx.send(Ok(ChatEvent::Done {
-                finish: if stop_hit {
-                    pb::FinishReason::Stop
-                } else {
-                    finish
-                },
-                prompt_tokens: s.prompt_tokens,
-                completion_tokens: generated,
-            }));
-            let _ = tokio::time::timeout(send_timeout, done).await;
-            return;
+            let _ = tokio::time::timeout(send_timeout, tx.send(Ok(last))).await;
+        }
+        Relayed::Failed(e) => {
+            drop(streams);
+            guard.outcome = e.kind();
+            tracing::warn!(error = %e, kind = e.kind(), "request failed mid-stream");
+            let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
+        }
+        Relayed::ClientGone => {
+            tracing::info!(
+                generated,
+                "client went away; cancelling the generation upstream"
+            );
+        }
+        Relayed::ClientStalled => {
+            // Cancel upstream and free the permit now; the error is offered to the client for
+            // one more timeout, in case it resumes reading.
+            drop(streams);
+            drop(permit);
+            let e = GatewayError::DeadlineExceeded(format!(
+                "the client read nothing for {send_timeout:?}; the generation was cancelled"
+            ));
+            guard.outcome = "client_stalled";
+            tracing::warn!(generated, error = %e, "client stopped reading");
+            drop(guard);
+            let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
         }
     }
 }

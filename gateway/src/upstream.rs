@@ -73,6 +73,14 @@ impl Upstreams {
         self.replicas.iter().map(|(a, _)| a.as_str())
     }
 
+    /// The channel to the replica at `addr` (one of [`Upstreams::addrs`]).
+    pub(crate) fn channel(&self, addr: &str) -> Option<Channel> {
+        self.replicas
+            .iter()
+            .find(|(a, _)| a == addr)
+            .map(|(_, ch)| ch.clone())
+    }
+
     /// Replicas in the order to try them for the next call.
     fn order(&self) -> impl Iterator<Item = &(String, Channel)> {
         let n = self.replicas.len();

@@ -340,3 +340,229 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
     );
     stack.stop().await.unwrap();
 }
+
+/// `n` choices through both APIs: a seeded sampled request's choices differ from each other,
+/// choice 0 is the request of one choice, the streamed choices are the unary ones, the
+/// choices after the first find the prompt computed (llm-svc's prefix cache counts their
+/// hits), and a stop string ends only the choices whose text holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
+    use serde_json::{json, Value};
+    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("http://{}/v1/chat/completions", stack.http_addr);
+    let post = |body: Value| {
+        let req = http.post(&url).json(&body);
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.text().await.unwrap()
+        }
+    };
+    let hits = || async {
+        let page = reqwest::get(format!("http://{}/metrics", stack.http_addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        page.lines()
+            .find_map(|l| {
+                l.strip_prefix("vlm_llm_prefix_cache_hit_tokens_total ")?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    // A prompt of several cache blocks (16 tokens each).
+    let prompt =
+        "Tell me a long story about a lighthouse keeper, the sea, and the ships that pass \
+                  by at night, with every detail you can think of.";
+    let request = |n: u32, extra: Value| {
+        let mut body = json!({
+            "messages": [{"role": "user", "content": prompt}],
+            "n": n, "seed": 5, "temperature": 1.0, "max_tokens": 16, "ignore_eos": true,
+            "return_token_ids": true,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let choices = |body: &str| -> Vec<(String, Vec<u64>, String)> {
+        let v: Value = serde_json::from_str(body).unwrap();
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i, "{body}");
+                let ids = c["token_ids"].as_array().unwrap();
+                (
+                    c["message"]["content"].as_str().unwrap().to_string(),
+                    ids.iter().map(|t| t.as_u64().unwrap()).collect(),
+                    c["finish_reason"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+
+    let before = hits().await;
+    let body = post(request(3, json!({}))).await;
+    let three = choices(&body);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 48, "{body}");
+    assert!(prompt_tokens > 32, "{prompt_tokens} prompt tokens");
+    // The second and third choices each found every full block but the last token's.
+    let full_blocks = (prompt_tokens - 1) / 16 * 16;
+    assert_eq!(hits().await - before, 2 * full_blocks, "{body}");
+    assert_eq!(three.len(), 3);
+    for (i, (_, ids, finish)) in three.iter().enumerate() {
+        assert_eq!((ids.len(), finish.as_str()), (16, "length"), "choice {i}");
+        for (j, other) in three.iter().enumerate().take(i) {
+            assert_ne!(ids, &other.1, "choices {j} and {i} drew alike");
+        }
+    }
+    let one = choices(&post(request(1, json!({}))).await);
+    assert_eq!(
+        one[0].1, three[0].1,
+        "choice 0 is the request of one choice"
+    );
+    assert_eq!(choices(&post(request(3, json!({}))).await), three, "seeded");
+
+    // Streamed: each choice's chunks carry its index; together they are the unary choices.
+    let sse = post(request(3, json!({"stream": true}))).await;
+    let mut streamed = vec![(Vec::new(), 0); 3];
+    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        let c = &chunk["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        if let Some(ids) = c["token_ids"].as_array() {
+            streamed[i]
+                .0
+                .extend(ids.iter().map(|t| t.as_u64().unwrap()));
+        }
+        streamed[i].1 += c["finish_reason"].is_string() as usize;
+    }
+    for (i, (ids, finishes)) in streamed.iter().enumerate() {
+        assert_eq!((ids, *finishes), (&three[i].1, 1), "choice {i}: {sse}");
+    }
+
+    // A stop string found in choice 1's text and not in choice 0's: choice 1 (and any other
+    // that holds it) ends before it, choice 0 runs to its length.
+    let text1: Vec<char> = three[1].0.chars().collect();
+    let stop = text1
+        .windows(2)
+        .map(|w| w.iter().collect::<String>())
+        .find(|s| !three[0].0.contains(s.as_str()) && !s.trim().is_empty())
+        .expect("choice 1 has two characters choice 0 lacks");
+    let stopped = choices(&post(request(3, json!({ "stop": stop }))).await);
+    for (i, ((text, _, _), (cut, _, finish))) in three.iter().zip(&stopped).enumerate() {
+        match text.find(&stop) {
+            Some(at) => assert_eq!(
+                (cut.as_str(), finish.as_str()),
+                (&text[..at], "stop"),
+                "{i}"
+            ),
+            None => assert_eq!((cut, finish.as_str()), (text, "length"), "{i}"),
+        }
+    }
+    assert_eq!(stopped[1].2, "stop");
+
+    // gRPC: the same choices.
+    let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
+        .await
+        .unwrap();
+    let grpc = client
+        .chat(vlm_proto::pb::ChatRequest {
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: vec![ContentPart {
+                    part: Some(content_part::Part::Text(prompt.into())),
+                }],
+            }],
+            n: Some(3),
+            seed: Some(5),
+            temperature: Some(1.0),
+            max_tokens: Some(16),
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let grpc_ids: Vec<Vec<u64>> = grpc
+        .choices
+        .iter()
+        .map(|c| c.token_ids.iter().map(|&t| t as u64).collect())
+        .collect();
+    let http_ids: Vec<Vec<u64>> = three.iter().map(|c| c.1.clone()).collect();
+    assert_eq!(grpc_ids, http_ids);
+    stack.stop().await.unwrap();
+}
+
+/// `n` choices of a chat with an image: the image is encoded once and its embeddings go with
+/// every choice, whose prompt (image tokens included) is computed once; greedy choices are
+/// all the answer of one choice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_of_an_image_chat_encode_it_once() {
+    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let metrics = format!("http://{}/metrics", stack.http_addr);
+    let sample = |name: &'static str| {
+        let metrics = metrics.clone();
+        async move {
+            let page = reqwest::get(metrics).await.unwrap().text().await.unwrap();
+            page.lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+                .unwrap_or(0.0)
+        }
+    };
+    let image = std::fs::read(fixture().join("images/cat.png")).unwrap();
+    let request = |n| vlm_proto::pb::ChatRequest {
+        messages: vec![ChatMessage {
+            role: "user".into(),
+            content: vec![
+                ContentPart {
+                    part: Some(content_part::Part::Image(image.clone())),
+                },
+                ContentPart {
+                    part: Some(content_part::Part::Text("What is in the picture?".into())),
+                },
+            ],
+        }],
+        n,
+        max_tokens: Some(6),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
+        .await
+        .unwrap();
+    let encodes = "vlm_vision_seconds_count{outcome=\"ok\"}";
+    let hits = "vlm_llm_prefix_cache_hit_tokens_total";
+    let (encoded, hit) = (sample(encodes).await, sample(hits).await);
+    let three = client.chat(request(Some(3))).await.unwrap().into_inner();
+    assert_eq!(sample(encodes).await - encoded, 1.0, "encoded once");
+    let prompt_tokens = three.usage.unwrap().prompt_tokens as f64;
+    let full_blocks = ((prompt_tokens - 1.0) / 16.0).floor() * 16.0;
+    assert!(full_blocks >= 16.0, "{prompt_tokens} prompt tokens");
+    assert_eq!(sample(hits).await - hit, 2.0 * full_blocks);
+    let one = client.chat(request(None)).await.unwrap().into_inner();
+    assert_eq!(three.choices.len(), 3);
+    for c in &three.choices {
+        assert_eq!(c.token_ids, one.token_ids, "greedy: every choice alike");
+    }
+    assert_eq!(vlm_compute::handoff::held(), 0, "a handoff left held");
+    stack.stop().await.unwrap();
+}

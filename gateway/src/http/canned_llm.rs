@@ -1,7 +1,8 @@
 //! Logprobs through the real gateway (router, orchestrator, gRPC service) from a stand-in
 //! llm-svc on a loopback port that answers canned tokens with logprobs: the request's sampling
 //! fields reach llm-svc whole, and each token comes back with its text and bytes, in OpenAI's
-//! shape over HTTP (unary and per streamed chunk) and in `ChatTokenLogprob`s over gRPC.
+//! shape over HTTP (unary and per streamed chunk) and in `ChatTokenLogprob`s over gRPC; and a
+//! request of `n` choices is `n` calls, each choice answered with its index.
 
 use std::pin::Pin;
 use std::sync::Mutex;
@@ -326,4 +327,167 @@ async fn grpc_answers_carry_the_same_logprobs() {
     let e = grpc.chat(bad).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert!(e.message().contains("`top_logprobs`"), "{e:?}");
+}
+
+/// The chunks of an SSE body, `[DONE]` left out.
+fn sse_chunks(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn n_choices_are_n_generations_each_with_its_index_finish_and_logprobs() {
+    let h = harness().await;
+    let (status, body) = h
+        .post(request(json!({
+            "n": 3, "seed": 7, "temperature": 1, "logprobs": true, "top_logprobs": 2,
+            "return_token_ids": true,
+        })))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{body}");
+    let want: Vec<Value> = (0..3).map(|i| h.content(i)).collect();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{body}");
+        assert_eq!(c["finish_reason"], "length", "{body}");
+        assert_eq!(c["logprobs"], json!({ "content": want }), "{body}");
+        assert_eq!(c["token_ids"].as_array().unwrap().len(), 3, "{body}");
+    }
+    // The prompt once (as the gateway counted it: 17 tokens), every choice's tokens.
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 17, "completion_tokens": 9, "total_tokens": 26})
+    );
+    // llm-svc was asked for each choice with the one seed.
+    let sent: Vec<(u32, Option<u64>)> = h
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.sampling.as_ref().unwrap())
+        .map(|s| (s.choice, s.seed))
+        .collect();
+    let mut choices_sent: Vec<u32> = sent.iter().map(|s| s.0).collect();
+    choices_sent.sort_unstable();
+    assert_eq!(choices_sent, [0, 1, 2]);
+    assert!(sent.iter().all(|s| s.1 == Some(7)), "{sent:?}");
+
+    // Streamed: each choice opens with its role, its chunks name it, it finishes on its own,
+    // and the usage chunk comes once, after the last finish.
+    let (status, body) = h
+        .post(request(json!({
+            "n": 2, "stream": true, "stream_options": {"include_usage": true},
+            "return_token_ids": true,
+        })))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let chunks = sse_chunks(&body);
+    for i in 0..2 {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .collect();
+        assert_eq!(
+            mine[0]["choices"][0]["delta"]["role"], "assistant",
+            "{body}"
+        );
+        let ids: usize = mine
+            .iter()
+            .filter_map(|c| c["choices"][0]["token_ids"].as_array())
+            .map(Vec::len)
+            .sum();
+        assert_eq!(ids, 3, "choice {i}: {body}");
+        let finishes: Vec<&Value> = mine
+            .iter()
+            .map(|c| &c["choices"][0]["finish_reason"])
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(finishes, [&json!("length")], "choice {i}: {body}");
+    }
+    let usage: Vec<&Value> = chunks.iter().filter(|c| !c["usage"].is_null()).collect();
+    assert_eq!(usage.len(), 1, "{body}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 6);
+    assert_eq!(usage[0]["choices"], json!([]));
+    assert!(std::ptr::eq(usage[0], chunks.last().unwrap()), "{body}");
+
+    // Out of range: a 400 naming `n`, before llm-svc is called; so is more choices than the
+    // gateway's places (4 here).
+    let calls = h.seen.lock().unwrap().len();
+    for n in [0, 17, 5] {
+        let (status, body) = h.post(request(json!({ "n": n }))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "n {n}: {body}");
+        assert!(body.contains("`n`"), "{body}");
+    }
+    assert_eq!(
+        h.seen.lock().unwrap().len(),
+        calls,
+        "llm-svc was not called"
+    );
+}
+
+#[tokio::test]
+async fn grpc_lists_the_choices_and_tags_each_chunk_with_its_index() {
+    let h = harness().await;
+    let grpc = GatewayService {
+        orchestrator: h.state.orchestrator.clone(),
+        default_max_tokens: 3,
+        request_timeout: Duration::from_secs(10),
+    };
+    let request = |n| {
+        tonic::Request::new(pb::ChatRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: vec![pb::ContentPart {
+                    part: Some(pb::content_part::Part::Text("hi".into())),
+                }],
+            }],
+            n,
+            logprobs: true,
+            ..Default::default()
+        })
+    };
+    let out = grpc.chat(request(Some(3))).await.unwrap().into_inner();
+    assert_eq!(out.choices.len(), 3);
+    for (i, c) in out.choices.iter().enumerate() {
+        assert_eq!(c.index, i as u32);
+        assert_eq!((c.token_ids.len(), c.logprobs.len()), (3, 3));
+        assert_eq!(c.finish_reason, pb::FinishReason::Length as i32);
+    }
+    // The top-level fields are choice 0, as a client that predates `n` reads them.
+    assert_eq!(out.token_ids, out.choices[0].token_ids);
+    assert_eq!(out.text, out.choices[0].text);
+    let usage = out.usage.unwrap();
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (17, 9));
+    // n unset: one choice, at the top level only.
+    let out = grpc.chat(request(None)).await.unwrap().into_inner();
+    assert!(out.choices.is_empty());
+    assert_eq!(out.token_ids.len(), 3);
+
+    let mut stream = grpc
+        .chat_stream(request(Some(2)))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = [0; 2];
+    let mut finishes = [0; 2];
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        tokens[chunk.index as usize] += chunk.token_ids.len();
+        if chunk.finish_reason != 0 {
+            finishes[chunk.index as usize] += 1;
+            assert_eq!(chunk.usage.unwrap().completion_tokens, 3);
+        }
+    }
+    assert_eq!((tokens, finishes), ([3, 3], [1, 1]));
+
+    for n in [0, 17] {
+        let e = grpc.chat(request(Some(n))).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("`n`"), "{e:?}");
+    }
 }
