@@ -13,8 +13,9 @@
 #define S_WARPS (S_THREADS / WARP)
 #define S_UNROLL 8
 #define S_CUTOFF (-21.0f)
-// Candidates kept in shared memory once the filters leave at most this many.
-#define S_LIST 2048
+// S_LIST (candidates kept in shared memory once the filters leave at most this many) and
+// S_BINS come from cuda/src/sampling.rs (SAMPLE_LIST, SAMPLE_BINS), which sizes the work buffer.
+#define S_LIST SAMPLE_LIST
 #define S_IN_PROMPT 0x80000000u
 #define S_NO_SLOT 0xffffffffu
 
@@ -236,16 +237,20 @@ __device__ unsigned s_select_by_count(const SElems& e, SFilter flt, unsigned nee
 }
 
 // Top-p: the lowest key whose strictly better elements (of those passing `flt`) weigh less
-// than top_p of their total, or 0 (keep all).
-__device__ unsigned s_select_by_mass(const SElems& e, SFilter flt, float top_p, SShared& s) {
+// than top_p of their total, or 0 (keep all). `known_total`, if not 0, is that total (when the
+// elements are a shared-memory list holding only the best of them: every element better than
+// one in the list is in it, so the masses above are right, but the total is not theirs).
+__device__ unsigned s_select_by_mass(const SElems& e, SFilter flt, float top_p,
+                                     unsigned long long known_total, SShared& s) {
     unsigned prefix = 0, mask = 0;
     unsigned long long above = 0, bound = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         s_histogram<true>(e, flt, prefix, mask, shift, s);
         if (threadIdx.x == 0) {
             if (shift == 24) {
-                unsigned long long total = 0;
-                for (int b = 0; b < 256; ++b) total += s.mass[b];
+                unsigned long long total = known_total;
+                if (total == 0)
+                    for (int b = 0; b < 256; ++b) total += s.mass[b];
                 bound = (unsigned long long)((double)top_p * (double)total);
                 if (bound == 0) bound = 1;
             }
@@ -451,49 +456,323 @@ __device__ float s_top_logprobs(const float* l, int n_vocab, unsigned n, SShared
     return lse;
 }
 
+// ---- The step's draws in four kernels ----
+//
+// A row's passes over the vocabulary would keep one SM busy for a quarter of a millisecond at
+// batch 1, so the heavy passes are spread over `split` blocks a row (more when the batch is
+// small), each over a slice of the row:
+// 1. sample_prepare_f32: the processed, tempered logits into `scratch`, each slice's largest.
+// 2. sample_histogram_f32: the candidates counted (and weighed, for top-p alone) in 2048 bins
+//    by their distance from the row's largest (a bin order that follows the keys' order).
+// 3. sample_compact_f32: the bin where top-k's (or top-p's) boundary lies, and each slice's
+//    elements from that bin up, in id order, into the work buffer.
+// 4. sample_rows_f32: one block a row; the exact rule over those few elements in shared memory
+//    (or, where they are too many, over the whole row), the draw, the counts, the logprobs.
+// The bins only choose which elements the exact rule looks at: every element that can be kept
+// is in the bins from the boundary up, so the pick is the one the rule gives.
+
+#define S_BINS SAMPLE_BINS
+#define S_PREP_THREADS 512
+#define S_OVERFLOW 0xffffffffu
+
+// Where each kernel's shared results are in the work buffer (RowParams' work_words).
+struct SWork {
+    unsigned* part;                 // [rows x split] x (largest's bits, its id)
+    unsigned* hist_cnt;             // [rows x S_BINS]
+    unsigned long long* hist_mass;  // [rows x S_BINS]
+    unsigned* reg_cnt;              // [rows x split]: elements each slice compacted (or S_OVERFLOW)
+    unsigned* reg;                  // [rows x split x S_LIST]: their ids
+};
+
+__device__ __forceinline__ SWork s_work(unsigned* work, int rows, int split) {
+    SWork w;
+    size_t o = 0;
+    w.part = work;
+    o += (size_t)rows * split * 2;
+    w.hist_cnt = work + o;
+    o += (size_t)rows * S_BINS;
+    w.hist_mass = reinterpret_cast<unsigned long long*>(work + o);
+    o += (size_t)rows * S_BINS * 2;
+    w.reg_cnt = work + o;
+    o += (size_t)rows * split;
+    w.reg = work + o;
+    return w;
+}
+
+// The bin of a candidate `d` below the largest (d in (S_CUTOFF, 0]); larger d, higher bin.
+__device__ __forceinline__ int s_bin(float d) {
+    int b = (int)__fmul_rn(__fsub_rn(d, S_CUTOFF), (float)S_BINS / -S_CUTOFF);
+    return min(max(b, 0), S_BINS - 1);
+}
+
+// The row's largest and its first id, from the slices' (the same on every block).
+__device__ __forceinline__ void s_row_best(const SWork& w, int row, int split, float& best, unsigned& at) {
+    best = NEG_INF;
+    at = 0xffffffffu;
+    for (int k = 0; k < split; ++k) {
+        const unsigned* q = w.part + ((size_t)row * split + k) * 2;
+        s_merge_max(best, at, __uint_as_float(q[0]), q[1]);
+    }
+    if (at == 0xffffffffu) at = 0;
+}
+
+__device__ __forceinline__ void s_slice(int vocab, int split, int k, int& lo, int& hi) {
+    int chunk = (vocab + split - 1) / split;
+    lo = min(vocab, k * chunk);
+    hi = min(vocab, lo + chunk);
+}
+
+__device__ __forceinline__ bool s_draws(const SParams& p, float best) {
+    return p.temperature > 0.0f && isfinite(best);
+}
+
+// Block-wide argmax of (v, i) pairs, lowest id on ties; thread 0 gets the result.
+__device__ __forceinline__ void s_block_best(float& v, unsigned& i) {
+    __shared__ float sv[WARP];
+    __shared__ unsigned si[WARP];
+    for (int o = WARP / 2; o > 0; o >>= 1)
+        s_merge_max(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    if (lane == 0) {
+        sv[warp] = v;
+        si[warp] = i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int g = 1; g < warps; ++g) s_merge_max(v, i, sv[g], si[g]);
+}
+
+extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
+    sample_prepare_f32(const float* __restrict__ logits, int vocab, const unsigned* __restrict__ params,
+                       const unsigned* __restrict__ bias, const unsigned* __restrict__ counts,
+                       float* __restrict__ scratch, unsigned* __restrict__ work, int rows, int split) {
+    const int row = blockIdx.x / split, k = blockIdx.x % split;
+    const SParams p = s_params(params + (size_t)row * SAMPLE_WORDS);
+    const SWork w = s_work(work, rows, split);
+    const float* l = logits + (size_t)row * vocab;
+    const unsigned* cnt = p.slot == S_NO_SLOT ? nullptr : counts + (size_t)p.slot * vocab;
+    const bool plain = p.temperature == 0.0f && !cnt && p.bias_len == 0;
+    float* y = scratch + (size_t)row * vocab;
+    int lo, hi;
+    s_slice(vocab, split, k, lo, hi);
+    if (k == 0)
+        for (int b = threadIdx.x; b < S_BINS; b += blockDim.x) {
+            w.hist_cnt[(size_t)row * S_BINS + b] = 0;
+            w.hist_mass[(size_t)row * S_BINS + b] = 0;
+        }
+    if (!plain) {
+        for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
+            y[j] = s_process(l[j], 0.0f, cnt ? cnt[j] : 0u, p);
+        __syncthreads();
+        for (unsigned e = threadIdx.x; e < p.bias_len; e += blockDim.x) {
+            unsigned t = bias[2 * (p.bias_start + e)];
+            if ((int)t < lo || (int)t >= hi) continue;
+            float b = __uint_as_float(bias[2 * (p.bias_start + e) + 1]);
+            y[t] = s_process(l[t], b, cnt ? cnt[t] : 0u, p);
+        }
+        __syncthreads();
+    }
+    const float* src = plain ? l : y;
+    float v = NEG_INF;
+    unsigned i = 0xffffffffu;
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) s_merge_max(v, i, src[j], j);
+    s_block_best(v, i);
+    if (threadIdx.x == 0) {
+        unsigned* q = w.part + ((size_t)row * split + k) * 2;
+        q[0] = __float_as_uint(v);
+        q[1] = i;
+    }
+}
+
+// Whether a row's draw can look at a short list: top-k, or top-p alone, bound it.
+__device__ __forceinline__ bool s_listable(const SParams& p) {
+    return p.top_k > 0 || p.top_p < 1.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
+    sample_histogram_f32(int vocab, const unsigned* __restrict__ params, const float* __restrict__ scratch,
+                         unsigned* __restrict__ work, int rows, int split) {
+    __shared__ unsigned cnt[S_BINS];
+    __shared__ unsigned long long mass[S_BINS];
+    const int row = blockIdx.x / split, k = blockIdx.x % split;
+    const SParams p = s_params(params + (size_t)row * SAMPLE_WORDS);
+    const SWork w = s_work(work, rows, split);
+    float best;
+    unsigned at;
+    s_row_best(w, row, split, best, at);
+    if (!s_draws(p, best) || !s_listable(p)) return;
+    const bool weigh = p.top_k == 0;
+    for (int b = threadIdx.x; b < S_BINS; b += blockDim.x) {
+        cnt[b] = 0;
+        mass[b] = 0;
+    }
+    __syncthreads();
+    const float* y = scratch + (size_t)row * vocab;
+    int lo, hi;
+    s_slice(vocab, split, k, lo, hi);
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        float d = __fsub_rn(y[j], best);
+        if (!(d > S_CUTOFF)) continue;
+        int b = s_bin(d);
+        atomicAdd(&cnt[b], 1u);
+        if (weigh) atomicAdd(&mass[b], (unsigned long long)s_weight(d));
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < S_BINS; b += blockDim.x) {
+        if (cnt[b]) atomicAdd(&w.hist_cnt[(size_t)row * S_BINS + b], cnt[b]);
+        if (mass[b]) atomicAdd(&w.hist_mass[(size_t)row * S_BINS + b], mass[b]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
+    sample_compact_f32(int vocab, const unsigned* __restrict__ params, const float* __restrict__ scratch,
+                       unsigned* __restrict__ work, int rows, int split) {
+    __shared__ unsigned bin_floor, warp_base[S_PREP_THREADS / WARP], run;
+    const int row = blockIdx.x / split, k = blockIdx.x % split;
+    const SParams p = s_params(params + (size_t)row * SAMPLE_WORDS);
+    const SWork w = s_work(work, rows, split);
+    unsigned* reg_cnt = w.reg_cnt + (size_t)row * split + k;
+    float best;
+    unsigned at;
+    s_row_best(w, row, split, best, at);
+    if (!s_draws(p, best) || !s_listable(p)) {
+        if (threadIdx.x == 0) *reg_cnt = S_OVERFLOW;
+        return;
+    }
+    if (threadIdx.x == 0) {
+        // From the top bin down to the one where the boundary lies; past S_LIST, too many.
+        const unsigned* hc = w.hist_cnt + (size_t)row * S_BINS;
+        const unsigned long long* hm = w.hist_mass + (size_t)row * S_BINS;
+        unsigned long long bound = 0, mass = 0;
+        if (p.top_k == 0) {
+            unsigned long long total = 0;
+            for (int b = 0; b < S_BINS; ++b) total += hm[b];
+            bound = (unsigned long long)((double)p.top_p * (double)total);
+            if (bound == 0) bound = 1;
+        }
+        unsigned taken = 0;
+        int b = S_BINS - 1;
+        for (; b > 0; --b) {
+            taken += hc[b];
+            mass += hm[b];
+            if (p.top_k > 0 ? taken >= p.top_k : mass >= bound) break;
+        }
+        if (b == 0) taken += hc[0];
+        bin_floor = taken > S_LIST ? S_OVERFLOW : (unsigned)b;
+        run = 0;
+    }
+    __syncthreads();
+    if (bin_floor == S_OVERFLOW) {
+        if (threadIdx.x == 0) *reg_cnt = S_OVERFLOW;
+        return;
+    }
+    // The slice's elements from that bin up, in id order (a tile of the block at a time).
+    const float* y = scratch + (size_t)row * vocab;
+    unsigned* out = w.reg + ((size_t)row * split + k) * S_LIST;
+    int lo, hi;
+    s_slice(vocab, split, k, lo, hi);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    for (int t0 = lo; t0 < hi; t0 += blockDim.x) {
+        int j = t0 + threadIdx.x;
+        bool keep = false;
+        if (j < hi) {
+            float d = __fsub_rn(y[j], best);
+            keep = d > S_CUTOFF && s_bin(d) >= (int)bin_floor;
+        }
+        unsigned ballot = __ballot_sync(0xffffffffu, keep);
+        if (lane == 0) warp_base[warp] = __popc(ballot);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned r = run;
+            for (int g = 0; g < warps; ++g) {
+                unsigned c = warp_base[g];
+                warp_base[g] = r;
+                r += c;
+            }
+            run = r;
+        }
+        __syncthreads();
+        if (keep) out[warp_base[warp] + __popc(ballot & ((1u << lane) - 1))] = j;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *reg_cnt = run;
+}
+
 extern "C" __global__ void __launch_bounds__(S_THREADS)
     sample_rows_f32(const float* __restrict__ logits, int vocab, const unsigned* __restrict__ params,
                     const unsigned* __restrict__ bias, unsigned* __restrict__ counts,
                     float* __restrict__ scratch, unsigned* __restrict__ picks,
-                    float* __restrict__ logprobs, unsigned* __restrict__ top_ids) {
+                    float* __restrict__ logprobs, unsigned* __restrict__ top_ids,
+                    unsigned* __restrict__ work, int rows, int split) {
     __shared__ SShared s;
     const int row = blockIdx.x;
     const SParams p = s_params(params + (size_t)row * SAMPLE_WORDS);
+    const SWork w = s_work(work, rows, split);
     const float* l = logits + (size_t)row * vocab;
     float* lp_row = logprobs + (size_t)row * LOGPROB_COLS;
     float lse = 0.0f;
     if (p.logprobs > 0)
         lse = s_top_logprobs(l, vocab, p.logprobs - 1, s, lp_row + 1,
                              top_ids + (size_t)row * MAX_TOP_LOGPROBS);
-    const unsigned* cnt = p.slot == S_NO_SLOT ? nullptr : counts + (size_t)p.slot * vocab;
-    const bool plain = p.temperature == 0.0f && !cnt && p.bias_len == 0;
-    float* y = plain ? nullptr : scratch + (size_t)row * vocab;
-    if (!plain) {
-        for (int j = threadIdx.x; j < vocab; j += blockDim.x)
-            y[j] = s_process(l[j], 0.0f, cnt ? cnt[j] : 0u, p);
-        __syncthreads();
-        for (unsigned e = threadIdx.x; e < p.bias_len; e += blockDim.x) {
-            unsigned t = bias[2 * (p.bias_start + e)];
-            float b = __uint_as_float(bias[2 * (p.bias_start + e) + 1]);
-            y[t] = s_process(l[t], b, cnt ? cnt[t] : 0u, p);
-        }
-        __syncthreads();
-    }
     float best;
     unsigned pick;
-    s_argmax(plain ? l : y, vocab, s, best, pick);
-    if (p.temperature > 0.0f && isfinite(best)) {
+    s_row_best(w, row, split, best, pick);
+    if (s_draws(p, best)) {
+        const float* y = scratch + (size_t)row * vocab;
         SElems e = {y, vocab, false, false, best};
         SFilter flt = {0u, 0.0};
-        if (p.top_k > 0) flt.tau = s_select_by_count(e, flt, p.top_k, s);
-        // Few enough left: the rest of the passes read them from shared memory.
-        SFilter keep = flt;
-        unsigned left = s_compact(e, keep, 0, S_LIST, s);
-        if (left <= S_LIST) {
+        unsigned long long known_total = 0;
+        const unsigned* reg_cnt = w.reg_cnt + (size_t)row * split;
+        if (reg_cnt[0] != S_OVERFLOW) {
+            // The slices' lists, one after the other: the row's best elements in id order.
+            if (threadIdx.x == 0) {
+                unsigned at = 0;
+                for (int k = 0; k < split; ++k) {
+                    s.part[k] = at;
+                    at += reg_cnt[k];
+                }
+                s.u[0] = at;
+            }
+            __syncthreads();
+            unsigned n = s.u[0];
+            for (int k = 0; k < split; ++k) {
+                const unsigned* ids = w.reg + ((size_t)row * split + k) * S_LIST;
+                unsigned c = reg_cnt[k], at = (unsigned)s.part[k];
+                for (unsigned i = threadIdx.x; i < c; i += blockDim.x) {
+                    unsigned id = ids[i];
+                    float d = __fsub_rn(y[id], best);
+                    s.list_id[at + i] = id;
+                    s.list_key[at + i] = s_key(y[id]);
+                    s.list_w[at + i] = s_weight(d);
+                }
+            }
+            __syncthreads();
             e.list = true;
-            e.n = left;
+            e.n = n;
+            if (p.top_k == 0) {
+                // Top-p alone: the list holds only the best candidates; their total is all of
+                // the candidates', from the histogram.
+                if (threadIdx.x == 0) {
+                    unsigned long long t = 0;
+                    for (int b = 0; b < S_BINS; ++b) t += w.hist_mass[(size_t)row * S_BINS + b];
+                    s.u64[0] = t;
+                }
+                __syncthreads();
+                known_total = s.u64[0];
+                __syncthreads();
+            }
         }
-        if (p.top_p < 1.0f) flt.tau = max(flt.tau, s_select_by_mass(e, flt, p.top_p, s));
+        if (p.top_k > 0) flt.tau = s_select_by_count(e, flt, p.top_k, s);
+        if (!e.list) {
+            // Few enough left after top-k: the rest of the passes read them from shared memory.
+            unsigned left = s_compact(e, flt, 0, S_LIST, s);
+            if (left <= S_LIST) {
+                e.list = true;
+                e.n = left;
+            }
+        }
+        if (p.top_p < 1.0f)
+            flt.tau = max(flt.tau, s_select_by_mass(e, flt, p.top_p, known_total, s));
         if (p.min_p > 0.0f) flt.wmin = (double)p.min_p * 2147483648.0;
         uint4 x = s_philox(make_uint4(p.position, p.stream, 0x73616d70u, 0u), p.seed_lo, p.seed_hi);
         unsigned long long bits = ((unsigned long long)x.x << 32) | x.y;

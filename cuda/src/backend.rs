@@ -261,6 +261,9 @@ pub struct SampleIo<'a, B: Backend + ?Sized> {
     pub logprobs: &'a mut B::Tensor,
     /// `[rows × MAX_TOP_LOGPROBS]`: the best tokens' ids, best first.
     pub top_ids: &'a mut B::Ids,
+    /// At least [`crate::sampling::work_words`]`(rows)`: what the device's passes hand each
+    /// other (the CPU needs none).
+    pub work: &'a mut B::Ids,
 }
 
 pub trait Backend: Send + Sync + 'static {

@@ -34,6 +34,24 @@ pub const SAMPLE_WORDS: usize = 16;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// Columns of a step's logprobs output: the pick's, then up to [`MAX_TOP_LOGPROBS`] others.
 pub const LOGPROB_COLS: usize = 1 + MAX_TOP_LOGPROBS;
+/// Candidates the device's draw keeps in shared memory (`S_LIST` in the kernel).
+pub const SAMPLE_LIST: usize = 2048;
+/// Bins of the device's candidate histogram (`S_BINS`).
+pub const SAMPLE_BINS: usize = 2048;
+
+/// Blocks a row's heavy passes are spread over on the device for a step of `rows` rows: about
+/// two waves of an H100's 132 SMs, at most 32 a row.
+pub fn split_for(rows: usize) -> usize {
+    (256 / rows.max(1)).clamp(1, 32)
+}
+
+/// `u32` words of the device's work buffer for a step of `rows` rows (the kernels' `SWork`:
+/// each slice's largest, the histograms, each slice's candidates).
+pub fn work_words(rows: usize) -> usize {
+    let split = split_for(rows);
+    rows * (3 * SAMPLE_BINS + split * (3 + SAMPLE_LIST))
+}
+
 /// A row that keeps no token counts (no penalty asks for them).
 pub const NO_SLOT: u32 = u32::MAX;
 /// Candidates are tokens with `y - max(y) > CUTOFF`: `e^-21` is 7.6e-10, so each has a weight

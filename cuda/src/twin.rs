@@ -980,6 +980,7 @@ struct GreedyPicks<B: Backend> {
     picks: B::Ids,
     logprobs: B::Tensor,
     top_ids: B::Ids,
+    work: B::Ids,
 }
 
 impl<B: Backend> GreedyPicks<B> {
@@ -993,6 +994,7 @@ impl<B: Backend> GreedyPicks<B> {
             picks: be.upload_ids(&vec![0; rows])?,
             logprobs: be.zeros(&[rows, LOGPROB_COLS])?,
             top_ids: be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?,
+            work: be.upload_ids(&vec![0; crate::sampling::work_words(rows)])?,
         })
     }
 
@@ -1007,6 +1009,7 @@ impl<B: Backend> GreedyPicks<B> {
                 picks: &mut self.picks,
                 logprobs: &mut self.logprobs,
                 top_ids: &mut self.top_ids,
+                work: &mut self.work,
             },
         )
     }
@@ -1125,6 +1128,7 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
     let mut picks = be.upload_ids(&vec![0; rows])?;
     let mut logprobs = be.zeros(&[rows, LOGPROB_COLS])?;
     let mut top_ids = be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?;
+    let mut work = be.upload_ids(&vec![0; crate::sampling::work_words(rows)])?;
     let (mut exact, mut values) = (Vec::new(), Vec::new());
     for _ in 0..2 {
         let words: Vec<u32> = params.iter().flat_map(|p| p.to_words()).collect();
@@ -1138,6 +1142,7 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
                 picks: &mut picks,
                 logprobs: &mut logprobs,
                 top_ids: &mut top_ids,
+                work: &mut work,
             },
         )?;
         exact.extend(be.download_ids(&picks, rows)?);

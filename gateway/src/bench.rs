@@ -196,8 +196,8 @@ pub fn run<B: Backend + Clone>(
         + opts.image_sides.len() * 2
         + opts.prefill_tokens.len()
         + opts.ttft_image_sides.len() * (3 + 6 * opts.through_gateway as usize)
-        + opts.decode_contexts.len()
-        + batched.len();
+        + (opts.decode_contexts.len() + batched.len()) * (1 + opts.sampled_decode as usize)
+        + opts.decode_batches.len() * 3 * opts.sampled_decode as usize;
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
             .expect("valid template"),
@@ -456,6 +456,36 @@ pub fn run<B: Backend + Clone>(
         let step_bytes = params * B::WEIGHT_BYTES as f64 + kv_bytes;
         meas.roofline = Some(meas.throughput() / batch as f64 * step_bytes / bandwidth);
         out.push(meas);
+    }
+    if opts.sampled_decode {
+        let vocab = tcfg.vocab_size;
+        for &rows in &opts.decode_batches {
+            for (tag, sampling) in [
+                ("greedy", SamplingParams::greedy()),
+                ("0.7 / 0.8 / 20, presence 1.5", recommended_sampling()),
+                (
+                    "the same with top_logprobs 5",
+                    SamplingParams {
+                        logprobs: Some(5),
+                        ..recommended_sampling()
+                    },
+                ),
+            ] {
+                bar.set_message(format!("sampler {rows} rows {tag}"));
+                let s = time_sampler(&backend, rows, vocab, &sampling, opts, &bar)?;
+                let mut meas = Measurement {
+                    name: format!("sampler: {rows} rows of {vocab} logits, {tag}"),
+                    seconds: s,
+                    work: rows as f64,
+                    unit: "token",
+                    roofline: None,
+                };
+                // The least it must do: read each row's logits once.
+                let bytes = (rows * vocab * 4) as f64;
+                meas.roofline = Some(bytes / meas.median() / bandwidth);
+                out.push(meas);
+            }
+        }
     }
     if opts.profile {
         profile_steps(
@@ -975,6 +1005,53 @@ pub fn table(rows: &[Measurement]) -> String {
         ));
     }
     s
+}
+
+/// Seconds of one `sample_rows` over `rows` rows of random logits (spread as a model's, a few
+/// units) with `sampling`'s settings and penalties on (a count table of `rows` slots).
+fn time_sampler<B: Backend>(
+    be: &B,
+    rows: usize,
+    vocab: usize,
+    sampling: &SamplingParams,
+    opts: &BenchOptions,
+    bar: &ProgressBar,
+) -> anyhow::Result<Vec<f64>> {
+    use vlm_compute::sampling::{work_words, LOGPROB_COLS, MAX_TOP_LOGPROBS};
+    let logits = be.random_uniform(&[rows, vocab], 77, 4.0)?;
+    let words: Vec<u32> = (0..rows)
+        .flat_map(|r| {
+            let slot = sampling.needs_counts().then_some(r as u32);
+            sampling.row(r as u64, 100, slot, 0).to_words()
+        })
+        .collect();
+    let params = be.upload_ids(&words)?;
+    let bias = be.upload_ids(&[0, 0])?;
+    let mut counts = be.upload_ids(&vec![0; rows * vocab])?;
+    let mut scratch = be.zeros(&[rows, vocab])?;
+    let mut picks = be.upload_ids(&vec![0; rows])?;
+    let mut logprobs = be.zeros(&[rows, LOGPROB_COLS])?;
+    let mut top_ids = be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?;
+    let mut work = be.upload_ids(&vec![0; work_words(rows)])?;
+    time(opts, bar, || {
+        be.synchronize()?;
+        let t = Instant::now();
+        be.sample_rows(
+            &logits,
+            vlm_compute::SampleIo {
+                params: &params,
+                bias: &bias,
+                counts: &mut counts,
+                scratch: &mut scratch,
+                picks: &mut picks,
+                logprobs: &mut logprobs,
+                top_ids: &mut top_ids,
+                work: &mut work,
+            },
+        )?;
+        be.synchronize()?;
+        Ok(t.elapsed())
+    })
 }
 
 /// Qwen3-VL's recommended sampling (its model card): what real clients send.

@@ -324,16 +324,19 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        16,
+        21,
         "two limits, one ViT size (outputs kept on the device, and downloaded to the host), \
          prefill, the image's preprocessing, image TTFT in process \
          (and with the image already encoded), \
-         packing and unpacking its embeddings, decode, batched decode, the same through the \
+         packing and unpacking its embeddings, decode and batched decode (each greedy and \
+         sampled), the sampler alone (greedy, sampled, with logprobs), the same through the \
          gateway with a new image (embeddings in the messages, in shared memory and kept on \
          the device) and with one seen before: {names:?}"
     );
     assert!(
         names.contains(&"decode: batch 3 at context 16")
+            && names.contains(&"decode: batch 3 at context 16, sampled")
+            && names.contains(&"sampler: 3 rows of 414 logits, the same with top_logprobs 5")
             && names.contains(&"vision: ViT + mergers 64x64, outputs downloaded to the host"),
         "{names:?}"
     );

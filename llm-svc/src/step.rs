@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vlm_compute::sampling::{
-    bias_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS,
+    bias_words, work_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS,
 };
 use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch, SampleIo};
 
@@ -333,6 +333,8 @@ struct SamplerState<B: Backend> {
     slots: CountSlots,
     scratch: B::Tensor,
     graph_bias: B::Ids,
+    /// What the device's sampling passes hand each other, sized for the largest step.
+    work: B::Ids,
 }
 
 pub struct StepRunner<B: Backend> {
@@ -365,9 +367,10 @@ impl<B: Backend> StepRunner<B> {
     }
 
     /// Device bytes of the sampler's shared buffers for `max_batch` sequences (for the KV
-    /// cache's sizing): the count table and the processed logits' room.
+    /// cache's sizing): the count table, the processed logits' room and the work buffer.
     pub fn sampler_bytes(cfg: &TextConfig, max_batch: usize) -> usize {
-        2 * max_batch.next_power_of_two() * cfg.vocab_size * 4
+        let rows = max_batch.next_power_of_two();
+        (2 * rows * cfg.vocab_size + work_words(rows.max(256))) * 4
     }
 
     /// Recorded decode steps so far (for logs).
@@ -401,6 +404,7 @@ impl<B: Backend> StepRunner<B> {
                 slots: CountSlots::new(self.max_batch),
                 scratch: be.zeros(&[rows, vocab])?,
                 graph_bias: be.upload_ids(&vec![0; 2 * rows * MAX_LOGIT_BIAS + 2])?,
+                work: be.upload_ids(&vec![0; (1..=rows).map(work_words).max().unwrap_or(0)])?,
             });
         }
         let sampler = self.sampler.as_mut().expect("made above");
@@ -554,6 +558,7 @@ impl<B: Backend> StepRunner<B> {
                 picks: &mut out.picks,
                 logprobs: &mut out.logprobs,
                 top_ids: &mut out.top_ids,
+                work: &mut sampler.work,
             },
         )?;
         let result = Self::outputs(be, &logits, &out, host, n)?;
@@ -685,6 +690,7 @@ impl<B: Backend> StepRunner<B> {
                     picks: &mut out.picks,
                     logprobs: &mut out.logprobs,
                     top_ids: &mut out.top_ids,
+                    work: &mut sampler.work,
                 },
             )
         });

@@ -3,7 +3,7 @@
 
 use super::compile::compile_ptx;
 use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
-use crate::sampling::{LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS};
+use crate::sampling::{LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_BINS, SAMPLE_LIST, SAMPLE_WORDS};
 use crate::{Error, Result};
 
 /// `common.cuh`, put in front of every kernel file (each file is its own NVRTC program).
@@ -85,7 +85,12 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         file: "sampling_f32.cu",
         prelude: &[],
         source: kernel_file!("sampling_f32.cu").1,
-        kernels: &["sample_rows_f32"],
+        kernels: &[
+            "sample_prepare_f32",
+            "sample_histogram_f32",
+            "sample_compact_f32",
+            "sample_rows_f32",
+        ],
         per_rows: &[],
         sm90a: false,
     },
@@ -359,7 +364,8 @@ fn shared_defines() -> String {
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
          #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
          #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
-         #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n"
+         #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
+         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n"
     )
 }
 

@@ -22,6 +22,9 @@ use crate::Outcome;
 pub fn gateway_steps(req: &ChatRequest) -> Outcome {
     validate_request(req, &RequestLimits::default()).map_err(text)?;
     let f = fixture();
+    // As the orchestrator checks `logit_bias` against the checkpoint's vocabulary.
+    ::gateway::sampling::check_logit_bias_ids(&req.sampling, f.model.text.vocab_size)
+        .map_err(text)?;
     let n_images = image_parts(&req.messages).count();
     let merge = f.model.spatial_merge_size;
     let grid = [1u32, 2 * merge as u32, 2 * merge as u32];
