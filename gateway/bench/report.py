@@ -107,6 +107,42 @@ def load_table(load, batched):
     return "\n".join(lines + notes) + "\n", plot
 
 
+def sampled_table(greedy, sampled, text, server):
+    """One line per concurrency: sampled beside greedy on the same workload, and the text-only
+    sampled HTTP workload on vlm and on llama.cpp's llama-server."""
+    by = lambda rows: {r["concurrency"]: r for r in rows}
+    g, s, t, v = by(greedy), by(sampled), by(text), by(server)
+    levels = sorted(set(g) | set(s) | set(t) | set(v))
+    tok = lambda r: fmt(r["output_tokens_per_s"], ".1f") if r else "not measured"
+    itl = lambda r: fmt(r["itl_p50_ms"], ".1f") if r else "-"
+    lines = [
+        "| concurrency | vlm greedy tok/s | vlm sampled tok/s | sampled / greedy "
+        "| vlm sampled, text over HTTP: tok/s (ITL p50 ms) "
+        "| llama-server, the same: tok/s (ITL p50 ms) | vlm vs llama-server |",
+        "|---" * 7 + "|",
+    ]
+    for c in levels:
+        a, b, x, y = g.get(c), s.get(c), t.get(c), v.get(c)
+        ratio = f"{100 * b['output_tokens_per_s'] / a['output_tokens_per_s']:.1f}%" if a and b else "-"
+        vs = "-"
+        if x and y and y["output_tokens_per_s"]:
+            r = x["output_tokens_per_s"] / y["output_tokens_per_s"]
+            vs = f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower"
+        lines.append(f"| {c} | {tok(a)} | {tok(b)} | {ratio} | {tok(x)} ({itl(x)}) "
+                     f"| {tok(y)} ({itl(y)}) | {vs} |")
+    notes = [
+        "",
+        "Sampled: temperature 0.7, top-p 0.8, top-k 20, presence penalty 1.5 (Qwen3-VL's model "
+        "card), each request seeded with its index. 'Text over HTTP': no images, OpenAI HTTP "
+        "with SSE only, the workload llama-server (a text GGUF of the same shapes, one slot per "
+        "client of the largest level) takes too; tokens from llama-server are counted by chunk.",
+    ]
+    for name, rows in [("vlm sampled", sampled), ("vlm text", text), ("llama-server", server)]:
+        if rows:
+            notes.append(f"{name} config: {rows[0].get('config', '')}")
+    return "\n".join(lines + notes) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("ours")
@@ -114,6 +150,9 @@ def main():
     ap.add_argument("--llama", nargs="*", default=[])
     ap.add_argument("--load", help="vlm load --json output")
     ap.add_argument("--llama-batched", help="llama-batched-bench --output-format jsonl output")
+    ap.add_argument("--load-sampled", help="vlm load --json output, sampled as Qwen recommends")
+    ap.add_argument("--load-text", help="the same, text only over HTTP")
+    ap.add_argument("--server-load", help="vlm load --json output against llama-server")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -128,7 +167,14 @@ def main():
             rows += llama_rows(p)
     load = json.load(open(a.load)) if a.load and os.path.exists(a.load) else []
     batched = batched_rows(a.llama_batched) if a.llama_batched and os.path.exists(a.llama_batched) else []
-    json.dump(rows + load + batched, open(os.path.join(a.out, "results.json"), "w"), indent=1)
+    opt = lambda p: json.load(open(p)) if p and os.path.exists(p) else []
+    sampled, text, server = opt(a.load_sampled), opt(a.load_text), opt(a.server_load)
+    for r in sampled + text:
+        r.setdefault("system", "vlm sampled")
+    for r in server:
+        r["system"] = "llama-server"
+    json.dump(rows + load + batched + sampled + text + server,
+              open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     peers = ["llama.cpp", "hf transformers"]
     # What each peer cannot run, so the table says why instead of leaving a hole.
@@ -178,6 +224,8 @@ def main():
     if load or batched:
         section, load_plot = load_table(load, batched)
         table += "\n## Many clients at once\n\n" + section
+    if sampled or text or server:
+        table += "\n## Sampled, as clients ask\n\n" + sampled_table(load, sampled, text, server)
     open(os.path.join(a.out, "table.md"), "w").write(table)
     print(table)
 

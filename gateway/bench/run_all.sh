@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole comparison on a GPU machine, in one call: vlm bench and vlm load, llama.cpp (CUDA:
 # llama-bench and llama-batched-bench) and HF transformers at Qwen3-VL-8B's sizes with random
-# weights, then the report (tables + plots).
+# weights, then the report (tables + plots). vlm load runs greedy and at Qwen3-VL's recommended
+# sampling (what real clients send), and llama.cpp's own server (llama-server -np N, the serving
+# peer a user would deploy) takes the same sampled text workload over HTTP as vlm does.
 #
 #   gateway/bench/run_all.sh VLM_BINARY OUT_DIR
 #
 # Run from the repository root. PEERS (default ../shared/peers) holds llama.cpp's source and
-# GGUF writer (see its README). STEPS picks parts: "ours load hf llama report" (the default: all).
+# GGUF writer (see its README). STEPS picks parts: "ours load sampled hf llama server report"
+# (the default: all).
 # LOAD_ARGS replaces the workload flags of vlm load (default below); BENCH_ARGS adds flags to
 # vlm bench (e.g. "--ttft-image-sides 448,1344").
 #
@@ -19,13 +22,17 @@
 #           every row with host work in it                        ~1.2 min
 #   load    vlm load, 8B, concurrency 1 to 128, 20 s of requests
 #           each plus the drain of the last ones                   ~2 min
+#   sampled vlm load at 0.7 / 0.8 / 20, presence 1.5: the same workload, then text only
+#           over HTTP (llama-server's workload)                    ~4 min
+#   server  llama-server with as many slots as the largest level, the same text-only sampled
+#           workload over HTTP                                     ~2.5 min
 #   report  seconds
 # About 10 minutes on a fresh machine, 5.5 with the build in WORK; each part's log is in OUT_DIR.
 set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
 peers=$(realpath -m "${PEERS:-../shared/peers}")
-steps=" ${STEPS:-ours load hf llama report} "
+steps=" ${STEPS:-ours load sampled hf llama server report} "
 model=deploy/models/qwen3-vl-8b
 work=${WORK:-/tmp/vlm-bench}
 # The concurrencies vlm load runs and llama-batched-bench's parallel sequences: the same list.
@@ -34,12 +41,18 @@ most=${levels##*,}
 # 512-token prompts (ours: drawn from 256-768, mean 512), 128 generated, as llama-batched-bench's
 # -npp 512 -ntg 128; one request in 8 carries a 448x448 image (llama-batched-bench has none).
 load_args=${LOAD_ARGS:---prompt-tokens 512 --max-tokens 128 --image-every 8 --image-side 448 --duration 20}
+# Qwen3-VL's model card's sampling; the text-only HTTP workload both servers take.
+sampled_args="--temperature 0.7 --top-p 0.8 --top-k 20 --presence-penalty 1.5"
+text_args="--prompt-tokens 512 --max-tokens 128 --image-every 0 --duration 20 --api http"
 mkdir -p "$out" "$work"
 has() { [[ "$steps" == *" $1 "* ]]; }
 part() { echo "== $1 (at ${SECONDS}s)"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
-built() { [ -x "$work/b/bin/llama-bench" ] && [ -x "$work/b/bin/llama-batched-bench" ]; }
+built() {
+  [ -x "$work/b/bin/llama-bench" ] && [ -x "$work/b/bin/llama-batched-bench" ] \
+    && [ -x "$work/b/bin/llama-server" ]
+}
 # Waits for the background build, if one was started and is not waited for yet.
 wait_build() {
   if [ -n "${build_pid:-}" ]; then
@@ -47,13 +60,13 @@ wait_build() {
     build_pid=
   fi
 }
-if has llama && ! built; then
+if { has llama || has server; } && ! built; then
   echo "building llama.cpp in the background ($out/llama-build.log)"
   tar xzf "$peers"/llama.cpp-*.tgz -C "$work"
   setsid nice -n 19 bash -c "cmake -S $work/llama.cpp -B $work/b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    && cmake --build $work/b -j$(nproc) --target llama-bench llama-batched-bench" > "$out/llama-build.log" 2>&1 &
+      -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    && cmake --build $work/b -j$(nproc) --target llama-bench llama-batched-bench llama-server" > "$out/llama-build.log" 2>&1 &
   build_pid=$!
 fi
 
@@ -63,10 +76,13 @@ if has hf; then
     || echo "HF peer failed: see $out/hf.log"
 fi
 
+gguf() {
+  [ -f "$work/q3-8b-f16.gguf" ] || PYTHONPATH="$work/llama.cpp/gguf-py" python3 "$peers/make_qwen3_gguf.py" \
+    "$work/llama.cpp/models/ggml-vocab-qwen2.gguf" "$work/q3-8b-f16.gguf" > "$out/llama-gguf.log" 2>&1
+}
 if has llama; then
   part "llama.cpp"
-  PYTHONPATH="$work/llama.cpp/gguf-py" python3 "$peers/make_qwen3_gguf.py" \
-    "$work/llama.cpp/models/ggml-vocab-qwen2.gguf" "$work/q3-8b-f16.gguf" > "$out/llama-gguf.log" 2>&1
+  gguf
   wait_build
   bench="$work/b/bin/llama-bench -m $work/q3-8b-f16.gguf -ngl 99 -fa 1 -r 3 -o json"
   $bench -p 512,4096 -n 0 > "$out/llama-prefill.json" 2>> "$out/llama.log"
@@ -81,7 +97,6 @@ if has llama; then
     -c $((most * (512 + 128))) -b 2048 -ub 512 -npp 512 -ntg 128 -npl "$levels" \
     --output-format jsonl > "$out/llama-batched.jsonl" 2>> "$out/llama.log"
   cat "$out/llama-batched.jsonl"
-  rm -f "$work/q3-8b-f16.gguf"
 fi
 
 # Ours after llama.cpp's build: sharing the cores with a compile slowed every row with host work
@@ -101,11 +116,46 @@ if has load; then
     --json "$out/load.json" 2>&1 | tee "$out/load.log" || echo "vlm load failed: see $out/load.log"
 fi
 
+if has sampled; then
+  part "vlm load, sampled"
+  # shellcheck disable=SC2086 # lists of flags
+  "$vlm" load --device cuda --model "$model" --random-weights --concurrency "$levels" $load_args \
+    $sampled_args --json "$out/load-sampled.json" 2>&1 | tee "$out/load-sampled.log" \
+    || echo "vlm load failed: see $out/load-sampled.log"
+  part "vlm load, sampled, text only over HTTP"
+  # shellcheck disable=SC2086
+  "$vlm" load --device cuda --model "$model" --random-weights --concurrency "$levels" $text_args \
+    $sampled_args --json "$out/load-text.json" 2>&1 | tee "$out/load-text.log" \
+    || echo "vlm load failed: see $out/load-text.log"
+fi
+
+if has server; then
+  part "llama-server under vlm load"
+  gguf
+  wait_build
+  # One slot per client of the largest level, each with room for a prompt and its answer.
+  "$work/b/bin/llama-server" -m "$work/q3-8b-f16.gguf" -ngl 99 -fa on -np "$most" \
+    -c $((most * (768 + 128 + 64))) --port 8091 > "$out/llama-server.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 120); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8091/health')" 2> /dev/null && break
+    sleep 1
+  done
+  # shellcheck disable=SC2086
+  "$vlm" load --http http://127.0.0.1:8091 --model "$model" --concurrency "$levels" $text_args \
+    $sampled_args --json "$out/server-load.json" 2>&1 | tee "$out/server-load.log" \
+    || echo "vlm load against llama-server failed: see $out/server-load.log"
+  kill "$server_pid" 2> /dev/null || true
+fi
+rm -f "$work/q3-8b-f16.gguf"
+
 if has report; then
   part "report"
   python3 gateway/bench/report.py "$out/ours.json" --hf "$out/hf.json" \
     --llama "$out/llama-prefill.json" "$out/llama-decode.json" "$out/llama-decode-4096.json" \
     --load "$out/load.json" --llama-batched "$out/llama-batched.jsonl" \
+    --load-sampled "$out/load-sampled.json" --load-text "$out/load-text.json" \
+    --server-load "$out/server-load.json" \
     --out "$out"
 fi
 echo "done in ${SECONDS}s"
