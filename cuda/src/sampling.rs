@@ -363,7 +363,25 @@ pub fn sample_row(
 /// Steps 3 to 7 over the tempered logits `y` whose largest is `max`; `None` if no token is a
 /// candidate.
 fn draw(y: &[f32], max: f32, p: &RowParams) -> Option<u32> {
-    // (id, key, weight) of each candidate, in id order.
+    let cand = kept(y, max, p);
+    if cand.is_empty() {
+        return None;
+    }
+    let total: u64 = cand.iter().map(|c| c.2 as u64).sum();
+    let target = ((draw_bits(p) as u128 * total as u128) >> 64) as u64;
+    let mut acc = 0u64;
+    for c in &cand {
+        acc += c.2 as u64;
+        if acc > target {
+            return Some(c.0);
+        }
+    }
+    unreachable!("target < total")
+}
+
+/// Steps 3 to 6: the tokens a draw over the tempered logits `y` (largest `max`) can give, as
+/// (id, key, weight) in id order.
+fn kept(y: &[f32], max: f32, p: &RowParams) -> Vec<(u32, u32, u32)> {
     let mut cand: Vec<(u32, u32, u32)> = y
         .iter()
         .enumerate()
@@ -371,7 +389,7 @@ fn draw(y: &[f32], max: f32, p: &RowParams) -> Option<u32> {
         .map(|(i, &x)| (i as u32, order_key(x), weight(x - max)))
         .collect();
     if cand.is_empty() {
-        return None;
+        return cand;
     }
     // Keys best first, to find the thresholds.
     let mut keys: Vec<(u32, u32)> = cand.iter().map(|c| (c.1, c.2)).collect();
@@ -401,16 +419,31 @@ fn draw(y: &[f32], max: f32, p: &RowParams) -> Option<u32> {
         let least = min_p_weight(p.min_p);
         cand.retain(|c| c.2 as f64 >= least);
     }
-    let total: u64 = cand.iter().map(|c| c.2 as u64).sum();
-    let target = ((draw_bits(p) as u128 * total as u128) >> 64) as u64;
-    let mut acc = 0u64;
-    for c in &cand {
-        acc += c.2 as u64;
-        if acc > target {
-            return Some(c.0);
+    cand
+}
+
+/// The tokens a row can give (greedy: the one it gives), by the same steps as
+/// [`sample_row`]: for checking the rule against HF's warpers. `counts` as `sample_row`'s
+/// (not updated).
+pub fn kept_tokens(logits: &[f32], p: &RowParams, bias: &[(u32, f32)], counts: &[u32]) -> Vec<u32> {
+    let count = |i: usize| if p.slot == NO_SLOT { 0 } else { counts[i] };
+    let mut y: Vec<f32> = (0..logits.len())
+        .map(|i| temper(process(logits[i], 0.0, count(i), p), p))
+        .collect();
+    for &(t, b) in bias {
+        y[t as usize] = temper(process(logits[t as usize], b, count(t as usize), p), p);
+    }
+    let (mut max, mut greedy) = (f32::NEG_INFINITY, 0u32);
+    for (i, &x) in y.iter().enumerate() {
+        if x > max {
+            (max, greedy) = (x, i as u32);
         }
     }
-    unreachable!("target < total")
+    if p.temperature > 0.0 && max.is_finite() {
+        kept(&y, max, p).into_iter().map(|c| c.0).collect()
+    } else {
+        vec![greedy]
+    }
 }
 
 /// The least weight min-p keeps (the best weighs 2^31).
