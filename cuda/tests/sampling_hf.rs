@@ -63,9 +63,9 @@ fn bias_and_penalties_are_hfs_and_vllms() {
     let (logits, want) = (g.tensor("logits").unwrap(), g.tensor("processed").unwrap());
     for (i, case) in g.manifest()["cases"].as_array().unwrap().iter().enumerate() {
         let (p, bias, counts) = settings(case, vocab);
-        for t in 0..vocab {
+        for (t, &count) in counts.iter().enumerate() {
             let b = bias.iter().find(|e| e.0 as usize == t).map_or(0.0, |e| e.1);
-            let got = process(logits.row(i)[t], b, counts[t], &p);
+            let got = process(logits.row(i)[t], b, count, &p);
             let w = want.row(i)[t];
             // torch subtracts the frequency and presence terms as one sum, we one by one:
             // a rounding apart (logits of a few units, 100 at most with a bias).
