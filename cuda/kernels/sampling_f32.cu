@@ -482,6 +482,7 @@ struct SWork {
     unsigned long long* hist_mass;  // [rows x S_BINS]
     unsigned* reg_cnt;              // [rows x split]: elements each slice compacted (or S_OVERFLOW)
     unsigned* reg;                  // [rows x split x S_LIST]: their ids
+    unsigned long long* slice_mass; // [rows x split]: each slice's weight (no top-k or top-p)
 };
 
 __device__ __forceinline__ SWork s_work(unsigned* work, int rows, int split) {
@@ -496,6 +497,9 @@ __device__ __forceinline__ SWork s_work(unsigned* work, int rows, int split) {
     w.reg_cnt = work + o;
     o += (size_t)rows * split;
     w.reg = work + o;
+    o += (size_t)rows * split * S_LIST;
+    o += o & 1;  // 8-byte aligned
+    w.slice_mass = reinterpret_cast<unsigned long long*>(work + o);
     return w;
 }
 
@@ -600,7 +604,32 @@ extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
     float best;
     unsigned at;
     s_row_best(w, row, split, best, at);
-    if (!s_draws(p, best) || !s_listable(p)) return;
+    if (!s_draws(p, best)) return;
+    if (!s_listable(p)) {
+        // Nothing bounds the candidates: the draw picks a slice by the slices' weights, then a
+        // token in it, so each slice's weight (min-p applied) is all it needs from here.
+        const float* y = scratch + (size_t)row * vocab;
+        const double wmin = (double)p.min_p * 2147483648.0;
+        int lo, hi;
+        s_slice(vocab, split, k, lo, hi);
+        unsigned long long mine = 0;
+        for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+            float d = __fsub_rn(y[j], best);
+            if (!(d > S_CUTOFF)) continue;
+            unsigned wt = s_weight(d);
+            if ((double)wt >= wmin) mine += wt;
+        }
+        __shared__ unsigned long long part[S_PREP_THREADS / WARP];
+        mine = s_warp_sum64(mine);
+        if (threadIdx.x % WARP == 0) part[threadIdx.x / WARP] = mine;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long t = 0;
+            for (int g = 0; g < (int)(blockDim.x / WARP); ++g) t += part[g];
+            w.slice_mass[(size_t)row * split + k] = t;
+        }
+        return;
+    }
     const bool weigh = p.top_k == 0;
     for (int b = threadIdx.x; b < S_BINS; b += blockDim.x) {
         cnt[b] = 0;
@@ -698,6 +727,69 @@ extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
     if (threadIdx.x == 0) *reg_cnt = run;
 }
 
+// The draw of a row that nothing bounds but min-p: the slice where bits x total / 2^64 falls
+// (from the slices' weights), then the token within it, walked in id order a tile at a time.
+// Returns 0xffffffff if nothing weighs anything.
+__device__ unsigned s_draw_spread(const float* y, int vocab, float best, const SParams& p,
+                                  const SWork& w, int row, int split, SShared& s) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (threadIdx.x == 0) {
+        const unsigned long long* m = w.slice_mass + (size_t)row * split;
+        unsigned long long total = 0, before = 0;
+        for (int k = 0; k < split; ++k) total += m[k];
+        uint4 x = s_philox(make_uint4(p.position, p.stream, 0x73616d70u, 0u), p.seed_lo, p.seed_hi);
+        unsigned long long target = __umul64hi(((unsigned long long)x.x << 32) | x.y, total);
+        int owner = -1;
+        for (int k = 0; k < split && total > 0; ++k) {
+            if (before + m[k] > target) {
+                owner = k;
+                break;
+            }
+            before += m[k];
+        }
+        s.u[0] = (unsigned)owner;
+        s.u64[0] = target;
+        s.u64[1] = before;
+        s.u[1] = 0xffffffffu;
+    }
+    __syncthreads();
+    const int owner = (int)s.u[0];
+    if (owner < 0) return 0xffffffffu;
+    const double wmin = (double)p.min_p * 2147483648.0;
+    const unsigned long long target = s.u64[0];
+    int lo, hi;
+    s_slice(vocab, split, owner, lo, hi);
+    for (int t0 = lo; t0 < hi; t0 += blockDim.x) {
+        int j = t0 + threadIdx.x;
+        unsigned long long x = 0;
+        if (j < hi) {
+            float d = __fsub_rn(y[j], best);
+            if (d > S_CUTOFF) {
+                unsigned wt = s_weight(d);
+                if ((double)wt >= wmin) x = wt;
+            }
+        }
+        // Inclusive scan over the block: within each warp, then the warps' totals.
+        unsigned long long run = x;
+        for (int o = 1; o < WARP; o <<= 1) {
+            unsigned long long t = __shfl_up_sync(0xffffffffu, run, o);
+            if (lane >= o) run += t;
+        }
+        if (lane == WARP - 1) s.part[warp] = run;
+        __syncthreads();
+        unsigned long long base = s.u64[1];
+        for (int g = 0; g < warp; ++g) base += s.part[g];
+        bool hit = x > 0 && base + run > target && base + run - x <= target;
+        if (hit) s.u[1] = j;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int g = 0; g < S_WARPS; ++g) s.u64[1] += s.part[g];
+        __syncthreads();
+        if (s.u[1] != 0xffffffffu) break;
+    }
+    return s.u[1];
+}
+
 extern "C" __global__ void __launch_bounds__(S_THREADS)
     sample_rows_f32(const float* __restrict__ logits, int vocab, const unsigned* __restrict__ params,
                     const unsigned* __restrict__ bias, unsigned* __restrict__ counts,
@@ -717,7 +809,10 @@ extern "C" __global__ void __launch_bounds__(S_THREADS)
     float best;
     unsigned pick;
     s_row_best(w, row, split, best, pick);
-    if (s_draws(p, best)) {
+    if (s_draws(p, best) && !s_listable(p)) {
+        unsigned drawn = s_draw_spread(scratch + (size_t)row * vocab, vocab, best, p, w, row, split, s);
+        if (drawn != 0xffffffffu) pick = drawn;
+    } else if (s_draws(p, best)) {
         const float* y = scratch + (size_t)row * vocab;
         SElems e = {y, vocab, false, false, best};
         SFilter flt = {0u, 0.0};

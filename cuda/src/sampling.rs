@@ -46,10 +46,10 @@ pub fn split_for(rows: usize) -> usize {
 }
 
 /// `u32` words of the device's work buffer for a step of `rows` rows (the kernels' `SWork`:
-/// each slice's largest, the histograms, each slice's candidates).
+/// each slice's largest, the histograms, each slice's candidates and weight).
 pub fn work_words(rows: usize) -> usize {
     let split = split_for(rows);
-    rows * (3 * SAMPLE_BINS + split * (3 + SAMPLE_LIST))
+    rows * (3 * SAMPLE_BINS + split * (5 + SAMPLE_LIST)) + 1
 }
 
 /// A row that keeps no token counts (no penalty asks for them).

@@ -197,7 +197,7 @@ pub fn run<B: Backend + Clone>(
         + opts.prefill_tokens.len()
         + opts.ttft_image_sides.len() * (3 + 6 * opts.through_gateway as usize)
         + (opts.decode_contexts.len() + batched.len()) * (1 + opts.sampled_decode as usize)
-        + opts.decode_batches.len() * 3 * opts.sampled_decode as usize;
+        + opts.decode_batches.len() * 4 * opts.sampled_decode as usize;
     let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
             .expect("valid template"),
@@ -462,6 +462,14 @@ pub fn run<B: Backend + Clone>(
         for &rows in &opts.decode_batches {
             for (tag, sampling) in [
                 ("greedy", SamplingParams::greedy()),
+                (
+                    "temperature 1 alone",
+                    SamplingParams {
+                        temperature: 1.0,
+                        seed: Some(0),
+                        ..SamplingParams::greedy()
+                    },
+                ),
                 ("0.7 / 0.8 / 20, presence 1.5", recommended_sampling()),
                 (
                     "the same with top_logprobs 5",

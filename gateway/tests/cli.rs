@@ -324,12 +324,12 @@ fn bench_reports_every_measurement_against_the_limits() {
     // No memory rows: the CPU has no device memory of its own to report.
     assert_eq!(
         rows.len(),
-        21,
+        22,
         "two limits, one ViT size (outputs kept on the device, and downloaded to the host), \
          prefill, the image's preprocessing, image TTFT in process \
          (and with the image already encoded), \
          packing and unpacking its embeddings, decode and batched decode (each greedy and \
-         sampled), the sampler alone (greedy, sampled, with logprobs), the same through the \
+         sampled), the sampler alone (greedy, temperature alone, sampled, with logprobs), the same through the \
          gateway with a new image (embeddings in the messages, in shared memory and kept on \
          the device) and with one seen before: {names:?}"
     );
