@@ -31,6 +31,7 @@ pub mod npy;
 pub mod patches;
 pub mod random;
 pub mod sampling;
+pub mod skip;
 mod tensor;
 pub mod twin;
 mod weights;

@@ -1,5 +1,6 @@
-//! Each fuzz target for `FUZZ_SECONDS` (default 30) under `cargo test`: its committed corpus,
-//! then mutants (`fuzz/src/runner.rs`). Fails on a panic, a hang (one input over
+//! Each fuzz target for `FUZZ_SECONDS` under `cargo test`: its committed corpus, then mutants
+//! (`fuzz/src/runner.rs`). 3 seconds by default, so `cargo test --workspace` stays quick (every
+//! seed of the corpus still runs); `.ci/run`'s long tier gives each 30 (`FUZZ_SECONDS=30`). Fails on a panic, a hang (one input over
 //! `FUZZ_INPUT_TIMEOUT_SECONDS`, default 10) or an allocation over 2 GiB (`FUZZ_MAX_ALLOC_MB`),
 //! with the input saved under `fuzz/artifacts/<target>/` and the command that replays it.
 
@@ -9,7 +10,7 @@ use vlm_fuzz::runner::{self, RunConfig};
 #[global_allocator]
 static ALLOC: CappedAlloc = CappedAlloc;
 
-const DEFAULT_SECONDS: u64 = 30;
+const DEFAULT_SECONDS: u64 = 3;
 
 fn fuzz(name: &str) {
     if let Some(mb) = std::env::var("FUZZ_MAX_ALLOC_MB")

@@ -457,11 +457,7 @@ fn installed(tool: &str, install: &str) -> bool {
         .output()
         .is_ok_and(|out| out.status.success());
     if !found {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: {tool} is not installed ({install})"
-        );
+        vlm_compute::skip::note(&format!("{tool} is not installed ({install})"));
     }
     found
 }
@@ -692,11 +688,9 @@ async fn run_compose_stack(
         .iter()
         .find(|a| std::net::TcpListener::bind(a.as_str()).is_err())
     {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: {taken} is taken on this machine; the compose stack needs its ports"
-        );
+        vlm_compute::skip::note(&format!(
+            "{taken} is taken on this machine; the compose stack needs its ports"
+        ));
         return;
     }
     let (recv, _) = e2e::OtlpReceiver::start_at(otel.trim_start_matches("http://")).await;

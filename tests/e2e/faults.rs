@@ -494,7 +494,7 @@ async fn an_upstream_that_never_answers_gets_a_deadline_not_a_hang() {
 #[tokio::test(flavor = "multi_thread")]
 async fn shared_memory_embeddings_answer_the_same_and_leave_no_segment_behind() {
     if vlm_proto::shm::domain().is_none() {
-        eprintln!("SKIPPED: no /dev/shm here");
+        vlm_compute::skip::note(&"no /dev/shm here");
         return;
     }
     let mut stack = Stack::start(StackOptions {

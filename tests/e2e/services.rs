@@ -267,10 +267,8 @@ async fn the_official_openai_python_client_works_unchanged() {
         .status()
         .is_ok_and(|s| s.success());
     if !has_openai {
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: the `openai` Python package is not installed (pip install openai); the Rust HTTP tests cover the same API"
+        vlm_compute::skip::note(
+            &"the `openai` Python package is not installed (pip install openai); the Rust HTTP tests cover the same API",
         );
         return;
     }

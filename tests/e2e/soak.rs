@@ -221,7 +221,9 @@ fn slope(xs: &[f64], ys: &[f64]) -> f64 {
     cov / var
 }
 
+// The long tier (two minutes): `.ci/run` runs it with `cargo test -- --ignored`.
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "the long tier: a 2-minute soak (cargo test -p e2e --test soak -- --ignored)"]
 async fn soak_mixed_load_loses_nothing_and_leaks_nothing() {
     let secs: u64 = std::env::var("VLM_SOAK_SECS")
         .ok()

@@ -139,8 +139,7 @@ pub fn skip_test(why: &dyn std::fmt::Display) {
     if std::env::var("VLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
         panic!("VLM_REQUIRE_GPU=1 but this test cannot run: {why}");
     }
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+    crate::skip::note(why);
 }
 
 /// The GPU a test runs on, or `None` after [`skip_test`] when none can be opened.
