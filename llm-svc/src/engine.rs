@@ -16,7 +16,6 @@
 //! attention, independently of the others); on a GPU batched GEMMs may round differently from
 //! the one-row kernels, within the stated tolerances.
 
-use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,131 +24,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::Rng;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tracing::Span;
-use vlm_compute::{Backend, Embeddings, Weights};
+use vlm_compute::{Backend, Weights};
 
 use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
+use crate::kv_sizing::{kv_blocks, CacheBudget, KvCacheSize};
 use crate::metrics::EngineMetrics;
 use crate::model::TextModel;
 use crate::mrope::{image_spans, prompt_positions, ImageSpan};
-use crate::sampler::{SamplingParams, TokenLogprob};
+use crate::request::{Event, FinishReason, GenerateRequest, Generation, RequestStream, TokenEvent};
 use crate::scheduler::{Planned, Scheduler, SchedulerConfig};
-use crate::sequence::{image_hash, PlacedImage, Sequence, SequenceLimits};
+use crate::sequence::{image_hash, Pick, PlacedImage, Sequence, SequenceLimits};
 use crate::step::{StepOutput, StepRunner};
 use crate::{Error, ModelConfig, Result};
-
-/// One image as the vision stage produced it (f16 from a GPU or off the wire, uploaded as it
-/// is; f32 from the CPU reference).
-#[derive(Clone, Debug)]
-pub struct ImageInput {
-    /// `[tokens, hidden]`, placed at the image's placeholder tokens.
-    pub embeds: Embeddings,
-    /// DeepStack features, each `[tokens, hidden]`, added after layers 0, 1, ...
-    pub deepstack: Vec<Embeddings>,
-    /// Patch grid (t, h, w) before the 2×2 merge.
-    pub grid_thw: [usize; 3],
-}
-
-#[derive(Clone, Debug)]
-pub struct GenerateRequest {
-    /// Prompt token ids with each image's placeholder token repeated once per image token.
-    pub prompt: Vec<u32>,
-    pub images: Vec<ImageInput>,
-    pub sampling: SamplingParams,
-    pub max_new_tokens: usize,
-    /// Keep generating through eos tokens (benchmarks that need a fixed length).
-    pub ignore_eos: bool,
-    /// Send every step's logits with its token ([`Event::Token`]). Otherwise greedy requests
-    /// pick their token on the device and only its id comes back.
-    pub return_logits: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An eos token was generated (it is the last token).
-    Eos,
-    /// `max_new_tokens` or the context was reached.
-    Length,
-    /// The caller stopped reading (a stop string matched, the client left).
-    Stopped,
-}
-
-impl FinishReason {
-    /// OpenAI's names: "stop" for eos and stop strings, "length" for the budget.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            FinishReason::Eos | FinishReason::Stopped => "stop",
-            FinishReason::Length => "length",
-        }
-    }
-}
-
-/// A token as [`Engine::generate`] hands it to its callback.
-pub struct TokenEvent<'a> {
-    pub token: u32,
-    /// 0 for the first generated token.
-    pub index: usize,
-    /// The logits the token was chosen from, `[vocab]`, if the request asked for them.
-    pub logits: Option<&'a [f32]>,
-    /// Its logprob and the best alternatives', if the request asked for them.
-    pub logprob: Option<&'a TokenLogprob>,
-}
-
-#[derive(Clone, Debug)]
-pub struct Generation {
-    pub tokens: Vec<u32>,
-    pub finish: FinishReason,
-    pub prompt_tokens: usize,
-    /// Prompt tokens found in the prefix cache (not computed again).
-    pub cached_tokens: usize,
-    /// From submission to the first token (queueing included).
-    pub prefill: Duration,
-    /// From the first token to the last.
-    pub decode: Duration,
-}
-
-/// What a request's stream carries, in order: its tokens, then one `Finished` or `Failed`.
-#[derive(Debug)]
-pub enum Event {
-    Token {
-        id: u32,
-        logits: Option<Vec<f32>>,
-        logprob: Option<TokenLogprob>,
-    },
-    Finished(Generation),
-    Failed(Error),
-}
-
-/// A request's tokens as they are generated. Dropping it cancels the request.
-pub struct RequestStream {
-    rx: UnboundedReceiver<Event>,
-}
-
-impl RequestStream {
-    pub async fn recv(&mut self) -> Option<Event> {
-        self.rx.recv().await
-    }
-
-    /// For callers outside an async runtime (the CLI, tests).
-    pub fn blocking_recv(&mut self) -> Option<Event> {
-        self.rx.blocking_recv()
-    }
-}
-
-/// How much memory the paged KV cache gets.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KvCacheSize {
-    /// This many tokens.
-    Tokens(usize),
-    /// This fraction of the device's memory for everything of this engine's (weights
-    /// included), as vLLM's `--gpu-memory-utilization`; only for backends with their own
-    /// memory (a GPU).
-    DeviceFraction(f32),
-    /// 0.9 of a GPU; on the CPU, 1 GiB (at most what `max_batch_seqs` full-length sequences
-    /// need).
-    Auto,
-}
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -186,7 +73,6 @@ struct Shared {
     cfg: ModelConfig,
     max_context: usize,
     kv_tokens: usize,
-    block_size: usize,
     metrics: EngineMetrics,
     next_id: AtomicU64,
 }
@@ -220,7 +106,13 @@ impl Engine {
         let model_max = cfg.max_context.map_or(text.max_position_embeddings, |m| {
             m.min(text.max_position_embeddings)
         });
-        let blocks = kv_blocks(model.backend(), &model_cfg, &cfg, model_max)?;
+        let budget = CacheBudget {
+            kv_cache: cfg.kv_cache,
+            block_size: cfg.block_size,
+            max_batch_seqs: cfg.max_batch_seqs,
+            max_batch_tokens: cfg.max_batch_tokens,
+        };
+        let blocks = kv_blocks(model.backend(), &model_cfg, &budget, model_max)?;
         let bs = cfg.block_size;
         let kv = PagedKv::new(model.backend(), text, blocks, bs)?;
         let kv_tokens = (blocks - 1) * bs;
@@ -244,7 +136,6 @@ impl Engine {
             cfg: model_cfg.clone(),
             max_context,
             kv_tokens,
-            block_size: bs,
             metrics,
             next_id: AtomicU64::new(0),
         });
@@ -408,7 +299,7 @@ impl Engine {
                 deepstack: img.deepstack,
             })
             .collect();
-        let (tx, rx) = unbounded_channel();
+        let (tx, stream) = RequestStream::channel();
         let limits = SequenceLimits {
             max_new_tokens: req.max_new_tokens,
             max_len: self.shared.max_context,
@@ -430,7 +321,7 @@ impl Engine {
         self.tx
             .send(seq)
             .map_err(|_| Error::Engine("the engine has stopped".into()))?;
-        Ok(RequestStream { rx })
+        Ok(stream)
     }
 
     /// Runs a request to completion from a thread outside any async runtime, calling
@@ -477,79 +368,6 @@ impl Engine {
             }
         }
     }
-}
-
-/// How many blocks (the null block included) the KV cache gets.
-fn kv_blocks<B: Backend>(
-    be: &B,
-    cfg: &ModelConfig,
-    ec: &EngineConfig,
-    max_context: usize,
-) -> Result<usize> {
-    let text = &cfg.text;
-    let per_token = PagedKv::<B>::bytes_per_token(text);
-    let bs = ec.block_size;
-    // Never more than every sequence of a full batch at full length needs.
-    let most = ec.max_batch_seqs.saturating_mul(max_context);
-    let tokens = match (ec.kv_cache, be.device_memory()) {
-        (KvCacheSize::Tokens(n), _) => n,
-        (KvCacheSize::DeviceFraction(f), Some(mem)) => device_tokens(text, ec, per_token, f, mem)?,
-        (KvCacheSize::Auto, Some(mem)) => device_tokens(text, ec, per_token, 0.9, mem)?,
-        (KvCacheSize::DeviceFraction(_), None) => {
-            return Err(Error::Config(format!(
-                "the {} backend has no device memory to take a fraction of; give the KV cache in tokens",
-                be.name()
-            )))
-        }
-        (KvCacheSize::Auto, None) => ((1usize << 30) / per_token).min(most),
-    };
-    if tokens < bs {
-        return Err(Error::Config(format!(
-            "the KV cache would hold {tokens} tokens, less than one block of {bs}"
-        )));
-    }
-    Ok(tokens.div_ceil(bs) + 1)
-}
-
-/// Tokens that fit in `fraction` of the device's memory, after what is in use now (the
-/// weights) and room for a step's activations and the recorded steps' logits.
-fn device_tokens(
-    text: &crate::TextConfig,
-    ec: &EngineConfig,
-    per_token: usize,
-    fraction: f32,
-    (free, total): (usize, usize),
-) -> Result<usize> {
-    if !(0.05..=1.0).contains(&fraction) {
-        return Err(Error::Config(format!(
-            "the device memory fraction must be in [0.05, 1], got {fraction}"
-        )));
-    }
-    let (h, i) = (text.hidden_size, text.intermediate_size);
-    let q = text.num_attention_heads * text.head_dim;
-    let kv = text.num_key_value_heads * text.head_dim;
-    // f32 activations alive at once in a layer (x, norms, q/k/v and their rotations, the
-    // attention output, gate, up and their product), with f16 copies for the GEMMs: twice
-    // that for the allocator's slack.
-    let activations = 2 * ec.max_batch_tokens * (8 * h + 3 * q + 6 * kv + 4 * i) * 4;
-    // Logits of every recorded batch size up to the largest batch, and of an eager step.
-    let logits = 3 * ec.max_batch_seqs.next_power_of_two() * text.vocab_size * 4;
-    let sampler = StepRunner::<vlm_compute::CpuBackend>::sampler_bytes(text, ec.max_batch_seqs);
-    let reserve = activations + logits + sampler + (1usize << 30);
-    let budget = (fraction as f64 * total as f64) as usize;
-    let used = total - free;
-    let left = budget.saturating_sub(used).saturating_sub(reserve);
-    if left < per_token * 1024 {
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        return Err(Error::Config(format!(
-            "no room for a KV cache: {:.1} GiB of {:.1} GiB allowed (--gpu-memory-utilization {fraction}) with {:.1} GiB in use and {:.1} GiB kept for activations; raise the fraction or size the cache with --kv-cache-tokens",
-            gib(budget),
-            gib(total),
-            gib(used),
-            gib(reserve),
-        )));
-    }
-    Ok(left / per_token)
 }
 
 /// Counter values already reported (Prometheus counters only go up by deltas), and the steps
@@ -636,11 +454,9 @@ impl<B: Backend> EngineLoop<B> {
             if plan.is_empty() {
                 // Nothing can run: only possible if the queue's head can never fit (the
                 // context is capped by the cache's size, so this is a guard, not a path).
-                if self.sched.running.is_empty() {
-                    if let Some(seq) = self.sched.waiting.pop_front() {
-                        let e = Error::Engine("the request does not fit in the KV cache".into());
-                        self.exit(seq, Exit::Failed(e));
-                    }
+                if let Some(seq) = self.sched.take_unschedulable() {
+                    let e = Error::Engine("the request does not fit in the KV cache".into());
+                    self.exit(seq, Exit::Failed(e));
                 }
                 continue;
             }
@@ -655,30 +471,14 @@ impl<B: Backend> EngineLoop<B> {
             .metrics
             .prompt_tokens
             .inc_by(seq.prompt_len as u64);
-        self.sched.waiting.push_back(seq);
+        self.sched.add(seq);
     }
 
     /// Ends sequences whose client has gone or whose deadline has passed.
     fn reap(&mut self) {
         let now = Instant::now();
         let expired = |s: &Sequence| s.limits.deadline.is_some_and(|d| now > d);
-        let mut gone = Vec::new();
-        let waiting = std::mem::take(&mut self.sched.waiting);
-        let (out, keep): (VecDeque<_>, VecDeque<_>) = waiting
-            .into_iter()
-            .partition(|s| s.abandoned() || expired(s));
-        self.sched.waiting = keep;
-        gone.extend(out);
-        let mut i = 0;
-        while i < self.sched.running.len() {
-            let s = &self.sched.running[i];
-            if s.abandoned() || expired(s) {
-                gone.push(self.sched.running.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        for seq in gone {
+        for seq in self.sched.remove_where(|s| s.abandoned() || expired(s)) {
             let why = if seq.abandoned() {
                 Exit::Cancelled
             } else {
@@ -693,7 +493,7 @@ impl<B: Backend> EngineLoop<B> {
     /// Runs one step and hands out its tokens.
     fn step(&mut self, plan: &[Planned]) {
         let started = Instant::now();
-        let running = &self.sched.running;
+        let running = self.sched.running();
         let sampling = plan
             .iter()
             .filter(|p| running[p.index].computed + p.tokens == running[p.index].tokens.len())
@@ -721,10 +521,7 @@ impl<B: Backend> EngineLoop<B> {
             Ok(out) => self.advance(plan, out),
             Err(e) => {
                 tracing::error!(error = %e, sequences = plan.len(), "engine step failed; ending its requests");
-                let mut indices: Vec<usize> = plan.iter().map(|p| p.index).collect();
-                indices.sort_unstable();
-                for &i in indices.iter().rev() {
-                    let seq = self.sched.running.remove(i);
+                for seq in self.sched.remove_planned(plan) {
                     let err =
                         Error::Engine(format!("the engine step running this request failed: {e}"));
                     self.exit(seq, Exit::Failed(err));
@@ -733,63 +530,27 @@ impl<B: Backend> EngineLoop<B> {
         }
     }
 
-    /// Applies a step's results: computed tokens, cache blocks to register, sampled tokens.
-    fn advance(&mut self, plan: &[Planned], mut out: StepOutput) {
-        let bs = self.shared.block_size;
-        let eos = &self.shared.cfg.eos_token_ids;
-        let mut sampled = 0;
-        let mut done: Vec<(usize, FinishReason)> = Vec::new();
-        for p in plan {
-            let seq = &mut self.sched.running[p.index];
-            seq.computed += p.tokens;
-            seq.hash_full_blocks(bs);
-            let full = seq.computed / bs;
-            for b in seq.registered..full {
-                self.pool.register(seq.blocks[b], seq.hashes[b]);
-            }
-            seq.registered = seq.registered.max(full);
-            if seq.computed < seq.tokens.len() {
-                continue;
-            }
-            let token = out.picks[sampled];
-            let logits = out.logits[sampled].take();
-            let logprob = out.logprobs[sampled].take();
-            sampled += 1;
-            let now = Instant::now();
-            if seq.first_token.is_none() {
-                seq.first_token = Some(now);
-                if let Some(prefill) = seq.phase.take() {
-                    prefill.record("cached_tokens", seq.cached_tokens.unwrap_or(0));
-                }
-                seq.phase = Some(
-                    tracing::info_span!(parent: &seq.span, "decode", tokens = tracing::field::Empty, tokens_per_s = tracing::field::Empty),
-                );
-            }
-            seq.tokens.push(token);
-            self.reported.tokens_since_log += 1;
-            let _ = seq.events.send(Event::Token {
-                id: token,
+    /// Hands a step's results to the scheduler and ends the sequences that finished.
+    fn advance(&mut self, plan: &[Planned], out: StepOutput) {
+        let picks: Vec<Pick> = out
+            .picks
+            .into_iter()
+            .zip(out.logits)
+            .zip(out.logprobs)
+            .map(|((token, logits), logprob)| Pick {
+                token,
                 logits,
                 logprob,
-            });
-            let generated = seq.generated();
-            let finish = if !seq.limits.ignore_eos && eos.contains(&token) {
-                Some(FinishReason::Eos)
-            } else if generated >= seq.limits.max_new_tokens
-                || seq.tokens.len() > seq.limits.max_len
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(f) = finish {
-                done.push((p.index, f));
-            }
-        }
-        self.shared.metrics.generated_tokens.inc_by(sampled as u64);
-        done.sort_unstable_by_key(|d| d.0);
-        for &(i, f) in done.iter().rev() {
-            let seq = self.sched.running.remove(i);
+            })
+            .collect();
+        let sampled = picks.len() as u64;
+        self.reported.tokens_since_log += sampled;
+        self.shared.metrics.generated_tokens.inc_by(sampled);
+        let eos = &self.shared.cfg.eos_token_ids;
+        for (seq, f) in self
+            .sched
+            .update_from_output(plan, picks, &mut self.pool, eos)
+        {
             self.exit(seq, Exit::Finished(f));
         }
     }
@@ -871,10 +632,10 @@ impl<B: Backend> EngineLoop<B> {
         m.kv_blocks_in_use.set(self.pool.num_in_use() as i64);
         m.sequences
             .with_label_values(&["running"])
-            .set(self.sched.running.len() as i64);
+            .set(self.sched.num_running() as i64);
         m.sequences
             .with_label_values(&["waiting"])
-            .set(self.sched.waiting.len() as i64);
+            .set(self.sched.num_waiting() as i64);
         let stats = self.pool.stats();
         let r = &mut self.reported;
         m.prefix_queried_tokens
@@ -890,8 +651,8 @@ impl<B: Backend> EngineLoop<B> {
             tracing::info!(
                 decode_steps = %r.decode_steps,
                 mixed_steps = %r.mixed_steps,
-                running = self.sched.running.len(),
-                waiting = self.sched.waiting.len(),
+                running = self.sched.num_running(),
+                waiting = self.sched.num_waiting(),
                 kv_blocks_in_use = self.pool.num_in_use(),
                 kv_use_pct = format!("{:.1}", 100.0 * self.pool.num_in_use() as f64 / self.pool.capacity() as f64),
                 generated_tok_per_s = format!("{:.1}", r.tokens_since_log as f64 / (now - since).as_secs_f64()),

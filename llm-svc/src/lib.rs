@@ -6,15 +6,23 @@
 //!   KV cache ─▶ one forward over the batch (TextModel) ─▶ per-sequence sampling ─▶ tokens
 //!   streamed back to each caller, until eos / budget / the caller stops
 //! ```
+//!
+//! The modules, bottom up (each uses only those above it): `config`, `error`, `request` (what
+//! a caller sends and gets back), `sampler` (sampling settings), `mrope`, `kv_cache`,
+//! `sequence` (one request inside the engine), `scheduler` (which sequences run, and their
+//! state after each step), `model` (the forward pass), `step` (a step on the device),
+//! `kv_sizing` (how large the cache is), `engine` (the loop), `server` (the gRPC service).
 
 mod cli;
 mod config;
 mod engine;
 mod error;
 pub mod kv_cache;
+mod kv_sizing;
 pub mod metrics;
 mod model;
 pub mod mrope;
+mod request;
 mod sampler;
 mod scheduler;
 mod sequence;
@@ -23,11 +31,12 @@ mod step;
 
 pub use cli::EngineArgs;
 pub use config::{ModelConfig, TextConfig};
-pub use engine::{
-    Engine, EngineConfig, Event, FinishReason, GenerateRequest, Generation, ImageInput,
-    KvCacheSize, RequestStream, TokenEvent,
-};
+pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use kv_cache::PagedKv;
+pub use kv_sizing::KvCacheSize;
 pub use model::TextModel;
+pub use request::{
+    Event, FinishReason, GenerateRequest, Generation, ImageInput, RequestStream, TokenEvent,
+};
 pub use sampler::{argmax, SamplingParams, TokenLogprob, MAX_LOGIT_BIAS};

@@ -23,7 +23,8 @@
 use std::collections::VecDeque;
 
 use crate::kv_cache::{BlockHash, BlockPool};
-use crate::sequence::Sequence;
+use crate::request::FinishReason;
+use crate::sequence::{Pick, Sequence};
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -38,7 +39,9 @@ pub struct SchedulerConfig {
 /// One sequence's share of a step: its next `tokens` uncomputed tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Planned {
-    /// Index into [`Scheduler::running`].
+    /// The sequence (its request's id in the engine).
+    pub id: u64,
+    /// Where it is in [`Scheduler::running`] while the step runs.
     pub index: usize,
     pub tokens: usize,
 }
@@ -46,9 +49,9 @@ pub struct Planned {
 pub struct Scheduler {
     pub cfg: SchedulerConfig,
     /// Admitted, in admission order (the oldest first; the youngest is preempted first).
-    pub running: Vec<Sequence>,
+    running: Vec<Sequence>,
     /// Not yet admitted (or preempted), in the order they will be.
-    pub waiting: VecDeque<Sequence>,
+    waiting: VecDeque<Sequence>,
     /// Preemptions so far.
     pub preemptions: u64,
 }
@@ -65,6 +68,117 @@ impl Scheduler {
 
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Queues a new request.
+    pub fn add(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq);
+    }
+
+    /// The sequences admitted, in the order a plan's `index` counts them.
+    pub fn running(&self) -> &[Sequence] {
+        &self.running
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Takes out every sequence, running or waiting, for which `gone` holds (a client that
+    /// went away, a deadline passed); running ones keep their blocks for the caller to free.
+    pub fn remove_where(&mut self, mut gone: impl FnMut(&Sequence) -> bool) -> Vec<Sequence> {
+        let mut out = Vec::new();
+        let waiting = std::mem::take(&mut self.waiting);
+        for seq in waiting {
+            if gone(&seq) {
+                out.push(seq);
+            } else {
+                self.waiting.push_back(seq);
+            }
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if gone(&self.running[i]) {
+                out.push(self.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    /// The head of the queue when nothing runs and still nothing could be planned: a request
+    /// that can never fit (a guard: the context is capped by the cache's size).
+    pub fn take_unschedulable(&mut self) -> Option<Sequence> {
+        if self.running.is_empty() {
+            self.waiting.pop_front()
+        } else {
+            None
+        }
+    }
+
+    /// Takes the sequences of `plan` out of the running set (their step failed).
+    pub fn remove_planned(&mut self, plan: &[Planned]) -> Vec<Sequence> {
+        let ids: std::collections::HashSet<u64> = plan.iter().map(|p| p.id).collect();
+        self.remove_where(|s| ids.contains(&s.id))
+    }
+
+    /// Applies a step's results to its sequences, by request id (vLLM's
+    /// `update_from_output`): their computed tokens, the full blocks now in the prefix cache,
+    /// and each pick (`picks`, in plan order, one for every sequence whose prompt and tokens
+    /// are all computed) appended and sent to its caller. Returns the sequences that finished
+    /// (an eos token, the token budget or the context), out of the running set, with why.
+    pub fn update_from_output(
+        &mut self,
+        plan: &[Planned],
+        picks: Vec<Pick>,
+        pool: &mut BlockPool,
+        eos: &[u32],
+    ) -> Vec<(Sequence, FinishReason)> {
+        let bs = pool.block_size();
+        let mut picks = picks.into_iter();
+        let mut done = Vec::new();
+        for p in plan {
+            let i = match self.running.get(p.index) {
+                Some(s) if s.id == p.id => p.index,
+                _ => match self.running.iter().position(|s| s.id == p.id) {
+                    Some(i) => i,
+                    None => continue,
+                },
+            };
+            let seq = &mut self.running[i];
+            seq.computed += p.tokens;
+            seq.hash_full_blocks(bs);
+            let full = seq.computed / bs;
+            for b in seq.registered..full {
+                pool.register(seq.blocks[b], seq.hashes[b]);
+            }
+            seq.registered = seq.registered.max(full);
+            if seq.computed < seq.tokens.len() {
+                continue;
+            }
+            let pick = picks
+                .next()
+                .expect("a pick for every sequence that sampled");
+            seq.push_token(pick);
+            if let Some(f) = seq.finish_reason(eos) {
+                done.push((seq.id, f));
+            }
+        }
+        done.into_iter()
+            .map(|(id, f)| {
+                let i = self
+                    .running
+                    .iter()
+                    .position(|s| s.id == id)
+                    .expect("finished this step");
+                (self.running.remove(i), f)
+            })
+            .collect()
     }
 
     /// Gives `seq`'s blocks back (last first, so its tail is reused first) and resets it to
@@ -113,6 +227,7 @@ impl Scheduler {
             let Some(blocks) = granted else { break };
             self.running[i].blocks.extend(blocks);
             plan.push(Planned {
+                id: self.running[i].id,
                 index: i,
                 tokens: n,
             });
@@ -166,11 +281,12 @@ impl Scheduler {
             seq.blocks = hit;
             seq.blocks.extend(fresh);
             seq.computed = computed;
-            self.running.push(seq);
             plan.push(Planned {
-                index: self.running.len() - 1,
+                id: seq.id,
+                index: self.running.len(),
                 tokens: n,
             });
+            self.running.push(seq);
             budget -= n;
         }
         // Single-token work first (stable: otherwise oldest first).
@@ -241,10 +357,12 @@ mod tests {
             plan,
             [
                 Planned {
+                    id: 0,
                     index: 0,
                     tokens: 3
                 },
                 Planned {
+                    id: 1,
                     index: 1,
                     tokens: 7
                 }
@@ -257,10 +375,12 @@ mod tests {
             plan,
             [
                 Planned {
+                    id: 0,
                     index: 0,
                     tokens: 1
                 },
                 Planned {
+                    id: 1,
                     index: 1,
                     tokens: 9
                 }
@@ -289,6 +409,7 @@ mod tests {
         assert_eq!(
             plan,
             [Planned {
+                id: 0,
                 index: 0,
                 tokens: 1
             }]
@@ -309,6 +430,7 @@ mod tests {
         assert_eq!(
             plan,
             [Planned {
+                id: 1,
                 index: 0,
                 tokens: 5
             }]
@@ -348,6 +470,7 @@ mod tests {
         assert_eq!(
             plan[1],
             Planned {
+                id: 0,
                 index: 1,
                 tokens: 2
             }
@@ -381,10 +504,12 @@ mod tests {
         // The engine computes and registers the first one's blocks ...
         let plan = [
             Planned {
+                id: 0,
                 index: 0,
                 tokens: 10,
             },
             Planned {
+                id: 1,
                 index: 1,
                 tokens: 10,
             },
@@ -402,6 +527,7 @@ mod tests {
         assert_eq!(
             plan.last(),
             Some(&Planned {
+                id: 0,
                 index: 2,
                 tokens: 2
             })

@@ -7,10 +7,19 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 use vlm_compute::Embeddings;
 
-use crate::engine::Event;
 use crate::kv_cache::{block_hash, BlockHash};
 use crate::mrope::PromptPositions;
-use crate::sampler::SamplingParams;
+use crate::request::{Event, FinishReason};
+use crate::sampler::{SamplingParams, TokenLogprob};
+
+/// A step's pick for one sequence, as the step brought it back.
+pub struct Pick {
+    pub token: u32,
+    /// The logits it was picked from, if the request asked for them.
+    pub logits: Option<Vec<f32>>,
+    /// Its logprob and the best alternatives', if the request asked for them.
+    pub logprob: Option<TokenLogprob>,
+}
 
 /// An image's embeddings and where its tokens are in the prompt.
 pub struct PlacedImage {
@@ -117,6 +126,44 @@ impl Sequence {
             self.positions.positions[i]
         } else {
             [(i as i64 + self.positions.delta) as u32; 3]
+        }
+    }
+
+    /// Appends a generated token and sends it to the caller. The first one ends the prefill
+    /// phase of the request's trace and opens its decode phase.
+    pub fn push_token(&mut self, pick: Pick) {
+        if self.first_token.is_none() {
+            self.first_token = Some(std::time::Instant::now());
+            if let Some(prefill) = self.phase.take() {
+                prefill.record("cached_tokens", self.cached_tokens.unwrap_or(0));
+            }
+            self.phase = Some(tracing::info_span!(
+                parent: &self.span,
+                "decode",
+                tokens = tracing::field::Empty,
+                tokens_per_s = tracing::field::Empty
+            ));
+        }
+        self.tokens.push(pick.token);
+        let _ = self.events.send(Event::Token {
+            id: pick.token,
+            logits: pick.logits,
+            logprob: pick.logprob,
+        });
+    }
+
+    /// Why the sequence ends after its last token, if it does: an eos token (unless it
+    /// generates through them), its token budget, or the context.
+    pub fn finish_reason(&self, eos: &[u32]) -> Option<FinishReason> {
+        let last = *self.tokens.last()?;
+        if !self.limits.ignore_eos && eos.contains(&last) {
+            Some(FinishReason::Eos)
+        } else if self.generated() >= self.limits.max_new_tokens
+            || self.tokens.len() > self.limits.max_len
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
         }
     }
 
