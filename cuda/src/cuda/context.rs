@@ -9,12 +9,13 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use cudarc::nvrtc::Ptx;
 
 use super::compile::{self, compile_ptx};
+use super::error::cuda_err;
 use super::kernels::{
     flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, DEFAULT_SMEM, FLASH_DIMS,
     FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
-use super::linear::{Gemv, GEMV_STATIC_SMEM};
+use super::kernels::{Gemv, GEMV_STATIC_SMEM};
 use super::{lt, staging};
 use crate::{Error, Result};
 
@@ -59,7 +60,7 @@ pub(super) struct Inner {
     pub(super) gemv_ticket: CudaSlice<u32>,
     /// While a step is recorded, the memory its buffers come from (recording.rs), and the
     /// stream that allocates them there.
-    pub(super) recording: std::sync::Mutex<Option<Arc<super::recording::RecordingPool>>>,
+    pub(super) recording: std::sync::Mutex<Option<Arc<super::pool::RecordingPool>>>,
     pub(super) side_stream: Arc<cudarc::driver::CudaStream>,
 }
 
@@ -67,12 +68,6 @@ pub(super) struct Inner {
 #[derive(Clone)]
 pub struct CudaBackend {
     pub(super) inner: Arc<Inner>,
-}
-
-pub(super) fn cuda_err(op: &str) -> impl Fn(&dyn std::fmt::Display) -> Error + '_ {
-    move |e| Error::Cuda {
-        what: format!("{op}: {e}"),
-    }
 }
 
 /// Whether a GPU of capability `cc` and this driver have programmatic dependent launch: sm_90

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::PushKernelArg;
 
-use super::context::cuda_err;
+use super::error::cuda_err;
 use super::{CudaBackend, CudaIds, CudaTensor, CudaWeight};
 use crate::patches::PatchLayout;
 use crate::{Error, Result};

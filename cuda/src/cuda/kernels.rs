@@ -2,7 +2,6 @@
 //! Rust side shares with them (`#define`d into every source), and the text NVRTC compiles.
 
 use super::compile::compile_ptx;
-use super::linear::{GEMV_KERNELS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
 use crate::sampling::{LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_BINS, SAMPLE_LIST, SAMPLE_WORDS};
 use crate::{Error, Result};
 
@@ -352,6 +351,89 @@ pub(super) fn layer_norm_by_warp(cols: usize) -> bool {
 pub(super) const MAX_HEAD_DIM: usize = 256;
 /// Up to this many rows, `linear` is our bandwidth-bound GEMV (decode); past it, cuBLAS.
 pub(super) const GEMV_MAX_ROWS: usize = 4;
+
+/// Warps per GEMV block.
+pub(super) const GEMV_WARPS: u32 = 8;
+/// Warps that share one output row of a GEMV (weights_f16.cu says why four).
+pub(super) const GEMV_SPLIT: u32 = 4;
+/// Shared memory the normed GEMVs declare statically (their per-warp sums), at most.
+pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
+/// The streamed GEMVs (weights_f16.cu): 16-byte chunks a lane copies into shared memory
+/// before it waits for the kernel before it (8: 4 KB a warp, 32 KB a block).
+pub(super) const STREAM_STAGED: usize = 8;
+
+/// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows: the four
+/// kinds below, then the same four streamed (run under programmatic dependent launch).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Gemv {
+    Plain,
+    /// The input's RMSNorm first (staged in shared memory).
+    Normed,
+    Swiglu,
+    NormedSwiglu,
+}
+
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 8] = [
+    [
+        "gemv_f16w_r1",
+        "gemv_f16w_r2",
+        "gemv_f16w_r3",
+        "gemv_f16w_r4",
+    ],
+    [
+        "rms_norm_gemv_f16w_r1",
+        "rms_norm_gemv_f16w_r2",
+        "rms_norm_gemv_f16w_r3",
+        "rms_norm_gemv_f16w_r4",
+    ],
+    [
+        "swiglu_gemv_f16w_r1",
+        "swiglu_gemv_f16w_r2",
+        "swiglu_gemv_f16w_r3",
+        "swiglu_gemv_f16w_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_f16w_r1",
+        "rms_norm_swiglu_gemv_f16w_r2",
+        "rms_norm_swiglu_gemv_f16w_r3",
+        "rms_norm_swiglu_gemv_f16w_r4",
+    ],
+    [
+        "gemv_f16w_streamed_r1",
+        "gemv_f16w_streamed_r2",
+        "gemv_f16w_streamed_r3",
+        "gemv_f16w_streamed_r4",
+    ],
+    [
+        "rms_norm_gemv_f16w_streamed_r1",
+        "rms_norm_gemv_f16w_streamed_r2",
+        "rms_norm_gemv_f16w_streamed_r3",
+        "rms_norm_gemv_f16w_streamed_r4",
+    ],
+    [
+        "swiglu_gemv_f16w_streamed_r1",
+        "swiglu_gemv_f16w_streamed_r2",
+        "swiglu_gemv_f16w_streamed_r3",
+        "swiglu_gemv_f16w_streamed_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_f16w_streamed_r1",
+        "rms_norm_swiglu_gemv_f16w_streamed_r2",
+        "rms_norm_swiglu_gemv_f16w_streamed_r3",
+        "rms_norm_swiglu_gemv_f16w_streamed_r4",
+    ],
+];
+
+impl Gemv {
+    /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
+    pub(super) fn kernel(self, rows: usize, streamed: bool) -> &'static str {
+        GEMV_KERNELS[self as usize + if streamed { 4 } else { 0 }][rows - 1]
+    }
+
+    pub(super) fn normed(self) -> bool {
+        matches!(self, Gemv::Normed | Gemv::NormedSwiglu)
+    }
+}
 
 /// The constants the kernels share with this file, as `#define` lines put before every kernel
 /// source: one definition, so the two sides cannot disagree (and the kernel cache key, a hash

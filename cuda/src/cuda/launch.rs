@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::context::cuda_err;
+use super::error::cuda_err;
 use super::kernels::ROW_THREADS;
 use super::{CudaBackend, CudaTensor};
 use crate::{Error, Result};

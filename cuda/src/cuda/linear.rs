@@ -13,101 +13,19 @@ use std::sync::Arc;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::context::cuda_err;
-use super::kernels::GEMV_MAX_ROWS;
+use super::error::cuda_err;
+use super::kernels::{Gemv, GEMV_MAX_ROWS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
 use super::launch::{arg, width_of};
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
 use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 
-/// Warps per GEMV block.
-pub(super) const GEMV_WARPS: u32 = 8;
-/// Warps that share one output row of a GEMV (weights_f16.cu says why four).
-pub(super) const GEMV_SPLIT: u32 = 4;
-/// Shared memory the normed GEMVs declare statically (their per-warp sums), at most.
-pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
-/// The streamed GEMVs (weights_f16.cu): 16-byte chunks a lane copies into shared memory
-/// before it waits for the kernel before it (8: 4 KB a warp, 32 KB a block).
-pub(super) const STREAM_STAGED: usize = 8;
 /// Blocks of a streamed GEMV an SM: two, so that the next kernel's blocks find room beside
 /// the running one's (cuda/bench/gemv_chain.cu measured one and two).
 const STREAM_BLOCKS_PER_SM: usize = 2;
 /// The streamed GEMVs' staged weights, bytes a block.
 const STREAM_STAGE_BYTES: usize = GEMV_WARPS as usize * STREAM_STAGED * 32 * 16;
-
-/// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows: the four
-/// kinds below, then the same four streamed (run under programmatic dependent launch).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Gemv {
-    Plain,
-    /// The input's RMSNorm first (staged in shared memory).
-    Normed,
-    Swiglu,
-    NormedSwiglu,
-}
-
-pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 8] = [
-    [
-        "gemv_f16w_r1",
-        "gemv_f16w_r2",
-        "gemv_f16w_r3",
-        "gemv_f16w_r4",
-    ],
-    [
-        "rms_norm_gemv_f16w_r1",
-        "rms_norm_gemv_f16w_r2",
-        "rms_norm_gemv_f16w_r3",
-        "rms_norm_gemv_f16w_r4",
-    ],
-    [
-        "swiglu_gemv_f16w_r1",
-        "swiglu_gemv_f16w_r2",
-        "swiglu_gemv_f16w_r3",
-        "swiglu_gemv_f16w_r4",
-    ],
-    [
-        "rms_norm_swiglu_gemv_f16w_r1",
-        "rms_norm_swiglu_gemv_f16w_r2",
-        "rms_norm_swiglu_gemv_f16w_r3",
-        "rms_norm_swiglu_gemv_f16w_r4",
-    ],
-    [
-        "gemv_f16w_streamed_r1",
-        "gemv_f16w_streamed_r2",
-        "gemv_f16w_streamed_r3",
-        "gemv_f16w_streamed_r4",
-    ],
-    [
-        "rms_norm_gemv_f16w_streamed_r1",
-        "rms_norm_gemv_f16w_streamed_r2",
-        "rms_norm_gemv_f16w_streamed_r3",
-        "rms_norm_gemv_f16w_streamed_r4",
-    ],
-    [
-        "swiglu_gemv_f16w_streamed_r1",
-        "swiglu_gemv_f16w_streamed_r2",
-        "swiglu_gemv_f16w_streamed_r3",
-        "swiglu_gemv_f16w_streamed_r4",
-    ],
-    [
-        "rms_norm_swiglu_gemv_f16w_streamed_r1",
-        "rms_norm_swiglu_gemv_f16w_streamed_r2",
-        "rms_norm_swiglu_gemv_f16w_streamed_r3",
-        "rms_norm_swiglu_gemv_f16w_streamed_r4",
-    ],
-];
-
-impl Gemv {
-    /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
-    pub(super) fn kernel(self, rows: usize, streamed: bool) -> &'static str {
-        GEMV_KERNELS[self as usize + if streamed { 4 } else { 0 }][rows - 1]
-    }
-
-    pub(super) fn normed(self) -> bool {
-        matches!(self, Gemv::Normed | Gemv::NormedSwiglu)
-    }
-}
 
 /// `shape` with its last dim (the columns) replaced by `cols`.
 pub(super) fn with_cols(shape: &[usize], cols: usize) -> Vec<usize> {

@@ -12,7 +12,7 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
-use super::context::cuda_err;
+use super::error::cuda_err;
 use crate::{Error, Result};
 
 /// What a cuBLASLt GEMM does after the product.

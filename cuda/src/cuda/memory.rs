@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaEvent, PushKernelArg};
 
-use super::context::cuda_err;
+use super::error::cuda_err;
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 use crate::handoff::DeviceRows;
 use crate::{Embeddings, Error, HalfTensor, HostTensor, Result};

@@ -16,19 +16,26 @@
 //! binary builds and runs without CUDA, and [`CudaBackend::new`] answers "no GPU" with an error
 //! instead of a crash.
 //!
-//! The files: `context.rs` opens the GPU (libraries, stream, cuBLAS, kernels, the self-check);
-//! `kernels.rs` says which kernel is in which `.cu` file and holds the constants the kernels
-//! share with their launches; [`compile`] compiles and caches them; `tensor.rs` has the device
-//! types; `launch.rs` the helpers every op launches through and per-op timing; `recording.rs` graph
-//! capture and the memory of a recorded step.
-//! The ops are by family, each body called from the one trait impl below: `linear.rs` (GEMVs
-//! and GEMMs, with `lt.rs` for cuBLASLt), `norm.rs`, `attention.rs`, `gather.rs` and
-//! `memory.rs` (with `staging.rs` for pinned host memory), `sampling.rs` (each row's next token). [`doctor`] is `vlm doctor`'s checks.
+//! The files, bottom up (each uses only those above it; none uses this file's impl):
+//! - `error.rs`: the one way a failed call becomes an [`Error`];
+//! - [`compile`]: NVRTC and the PTX cache; `kernels.rs`: which kernel is in which `.cu` file,
+//!   and every name and launch constant the Rust side shares with the kernels (the GEMVs'
+//!   warps, splits and staged chunks, the flash tiles, ...);
+//! - `pool.rs`: the memory pool of a recorded step; `tensor.rs`: the device types;
+//! - `lt.rs` (cuBLASLt) and `staging.rs` (pinned host memory);
+//! - `context.rs`: opens the GPU (libraries, stream, cuBLAS, kernels, the self-check);
+//! - `launch.rs`: the helpers every op launches through, and per-op timing; `recording.rs`:
+//!   graph capture;
+//! - the ops by family, each body called from the one trait impl below: `linear.rs` (GEMVs
+//!   and GEMMs), `norm.rs`, `attention.rs`, `gather.rs`, `memory.rs`, `sampling.rs` (each
+//!   row's next token);
+//! - [`doctor`]: `vlm doctor`'s checks.
 
 mod attention;
 pub mod compile;
 mod context;
 pub mod doctor;
+mod error;
 mod gather;
 mod kernels;
 mod launch;
@@ -36,6 +43,7 @@ mod linear;
 mod lt;
 mod memory;
 mod norm;
+mod pool;
 mod recording;
 mod sampling;
 mod staging;
@@ -48,7 +56,7 @@ use crate::backend::{
     PagedBatch, Projection, QkvToCache, SampleIo,
 };
 use crate::{Embeddings, Error, HostTensor, Result};
-use context::cuda_err;
+use error::cuda_err;
 use launch::{same_shape, width_of};
 
 pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};

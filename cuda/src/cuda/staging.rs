@@ -11,7 +11,7 @@ use bytemuck::Pod;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 use rayon::prelude::*;
 
-use super::context::cuda_err;
+use super::error::cuda_err;
 use crate::{Error, Result};
 
 /// Makes glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.

@@ -50,7 +50,7 @@ impl CudaTensor {
 /// stream, and the memory of the buffers its ops made (recording.rs).
 pub struct CudaStepGraph {
     pub(super) graph: cudarc::driver::CudaGraph,
-    pub(super) _pool: std::sync::Arc<super::recording::RecordingPool>,
+    pub(super) _pool: std::sync::Arc<super::pool::RecordingPool>,
 }
 
 // SAFETY: the graph's handles are plain driver handles, usable from any thread: launching it
