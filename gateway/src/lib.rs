@@ -9,7 +9,8 @@
 //! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas;
 //!   [`gateway_error`]: what a request can fail with, as gRPC and HTTP statuses.
 //! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
-//! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`.
+//! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`; [`stand_in`]: an
+//!   llm-svc without a model, to measure the gateway alone.
 
 pub mod auth;
 pub mod bench;
@@ -26,6 +27,7 @@ pub mod pipeline;
 pub mod sampling;
 pub mod serve;
 pub mod stack;
+pub mod stand_in;
 pub mod upstream;
 
 pub use error::{Error, Result};

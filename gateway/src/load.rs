@@ -5,7 +5,12 @@
 //! prompt lengths, carry an image every K-th time and go through the OpenAI-style HTTP API
 //! (server-sent events) or gRPC `ChatStream`. For each level: requests answered, errors by
 //! kind, output and prompt tokens/s and requests/s over the level's wall time, and the
-//! percentiles of time to first token and inter-token latency.
+//! percentiles of time to first token and inter-token latency; with both APIs, the same for
+//! each (one run, one server state: the fair comparison of the two); and how much of the
+//! prompts llm-svc found in its prefix cache, where the gateway's `/metrics` shows it. A
+//! server that has seen a run's prompts before (the same `--seed` sent to it again) answers
+//! them from that cache: prefill all but skipped, a different measurement, which the table
+//! says.
 //!
 //! The binary (`vlm load`) starts the local stack or points at a running gateway; this module
 //! makes the requests, sends them and counts.
@@ -35,6 +40,15 @@ pub enum Api {
     Http,
     /// `vlm.v1.Gateway/ChatStream`.
     Grpc,
+}
+
+impl Api {
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Http => "http",
+            Api::Grpc => "grpc",
+        }
+    }
 }
 
 /// Which APIs a run sends its requests through.
@@ -290,7 +304,42 @@ pub struct LevelStats {
     pub ttft: Vec<f64>,
     /// Seconds between consecutive tokens of a request, answered requests, sorted.
     pub itl: Vec<f64>,
+    /// The same, counting only the requests that went through each API (`http`, `grpc`).
+    pub by_api: BTreeMap<&'static str, ApiStats>,
+    /// Prompt tokens llm-svc looked up in its prefix cache during the level, and found there
+    /// (`None`: the gateway's `/metrics` does not show llm-svc's counters).
+    pub prefix_cache: Option<PrefixCacheUse>,
 }
+
+/// One API's share of a level.
+#[derive(Clone, Debug, Default)]
+pub struct ApiStats {
+    pub requests_ok: usize,
+    pub errors: usize,
+    pub output_tokens: u64,
+    /// Sorted, as [`LevelStats::ttft`] and [`LevelStats::itl`].
+    pub ttft: Vec<f64>,
+    pub itl: Vec<f64>,
+}
+
+/// What llm-svc's prefix cache counted over a level.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefixCacheUse {
+    pub queried_tokens: f64,
+    pub hit_tokens: f64,
+}
+
+impl PrefixCacheUse {
+    /// Percent of the prompt tokens found computed.
+    pub fn hit_pct(&self) -> f64 {
+        100.0 * self.hit_tokens / self.queried_tokens.max(1.0)
+    }
+}
+
+/// Above this share of prompt tokens found in the prefix cache, a level is not what a fresh
+/// server does with new prompts, and the table says so (new prompts share only the chat
+/// template's first tokens: a few percent).
+const CACHED_PROMPTS_WARN_PCT: f64 = 25.0;
 
 impl LevelStats {
     pub fn error_count(&self) -> usize {
@@ -309,16 +358,22 @@ impl LevelStats {
         self.per_second(self.prompt_tokens as f64)
     }
 
-    fn add(&mut self, seen: Observed, failure: Option<Failure>) {
+    fn add(&mut self, api: Api, seen: Observed, failure: Option<Failure>) {
         self.output_tokens += seen.output_tokens;
+        let share = self.by_api.entry(api.name()).or_default();
+        share.output_tokens += seen.output_tokens;
         match failure {
             None => {
                 self.requests_ok += 1;
                 self.prompt_tokens += seen.prompt_tokens;
+                share.requests_ok += 1;
+                share.ttft.extend(seen.ttft);
+                share.itl.extend(&seen.gaps);
                 self.ttft.extend(seen.ttft);
                 self.itl.extend(seen.gaps);
             }
             Some(f) => {
+                share.errors += 1;
                 *self.errors.entry(f.kind.clone()).or_default() += 1;
                 self.error_examples.entry(f.kind).or_insert(f.message);
             }
@@ -337,11 +392,46 @@ impl LevelStats {
         self.prompt_tokens += other.prompt_tokens;
         self.ttft.extend(other.ttft);
         self.itl.extend(other.itl);
+        for (api, share) in other.by_api {
+            let mine = self.by_api.entry(api).or_default();
+            mine.requests_ok += share.requests_ok;
+            mine.errors += share.errors;
+            mine.output_tokens += share.output_tokens;
+            mine.ttft.extend(share.ttft);
+            mine.itl.extend(share.itl);
+        }
+    }
+
+    /// Sorts the latencies, for the percentiles.
+    fn sort(&mut self) {
+        self.ttft.sort_by(f64::total_cmp);
+        self.itl.sort_by(f64::total_cmp);
+        for share in self.by_api.values_mut() {
+            share.ttft.sort_by(f64::total_cmp);
+            share.itl.sort_by(f64::total_cmp);
+        }
     }
 
     /// The measurements as JSON (milliseconds for latencies; null where nothing was seen).
     pub fn to_json(&self) -> Value {
         let ms = |v: &[f64], p: f64| percentile(v, p).map(|s| s * 1e3);
+        let by_api: serde_json::Map<String, Value> = self
+            .by_api
+            .iter()
+            .map(|(api, s)| {
+                let v = json!({
+                    "requests_ok": s.requests_ok,
+                    "error_count": s.errors,
+                    "output_tokens": s.output_tokens,
+                    "output_tokens_per_s": self.per_second(s.output_tokens as f64),
+                    "ttft_p50_ms": ms(&s.ttft, 50.0),
+                    "ttft_p99_ms": ms(&s.ttft, 99.0),
+                    "itl_p50_ms": ms(&s.itl, 50.0),
+                    "itl_p99_ms": ms(&s.itl, 99.0),
+                });
+                (api.to_string(), v)
+            })
+            .collect();
         json!({
             "name": format!("load: concurrency {}", self.concurrency),
             "concurrency": self.concurrency,
@@ -358,6 +448,8 @@ impl LevelStats {
             "ttft_p99_ms": ms(&self.ttft, 99.0),
             "itl_p50_ms": ms(&self.itl, 50.0),
             "itl_p99_ms": ms(&self.itl, 99.0),
+            "by_api": by_api,
+            "prefix_cache_hit_pct": self.prefix_cache.map(|p| p.hit_pct()),
         })
     }
 }
@@ -732,6 +824,7 @@ pub async fn run_level(
     )
     .await?;
     let next = Arc::new(AtomicUsize::new(0));
+    let cache_before = prefix_cache_counters(target).await;
     let started = Instant::now();
     let deadline = limits.duration.map(|d| started + d);
     let mut tasks = tokio::task::JoinSet::new();
@@ -748,8 +841,9 @@ pub async fn run_level(
                     return anyhow::Ok(stats);
                 }
                 let req = make_off_thread(&maker, first + k as u64).await?;
+                let api = req.api;
                 let (seen, failure) = client.send(req, maker.workload(), &model_name).await;
-                stats.add(seen, failure);
+                stats.add(api, seen, failure);
                 bar.inc(1);
             }
         });
@@ -762,9 +856,34 @@ pub async fn run_level(
         level.merge(done??);
     }
     level.wall = started.elapsed();
-    level.ttft.sort_by(f64::total_cmp);
-    level.itl.sort_by(f64::total_cmp);
+    level.sort();
+    if let (Some(before), Some(after)) = (cache_before, prefix_cache_counters(target).await) {
+        level.prefix_cache = Some(PrefixCacheUse {
+            queried_tokens: after.queried_tokens - before.queried_tokens,
+            hit_tokens: after.hit_tokens - before.hit_tokens,
+        });
+    }
     Ok((level, next.load(Ordering::Relaxed) as u64))
+}
+
+/// llm-svc's prefix-cache counters as the gateway's `/metrics` shows them (`vlm serve` and the
+/// local stack show their model services' metrics there); `None` where it does not.
+async fn prefix_cache_counters(target: &Target) -> Option<PrefixCacheUse> {
+    let base = target.http.as_deref()?;
+    let page = reqwest::get(format!("{base}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let counter = |name: &str| {
+        page.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    };
+    Some(PrefixCacheUse {
+        queried_tokens: counter("vlm_llm_prefix_cache_queried_tokens_total")?,
+        hit_tokens: counter("vlm_llm_prefix_cache_hit_tokens_total")?,
+    })
 }
 
 /// A table for the terminal, one line per level, then one line per kind of error with an
@@ -800,6 +919,38 @@ pub fn table(levels: &[LevelStats]) -> String {
         ));
     }
     for l in levels {
+        if l.by_api.len() > 1 {
+            let shares: Vec<String> = l
+                .by_api
+                .iter()
+                .map(|(api, a)| {
+                    format!(
+                        "{api} {:.1} output tok/s, TTFT p50 {} ms, ITL p50 {} ms, p99 {} ms",
+                        l.per_second(a.output_tokens as f64),
+                        ms(&a.ttft, 50.0),
+                        ms(&a.itl, 50.0),
+                        ms(&a.itl, 99.0)
+                    )
+                })
+                .collect();
+            s.push_str(&format!(
+                "concurrency {} by API: {}\n",
+                l.concurrency,
+                shares.join("; ")
+            ));
+        }
+        if let Some(cache) = l
+            .prefix_cache
+            .filter(|c| c.hit_pct() > CACHED_PROMPTS_WARN_PCT)
+        {
+            s.push_str(&format!(
+                "concurrency {}: {:.0}% of the prompt tokens were in llm-svc's prefix cache \
+                 already: the server had these prompts from an earlier run (the same --seed), \
+                 and skipped most of their prefill; pass another --seed to measure new prompts\n",
+                l.concurrency,
+                cache.hit_pct()
+            ));
+        }
         for (kind, n) in &l.errors {
             let example = l.error_examples.get(kind).map_or("", String::as_str);
             let example: String = example.chars().take(160).collect();
@@ -934,5 +1085,49 @@ mod tests {
             (f.kind.as_str(), f.message.as_str()),
             ("gRPC RESOURCE_EXHAUSTED", "busy")
         );
+    }
+
+    #[test]
+    fn the_table_shows_each_apis_share_and_says_when_prompts_came_from_the_cache() {
+        let mut level = LevelStats {
+            concurrency: 64,
+            wall: Duration::from_secs(2),
+            ..LevelStats::default()
+        };
+        let seen = |tokens| Observed {
+            ttft: Some(0.05),
+            gaps: vec![0.01; tokens as usize - 1],
+            output_tokens: tokens,
+            prompt_tokens: 500,
+        };
+        level.add(Api::Http, seen(100), None);
+        level.add(Api::Grpc, seen(120), None);
+        level.add(
+            Api::Grpc,
+            seen(3),
+            Some(Failure::new("gRPC UNAVAILABLE", "gone")),
+        );
+        level.sort();
+        assert_eq!(level.by_api["grpc"].output_tokens, 123);
+        assert_eq!(level.by_api["grpc"].errors, 1);
+        let t = table(std::slice::from_ref(&level));
+        assert!(
+            t.contains("concurrency 64 by API: grpc 61.5 output tok/s")
+                && t.contains("http 50.0 output tok/s, TTFT p50 50.0 ms, ITL p50 10.0 ms"),
+            "{t}"
+        );
+        assert!(!t.contains("prefix cache"), "{t}");
+        level.prefix_cache = Some(PrefixCacheUse {
+            queried_tokens: 1000.0,
+            hit_tokens: 900.0,
+        });
+        let t = table(std::slice::from_ref(&level));
+        assert!(
+            t.contains("concurrency 64: 90% of the prompt tokens were in"),
+            "{t}"
+        );
+        let j = level.to_json();
+        assert_eq!(j["prefix_cache_hit_pct"], 90.0);
+        assert_eq!(j["by_api"]["http"]["output_tokens_per_s"], 50.0);
     }
 }

@@ -60,6 +60,10 @@ pub struct StackConfig {
     /// Whether the checkpoint's generation_config.json gives the sampling fields a request
     /// leaves out.
     pub generation_config: crate::sampling::GenerationConfig,
+    /// Instead of llm-svc, a stand-in that hands each request a token every this long, with
+    /// no model ([`crate::stand_in`]), and no vision-svc (text requests only): what the
+    /// gateway and the hops cost, measured without the models.
+    pub stand_in_llm: Option<Duration>,
 }
 
 impl StackConfig {
@@ -87,6 +91,7 @@ impl StackConfig {
             api_key: None,
             tls: None,
             generation_config: Default::default(),
+            stand_in_llm: None,
         }
     }
 }
@@ -104,6 +109,8 @@ pub struct LocalStack {
     /// A service's failure that [`LocalStack::ready`] already reported: the other services may
     /// be stopped before they fail themselves, so [`LocalStack::wait`] returns this one too.
     failed_while_starting: Option<String>,
+    /// Running a stand-in llm-svc and no vision-svc ([`StackConfig::stand_in_llm`]).
+    stand_in: bool,
 }
 
 impl LocalStack {
@@ -136,39 +143,50 @@ impl LocalStack {
             services: JoinSet::new(),
             names: Vec::new(),
             failed_while_starting: None,
+            stand_in: cfg.stand_in_llm.is_some(),
         };
         // Both model services and the gateway show their metrics on the gateway's /metrics.
         let registry = prometheus::Registry::new();
-        let vision_task = vision_svc::server::serve(
-            vision_svc::server::ServeConfig {
-                model: cfg.model.clone(),
-                random_weights: cfg.random_weights,
-                max_concurrent: cfg.vision_max_concurrent,
-                max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
-                registry: registry.clone(),
-                tls: None,
-                embedding_cache_bytes: cfg.embedding_cache_bytes,
-            },
-            open,
-            vision,
-            stack.stop.clone().cancelled_owned(),
-        );
-        stack.spawn("vision-svc", vision_task);
-        let llm_task = llm_svc::server::serve(
-            llm_svc::server::ServeConfig {
-                model: cfg.model.clone(),
-                random_weights: cfg.random_weights,
-                max_concurrent: cfg.max_concurrent,
-                engine: cfg.engine.clone(),
-                registry: registry.clone(),
-                tls: None,
-                device_handoff: cfg.device_handoff,
-            },
-            open,
-            llm,
-            stack.stop.clone().cancelled_owned(),
-        );
-        stack.spawn("llm-svc", llm_task);
+        if let Some(step) = cfg.stand_in_llm {
+            let model = cfg.model.clone();
+            let stop = stack.stop.clone();
+            stack.spawn("llm-svc (stand-in)", async move {
+                crate::stand_in::serve(&model, step, llm, stop.cancelled_owned()).await
+            });
+            // Nothing answers there: image requests fail, text ones never ask.
+            drop(vision);
+        } else {
+            let vision_task = vision_svc::server::serve(
+                vision_svc::server::ServeConfig {
+                    model: cfg.model.clone(),
+                    random_weights: cfg.random_weights,
+                    max_concurrent: cfg.vision_max_concurrent,
+                    max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
+                    registry: registry.clone(),
+                    tls: None,
+                    embedding_cache_bytes: cfg.embedding_cache_bytes,
+                },
+                open,
+                vision,
+                stack.stop.clone().cancelled_owned(),
+            );
+            stack.spawn("vision-svc", vision_task);
+            let llm_task = llm_svc::server::serve(
+                llm_svc::server::ServeConfig {
+                    model: cfg.model.clone(),
+                    random_weights: cfg.random_weights,
+                    max_concurrent: cfg.max_concurrent,
+                    engine: cfg.engine.clone(),
+                    registry: registry.clone(),
+                    tls: None,
+                    device_handoff: cfg.device_handoff,
+                },
+                open,
+                llm,
+                stack.stop.clone().cancelled_owned(),
+            );
+            stack.spawn("llm-svc", llm_task);
+        }
         let gateway_task = crate::serve::serve(
             GatewayConfig {
                 model: cfg.model.clone(),
@@ -213,14 +231,16 @@ impl LocalStack {
             .map_or("a service", |(_, n)| n)
     }
 
-    /// Waits until both model services say SERVING (their models are loaded), at most
+    /// Waits until both model services (the stand-in alone, with one) say SERVING (their models are loaded), at most
     /// `timeout`. A service that ends meanwhile (a missing checkpoint, a failed GPU self-check,
     /// a cache that does not fit) fails this with its name and its error.
     pub async fn ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
-        let health = UpstreamHealth::new(
-            &[self.vision_addr.to_string()],
-            &[self.llm_addr.to_string()],
-        );
+        let vision = if self.stand_in {
+            Vec::new()
+        } else {
+            vec![self.vision_addr.to_string()]
+        };
+        let health = UpstreamHealth::new(&vision, &[self.llm_addr.to_string()]);
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(ended) = self.services.try_join_next_with_id() {

@@ -108,7 +108,63 @@ fn load_answers_every_request_over_both_apis_and_writes_one_object_per_level() {
             );
         }
         assert_eq!((num("max_tokens"), num("image_every")), (8.0, 2.0));
+        // Mixed: half the requests through each API, each API's share counted on its own.
+        for api in ["http", "grpc"] {
+            let share = &level["by_api"][api];
+            assert_eq!(share["requests_ok"], 4, "{api}: {level}");
+            assert_eq!(share["output_tokens"], 32, "{api}: {level}");
+        }
+        // The local stack's gateway shows llm-svc's prefix-cache counters; new prompts share
+        // little.
+        let cached = num("prefix_cache_hit_pct");
+        assert!((0.0..50.0).contains(&cached), "{level}");
     }
+    assert!(stdout.contains("concurrency 4 by API: grpc"), "{stdout}");
+}
+
+/// `--stand-in-llm`: the gateway alone, its llm-svc a stand-in without a model.
+#[test]
+fn load_measures_the_gateway_alone_with_a_stand_in_llm() {
+    let model = fixture();
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "--model",
+            model.to_str().unwrap(),
+            "--stand-in-llm",
+            "2",
+            "--concurrency",
+            "8",
+            "--requests",
+            "16",
+            "--max-tokens",
+            "20",
+            "--prompt-tokens",
+            "40",
+            "--api",
+            "mixed",
+        ];
+        a.extend_from_slice(extra);
+        a
+    };
+    let out = vlm_load(&args(&["--image-every", "0"]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("stand-in llm-svc"), "{stdout}");
+    let row: Vec<&str> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.len() == 10 && cells[0] == "8")
+        .unwrap_or_else(|| panic!("no level line:\n{stdout}"));
+    assert_eq!(&row[..3], ["8", "16", "0"], "{stdout}");
+    // No vision-svc: images are refused before anything starts.
+    let out = vlm_load(&args(&["--image-every", "2"]));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--image-every 0"), "{err}");
 }
 
 #[test]

@@ -109,8 +109,23 @@ pub struct LoadArgs {
     /// Local stack: cap on prompt + generated tokens per request.
     #[arg(long)]
     max_context: Option<usize>,
+    /// Local stack: measure the gateway alone. Instead of llm-svc, a stand-in without a model
+    /// that hands every request a token each MS milliseconds (as a GPU's batched step does,
+    /// about 10 at batch 64 on the 8B shapes), and no vision-svc (needs --image-every 0).
+    #[arg(long, value_name = "MS", conflicts_with_all = ["http", "grpc", "random_weights"])]
+    stand_in_llm: Option<f64>,
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
+}
+
+/// `--stand-in-llm MS` as the stack takes it.
+pub fn stand_in_step(ms: Option<f64>) -> anyhow::Result<Option<Duration>> {
+    let Some(ms) = ms else { return Ok(None) };
+    ensure!(
+        ms.is_finite() && ms > 0.0,
+        "--stand-in-llm must be a positive number of milliseconds, got {ms}"
+    );
+    Ok(Some(Duration::from_secs_f64(ms / 1e3)))
 }
 
 /// `http://host:port` from what a user may type: a bare host:port, a trailing `/` or `/v1`.
@@ -148,6 +163,10 @@ fn check(args: &LoadArgs) -> anyhow::Result<()> {
             "--duration must be a positive number of seconds, got {d}"
         );
     }
+    ensure!(
+        args.stand_in_llm.is_none() || args.image_every == 0,
+        "--stand-in-llm serves text only: pass --image-every 0"
+    );
     if args.http.is_some() || args.grpc.is_some() {
         match (args.api, &args.http, &args.grpc) {
             (ApiMix::Mixed, Some(_), Some(_)) | (ApiMix::Http, Some(_), _) => {}
@@ -230,20 +249,27 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         cfg.max_concurrent = max_concurrent;
         cfg.vision_max_concurrent = args.vision_max_concurrent;
         cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
+        cfg.stand_in_llm = stand_in_step(args.stand_in_llm)?;
         let e = &cfg.engine;
-        let served_by = format!(
-            "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \
+        let served_by = match args.stand_in_llm {
+            Some(ms) => format!(
+                "the gateway alone (max_concurrent {max_concurrent}), with a stand-in llm-svc \
+                 that hands each request a token every {ms} ms (no model)"
+            ),
+            None => format!(
+                "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \
              max_batch_tokens {}, prefix caching {}, KV cache {})",
-            args.device.name(),
-            e.max_batch_seqs,
-            e.max_batch_tokens,
-            if e.prefix_caching { "on" } else { "off" },
-            match e.kv_cache {
-                llm_svc::KvCacheSize::Tokens(n) => format!("{n} tokens"),
-                llm_svc::KvCacheSize::DeviceFraction(f) => format!("{f} of the GPU's memory"),
-                llm_svc::KvCacheSize::Auto => "sized by the engine".into(),
-            },
-        );
+                args.device.name(),
+                e.max_batch_seqs,
+                e.max_batch_tokens,
+                if e.prefix_caching { "on" } else { "off" },
+                match e.kv_cache {
+                    llm_svc::KvCacheSize::Tokens(n) => format!("{n} tokens"),
+                    llm_svc::KvCacheSize::DeviceFraction(f) => format!("{f} of the GPU's memory"),
+                    llm_svc::KvCacheSize::Auto => "sized by the engine".into(),
+                },
+            ),
+        };
         let target_name = cfg.model_name.clone();
         eprintln!("starting {served_by} with {}", dir.display());
         let mut started = stack_rt.block_on(start_stack(cfg, args.device))?;

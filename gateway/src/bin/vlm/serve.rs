@@ -55,6 +55,11 @@ pub struct ServeArgs {
     /// generation_config.json for each key it has, as vLLM; none, greedy.
     #[arg(long, value_enum, default_value = "auto")]
     generation_config: gateway::sampling::GenerationConfig,
+    /// Measure the gateway alone: instead of llm-svc, a stand-in without a model that hands
+    /// every request a token each MS milliseconds (as a GPU's batched step does, about 10 at
+    /// batch 64 on the 8B shapes), and no vision-svc (text chats only).
+    #[arg(long, value_name = "MS")]
+    stand_in_llm: Option<f64>,
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
     #[command(flatten)]
@@ -90,6 +95,7 @@ pub async fn serve(
     cfg.embedding_cache_bytes = args.embedding_cache_bytes;
     cfg.generation_config = args.generation_config;
     cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
+    cfg.stand_in_llm = crate::load::stand_in_step(args.stand_in_llm)?;
     let model_name = cfg.model_name.clone();
     let stack = start_stack(cfg, args.device)
         .await
@@ -97,7 +103,10 @@ pub async fn serve(
     println!(
         "vlm serving {} ({model_name}) on {}",
         args.model.display(),
-        args.device.name()
+        match args.stand_in_llm {
+            Some(ms) => format!("a stand-in llm-svc (a token every {ms} ms, no model, no images)"),
+            None => args.device.name().to_string(),
+        }
     );
     println!(
         "  HTTP  {http}://{}/v1/chat/completions   (OpenAI-compatible; also /v1/models, /health, /metrics)",
