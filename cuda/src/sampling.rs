@@ -165,6 +165,64 @@ impl RowParams {
     }
 }
 
+/// Every buffer of a [`crate::Backend::sample_rows`] call for `rows` rows, owned together: for
+/// callers that sample one batch shape over and over (the twin tests, the benchmark). The
+/// engine's recorded steps share some of these between batch sizes and keep their own.
+pub struct SampleBuffers<B: crate::Backend> {
+    /// `[rows × SAMPLE_WORDS]`: write each row's [`RowParams::to_words`] here.
+    pub params: B::Ids,
+    pub bias: B::Ids,
+    pub counts: B::Ids,
+    pub scratch: B::Tensor,
+    pub picks: B::Ids,
+    pub logprobs: B::Tensor,
+    pub top_ids: B::Ids,
+    pub work: B::Ids,
+}
+
+impl<B: crate::Backend> SampleBuffers<B> {
+    /// For `rows` rows of `vocab` logits with `params` (one [`RowParams`] a row), `bias` (the
+    /// rows' `logit_bias` entries) and `counts` (`[slots × vocab]`, the rows' slots).
+    pub fn new(
+        be: &B,
+        vocab: usize,
+        params: &[RowParams],
+        bias: &[(u32, f32)],
+        counts: &[u32],
+    ) -> crate::Result<Self> {
+        let rows = params.len();
+        let words: Vec<u32> = params.iter().flat_map(|p| p.to_words()).collect();
+        Ok(Self {
+            params: be.upload_ids(&words)?,
+            // Never empty: a device buffer of no bytes has no address.
+            bias: be.upload_ids(&[bias_words(bias), vec![0, 0]].concat())?,
+            counts: be.upload_ids(if counts.is_empty() { &[0] } else { counts })?,
+            scratch: be.zeros(&[rows, vocab])?,
+            picks: be.upload_ids(&vec![0; rows])?,
+            logprobs: be.zeros(&[rows, LOGPROB_COLS])?,
+            top_ids: be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?,
+            work: be.upload_ids(&vec![0; work_words(rows)])?,
+        })
+    }
+
+    /// Each row's pick from `logits` into `picks` (and `logprobs`, `top_ids`, `counts`).
+    pub fn sample(&mut self, be: &B, logits: &B::Tensor) -> crate::Result<()> {
+        be.sample_rows(
+            logits,
+            crate::SampleIo {
+                params: &self.params,
+                bias: &self.bias,
+                counts: &mut self.counts,
+                scratch: &mut self.scratch,
+                picks: &mut self.picks,
+                logprobs: &mut self.logprobs,
+                top_ids: &mut self.top_ids,
+                work: &mut self.work,
+            },
+        )
+    }
+}
+
 /// A logit bias entry as the kernel reads it: token id, then the bias's bits.
 pub fn bias_words(entries: &[(u32, f32)]) -> Vec<u32> {
     entries

@@ -776,8 +776,9 @@ impl Case {
                     logits.data_mut()[last + a] = 5.0;
                     logits.data_mut()[last + b] = 5.0;
                 }
-                let mut picks = GreedyPicks::new(be, rows, n)?;
-                picks.pick(be, &be.upload(&logits)?)?;
+                let greedy = vec![crate::sampling::RowParams::default(); rows];
+                let mut picks = crate::sampling::SampleBuffers::new(be, n, &greedy, &[], &[])?;
+                picks.sample(be, &be.upload(&logits)?)?;
                 let ids = be.download_ids(&picks.picks, rows)?;
                 return HostTensor::new(vec![rows], ids.iter().map(|&i| i as f32).collect());
             }
@@ -904,14 +905,15 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
     let mut blocks = be.upload_ids(&[0; 8])?;
     let mut cache = be.zeros_cache(8 * bs, heads, dim)?;
     let mut out = be.zeros(&[2, heads * dim])?;
-    let mut picks = GreedyPicks::new(be, 2, heads * dim)?;
+    let greedy = [crate::sampling::RowParams::default(); 2];
+    let mut picks = crate::sampling::SampleBuffers::new(be, heads * dim, &greedy, &[], &[])?;
     let step = |tokens: &B::Ids,
                 slots: &B::Ids,
                 seqs: &B::Ids,
                 blocks: &B::Ids,
                 cache: &mut B::Cache,
                 out: &mut B::Tensor,
-                picks: &mut GreedyPicks<B>| {
+                picks: &mut crate::sampling::SampleBuffers<B>| {
         let y = be.linear(&be.embedding(&table, tokens)?, &w, None)?;
         be.write_kv(cache, slots, &y)?;
         let batch = crate::PagedBatch {
@@ -930,7 +932,7 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
         let mut a = be.reshape(a, &[2, heads * dim])?;
         let h = be.rms_norm_swiglu(&a, &norm, 1e-6, &gate_up)?;
         be.add_linear(&mut a, &h, &down, None)?;
-        picks.pick(be, &a)?;
+        picks.sample(be, &a)?;
         be.copy(out, &a)
     };
     // Backends that do not record (the CPU) run the step directly each time instead.
@@ -968,51 +970,6 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
         )?);
     }
     HostTensor::concat_rows(&parts)
-}
-
-/// Greedy picks through [`Backend::sample_rows`] (nothing changes the logits, nothing is
-/// drawn), for the cases that pick tokens.
-struct GreedyPicks<B: Backend> {
-    params: B::Ids,
-    bias: B::Ids,
-    counts: B::Ids,
-    scratch: B::Tensor,
-    picks: B::Ids,
-    logprobs: B::Tensor,
-    top_ids: B::Ids,
-    work: B::Ids,
-}
-
-impl<B: Backend> GreedyPicks<B> {
-    fn new(be: &B, rows: usize, cols: usize) -> Result<Self> {
-        use crate::sampling::{RowParams, LOGPROB_COLS, MAX_TOP_LOGPROBS};
-        Ok(Self {
-            params: be.upload_ids(&RowParams::default().to_words().repeat(rows))?,
-            bias: be.upload_ids(&[0, 0])?,
-            counts: be.upload_ids(&[0])?,
-            scratch: be.zeros(&[rows, cols])?,
-            picks: be.upload_ids(&vec![0; rows])?,
-            logprobs: be.zeros(&[rows, LOGPROB_COLS])?,
-            top_ids: be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?,
-            work: be.upload_ids(&vec![0; crate::sampling::work_words(rows)])?,
-        })
-    }
-
-    fn pick(&mut self, be: &B, logits: &B::Tensor) -> Result<()> {
-        be.sample_rows(
-            logits,
-            crate::SampleIo {
-                params: &self.params,
-                bias: &self.bias,
-                counts: &mut self.counts,
-                scratch: &mut self.scratch,
-                picks: &mut self.picks,
-                logprobs: &mut self.logprobs,
-                top_ids: &mut self.top_ids,
-                work: &mut self.work,
-            },
-        )
-    }
 }
 
 /// The settings of row `r` of a [`Case::SampleRows`]: every path of the rule in turn.
@@ -1083,7 +1040,7 @@ pub fn sample_settings(r: usize) -> crate::sampling::RowParams {
 /// [`Case::SampleRows`] and [`Case::SampleLogprobs`]: the exact outputs (both draws' picks,
 /// the best tokens' ids, the count table) and the logprobs.
 fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTensor, HostTensor)> {
-    use crate::sampling::{bias_words, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS, NO_SLOT};
+    use crate::sampling::{IN_PROMPT, MAX_TOP_LOGPROBS, NO_SLOT};
     // Logits spread as a model's are (a few units), with peaks every 997 tokens.
     let mut logits = input(&[rows, vocab], 40);
     for (i, v) in logits.data_mut().iter_mut().enumerate() {
@@ -1116,38 +1073,16 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
             _ => 0,
         })
         .collect();
-    let mut counts = be.upload_ids(&counts)?;
     let x = be.upload(&logits)?;
-    let bias = be.upload_ids(
-        &bias_words(&bias)
-            .into_iter()
-            .chain([0, 0])
-            .collect::<Vec<_>>(),
-    )?;
-    let mut scratch = be.zeros(&[rows, vocab])?;
-    let mut picks = be.upload_ids(&vec![0; rows])?;
-    let mut logprobs = be.zeros(&[rows, LOGPROB_COLS])?;
-    let mut top_ids = be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?;
-    let mut work = be.upload_ids(&vec![0; crate::sampling::work_words(rows)])?;
+    let mut bufs = crate::sampling::SampleBuffers::new(be, vocab, &params, &bias, &counts)?;
     let (mut exact, mut values) = (Vec::new(), Vec::new());
     for _ in 0..2 {
         let words: Vec<u32> = params.iter().flat_map(|p| p.to_words()).collect();
-        be.sample_rows(
-            &x,
-            crate::SampleIo {
-                params: &be.upload_ids(&words)?,
-                bias: &bias,
-                counts: &mut counts,
-                scratch: &mut scratch,
-                picks: &mut picks,
-                logprobs: &mut logprobs,
-                top_ids: &mut top_ids,
-                work: &mut work,
-            },
-        )?;
-        exact.extend(be.download_ids(&picks, rows)?);
-        let ids = be.download_ids(&top_ids, rows * MAX_TOP_LOGPROBS)?;
-        let lp = be.download(&logprobs)?;
+        be.write_ids(&mut bufs.params, &words)?;
+        bufs.sample(be, &x)?;
+        exact.extend(be.download_ids(&bufs.picks, rows)?);
+        let ids = be.download_ids(&bufs.top_ids, rows * MAX_TOP_LOGPROBS)?;
+        let lp = be.download(&bufs.logprobs)?;
         for (r, p) in params.iter_mut().enumerate() {
             if p.logprobs > 0 {
                 let n = p.logprobs as usize;
@@ -1158,7 +1093,7 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
         }
     }
     // Counts with the prompt bit moved to bit 20 (f32 holds every such value exactly).
-    let table = be.download_ids(&counts, slots as usize * vocab)?;
+    let table = be.download_ids(&bufs.counts, slots as usize * vocab)?;
     exact.extend(
         table
             .iter()

@@ -28,6 +28,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use llm_svc::{GenerateRequest, SamplingParams};
 use serde_json::{json, Value};
 use vision_svc::{Delivery, Patches, VisionConfig};
+use vlm_compute::sampling::SampleBuffers;
 use vlm_compute::{Backend, HostTensor, Weights};
 
 use crate::chat::{ChatTokenizer, Message, Part};
@@ -1025,38 +1026,18 @@ fn time_sampler<B: Backend>(
     opts: &BenchOptions,
     bar: &ProgressBar,
 ) -> anyhow::Result<Vec<f64>> {
-    use vlm_compute::sampling::{work_words, LOGPROB_COLS, MAX_TOP_LOGPROBS};
     let logits = be.random_uniform(&[rows, vocab], 77, 4.0)?;
-    let words: Vec<u32> = (0..rows)
-        .flat_map(|r| {
+    let params: Vec<_> = (0..rows)
+        .map(|r| {
             let slot = sampling.needs_counts().then_some(r as u32);
-            sampling.row(r as u64, 100, slot, 0).to_words()
+            sampling.row(r as u64, 100, slot, 0)
         })
         .collect();
-    let params = be.upload_ids(&words)?;
-    let bias = be.upload_ids(&[0, 0])?;
-    let mut counts = be.upload_ids(&vec![0; rows * vocab])?;
-    let mut scratch = be.zeros(&[rows, vocab])?;
-    let mut picks = be.upload_ids(&vec![0; rows])?;
-    let mut logprobs = be.zeros(&[rows, LOGPROB_COLS])?;
-    let mut top_ids = be.upload_ids(&vec![0; rows * MAX_TOP_LOGPROBS])?;
-    let mut work = be.upload_ids(&vec![0; work_words(rows)])?;
+    let mut bufs = SampleBuffers::new(be, vocab, &params, &[], &vec![0; rows * vocab])?;
     time(opts, bar, || {
         be.synchronize()?;
         let t = Instant::now();
-        be.sample_rows(
-            &logits,
-            vlm_compute::SampleIo {
-                params: &params,
-                bias: &bias,
-                counts: &mut counts,
-                scratch: &mut scratch,
-                picks: &mut picks,
-                logprobs: &mut logprobs,
-                top_ids: &mut top_ids,
-                work: &mut work,
-            },
-        )?;
+        bufs.sample(be, &logits)?;
         be.synchronize()?;
         Ok(t.elapsed())
     })
