@@ -143,69 +143,185 @@ pub fn run<B: Backend + Clone>(
     let backend = open()?;
     let base_memory = backend.memory_in_use();
     let weights = Weights::open_or_random(dir, opts.random_weights)?;
-    // Prompts prefilled in one step (the rows measure prefill, not chunking), and a cache
-    // that holds the longest request.
-    let image_settings = vision_svc::PreprocessConfig::from_dir(dir)?;
-    let ttft_prompts = opts
-        .ttft_image_sides
-        .iter()
-        .map(|&side| {
-            let image = vision_svc::preprocess::image_tokens_of_size(side, side, &image_settings)?;
-            // The chat template's own tokens on top of the image's and the text's.
-            Ok(image + opts.ttft_text_tokens + 64)
-        })
-        .collect::<anyhow::Result<Vec<usize>>>()?;
-    let longest = opts
-        .prefill_tokens
-        .iter()
-        .chain(&opts.decode_contexts)
-        .chain(&ttft_prompts)
-        .chain(if opts.profile {
-            &PROFILE_PREFILLS[..]
-        } else {
-            &[]
-        })
-        .copied()
-        .max()
-        .unwrap_or(0);
-    let batch_context = opts.decode_contexts.first().copied().unwrap_or(512);
-    // Batch 1 at that context is the single-sequence decode row already.
-    let batched: Vec<usize> = opts
-        .decode_batches
-        .iter()
-        .copied()
-        .filter(|&b| b > 1 || !opts.decode_contexts.contains(&batch_context))
-        .collect();
-    let most_seqs = opts.decode_batches.iter().copied().max().unwrap_or(1);
-    let engine = llm_svc::EngineConfig {
-        max_batch_tokens: longest.max(2048),
-        max_batch_seqs: most_seqs.max(1),
-        kv_cache: llm_svc::KvCacheSize::Tokens(
-            (longest + opts.decode_tokens + 64)
-                .max(most_seqs * (batch_context + opts.decode_tokens + 160)),
-        ),
-        // Every run repeats its prompt: cached blocks would make prefill look free.
-        prefix_caching: false,
-        ..llm_svc::EngineConfig::default()
-    };
-    let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), engine)?;
-    let vcfg = pipeline.vision.model.config().clone();
-    let tcfg = pipeline.engine.config().text.clone();
+    let shapes = Shapes::new(dir, opts)?;
+    let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), shapes.engine(opts))?;
+    let bar = progress_bar(opts, &shapes);
+    let mut out = Vec::new();
 
+    // Limits first: copy bandwidth and a large GEMM.
+    out.push(copy_bandwidth(opts, &bar, &backend, copy)?);
+    out.push(gemm_rate(opts, &bar, &backend)?);
+    let bench = Bench {
+        opts,
+        bar: &bar,
+        backend: &backend,
+        pipeline: &pipeline,
+        bandwidth: out[0].throughput(),
+        flop_rate: out[1].throughput(),
+    };
+    for &side in &opts.image_sides {
+        out.extend(bench.vit(side)?);
+    }
+    memory_row(
+        &mut out,
+        "memory: both models' weights and ViT activations",
+        &backend,
+        base_memory,
+    );
+    for &tokens in &opts.prefill_tokens {
+        out.push(bench.prefill(tokens)?);
+    }
+    for &side in &opts.ttft_image_sides {
+        out.extend(bench.ttft_in_process(side)?);
+    }
+    let samplings = decode_samplings(opts);
+    for &context in &opts.decode_contexts {
+        for (tag, sampling) in &samplings {
+            out.push(bench.decode(context, tag, sampling)?);
+        }
+    }
+    for &batch in &shapes.batched {
+        for (tag, sampling) in &samplings {
+            out.push(bench.decode_batched(batch, shapes.batch_context, tag, sampling)?);
+        }
+    }
+    if opts.sampled_decode {
+        for &rows in &opts.decode_batches {
+            for (tag, sampling) in sampler_settings() {
+                out.push(bench.sampler(rows, tag, &sampling)?);
+            }
+        }
+    }
+    if opts.profile {
+        profile_steps(
+            &backend,
+            &pipeline,
+            &opts.image_sides,
+            shapes.batch_context,
+            shapes.most_seqs,
+        )?;
+    }
+    memory_row(
+        &mut out,
+        "memory: both models, KV cache, activations",
+        &backend,
+        base_memory,
+    );
+
+    if opts.through_gateway {
+        let requests = gateway_requests(opts, &pipeline.chat)?;
+        // The services hold their own copies of the weights: free ours first.
+        drop(pipeline);
+        for (hop, requests) in requests {
+            bar.set_message(format!("through the gateway, {}", hop.name()));
+            out.extend(through_gateway(dir, open, opts, &requests, hop, &bar)?);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+/// The sizes the options ask of the engine: prompts prefilled in one step (the rows measure
+/// prefill, not chunking), a cache that holds the longest request, and room for the
+/// batched-decode rows.
+struct Shapes {
+    /// The longest prompt a row prefills.
+    longest: usize,
+    /// The context the batched-decode rows (and the profile's decode steps) run at: the first
+    /// of `decode_contexts`.
+    batch_context: usize,
+    /// The batch sizes of the batched-decode rows (batch 1 at `batch_context` is the
+    /// single-sequence decode row already).
+    batched: Vec<usize>,
+    /// The most sequences that decode together.
+    most_seqs: usize,
+}
+
+impl Shapes {
+    fn new(dir: &Path, opts: &BenchOptions) -> anyhow::Result<Self> {
+        let image_settings = vision_svc::PreprocessConfig::from_dir(dir)?;
+        let ttft_prompts = opts
+            .ttft_image_sides
+            .iter()
+            .map(|&side| {
+                let image =
+                    vision_svc::preprocess::image_tokens_of_size(side, side, &image_settings)?;
+                // The chat template's own tokens on top of the image's and the text's.
+                Ok(image + opts.ttft_text_tokens + 64)
+            })
+            .collect::<anyhow::Result<Vec<usize>>>()?;
+        let longest = opts
+            .prefill_tokens
+            .iter()
+            .chain(&opts.decode_contexts)
+            .chain(&ttft_prompts)
+            .chain(if opts.profile {
+                &PROFILE_PREFILLS[..]
+            } else {
+                &[]
+            })
+            .copied()
+            .max()
+            .unwrap_or(0);
+        let batch_context = opts.decode_contexts.first().copied().unwrap_or(512);
+        let batched = opts
+            .decode_batches
+            .iter()
+            .copied()
+            .filter(|&b| b > 1 || !opts.decode_contexts.contains(&batch_context))
+            .collect();
+        let most_seqs = opts.decode_batches.iter().copied().max().unwrap_or(1);
+        Ok(Self {
+            longest,
+            batch_context,
+            batched,
+            most_seqs,
+        })
+    }
+
+    /// The engine the in-process rows run on.
+    fn engine(&self, opts: &BenchOptions) -> llm_svc::EngineConfig {
+        let (longest, most_seqs) = (self.longest, self.most_seqs);
+        llm_svc::EngineConfig {
+            max_batch_tokens: longest.max(2048),
+            max_batch_seqs: most_seqs.max(1),
+            kv_cache: llm_svc::KvCacheSize::Tokens(
+                (longest + opts.decode_tokens + 64)
+                    .max(most_seqs * (self.batch_context + opts.decode_tokens + 160)),
+            ),
+            // Every run repeats its prompt: cached blocks would make prefill look free.
+            prefix_caching: false,
+            ..llm_svc::EngineConfig::default()
+        }
+    }
+}
+
+/// The progress bar, as long as the runs of every measurement [`run`] makes (`warmup +
+/// repeats` each): the two limits; two ViT rows per image side; a prefill row per length;
+/// per TTFT side, three in-process rows, and with `through_gateway` two more for packing and
+/// unpacking and four through the gateway; a decode row per context and per batched row, each
+/// greedy and sampled; four sampler rows per batch size, sampled.
+fn progress_bar(opts: &BenchOptions, shapes: &Shapes) -> ProgressBar {
     let per_measure = opts.warmup + opts.repeats.max(1);
     let measures = 2
         + opts.image_sides.len() * 2
         + opts.prefill_tokens.len()
         + opts.ttft_image_sides.len() * (3 + 6 * opts.through_gateway as usize)
-        + (opts.decode_contexts.len() + batched.len()) * (1 + opts.sampled_decode as usize)
+        + (opts.decode_contexts.len() + shapes.batched.len()) * (1 + opts.sampled_decode as usize)
         + opts.decode_batches.len() * 4 * opts.sampled_decode as usize;
-    let bar = ProgressBar::new((per_measure * measures) as u64).with_style(
+    ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
             .expect("valid template"),
-    );
-    let mut out = Vec::new();
+    )
+}
 
-    // Limits first: copy bandwidth and a large GEMM.
+/// The first limit: how fast the device copies (the read and the write counted).
+fn copy_bandwidth<B: Backend>(
+    opts: &BenchOptions,
+    bar: &ProgressBar,
+    backend: &B,
+    copy: impl Fn(&B, usize) -> anyhow::Result<Duration>,
+) -> anyhow::Result<Measurement> {
     bar.set_message("copy bandwidth");
     // A GPU copies 256 MiB in well under a millisecond, where the launch and the two
     // synchronisations around it cost a few percent: 1 GiB brings that under 1%, so decode's
@@ -216,37 +332,70 @@ pub fn run<B: Backend + Clone>(
     } else {
         256 << 20
     };
-    let bw = time(opts, &bar, || copy(&backend, copy_bytes))?;
-    out.push(Measurement {
+    let bw = time(opts, bar, || copy(backend, copy_bytes))?;
+    Ok(Measurement {
         name: "limit: copy bandwidth (read + write)".into(),
         seconds: bw,
         work: 2.0 * copy_bytes as f64,
         unit: "B",
         roofline: None,
-    });
-    let bandwidth = out[0].throughput();
+    })
+}
 
+/// The second limit: the FLOP rate of a large GEMM through the backend's `linear`.
+fn gemm_rate<B: Backend>(
+    opts: &BenchOptions,
+    bar: &ProgressBar,
+    backend: &B,
+) -> anyhow::Result<Measurement> {
     bar.set_message("GEMM rate");
     let (m, k, n) = (4096, 4096, 4096);
     let a = backend.upload(&HostTensor::new(vec![n, k], vec![0.5; n * k])?)?;
     let w = backend.upload_weight(&HostTensor::new(vec![m, k], vec![0.25; m * k])?)?;
-    let gemm = time(opts, &bar, || {
+    let gemm = time(opts, bar, || {
         let t = Instant::now();
         let y = backend.linear(&a, &w, None)?;
         backend.download(&backend.slice_rows(&y, 0, 1)?)?;
         Ok(t.elapsed())
     })?;
     drop((a, w));
-    out.push(Measurement {
+    Ok(Measurement {
         name: format!("limit: GEMM {n}x{k}x{m} (the backend's linear)"),
         seconds: gemm,
         work: 2.0 * (m * n * k) as f64,
         unit: "FLOP",
         roofline: None,
-    });
-    let flop_rate = out[1].throughput();
+    })
+}
 
-    for &side in &opts.image_sides {
+/// What the in-process measurements share: the options, the progress bar, the backend and
+/// the pipeline on it, and the limits measured first.
+struct Bench<'a, B: Backend> {
+    opts: &'a BenchOptions,
+    bar: &'a ProgressBar,
+    backend: &'a B,
+    pipeline: &'a Pipeline<B>,
+    /// Bytes per second the device copies (read + write): what decoding is set against.
+    bandwidth: f64,
+    /// FLOP per second of the large GEMM: what the ViT and prefill are set against.
+    flop_rate: f64,
+}
+
+impl<B: Backend + Clone> Bench<'_, B> {
+    /// The text decoder's parameters (what decoding reads per token).
+    fn params(&self) -> f64 {
+        text_params(&self.pipeline.engine.config().text) as f64
+    }
+
+    /// Bytes of KV cache one token of context takes.
+    fn kv_bytes_per_token(&self) -> f64 {
+        llm_svc::PagedKv::<B>::bytes_per_token(&self.pipeline.engine.config().text) as f64
+    }
+
+    /// ViT + mergers for a `side` x `side` image: with the outputs kept on the device, then
+    /// downloaded to the host.
+    fn vit(&self, side: usize) -> anyhow::Result<Vec<Measurement>> {
+        let (opts, bar, pipeline) = (self.opts, self.bar, self.pipeline);
         let patches = vit_input(&pipeline.vision.preprocess, side)?;
         let g = patches.grid_thw[1];
         bar.set_message(format!("ViT {side}x{side}"));
@@ -256,7 +405,7 @@ pub fn run<B: Backend + Clone>(
         let on_device = [Delivery::Device {
             identity: b"bench".to_vec(),
         }];
-        let s = time(opts, &bar, || {
+        let s = time(opts, bar, || {
             let t = Instant::now();
             let vision = &pipeline.vision.model;
             vision.forward_delivered(std::slice::from_ref(&patches), &on_device)?;
@@ -264,7 +413,7 @@ pub fn run<B: Backend + Clone>(
             Ok(t.elapsed())
         })?;
         // And as a separate vision service delivers it: outputs downloaded to the host.
-        let s_host = time(opts, &bar, || {
+        let s_host = time(opts, bar, || {
             let t = Instant::now();
             pipeline.vision.model.forward(&patches)?;
             Ok(t.elapsed())
@@ -279,33 +428,30 @@ pub fn run<B: Backend + Clone>(
                 s_host,
             ),
         ];
-        for (name, seconds) in rows {
-            let mut meas = Measurement {
-                name,
-                seconds,
-                work: vit_flops(&vcfg, g * g),
-                unit: "FLOP",
-                roofline: None,
-            };
-            meas.roofline = Some(meas.throughput() / flop_rate);
-            out.push(meas);
-        }
+        let vcfg = pipeline.vision.model.config();
+        Ok(rows
+            .into_iter()
+            .map(|(name, seconds)| {
+                let mut meas = Measurement {
+                    name,
+                    seconds,
+                    work: vit_flops(vcfg, g * g),
+                    unit: "FLOP",
+                    roofline: None,
+                };
+                meas.roofline = Some(meas.throughput() / self.flop_rate);
+                meas
+            })
+            .collect())
     }
-    memory_row(
-        &mut out,
-        "memory: both models' weights and ViT activations",
-        &backend,
-        base_memory,
-    );
 
-    // Prefill and decode on synthetic text prompts (ids away from the special tokens).
-    let prompt = |len: usize| -> Vec<u32> { (0..len).map(|i| (i % 100 + 10) as u32).collect() };
-    let params = text_params(&tcfg) as f64;
-    for &tokens in &opts.prefill_tokens {
-        bar.set_message(format!("prefill {tokens}"));
-        let req = greedy_request(prompt(tokens), 1);
-        let s = time(opts, &bar, || {
-            Ok(pipeline
+    /// Prefill of a text prompt of `tokens` tokens.
+    fn prefill(&self, tokens: usize) -> anyhow::Result<Measurement> {
+        self.bar.set_message(format!("prefill {tokens}"));
+        let req = greedy_request(text_prompt(tokens), 1);
+        let s = time(self.opts, self.bar, || {
+            Ok(self
+                .pipeline
                 .engine
                 .generate(&req, |_| std::ops::ControlFlow::Continue(()))?
                 .prefill)
@@ -317,13 +463,17 @@ pub fn run<B: Backend + Clone>(
             unit: "token",
             roofline: None,
         };
-        meas.roofline = Some(meas.throughput() * 2.0 * params / flop_rate);
-        out.push(meas);
+        meas.roofline = Some(meas.throughput() * 2.0 * self.params() / self.flop_rate);
+        Ok(meas)
     }
 
-    // Time to first token of an image request, in this process (and with the image encoded
-    // already); and what packing and unpacking its embeddings for the wire costs the host.
-    for &side in &opts.ttft_image_sides {
+    /// Time to first token of an image request of a `side` x `side` image, in this process
+    /// (and with the image encoded already), after the host's share of it (decoding and
+    /// preprocessing the PNG); with `through_gateway`, also what packing and unpacking its
+    /// embeddings for the wire costs the host.
+    fn ttft_in_process(&self, side: usize) -> anyhow::Result<Vec<Measurement>> {
+        let (opts, bar, pipeline) = (self.opts, self.bar, self.pipeline);
+        let mut out = Vec::new();
         let request = ttft_request(&pipeline.chat, side, opts.ttft_text_tokens, 0)?;
         let Part::Image(png) = &request.messages[0].parts[0] else {
             unreachable!("the request starts with its image")
@@ -331,7 +481,7 @@ pub fn run<B: Backend + Clone>(
         bar.set_message(format!("preprocess {side}x{side}"));
         // The host's part: decoding and resizing (the tower's backend cuts the patches).
         let vision = &pipeline.vision;
-        let preprocessed = time(opts, &bar, || {
+        let preprocessed = time(opts, bar, || {
             let t = Instant::now();
             vision_svc::preprocess::preprocess(png, &vision.preprocess, &vision.limits)?;
             Ok(t.elapsed())
@@ -344,7 +494,7 @@ pub fn run<B: Backend + Clone>(
             roofline: None,
         });
         bar.set_message(format!("time to first token, {side}x{side}"));
-        let in_process = time(opts, &bar, || {
+        let in_process = time(opts, bar, || {
             let t = Instant::now();
             pipeline.run(&request, |_, _| std::ops::ControlFlow::Continue(()))?;
             Ok(t.elapsed())
@@ -369,7 +519,7 @@ pub fn run<B: Backend + Clone>(
             }],
             ..greedy_request(prompt, 1)
         };
-        let prefill_only = time(opts, &bar, || {
+        let prefill_only = time(opts, bar, || {
             let t = Instant::now();
             pipeline
                 .engine
@@ -387,37 +537,35 @@ pub fn run<B: Backend + Clone>(
             roofline: None,
         });
         if opts.through_gateway {
-            out.extend(pack_and_unpack(&image, side, opts, &bar)?);
+            out.extend(pack_and_unpack(&image, side, opts, bar)?);
         }
+        Ok(out)
     }
 
-    let samplings: Vec<(&str, SamplingParams)> = std::iter::once(("", SamplingParams::greedy()))
-        .chain(
-            opts.sampled_decode
-                .then(|| (", sampled", recommended_sampling())),
-        )
-        .collect();
-    for (&context, (tag, sampling)) in opts
-        .decode_contexts
-        .iter()
-        .flat_map(|c| samplings.iter().map(move |s| (c, s)))
-    {
-        bar.set_message(format!("decode at {context}{tag}"));
+    /// Seconds per token decoded by one sequence at `context`, steady state (eos ignored).
+    fn decode(
+        &self,
+        context: usize,
+        tag: &str,
+        sampling: &SamplingParams,
+    ) -> anyhow::Result<Measurement> {
+        let opts = self.opts;
+        self.bar.set_message(format!("decode at {context}{tag}"));
         let req = GenerateRequest {
             sampling: sampling.clone(),
-            ..greedy_request(prompt(context), opts.decode_tokens + 1)
+            ..greedy_request(text_prompt(context), opts.decode_tokens + 1)
         };
-        let s = time(opts, &bar, || {
-            let g = pipeline
+        let s = time(opts, self.bar, || {
+            let g = self
+                .pipeline
                 .engine
                 .generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
             // Seconds per decoded token (the first token comes from the prefill).
             Ok(g.decode / (g.tokens.len().saturating_sub(1).max(1)) as u32)
         })?;
-        let kv_bytes = (context + opts.decode_tokens / 2) as f64
-            * llm_svc::PagedKv::<B>::bytes_per_token(&tcfg) as f64;
+        let kv_bytes = (context + opts.decode_tokens / 2) as f64 * self.kv_bytes_per_token();
         // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), and the cache.
-        let bytes_per_token = params * B::WEIGHT_BYTES as f64 + kv_bytes;
+        let bytes_per_token = self.params() * B::WEIGHT_BYTES as f64 + kv_bytes;
         let mut meas = Measurement {
             name: format!("decode: batch 1 at context {context}{tag}"),
             seconds: s,
@@ -425,123 +573,133 @@ pub fn run<B: Backend + Clone>(
             unit: "token",
             roofline: None,
         };
-        meas.roofline = Some(meas.throughput() * bytes_per_token / bandwidth);
-        out.push(meas);
+        meas.roofline = Some(meas.throughput() * bytes_per_token / self.bandwidth);
+        Ok(meas)
     }
-    for (&batch, (tag, sampling)) in batched
-        .iter()
-        .flat_map(|b| samplings.iter().map(move |s| (b, s)))
-    {
-        bar.set_message(format!("decode batch {batch}{tag}"));
-        let s = time(opts, &bar, || {
+
+    /// Seconds per step of `batch` sequences decoding together at `context` ([`batched_decode`]).
+    fn decode_batched(
+        &self,
+        batch: usize,
+        context: usize,
+        tag: &str,
+        sampling: &SamplingParams,
+    ) -> anyhow::Result<Measurement> {
+        let opts = self.opts;
+        self.bar.set_message(format!("decode batch {batch}{tag}"));
+        let s = time(opts, self.bar, || {
             batched_decode(
-                &pipeline.engine,
+                &self.pipeline.engine,
                 batch,
-                batch_context,
+                context,
                 opts.decode_tokens,
                 sampling,
                 || Ok(()),
             )
         })?;
-        let kv_bytes = batch as f64
-            * (batch_context + opts.decode_tokens / 2) as f64
-            * llm_svc::PagedKv::<B>::bytes_per_token(&tcfg) as f64;
+        let kv_bytes =
+            batch as f64 * (context + opts.decode_tokens / 2) as f64 * self.kv_bytes_per_token();
         let mut meas = Measurement {
-            name: format!("decode: batch {batch} at context {batch_context}{tag}"),
+            name: format!("decode: batch {batch} at context {context}{tag}"),
             seconds: s,
             work: batch as f64,
             unit: "token",
             roofline: None,
         };
         // One step reads the weights once and every sequence's cache.
-        let step_bytes = params * B::WEIGHT_BYTES as f64 + kv_bytes;
-        meas.roofline = Some(meas.throughput() / batch as f64 * step_bytes / bandwidth);
-        out.push(meas);
+        let step_bytes = self.params() * B::WEIGHT_BYTES as f64 + kv_bytes;
+        meas.roofline = Some(meas.throughput() / batch as f64 * step_bytes / self.bandwidth);
+        Ok(meas)
     }
-    if opts.sampled_decode {
-        let vocab = tcfg.vocab_size;
-        for &rows in &opts.decode_batches {
-            for (tag, sampling) in [
-                ("greedy", SamplingParams::greedy()),
-                (
-                    "temperature 1 alone",
-                    SamplingParams {
-                        temperature: 1.0,
-                        seed: Some(0),
-                        ..SamplingParams::greedy()
-                    },
-                ),
-                ("0.7 / 0.8 / 20, presence 1.5", recommended_sampling()),
-                (
-                    "the same with top_logprobs 5",
-                    SamplingParams {
-                        logprobs: Some(5),
-                        ..recommended_sampling()
-                    },
-                ),
-            ] {
-                bar.set_message(format!("sampler {rows} rows {tag}"));
-                let s = time_sampler(&backend, rows, vocab, &sampling, opts, &bar)?;
-                let mut meas = Measurement {
-                    name: format!("sampler: {rows} rows of {vocab} logits, {tag}"),
-                    seconds: s,
-                    work: rows as f64,
-                    unit: "token",
-                    roofline: None,
-                };
-                // The least it must do: read each row's logits once.
-                let bytes = (rows * vocab * 4) as f64;
-                meas.roofline = Some(bytes / meas.median() / bandwidth);
-                out.push(meas);
-            }
-        }
-    }
-    if opts.profile {
-        profile_steps(
-            &backend,
-            &pipeline,
-            &opts.image_sides,
-            batch_context,
-            most_seqs,
-        )?;
-    }
-    memory_row(
-        &mut out,
-        "memory: both models, KV cache, activations",
-        &backend,
-        base_memory,
-    );
 
-    if opts.through_gateway {
-        // For each side and each path of the embeddings: a new image for every run; and one
-        // image for every run (after the warm-up, vision-svc has its embeddings).
-        let runs = (opts.warmup + opts.repeats.max(1)) as u32;
-        let text = opts.ttft_text_tokens;
-        let new_images = |first: u32| -> anyhow::Result<Vec<TtftRequests>> {
-            opts.ttft_image_sides
-                .iter()
-                .map(|&side| {
-                    let new = (first..first + runs)
-                        .map(|v| ttft_request(&pipeline.chat, side, text, v))
-                        .collect::<anyhow::Result<_>>()?;
-                    let again = ttft_request(&pipeline.chat, side, text, 0)?;
-                    Ok((side, new, again))
-                })
-                .collect()
+    /// The sampler alone: one `sample_rows` over `rows` rows of logits with `sampling`.
+    fn sampler(
+        &self,
+        rows: usize,
+        tag: &str,
+        sampling: &SamplingParams,
+    ) -> anyhow::Result<Measurement> {
+        let vocab = self.pipeline.engine.config().text.vocab_size;
+        self.bar.set_message(format!("sampler {rows} rows {tag}"));
+        let s = time_sampler(self.backend, rows, vocab, sampling, self.opts, self.bar)?;
+        let mut meas = Measurement {
+            name: format!("sampler: {rows} rows of {vocab} logits, {tag}"),
+            seconds: s,
+            work: rows as f64,
+            unit: "token",
+            roofline: None,
         };
-        let hops = [Hop::Messages, Hop::SharedMemory, Hop::Device];
-        let requests = (0..hops.len() as u32)
-            .map(|i| new_images(1 + i * runs))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        // The services hold their own copies of the weights: free ours first.
-        drop(pipeline);
-        for (hop, requests) in hops.into_iter().zip(&requests) {
-            bar.set_message(format!("through the gateway, {}", hop.name()));
-            out.extend(through_gateway(dir, open, opts, requests, hop, &bar)?);
-        }
+        // The least it must do: read each row's logits once.
+        let bytes = (rows * vocab * 4) as f64;
+        meas.roofline = Some(bytes / meas.median() / self.bandwidth);
+        Ok(meas)
     }
-    bar.finish_and_clear();
-    Ok(out)
+}
+
+/// A synthetic text prompt of `len` tokens (ids away from the special tokens).
+fn text_prompt(len: usize) -> Vec<u32> {
+    (0..len).map(|i| (i % 100 + 10) as u32).collect()
+}
+
+/// The decode rows' samplings, each with the tag its rows' names end with: greedy, and with
+/// `sampled_decode` as the model card asks.
+fn decode_samplings(opts: &BenchOptions) -> Vec<(&'static str, SamplingParams)> {
+    std::iter::once(("", SamplingParams::greedy()))
+        .chain(
+            opts.sampled_decode
+                .then(|| (", sampled", recommended_sampling())),
+        )
+        .collect()
+}
+
+/// The sampler rows' settings, each with the tag its row's name ends with.
+fn sampler_settings() -> [(&'static str, SamplingParams); 4] {
+    [
+        ("greedy", SamplingParams::greedy()),
+        (
+            "temperature 1 alone",
+            SamplingParams {
+                temperature: 1.0,
+                seed: Some(0),
+                ..SamplingParams::greedy()
+            },
+        ),
+        ("0.7 / 0.8 / 20, presence 1.5", recommended_sampling()),
+        (
+            "the same with top_logprobs 5",
+            SamplingParams {
+                logprobs: Some(5),
+                ..recommended_sampling()
+            },
+        ),
+    ]
+}
+
+/// The requests [`through_gateway`] sends, for each [`Hop`] and each side: a new image for
+/// every run; and one image for every run (after the warm-up, vision-svc has its embeddings).
+fn gateway_requests(
+    opts: &BenchOptions,
+    chat: &ChatTokenizer,
+) -> anyhow::Result<Vec<(Hop, Vec<TtftRequests>)>> {
+    let runs = (opts.warmup + opts.repeats.max(1)) as u32;
+    let text = opts.ttft_text_tokens;
+    let new_images = |first: u32| -> anyhow::Result<Vec<TtftRequests>> {
+        opts.ttft_image_sides
+            .iter()
+            .map(|&side| {
+                let new = (first..first + runs)
+                    .map(|v| ttft_request(chat, side, text, v))
+                    .collect::<anyhow::Result<_>>()?;
+                let again = ttft_request(chat, side, text, 0)?;
+                Ok((side, new, again))
+            })
+            .collect()
+    };
+    [Hop::Messages, Hop::SharedMemory, Hop::Device]
+        .into_iter()
+        .zip(0u32..)
+        .map(|(hop, i)| Ok((hop, new_images(1 + i * runs)?)))
+        .collect()
 }
 
 /// Seconds per decode step with `batch` sequences decoding together at about `context` tokens.
@@ -674,7 +832,7 @@ fn profile_steps<B: Backend + Clone>(
         report(format!("ViT + mergers of a {side}x{side} image"))?;
     }
     for tokens in PROFILE_PREFILLS {
-        let req = greedy_request((0..tokens).map(|i| (i % 100 + 10) as u32).collect(), 1);
+        let req = greedy_request(text_prompt(tokens), 1);
         be.op_times()?;
         pipeline
             .engine
