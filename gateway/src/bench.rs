@@ -805,22 +805,6 @@ fn profile_steps<B: Backend + Clone>(
         eprintln!("profile: the {} backend does not time ops", be.name());
         return Ok(());
     }
-    let report = |what: String| -> anyhow::Result<()> {
-        let times = be.op_times()?;
-        let total: f64 = times.iter().map(|t| t.ms).sum();
-        println!("\nprofile: {what}: {total:.2} ms of device time");
-        println!("{:<32} {:>8} {:>10} {:>7}", "op", "launches", "ms", "share");
-        for t in times.iter().take(14) {
-            println!(
-                "{:<32} {:>8} {:>10.3} {:>6.1}%",
-                t.op,
-                t.launches,
-                t.ms,
-                100.0 * t.ms / total.max(1e-9)
-            );
-        }
-        Ok(())
-    };
     println!(
         "\nprofile: an op's time runs from the end of the op before it, so time the GPU spent \
          waiting for the host (uploads, downloads, setup) counts to the op after the wait"
@@ -829,7 +813,7 @@ fn profile_steps<B: Backend + Clone>(
         let patches = vit_input(&pipeline.vision.preprocess, side)?;
         be.op_times()?;
         pipeline.vision.model.forward(&patches)?;
-        report(format!("ViT + mergers of a {side}x{side} image"))?;
+        print_op_times(be, &format!("ViT + mergers of a {side}x{side} image"))?;
     }
     for tokens in PROFILE_PREFILLS {
         let req = greedy_request(text_prompt(tokens), 1);
@@ -837,7 +821,7 @@ fn profile_steps<B: Backend + Clone>(
         pipeline
             .engine
             .generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
-        report(format!("prefill of {tokens} tokens (one step)"))?;
+        print_op_times(be, &format!("prefill of {tokens} tokens (one step)"))?;
     }
     let steps = 8;
     // Times from the moment every sequence is prefilled: decode steps only.
@@ -849,9 +833,10 @@ fn profile_steps<B: Backend + Clone>(
         &SamplingParams::greedy(),
         || be.op_times().map(|_| ()).map_err(anyhow::Error::from),
     )?;
-    report(format!(
-        "{steps} decode steps of {batch} sequences at context {context}"
-    ))?;
+    print_op_times(
+        be,
+        &format!("{steps} decode steps of {batch} sequences at context {context}"),
+    )?;
     // A loaded server's usual step: the sequences decode while a new prompt's chunk is
     // prefilled beside them (its arrival may also see a decode step or two go by). One fewer
     // decoding, so that the engine (sized for `batch` sequences) admits the prompt at once.
@@ -869,12 +854,34 @@ fn profile_steps<B: Backend + Clone>(
     pipeline
         .engine
         .generate(&req, |_| std::ops::ControlFlow::Continue(()))?;
-    report(format!(
-        "{decoding} sequences at context {context} decoding while a {chunk}-token prompt is \
+    print_op_times(
+        be,
+        &format!(
+            "{decoding} sequences at context {context} decoding while a {chunk}-token prompt is \
          prefilled beside them (the mixed step, and any decode step while it arrived)"
-    ))?;
+        ),
+    )?;
     drop(streams);
     be.time_ops(false)?;
+    Ok(())
+}
+
+/// Prints the device time per op since `be.op_times` was last read (the slowest 14), under
+/// `what`.
+fn print_op_times<B: Backend>(be: &B, what: &str) -> anyhow::Result<()> {
+    let times = be.op_times()?;
+    let total: f64 = times.iter().map(|t| t.ms).sum();
+    println!("\nprofile: {what}: {total:.2} ms of device time");
+    println!("{:<32} {:>8} {:>10} {:>7}", "op", "launches", "ms", "share");
+    for t in times.iter().take(14) {
+        println!(
+            "{:<32} {:>8} {:>10.3} {:>6.1}%",
+            t.op,
+            t.launches,
+            t.ms,
+            100.0 * t.ms / total.max(1e-9)
+        );
+    }
     Ok(())
 }
 
@@ -1030,11 +1037,18 @@ fn through_gateway<B: Backend + Clone>(
     hop: Hop,
     bar: &ProgressBar,
 ) -> anyhow::Result<Vec<Measurement>> {
-    use futures::StreamExt;
-    use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ContentPart};
-
     let rt = tokio::runtime::Runtime::new()?;
-    // One request at a time, f16 embeddings on the hop (half the bytes of f32).
+    let mut stack = rt.block_on(LocalStack::start(stack_config(dir, opts, hop), open))?;
+    let result = first_token_rows(&rt, &mut stack, opts, requests, hop, bar);
+    let stopped = rt.block_on(stack.stop());
+    let rows = result?;
+    stopped?;
+    Ok(rows)
+}
+
+/// The services and the gateway of a [`through_gateway`] run: one request at a time, f16
+/// embeddings on the hop (half the bytes of f32), going as `hop` says.
+fn stack_config(dir: &Path, opts: &BenchOptions, hop: Hop) -> StackConfig {
     let mut cfg = StackConfig::loopback(dir.to_path_buf());
     cfg.random_weights = opts.random_weights;
     cfg.model_name = "bench".into();
@@ -1047,7 +1061,77 @@ fn through_gateway<B: Backend + Clone>(
     // As in process: every run repeats the prompt, and cached blocks would make its prefill
     // look free, so the difference between the rows would not be the hops alone.
     cfg.engine.prefix_caching = false;
-    let to_grpc = |request: &ChatRequest| vlm_proto::pb::ChatRequest {
+    cfg
+}
+
+/// The rows of a [`through_gateway`] run, once the `stack` it started serves.
+fn first_token_rows(
+    rt: &tokio::runtime::Runtime,
+    stack: &mut LocalStack,
+    opts: &BenchOptions,
+    requests: &[TtftRequests],
+    hop: Hop,
+    bar: &ProgressBar,
+) -> anyhow::Result<Vec<Measurement>> {
+    use futures::StreamExt;
+    use vlm_proto::pb::gateway_client::GatewayClient;
+
+    // The model services load for as long as weights and kernels take.
+    rt.block_on(stack.ready(Duration::from_secs(1800)))?;
+    let client = rt.block_on(GatewayClient::connect(format!(
+        "http://{}",
+        stack.grpc_addr
+    )))?;
+    let first_token = |req: vlm_proto::pb::ChatRequest| {
+        let mut client = client.clone();
+        rt.block_on(async move {
+            let t = Instant::now();
+            let mut stream = client.chat_stream(req).await?.into_inner();
+            while let Some(chunk) = stream.next().await {
+                chunk?;
+            }
+            anyhow::Ok(t.elapsed())
+        })
+    };
+    // llm-svc names its shared-memory and device domains in its first answer.
+    first_token(to_grpc(&requests[0].2))?;
+    let path = hop.name();
+    let mut rows = Vec::new();
+    for (side, new, again) in requests {
+        let name = ttft_name(*side, opts);
+        let mut new = new.iter().map(to_grpc);
+        let seconds = time(opts, bar, || {
+            let req = new.next().expect("a new image for every run");
+            first_token(req)
+        })?;
+        rows.push(Measurement {
+            name: format!("{name}, through the gateway ({path})"),
+            seconds,
+            work: 1.0,
+            unit: "request",
+            roofline: None,
+        });
+        if hop != Hop::Device {
+            continue;
+        }
+        let again = to_grpc(again);
+        let seconds = time(opts, bar, || first_token(again.clone()))?;
+        rows.push(Measurement {
+            name: format!("{name}, through the gateway, image seen before"),
+            seconds,
+            work: 1.0,
+            unit: "request",
+            roofline: None,
+        });
+    }
+    Ok(rows)
+}
+
+/// A time-to-first-token request as a client sends it to the gateway over gRPC: one token,
+/// greedy, eos ignored.
+fn to_grpc(request: &ChatRequest) -> vlm_proto::pb::ChatRequest {
+    use vlm_proto::pb::{content_part, ContentPart};
+    vlm_proto::pb::ChatRequest {
         messages: vec![vlm_proto::pb::ChatMessage {
             role: "user".into(),
             content: request.messages[0]
@@ -1065,63 +1149,7 @@ fn through_gateway<B: Backend + Clone>(
         temperature: Some(0.0),
         ignore_eos: true,
         ..Default::default()
-    };
-    let mut stack = rt.block_on(LocalStack::start(cfg, open))?;
-    let result = (|| {
-        // The model services load for as long as weights and kernels take.
-        rt.block_on(stack.ready(Duration::from_secs(1800)))?;
-        let client = rt.block_on(GatewayClient::connect(format!(
-            "http://{}",
-            stack.grpc_addr
-        )))?;
-        let first_token = |req: vlm_proto::pb::ChatRequest| {
-            let mut client = client.clone();
-            rt.block_on(async move {
-                let t = Instant::now();
-                let mut stream = client.chat_stream(req).await?.into_inner();
-                while let Some(chunk) = stream.next().await {
-                    chunk?;
-                }
-                anyhow::Ok(t.elapsed())
-            })
-        };
-        // llm-svc names its shared-memory and device domains in its first answer.
-        first_token(to_grpc(&requests[0].2))?;
-        let path = hop.name();
-        let mut rows = Vec::new();
-        for (side, new, again) in requests {
-            let name = ttft_name(*side, opts);
-            let mut new = new.iter().map(to_grpc);
-            let seconds = time(opts, bar, || {
-                let req = new.next().expect("a new image for every run");
-                first_token(req)
-            })?;
-            rows.push(Measurement {
-                name: format!("{name}, through the gateway ({path})"),
-                seconds,
-                work: 1.0,
-                unit: "request",
-                roofline: None,
-            });
-            if hop != Hop::Device {
-                continue;
-            }
-            let again = to_grpc(again);
-            let seconds = time(opts, bar, || first_token(again.clone()))?;
-            rows.push(Measurement {
-                name: format!("{name}, through the gateway, image seen before"),
-                seconds,
-                work: 1.0,
-                unit: "request",
-                roofline: None,
-            });
-        }
-        anyhow::Ok(rows)
-    })();
-    let stopped = rt.block_on(stack.stop());
-    let rows = result?;
-    stopped?;
-    Ok(rows)
+    }
 }
 
 /// Parameters of the text decoder (what decoding reads per token), lm_head included.
