@@ -15,7 +15,7 @@ use super::kernels::{
     FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
-use super::kernels::{Gemv, GEMV_STATIC_SMEM};
+use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM};
 use super::{lt, staging};
 use crate::{Error, Result};
 
@@ -181,31 +181,7 @@ impl CudaBackend {
             verified.push(ordinal);
             return Ok(gpu);
         }
-        let cases = crate::twin::self_check_cases().len();
-        let bar = indicatif::ProgressBar::new(cases as u64).with_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg} [{bar:30}] {pos}/{len} ops match the CPU reference",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
-        bar.set_message(format!("self-check on {}", gpu.device_name()));
-        let started = std::time::Instant::now();
-        let mut worst = 0.0f32;
-        let checked = crate::twin::self_check(&gpu, |outcome| {
-            tracing::debug!(%outcome, "self-check");
-            worst = worst.max(outcome.share_of_allowed());
-            bar.inc(1);
-        });
-        bar.finish_and_clear();
-        checked?;
-        tracing::info!(
-            device = %gpu.device_name(),
-            ops = cases,
-            worst_diff_over_allowed = worst,
-            seconds = started.elapsed().as_secs_f32(),
-            "CUDA self-check passed: every kernel matches the CPU reference"
-        );
+        self_check_with_progress(&gpu)?;
         verified.push(ordinal);
         Ok(gpu)
     }
@@ -214,166 +190,21 @@ impl CudaBackend {
     /// tests compare it with the CPU themselves; serving goes through
     /// [`CudaBackend::open_verified`].
     pub fn new(ordinal: usize) -> Result<Self> {
-        if let Some(lib) = cuda_libraries().into_iter().find(|l| !l.present) {
-            return Err(Error::Cuda {
-                what: format!("{} could not be loaded: {}", lib.name, lib.hint),
-            });
-        }
+        require_libraries()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("opening the GPU")(&e))?;
         staging::keep_freed_host_memory();
         let device_name = ctx.name().map_err(|e| cuda_err("device name")(&e))?;
         let cc = ctx
             .compute_capability()
             .map_err(|e| cuda_err("compute capability")(&e))?;
-        // Keep memory freed into the device's pool there (the default gives it back at every
-        // synchronization, and each step's op outputs would then be mapped afresh: tens of
-        // microseconds per allocation, more than many of the kernels take).
-        {
-            use cudarc::driver::sys;
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            let mut keep = u64::MAX;
-            // SAFETY: the context is current (just created); the pool handle is the device's
-            // default, the attribute a u64.
-            unsafe {
-                let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
-                if got == sys::CUresult::CUDA_SUCCESS {
-                    sys::cuMemPoolSetAttribute(
-                        pool,
-                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                        (&mut keep) as *mut u64 as *mut std::ffi::c_void,
-                    );
-                }
-            }
-        }
-        // Our own stream, not the legacy default one, which cannot be captured into a graph.
-        // Every op of this backend runs on it, so cudarc's cross-stream event tracking (which
-        // records events around each use, also while capturing) has nothing to guard.
-        // SAFETY: one stream per backend; buffers never cross to another backend's stream.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| cuda_err("creating a stream")(&e))?;
-        let side_stream = ctx
-            .new_stream()
-            .map_err(|e| cuda_err("creating a stream")(&e))?;
-
-        let nv = nvrtc_version();
-        let mut kernels = HashMap::new();
-        for src in SOURCES.iter().filter(|s| s.for_cc(cc)) {
-            let mut load = || -> Result<()> {
-                let stem = src.file.trim_end_matches(".cu");
-                let source = kernel_source(src)?;
-                let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
-                let (ptx, cached) = compile::cached_or_compile(&path, || {
-                    // NVRTC takes seconds; show that something is happening (hidden off a
-                    // terminal).
-                    let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
-                        "compiling {} for sm_{}{} (cached afterwards)",
-                        src.file, cc.0, cc.1
-                    ));
-                    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-                    let ptx = compile_ptx(src.file, &source, cc, src.sm90a);
-                    spinner.finish_and_clear();
-                    ptx
-                })?;
-                tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
-                let module = ctx
-                    .load_module(Ptx::from_src(ptx))
-                    .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
-                for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
-                    let f = module.load_function(k).map_err(|e| Error::KernelCompile {
-                        kernel: k.into(),
-                        log: e.to_string(),
-                    })?;
-                    kernels.insert(k, f);
-                }
-                Ok(())
-            };
-            match load() {
-                Ok(()) => {}
-                // Hopper's own kernels are an extra: an NVRTC or driver too old for
-                // compute_90a leaves the GPU on the kernels every GPU has.
-                Err(e) if src.sm90a => {
-                    tracing::warn!(file = src.file, error = %e, "Hopper-only kernels unavailable; using the portable ones")
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        // The flash kernels need more than the default 48 KB of shared memory: opt in. A GPU
-        // that refuses falls back to the plain attention kernel.
-        let flash = FLASH_KERNELS
-            .iter()
-            .chain(&PAGED_FLASH_KERNELS)
-            .zip(FLASH_DIMS.iter().chain(&FLASH_DIMS))
-            .map(|(k, &dp)| (k, flash_smem_bytes(dp, FLASH_QUERIES)))
-            .chain(
-                FLASH_WIDE_KERNELS
-                    .iter()
-                    .zip(FLASH_WIDE_DIMS)
-                    .map(|(k, dp)| (k, flash_smem_bytes(dp, FLASH_WIDE_QUERIES))),
-            )
-            .all(|(k, bytes)| {
-            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let set = kernels[k].set_attribute(MAX_SMEM, bytes as i32);
-            if let Err(e) = &set {
-                tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
-            }
-            set.is_ok()
-        });
+        keep_freed_device_memory(&ctx);
+        let (stream, side_stream) = streams(&ctx)?;
+        let kernels = load_kernels(&ctx, cc, &device_name)?;
+        let flash = opt_in_flash(&kernels);
         // The same for Hopper's wgmma flash kernel, where it was compiled (sm_90).
-        let wgmma_flash = flash
-            && FLASH_WGMMA_KERNELS.iter().all(|&name| {
-                kernels.get(name).is_some_and(|k| {
-                    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-                    let set = k.set_attribute(MAX_SMEM, flash_wgmma_smem_bytes() as i32);
-                    if let Err(e) = &set {
-                        tracing::warn!(kernel = name, error = %e, "wgmma flash attention unavailable; using the mma.sync kernels");
-                    }
-                    set.is_ok()
-                })
-            });
-        // The normed GEMVs, and every streamed one, stage their input rows in shared memory:
-        // let them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past
-        // the default 48), less what they declare statically.
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
-        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-        let optin = ctx
-            .attribute(OPTIN)
-            .map_err(|e| cuda_err("shared memory per block")(&e))?;
-        let dynamic = (optin as usize).max(DEFAULT_SMEM) - GEMV_STATIC_SMEM;
-        let streamed = [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
-            .into_iter()
-            .map(|g| (g, true));
-        let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
-            .into_iter()
-            .chain(streamed)
-            .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
-            .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
-        let gemv_smem = if opted_in {
-            dynamic
-        } else {
-            DEFAULT_SMEM - GEMV_STATIC_SMEM
-        };
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
-        // A workspace of our own: without one cuBLAS allocates on first use, which a GEMM
-        // being recorded into a CUDA graph (a batched decode step) must not do.
-        let mut workspace = stream
-            .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
-            .map_err(|e| cuda_err("allocating the cuBLAS workspace")(&e))?;
-        {
-            let (ptr, _guard) = workspace.device_ptr_mut(&stream);
-            // SAFETY: the workspace lives as long as the handle (both in Inner).
-            unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(
-                    *blas.handle(),
-                    ptr as *mut _,
-                    CUBLAS_WORKSPACE_BYTES,
-                )
-            }
-            .result()
-            .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
-        }
-        let workspace_ptr = workspace.device_ptr(&stream).0;
+        let wgmma_flash = flash && opt_in_wgmma_flash(&kernels);
+        let gemv_smem = opt_in_gemv(&ctx, &kernels)?;
+        let (blas, workspace, workspace_ptr) = cublas(&stream)?;
         let lt = lt::Lt::new()?;
         let counters = stream
             .alloc_zeros::<u32>(COUNTERS)
@@ -454,6 +285,244 @@ impl CudaBackend {
             .synchronize()
             .map_err(|e| cuda_err("synchronize")(&e))
     }
+}
+
+// The steps of opening a GPU ([`CudaBackend::new`], then [`CudaBackend::open_verified`]'s
+// self-check), in the order they run.
+
+/// Every library of [`cuda_libraries`] loads, or an error naming the first that does not and
+/// what to do about it.
+fn require_libraries() -> Result<()> {
+    if let Some(lib) = cuda_libraries().into_iter().find(|l| !l.present) {
+        return Err(Error::Cuda {
+            what: format!("{} could not be loaded: {}", lib.name, lib.hint),
+        });
+    }
+    Ok(())
+}
+
+/// Keeps memory freed into the device's pool there (the default gives it back at every
+/// synchronization, and each step's op outputs would then be mapped afresh: tens of
+/// microseconds per allocation, more than many of the kernels take).
+fn keep_freed_device_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: the context is current (just created); the pool handle is the device's
+    // default, the attribute a u64.
+    unsafe {
+        let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+        if got == sys::CUresult::CUDA_SUCCESS {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep) as *mut u64 as *mut std::ffi::c_void,
+            );
+        }
+    }
+}
+
+/// The backend's stream and its side stream (which allocates a recorded step's buffers).
+/// Our own stream, not the legacy default one, which cannot be captured into a graph.
+/// Every op of this backend runs on it, so cudarc's cross-stream event tracking (which
+/// records events around each use, also while capturing) has nothing to guard: it is
+/// turned off first.
+fn streams(ctx: &Arc<CudaContext>) -> Result<(Arc<CudaStream>, Arc<CudaStream>)> {
+    // SAFETY: one stream per backend; buffers never cross to another backend's stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| cuda_err("creating a stream")(&e))?;
+    let side_stream = ctx
+        .new_stream()
+        .map_err(|e| cuda_err("creating a stream")(&e))?;
+    Ok((stream, side_stream))
+}
+
+/// Every kernel for a GPU of capability `cc`, by name: each source compiled by NVRTC (or
+/// read from the disk cache) and loaded.
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    cc: (i32, i32),
+    device_name: &str,
+) -> Result<HashMap<&'static str, CudaFunction>> {
+    let nv = nvrtc_version();
+    let mut kernels = HashMap::new();
+    for src in SOURCES.iter().filter(|s| s.for_cc(cc)) {
+        match load_source(ctx, src, cc, nv, device_name, &mut kernels) {
+            Ok(()) => {}
+            // Hopper's own kernels are an extra: an NVRTC or driver too old for
+            // compute_90a leaves the GPU on the kernels every GPU has.
+            Err(e) if src.sm90a => {
+                tracing::warn!(file = src.file, error = %e, "Hopper-only kernels unavailable; using the portable ones")
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(kernels)
+}
+
+/// Compiles `src` for `cc` with NVRTC `nv` (or reads it from the disk cache), loads the
+/// module and adds its kernels to `kernels`.
+fn load_source(
+    ctx: &Arc<CudaContext>,
+    src: &KernelSource,
+    cc: (i32, i32),
+    nv: (i32, i32),
+    device_name: &str,
+    kernels: &mut HashMap<&'static str, CudaFunction>,
+) -> Result<()> {
+    let stem = src.file.trim_end_matches(".cu");
+    let source = kernel_source(src)?;
+    let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
+    let (ptx, cached) = compile::cached_or_compile(&path, || {
+        // NVRTC takes seconds; show that something is happening (hidden off a
+        // terminal).
+        let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
+            "compiling {} for sm_{}{} (cached afterwards)",
+            src.file, cc.0, cc.1
+        ));
+        spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+        let ptx = compile_ptx(src.file, &source, cc, src.sm90a);
+        spinner.finish_and_clear();
+        ptx
+    })?;
+    tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
+    let module = ctx
+        .load_module(Ptx::from_src(ptx))
+        .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
+    for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
+        let f = module.load_function(k).map_err(|e| Error::KernelCompile {
+            kernel: k.into(),
+            log: e.to_string(),
+        })?;
+        kernels.insert(k, f);
+    }
+    Ok(())
+}
+
+/// Opts the flash kernels into the shared memory they need, more than the default 48 KB;
+/// whether the GPU agreed for every one. A GPU that refuses falls back to the plain
+/// attention kernel.
+fn opt_in_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
+    FLASH_KERNELS
+        .iter()
+        .chain(&PAGED_FLASH_KERNELS)
+        .zip(FLASH_DIMS.iter().chain(&FLASH_DIMS))
+        .map(|(k, &dp)| (k, flash_smem_bytes(dp, FLASH_QUERIES)))
+        .chain(
+            FLASH_WIDE_KERNELS
+                .iter()
+                .zip(FLASH_WIDE_DIMS)
+                .map(|(k, dp)| (k, flash_smem_bytes(dp, FLASH_WIDE_QUERIES))),
+        )
+        .all(|(k, bytes)| {
+        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+        let set = kernels[k].set_attribute(MAX_SMEM, bytes as i32);
+        if let Err(e) = &set {
+            tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
+        }
+        set.is_ok()
+    })
+}
+
+/// The same for Hopper's wgmma flash kernel: whether it is loaded (sm_90) and the GPU gave
+/// it its shared memory.
+fn opt_in_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
+    FLASH_WGMMA_KERNELS.iter().all(|&name| {
+        kernels.get(name).is_some_and(|k| {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let set = k.set_attribute(MAX_SMEM, flash_wgmma_smem_bytes() as i32);
+            if let Err(e) = &set {
+                tracing::warn!(kernel = name, error = %e, "wgmma flash attention unavailable; using the mma.sync kernels");
+            }
+            set.is_ok()
+        })
+    })
+}
+
+/// The normed GEMVs, and every streamed one, stage their input rows in shared memory: lets
+/// them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past the
+/// default 48), less what they declare statically. Returns the bytes they may use: that, or
+/// the default's share where the GPU refused.
+fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>) -> Result<usize> {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let optin = ctx
+        .attribute(OPTIN)
+        .map_err(|e| cuda_err("shared memory per block")(&e))?;
+    let dynamic = (optin as usize).max(DEFAULT_SMEM) - GEMV_STATIC_SMEM;
+    let streamed = [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
+        .into_iter()
+        .map(|g| (g, true));
+    let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
+        .into_iter()
+        .chain(streamed)
+        .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
+        .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
+    Ok(if opted_in {
+        dynamic
+    } else {
+        DEFAULT_SMEM - GEMV_STATIC_SMEM
+    })
+}
+
+/// The cuBLAS handle on `stream`, with a workspace of our own (returned with its address):
+/// without one cuBLAS allocates on first use, which a GEMM being recorded into a CUDA graph
+/// (a batched decode step) must not do.
+fn cublas(
+    stream: &Arc<CudaStream>,
+) -> Result<(CudaBlas, CudaSlice<u8>, cudarc::driver::sys::CUdeviceptr)> {
+    let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS")(&e))?;
+    let mut workspace = stream
+        .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+        .map_err(|e| cuda_err("allocating the cuBLAS workspace")(&e))?;
+    {
+        let (ptr, _guard) = workspace.device_ptr_mut(stream);
+        // SAFETY: the workspace lives as long as the handle (both in Inner).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                ptr as *mut _,
+                CUBLAS_WORKSPACE_BYTES,
+            )
+        }
+        .result()
+        .map_err(|e| cuda_err("setting the cuBLAS workspace")(&e))?;
+    }
+    let workspace_ptr = workspace.device_ptr(stream).0;
+    Ok((blas, workspace, workspace_ptr))
+}
+
+/// [`crate::twin::self_check`] on `gpu`, a progress bar counting the ops that match; logs the
+/// worst difference found (as a share of what each op allows) once all do.
+fn self_check_with_progress(gpu: &CudaBackend) -> Result<()> {
+    let cases = crate::twin::self_check_cases().len();
+    let bar = indicatif::ProgressBar::new(cases as u64).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:30}] {pos}/{len} ops match the CPU reference",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(format!("self-check on {}", gpu.device_name()));
+    let started = std::time::Instant::now();
+    let mut worst = 0.0f32;
+    let checked = crate::twin::self_check(gpu, |outcome| {
+        tracing::debug!(%outcome, "self-check");
+        worst = worst.max(outcome.share_of_allowed());
+        bar.inc(1);
+    });
+    bar.finish_and_clear();
+    checked?;
+    tracing::info!(
+        device = %gpu.device_name(),
+        ops = cases,
+        worst_diff_over_allowed = worst,
+        seconds = started.elapsed().as_secs_f32(),
+        "CUDA self-check passed: every kernel matches the CPU reference"
+    );
+    Ok(())
 }
 
 impl Drop for Inner {
