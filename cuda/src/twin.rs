@@ -519,21 +519,7 @@ impl Case {
                 be.silu_mul(&up(&[rows, cols], 3)?, &up(&[rows, cols], 4)?)?
             }
             Case::Gelu { rows, cols, kind } => be.gelu(&up(&[rows, cols], 5)?, kind)?,
-            Case::Embeddings { rows, cols } => {
-                let x = input(&[rows, cols], 14);
-                let down = be.download_embeddings(&be.upload(&x)?)?;
-                let halves = crate::Embeddings::F16(crate::HalfTensor::from_f32(&x));
-                let up = be.download(&be.upload_embeddings(&halves)?)?;
-                let handed = be.hand_off(be.upload(&x)?, b"twin".to_vec())?;
-                let kept = be.download(&be.upload_embeddings(&handed)?)?;
-                let back = be.embeddings_to_host(&handed)?;
-                return HostTensor::concat_rows(&[
-                    down.to_f32()?.into_owned(),
-                    up,
-                    kept,
-                    back.to_f32()?.into_owned(),
-                ]);
-            }
+            Case::Embeddings { rows, cols } => return embeddings_down_and_up(be, rows, cols),
             Case::LayerNorm { rows, cols } => be.layer_norm(
                 &up(&[rows, cols], 6)?,
                 &up(&[cols], 7)?,
@@ -576,103 +562,15 @@ impl Case {
                     be.swiglu(&x, &gate_up)?
                 }
             }
-            Case::LayerNormLinears { n, k, m } => {
-                let x = up(&[n, k], 48)?;
-                let (gamma, beta) = (up(&[k], 49)?, up(&[k], 50)?);
-                let norm = crate::LayerNormParams {
-                    w: &gamma,
-                    b: &beta,
-                    eps: 1e-6,
-                };
-                let w = (51..54)
-                    .map(|key| be.upload_weight(&f16_exact(input(&[m, k], key))))
-                    .collect::<Result<Vec<_>>>()?;
-                let b = (54..57)
-                    .map(|key| up(&[m], key))
-                    .collect::<Result<Vec<_>>>()?;
-                let projections: Vec<_> = w
-                    .iter()
-                    .zip(&b)
-                    .map(|(w, b)| crate::Projection { w, b: Some(b) })
-                    .collect();
-                let mut all = Vec::new();
-                for t in be.layer_norm_linears(&x, norm, &projections)? {
-                    all.extend(be.download(&t)?.into_data());
-                }
-                return HostTensor::new(vec![all.len()], all);
-            }
-            Case::LayerNormMlp { n, k, hidden } => {
-                let mut x = up(&[n, k], 57)?;
-                let (gamma, beta) = (up(&[k], 58)?, up(&[k], 59)?);
-                let norm = crate::LayerNormParams {
-                    w: &gamma,
-                    b: &beta,
-                    eps: 1e-6,
-                };
-                // Scaled as a trained layer's are: GELU's inputs stay within a few units.
-                let fc1 = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 60)))?;
-                let fc2 = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 61)))?;
-                let (b1, b2) = (up(&[hidden], 62)?, up(&[k], 63)?);
-                be.layer_norm_mlp(
-                    &mut x,
-                    norm,
-                    crate::Projection {
-                        w: &fc1,
-                        b: Some(&b1),
-                    },
-                    GeluKind::Tanh,
-                    crate::Projection {
-                        w: &fc2,
-                        b: Some(&b2),
-                    },
-                )?;
-                x
-            }
+            Case::LayerNormLinears { n, k, m } => return layer_norm_linears(be, n, k, m),
+            Case::LayerNormMlp { n, k, hidden } => layer_norm_mlp(be, n, k, hidden)?,
             Case::LayerNormRopeAttention {
                 ref lens,
                 hidden,
                 heads,
                 dim,
-            } => {
-                let (n, width) = (lens.iter().sum(), heads * dim);
-                let mut x = up(&[n, hidden], 80)?;
-                let (gamma, beta) = (up(&[hidden], 81)?, up(&[hidden], 82)?);
-                let norm = crate::LayerNormParams {
-                    w: &gamma,
-                    b: &beta,
-                    eps: 1e-6,
-                };
-                // Scaled as a trained layer's are: q, k and v stay near unit size, and so do
-                // the scores (a softmax of large scores would turn f16 roundings into big
-                // changes of its weights).
-                let qkv = be.upload_weight(&f16_exact(scaled_input(&[3 * width, hidden], 83)))?;
-                let proj = be.upload_weight(&f16_exact(scaled_input(&[hidden, width], 84)))?;
-                let (qkv_b, proj_b) = (up(&[3 * width], 85)?, up(&[hidden], 86)?);
-                let (cos, sin) = (up(&[n, dim], 87)?, up(&[n, dim], 88)?);
-                let attn = crate::AttentionWeights {
-                    qkv: crate::Projection {
-                        w: &qkv,
-                        b: Some(&qkv_b),
-                    },
-                    heads,
-                    proj: crate::Projection {
-                        w: &proj,
-                        b: Some(&proj_b),
-                    },
-                };
-                be.layer_norm_rope_attention(&mut x, norm, attn, [&cos, &sin], lens)?;
-                x
-            }
-            Case::RmsNormMlp { n, k, hidden } => {
-                let mut x = up(&[n, k], 64)?;
-                // Scaled as a trained layer's are: the SwiGLU's inputs stay within a few units.
-                let gate = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 65)))?;
-                let upw = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 66)))?;
-                let gate_up = be.stack_weights(&[&gate, &upw])?;
-                let down = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 67)))?;
-                be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
-                x
-            }
+            } => layer_norm_rope_attention(be, lens, hidden, heads, dim)?,
+            Case::RmsNormMlp { n, k, hidden } => rms_norm_mlp(be, n, k, hidden)?,
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
                 &up(&[tokens, dim], 18)?,
@@ -732,30 +630,7 @@ impl Case {
                 q_heads,
                 kv_heads,
                 dim,
-            } => {
-                let slots = tokens * 3 + 5;
-                let mut k = be.zeros_cache(slots, kv_heads, dim)?;
-                let mut v = be.zeros_cache(slots, kv_heads, dim)?;
-                let at: Vec<u32> = (0..tokens).map(|i| ((i * 3 + 2) % slots) as u32).collect();
-                let (q_norm, k_norm) = (up(&[dim], 43)?, up(&[dim], 44)?);
-                let (cos, sin) = (up(&[tokens, dim], 45)?, up(&[tokens, dim], 46)?);
-                let ids = be.upload_ids(&at)?;
-                let how = crate::QkvToCache {
-                    q_heads,
-                    q_norm: &q_norm,
-                    k_norm: &k_norm,
-                    eps: 1e-6,
-                    cos: &cos,
-                    sin: &sin,
-                    slots: &ids,
-                };
-                let qkv = up(&[tokens, (q_heads + 2 * kv_heads) * dim], 47)?;
-                let q = be.qkv_to_cache(&qkv, &how, &mut k, &mut v)?;
-                let mut all = be.download(&q)?.into_data();
-                all.extend(be.download_cache(&k)?.into_data());
-                all.extend(be.download_cache(&v)?.into_data());
-                return HostTensor::new(vec![all.len()], all);
-            }
+            } => return qkv_to_cache(be, tokens, q_heads, kv_heads, dim),
             Case::WriteKv {
                 slots,
                 heads,
@@ -769,19 +644,7 @@ impl Case {
                 be.write_kv(&mut cache, &be.upload_ids(&at)?, &values)?;
                 return be.download_cache(&cache);
             }
-            Case::ArgmaxRows { rows, n, tie } => {
-                let mut logits = input(&[rows, n], 28);
-                if let Some((a, b)) = tie {
-                    let last = (rows - 1) * n;
-                    logits.data_mut()[last + a] = 5.0;
-                    logits.data_mut()[last + b] = 5.0;
-                }
-                let greedy = vec![crate::sampling::RowParams::default(); rows];
-                let mut picks = crate::sampling::SampleBuffers::new(be, n, &greedy, &[], &[])?;
-                picks.sample(be, &be.upload(&logits)?)?;
-                let ids = be.download_ids(&picks.picks, rows)?;
-                return HostTensor::new(vec![rows], ids.iter().map(|&i| i as f32).collect());
-            }
+            Case::ArgmaxRows { rows, n, tie } => return argmax_rows(be, rows, n, tie),
             Case::SampleRows { rows, vocab } => return Ok(sample_case(be, rows, vocab)?.0),
             Case::SampleLogprobs { rows, vocab } => return Ok(sample_case(be, rows, vocab)?.1),
             Case::GatherRows { rows, cols } => {
@@ -805,42 +668,230 @@ impl Case {
                 let weights: Vec<f32> = (0..out * taps).map(|i| (i % 7) as f32 / 7.0).collect();
                 be.weighted_gather(&up(&[rows, width], 30)?, &index, &weights, taps)?
             }
-            Case::RowUpdates => {
-                let (rows, x0, extra) = (
-                    up(&[3, 1024], 31)?,
-                    up(&[6, 1024], 32)?,
-                    up(&[2, 1024], 33)?,
-                );
-                let mut x = x0.clone();
-                be.scatter_rows(&mut x, &[5, 0], &extra)?;
-                be.add_rows(&mut x, &[1, 5], &extra)?;
-                be.scatter_rows(&mut x, &[2, 4, 3], &rows)?;
-                let parts = [
-                    be.download(&x)?,
-                    // Untouched by the in-place updates of the tensor cloned from it.
-                    be.download(&x0)?,
-                    be.download(&be.slice_rows(&x, 2, 5)?)?,
-                ];
-                return HostTensor::concat_rows(&parts);
-            }
+            Case::RowUpdates => return row_updates(be),
             Case::RandomUniform { ref shape } => be.random_uniform(shape, 34, 0.027)?,
-            Case::Patchify { height, width } => {
-                // Bytes from a multiplicative hash: every value 0..=255 turns up.
-                let bytes: Vec<u8> = (0..height * width * 3)
-                    .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8)
-                    .collect();
-                let layout = crate::patches::PatchLayout {
-                    patch: 16,
-                    merge: 2,
-                    temporal: 2,
-                };
-                let table = input(&[crate::patches::TABLE_LEN], 35);
-                be.patchify(&bytes, height, width, table.data(), layout)?
-            }
+            Case::Patchify { height, width } => patchify(be, height, width)?,
             Case::RecordReplay => return record_and_replay(be),
         };
         be.download(&out)
     }
+}
+
+/// [`Case::Embeddings`]: the embeddings downloaded, uploaded as f16, handed over and
+/// uploaded, and downloaded again, stacked.
+fn embeddings_down_and_up<B: Backend>(be: &B, rows: usize, cols: usize) -> Result<HostTensor> {
+    let x = input(&[rows, cols], 14);
+    let down = be.download_embeddings(&be.upload(&x)?)?;
+    let halves = crate::Embeddings::F16(crate::HalfTensor::from_f32(&x));
+    let up = be.download(&be.upload_embeddings(&halves)?)?;
+    let handed = be.hand_off(be.upload(&x)?, b"twin".to_vec())?;
+    let kept = be.download(&be.upload_embeddings(&handed)?)?;
+    let back = be.embeddings_to_host(&handed)?;
+    HostTensor::concat_rows(&[
+        down.to_f32()?.into_owned(),
+        up,
+        kept,
+        back.to_f32()?.into_owned(),
+    ])
+}
+
+/// [`Case::LayerNormLinears`]: the three projections' outputs, one after the other.
+fn layer_norm_linears<B: Backend>(be: &B, n: usize, k: usize, m: usize) -> Result<HostTensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let x = up(&[n, k], 48)?;
+    let (gamma, beta) = (up(&[k], 49)?, up(&[k], 50)?);
+    let norm = crate::LayerNormParams {
+        w: &gamma,
+        b: &beta,
+        eps: 1e-6,
+    };
+    let w = (51..54)
+        .map(|key| be.upload_weight(&f16_exact(input(&[m, k], key))))
+        .collect::<Result<Vec<_>>>()?;
+    let b = (54..57)
+        .map(|key| up(&[m], key))
+        .collect::<Result<Vec<_>>>()?;
+    let projections: Vec<_> = w
+        .iter()
+        .zip(&b)
+        .map(|(w, b)| crate::Projection { w, b: Some(b) })
+        .collect();
+    let mut all = Vec::new();
+    for t in be.layer_norm_linears(&x, norm, &projections)? {
+        all.extend(be.download(&t)?.into_data());
+    }
+    HostTensor::new(vec![all.len()], all)
+}
+
+/// [`Case::LayerNormMlp`]: its input after the MLP and the residual.
+fn layer_norm_mlp<B: Backend>(be: &B, n: usize, k: usize, hidden: usize) -> Result<B::Tensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let mut x = up(&[n, k], 57)?;
+    let (gamma, beta) = (up(&[k], 58)?, up(&[k], 59)?);
+    let norm = crate::LayerNormParams {
+        w: &gamma,
+        b: &beta,
+        eps: 1e-6,
+    };
+    // Scaled as a trained layer's are: GELU's inputs stay within a few units.
+    let fc1 = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 60)))?;
+    let fc2 = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 61)))?;
+    let (b1, b2) = (up(&[hidden], 62)?, up(&[k], 63)?);
+    be.layer_norm_mlp(
+        &mut x,
+        norm,
+        crate::Projection {
+            w: &fc1,
+            b: Some(&b1),
+        },
+        GeluKind::Tanh,
+        crate::Projection {
+            w: &fc2,
+            b: Some(&b2),
+        },
+    )?;
+    Ok(x)
+}
+
+/// [`Case::LayerNormRopeAttention`]: its input after the attention and the residual.
+fn layer_norm_rope_attention<B: Backend>(
+    be: &B,
+    lens: &[usize],
+    hidden: usize,
+    heads: usize,
+    dim: usize,
+) -> Result<B::Tensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let (n, width) = (lens.iter().sum(), heads * dim);
+    let mut x = up(&[n, hidden], 80)?;
+    let (gamma, beta) = (up(&[hidden], 81)?, up(&[hidden], 82)?);
+    let norm = crate::LayerNormParams {
+        w: &gamma,
+        b: &beta,
+        eps: 1e-6,
+    };
+    // Scaled as a trained layer's are: q, k and v stay near unit size, and so do
+    // the scores (a softmax of large scores would turn f16 roundings into big
+    // changes of its weights).
+    let qkv = be.upload_weight(&f16_exact(scaled_input(&[3 * width, hidden], 83)))?;
+    let proj = be.upload_weight(&f16_exact(scaled_input(&[hidden, width], 84)))?;
+    let (qkv_b, proj_b) = (up(&[3 * width], 85)?, up(&[hidden], 86)?);
+    let (cos, sin) = (up(&[n, dim], 87)?, up(&[n, dim], 88)?);
+    let attn = crate::AttentionWeights {
+        qkv: crate::Projection {
+            w: &qkv,
+            b: Some(&qkv_b),
+        },
+        heads,
+        proj: crate::Projection {
+            w: &proj,
+            b: Some(&proj_b),
+        },
+    };
+    be.layer_norm_rope_attention(&mut x, norm, attn, [&cos, &sin], lens)?;
+    Ok(x)
+}
+
+/// [`Case::RmsNormMlp`]: its input after the MLP and the residual.
+fn rms_norm_mlp<B: Backend>(be: &B, n: usize, k: usize, hidden: usize) -> Result<B::Tensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let mut x = up(&[n, k], 64)?;
+    // Scaled as a trained layer's are: the SwiGLU's inputs stay within a few units.
+    let gate = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 65)))?;
+    let upw = be.upload_weight(&f16_exact(scaled_input(&[hidden, k], 66)))?;
+    let gate_up = be.stack_weights(&[&gate, &upw])?;
+    let down = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 67)))?;
+    be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
+    Ok(x)
+}
+
+/// [`Case::QkvToCache`]: the queries, then both caches.
+fn qkv_to_cache<B: Backend>(
+    be: &B,
+    tokens: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    dim: usize,
+) -> Result<HostTensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let slots = tokens * 3 + 5;
+    let mut k = be.zeros_cache(slots, kv_heads, dim)?;
+    let mut v = be.zeros_cache(slots, kv_heads, dim)?;
+    let at: Vec<u32> = (0..tokens).map(|i| ((i * 3 + 2) % slots) as u32).collect();
+    let (q_norm, k_norm) = (up(&[dim], 43)?, up(&[dim], 44)?);
+    let (cos, sin) = (up(&[tokens, dim], 45)?, up(&[tokens, dim], 46)?);
+    let ids = be.upload_ids(&at)?;
+    let how = crate::QkvToCache {
+        q_heads,
+        q_norm: &q_norm,
+        k_norm: &k_norm,
+        eps: 1e-6,
+        cos: &cos,
+        sin: &sin,
+        slots: &ids,
+    };
+    let qkv = up(&[tokens, (q_heads + 2 * kv_heads) * dim], 47)?;
+    let q = be.qkv_to_cache(&qkv, &how, &mut k, &mut v)?;
+    let mut all = be.download(&q)?.into_data();
+    all.extend(be.download_cache(&k)?.into_data());
+    all.extend(be.download_cache(&v)?.into_data());
+    HostTensor::new(vec![all.len()], all)
+}
+
+/// [`Case::ArgmaxRows`]: each row's pick.
+fn argmax_rows<B: Backend>(
+    be: &B,
+    rows: usize,
+    n: usize,
+    tie: Option<(usize, usize)>,
+) -> Result<HostTensor> {
+    let mut logits = input(&[rows, n], 28);
+    if let Some((a, b)) = tie {
+        let last = (rows - 1) * n;
+        logits.data_mut()[last + a] = 5.0;
+        logits.data_mut()[last + b] = 5.0;
+    }
+    let greedy = vec![crate::sampling::RowParams::default(); rows];
+    let mut picks = crate::sampling::SampleBuffers::new(be, n, &greedy, &[], &[])?;
+    picks.sample(be, &be.upload(&logits)?)?;
+    let ids = be.download_ids(&picks.picks, rows)?;
+    HostTensor::new(vec![rows], ids.iter().map(|&i| i as f32).collect())
+}
+
+/// [`Case::RowUpdates`]: the updated tensor, the one it was cloned from, and a slice.
+fn row_updates<B: Backend>(be: &B) -> Result<HostTensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let (rows, x0, extra) = (
+        up(&[3, 1024], 31)?,
+        up(&[6, 1024], 32)?,
+        up(&[2, 1024], 33)?,
+    );
+    let mut x = x0.clone();
+    be.scatter_rows(&mut x, &[5, 0], &extra)?;
+    be.add_rows(&mut x, &[1, 5], &extra)?;
+    be.scatter_rows(&mut x, &[2, 4, 3], &rows)?;
+    let parts = [
+        be.download(&x)?,
+        // Untouched by the in-place updates of the tensor cloned from it.
+        be.download(&x0)?,
+        be.download(&be.slice_rows(&x, 2, 5)?)?,
+    ];
+    HostTensor::concat_rows(&parts)
+}
+
+/// [`Case::Patchify`]: the patches.
+fn patchify<B: Backend>(be: &B, height: usize, width: usize) -> Result<B::Tensor> {
+    // Bytes from a multiplicative hash: every value 0..=255 turns up.
+    let bytes: Vec<u8> = (0..height * width * 3)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let layout = crate::patches::PatchLayout {
+        patch: 16,
+        merge: 2,
+        temporal: 2,
+    };
+    let table = input(&[crate::patches::TABLE_LEN], 35);
+    be.patchify(&bytes, height, width, table.data(), layout)
 }
 
 /// The inputs of [`Case::PagedAttention`]: a cache of shuffled blocks holding f16-exact keys
