@@ -4,7 +4,7 @@
 //! can be compiled for a target GPU without one.
 
 use super::context::nvrtc_version;
-use super::{compile, compile_all_ptx, cuda_libraries, CudaBackend};
+use super::{compile, compile_all_ptx, cuda_libraries, CudaBackend, CudaLibrary};
 
 /// One finding: what was checked, whether it is in order, and the detail (a version, a path,
 /// or what to do).
@@ -30,17 +30,37 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
     };
     let libraries = cuda_libraries();
     for lib in &libraries {
-        let detail = match (lib.present, lib.name.starts_with("NVRTC")) {
-            (true, true) => {
-                let (major, minor) = nvrtc_version();
-                format!("{major}.{minor}")
-            }
-            (true, false) => "loaded".into(),
-            (false, _) => format!("not found: {}", lib.hint),
-        };
-        note(lib.name, lib.present, detail);
+        note(lib.name, lib.present, library_detail(lib));
     }
     let [driver, nvrtc, cublas, cublas_lt] = libraries.map(|l| l.present);
+    let headers_ok = check_headers(&mut note);
+    check_kernel_cache(&mut note);
+    if nvrtc && headers_ok {
+        for &arch in archs {
+            check_compiles(arch, &mut note);
+        }
+    }
+    if !(driver && nvrtc && cublas && cublas_lt && headers_ok) {
+        return all_ok;
+    }
+    check_gpu(&mut note);
+    all_ok
+}
+
+/// A library's detail: NVRTC's version, "loaded", or what to do where it is missing.
+fn library_detail(lib: &CudaLibrary) -> String {
+    match (lib.present, lib.name.starts_with("NVRTC")) {
+        (true, true) => {
+            let (major, minor) = nvrtc_version();
+            format!("{major}.{minor}")
+        }
+        (true, false) => "loaded".into(),
+        (false, _) => format!("not found: {}", lib.hint),
+    }
+}
+
+/// Whether NVRTC finds the CUDA headers (and where).
+fn check_headers(note: &mut impl FnMut(&str, bool, String)) -> bool {
     let headers = compile::cuda_include_dir();
     let headers_ok = headers.is_ok();
     note(
@@ -51,6 +71,11 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
             Err(e) => e.to_string(),
         },
     );
+    headers_ok
+}
+
+/// Whether compiled kernels can be kept (the cache directory is writable).
+fn check_kernel_cache(note: &mut impl FnMut(&str, bool, String)) {
     let cache = compile::cache_dir();
     let writable = std::fs::create_dir_all(&cache).is_ok() && {
         let probe = cache.join(format!(".doctor-{}", std::process::id()));
@@ -70,27 +95,27 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
             )
         },
     );
-    if nvrtc && headers_ok {
-        for &(major, minor) in archs {
-            let spinner = indicatif::ProgressBar::new_spinner()
-                .with_message(format!("compiling every kernel for sm_{major}{minor}"));
-            spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-            let compiled = compile_all_ptx((major, minor));
-            spinner.finish_and_clear();
-            note(
-                &format!("kernels compile for sm_{major}{minor}"),
-                compiled.is_ok(),
-                match compiled {
-                    Ok(files) => format!("{} files", files.len()),
-                    Err(e) => e.to_string(),
-                },
-            );
-        }
-    }
-    if !(driver && nvrtc && cublas && cublas_lt && headers_ok) {
-        return all_ok;
-    }
-    // A GPU: open it (compiling for it) and run the serving self-check, op by op.
+}
+
+/// Whether every kernel compiles for compute capability `major.minor` (no GPU needed).
+fn check_compiles((major, minor): (i32, i32), note: &mut impl FnMut(&str, bool, String)) {
+    let spinner = indicatif::ProgressBar::new_spinner()
+        .with_message(format!("compiling every kernel for sm_{major}{minor}"));
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    let compiled = compile_all_ptx((major, minor));
+    spinner.finish_and_clear();
+    note(
+        &format!("kernels compile for sm_{major}{minor}"),
+        compiled.is_ok(),
+        match compiled {
+            Ok(files) => format!("{} files", files.len()),
+            Err(e) => e.to_string(),
+        },
+    );
+}
+
+/// A GPU: opens it (compiling for it) and runs the serving self-check, op by op.
+fn check_gpu(note: &mut impl FnMut(&str, bool, String)) {
     match CudaBackend::new(0) {
         Ok(gpu) => {
             let (major, minor) = gpu.compute_capability();
@@ -125,5 +150,4 @@ pub fn run(archs: &[(i32, i32)], mut report: impl FnMut(&Finding)) -> bool {
         }
         Err(e) => note("GPU 0", false, e.to_string()),
     }
-    all_ok
 }
