@@ -37,6 +37,89 @@ struct Shard {
     map: Mmap,
 }
 
+/// The files of the checkpoint in `dir`: the shards its index names (each once, sorted), or
+/// the single file.
+fn shard_names(dir: &Path) -> Result<Vec<String>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let v = files::read_json(&index)?;
+        let map = files::require(&index, &v, "weight_map")?;
+        let map = map.as_object().ok_or_else(|| Error::BadKey {
+            path: index.clone(),
+            key: "weight_map".into(),
+            problem: "is not an object".into(),
+        })?;
+        let mut names: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        names.sort();
+        names.dedup();
+        Ok(names)
+    } else if single.is_file() {
+        Ok(vec!["model.safetensors".into()])
+    } else {
+        Err(Error::NoWeights {
+            dir: dir.to_path_buf(),
+        })
+    }
+}
+
+impl Shard {
+    /// Maps the safetensors file at `path` (shard number `file`) and adds its tensors, as its
+    /// header lists them, to `entries`.
+    fn map(path: PathBuf, file: usize, entries: &mut HashMap<String, Entry>) -> Result<Self> {
+        let f = std::fs::File::open(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        // SAFETY: the file is opened read-only and the map is never written; a checkpoint
+        // modified while being served is outside what we can guard against.
+        let map = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let bad = |message: String| Error::BadSafetensors {
+            path: path.clone(),
+            message,
+        };
+        let (header_len, meta) =
+            SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
+        let base = 8 + header_len;
+        for (tname, info) in meta.tensors() {
+            let dtype = match info.dtype {
+                Dtype::F32 => WeightDtype::F32,
+                Dtype::F16 => WeightDtype::F16,
+                Dtype::BF16 => WeightDtype::BF16,
+                other => {
+                    return Err(Error::UnsupportedDtype {
+                        name: tname,
+                        dtype: format!("{other:?}"),
+                    })
+                }
+            };
+            let (start, end) = (base + info.data_offsets.0, base + info.data_offsets.1);
+            if end > map.len() {
+                return Err(bad(format!(
+                    "tensor `{tname}` extends past the end of the file"
+                )));
+            }
+            entries.insert(
+                tname,
+                Entry {
+                    file,
+                    dtype,
+                    shape: info.shape.clone(),
+                    start,
+                    end,
+                },
+            );
+        }
+        Ok(Shard { path, map })
+    }
+}
+
 pub struct Weights {
     dir: PathBuf,
     shards: Vec<Shard>,
@@ -49,82 +132,10 @@ pub struct Weights {
 impl Weights {
     /// Opens the weights of the checkpoint in `dir`: the single-file layout or a sharded one.
     pub fn open(dir: &Path) -> Result<Self> {
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let shard_names: Vec<String> = if index.is_file() {
-            let v = files::read_json(&index)?;
-            let map = files::require(&index, &v, "weight_map")?;
-            let map = map.as_object().ok_or_else(|| Error::BadKey {
-                path: index.clone(),
-                key: "weight_map".into(),
-                problem: "is not an object".into(),
-            })?;
-            let mut names: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(str::to_string))
-                .collect();
-            names.sort();
-            names.dedup();
-            names
-        } else if single.is_file() {
-            vec!["model.safetensors".into()]
-        } else {
-            return Err(Error::NoWeights {
-                dir: dir.to_path_buf(),
-            });
-        };
-
         let mut shards = Vec::new();
         let mut entries = HashMap::new();
-        for (file, name) in shard_names.iter().enumerate() {
-            let path = dir.join(name);
-            let f = std::fs::File::open(&path).map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            // SAFETY: the file is opened read-only and the map is never written; a checkpoint
-            // modified while being served is outside what we can guard against.
-            let map = unsafe { Mmap::map(&f) }.map_err(|source| Error::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let bad = |message: String| Error::BadSafetensors {
-                path: path.clone(),
-                message,
-            };
-            let (header_len, meta) =
-                SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
-            let base = 8 + header_len;
-            for (tname, info) in meta.tensors() {
-                let dtype = match info.dtype {
-                    Dtype::F32 => WeightDtype::F32,
-                    Dtype::F16 => WeightDtype::F16,
-                    Dtype::BF16 => WeightDtype::BF16,
-                    other => {
-                        return Err(Error::UnsupportedDtype {
-                            name: tname,
-                            dtype: format!("{other:?}"),
-                        })
-                    }
-                };
-                let (start, end) = (base + info.data_offsets.0, base + info.data_offsets.1);
-                if end > map.len() {
-                    return Err(bad(format!(
-                        "tensor `{tname}` extends past the end of the file"
-                    )));
-                }
-                entries.insert(
-                    tname,
-                    Entry {
-                        file,
-                        dtype,
-                        shape: info.shape.clone(),
-                        start,
-                        end,
-                    },
-                );
-            }
-            shards.push(Shard { path, map });
+        for (file, name) in shard_names(dir)?.iter().enumerate() {
+            shards.push(Shard::map(dir.join(name), file, &mut entries)?);
         }
         let mut dtypes: Vec<&str> = entries
             .values()
