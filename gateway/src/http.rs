@@ -15,7 +15,6 @@
 //! without being read further; JSON nested past serde_json's depth limit (128) or not UTF-8
 //! gets 400; images are counted, and their base64 sized, before any is decoded.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -23,15 +22,12 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio_stream::wrappers::ReceiverStream;
 use tracing::{field::Empty, info_span, Instrument};
 use vlm_proto::pb;
 
@@ -42,6 +38,7 @@ use crate::pipeline::{ChatRequest, RequestLimits};
 use crate::sampling::{RequestedSampling, SamplingDefaults};
 
 mod fields;
+mod stream;
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -558,82 +555,8 @@ async fn chat_completions(
         return Json(body).into_response();
     }
 
-    let model = st.model_name.clone();
-    let chunk = move |choice: u32, delta: Value, finish: Option<&str>| {
-        json!({
-            "id": id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": choice, "delta": delta, "logprobs": null, "finish_reason": finish}],
-        })
-    };
-    // Each choice opens with its role.
-    let first = futures::stream::iter(
-        (0..n as u32)
-            .map(|i| chunk(i, json!({"role": "assistant", "content": ""}), None))
-            .collect::<Vec<_>>(),
-    );
-    let usage_chunk = chunk.clone();
-    let include_usage = options.include_usage;
-    // Choices finished, and their tokens: the usage chunk follows the last one's finish.
-    let (mut finished, mut completion_total) = (0, 0);
-    let events = ReceiverStream::new(rx).flat_map(move |ev| {
-        let items: Vec<Value> = match ev {
-            Ok(ChatEvent::Delta {
-                choice,
-                text,
-                token_ids,
-                logprobs,
-            }) => {
-                // A step whose text is held back still gets a chunk when it carries what the
-                // client asked to see of every token.
-                let with_logprobs = options.logprobs && !logprobs.is_empty();
-                if text.is_empty() && !options.return_token_ids && !with_logprobs {
-                    vec![]
-                } else {
-                    let mut c = chunk(choice, json!({ "content": text }), None);
-                    if options.return_token_ids {
-                        c["choices"][0]["token_ids"] = json!(token_ids);
-                    }
-                    if with_logprobs {
-                        c["choices"][0]["logprobs"] = logprobs_json(&logprobs);
-                    }
-                    vec![c]
-                }
-            }
-            Ok(ChatEvent::Done {
-                choice,
-                finish,
-                prompt_tokens,
-                completion_tokens,
-            }) => {
-                finished += 1;
-                completion_total += completion_tokens;
-                let mut v = vec![chunk(choice, json!({}), Some(finish_str(finish)))];
-                if include_usage && finished == n {
-                    let mut u = usage_chunk(0, json!({}), None);
-                    u["choices"] = json!([]);
-                    u["usage"] = json!({
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_total,
-                        "total_tokens": prompt_tokens + completion_total,
-                    });
-                    v.push(u);
-                }
-                v
-            }
-            Err(e) => vec![json!({"error": {"message": e.to_string(), "type": e.kind(), "param": null, "code": null}})],
-        };
-        futures::stream::iter(items)
-    });
-    let sse = first
-        .chain(events)
-        .map(|v| Ok::<_, Infallible>(Event::default().data(v.to_string())))
-        .chain(futures::stream::once(async {
-            Ok(Event::default().data("[DONE]"))
-        }));
-    Sse::new(sse).into_response()
+    let writer = stream::ChunkWriter::new(id, created, st.model_name.clone(), options);
+    stream::response(writer, rx)
 }
 
 async fn models(State(st): State<HttpState>) -> Json<Value> {

@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::Mutex;
 
 use axum::body::Body;
+use futures::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 use tower::ServiceExt;
 use vlm_proto::pb::gateway_server::Gateway;
