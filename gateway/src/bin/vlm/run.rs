@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use gateway::chat::{Message, Part};
-use gateway::pipeline::{ChatRequest, Pipeline};
+use gateway::pipeline::{ChatOutput, ChatRequest, Pipeline};
 use llm_svc::SamplingParams;
 use vlm_compute::{npy, Backend, Device, HostTensor, OnDevice};
 
@@ -78,48 +78,8 @@ impl OnDevice for RunArgs {
 }
 
 fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
-    let mut parts = Vec::new();
-    for path in &args.images {
-        let bytes =
-            std::fs::read(path).with_context(|| format!("cannot read image {}", path.display()))?;
-        parts.push(Part::Image(bytes));
-    }
-    parts.push(Part::Text(args.prompt.clone()));
-    let mut messages = Vec::new();
-    if let Some(system) = &args.system {
-        messages.push(Message {
-            role: "system".into(),
-            parts: vec![Part::Text(system.clone())],
-        });
-    }
-    messages.push(Message::user(parts));
-    let request = ChatRequest {
-        messages,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-            ..Default::default()
-        },
-        max_new_tokens: args.max_new_tokens,
-        stop: args.stop.clone(),
-        ignore_eos: false,
-        return_logits: args.logits_out.is_some(),
-    };
-
-    // One request: a cache for one sequence of the longest context asked for, in whole
-    // blocks (the engine refuses a cache smaller than one block, e.g. for --max-context 8).
-    let defaults = llm_svc::EngineConfig::default();
-    let engine = llm_svc::EngineConfig {
-        max_context: args.max_context,
-        kv_cache: llm_svc::KvCacheSize::Tokens(
-            args.max_context
-                .unwrap_or(32768)
-                .next_multiple_of(defaults.block_size),
-        ),
-        ..defaults
-    };
+    let request = chat_request(&args)?;
+    let engine = engine_config(&args);
     let pipeline = if args.random_weights {
         let weights = vlm_compute::Weights::random(&args.model, args.weights_seed);
         Pipeline::with_weights(&args.model, &weights, backend, engine)
@@ -150,24 +110,8 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
         npy::write_f32(path, &HostTensor::new(vec![steps, vocab], logits)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let t = &out.timings;
     if args.json {
-        let json = serde_json::json!({
-            "prompt_token_ids": out.prompt_token_ids,
-            "generated_token_ids": out.generated_token_ids,
-            "text": out.text,
-            "finish_reason": out.finish_reason.as_str(),
-            "usage": {
-                "prompt_tokens": out.prompt_token_ids.len(),
-                "completion_tokens": out.generated_token_ids.len(),
-            },
-            "timings_ms": {
-                "vision": t.vision.as_secs_f64() * 1e3,
-                "prefill": t.prefill.as_secs_f64() * 1e3,
-                "decode": t.decode.as_secs_f64() * 1e3,
-            },
-        });
-        writeln!(stdout, "{json}")?;
+        writeln!(stdout, "{}", answer_json(&out))?;
     } else {
         // Text held back at the end (a partial stop string that never completed).
         writeln!(
@@ -176,6 +120,82 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
             out.text.get(printed.len()..).unwrap_or_default()
         )?;
     }
+    log_done(&out);
+    Ok(())
+}
+
+/// The request the arguments describe: the images in order, then the prompt, after the system
+/// message if there is one.
+fn chat_request(args: &RunArgs) -> anyhow::Result<ChatRequest> {
+    let mut parts = Vec::new();
+    for path in &args.images {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("cannot read image {}", path.display()))?;
+        parts.push(Part::Image(bytes));
+    }
+    parts.push(Part::Text(args.prompt.clone()));
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(Message {
+            role: "system".into(),
+            parts: vec![Part::Text(system.clone())],
+        });
+    }
+    messages.push(Message::user(parts));
+    Ok(ChatRequest {
+        messages,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+            ..Default::default()
+        },
+        max_new_tokens: args.max_new_tokens,
+        stop: args.stop.clone(),
+        ignore_eos: false,
+        return_logits: args.logits_out.is_some(),
+    })
+}
+
+/// One request: a cache for one sequence of the longest context asked for, in whole blocks
+/// (the engine refuses a cache smaller than one block, e.g. for --max-context 8).
+fn engine_config(args: &RunArgs) -> llm_svc::EngineConfig {
+    let defaults = llm_svc::EngineConfig::default();
+    llm_svc::EngineConfig {
+        max_context: args.max_context,
+        kv_cache: llm_svc::KvCacheSize::Tokens(
+            args.max_context
+                .unwrap_or(32768)
+                .next_multiple_of(defaults.block_size),
+        ),
+        ..defaults
+    }
+}
+
+/// `--json`'s answer: the tokens, the text, why it stopped, the usage and the timings.
+fn answer_json(out: &ChatOutput) -> serde_json::Value {
+    let t = &out.timings;
+    serde_json::json!({
+        "prompt_token_ids": out.prompt_token_ids,
+        "generated_token_ids": out.generated_token_ids,
+        "text": out.text,
+        "finish_reason": out.finish_reason.as_str(),
+        "usage": {
+            "prompt_tokens": out.prompt_token_ids.len(),
+            "completion_tokens": out.generated_token_ids.len(),
+        },
+        "timings_ms": {
+            "vision": t.vision.as_secs_f64() * 1e3,
+            "prefill": t.prefill.as_secs_f64() * 1e3,
+            "decode": t.decode.as_secs_f64() * 1e3,
+        },
+    })
+}
+
+/// The log line of a finished run: the token counts, why it stopped, the stages' times.
+fn log_done(out: &ChatOutput) {
+    let t = &out.timings;
     let decoded = out.generated_token_ids.len().saturating_sub(1);
     tracing::info!(
         prompt_tokens = out.prompt_token_ids.len(),
@@ -193,5 +213,4 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
         ),
         "done"
     );
-    Ok(())
 }
