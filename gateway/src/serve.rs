@@ -165,6 +165,60 @@ pub async fn serve(
     http: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let orchestrator = Arc::new(orchestrator(&cfg)?);
+    let health = Arc::new(
+        UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),
+    );
+    let http_state = HttpState {
+        orchestrator: orchestrator.clone(),
+        model_name: cfg.model_name.clone(),
+        default_max_tokens: cfg.default_max_tokens,
+        request_timeout: cfg.request_timeout,
+        health: health.clone(),
+    };
+    let scheme = if cfg.tls.is_some() {
+        "TLS"
+    } else {
+        "plaintext"
+    };
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, vision = ?cfg.vision_addrs, llm = ?cfg.llm_addrs, scheme, api_key = cfg.api_key.is_some(), "gateway listening");
+
+    let app = router(http_state, cfg.api_key.clone());
+    let http_task = spawn_http(http, app, cfg.tls.as_ref(), shutdown.clone())?;
+    let (reporter, grpc_router) = vlm_proto::grpc_server(
+        cfg.tls.as_ref().map(|id| id.grpc_config(None)),
+        vlm_proto::Audience::Public,
+    )
+    .await?;
+    let svc = GatewayServer::new(GatewayService {
+        orchestrator,
+        default_max_tokens: cfg.default_max_tokens,
+        request_timeout: cfg.request_timeout,
+    })
+    .max_decoding_message_size(cfg.limits.max_body_bytes)
+    .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+    // The key guards the Gateway service only: health and reflection stay open.
+    let svc = tonic::service::interceptor::InterceptedService::new(svc, GrpcAuth(cfg.api_key));
+    let name = <GatewayServer<GatewayService> as tonic::server::NamedService>::NAME;
+    follow_upstreams(name, reporter.clone(), health, shutdown.clone());
+    let grpc_stop = shutdown.clone();
+    let grpc_result = vlm_proto::run_service(
+        grpc_router.add_service(svc),
+        grpc,
+        reporter,
+        name,
+        async { Ok(()) },
+        async move { grpc_stop.cancelled().await },
+    )
+    .await;
+    shutdown.cancel();
+    http_task.await??;
+    grpc_result
+}
+
+/// The orchestrator `cfg` describes: the checkpoint's tokenizer, chat template and sampling
+/// defaults, the upstreams, the limits and how embeddings travel.
+fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     check_model_dir(&cfg.model)?;
     let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
     let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id)?;
@@ -197,27 +251,18 @@ pub async fn serve(
     orchestrator.client_send_timeout = cfg.client_send_timeout;
     orchestrator.sampling_defaults = sampling_defaults;
     orchestrator.vocab_size = Some(llm_cfg.text.vocab_size);
-    let orchestrator = Arc::new(orchestrator);
-    let health = Arc::new(
-        UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),
-    );
-    let http_state = HttpState {
-        orchestrator: orchestrator.clone(),
-        model_name: cfg.model_name.clone(),
-        default_max_tokens: cfg.default_max_tokens,
-        request_timeout: cfg.request_timeout,
-        health: health.clone(),
-    };
-    let scheme = if cfg.tls.is_some() {
-        "TLS"
-    } else {
-        "plaintext"
-    };
-    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, vision = ?cfg.vision_addrs, llm = ?cfg.llm_addrs, scheme, api_key = cfg.api_key.is_some(), "gateway listening");
+    Ok(orchestrator)
+}
 
-    let http_stop = shutdown.clone();
-    let app = router(http_state, cfg.api_key.clone());
-    let http_task = match &cfg.tls {
+/// Serves the HTTP API on `http` (HTTPS with `tls`) on a task of its own until `stop` is
+/// cancelled; then, as axum::serve does, it stops accepting and lets in-flight requests finish.
+fn spawn_http(
+    http: TcpListener,
+    app: axum::Router,
+    tls: Option<&ServerIdentity>,
+    stop: CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
+    Ok(match tls {
         None => tokio::spawn(async move {
             use axum::serve::ListenerExt;
             // No Nagle delay on small SSE chunks (see vlm_proto::run_service).
@@ -225,7 +270,7 @@ pub async fn serve(
                 let _ = tcp.set_nodelay(true);
             });
             axum::serve(http, app)
-                .with_graceful_shutdown(async move { http_stop.cancelled().await })
+                .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await
         }),
         Some(identity) => {
@@ -240,41 +285,12 @@ pub async fn serve(
                 .handle(handle.clone());
             tokio::spawn(async move {
                 tokio::spawn(async move {
-                    http_stop.cancelled().await;
+                    stop.cancelled().await;
                     // Like axum::serve's: stop accepting, let in-flight requests finish.
                     handle.graceful_shutdown(None);
                 });
                 server.serve(app.into_make_service()).await
             })
         }
-    };
-    let (reporter, grpc_router) = vlm_proto::grpc_server(
-        cfg.tls.as_ref().map(|id| id.grpc_config(None)),
-        vlm_proto::Audience::Public,
-    )
-    .await?;
-    let svc = GatewayServer::new(GatewayService {
-        orchestrator,
-        default_max_tokens: cfg.default_max_tokens,
-        request_timeout: cfg.request_timeout,
     })
-    .max_decoding_message_size(cfg.limits.max_body_bytes)
-    .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
-    // The key guards the Gateway service only: health and reflection stay open.
-    let svc = tonic::service::interceptor::InterceptedService::new(svc, GrpcAuth(cfg.api_key));
-    let name = <GatewayServer<GatewayService> as tonic::server::NamedService>::NAME;
-    follow_upstreams(name, reporter.clone(), health, shutdown.clone());
-    let grpc_stop = shutdown.clone();
-    let grpc_result = vlm_proto::run_service(
-        grpc_router.add_service(svc),
-        grpc,
-        reporter,
-        name,
-        async { Ok(()) },
-        async move { grpc_stop.cancelled().await },
-    )
-    .await;
-    shutdown.cancel();
-    http_task.await??;
-    grpc_result
 }
