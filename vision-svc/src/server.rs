@@ -12,6 +12,7 @@
 //! in one place.
 
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
@@ -212,35 +213,10 @@ impl<B: Backend> VisionServer<B> {
         let dtype = Dtype::try_from(req.dtype).unwrap_or(Dtype::F32);
         let on_device = req.device_domain == loaded.device_domain;
         // Looked up before a place is taken: a hit costs no device work, so it is never
-        // refused as overloaded. The key is also the identity of embeddings kept on the
-        // device (llm-svc's prefix cache cannot hash bytes it never sees).
-        let key = if self.cache.enabled() || on_device {
-            let (image, settings) = (req.image.clone(), loaded.encoder.preprocess.clone());
-            let key = tokio::task::spawn_blocking(move || cache::key(&image, dtype, &settings))
-                .await
-                .map_err(|e| Error::Encoder(format!("hashing the image failed: {e}")))?;
-            if let Some(hit) = self.cache.enabled().then(|| self.cache.get(&key)).flatten() {
-                span.record("cache", "hit");
-                if !on_device {
-                    return Ok((hit, Source::Cache));
-                }
-                // Uploaded once here and handed over (a host-to-device copy of f16 rows)
-                // rather than written to shared memory and mapped and uploaded there.
-                let encoder = loaded.encoder.clone();
-                let parent = span.clone();
-                let handed = tokio::task::spawn_blocking(move || {
-                    let _span = info_span!(parent: &parent, "upload_cached").entered();
-                    hand_off_cached(encoder.model.backend(), &hit, &key)
-                })
-                .await
-                .map_err(|e| Error::Encoder(format!("handing over cached embeddings: {e}")))??;
-                return Ok((deposit(&handed), Source::Cache));
-            }
-            span.record("cache", if self.cache.enabled() { "miss" } else { "off" });
-            Some(key)
-        } else {
-            span.record("cache", "off");
-            None
+        // refused as overloaded.
+        let key = match self.look_up(loaded, &req, dtype, on_device, &span).await? {
+            ControlFlow::Break(hit) => return Ok((hit, Source::Cache)),
+            ControlFlow::Continue(key) => key,
         };
         let overloaded = Error::Overloaded {
             limit: self.max_concurrent,
@@ -279,20 +255,54 @@ impl<B: Backend> VisionServer<B> {
             }
             return Ok((response, Source::Encoder));
         }
-        // f16 from a GPU to an f16 wire is the bytes as downloaded; anything else is one
-        // conversion pass per tensor, off the runtime's threads (a large image's embeddings
-        // are tens of megabytes).
-        let parent = span.clone();
-        let response = tokio::task::spawn_blocking(move || {
-            let _pack = info_span!(parent: &parent, "pack", dtype = ?dtype).entered();
-            to_wire(&out, dtype)
-        })
-        .await
-        .map_err(|e| Error::Encoder(format!("packing the embeddings failed: {e}")))??;
+        let response = pack(out, dtype, &span).await?;
         if let Some(key) = key.filter(|_| self.cache.enabled()) {
             self.cache.insert(key, &response);
         }
         Ok((response, Source::Encoder))
+    }
+
+    /// Looks the request's image up in the embedding cache, where the cache is on or the
+    /// answer stays on the device: the key is also the identity of embeddings kept on the
+    /// device (llm-svc's prefix cache cannot hash bytes it never sees). A hit is the answer
+    /// (`Break`): for an llm-svc in this process on this device, uploaded once and handed
+    /// over. Otherwise `Continue` carries the key, where one was made.
+    async fn look_up(
+        &self,
+        loaded: &LoadedEncoder<B>,
+        req: &EncodeRequest,
+        dtype: Dtype,
+        on_device: bool,
+        span: &tracing::Span,
+    ) -> Result<ControlFlow<EncodeResponse, Option<cache::CacheKey>>, Error> {
+        if self.cache.enabled() || on_device {
+            let (image, settings) = (req.image.clone(), loaded.encoder.preprocess.clone());
+            let key = tokio::task::spawn_blocking(move || cache::key(&image, dtype, &settings))
+                .await
+                .map_err(|e| Error::Encoder(format!("hashing the image failed: {e}")))?;
+            if let Some(hit) = self.cache.enabled().then(|| self.cache.get(&key)).flatten() {
+                span.record("cache", "hit");
+                if !on_device {
+                    return Ok(ControlFlow::Break(hit));
+                }
+                // Uploaded once here and handed over (a host-to-device copy of f16 rows)
+                // rather than written to shared memory and mapped and uploaded there.
+                let encoder = loaded.encoder.clone();
+                let parent = span.clone();
+                let handed = tokio::task::spawn_blocking(move || {
+                    let _span = info_span!(parent: &parent, "upload_cached").entered();
+                    hand_off_cached(encoder.model.backend(), &hit, &key)
+                })
+                .await
+                .map_err(|e| Error::Encoder(format!("handing over cached embeddings: {e}")))??;
+                return Ok(ControlFlow::Break(deposit(&handed)));
+            }
+            span.record("cache", if self.cache.enabled() { "miss" } else { "off" });
+            Ok(ControlFlow::Continue(Some(key)))
+        } else {
+            span.record("cache", "off");
+            Ok(ControlFlow::Continue(None))
+        }
     }
 
     /// Downloads embeddings kept on the device and caches them as `dtype` on the wire, off the
@@ -361,6 +371,23 @@ fn hand_off_cached<B: Backend>(
             .collect::<Result<_, _>>()?,
         grid_thw: grid,
     })
+}
+
+/// Embeddings on the host packed for the wire as `dtype`: f16 from a GPU to an f16 wire is
+/// the bytes as downloaded; anything else is one conversion pass per tensor, off the
+/// runtime's threads (a large image's embeddings are tens of megabytes).
+async fn pack(
+    out: VisionOutput,
+    dtype: Dtype,
+    span: &tracing::Span,
+) -> Result<EncodeResponse, Error> {
+    let parent = span.clone();
+    tokio::task::spawn_blocking(move || {
+        let _pack = info_span!(parent: &parent, "pack", dtype = ?dtype).entered();
+        to_wire(&out, dtype)
+    })
+    .await
+    .map_err(|e| Error::Encoder(format!("packing the embeddings failed: {e}")))?
 }
 
 /// Deposits an image's embeddings kept on the device ([`handoff`]) and returns the response
