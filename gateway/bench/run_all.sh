@@ -10,7 +10,8 @@
 # Run from the repository root. PEERS (default ../shared/peers) holds llama.cpp's source and
 # GGUF writer (see its README). STEPS picks parts: "ours load sampled hf llama server report"
 # (the default: all).
-# LOAD_ARGS replaces the workload flags of vlm load (default below); BENCH_ARGS adds flags to
+# LEVELS replaces the concurrencies (default 1,8,32,64,128); LOAD_ARGS replaces the workload
+# flags of vlm load (default below); BENCH_ARGS adds flags to
 # vlm bench (e.g. "--ttft-image-sides 448,1344").
 #
 # Time on one H100 (16 cores), part by part, in the order they run (measured 2026-11-25):
@@ -36,7 +37,7 @@ steps=" ${STEPS:-ours load sampled hf llama server report} "
 model=deploy/models/qwen3-vl-8b
 work=${WORK:-/tmp/vlm-bench}
 # The concurrencies vlm load runs and llama-batched-bench's parallel sequences: the same list.
-levels=1,8,32,64,128
+levels=${LEVELS:-1,8,32,64,128}
 most=${levels##*,}
 # 512-token prompts (ours: drawn from 256-768, mean 512), 128 generated, as llama-batched-bench's
 # -npp 512 -ntg 128; one request in 8 carries a 448x448 image (llama-batched-bench has none).
