@@ -50,6 +50,41 @@ has() { [[ "$steps" == *" $1 "* ]]; }
 part() { echo "== $1 (at ${SECONDS}s)"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt" || true
 
+# The peers' llama.cpp leaves out the web UI's sources (tools/ui), which the server target links
+# (llama-ui) and its CMake adds: a stub with no assets serves the API without the pages.
+stub_llama_ui() {
+  [ -d "$1" ] && return
+  mkdir -p "$1"
+  cat > "$1/CMakeLists.txt" <<'CMAKE'
+add_library(llama-ui STATIC ui.cpp)
+set_target_properties(llama-ui PROPERTIES POSITION_INDEPENDENT_CODE ON)
+target_include_directories(llama-ui PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+add_custom_target(llama-ui-assets)
+CMAKE
+  cat > "$1/ui.h" <<'HEADER'
+#pragma once
+#include <cstddef>
+#include <string>
+#include <vector>
+struct llama_ui_asset {
+    std::string name, type, etag;
+    const unsigned char * data;
+    size_t size;
+};
+const std::vector<llama_ui_asset> & llama_ui_get_assets();
+const llama_ui_asset * llama_ui_find_asset(const std::string & name);
+bool llama_ui_use_gzip();
+HEADER
+  cat > "$1/ui.cpp" <<'SOURCE'
+#include "ui.h"
+const std::vector<llama_ui_asset> & llama_ui_get_assets() {
+    static const std::vector<llama_ui_asset> none;
+    return none;
+}
+const llama_ui_asset * llama_ui_find_asset(const std::string &) { return nullptr; }
+bool llama_ui_use_gzip() { return false; }
+SOURCE
+}
 built() {
   [ -x "$work/b/bin/llama-bench" ] && [ -x "$work/b/bin/llama-batched-bench" ] \
     && [ -x "$work/b/bin/llama-server" ]
@@ -64,6 +99,7 @@ wait_build() {
 if { has llama || has server; } && ! built; then
   echo "building llama.cpp in the background ($out/llama-build.log)"
   tar xzf "$peers"/llama.cpp-*.tgz -C "$work"
+  stub_llama_ui "$work/llama.cpp/tools/ui"
   setsid nice -n 19 bash -c "cmake -S $work/llama.cpp -B $work/b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
