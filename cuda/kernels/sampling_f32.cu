@@ -4,14 +4,15 @@
 // compiler never fuses), or from integers, so the twin tests demand the same token.
 //
 // One block of S_THREADS a row. The row is read in passes; each warp owns a contiguous segment
-// of it, so passes that need id order (the compaction, the draw) keep it, and each pass has 8
+// of it, so passes that need id order (the compaction, the draw) keep it, and each pass has 4
 // loads a thread in flight. No pass sorts: thresholds come from radix selection over 8-bit
 // digits of the keys (top-k by count, top-p by mass), and once few candidates remain they are
 // compacted into shared memory and the remaining passes read only them.
 
-#define S_THREADS 1024
+// 512: at 1024 a thread has 64 registers, and ptxas spilled this kernel's state to local
+// memory (the CI's ptxas check).
+#define S_THREADS 512
 #define S_WARPS (S_THREADS / WARP)
-#define S_UNROLL 8
 #define S_CUTOFF (-21.0f)
 // S_LIST (candidates kept in shared memory once the filters leave at most this many) and
 // S_BINS come from cuda/src/sampling.rs (SAMPLE_LIST, SAMPLE_BINS), which sizes the work buffer.
@@ -127,45 +128,50 @@ struct SFilter {
     }
 };
 
+// One element of a pass: its id, key and weight, or off (past the end, not a candidate).
+template <bool NEED_W, class F>
+__device__ __forceinline__ void s_one(const SElems& e, const SShared& s, int j, bool on, float v, F& f) {
+    unsigned id = j, key = 0, w = 0;
+    if (e.list) {
+        if (on) {
+            id = s.list_id[j];
+            key = s.list_key[j];
+            w = s.list_w[j];
+        }
+    } else if (e.raw) {
+        on = on && !isnan(v);
+        key = s_key(v);
+    } else {
+        float d = __fsub_rn(v, e.max);
+        on = on && d > S_CUTOFF;
+        key = s_key(v);
+        if (NEED_W && on) w = s_weight(d);
+    }
+    f(on, id, key, w);
+}
+
 // Calls f(on, id, key, w) for every element, warp by warp over each warp's segment in id
-// order, all 32 lanes together (f may use warp intrinsics).
+// order, all 32 lanes together (f may use warp intrinsics). Four loads a thread in flight,
+// held in named registers: an array indexed in the loop that calls f went to local memory.
 template <bool NEED_W, class F>
 __device__ __forceinline__ void s_each(const SElems& e, const SShared& s, F f) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int step = WARP * S_UNROLL;
+    const int step = WARP * 4;
     const int seg = (e.n + S_WARPS * step - 1) / (S_WARPS * step) * step;
     const int lo = min(e.n, warp * seg), hi = min(e.n, lo + seg);
     for (int j0 = lo; j0 < hi; j0 += step) {
-        float v[S_UNROLL];
+        const int j = j0 + lane;
+        float v0 = NEG_INF, v1 = NEG_INF, v2 = NEG_INF, v3 = NEG_INF;
         if (!e.list) {
-#pragma unroll
-            for (int u = 0; u < S_UNROLL; ++u) {
-                int j = j0 + u * WARP + lane;
-                v[u] = j < hi ? e.y[j] : NEG_INF;
-            }
+            if (j < hi) v0 = e.y[j];
+            if (j + WARP < hi) v1 = e.y[j + WARP];
+            if (j + 2 * WARP < hi) v2 = e.y[j + 2 * WARP];
+            if (j + 3 * WARP < hi) v3 = e.y[j + 3 * WARP];
         }
-#pragma unroll
-        for (int u = 0; u < S_UNROLL; ++u) {
-            int j = j0 + u * WARP + lane;
-            bool on = j < hi;
-            unsigned id = j, key = 0, w = 0;
-            if (e.list) {
-                if (on) {
-                    id = s.list_id[j];
-                    key = s.list_key[j];
-                    w = s.list_w[j];
-                }
-            } else if (e.raw) {
-                on = on && !isnan(v[u]);
-                key = s_key(v[u]);
-            } else {
-                float d = __fsub_rn(v[u], e.max);
-                on = on && d > S_CUTOFF;
-                key = s_key(v[u]);
-                if (NEED_W && on) w = s_weight(d);
-            }
-            f(on, id, key, w);
-        }
+        s_one<NEED_W>(e, s, j, j < hi, v0, f);
+        s_one<NEED_W>(e, s, j + WARP, j + WARP < hi, v1, f);
+        s_one<NEED_W>(e, s, j + 2 * WARP, j + 2 * WARP < hi, v2, f);
+        s_one<NEED_W>(e, s, j + 3 * WARP, j + 3 * WARP < hi, v3, f);
     }
 }
 

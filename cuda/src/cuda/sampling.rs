@@ -11,7 +11,7 @@ use crate::sampling::{split_for, work_words, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAM
 use crate::{Error, Result};
 
 /// Threads of the last kernel's block, one a row (`S_THREADS`).
-const SAMPLE_THREADS: u32 = 1024;
+const SAMPLE_THREADS: u32 = 512;
 /// Threads of the spread passes' blocks (`S_PREP_THREADS`).
 const PREPARE_THREADS: u32 = 512;
 
