@@ -371,6 +371,30 @@ fn raw_logprobs(logits: &[f32], n: usize, token: u32) -> (f32, Vec<(u32, f32)>) 
     (logits[token as usize] - lse, top)
 }
 
+/// Steps 1 and 2 for a row: its processed, tempered logits (`count(i)` is token `i`'s count
+/// word), their largest, and the first token that has it (greedy's pick, and the fallback of a
+/// draw with no finite logit).
+fn tempered(
+    logits: &[f32],
+    p: &RowParams,
+    bias: &[(u32, f32)],
+    count: impl Fn(usize) -> u32,
+) -> (Vec<f32>, f32, u32) {
+    let mut y: Vec<f32> = (0..logits.len())
+        .map(|i| temper(process(logits[i], 0.0, count(i), p), p))
+        .collect();
+    for &(t, b) in bias {
+        y[t as usize] = temper(process(logits[t as usize], b, count(t as usize), p), p);
+    }
+    let (mut max, mut greedy) = (f32::NEG_INFINITY, 0u32);
+    for (i, &x) in y.iter().enumerate() {
+        if x > max {
+            (max, greedy) = (x, i as u32);
+        }
+    }
+    (y, max, greedy)
+}
+
 /// The token for one row, by the rule in this module's header; updates `counts` (the row's
 /// slot, `[vocab]`) with the pick. `bias` is the row's `logit_bias` entries.
 pub fn sample_row(
@@ -379,25 +403,7 @@ pub fn sample_row(
     bias: &[(u32, f32)],
     mut counts: Option<&mut [u32]>,
 ) -> Pick {
-    let v = logits.len();
-    let mut y: Vec<f32> = (0..v)
-        .map(|i| {
-            let c = counts.as_ref().map_or(0, |c| c[i]);
-            temper(process(logits[i], 0.0, c, p), p)
-        })
-        .collect();
-    for &(t, b) in bias {
-        let c = counts.as_ref().map_or(0, |c| c[t as usize]);
-        y[t as usize] = temper(process(logits[t as usize], b, c, p), p);
-    }
-    // The largest, the first on ties (greedy's pick, and the fallback of a draw with no
-    // finite logit).
-    let (mut max, mut greedy) = (f32::NEG_INFINITY, 0u32);
-    for (i, &x) in y.iter().enumerate() {
-        if x > max {
-            (max, greedy) = (x, i as u32);
-        }
-    }
+    let (y, max, greedy) = tempered(logits, p, bias, |i| counts.as_ref().map_or(0, |c| c[i]));
     let token = if p.temperature > 0.0 && max.is_finite() {
         draw(&y, max, p).unwrap_or(greedy)
     } else {
@@ -485,18 +491,7 @@ fn kept(y: &[f32], max: f32, p: &RowParams) -> Vec<(u32, u32, u32)> {
 /// (not updated).
 pub fn kept_tokens(logits: &[f32], p: &RowParams, bias: &[(u32, f32)], counts: &[u32]) -> Vec<u32> {
     let count = |i: usize| if p.slot == NO_SLOT { 0 } else { counts[i] };
-    let mut y: Vec<f32> = (0..logits.len())
-        .map(|i| temper(process(logits[i], 0.0, count(i), p), p))
-        .collect();
-    for &(t, b) in bias {
-        y[t as usize] = temper(process(logits[t as usize], b, count(t as usize), p), p);
-    }
-    let (mut max, mut greedy) = (f32::NEG_INFINITY, 0u32);
-    for (i, &x) in y.iter().enumerate() {
-        if x > max {
-            (max, greedy) = (x, i as u32);
-        }
-    }
+    let (y, max, greedy) = tempered(logits, p, bias, count);
     if p.temperature > 0.0 && max.is_finite() {
         kept(&y, max, p).into_iter().map(|c| c.0).collect()
     } else {
