@@ -284,13 +284,18 @@ impl CountSlots {
         plan: &[Planned],
         running: &[Sequence],
     ) -> Result<()> {
-        let wants = |p: &Planned| {
-            let seq = &running[p.index];
-            seq.sampling.needs_counts()
-                && seq.computed + p.tokens == seq.tokens.len()
-                && self.slot_of(seq.id).is_none()
-        };
-        if !plan.iter().any(wants) {
+        // The sequences that sample this step with penalties and have no slot yet.
+        let new: Vec<&Sequence> = plan
+            .iter()
+            .map(|p| (p, &running[p.index]))
+            .filter(|(p, seq)| {
+                seq.sampling.needs_counts()
+                    && seq.computed + p.tokens == seq.tokens.len()
+                    && self.slot_of(seq.id).is_none()
+            })
+            .map(|(_, seq)| seq)
+            .collect();
+        if new.is_empty() {
             return Ok(());
         }
         let live: std::collections::HashSet<u64> = running.iter().map(|s| s.id).collect();
@@ -299,14 +304,7 @@ impl CountSlots {
                 *o = None;
             }
         }
-        for p in plan {
-            let seq = &running[p.index];
-            if !seq.sampling.needs_counts()
-                || seq.computed + p.tokens != seq.tokens.len()
-                || self.slot_of(seq.id).is_some()
-            {
-                continue;
-            }
+        for seq in new {
             let slot = self
                 .owners
                 .iter()
