@@ -175,9 +175,6 @@ impl SamplingParams {
     }
 }
 
-/// Greedy decoding's pick, shared with the backends' on-device argmax reference.
-pub use vlm_compute::argmax;
-
 #[cfg(test)]
 mod tests {
     use super::*;

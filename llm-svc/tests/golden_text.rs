@@ -132,7 +132,7 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
                 "{name}: greedy token {step}"
             );
         }
-        // Without logits, greedy tokens are picked on the device (Backend::argmax): the same.
+        // Without logits, greedy tokens are picked on the device (Backend::sample_rows): the same.
         let on_device = engine
             .generate(
                 &GenerateRequest {
