@@ -44,7 +44,8 @@ extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsign
 #define QK_MAX_DIM 256
 
 // A step's attention inputs from the fused projection qkv [n, (hq + 2 hkv) d] (q heads, k
-// heads, v heads): q and k RMS-normed per head (q_norm, k_norm [d]) and rotated (rotate-half,
+// heads, v heads): q and k RMS-normed per head (q_norm, k_norm [d]; both null: not normed, as
+// in Qwen2) and rotated (rotate-half,
 // cos/sin [n, d]); q to q_out [n, hq, d]; k and v into the caches at slots[r]. Block (r, y)
 // takes row r's heads y * QK_WARPS .. + QK_WARPS, one warp per head (a decode step has one
 // row per sequence: one block per row left most of the GPU idle while a warp did 12 heads
@@ -68,6 +69,7 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
     const unsigned slot = slots[r];
     const bool cached = slot < num_slots;
     const int half = d / 2;
+    const bool normed = q_norm != nullptr;
     // What every head of the row needs besides its own values, loaded once and all at once:
     // the rotary tables and both norms' weights (read after each head's sum, they were two more
     // round trips a head, in a kernel that decode waits for at every layer).
@@ -78,8 +80,8 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
         const bool in = i < d;
         cr[u] = in ? c[i] : 0.0f;
         sr[u] = in ? s[i] : 0.0f;
-        qw[u] = in ? q_norm[i] : 0.0f;
-        kw[u] = in ? k_norm[i] : 0.0f;
+        qw[u] = in ? (normed ? q_norm[i] : 1.0f) : 0.0f;
+        kw[u] = in ? (normed ? k_norm[i] : 1.0f) : 0.0f;
     }
     // Under programmatic dependent launch this kernel starts while the q/k/v GEMV drains: what
     // it read above (the step's slots and rotary tables, written before the step, and the norm
@@ -104,7 +106,8 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
         float ss = 0.0f;
 #pragma unroll
         for (int u = 0; u < PER; ++u) ss += xv[u] * xv[u];
-        const float inv = rsqrtf(warp_sum(ss) / d + eps);
+        const float sum = warp_sum(ss);
+        const float inv = normed ? rsqrtf(sum / d + eps) : 1.0f;
 #pragma unroll
         for (int u = 0; u < PER; ++u)
             if (lane + u * WARP < d) buf[warp][lane + u * WARP] = (is_q ? qw[u] : kw[u]) * (xv[u] * inv);

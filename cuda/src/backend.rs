@@ -199,15 +199,21 @@ pub(crate) fn rms_norm_mlp_op_by_op<B: Backend + ?Sized>(
 pub struct QkvToCache<'a, B: Backend + ?Sized> {
     /// Query heads; the cache's shape gives the KV heads and the head dim.
     pub q_heads: usize,
-    /// Per-head RMSNorm weights `[d]` of q and k, and its epsilon.
-    pub q_norm: &'a B::Tensor,
-    pub k_norm: &'a B::Tensor,
-    pub eps: f32,
+    /// Per-head RMSNorm of q and k (Qwen3); `None`: q and k are only rotated (Qwen2).
+    pub qk_norm: Option<QkNorm<'a, B>>,
     /// Rotary tables `[n, d]` at each row's position (rotate-half form, both halves filled).
     pub cos: &'a B::Tensor,
     pub sin: &'a B::Tensor,
     /// `[n]` cache slot of each row.
     pub slots: &'a B::Ids,
+}
+
+/// The per-head RMSNorm [`QkvToCache`] applies to q and k before rotating them.
+pub struct QkNorm<'a, B: Backend + ?Sized> {
+    /// RMSNorm weights `[d]` of q and of k.
+    pub q: &'a B::Tensor,
+    pub k: &'a B::Tensor,
+    pub eps: f32,
 }
 
 /// Where device time went, per op ([`Backend::op_times`]).
@@ -661,7 +667,8 @@ pub trait Backend: Send + Sync + 'static {
         rows: &Self::Tensor,
     ) -> Result<()>;
     /// The attention inputs of a step, from the fused projection `qkv [n, (hq + 2 hkv) d]`
-    /// (q heads, then k, then v): q and k RMS-normed per head and rotated as `how` says, k and
+    /// (q heads, then k, then v): q and k RMS-normed per head (where `how.qk_norm` is given)
+    /// and rotated as `how` says, k and
     /// v written into `k_cache`, `v_cache` at its slots (as [`Backend::write_kv`]). Returns q
     /// `[n, hq, d]`. One pass instead of a split, two norms, two rotations and two writes.
     fn qkv_to_cache(

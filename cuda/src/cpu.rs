@@ -476,11 +476,13 @@ impl Backend for CpuBackend {
             }
             HostTensor::new(vec![n, heads, d], data)
         };
-        let normed_rotated = |x: HostTensor, w: &HostTensor| {
-            self.rope(&self.rms_norm(&x, w, how.eps)?, how.cos, how.sin)
+        let normed_rotated = |x: HostTensor, w: Option<(&HostTensor, f32)>| match w {
+            Some((w, eps)) => self.rope(&self.rms_norm(&x, w, eps)?, how.cos, how.sin),
+            None => self.rope(&x, how.cos, how.sin),
         };
-        let q = normed_rotated(cols(0, hq)?, how.q_norm)?;
-        let k = normed_rotated(cols(hq, hkv)?, how.k_norm)?;
+        let norm = how.qk_norm.as_ref();
+        let q = normed_rotated(cols(0, hq)?, norm.map(|n| (n.q, n.eps)))?;
+        let k = normed_rotated(cols(hq, hkv)?, norm.map(|n| (n.k, n.eps)))?;
         self.write_kv(k_cache, how.slots, &k)?;
         self.write_kv(v_cache, how.slots, &cols(hq + hkv, hkv)?)?;
         Ok(q)

@@ -38,7 +38,7 @@ mod weights;
 
 pub use backend::{
     argmax, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams, OpTime, PagedBatch,
-    Projection, QkvToCache, SampleIo,
+    Projection, QkNorm, QkvToCache, SampleIo,
 };
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};

@@ -124,12 +124,14 @@ pub enum Case {
         dim: usize,
         block_size: usize,
     },
-    /// A fused q/k/v projection's rows normed, rotated and written into the caches.
+    /// A fused q/k/v projection's rows normed (Qwen3; not `normed`: Qwen2), rotated and
+    /// written into the caches.
     QkvToCache {
         tokens: usize,
         q_heads: usize,
         kv_heads: usize,
         dim: usize,
+        normed: bool,
     },
     /// Rows written into a cache at scattered slots read from the device.
     WriteKv {
@@ -389,7 +391,11 @@ impl Case {
                 q_heads,
                 kv_heads,
                 dim,
-            } => format!("qkv_to_cache {tokens} tokens h{q_heads}/{kv_heads} d{dim}"),
+                normed,
+            } => format!(
+                "qkv_to_cache {tokens} tokens h{q_heads}/{kv_heads} d{dim}{}",
+                if *normed { "" } else { " (no q/k norm)" }
+            ),
             Case::ArgmaxRows { rows, n, tie } => {
                 format!("argmax_rows {rows} x {n} (tie {tie:?})")
             }
@@ -630,7 +636,8 @@ impl Case {
                 q_heads,
                 kv_heads,
                 dim,
-            } => return qkv_to_cache(be, tokens, q_heads, kv_heads, dim),
+                normed,
+            } => return qkv_to_cache(be, tokens, q_heads, kv_heads, dim, normed),
             Case::WriteKv {
                 slots,
                 heads,
@@ -812,6 +819,7 @@ fn qkv_to_cache<B: Backend>(
     q_heads: usize,
     kv_heads: usize,
     dim: usize,
+    normed: bool,
 ) -> Result<HostTensor> {
     let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
     let slots = tokens * 3 + 5;
@@ -819,13 +827,16 @@ fn qkv_to_cache<B: Backend>(
     let mut v = be.zeros_cache(slots, kv_heads, dim)?;
     let at: Vec<u32> = (0..tokens).map(|i| ((i * 3 + 2) % slots) as u32).collect();
     let (q_norm, k_norm) = (up(&[dim], 43)?, up(&[dim], 44)?);
+    let qk_norm = normed.then_some(crate::QkNorm {
+        q: &q_norm,
+        k: &k_norm,
+        eps: 1e-6,
+    });
     let (cos, sin) = (up(&[tokens, dim], 45)?, up(&[tokens, dim], 46)?);
     let ids = be.upload_ids(&at)?;
     let how = crate::QkvToCache {
         q_heads,
-        q_norm: &q_norm,
-        k_norm: &k_norm,
-        eps: 1e-6,
+        qk_norm,
         cos: &cos,
         sin: &sin,
         slots: &ids,
@@ -1361,12 +1372,22 @@ pub fn self_check_cases() -> Vec<Case> {
             q_heads: 32,
             kv_heads: 8,
             dim: 128,
+            normed: true,
         },
         QkvToCache {
             tokens: 5,
             q_heads: 4,
             kv_heads: 2,
             dim: 40,
+            normed: true,
+        },
+        // Qwen2.5-7B's heads: 28 q, 4 kv, 128 wide, no q/k norm.
+        QkvToCache {
+            tokens: 3,
+            q_heads: 28,
+            kv_heads: 4,
+            dim: 128,
+            normed: false,
         },
         WriteKv {
             slots: 600,

@@ -275,15 +275,22 @@ fn paged_kv_cache_at_real_sizes() {
             dim,
             rows,
         });
-    // The fused q/k/v step of the 8B model at a prefill chunk, and the tiny fixture's sizes.
-    let qkv = [(512, 32, 8, 128), (7, 4, 2, 32)].map(|(tokens, q_heads, kv_heads, dim)| {
-        Case::QkvToCache {
+    // The fused q/k/v step of the 8B model at a prefill chunk, the tiny fixture's sizes, and
+    // Qwen2.5-7B's heads (no q/k norm) at a prefill chunk.
+    let qkv = [
+        (512, 32, 8, 128, true),
+        (7, 4, 2, 32, true),
+        (512, 28, 4, 128, false),
+    ]
+    .map(
+        |(tokens, q_heads, kv_heads, dim, normed)| Case::QkvToCache {
             tokens,
             q_heads,
             kv_heads,
             dim,
-        }
-    });
+            normed,
+        },
+    );
     check_all(&g, paged.into_iter().chain(writes).chain(qkv));
     // Greedy picks on the device: the 8B vocabulary at batch 1 and 128, a tie (the first
     // wins), short rows; the rows a step's logits come from.

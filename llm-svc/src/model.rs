@@ -14,7 +14,7 @@
 //! tokens' embeddings before layer 0.
 
 use vlm_compute::nn::Linear;
-use vlm_compute::{Backend, PagedBatch, QkvToCache, WeightPrefix, Weights};
+use vlm_compute::{Backend, PagedBatch, QkNorm, QkvToCache, WeightPrefix, Weights};
 
 use crate::kv_cache::PagedKv;
 use crate::{ModelConfig, Result, TextConfig};
@@ -96,9 +96,11 @@ impl<B: Backend> Attention<B> {
         let qkv = self.qkv.forward_normed(be, x, input_norm, self.eps)?;
         let how = QkvToCache {
             q_heads: self.heads,
-            q_norm: &self.q_norm,
-            k_norm: &self.k_norm,
-            eps: self.eps,
+            qk_norm: Some(QkNorm {
+                q: &self.q_norm,
+                k: &self.k_norm,
+                eps: self.eps,
+            }),
             cos: step.cos,
             sin: step.sin,
             slots: step.slots,

@@ -75,8 +75,10 @@ impl CudaBackend {
             || d % 2 != 0
             || how.cos.shape != [n, d]
             || how.sin.shape != [n, d]
-            || how.q_norm.len() != d
-            || how.k_norm.len() != d
+            || how
+                .qk_norm
+                .as_ref()
+                .is_some_and(|n| n.q.len() != d || n.k.len() != d)
         {
             return Err(Error::shape(
                 "qkv_to_cache",
@@ -95,8 +97,14 @@ impl CudaBackend {
         {
             let stream = &self.inner.stream;
             let (qkv_p, _qkv) = qkv.buf.device_ptr(stream);
-            let (qn_p, _qn) = how.q_norm.buf.device_ptr(stream);
-            let (kn_p, _kn) = how.k_norm.buf.device_ptr(stream);
+            // No q/k norm (Qwen2): null weights, which the kernel reads as "rotate only".
+            let norms = how.qk_norm.as_ref().map(|n| {
+                let (q, k) = (n.q.buf.device_ptr(stream), n.k.buf.device_ptr(stream));
+                (q, k, n.eps)
+            });
+            let (qn_p, kn_p, eps) = norms
+                .as_ref()
+                .map_or((0, 0, 0.0f32), |((q, _), (k, _), eps)| (*q, *k, *eps));
             let (cos_p, _cos) = how.cos.buf.device_ptr(stream);
             let (sin_p, _sin) = how.sin.buf.device_ptr(stream);
             let (slots_p, _slots) = how.slots.buf.device_ptr(stream);
@@ -107,7 +115,7 @@ impl CudaBackend {
                 arg(&qkv_p),
                 arg(&qn_p),
                 arg(&kn_p),
-                arg(&how.eps),
+                arg(&eps),
                 arg(&cos_p),
                 arg(&sin_p),
                 arg(&slots_p),
