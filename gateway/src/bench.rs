@@ -25,7 +25,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use llm_svc::{GenerateRequest, SamplingParams};
+use llm_svc::{GenerateRequest, SamplerRow, SamplingParams};
 use serde_json::{json, Value};
 use vision_svc::{Delivery, Patches, VisionConfig};
 use vlm_compute::sampling::SampleBuffers;
@@ -244,8 +244,7 @@ impl Shapes {
             .ttft_image_sides
             .iter()
             .map(|&side| {
-                let image =
-                    vision_svc::preprocess::image_tokens_of_size(side, side, &image_settings)?;
+                let image = vlm_proto::image::image_tokens_of_size(side, side, &image_settings)?;
                 // The chat template's own tokens on top of the image's and the text's.
                 Ok(image + opts.ttft_text_tokens + 64)
             })

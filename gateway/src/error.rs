@@ -25,6 +25,9 @@ pub enum Error {
         file: std::path::PathBuf,
         message: String,
     },
+    /// A sampling field outside the contract's rules (`vlm_proto::sampling`).
+    #[error(transparent)]
+    Sampling(#[from] vlm_proto::sampling::InvalidSampling),
     #[error(transparent)]
     Vision(#[from] vision_svc::Error),
     #[error(transparent)]
@@ -39,7 +42,7 @@ impl Error {
     /// True when the request, not the server, is at fault (INVALID_ARGUMENT / HTTP 400).
     pub fn is_invalid_input(&self) -> bool {
         match self {
-            Error::InvalidRequest(_) => true,
+            Error::InvalidRequest(_) | Error::Sampling(_) => true,
             Error::Image { error, .. } => error.is_invalid_input(),
             Error::Vision(e) => e.is_invalid_input(),
             Error::Llm(e) => e.is_invalid_input(),

@@ -31,7 +31,7 @@ pub struct GatewayService {
 
 /// The request's sampling fields; the ranges are checked once the defaults are in.
 fn requested_sampling(r: &pb::ChatRequest) -> Result<RequestedSampling, GatewayError> {
-    let max = vlm_compute::sampling::MAX_TOP_LOGPROBS;
+    let max = vlm_proto::sampling::MAX_TOP_LOGPROBS;
     let logprobs = match (r.logprobs, r.top_logprobs) {
         (_, Some(n)) if n as usize > max => {
             return Err(GatewayError::Invalid(format!(

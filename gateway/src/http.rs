@@ -174,7 +174,7 @@ fn data_url_bytes(url: &str, at: &str, max_bytes: usize) -> Result<Vec<u8>, Gate
 
 /// The request's sampling fields, checked for what only the HTTP API can get wrong (the
 /// shapes of `top_k`, `logit_bias`, `top_logprobs`); the ranges are checked once the
-/// defaults are in ([`llm_svc::SamplingParams::validate`]).
+/// defaults are in ([`vlm_proto::sampling::SamplingParams::validate`]).
 fn requested_sampling(r: &OpenAiRequest) -> Result<RequestedSampling, GatewayError> {
     let bad = |m: String| Err(GatewayError::Invalid(m));
     let top_k = match r.top_k {
@@ -199,7 +199,7 @@ fn requested_sampling(r: &OpenAiRequest) -> Result<RequestedSampling, GatewayErr
     }
     // Ordered by id, as the gRPC API's map is; duplicates ("7" and "07") stay for validate().
     logit_bias.sort_by_key(|b| b.0);
-    let max = vlm_compute::sampling::MAX_TOP_LOGPROBS as i64;
+    let max = vlm_proto::sampling::MAX_TOP_LOGPROBS as i64;
     let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (_, Some(n)) if !(0..=max).contains(&n) => {
             return bad(format!(
@@ -600,6 +600,7 @@ mod canned_llm;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vlm_proto::sampling::SamplingParams;
 
     /// `body` as the handler reads it, with no checkpoint defaults.
     fn parse(
@@ -639,7 +640,7 @@ mod tests {
             8,
         )
         .unwrap();
-        let want = llm_svc::SamplingParams {
+        let want = SamplingParams {
             temperature: 0.8,
             top_k: 20,
             top_p: 0.9,
@@ -661,7 +662,7 @@ mod tests {
         assert_eq!((req.sampling.logprobs, options.logprobs), (None, false));
         // Absent fields are off: greedy, no penalties.
         let (req, _) = parse(&chat_with(json!({})), 8).unwrap();
-        assert_eq!(req.sampling, llm_svc::SamplingParams::default());
+        assert_eq!(req.sampling, SamplingParams::default());
     }
 
     #[test]
@@ -742,7 +743,7 @@ mod tests {
         for name in fields::IGNORED {
             let (req, _) = parse(&chat_with(field(name, json!({"any": "thing"}))), 8)
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(req.sampling, llm_svc::SamplingParams::default(), "{name}");
+            assert_eq!(req.sampling, SamplingParams::default(), "{name}");
         }
         let e = parse(&chat_with(json!({"user": "u1", "frobnicate": 1})), 8).unwrap_err();
         assert_eq!(e.http_status(), 400);

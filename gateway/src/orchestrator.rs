@@ -34,10 +34,11 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::StreamMap;
 use tonic::Status;
 use tracing::{info_span, Instrument};
+use vlm_proto::image::{image_tokens, DecodeLimits, PreprocessConfig};
 use vlm_proto::pb::llm_service_client::LlmServiceClient;
 use vlm_proto::pb::vision_service_client::VisionServiceClient;
 use vlm_proto::pb::{self, EncodeRequest, EncodeResponse};
-use vlm_proto::telemetry;
+use vlm_proto::{headers, telemetry};
 
 use crate::chat::{ChatTokenizer, Message, Part};
 use crate::detok::{TextStream, TokenBytes};
@@ -154,7 +155,7 @@ pub struct Orchestrator {
     pub limits: RequestLimits,
     /// The checkpoint's image preprocessing, to count an image's tokens from its header
     /// before it is encoded; `None`: the prompt waits for the embeddings.
-    pub image_settings: Option<vision_svc::PreprocessConfig>,
+    pub image_settings: Option<PreprocessConfig>,
     pub metrics: Metrics,
     /// Offer vision-svc shared memory for the embeddings when llm-svc shares it.
     pub shared_memory: bool,
@@ -311,8 +312,8 @@ impl Orchestrator {
                 .map(str::to_string)
         };
         let now = LlmDomains {
-            shm: named(vlm_proto::shm::DOMAIN_HEADER),
-            device: named(llm_svc::server::DEVICE_DOMAIN_HEADER),
+            shm: named(headers::SHM_DOMAIN),
+            device: named(headers::DEVICE_DOMAIN),
         };
         let mut domains = self.llm_domains.lock().unwrap_or_else(|e| e.into_inner());
         if domains.get(addr) != Some(&now) {
@@ -467,10 +468,10 @@ impl Orchestrator {
         // Each image's token count from its header, so the prompt is rendered and tokenized
         // while the images are encoded; it is used if vision-svc's counts agree.
         let expected: Option<Vec<usize>> = self.image_settings.as_ref().and_then(|cfg| {
-            let limits = vision_svc::DecodeLimits::default();
+            let limits = DecodeLimits::default();
             images
                 .iter()
-                .map(|i| vision_svc::preprocess::image_tokens(i, cfg, &limits).ok())
+                .map(|i| image_tokens(i, cfg, &limits).ok())
                 .collect()
         });
         let encodes = try_join_all(
@@ -578,27 +579,9 @@ pub fn generate_request(
     pb::GenerateRequest {
         prompt_token_ids: prompt,
         images,
-        sampling: Some(sampling_to_pb(&req.sampling)),
+        sampling: Some(vlm_proto::sampling::to_pb(&req.sampling)),
         max_new_tokens: req.max_new_tokens as u32,
         ignore_eos: req.ignore_eos,
-    }
-}
-
-/// The engine's sampling fields as llm-svc's wire carries them (`llm_svc::server::
-/// sampling_from_pb` reads them back).
-pub fn sampling_to_pb(s: &llm_svc::SamplingParams) -> pb::SamplingParams {
-    pb::SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k as u32,
-        top_p: s.top_p,
-        seed: s.seed,
-        min_p: s.min_p,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        repetition_penalty: Some(s.repetition_penalty),
-        logit_bias: s.logit_bias.iter().copied().collect(),
-        top_logprobs: s.logprobs.map(|n| n as u32),
-        choice: s.choice,
     }
 }
 
@@ -880,7 +863,9 @@ mod tests {
     /// A gateway of the tiny fixture with llm-svc replicas at `llm` (none is ever called).
     fn orchestrator(llm: &[&str]) -> Orchestrator {
         let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
-        let image_token = llm_svc::ModelConfig::from_dir(&dir).unwrap().image_token_id;
+        let image_token = llm_svc::ModelConfig::from_dir(&dir)
+            .unwrap()
+            .image_token_id();
         let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
         let llm: Vec<String> = llm.iter().map(|a| a.to_string()).collect();
         Orchestrator::new(
@@ -896,7 +881,7 @@ mod tests {
     fn headers(domain: Option<&str>) -> tonic::metadata::MetadataMap {
         let mut h = tonic::metadata::MetadataMap::new();
         if let Some(d) = domain {
-            h.insert(vlm_proto::shm::DOMAIN_HEADER, d.parse().unwrap());
+            h.insert(headers::SHM_DOMAIN, d.parse().unwrap());
         }
         h
     }
@@ -922,27 +907,6 @@ mod tests {
         );
     }
 
-    #[test]
-    fn every_sampling_field_reaches_llm_svc_as_it_reads_them() {
-        let s = llm_svc::SamplingParams {
-            temperature: 0.7,
-            top_k: 20,
-            top_p: 0.8,
-            min_p: 0.05,
-            presence_penalty: 1.5,
-            frequency_penalty: -0.5,
-            repetition_penalty: 1.1,
-            logit_bias: vec![(3, 2.5), (7, -100.0)],
-            logprobs: Some(5),
-            seed: Some(9),
-            choice: 2,
-        };
-        let greedy = llm_svc::SamplingParams::default();
-        for p in [s, greedy] {
-            assert_eq!(llm_svc::server::sampling_from_pb(sampling_to_pb(&p)), p);
-        }
-    }
-
     #[tokio::test]
     async fn logprobs_come_one_per_token_or_not_at_all() {
         let o = orchestrator(&["a:1"]);
@@ -959,10 +923,7 @@ mod tests {
         let o = orchestrator(&["a:1"]);
         assert_eq!(o.llm_device_domain(), None);
         let mut h = headers(Some("d1"));
-        h.insert(
-            llm_svc::server::DEVICE_DOMAIN_HEADER,
-            "p/cuda".parse().unwrap(),
-        );
+        h.insert(headers::DEVICE_DOMAIN, "p/cuda".parse().unwrap());
         o.note_llm_domains("a:1", &h);
         assert_eq!(o.llm_device_domain().as_deref(), Some("p/cuda"));
         assert_eq!(o.llm_shm_domain().as_deref(), Some("d1"));

@@ -6,8 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use llm_svc::SamplingParams;
 use serde_json::Value;
+use vlm_proto::sampling::SamplingParams;
 
 use crate::{Error, Result};
 

@@ -45,6 +45,13 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// A sampling field the contract's check refused ([`vlm_proto::sampling`]), message as it is.
+impl From<vlm_proto::sampling::InvalidSampling> for Error {
+    fn from(e: vlm_proto::sampling::InvalidSampling) -> Self {
+        Error::InvalidParameter(e.0)
+    }
+}
+
 impl Error {
     /// True when the request, not the server, is at fault (maps to INVALID_ARGUMENT / HTTP 400).
     pub fn is_invalid_input(&self) -> bool {

@@ -39,4 +39,4 @@ pub use model::TextModel;
 pub use request::{
     Event, FinishReason, GenerateRequest, Generation, ImageInput, RequestStream, TokenEvent,
 };
-pub use sampler::{SamplingParams, TokenLogprob, MAX_LOGIT_BIAS};
+pub use sampler::{SamplerRow, SamplingParams, TokenLogprob, MAX_LOGIT_BIAS};

@@ -23,11 +23,10 @@ use tracing::{field::Empty, info_span, Instrument};
 use vlm_compute::{handoff, Backend, Embeddings, HalfTensor, HostTensor, OnDevice, Weights};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
-use vlm_proto::{shm, telemetry, tensor};
+use vlm_proto::{headers, shm, telemetry, tensor};
 
 use crate::{
-    Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, SamplingParams,
-    TokenLogprob,
+    Engine, EngineConfig, Error, Event, FinishReason, GenerateRequest, ImageInput, TokenLogprob,
 };
 
 pub struct ServeConfig {
@@ -61,9 +60,6 @@ pub struct LlmServer {
     /// [`ServeConfig::device_handoff`] is on.
     device_domain: Option<tonic::metadata::AsciiMetadataValue>,
 }
-
-/// The response header in which llm-svc names its device domain.
-pub const DEVICE_DOMAIN_HEADER: &str = "vlm-device-domain";
 
 fn image_from_pb(
     index: usize,
@@ -127,25 +123,6 @@ fn image_from_pb(
     })
 }
 
-/// The wire's sampling fields as the engine takes them; the engine's `validate` checks them.
-/// Zeros that proto3 cannot tell from unset mean off (`top_p` 0 is 1); `repetition_penalty`
-/// is optional on the wire because its off value is 1.
-pub fn sampling_from_pb(s: pb::SamplingParams) -> SamplingParams {
-    SamplingParams {
-        temperature: s.temperature,
-        top_k: s.top_k as usize,
-        top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
-        min_p: s.min_p,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
-        logit_bias: s.logit_bias.into_iter().collect(),
-        logprobs: s.top_logprobs.map(|n| n as usize),
-        seed: s.seed,
-        choice: s.choice,
-    }
-}
-
 /// A generated token's logprobs as the wire carries them.
 pub fn logprobs_to_pb(lp: TokenLogprob) -> pb::TokenLogprobs {
     let (top_ids, top_logprobs) = lp.top.into_iter().unzip();
@@ -182,7 +159,7 @@ pub fn request_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateRequest, 
             })
             .collect::<Result<_, _>>()?,
         prompt: req.prompt_token_ids,
-        sampling: sampling_from_pb(s),
+        sampling: vlm_proto::sampling::from_pb(s),
         max_new_tokens: req.max_new_tokens as usize,
         ignore_eos: req.ignore_eos,
         return_logits: false,
@@ -285,12 +262,12 @@ impl LlmService for LlmServer {
         if let Some(domain) = &self.shm_domain {
             response
                 .metadata_mut()
-                .insert(shm::DOMAIN_HEADER, domain.clone());
+                .insert(headers::SHM_DOMAIN, domain.clone());
         }
         if let Some(domain) = &self.device_domain {
             response
                 .metadata_mut()
-                .insert(DEVICE_DOMAIN_HEADER, domain.clone());
+                .insert(headers::DEVICE_DOMAIN, domain.clone());
         }
         Ok(response)
     }
@@ -361,38 +338,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_sampling_field_crosses_the_wire_and_unset_ones_are_off() {
-        let wire = pb::SamplingParams {
-            temperature: 0.7,
-            top_k: 20,
-            top_p: 0.8,
-            seed: Some(9),
-            min_p: 0.05,
-            presence_penalty: 1.5,
-            frequency_penalty: -0.5,
-            repetition_penalty: Some(1.1),
-            logit_bias: [(7, -100.0), (3, 2.5)].into(),
-            top_logprobs: Some(0),
-            choice: 3,
-        };
-        let want = SamplingParams {
-            temperature: 0.7,
-            top_k: 20,
-            top_p: 0.8,
-            min_p: 0.05,
-            presence_penalty: 1.5,
-            frequency_penalty: -0.5,
-            repetition_penalty: 1.1,
-            logit_bias: vec![(3, 2.5), (7, -100.0)],
-            logprobs: Some(0),
-            seed: Some(9),
-            choice: 3,
-        };
-        assert_eq!(sampling_from_pb(wire), want);
-        assert_eq!(
-            sampling_from_pb(pb::SamplingParams::default()),
-            SamplingParams::default()
-        );
+    fn logprobs_cross_the_wire_best_first() {
         let lp = logprobs_to_pb(TokenLogprob {
             logprob: -0.25,
             top: vec![(5, -0.25), (9, -1.5)],

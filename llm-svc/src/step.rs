@@ -21,7 +21,7 @@ use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch, SampleIo};
 use crate::kv_cache::{PagedKv, NULL_BLOCK};
 use crate::model::{ImageRows, LogitsOf, StepInput, TextModel};
 use crate::mrope;
-use crate::sampler::{TokenLogprob, MAX_LOGIT_BIAS};
+use crate::sampler::{SamplerRow, TokenLogprob, MAX_LOGIT_BIAS};
 use crate::scheduler::Planned;
 use crate::sequence::{PlacedImage, Sequence};
 use crate::{Result, TextConfig};

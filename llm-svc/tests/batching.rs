@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use llm_svc::{
-    Engine, EngineConfig, Event, GenerateRequest, ImageInput, KvCacheSize, SamplingParams,
+    Engine, EngineConfig, Event, GenerateRequest, ImageInput, KvCacheSize, SamplerRow,
+    SamplingParams,
 };
 use vlm_compute::golden::Golden;
 use vlm_compute::{Backend, CpuBackend, Embeddings, Weights};

@@ -6,10 +6,18 @@
 //! - [`telemetry`]: logs and traces for every process, OpenTelemetry export, and W3C trace
 //!   context carried in gRPC metadata so one request is one trace across processes.
 //! - [`tls`]: TLS and mutual TLS on the gRPC hops and the gateway's HTTPS port.
-//! - [`shm`]: the same-host path for embeddings (shared memory instead of gRPC bytes).
+//! - [`shm`]: the same-host path for embeddings (shared memory instead of gRPC bytes);
+//!   [`headers`]: the metadata names in which llm-svc names its domains.
+//! - [`sampling`]: a request's sampling parameters, their limits and checks, on the wire.
+//! - [`image`]: which images are accepted and how many prompt tokens each becomes;
+//!   [`checkpoint`]: reading the checkpoint's JSON files it takes its settings from.
 //! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
 
+pub mod checkpoint;
+pub mod headers;
+pub mod image;
 pub mod metrics;
+pub mod sampling;
 pub mod shm;
 pub mod telemetry;
 pub mod tensor;

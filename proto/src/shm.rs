@@ -20,9 +20,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-/// The response header in which llm-svc names its domain.
-pub const DOMAIN_HEADER: &str = "vlm-shm-domain";
-
 /// Every segment's name starts with this, then the creating process's id.
 const PREFIX: &str = "vlm-emb-";
 

@@ -1,6 +1,6 @@
-//! The vision tower's hyper-parameters (`config.json` → `vision_config`) and the image
-//! processor's settings (`preprocessor_config.json`, written by transformers 4.x, or the
-//! `image_processor` section of `processor_config.json`, written by 5.x).
+//! The vision tower's hyper-parameters (`config.json` → `vision_config`). The image
+//! processor's settings are the contract's ([`vlm_proto::image::PreprocessConfig`]): the
+//! gateway counts image tokens by them too.
 
 use std::path::Path;
 
@@ -138,150 +138,6 @@ impl VisionConfig {
     }
 }
 
-/// How an image becomes patches, as transformers' `Qwen2VLImageProcessor` does it.
-#[derive(Clone, Debug)]
-pub struct PreprocessConfig {
-    pub do_resize: bool,
-    pub do_rescale: bool,
-    pub do_normalize: bool,
-    pub rescale_factor: f64,
-    pub image_mean: [f32; 3],
-    pub image_std: [f32; 3],
-    pub patch_size: usize,
-    pub temporal_patch_size: usize,
-    pub merge_size: usize,
-    /// Pixel-count bounds for smart_resize (`size.shortest_edge` / `size.longest_edge`).
-    pub min_pixels: u64,
-    pub max_pixels: u64,
-}
-
-#[derive(Deserialize)]
-struct RawPreprocess {
-    #[serde(default = "yes")]
-    do_resize: bool,
-    #[serde(default = "yes")]
-    do_rescale: bool,
-    #[serde(default = "yes")]
-    do_normalize: bool,
-    #[serde(default = "yes")]
-    do_convert_rgb: bool,
-    #[serde(default = "default_rescale")]
-    rescale_factor: f64,
-    image_mean: [f32; 3],
-    image_std: [f32; 3],
-    patch_size: usize,
-    #[serde(default = "two")]
-    temporal_patch_size: usize,
-    #[serde(default = "two")]
-    merge_size: usize,
-    #[serde(default)]
-    size: Option<RawSize>,
-    #[serde(default)]
-    min_pixels: Option<u64>,
-    #[serde(default)]
-    max_pixels: Option<u64>,
-    /// PIL resampling filter; 3 is bicubic, the only one Qwen-VL processors use.
-    #[serde(default = "bicubic")]
-    resample: u32,
-}
-
-#[derive(Deserialize)]
-struct RawSize {
-    shortest_edge: Option<u64>,
-    longest_edge: Option<u64>,
-}
-
-fn yes() -> bool {
-    true
-}
-fn two() -> usize {
-    2
-}
-fn bicubic() -> u32 {
-    3
-}
-fn default_rescale() -> f64 {
-    1.0 / 255.0
-}
-
-impl PreprocessConfig {
-    /// Reads `preprocessor_config.json`, or failing that `processor_config.json`'s
-    /// `image_processor` section.
-    pub fn from_dir(dir: &Path) -> Result<Self> {
-        let legacy = dir.join("preprocessor_config.json");
-        let combined = dir.join("processor_config.json");
-        let (path, key, value) = if legacy.is_file() {
-            (legacy.clone(), "", files::read_json(&legacy)?)
-        } else if combined.is_file() {
-            let v = files::read_json(&combined)?;
-            let section = files::require(&combined, &v, "image_processor")?.clone();
-            (combined.clone(), "image_processor", section)
-        } else {
-            return Err(Error::Config(format!(
-                "no image-processor settings in {}: expected preprocessor_config.json or processor_config.json",
-                dir.display()
-            )));
-        };
-        let raw: RawPreprocess = files::parse(&path, key, value)?;
-        Self::from_raw(raw, &path)
-    }
-
-    fn from_raw(raw: RawPreprocess, path: &Path) -> Result<Self> {
-        let at = |k: &str| format!("{}: `{k}`", path.display());
-        if raw.resample != 3 {
-            return Err(Error::Config(format!(
-                "{} is {}; only 3 (bicubic) is supported",
-                at("resample"),
-                raw.resample
-            )));
-        }
-        if !raw.do_convert_rgb {
-            return Err(Error::Config(format!(
-                "{} is false; the vision tower takes 3-channel RGB",
-                at("do_convert_rgb")
-            )));
-        }
-        if raw.image_std.contains(&0.0) {
-            return Err(Error::Config(format!("{} has a zero", at("image_std"))));
-        }
-        // As transformers: explicit min/max_pixels override `size`; then the Qwen2-VL defaults.
-        let min_pixels = raw
-            .min_pixels
-            .or(raw.size.as_ref().and_then(|s| s.shortest_edge))
-            .unwrap_or(56 * 56);
-        let max_pixels = raw
-            .max_pixels
-            .or(raw.size.as_ref().and_then(|s| s.longest_edge))
-            .unwrap_or(28 * 28 * 1280);
-        if min_pixels > max_pixels || raw.patch_size == 0 || raw.merge_size == 0 {
-            return Err(Error::Config(format!(
-                "{}: min_pixels {min_pixels} / max_pixels {max_pixels} / patch_size {} / merge_size {} are inconsistent",
-                path.display(),
-                raw.patch_size,
-                raw.merge_size
-            )));
-        }
-        Ok(Self {
-            do_resize: raw.do_resize,
-            do_rescale: raw.do_rescale,
-            do_normalize: raw.do_normalize,
-            rescale_factor: raw.rescale_factor,
-            image_mean: raw.image_mean,
-            image_std: raw.image_std,
-            patch_size: raw.patch_size,
-            temporal_patch_size: raw.temporal_patch_size,
-            merge_size: raw.merge_size,
-            min_pixels,
-            max_pixels,
-        })
-    }
-
-    /// Resized sides are multiples of this (32 for Qwen3-VL).
-    pub fn factor(&self) -> usize {
-        self.patch_size * self.merge_size
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,57 +149,9 @@ mod tests {
         d
     }
 
-    const PROC: &str = r#"{"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": 65536, "longest_edge": 16777216}}"#;
-
-    #[test]
-    fn reads_legacy_and_combined_processor_files() {
-        let d = tmpdir("legacy");
-        std::fs::write(d.join("preprocessor_config.json"), PROC).unwrap();
-        let p = PreprocessConfig::from_dir(&d).unwrap();
-        assert_eq!(
-            (p.min_pixels, p.max_pixels, p.factor()),
-            (65536, 16777216, 32)
-        );
-
-        let d = tmpdir("combined");
-        std::fs::write(
-            d.join("processor_config.json"),
-            format!(r#"{{"processor_class": "Qwen3VLProcessor", "image_processor": {PROC}}}"#),
-        )
-        .unwrap();
-        let p = PreprocessConfig::from_dir(&d).unwrap();
-        assert_eq!(p.max_pixels, 16777216);
-    }
-
-    #[test]
-    fn min_max_pixels_keys_override_size() {
-        let d = tmpdir("override");
-        let text = PROC.replace(
-            "\"patch_size\"",
-            "\"min_pixels\": 1024, \"max_pixels\": 4096, \"patch_size\"",
-        );
-        std::fs::write(d.join("preprocessor_config.json"), text).unwrap();
-        let p = PreprocessConfig::from_dir(&d).unwrap();
-        assert_eq!((p.min_pixels, p.max_pixels), (1024, 4096));
-    }
-
     #[test]
     fn missing_files_and_keys_are_named() {
         let d = tmpdir("missing");
-        let err = PreprocessConfig::from_dir(&d).unwrap_err().to_string();
-        assert!(err.contains("preprocessor_config.json"), "{err}");
-        std::fs::write(
-            d.join("processor_config.json"),
-            r#"{"image_processor": {"patch_size": 16}}"#,
-        )
-        .unwrap();
-        let err = PreprocessConfig::from_dir(&d).unwrap_err().to_string();
-        assert!(
-            err.contains("processor_config.json") && err.contains("image_mean"),
-            "{err}"
-        );
         std::fs::write(d.join("config.json"), r#"{"vision_config": {"depth": 2}}"#).unwrap();
         let err = VisionConfig::from_dir(&d).unwrap_err().to_string();
         assert!(

@@ -15,6 +15,9 @@ pub enum Error {
     /// The checkpoint's settings are inconsistent or unsupported.
     #[error("vision config: {0}")]
     Config(String),
+    /// A checkpoint file that cannot be read (the image-processor settings).
+    #[error(transparent)]
+    Checkpoint(#[from] vlm_proto::checkpoint::Error),
     #[error(transparent)]
     Compute(#[from] vlm_compute::Error),
     /// The service is up but its model is not loaded yet.
@@ -29,6 +32,20 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The contract's image rule ([`vlm_proto::image`]) refuses with the variants of the same name.
+impl From<vlm_proto::image::Error> for Error {
+    fn from(e: vlm_proto::image::Error) -> Self {
+        use vlm_proto::image::Error as Image;
+        match e {
+            Image::BadImage(m) => Error::BadImage(m),
+            Image::ImageTooLarge(m) => Error::ImageTooLarge(m),
+            Image::BadAspectRatio(m) => Error::BadAspectRatio(m),
+            Image::Config(m) => Error::Config(m),
+            Image::Checkpoint(e) => Error::Checkpoint(e),
+        }
+    }
+}
 
 impl Error {
     /// True when the request, not the server, is at fault (maps to INVALID_ARGUMENT / HTTP 400).

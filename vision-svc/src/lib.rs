@@ -17,11 +17,12 @@ pub mod server;
 
 use std::path::Path;
 
-pub use config::{PreprocessConfig, VisionConfig};
+pub use config::VisionConfig;
 pub use error::{Error, Result};
 pub use model::{Delivery, VisionModel, VisionOutput};
 pub use preprocess::{DecodeLimits, PatchValues, Patches};
 use vlm_compute::{Backend, Weights};
+pub use vlm_proto::image::PreprocessConfig;
 
 /// Preprocessing settings plus the vision tower, loaded from one checkpoint directory.
 pub struct VisionEncoder<B: Backend> {

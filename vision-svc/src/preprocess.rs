@@ -22,29 +22,10 @@ use rayon::prelude::*;
 use vlm_compute::patches::{patchify, PatchLayout};
 use vlm_compute::HostTensor;
 
+use vlm_proto::image::smart_resize;
+pub use vlm_proto::image::DecodeLimits;
+
 use crate::{Error, PreprocessConfig, Result};
-
-/// Bounds applied while decoding, before any large allocation happens.
-#[derive(Clone, Debug)]
-pub struct DecodeLimits {
-    /// Largest accepted width or height of the encoded image, in pixels.
-    pub max_side: u32,
-    /// Largest accepted width × height.
-    pub max_pixels: u64,
-    /// Largest allocation the decoder may make, in bytes.
-    pub max_alloc: u64,
-}
-
-impl Default for DecodeLimits {
-    fn default() -> Self {
-        // 64 Mpx covers any camera; the decoder allocates at most 4 bytes per pixel plus slack.
-        Self {
-            max_side: 16_384,
-            max_pixels: 64 * 1024 * 1024,
-            max_alloc: 512 * 1024 * 1024,
-        }
-    }
-}
 
 /// One image, cut into patches for the vision tower.
 #[derive(Clone, Debug)]
@@ -98,43 +79,10 @@ pub struct RgbImage {
     pub data: Vec<u8>,
 }
 
-/// Checks what the image's header declares against `limits`, reading the header only: the
-/// format must be one we decode, the size nonzero and within the limits. A decompression bomb
-/// (a small file declaring a huge image) is refused here, before anything is allocated for
-/// its pixels, and cheaply enough for a server to check a request before it takes a place.
+/// [`vlm_proto::image::check_header`] (the header against `limits`, before anything is
+/// allocated for the pixels), with the vision stage's errors.
 pub fn check_header(bytes: &[u8], limits: &DecodeLimits) -> Result<(ImageFormat, u32, u32)> {
-    if bytes.is_empty() {
-        return Err(Error::BadImage("the image is empty (0 bytes)".into()));
-    }
-    let reader = ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| Error::BadImage(e.to_string()))?;
-    let format = reader.format().ok_or_else(|| {
-        Error::BadImage("unrecognized format; PNG, JPEG, WebP and GIF are supported".into())
-    })?;
-    if !matches!(
-        format,
-        ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif
-    ) {
-        return Err(Error::BadImage(format!(
-            "{format:?} is not supported; PNG, JPEG, WebP and GIF are"
-        )));
-    }
-    let (w, h) = reader
-        .into_dimensions()
-        .map_err(|e| Error::BadImage(format!("{format:?}: {e}")))?;
-    if w == 0 || h == 0 {
-        return Err(Error::BadImage(format!(
-            "{format:?} image has size {w}x{h}"
-        )));
-    }
-    if w > limits.max_side || h > limits.max_side || (w as u64) * (h as u64) > limits.max_pixels {
-        return Err(Error::ImageTooLarge(format!(
-            "{format:?} declares {w}x{h} pixels, over the limit of {} per side and {} in total",
-            limits.max_side, limits.max_pixels
-        )));
-    }
-    Ok((format, w, h))
+    Ok(vlm_proto::image::check_header(bytes, limits)?)
 }
 
 /// Decodes `bytes` into RGB under `limits`; the format is sniffed from the content. The header
@@ -158,45 +106,6 @@ pub fn decode(bytes: &[u8], limits: &DecodeLimits) -> Result<RgbImage> {
         height: rgb.height() as usize,
         data: rgb.into_raw(),
     })
-}
-
-/// Python's `round()`: halves go to the even neighbour (`round(2.5) == 2`).
-fn round_half_even(x: f64) -> f64 {
-    let r = x.round();
-    if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-        r - x.signum()
-    } else {
-        r
-    }
-}
-
-/// transformers' `smart_resize`: the (height, width) an image of `height`×`width` is resized to.
-pub fn smart_resize(
-    height: usize,
-    width: usize,
-    factor: usize,
-    min_pixels: u64,
-    max_pixels: u64,
-) -> Result<(usize, usize)> {
-    let (h, w, f) = (height as f64, width as f64, factor as f64);
-    let ratio = h.max(w) / h.min(w);
-    if ratio > 200.0 {
-        return Err(Error::BadAspectRatio(format!(
-            "{width}x{height} has aspect ratio {ratio:.1}; it must be at most 200"
-        )));
-    }
-    let mut h_bar = round_half_even(h / f) * f;
-    let mut w_bar = round_half_even(w / f) * f;
-    if h_bar * w_bar > max_pixels as f64 {
-        let beta = (h * w / max_pixels as f64).sqrt();
-        h_bar = f.max((h / beta / f).floor() * f);
-        w_bar = f.max((w / beta / f).floor() * f);
-    } else if h_bar * w_bar < min_pixels as f64 {
-        let beta = (min_pixels as f64 / (h * w)).sqrt();
-        h_bar = (h * beta / f).ceil() * f;
-        w_bar = (w * beta / f).ceil() * f;
-    }
-    Ok((h_bar as usize, w_bar as usize))
 }
 
 // ---- Pillow-exact bicubic resampling (libImaging/Resample.c) ----
@@ -358,25 +267,7 @@ pub fn resize_bicubic(img: &RgbImage, out_w: usize, out_h: usize) -> RgbImage {
 }
 
 /// Decodes, resizes, normalizes and patchifies one image.
-/// How many image tokens of the LLM prompt `bytes` becomes, from its header alone (what
-/// [`preprocess`] would produce, without decoding it): callers can build the prompt while
-/// the image is being encoded.
-pub fn image_tokens(bytes: &[u8], cfg: &PreprocessConfig, limits: &DecodeLimits) -> Result<usize> {
-    let (_, width, height) = check_header(bytes, limits)?;
-    image_tokens_of_size(width as usize, height as usize, cfg)
-}
-
-/// How many image tokens an image of `width`×`height` pixels becomes.
-pub fn image_tokens_of_size(width: usize, height: usize, cfg: &PreprocessConfig) -> Result<usize> {
-    let (h, w) = if cfg.do_resize {
-        smart_resize(height, width, cfg.factor(), cfg.min_pixels, cfg.max_pixels)?
-    } else {
-        (height, width)
-    };
-    // One token per merge_size x merge_size patches (one frame: an image).
-    Ok((h / cfg.factor()) * (w / cfg.factor()))
-}
-
+/// Decodes, resizes, normalizes and patchifies one image.
 pub fn preprocess(bytes: &[u8], cfg: &PreprocessConfig, limits: &DecodeLimits) -> Result<Patches> {
     let img = decode(bytes, limits)?;
     image_patches(img, cfg)
@@ -464,34 +355,9 @@ mod tests {
         for bytes in &images {
             let [t, gh, gw] = preprocess(bytes, &cfg, &limits).unwrap().grid_thw;
             let want = t * gh * gw / (cfg.merge_size * cfg.merge_size);
-            assert_eq!(image_tokens(bytes, &cfg, &limits).unwrap(), want);
+            let counted = vlm_proto::image::image_tokens(bytes, &cfg, &limits).unwrap();
+            assert_eq!(counted, want);
         }
-    }
-
-    #[test]
-    fn python_rounding_is_half_to_even() {
-        assert_eq!(round_half_even(2.5), 2.0);
-        assert_eq!(round_half_even(3.5), 4.0);
-        assert_eq!(round_half_even(2.4), 2.0);
-        assert_eq!(round_half_even(2.6), 3.0);
-    }
-
-    #[test]
-    fn smart_resize_matches_transformers_branches() {
-        // Values from transformers' smart_resize(h, w, 32, min, max).
-        assert_eq!(smart_resize(75, 100, 32, 4096, 32768).unwrap(), (64, 96));
-        assert_eq!(smart_resize(140, 300, 32, 4096, 32768).unwrap(), (96, 256));
-        assert_eq!(smart_resize(30, 40, 32, 4096, 32768).unwrap(), (64, 96));
-        // 80/32 = 2.5 rounds to 2 (banker's rounding), 144/32 = 4.5 rounds to 4.
-        assert_eq!(smart_resize(80, 144, 32, 1024, 1 << 20).unwrap(), (64, 128));
-        assert_eq!(
-            smart_resize(448, 448, 32, 65536, 16777216).unwrap(),
-            (448, 448)
-        );
-        assert!(matches!(
-            smart_resize(10, 2010, 32, 1, 1 << 30),
-            Err(Error::BadAspectRatio(_))
-        ));
     }
 
     #[test]
