@@ -38,12 +38,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 // Element i of a random-weight matrix with `key`: cuda/src/random.rs's SplitMix64 hash, so the
 // values equal the CPU's bit for bit.
-__device__ __forceinline__ float random_uniform(unsigned long long key, unsigned long long i,
-                                                float bound) {
+__device__ __forceinline__ unsigned long long random_bits(unsigned long long key,
+                                                          unsigned long long i) {
     unsigned long long z = key ^ (i * 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float random_uniform(unsigned long long key, unsigned long long i,
+                                                float bound) {
+    const unsigned long long z = random_bits(key, i);
     float u = (float)(z >> 40) * (1.0f / 16777216.0f);
     return __fmul_rn(__fsub_rn(__fmul_rn(2.0f, u), 1.0f), bound);  // no FMA: match the CPU
 }

@@ -575,3 +575,235 @@ extern "C" __global__ void fill_uniform_f16(__half* __restrict__ out, unsigned l
         out[i] = __float2half_rn(random_uniform(key, i, bound));
     }
 }
+
+// ---- Integer weights: W4 and W8 (quantized checkpoints, --quantize) ----
+//
+// w [m, k * BITS / 32] 32-bit words: row j's values along k, low bits first in each word (the
+// host repacks every checkpoint format into this). sz [m, k / group] half2 (scale, zero):
+// w[j, c] = (q - zero) * scale. group is a multiple of the columns one 16-byte load holds (32 at
+// 4 bits, 16 at 8), so a load's columns share one (scale, zero), and zeros are whole numbers.
+//
+// Decode reads each weight once a token, so these GEMVs are about bytes, as the f16 ones are:
+// a 4-bit row is a quarter of an f16 one. Each warp takes two weight rows at once (two output
+// columns, or for SwiGLU a gate row and its up row), so each x value it reads (from shared
+// memory when normed, else L1) serves two rows: at 4 bits a row's x reads outweigh its weight
+// bytes eightfold, and L1 would bound the kernel before DRAM does. A lane keeps IW_LOADS 16-byte
+// loads of each row in flight. The value q - zero is exact in f32 (2^23 + q as a float, less
+// 2^23 + zero); the scale multiplies a load's sum once.
+#define IW_LOADS 4
+
+// Sixteen bytes of weights past L1 (read once).
+__device__ __forceinline__ uint4 load_stream16(const unsigned* __restrict__ p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// part[r] += sum over the load's 128 / BITS columns from c of (q - zero) * x[r, c + i];
+// off = 2^23 + zero.
+template <int BITS, int ROWS>
+__device__ __forceinline__ void int_dot(const float* __restrict__ x, int k, int c, uint4 raw,
+                                        float off, float part[ROWS]) {
+    constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+        float q[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            q[i] = __int_as_float(0x4B000000 | ((words[wi] >> (BITS * i)) & MASK)) - off;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c + wi * PER);
+#pragma unroll
+            for (int v = 0; v < PER / 4; ++v) {
+                const float4 a = xr[v];
+                part[r] = fmaf(q[4 * v], a.x, part[r]);
+                part[r] = fmaf(q[4 * v + 1], a.y, part[r]);
+                part[r] = fmaf(q[4 * v + 2], a.z, part[r]);
+                part[r] = fmaf(q[4 * v + 3], a.w, part[r]);
+            }
+        }
+    }
+}
+
+// Lane's loads u0 .. u0 + IW_LOADS of weight row `row` (chunk lane + 32 u of its k / COLS).
+template <int BITS>
+__device__ __forceinline__ void int_loads(const unsigned* __restrict__ w, int row, int k, int u0,
+                                          uint4 raw[IW_LOADS]) {
+    constexpr int COLS = 128 / BITS;
+    const int chunks = k / COLS, lane = threadIdx.x % WARP;
+    const unsigned* wr = w + (size_t)row * (k / (32 / BITS));
+#pragma unroll
+    for (int u = 0; u < IW_LOADS; ++u) {
+        const int ch = lane + (u0 + u) * WARP;
+        raw[u] = ch < chunks ? load_stream16(wr + ch * 4) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// acc[r] += this lane's share of x[r, :] . row `row` over the chunks of loads u0 ..
+// u0 + IW_LOADS held in raw.
+template <int BITS, int ROWS>
+__device__ __forceinline__ void int_row_part(const float* __restrict__ x, const __half2* __restrict__ sz,
+                                             int groups, int group, int row, int k, int u0,
+                                             const uint4 raw[IW_LOADS], float acc[ROWS]) {
+    constexpr int COLS = 128 / BITS;
+    const int chunks = k / COLS, lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int u = 0; u < IW_LOADS; ++u) {
+        const int ch = lane + (u0 + u) * WARP;
+        if (ch >= chunks) break;
+        const int c = ch * COLS;
+        const float2 s = __half22float2(__ldg(sz + (size_t)row * groups + c / group));
+        float part[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) part[r] = 0.0f;
+        int_dot<BITS, ROWS>(x, k, c, raw[u], 8388608.0f + s.y, part);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(s.x, part[r], acc[r]);
+    }
+}
+
+// gemv's and swiglu_gemv's products (same results) for integer weights. Warp p of the grid
+// takes pairs p, p + warps, ...: pair p is weight rows 2p and 2p + 1 (output columns), or with
+// SWIGLU gate row p and up row m + p (output column p). Launched under programmatic dependent
+// launch where the GPU has it: the first loads go out before grid_wait.
+template <int BITS, bool NORM, bool SWIGLU, int ROWS>
+__device__ __forceinline__ void int_gemv(const float* __restrict__ x,
+                                         const float* __restrict__ norm_w, float eps,
+                                         const unsigned* __restrict__ w,
+                                         const float* __restrict__ bias, int has_bias,
+                                         float* __restrict__ out, int accumulate, int m, int k,
+                                         const __half2* __restrict__ sz, int group) {
+    constexpr int COLS = 128 / BITS;
+    const int loads = (k / COLS + WARP - 1) / WARP, groups = k / group;
+    const int pairs = SWIGLU ? m : (m + 1) / 2;
+    const int warps = gridDim.x * (blockDim.x / WARP);
+    int p = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    const bool lane0 = threadIdx.x % WARP == 0;
+    uint4 ra[IW_LOADS], rb[IW_LOADS];
+    auto row_a = [&](int p) { return SWIGLU ? p : 2 * p; };
+    auto row_b = [&](int p) { return SWIGLU ? m + p : min(2 * p + 1, m - 1); };
+    if (p < pairs) {
+        int_loads<BITS>(w, row_a(p), k, 0, ra);
+        int_loads<BITS>(w, row_b(p), k, 0, rb);
+    }
+    grid_wait();
+    grid_launch_dependents();
+    float inv[ROWS];
+    const float* xr = gemv_input<NORM, ROWS>(x, norm_w, eps, k, inv);
+    for (bool first = true; p < pairs; p += warps, first = false) {
+        const int a = row_a(p), b = row_b(p);
+        float acc_a[ROWS], acc_b[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc_a[r] = acc_b[r] = 0.0f;
+        for (int u0 = 0; u0 < loads; u0 += IW_LOADS) {
+            if (!(first && u0 == 0)) {
+                int_loads<BITS>(w, a, k, u0, ra);
+                int_loads<BITS>(w, b, k, u0, rb);
+            }
+            int_row_part<BITS, ROWS>(xr, sz, groups, group, a, k, u0, ra, acc_a);
+            int_row_part<BITS, ROWS>(xr, sz, groups, group, b, k, u0, rb, acc_b);
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc_a[r] = warp_sum(acc_a[r]);
+            acc_b[r] = warp_sum(acc_b[r]);
+            if (NORM) {
+                acc_a[r] *= inv[r];
+                acc_b[r] *= inv[r];
+            }
+        }
+        if (!lane0) continue;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (SWIGLU) {
+                out[(size_t)r * m + p] = acc_a[r] / (1.0f + expf(-acc_a[r])) * acc_b[r];
+                continue;
+            }
+            float* o = out + (size_t)r * m;
+            o[a] = (accumulate ? o[a] : 0.0f) + acc_a[r] + (has_bias ? bias[a] : 0.0f);
+            if (2 * p + 1 < m)
+                o[b] = (accumulate ? o[b] : 0.0f) + acc_b[r] + (has_bias ? bias[b] : 0.0f);
+        }
+    }
+}
+
+// The same signatures as GEMV_KERNEL's and SWIGLU_KERNEL's with the weights as words, and the
+// scales and zeros and their group size last.
+#define INT_GEMV_KERNEL(NAME, BITS, NORM, ROWS)                                                   \
+    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
+        float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
+        int group) {                                                                              \
+        int_gemv<BITS, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m,  \
+                                          k, sz, group);                                          \
+    }
+#define INT_SWIGLU_KERNEL(NAME, BITS, NORM, ROWS)                                                 \
+    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
+        const __half2* __restrict__ sz, int group) {                                              \
+        int_gemv<BITS, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k, sz,   \
+                                         group);                                                  \
+    }
+#define FOR_INT_ROWS(KERNEL, NAME, BITS, NORM)                                  \
+    KERNEL(NAME, BITS, NORM, 1) KERNEL(NAME, BITS, NORM, 2) KERNEL(NAME, BITS, NORM, 3) \
+    KERNEL(NAME, BITS, NORM, 4)
+
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w4, 4, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w4, 4, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w4, 4, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w4, 4, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w8, 8, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w8, 8, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w8, 8, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, 8, true)
+
+// An integer matrix as f16 [m, k], for the tensor-core GEMMs of prefill and batches (into a
+// scratch buffer the GEMM then reads): one thread per 32-bit word.
+template <int BITS>
+__device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
+                                            const __half2* __restrict__ sz, int group,
+                                            __half* __restrict__ out, int m, int k) {
+    constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+    const size_t row_words = k / PER, n = (size_t)m * row_words;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const size_t row = i / row_words;
+        const int c0 = (int)(i % row_words) * PER;
+        const float2 s = __half22float2(sz[row * (k / group) + c0 / group]);
+        const unsigned word = w[i];
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            out[row * k + c0 + j] = __float2half_rn(((float)((word >> (BITS * j)) & MASK) - s.y) * s.x);
+    }
+}
+extern "C" __global__ void dequant_w4_f16(const unsigned* __restrict__ w,
+                                          const __half2* __restrict__ sz, int group,
+                                          __half* __restrict__ out, int m, int k) {
+    dequant_int<4>(w, sz, group, out, m, k);
+}
+extern "C" __global__ void dequant_w8_f16(const unsigned* __restrict__ w,
+                                          const __half2* __restrict__ sz, int group,
+                                          __half* __restrict__ out, int m, int k) {
+    dequant_int<8>(w, sz, group, out, m, k);
+}
+
+// A random-weight model's integer matrix (cuda/src/quant.rs's random_int): value e (row-major)
+// is the top BITS bits of random_bits(key, e); n words of 32 / bits values.
+extern "C" __global__ void fill_random_int(unsigned* __restrict__ w, unsigned long long n,
+                                           unsigned long long key, int bits) {
+    const int per = 32 / bits;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        unsigned word = 0;
+        for (int j = 0; j < per; ++j)
+            word |= (unsigned)(random_bits(key, i * per + j) >> (64 - bits)) << (bits * j);
+        w[i] = word;
+    }
+}

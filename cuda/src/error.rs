@@ -35,8 +35,14 @@ pub enum Error {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
-    #[error("tensor `{name}` has dtype {dtype}; supported are F32, F16 and BF16")]
+    #[error(
+        "tensor `{name}` has dtype {dtype}; supported are F32, F16 and BF16, and I8, I32 and I64 \
+         for quantized checkpoints' packed tensors"
+    )]
     UnsupportedDtype { name: String, dtype: String },
+    /// A quantized module that cannot be read as its format says.
+    #[error("quantized weight `{name}`: {problem}")]
+    Quantized { name: String, problem: String },
     #[error("{op}: {message}")]
     Shape { op: &'static str, message: String },
     /// The GPU, its driver or a CUDA library failed or is missing.

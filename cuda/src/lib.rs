@@ -12,6 +12,8 @@
 //!   the self-check every GPU passes before it serves.
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
 //!   converted from f32/f16/bf16 to f32 by name with shape checks.
+//! - [`quant`]: integer-quantized checkpoints (compressed-tensors, AWQ, GPTQ) read into one
+//!   form, and `--quantize` of an f16/bf16 one.
 //! - [`sampling`]: the rule that picks each sequence's next token (greedy or a seeded draw
 //!   after penalties, temperature, top-k, top-p and min-p), shared by the CPU and the GPU.
 //! - [`files`]: reading the JSON files of a checkpoint directory with errors that name the file
@@ -29,6 +31,7 @@ pub mod handoff;
 pub mod nn;
 pub mod npy;
 pub mod patches;
+pub mod quant;
 pub mod random;
 pub mod sampling;
 pub mod skip;

@@ -9,10 +9,11 @@ pub struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    /// Reads `weight` `[out, inp]` (and `bias` `[out]` when `bias`) under `w`.
+    /// Reads the matrix `[out, inp]` under `w` in whatever format the checkpoint stores it
+    /// ([`WeightPrefix::load_matrix`]), and `bias` `[out]` when `bias`.
     pub fn load(be: &B, w: &WeightPrefix, out: usize, inp: usize, bias: bool) -> Result<Self> {
         Ok(Self {
-            w: w.load_weight(be, "weight", &[out, inp])?,
+            w: w.load_matrix(be, out, inp)?,
             b: if bias {
                 Some(w.load(be, "bias", &[out])?)
             } else {
@@ -32,7 +33,7 @@ impl<B: Backend> Linear<B> {
     ) -> Result<Self> {
         let weights = parts
             .iter()
-            .map(|(w, out)| w.load_weight(be, "weight", &[*out, inp]))
+            .map(|(w, out)| w.load_matrix(be, *out, inp))
             .collect::<Result<Vec<_>>>()?;
         let b = if bias {
             let mut all = Vec::new();

@@ -23,10 +23,15 @@ pub fn tensor_key(seed: u64, name: &str) -> u64 {
 
 /// Element `index` of the tensor with `key`: uniform in `[-bound, bound)`.
 pub fn uniform(key: u64, index: u64, bound: f32) -> f32 {
-    let h = mix(key ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let h = bits(key, index);
     // 24 random bits: every value is exact in f32, and the same on the GPU.
     let u = (h >> 40) as f32 * (1.0 / 16_777_216.0);
     (2.0 * u - 1.0) * bound
+}
+
+/// 64 random bits for element `index` of the tensor with `key` ([`uniform`] takes its top 24).
+pub fn bits(key: u64, index: u64) -> u64 {
+    mix(key ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
 /// A whole tensor of [`uniform`] values, generated in parallel.

@@ -12,7 +12,30 @@
 //! online softmax) and, where it uses tensor cores, in rounding operands to f16. Inputs that
 //! meet an f16 weight are f16-exact, so both sides multiply the same values.
 
+use crate::quant::QuantizeTo;
 use crate::{AttnMask, Backend, CpuBackend, Error, GeluKind, HostTensor, Result};
+
+/// A case's weight matrix `[m, k]` from `input(shape, key)`: f16-exact, or quantized `int`
+/// (both backends then hold the same values: the CPU's dequantized, the device's packed).
+fn weight<B: Backend>(
+    be: &B,
+    shape: &[usize],
+    key: u64,
+    int: Option<QuantizeTo>,
+) -> Result<B::Weight> {
+    match int {
+        None => be.upload_weight(&f16_exact(input(shape, key))),
+        Some(to) => be.upload_int_weight(&to.quantize(&input(shape, key))),
+    }
+}
+
+fn int_name(int: Option<QuantizeTo>) -> &'static str {
+    match int {
+        None => "",
+        Some(QuantizeTo::Int4) => " w4",
+        Some(QuantizeTo::Int8) => " w8",
+    }
+}
 
 /// One op at one size, with inputs that are a pure function of the case (the counter-based
 /// random values of [`crate::random`], so no RNG state is shared between the two runs).
@@ -41,12 +64,15 @@ pub enum Case {
     },
     /// `[n, k] · [m, k]ᵀ (+ bias)`: up to 4 rows run the device's GEMV (decode), more its GEMM;
     /// `fused`, with the RMSNorm before it or the residual add after it in the same op.
+    /// `int`: the weight quantized ([`QuantizeTo::quantize`], group 128), which the CPU
+    /// dequantizes and the device reads packed.
     Linear {
         n: usize,
         k: usize,
         m: usize,
         bias: bool,
         fused: Fused,
+        int: Option<QuantizeTo>,
     },
     /// The fused gate/up/SwiGLU of the text MLP (`normed`: of the input's RMSNorm).
     Swiglu {
@@ -54,6 +80,7 @@ pub enum Case {
         k: usize,
         m: usize,
         normed: bool,
+        int: Option<QuantizeTo>,
     },
     /// The ViT attention's q, k and v: three biased projections (`m` outputs each) of one
     /// input's LayerNorm.
@@ -285,12 +312,22 @@ impl Case {
     /// Every projection op at one size: `linear` with and without a bias, with the norm before
     /// it and the residual add after it, and SwiGLU plain and normed.
     pub fn linears(n: usize, k: usize, m: usize) -> Vec<Case> {
+        Self::linears_of(n, k, m, None)
+    }
+
+    /// [`Case::linears`] with the weights quantized `to`.
+    pub fn int_linears(n: usize, k: usize, m: usize, to: QuantizeTo) -> Vec<Case> {
+        Self::linears_of(n, k, m, Some(to))
+    }
+
+    fn linears_of(n: usize, k: usize, m: usize, int: Option<QuantizeTo>) -> Vec<Case> {
         let linear = |bias, fused| Case::Linear {
             n,
             k,
             m,
             bias,
             fused,
+            int,
         };
         vec![
             linear(false, Fused::No),
@@ -304,12 +341,14 @@ impl Case {
                 k,
                 m,
                 normed: false,
+                int,
             },
             Case::Swiglu {
                 n,
                 k,
                 m,
                 normed: true,
+                int,
             },
         ]
     }
@@ -328,18 +367,27 @@ impl Case {
                 m,
                 bias,
                 fused,
+                int,
             } => format!(
-                "{}linear{} {n}x{k}->{m}",
+                "{}linear{} {n}x{k}->{m}{}",
                 match fused {
                     Fused::No => "",
                     Fused::RmsNorm => "rms_norm_",
                     Fused::AddInto => "add_",
                 },
-                if *bias { "+bias" } else { "" }
+                if *bias { "+bias" } else { "" },
+                int_name(*int)
             ),
-            Case::Swiglu { n, k, m, normed } => format!(
-                "{}swiglu {n}x{k}->{m}",
-                if *normed { "rms_norm_" } else { "" }
+            Case::Swiglu {
+                n,
+                k,
+                m,
+                normed,
+                int,
+            } => format!(
+                "{}swiglu {n}x{k}->{m}{}",
+                if *normed { "rms_norm_" } else { "" },
+                int_name(*int)
             ),
             Case::LayerNormLinears { n, k, m } => format!("layer_norm_linears {n}x{k}->3x{m}"),
             Case::LayerNormMlp { n, k, hidden } => {
@@ -444,6 +492,14 @@ impl Case {
             Case::SiluMul { .. } | Case::Gelu { .. } | Case::Rope { .. } => 1e-5,
             // Reductions over a row, in another order.
             Case::LayerNorm { .. } | Case::RmsNorm { .. } => 1e-4,
+            // Past 4 rows an integer weight reaches the tensor cores dequantized to f16 (2^-11 of
+            // each weight), and a normed input rounded to f16 too.
+            Case::Linear {
+                n, int: Some(_), ..
+            }
+            | Case::Swiglu {
+                n, int: Some(_), ..
+            } if *n > 4 => 3e-3,
             // Past the GEMV's 4 rows the normed input goes to the tensor cores rounded to f16
             // (2^-11 relative per element; an f16-exact input is not after the norm).
             Case::Linear {
@@ -541,9 +597,10 @@ impl Case {
                 m,
                 bias,
                 fused,
+                int,
             } => {
                 let x = be.upload(&f16_exact(input(&[n, k], 11)))?;
-                let w = be.upload_weight(&f16_exact(input(&[m, k], 12)))?;
+                let w = weight(be, &[m, k], 12, int)?;
                 let b = if bias { Some(up(&[m], 13)?) } else { None };
                 match fused {
                     Fused::No => be.linear(&x, &w, b.as_ref())?,
@@ -557,10 +614,16 @@ impl Case {
                     }
                 }
             }
-            Case::Swiglu { n, k, m, normed } => {
+            Case::Swiglu {
+                n,
+                k,
+                m,
+                normed,
+                int,
+            } => {
                 let x = be.upload(&f16_exact(input(&[n, k], 14)))?;
-                let gate = be.upload_weight(&f16_exact(input(&[m, k], 15)))?;
-                let upw = be.upload_weight(&f16_exact(input(&[m, k], 16)))?;
+                let gate = weight(be, &[m, k], 15, int)?;
+                let upw = weight(be, &[m, k], 16, int)?;
                 let gate_up = be.stack_weights(&[&gate, &upw])?;
                 if normed {
                     be.rms_norm_swiglu(&x, &up(&[k], 10)?, 1e-6, &gate_up)?
@@ -1245,6 +1308,13 @@ pub fn self_check_cases() -> Vec<Case> {
         (33, 1152, 200),
     ] {
         cases.extend(Case::linears(n, k, m));
+    }
+    // Integer weights: each GEMV (odd output counts: a warp's second row missing), and the
+    // dequantized GEMM past 4 rows.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        for (n, k, m) in [(1, 1024, 301), (4, 512, 64), (2, 384, 7), (9, 256, 40)] {
+            cases.extend(Case::int_linears(n, k, m, to));
+        }
     }
     // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.
     for (n, k, m) in [(33, 1152, 200), (3, 64, 40)] {

@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::quant::{QuantConfig, QuantizeTo};
 use crate::random::RandomInit;
 use crate::{files, Error, HostTensor, Result};
 
@@ -21,6 +22,21 @@ pub enum WeightDtype {
     F32,
     F16,
     BF16,
+    /// Integer tensors of quantized checkpoints (packed values, zero points, group indices).
+    I8,
+    I32,
+    I64,
+}
+
+impl WeightDtype {
+    fn width(self) -> usize {
+        match self {
+            WeightDtype::F32 | WeightDtype::I32 => 4,
+            WeightDtype::F16 | WeightDtype::BF16 => 2,
+            WeightDtype::I8 => 1,
+            WeightDtype::I64 => 8,
+        }
+    }
 }
 
 struct Entry {
@@ -92,6 +108,9 @@ impl Shard {
                 Dtype::F32 => WeightDtype::F32,
                 Dtype::F16 => WeightDtype::F16,
                 Dtype::BF16 => WeightDtype::BF16,
+                Dtype::I8 => WeightDtype::I8,
+                Dtype::I32 => WeightDtype::I32,
+                Dtype::I64 => WeightDtype::I64,
                 other => {
                     return Err(Error::UnsupportedDtype {
                         name: tname,
@@ -127,6 +146,10 @@ pub struct Weights {
     progress: ProgressBar,
     /// Set for [`Weights::random`]: every tensor asked for is generated from this seed.
     random_seed: Option<u64>,
+    /// The checkpoint's quantization format (`config.json`'s `quantization_config`).
+    quant: Option<QuantConfig>,
+    /// `--quantize`: what the decoder's f16/bf16 matrices become at load.
+    quantize: Option<QuantizeTo>,
 }
 
 impl Weights {
@@ -143,6 +166,9 @@ impl Weights {
                 WeightDtype::F32 => "f32",
                 WeightDtype::F16 => "f16",
                 WeightDtype::BF16 => "bf16",
+                WeightDtype::I8 => "i8",
+                WeightDtype::I32 => "i32",
+                WeightDtype::I64 => "i64",
             })
             .collect();
         dtypes.sort_unstable();
@@ -152,13 +178,45 @@ impl Weights {
             ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} tensors {elapsed}")
                 .expect("valid template"),
         );
+        let config = dir.join("config.json");
+        let quant = if config.is_file() {
+            QuantConfig::from_config(&config, &files::read_json(&config)?)?
+        } else {
+            None
+        };
+        if let Some(q) = &quant {
+            tracing::info!(format = ?q, "quantized checkpoint");
+        }
         Ok(Self {
             dir: dir.to_path_buf(),
             shards,
             entries,
             progress,
             random_seed: None,
+            quant,
+            quantize: None,
         })
+    }
+
+    /// `--quantize`: the decoder's f16/bf16 matrices quantized at load
+    /// ([`QuantizeTo::applies_to`] says which). An error for a checkpoint that is quantized
+    /// already.
+    pub fn quantize(mut self, to: Option<QuantizeTo>) -> Result<Self> {
+        if let (Some(to), Some(q)) = (to, &self.quant) {
+            return Err(Error::Quantized {
+                name: self.dir.join("config.json").display().to_string(),
+                problem: format!(
+                    "--quantize {to:?} asked of a checkpoint that is quantized already ({q:?})"
+                ),
+            });
+        }
+        self.quantize = to;
+        Ok(self)
+    }
+
+    /// The checkpoint's quantization format, if it has one.
+    pub fn quant_config(&self) -> Option<&QuantConfig> {
+        self.quant.as_ref()
     }
 
     /// The checkpoint's weights, or with `random_seed` [`Weights::random`] ones of its config.
@@ -181,6 +239,8 @@ impl Weights {
             entries: HashMap::new(),
             progress: ProgressBar::hidden(),
             random_seed: Some(seed),
+            quant: None,
+            quantize: None,
         }
     }
 
@@ -194,11 +254,8 @@ impl Weights {
         self.random_seed.is_some() || self.entries.contains_key(name)
     }
 
-    /// Reads tensor `name`, which must have exactly `shape`, as f32.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
-        if let Some(init) = self.random_init(name, shape) {
-            return Ok(init.host(shape));
-        }
+    /// The entry of tensor `name` with its bytes, checked to hold `shape` of its dtype.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<(&Entry, &[u8])> {
         let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
             dir: self.dir.clone(),
@@ -212,20 +269,37 @@ impl Weights {
         }
         let bytes = &self.shards[e.file].map[e.start..e.end];
         let n: usize = shape.iter().product();
-        let width = match e.dtype {
-            WeightDtype::F32 => 4,
-            WeightDtype::F16 | WeightDtype::BF16 => 2,
-        };
-        if bytes.len() != n * width {
+        if bytes.len() != n * e.dtype.width() {
             return Err(Error::BadSafetensors {
                 path: self.shards[e.file].path.clone(),
                 message: format!(
                     "tensor `{name}` holds {} bytes, its shape {shape:?} needs {}",
                     bytes.len(),
-                    n * width
+                    n * e.dtype.width()
                 ),
             });
         }
+        Ok((e, bytes))
+    }
+
+    /// The stored shape of tensor `name`.
+    pub fn shape_of(&self, name: &str) -> Result<Vec<usize>> {
+        self.entries
+            .get(name)
+            .map(|e| e.shape.clone())
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                dir: self.dir.clone(),
+            })
+    }
+
+    /// Reads tensor `name`, which must have exactly `shape`, as f32 (from F32, F16, BF16, and
+    /// the integer dtypes, whose values are small whole numbers in quantized checkpoints).
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        if let Some(init) = self.random_init(name, shape) {
+            return Ok(init.host(shape));
+        }
+        let (e, bytes) = self.entry(name, shape)?;
         let data: Vec<f32> = match e.dtype {
             WeightDtype::F32 => bytes
                 .chunks_exact(4)
@@ -239,9 +313,47 @@ impl Weights {
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
+            WeightDtype::I8 => bytes.iter().map(|&b| b as i8 as f32).collect(),
+            WeightDtype::I32 => bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32)
+                .collect(),
+            WeightDtype::I64 => bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+                .collect(),
         };
         self.progress.inc(1);
         HostTensor::new(shape.to_vec(), data)
+    }
+
+    /// Reads the i32 tensor `name` of exactly `shape` (packed quantized values, group indices).
+    pub fn get_i32(&self, name: &str, shape: &[usize]) -> Result<Vec<i32>> {
+        let (e, bytes) = self.entry(name, shape)?;
+        if e.dtype != WeightDtype::I32 {
+            return Err(Error::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{:?} where its format stores I32", e.dtype),
+            });
+        }
+        self.progress.inc(1);
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// Reads the i8 tensor `name` of exactly `shape` (compressed-tensors' int-quantized values).
+    pub fn get_i8(&self, name: &str, shape: &[usize]) -> Result<Vec<i8>> {
+        let (e, bytes) = self.entry(name, shape)?;
+        if e.dtype != WeightDtype::I8 {
+            return Err(Error::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{:?} where its format stores I8", e.dtype),
+            });
+        }
+        self.progress.inc(1);
+        Ok(bytes.iter().map(|&b| b as i8).collect())
     }
 
     /// Clears the progress bar once a model is built.
@@ -283,6 +395,53 @@ impl WeightPrefix<'_> {
 
     pub fn contains(&self, name: &str) -> bool {
         self.weights.contains(&self.full(name))
+    }
+
+    /// The full name of `prefix.name`, for errors.
+    pub fn name(&self, name: &str) -> String {
+        self.full(name)
+    }
+
+    /// The stored shape of `prefix.name`.
+    pub fn shape_of(&self, name: &str) -> Result<Vec<usize>> {
+        self.weights.shape_of(&self.full(name))
+    }
+
+    /// Reads the i32 tensor `prefix.name` of exactly `shape`.
+    pub fn get_i32(&self, name: &str, shape: &[usize]) -> Result<Vec<i32>> {
+        self.weights.get_i32(&self.full(name), shape)
+    }
+
+    /// Reads the i8 tensor `prefix.name` of exactly `shape`.
+    pub fn get_i8(&self, name: &str, shape: &[usize]) -> Result<Vec<i8>> {
+        self.weights.get_i8(&self.full(name), shape)
+    }
+
+    /// The matrix `[out, inp]` of the linear layer under this prefix, in whatever format the
+    /// checkpoint stores it (f16/bf16/f32 `weight`, or a quantized format's tensors), or
+    /// quantized at load under `--quantize`: what `nn::Linear` is built from.
+    pub fn load_matrix<B: crate::Backend>(
+        &self,
+        backend: &B,
+        out: usize,
+        inp: usize,
+    ) -> Result<B::Weight> {
+        if let Some(q) = self.weights.quant.as_ref().filter(|q| q.holds(self)) {
+            return backend.upload_int_weight(&q.read(self, out, inp)?);
+        }
+        match self.weights.quantize {
+            Some(to) if to.applies_to(&self.prefix, inp) => {
+                let full = self.full("weight");
+                match self.weights.random_init(&full, &[out, inp]) {
+                    Some(RandomInit::Uniform { key, bound }) => {
+                        backend.random_int_weight(&[out, inp], key, bound, to)
+                    }
+                    _ => backend
+                        .upload_int_weight(&to.quantize(&self.weights.get(&full, &[out, inp])?)),
+                }
+            }
+            _ => self.load_weight(backend, "weight", &[out, inp]),
+        }
     }
 
     /// Reads `prefix.name` with exactly `shape`, as f32 on the host.
@@ -361,7 +520,7 @@ mod tests {
                 ("a", Dtype::F32, vec![3], f32b),
                 ("b", Dtype::F16, vec![1, 3], f16b),
                 ("c", Dtype::BF16, vec![3, 1], bf16b),
-                ("i", Dtype::I64, vec![1], vec![0; 8]),
+                ("i", Dtype::F64, vec![1], vec![0; 8]),
             ],
         );
         let err = Weights::open(&dir).err().unwrap();

@@ -8,6 +8,7 @@
 //! Tolerances are `Case::tolerance`'s, stated there with their reasons.
 
 use vlm_compute::cuda::test_gpu;
+use vlm_compute::quant::QuantizeTo;
 use vlm_compute::twin::{compare, Case};
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
 
@@ -104,6 +105,63 @@ fn linear_and_swiglu_at_real_sizes() {
         .into_iter()
         .flat_map(|(n, k, m)| Case::linears(n, k, m)),
     );
+}
+
+#[test]
+fn int_weights_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    // W4 and W8 (group 128): the CPU multiplies the dequantized f32 values, the GPU's GEMVs the
+    // packed ones (exact q - zero, the f16 scale once a load), so they differ in summation order
+    // only; past 4 rows the GEMM reads the matrix dequantized to f16. (rows, in, out): 8B
+    // q/k/v, o, gate/up (as two halves), down, a batch and a prefill chunk.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        check_all(
+            &g,
+            [
+                (1, 4096, 6144),
+                (1, 4096, 4096),
+                (2, 4096, 12288),
+                (4, 12288, 4096),
+                (3, 12288, 4096),
+                (64, 4096, 6144),
+                (512, 12288, 4096),
+            ]
+            .into_iter()
+            .flat_map(|(n, k, m)| Case::int_linears(n, k, m, to)),
+        );
+    }
+    // The dispatch a GPU without programmatic dependent launch takes (sm_87, Orin): the same
+    // kernels launched plainly.
+    g.set_programmatic_launch(false);
+    check_all(
+        &g,
+        [(1, 4096, 6144), (4, 12288, 4096)]
+            .into_iter()
+            .flat_map(|(n, k, m)| Case::int_linears(n, k, m, QuantizeTo::Int4)),
+    );
+    g.set_programmatic_launch(true);
+}
+
+#[test]
+fn random_int_weights_are_generated_on_the_gpu_as_on_the_cpu() {
+    let Some(g) = test_gpu() else { return };
+    let key =
+        vlm_compute::random::tensor_key(0, "model.language_model.layers.0.mlp.up_proj.weight");
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        let shape = [12288usize, 4096];
+        let cpu = vlm_compute::quant::random_int(shape[0], shape[1], key, 0.027, to);
+        let uploaded = g.upload_int_weight(&cpu).unwrap();
+        let generated = g.random_int_weight(&shape, key, 0.027, to).unwrap();
+        let x = g
+            .upload(&HostTensor::new(vec![1, shape[1]], vec![1.0; shape[1]]).unwrap())
+            .unwrap();
+        let (a, b) = (
+            g.download(&g.linear(&x, &generated, None).unwrap())
+                .unwrap(),
+            g.download(&g.linear(&x, &uploaded, None).unwrap()).unwrap(),
+        );
+        assert_eq!(a.max_abs_diff(&b).unwrap(), 0.0, "{to:?}");
+    }
 }
 
 #[test]

@@ -62,6 +62,9 @@ pub(super) struct Inner {
     /// stream that allocates them there.
     pub(super) recording: std::sync::Mutex<Option<Arc<super::pool::RecordingPool>>>,
     pub(super) side_stream: Arc<cudarc::driver::CudaStream>,
+    /// Where an integer weight is dequantized to f16 for a GEMM (int_weights.rs): as large as
+    /// the largest integer weight uploaded.
+    pub(super) dequant_scratch: std::sync::Mutex<Option<CudaSlice<half::f16>>>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -238,6 +241,7 @@ impl CudaBackend {
                 gemv_ticket,
                 recording: std::sync::Mutex::new(None),
                 side_stream,
+                dequant_scratch: std::sync::Mutex::new(None),
             }),
         })
     }

@@ -19,6 +19,12 @@ impl CudaBackend {
                 format!("table must be 2-D, got {:?}", table.shape),
             ));
         };
+        let Some(table_buf) = table.as_f16() else {
+            return Err(Error::shape(
+                "embedding",
+                "the embedding table is quantized; tables stay f16",
+            ));
+        };
         let n = ids.len;
         let mut out = self.alloc(vec![n, h])?;
         if n == 0 {
@@ -27,7 +33,7 @@ impl CudaBackend {
         let (hh, vv) = (h as i32, vocab as u32);
         let name = "embedding_f16w";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*table.buf)
+        l.arg(&**table_buf)
             .arg(&ids.buf)
             .arg(Arc::get_mut(&mut out.buf).expect("fresh"))
             .arg(&hh)

@@ -48,6 +48,9 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "cast_f16_to_f32",
             "embedding_f16w",
             "fill_uniform_f16",
+            "dequant_w4_f16",
+            "dequant_w8_f16",
+            "fill_random_int",
         ],
         per_rows: &GEMV_KERNELS,
         sm90a: false,
@@ -373,7 +376,7 @@ pub(super) enum Gemv {
     NormedSwiglu,
 }
 
-pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 8] = [
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 16] = [
     [
         "gemv_f16w_r1",
         "gemv_f16w_r2",
@@ -422,12 +425,56 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 8] = [
         "rms_norm_swiglu_gemv_f16w_streamed_r3",
         "rms_norm_swiglu_gemv_f16w_streamed_r4",
     ],
+    // The integer GEMVs (int_gemv), 4 bits then 8, in Gemv's order.
+    ["gemv_w4_r1", "gemv_w4_r2", "gemv_w4_r3", "gemv_w4_r4"],
+    [
+        "rms_norm_gemv_w4_r1",
+        "rms_norm_gemv_w4_r2",
+        "rms_norm_gemv_w4_r3",
+        "rms_norm_gemv_w4_r4",
+    ],
+    [
+        "swiglu_gemv_w4_r1",
+        "swiglu_gemv_w4_r2",
+        "swiglu_gemv_w4_r3",
+        "swiglu_gemv_w4_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_w4_r1",
+        "rms_norm_swiglu_gemv_w4_r2",
+        "rms_norm_swiglu_gemv_w4_r3",
+        "rms_norm_swiglu_gemv_w4_r4",
+    ],
+    ["gemv_w8_r1", "gemv_w8_r2", "gemv_w8_r3", "gemv_w8_r4"],
+    [
+        "rms_norm_gemv_w8_r1",
+        "rms_norm_gemv_w8_r2",
+        "rms_norm_gemv_w8_r3",
+        "rms_norm_gemv_w8_r4",
+    ],
+    [
+        "swiglu_gemv_w8_r1",
+        "swiglu_gemv_w8_r2",
+        "swiglu_gemv_w8_r3",
+        "swiglu_gemv_w8_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_w8_r1",
+        "rms_norm_swiglu_gemv_w8_r2",
+        "rms_norm_swiglu_gemv_w8_r3",
+        "rms_norm_swiglu_gemv_w8_r4",
+    ],
 ];
 
 impl Gemv {
     /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
     pub(super) fn kernel(self, rows: usize, streamed: bool) -> &'static str {
         GEMV_KERNELS[self as usize + if streamed { 4 } else { 0 }][rows - 1]
+    }
+
+    /// The integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
+    pub(super) fn int_kernel(self, bits: u32, rows: usize) -> &'static str {
+        GEMV_KERNELS[8 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
     }
 
     pub(super) fn normed(self) -> bool {

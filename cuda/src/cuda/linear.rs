@@ -17,6 +17,7 @@ use super::error::cuda_err;
 use super::kernels::{Gemv, GEMV_MAX_ROWS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
 use super::launch::{arg, width_of};
 use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
+use super::tensor::WeightData;
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
 use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
@@ -125,6 +126,12 @@ impl CudaBackend {
         accumulate: bool,
         m: usize,
     ) -> Result<()> {
+        let w = match &w.data {
+            WeightData::F16(buf) => buf,
+            WeightData::Int(iw) => {
+                return self.launch_int_gemv(kind, x, norm, iw, bias, out, accumulate, m)
+            }
+        };
         let streamed = self.streamed(kind, x);
         let name = kind.kernel(x.rows(), streamed);
         let cfg = self.gemv_config(name, m, kind, x, streamed);
@@ -136,7 +143,7 @@ impl CudaBackend {
         let (xp, _x) = x.buf.device_ptr(stream);
         let (np, _n) = norm.map_or(&*x.buf, |(n, _)| &*n.buf).device_ptr(stream);
         let (bp, _b) = bias.map_or(&*x.buf, |b| &*b.buf).device_ptr(stream);
-        let (wp, _w) = w.buf.device_ptr(stream);
+        let (wp, _w) = w.device_ptr(stream);
         let (tp, _t) = self.inner.gemv_ticket.device_ptr(stream);
         let (op, _o) = out.device_ptr_mut(stream);
         let mut args = vec![arg(&xp), arg(&np), arg(&eps), arg(&wp)];
@@ -248,7 +255,8 @@ impl CudaBackend {
         {
             let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
             let stream = &self.inner.stream;
-            let (wp, _w_guard) = w.buf.device_ptr(stream);
+            let dense = self.dense_f16(w)?;
+            let (wp, _w_guard) = dense.device_ptr(stream);
             let (xp, _x_guard) = x16.device_ptr(stream);
             let (op, _o_guard) = out.device_ptr_mut(stream);
             use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
@@ -323,7 +331,8 @@ impl CudaBackend {
         };
         let stream = &self.inner.stream;
         let (x, _x_guard) = x16.device_ptr(stream);
-        let (wp, _w_guard) = w.buf.device_ptr(stream);
+        let dense = self.dense_f16(w)?;
+        let (wp, _w_guard) = dense.device_ptr(stream);
         let (b, _b_guard) = bias.device_ptr(stream);
         let (o, _o_guard) = out.device_ptr_mut(stream);
         let operands = LtOperands {

@@ -166,10 +166,7 @@ impl CudaBackend {
                 &halves
             })
             .map_err(|e| cuda_err("uploading a weight")(&e))?;
-        Ok(CudaWeight {
-            shape: t.shape().to_vec(),
-            buf: Arc::new(buf),
-        })
+        Ok(CudaWeight::f16(t.shape().to_vec(), buf))
     }
 
     pub(super) fn random_weight_impl(
@@ -190,10 +187,7 @@ impl CudaBackend {
         l.arg(&mut buf).arg(&n).arg(&key).arg(&bound);
         // SAFETY: argument types and count match fill_uniform_f16 in weights_f16.cu.
         self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
-        Ok(CudaWeight {
-            shape: shape.to_vec(),
-            buf: Arc::new(buf),
-        })
+        Ok(CudaWeight::f16(shape.to_vec(), buf))
     }
 
     pub(super) fn random_uniform_impl(
@@ -212,42 +206,6 @@ impl CudaBackend {
         // SAFETY: argument types and count match fill_uniform_f32 in ops_f32.cu.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
-    }
-
-    pub(super) fn stack_weights_impl(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
-        let Some(first) = parts.first() else {
-            return Err(Error::shape("stack_weights", "nothing to stack"));
-        };
-        let cols = first.shape.last().copied().unwrap_or(0);
-        if parts
-            .iter()
-            .any(|p| p.shape.len() != 2 || p.shape[1] != cols)
-        {
-            let shapes: Vec<_> = parts.iter().map(|p| &p.shape).collect();
-            return Err(Error::shape(
-                "stack_weights",
-                format!("row widths differ: {shapes:?}"),
-            ));
-        }
-        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
-        let mut buf = self
-            .inner
-            .stream
-            .alloc_zeros::<half::f16>((rows * cols).max(1))
-            .map_err(|e| cuda_err("allocating device memory")(&e))?;
-        let mut at = 0;
-        for p in parts {
-            let n = p.shape[0] * cols;
-            self.inner
-                .stream
-                .memcpy_dtod(&p.buf.slice(..n), &mut buf.slice_mut(at..at + n))
-                .map_err(|e| cuda_err("stack_weights")(&e))?;
-            at += n;
-        }
-        Ok(CudaWeight {
-            shape: vec![rows, cols],
-            buf: Arc::new(buf),
-        })
     }
 
     pub(super) fn write_impl(&self, dst: &mut CudaTensor, values: &[f32]) -> Result<()> {

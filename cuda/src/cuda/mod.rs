@@ -27,7 +27,7 @@
 //! - `launch.rs`: the helpers every op launches through, and per-op timing; `recording.rs`:
 //!   graph capture;
 //! - the ops by family, each body called from the one trait impl below: `linear.rs` (GEMVs
-//!   and GEMMs), `norm.rs`, `attention.rs`, `gather.rs`, `memory.rs`, `sampling.rs` (each
+//!   and GEMMs), `int_weights.rs` (quantized weights: upload, their GEMVs, f16 for GEMMs), `norm.rs`, `attention.rs`, `gather.rs`, `memory.rs`, `sampling.rs` (each
 //!   row's next token);
 //! - [`doctor`]: `vlm doctor`'s checks.
 
@@ -37,6 +37,7 @@ mod context;
 pub mod doctor;
 mod error;
 mod gather;
+mod int_weights;
 mod kernels;
 mod launch;
 mod linear;
@@ -137,6 +138,20 @@ impl Backend for CudaBackend {
 
     fn random_weight(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaWeight> {
         self.random_weight_impl(shape, key, bound)
+    }
+
+    fn upload_int_weight(&self, m: &crate::quant::IntMatrix) -> Result<CudaWeight> {
+        self.upload_int_weight_impl(m)
+    }
+
+    fn random_int_weight(
+        &self,
+        shape: &[usize],
+        key: u64,
+        bound: f32,
+        to: crate::quant::QuantizeTo,
+    ) -> Result<CudaWeight> {
+        self.random_int_weight_impl(shape, key, bound, to)
     }
 
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<CudaTensor> {

@@ -15,11 +15,53 @@ pub struct CudaTensor {
     pub(super) buf: Arc<CudaSlice<f32>>,
 }
 
-/// A weight matrix or table in device memory, f16.
+/// A weight matrix or table in device memory: f16, or integer-quantized (a matrix of a
+/// quantized checkpoint or of `--quantize`).
 #[derive(Clone)]
 pub struct CudaWeight {
     pub(super) shape: Vec<usize>,
-    pub(super) buf: Arc<CudaSlice<half::f16>>,
+    pub(super) data: WeightData,
+}
+
+#[derive(Clone)]
+pub(super) enum WeightData {
+    F16(Arc<CudaSlice<half::f16>>),
+    Int(Arc<IntWeight>),
+}
+
+/// An integer matrix `[m, k]` as weights_f16.cu's integer kernels read it: row-major words of
+/// `32 / bits` values along k, low bits first, and a (scale, zero) pair of f16 per row and
+/// `group` columns.
+pub(super) struct IntWeight {
+    pub(super) bits: u32,
+    pub(super) group: usize,
+    pub(super) words: CudaSlice<u32>,
+    /// `[m, k / group, 2]`: scale, zero.
+    pub(super) sz: CudaSlice<half::f16>,
+}
+
+impl CudaWeight {
+    pub(super) fn f16(shape: Vec<usize>, buf: CudaSlice<half::f16>) -> Self {
+        Self {
+            shape,
+            data: WeightData::F16(Arc::new(buf)),
+        }
+    }
+
+    /// The f16 matrix, where this weight is one.
+    pub(super) fn as_f16(&self) -> Option<&Arc<CudaSlice<half::f16>>> {
+        match &self.data {
+            WeightData::F16(b) => Some(b),
+            WeightData::Int(_) => None,
+        }
+    }
+
+    pub(super) fn as_int(&self) -> Option<&IntWeight> {
+        match &self.data {
+            WeightData::Int(w) => Some(w),
+            WeightData::F16(_) => None,
+        }
+    }
 }
 
 /// Ids in device memory (token ids, cache slots, block lists, picked tokens).

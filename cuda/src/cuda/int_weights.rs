@@ -1,0 +1,333 @@
+//! Integer-quantized weights on the GPU (W4A16, W8A16): upload in the layout the kernels read
+//! (`IntWeight`), random ones for `--random-weights --quantize`, stacking (q/k/v, gate/up), the
+//! GEMV launches for decode rows, and an f16 view for the tensor-core GEMMs of more rows
+//! (dequantized into one scratch buffer as large as the largest matrix). Kernels in
+//! `cuda/kernels/weights_f16.cu` (`int_gemv`, `dequant_int`, `fill_random_int`).
+//!
+//! A matrix the integer kernels cannot take stays f16 (dequantized at load, exactly the values
+//! the checkpoint means): GPTQ act order (columns not grouped in order), groups that are not
+//! whole loads (32 columns at 4 bits, 16 at 8), zero points that are not whole numbers.
+
+use std::sync::{Arc, MutexGuard};
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::error::cuda_err;
+use super::kernels::{Gemv, GEMV_WARPS};
+use super::launch::arg;
+use super::tensor::{IntWeight, WeightData};
+use super::{CudaBackend, CudaTensor, CudaWeight};
+use crate::quant::{random_int_scale, IntMatrix, QuantizeTo, QUANTIZE_GROUP};
+use crate::{Error, Result};
+
+/// Columns one 16-byte load of the integer GEMVs holds at `bits`.
+fn load_cols(bits: u32) -> usize {
+    128 / bits as usize
+}
+
+/// An f16 matrix a GEMM reads: the weight's own, or an integer weight dequantized into the
+/// scratch buffer (held while the GEMM is queued; launches on the one stream run in order, so
+/// the next dequantization cannot overwrite it before the GEMM has read it).
+pub(super) enum DenseF16<'a> {
+    Own(&'a CudaSlice<half::f16>),
+    Scratch(MutexGuard<'a, Option<CudaSlice<half::f16>>>),
+}
+
+impl std::ops::Deref for DenseF16<'_> {
+    type Target = CudaSlice<half::f16>;
+    fn deref(&self) -> &CudaSlice<half::f16> {
+        match self {
+            DenseF16::Own(b) => b,
+            DenseF16::Scratch(g) => g.as_ref().expect("sized at upload"),
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Whether the integer kernels take `m` as it is (else it goes to the GPU as f16).
+    fn int_kernels_take(m: &IntMatrix) -> std::result::Result<(), &'static str> {
+        if m.perm.is_some() {
+            Err("act order (columns not grouped in order)")
+        } else if m.group % load_cols(m.bits) != 0 || m.inp % load_cols(m.bits) != 0 {
+            Err("groups or rows that are not whole 16-byte loads")
+        } else if m.zeros.iter().any(|z| z.fract() != 0.0) {
+            Err("zero points that are not whole numbers")
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(super) fn upload_int_weight_impl(&self, m: &IntMatrix) -> Result<CudaWeight> {
+        if let Err(why) = Self::int_kernels_take(m) {
+            tracing::info!(
+                shape = ?[m.out, m.inp],
+                bits = m.bits,
+                group = m.group,
+                "a quantized matrix with {why} is kept as f16 on the GPU"
+            );
+            return self.upload_weight_impl(&m.dequantize());
+        }
+        use rayon::prelude::*;
+        let per = 32 / m.bits as usize;
+        let words: Vec<u32> =
+            m.q.par_chunks(per)
+                .map(|vals| {
+                    vals.iter()
+                        .enumerate()
+                        .fold(0u32, |w, (i, &v)| w | (v as u32) << (i as u32 * m.bits))
+                })
+                .collect();
+        let sz: Vec<half::f16> = m
+            .scales
+            .iter()
+            .zip(&m.zeros)
+            .flat_map(|(&s, &z)| [half::f16::from_f32(s), half::f16::from_f32(z)])
+            .collect();
+        let stream = &self.inner.stream;
+        let words = stream
+            .clone_htod(&words)
+            .map_err(|e| cuda_err("uploading a quantized weight")(&e))?;
+        let sz = stream
+            .clone_htod(&sz)
+            .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
+        self.int_weight(vec![m.out, m.inp], m.bits, m.group, words, sz)
+    }
+
+    /// The weight, and the dequantization scratch grown to hold it.
+    fn int_weight(
+        &self,
+        shape: Vec<usize>,
+        bits: u32,
+        group: usize,
+        words: CudaSlice<u32>,
+        sz: CudaSlice<half::f16>,
+    ) -> Result<CudaWeight> {
+        let n = shape[0] * shape[1];
+        let mut scratch = self.inner.dequant_scratch.lock().expect("not poisoned");
+        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            *scratch = None;
+            *scratch = Some(self.alloc_f16(n)?);
+        }
+        Ok(CudaWeight {
+            shape,
+            data: WeightData::Int(Arc::new(IntWeight {
+                bits,
+                group,
+                words,
+                sz,
+            })),
+        })
+    }
+
+    pub(super) fn random_int_weight_impl(
+        &self,
+        shape: &[usize],
+        key: u64,
+        bound: f32,
+        to: QuantizeTo,
+    ) -> Result<CudaWeight> {
+        let (m, k) = (shape[0], shape[1]);
+        let bits = to.bits();
+        let group = QUANTIZE_GROUP.min(k);
+        if k % group != 0 || group % load_cols(bits) != 0 {
+            return self.upload_int_weight_impl(&crate::quant::random_int(m, k, key, bound, to));
+        }
+        let n = (m * k / (32 / bits as usize)) as u64;
+        let mut words = self.alloc_slice::<u32>(n.max(1) as usize)?;
+        let name = "fill_random_int";
+        let bits_i = bits as i32;
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&mut words).arg(&n).arg(&key).arg(&bits_i);
+        // SAFETY: argument types and count match fill_random_int; words holds n words.
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        let (s, z) = (random_int_scale(bound, bits), (1u32 << (bits - 1)) as f32);
+        let pair = [half::f16::from_f32(s), half::f16::from_f32(z)];
+        let sz: Vec<half::f16> = pair.repeat(m * (k / group));
+        let sz = self
+            .inner
+            .stream
+            .clone_htod(&sz)
+            .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
+        self.int_weight(shape.to_vec(), bits, group, words, sz)
+    }
+
+    /// The weights' rows one after another: integer weights of one bit width and group stay
+    /// integer; any other mix is stacked as f16.
+    pub(super) fn stack_weights_impl(&self, parts: &[&CudaWeight]) -> Result<CudaWeight> {
+        let Some(first) = parts.first() else {
+            return Err(Error::shape("stack_weights", "nothing to stack"));
+        };
+        let cols = first.shape.last().copied().unwrap_or(0);
+        if parts
+            .iter()
+            .any(|p| p.shape.len() != 2 || p.shape[1] != cols)
+        {
+            let shapes: Vec<_> = parts.iter().map(|p| &p.shape).collect();
+            return Err(Error::shape(
+                "stack_weights",
+                format!("row widths differ: {shapes:?}"),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let ints: Option<Vec<&IntWeight>> = parts.iter().map(|p| p.as_int()).collect();
+        if let Some(ints) = ints.filter(|i| {
+            i.iter()
+                .all(|w| (w.bits, w.group) == (i[0].bits, i[0].group))
+        }) {
+            let (bits, group) = (ints[0].bits, ints[0].group);
+            let words = self.concat(ints.iter().map(|w| &w.words))?;
+            let sz = self.concat(ints.iter().map(|w| &w.sz))?;
+            return self.int_weight(vec![rows, cols], bits, group, words, sz);
+        }
+        let dense: Vec<CudaSlice<half::f16>> = parts
+            .iter()
+            .map(|p| self.owned_f16(p))
+            .collect::<Result<_>>()?;
+        Ok(CudaWeight::f16(
+            vec![rows, cols],
+            self.concat(dense.iter())?,
+        ))
+    }
+
+    /// The slices one after another in a new buffer.
+    fn concat<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + 'a>(
+        &self,
+        parts: impl Iterator<Item = &'a CudaSlice<T>> + Clone,
+    ) -> Result<CudaSlice<T>> {
+        let n: usize = parts.clone().map(|p| p.len()).sum();
+        let mut buf = self
+            .inner
+            .stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(|e| cuda_err("allocating device memory")(&e))?;
+        let mut at = 0;
+        for p in parts {
+            self.inner
+                .stream
+                .memcpy_dtod(p, &mut buf.slice_mut(at..at + p.len()))
+                .map_err(|e| cuda_err("stack_weights")(&e))?;
+            at += p.len();
+        }
+        Ok(buf)
+    }
+
+    /// `w` as an f16 matrix of its own (a copy of an f16 one; an integer one dequantized).
+    fn owned_f16(&self, w: &CudaWeight) -> Result<CudaSlice<half::f16>> {
+        let n = w.shape.iter().product::<usize>();
+        let mut out = self.alloc_f16(n.max(1))?;
+        match &w.data {
+            WeightData::F16(b) => self
+                .inner
+                .stream
+                .memcpy_dtod(&b.slice(..n), &mut out.slice_mut(..n))
+                .map_err(|e| cuda_err("copying a weight")(&e))?,
+            WeightData::Int(iw) => self.dequantize_into(iw, &w.shape, &mut out)?,
+        }
+        Ok(out)
+    }
+
+    fn dequantize_into(
+        &self,
+        iw: &IntWeight,
+        shape: &[usize],
+        out: &mut CudaSlice<half::f16>,
+    ) -> Result<()> {
+        let (m, k) = (shape[0] as i32, shape[1] as i32);
+        let name = if iw.bits == 4 {
+            "dequant_w4_f16"
+        } else {
+            "dequant_w8_f16"
+        };
+        let n = (shape[0] * shape[1] / (32 / iw.bits as usize)) as u64;
+        let group = iw.group as i32;
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&iw.words)
+            .arg(&iw.sz)
+            .arg(&group)
+            .arg(&mut *out)
+            .arg(&m)
+            .arg(&k);
+        // SAFETY: matches dequant_w{4,8}_f16; out holds m * k halves (the scratch is sized to
+        // the largest integer weight at upload; owned_f16 allocates exactly).
+        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))
+    }
+
+    /// `w` as f16 for a GEMM: its own buffer, or dequantized into the scratch.
+    pub(super) fn dense_f16<'a>(&'a self, w: &'a CudaWeight) -> Result<DenseF16<'a>> {
+        match &w.data {
+            WeightData::F16(b) => Ok(DenseF16::Own(b)),
+            WeightData::Int(iw) => {
+                let mut scratch = self.inner.dequant_scratch.lock().expect("not poisoned");
+                let buf = scratch.as_mut().expect("sized at upload");
+                self.dequantize_into(iw, &w.shape, buf)?;
+                Ok(DenseF16::Scratch(scratch))
+            }
+        }
+    }
+
+    /// The integer GEMV `kind` of x's rows (1..=GEMV_MAX_ROWS) against `iw` into `out`, `m`
+    /// output columns; arguments as launch_gemv's.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_int_gemv(
+        &self,
+        kind: Gemv,
+        x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+        iw: &IntWeight,
+        bias: Option<&CudaTensor>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+        m: usize,
+    ) -> Result<()> {
+        let name = kind.int_kernel(iw.bits, x.rows());
+        let pairs = match kind {
+            Gemv::Swiglu | Gemv::NormedSwiglu => m,
+            Gemv::Plain | Gemv::Normed => m.div_ceil(2),
+        };
+        let staged = if kind.normed() {
+            x.len() * std::mem::size_of::<f32>()
+        } else {
+            0
+        };
+        let block = GEMV_WARPS * 32;
+        let resident = self
+            .kernel(name)
+            .occupancy_max_active_blocks_per_multiprocessor(block, staged, None)
+            .unwrap_or(1)
+            .max(1) as usize;
+        let blocks = pairs
+            .div_ceil(GEMV_WARPS as usize)
+            .clamp(1, resident * self.inner.sm_count);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: staged as u32,
+        };
+        let stream = &self.inner.stream;
+        let (has_bias, acc) = (bias.is_some() as i32, accumulate as i32);
+        let (mm, kk, group) = (m as i32, x.cols() as i32, iw.group as i32);
+        let eps = norm.map_or(0.0f32, |(_, eps)| eps);
+        // Pointers the kernel never reads (no bias, no norm) are given x.
+        let (xp, _x) = x.buf.device_ptr(stream);
+        let (np, _n) = norm.map_or(&*x.buf, |(n, _)| &*n.buf).device_ptr(stream);
+        let (bp, _b) = bias.map_or(&*x.buf, |b| &*b.buf).device_ptr(stream);
+        let (wp, _w) = iw.words.device_ptr(stream);
+        let (sp, _s) = iw.sz.device_ptr(stream);
+        let (op, _o) = out.device_ptr_mut(stream);
+        let mut args = vec![arg(&xp), arg(&np), arg(&eps), arg(&wp)];
+        match kind {
+            Gemv::Plain | Gemv::Normed => {
+                args.extend([arg(&bp), arg(&has_bias), arg(&op), arg(&acc)])
+            }
+            Gemv::Swiglu | Gemv::NormedSwiglu => args.push(arg(&op)),
+        }
+        args.extend([arg(&mm), arg(&kk), arg(&sp), arg(&group)]);
+        // SAFETY: the arguments are INT_GEMV_KERNEL's or INT_SWIGLU_KERNEL's, in order; shapes
+        // are checked by the callers (k a whole number of loads and groups: upload); a normed
+        // kernel's staged rows fit its shared memory (normed_gemv_fits). Under programmatic
+        // launch the kernel reads only weights before its grid_wait.
+        let launched =
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
+        self.launched(name, launched)
+    }
+}
