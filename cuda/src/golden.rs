@@ -14,12 +14,18 @@ use crate::{files, Error, HostTensor, Result};
 /// another machine (the GPU one, which has no Rust) finds it relative to the directory it runs
 /// in instead: run it from the crate's directory.
 pub fn tiny_fixture(manifest_dir: &str) -> PathBuf {
-    let rel = Path::new("../tests/fixtures/tiny-qwen3-vl");
-    let built = Path::new(manifest_dir).join(rel);
+    fixture(manifest_dir, "tiny-qwen3-vl")
+}
+
+/// `tests/fixtures/<name>` (`tiny-qwen3-vl`, `tiny-qwen3`, `tiny-qwen2`), found as
+/// [`tiny_fixture`] finds its own.
+pub fn fixture(manifest_dir: &str, name: &str) -> PathBuf {
+    let rel = Path::new("../tests/fixtures").join(name);
+    let built = Path::new(manifest_dir).join(&rel);
     if built.is_dir() {
         built
     } else {
-        rel.to_path_buf()
+        rel
     }
 }
 

@@ -200,9 +200,12 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
     let tensor = |rows: usize| {
         vlm_proto::tensor::encode(&[rows, hidden], &vec![0.5; rows * hidden], pb::Dtype::Bf16)
     };
-    let img = f.model.image_token_id;
-    let start = f.model.vision_start_token_id;
-    let end = f.model.vision_end_token_id;
+    let v = f.model.vision.as_ref().expect("the fixture is Qwen3-VL");
+    let (img, start, end) = (
+        v.image_token_id,
+        v.vision_start_token_id,
+        v.vision_end_token_id,
+    );
     let text = |t: &str| pb::ContentPart {
         part: Some(pb::content_part::Part::Text(t.into())),
     };

@@ -1,7 +1,8 @@
 //! From chat messages to prompt token ids, as transformers' `apply_chat_template` + processor:
 //! render the checkpoint's own Jinja chat template (from `chat_template.jinja`,
 //! `chat_template.json` or `tokenizer_config.json`), tokenize with `tokenizer.json`, then
-//! repeat each image placeholder once per image token.
+//! repeat each image placeholder once per image token (a text-only checkpoint has none, and
+//! takes no images).
 
 use std::path::Path;
 
@@ -42,8 +43,8 @@ pub struct ChatTokenizer {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
-    image_token_id: u32,
-    image_token: String,
+    /// The image placeholder, id and text; `None` for a text-only checkpoint.
+    image_token: Option<(u32, String)>,
 }
 
 /// `tokenizer_config.json` writes special tokens as a string or as `{"content": "..."}`.
@@ -86,8 +87,8 @@ fn load_template(dir: &Path, tokenizer_config: &Value) -> Result<String> {
 
 impl ChatTokenizer {
     /// Loads `tokenizer.json`, the chat template and the special tokens of the checkpoint in
-    /// `dir`; `image_token_id` comes from `config.json`.
-    pub fn from_dir(dir: &Path, image_token_id: u32) -> Result<Self> {
+    /// `dir`; `image_token_id` comes from `config.json` (`None`: a text-only checkpoint).
+    pub fn from_dir(dir: &Path, image_token_id: Option<u32>) -> Result<Self> {
         let tok_path = dir.join("tokenizer.json");
         if !tok_path.is_file() {
             return Err(Error::Tokenizer(format!(
@@ -104,12 +105,17 @@ impl ChatTokenizer {
             Value::Null
         };
         let source = load_template(dir, &tokenizer_config)?;
-        let image_token = tokenizer.id_to_token(image_token_id).ok_or_else(|| {
-            Error::Tokenizer(format!(
-                "image_token_id {image_token_id} from config.json is not in {}",
-                tok_path.display()
-            ))
-        })?;
+        let image_token = image_token_id
+            .map(|id| {
+                let text = tokenizer.id_to_token(id).ok_or_else(|| {
+                    Error::Tokenizer(format!(
+                        "image_token_id {id} from config.json is not in {}",
+                        tok_path.display()
+                    ))
+                })?;
+                Ok::<_, Error>((id, text))
+            })
+            .transpose()?;
 
         // As transformers: trim_blocks + lstrip_blocks, loop controls, Python string methods,
         // and raise_exception for templates that validate their input.
@@ -131,7 +137,6 @@ impl ChatTokenizer {
             env,
             bos_token: token_text(tokenizer_config.get("bos_token")),
             eos_token: token_text(tokenizer_config.get("eos_token")),
-            image_token_id,
             image_token,
         })
     }
@@ -191,20 +196,29 @@ impl ChatTokenizer {
 
     /// Repeats the k-th image placeholder `tokens_per_image[k]` times.
     pub fn expand_image_tokens(&self, ids: &[u32], tokens_per_image: &[usize]) -> Result<Vec<u32>> {
-        let found = ids.iter().filter(|&&t| t == self.image_token_id).count();
+        let Some((image_token_id, image_token)) = &self.image_token else {
+            if !tokens_per_image.is_empty() {
+                return Err(Error::InvalidRequest(format!(
+                    "the model is text-only and takes no images; the request has {}",
+                    tokens_per_image.len()
+                )));
+            }
+            return Ok(ids.to_vec());
+        };
+        let found = ids.iter().filter(|&t| t == image_token_id).count();
         // The chat decides both counts (the template places images of some roles only, and
         // text may spell the placeholder), so a mismatch is the request's fault: 400, not 500.
         if found != tokens_per_image.len() {
             return Err(Error::InvalidRequest(format!(
                 "the chat template placed {found} image placeholder(s) `{}` for {} image(s): images are placed only where the template puts them (user messages for Qwen3-VL), and text may not contain the placeholder",
-                self.image_token,
+                image_token,
                 tokens_per_image.len()
             )));
         }
         let mut out = Vec::with_capacity(ids.len() + tokens_per_image.iter().sum::<usize>());
         let mut k = 0;
         for &t in ids {
-            if t == self.image_token_id {
+            if t == *image_token_id {
                 out.extend(std::iter::repeat_n(t, tokens_per_image[k]));
                 k += 1;
             } else {
@@ -221,7 +235,7 @@ mod tests {
 
     fn tiny() -> ChatTokenizer {
         let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
-        ChatTokenizer::from_dir(&dir, 412).unwrap()
+        ChatTokenizer::from_dir(&dir, Some(412)).unwrap()
     }
 
     /// Found by the chat_template fuzz target: both were internal errors (500).

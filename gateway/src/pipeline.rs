@@ -173,7 +173,7 @@ impl<B: Backend + Clone> Pipeline<B> {
         let vision = VisionEncoder::load(dir, weights, backend.clone())?;
         let engine = Engine::load(dir, weights, backend, engine, &prometheus::Registry::new())?;
         weights.finish();
-        let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id)?;
+        let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id())?;
         Ok(Self {
             chat,
             vision,

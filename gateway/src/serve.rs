@@ -221,7 +221,7 @@ pub async fn serve(
 fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     check_model_dir(&cfg.model)?;
     let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
-    let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id)?;
+    let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id())?;
     let sampling_defaults = SamplingDefaults::load(&cfg.model, cfg.generation_config)?;
     if !sampling_defaults.is_empty() {
         // As vLLM says it: a request that names no temperature is not greedy here.

@@ -29,7 +29,8 @@ fn the_8b_directory_reads_as_a_qwen3_vl_model() {
     let pre = vision_svc::PreprocessConfig::from_dir(&dir).unwrap();
     assert_eq!((pre.patch_size, pre.merge_size), (16, 2));
 
-    let chat = ChatTokenizer::from_dir(&dir, text.image_token_id).unwrap();
+    let chat = ChatTokenizer::from_dir(&dir, text.image_token_id()).unwrap();
+    let v = text.vision.as_ref().expect("a vision-language checkpoint");
     let ids = chat
         .prompt_ids(
             &[Message::user(vec![
@@ -40,9 +41,9 @@ fn the_8b_directory_reads_as_a_qwen3_vl_model() {
         )
         .unwrap();
     let at = |t: u32| ids.iter().position(|&i| i == t);
-    let start = at(text.vision_start_token_id).expect("vision start in the prompt");
-    assert_eq!(&ids[start + 1..start + 5], &[text.image_token_id; 4]);
-    assert_eq!(ids[start + 5], text.vision_end_token_id);
+    let start = at(v.vision_start_token_id).expect("vision start in the prompt");
+    assert_eq!(&ids[start + 1..start + 5], &[v.image_token_id; 4]);
+    assert_eq!(ids[start + 5], v.vision_end_token_id);
     // Plain text is one token per byte, and decodes back.
     assert_eq!(chat.encode("hi").unwrap().len(), 2);
     assert_eq!(

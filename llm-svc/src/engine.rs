@@ -233,8 +233,17 @@ impl Engine {
                 "`max_new_tokens` must be at least 1, got 0".into(),
             ));
         }
+        let Some(vision) = &cfg.vision else {
+            if !req.images.is_empty() {
+                return Err(Error::ImagesNotSupported {
+                    architecture: cfg.architecture.name(),
+                    images: req.images.len(),
+                });
+            }
+            return Ok(Vec::new());
+        };
         let hidden = cfg.text.hidden_size;
-        let m = cfg.spatial_merge_size;
+        let m = vision.spatial_merge_size;
         for (k, img) in req.images.iter().enumerate() {
             let [t, h, w] = img.grid_thw;
             // Checked: the grid comes off the wire (u32s, whose product overflows).
@@ -273,7 +282,7 @@ impl Engine {
             .iter()
             .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
             .collect();
-        image_spans(&req.prompt, cfg.image_token_id, &grids)
+        image_spans(&req.prompt, vision.image_token_id, &grids)
     }
 
     /// Queues a request: its tokens arrive on the returned stream. `span` is the request's

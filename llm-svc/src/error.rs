@@ -19,6 +19,12 @@ pub enum Error {
     },
     #[error("images do not match the prompt: {0}")]
     ImageMismatch(String),
+    /// Images sent to a text-only checkpoint (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`).
+    #[error("`images`: the model ({architecture}) is text-only and takes no images; the request has {images}")]
+    ImagesNotSupported {
+        architecture: &'static str,
+        images: usize,
+    },
     /// An image's embeddings on the wire are malformed.
     #[error("images[{index}]: {message}")]
     BadImage { index: usize, message: String },

@@ -30,7 +30,7 @@ pub mod server;
 mod step;
 
 pub use cli::EngineArgs;
-pub use config::{ModelConfig, TextConfig};
+pub use config::{Architecture, ModelConfig, TextConfig, VisionTokens};
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use kv_cache::PagedKv;

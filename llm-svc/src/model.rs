@@ -1,7 +1,9 @@
-//! The Qwen3-VL text decoder, written once against [`Backend`].
+//! The Qwen3-VL text decoder, written once against [`Backend`]; with its differences as
+//! configuration ([`TextConfig`]) it is also Qwen3's and Qwen2's.
 //!
 //! Reference: transformers `models/qwen3_vl/modeling_qwen3_vl.py` (`Qwen3VLTextModel`,
-//! `Qwen3VLForConditionalGeneration`). Per layer:
+//! `Qwen3VLForConditionalGeneration`), `models/qwen3/modeling_qwen3.py` and
+//! `models/qwen2/modeling_qwen2.py`. Per layer:
 //! ```text
 //! h = RMSNorm(x);  q, k, v = h·Wq, h·Wk, h·Wv   (GQA: fewer k/v heads; one GEMM, the three
 //!                                               matrices stacked at load)
@@ -12,6 +14,10 @@
 //! ```
 //! and at the end `logits = lm_head(RMSNorm(x_last))`. Image embeddings replace the placeholder
 //! tokens' embeddings before layer 0.
+//!
+//! Qwen3 (`Qwen3ForCausalLM`) is this decoder without images, its weights under `model.*`
+//! instead of `model.language_model.*`, and 1-D RoPE (M-RoPE whose three streams are equal).
+//! Qwen2 (`Qwen2ForCausalLM`) is Qwen3 with biases on q, k and v and no q/k norm.
 
 use vlm_compute::nn::Linear;
 use vlm_compute::{Backend, PagedBatch, QkNorm, QkvToCache, WeightPrefix, Weights};
@@ -58,8 +64,8 @@ struct Attention<B: Backend> {
     /// q, k and v stacked: `[(heads + 2 kv_heads) head_dim, hidden]`.
     qkv: Linear<B>,
     o: Linear<B>,
-    q_norm: B::Tensor,
-    k_norm: B::Tensor,
+    /// Per-head RMSNorm weights of q and k; `None` where the model has none (Qwen2).
+    qk_norm: Option<(B::Tensor, B::Tensor)>,
     heads: usize,
     eps: f32,
 }
@@ -68,13 +74,20 @@ impl<B: Backend> Attention<B> {
     fn new(be: &B, w: &WeightPrefix, c: &TextConfig) -> Result<Self> {
         let (h, d) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let bias = c.attention_bias;
         let (q, k, v) = (w.pp("q_proj"), w.pp("k_proj"), w.pp("v_proj"));
+        let qkv_parts = [(&q, nq * d), (&k, nkv * d), (&v, nkv * d)];
+        let qk_norm = if c.qk_norm {
+            Some((
+                w.load(be, "q_norm.weight", &[d])?,
+                w.load(be, "k_norm.weight", &[d])?,
+            ))
+        } else {
+            None
+        };
         Ok(Self {
-            qkv: Linear::load_stacked(be, &[(&q, nq * d), (&k, nkv * d), (&v, nkv * d)], h, bias)?,
-            o: Linear::load(be, &w.pp("o_proj"), h, nq * d, bias)?,
-            q_norm: w.load(be, "q_norm.weight", &[d])?,
-            k_norm: w.load(be, "k_norm.weight", &[d])?,
+            qkv: Linear::load_stacked(be, &qkv_parts, h, c.qkv_bias)?,
+            o: Linear::load(be, &w.pp("o_proj"), h, nq * d, c.o_bias)?,
+            qk_norm,
             heads: nq,
             eps: c.rms_norm_eps,
         })
@@ -96,9 +109,9 @@ impl<B: Backend> Attention<B> {
         let qkv = self.qkv.forward_normed(be, x, input_norm, self.eps)?;
         let how = QkvToCache {
             q_heads: self.heads,
-            qk_norm: Some(QkNorm {
-                q: &self.q_norm,
-                k: &self.k_norm,
+            qk_norm: self.qk_norm.as_ref().map(|(q, k)| QkNorm {
+                q,
+                k,
                 eps: self.eps,
             }),
             cos: step.cos,
@@ -171,14 +184,14 @@ impl<B: Backend> TextModel<B> {
     pub fn new(cfg: ModelConfig, weights: &Weights, backend: B) -> Result<Self> {
         let be = &backend;
         let c = &cfg.text;
-        let w = weights.pp("model.language_model");
+        let w = weights.pp(cfg.architecture.decoder_prefix());
         let (v, h) = (c.vocab_size, c.hidden_size);
         let embed_tokens = w.load_weight(be, "embed_tokens.weight", &[v, h])?;
         let layers = (0..c.num_hidden_layers)
             .map(|i| DecoderLayer::new(be, &w.pp("layers").pp(i), c))
             .collect::<Result<Vec<_>>>()?;
         let norm = w.load(be, "norm.weight", &[h])?;
-        // Tied checkpoints (the small Qwen3-VL sizes) store no lm_head.
+        // Tied checkpoints (the small Qwen3-VL, Qwen3 and Qwen2.5 sizes) store no lm_head.
         let lm_head = if cfg.tie_word_embeddings && !weights.contains("lm_head.weight") {
             embed_tokens.clone()
         } else {

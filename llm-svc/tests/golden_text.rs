@@ -1,16 +1,27 @@
 //! The language stage against HF transformers, through the golden fixtures: M-RoPE positions,
 //! the logits of every generated step and the greedy tokens, fed with HF's own vision outputs
-//! so that this checks the decoder alone.
+//! so that this checks the decoder alone. The same body checks the text-only checkpoints
+//! (`tiny-qwen3`: Qwen3ForCausalLM, `tiny-qwen2`: Qwen2ForCausalLM), whose cases have no images.
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use llm_svc::{mrope, Engine, EngineConfig, GenerateRequest, ImageInput, SamplingParams};
 use vlm_compute::{golden::Golden, CpuBackend, Embeddings, Weights};
 
-fn fixture() -> PathBuf {
-    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
+fn fixture(name: &str) -> PathBuf {
+    vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), name)
 }
+
+/// The three checkpoint families llm-svc serves, each a tiny random bf16 model with HF's
+/// outputs (tests/fixtures/make_fixtures.py, make_text_fixtures.py), with the size of its
+/// logits relative to Qwen3-VL's, by which the CUDA tolerance scales: the text-only fixtures
+/// scale `lm_head` by 3 for clear top-1 margins, and their logits reach ~31 against ~13.
+const FIXTURES: [(&str, f32); 3] = [
+    ("tiny-qwen3-vl", 1.0),
+    ("tiny-qwen3", 3.0),
+    ("tiny-qwen2", 3.0),
+];
 
 fn hf_image(g: &Golden, name: &str) -> ImageInput {
     let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
@@ -23,37 +34,51 @@ fn hf_image(g: &Golden, name: &str) -> ImageInput {
     }
 }
 
-/// Logits are O(10). CPU: f32 on both sides with different summation orders over 4 layers, so
-/// 1e-3 absolute (1e-4 relative) is what f32 allows, and a wrong op (a missed norm, a shifted
-/// position) moves them by O(1).
+/// Qwen3-VL's logits are O(10), the text-only fixtures' O(30). CPU: f32 on both sides with
+/// different summation orders over 4 (2) layers, so 1e-3 absolute (below 1e-4 relative) is
+/// what f32 allows (we see 2e-5), and a wrong op (a missed norm or bias, a shifted position)
+/// moves them by O(1).
 const CPU_LOGITS_TOL: f32 = 1e-3;
 /// CUDA: the fixture's bf16 weights convert to f16 exactly (bar a few below 6e-5), but
 /// prefill's GEMMs take their inputs rounded to f16 (2^-11 relative each) and the KV cache
 /// holds f16 keys and values (2^-11 relative each), which over 4 layers moves O(10) logits by
 /// up to ~1e-2; 5e-2 keeps a 20x margin below the O(1) of a wrong op. (Decode GEMVs keep f32
-/// inputs.)
+/// inputs.) The errors are relative, so the text-only fixtures' O(30) logits (2 layers) get
+/// 3x this (`FIXTURES`), still 20x below what a wrong op does to them.
 const CUDA_LOGITS_TOL: f32 = 5e-2;
 
 #[test]
 fn logits_and_greedy_tokens_match_hf_for_every_case() {
-    check_engine(CpuBackend::new(), CPU_LOGITS_TOL);
+    check_engine(&fixture("tiny-qwen3-vl"), CpuBackend::new(), CPU_LOGITS_TOL);
 }
 
-/// The same check with the CUDA backend; skipped without a GPU. On the GPU machine:
-/// `cargo test --release -p llm-svc --test golden_text -- --nocapture`.
+#[test]
+fn qwen3_text_only_matches_hf() {
+    check_engine(&fixture("tiny-qwen3"), CpuBackend::new(), CPU_LOGITS_TOL);
+}
+
+#[test]
+fn qwen2_text_only_matches_hf() {
+    check_engine(&fixture("tiny-qwen2"), CpuBackend::new(), CPU_LOGITS_TOL);
+}
+
+/// The same checks with the CUDA backend, every fixture; skipped without a GPU. On the GPU
+/// machine: `cargo test --release -p llm-svc --test golden_text -- --nocapture`.
 #[test]
 fn logits_on_cuda_match_hf() {
     if let Some(gpu) = vlm_compute::cuda::test_gpu() {
-        check_engine(gpu, CUDA_LOGITS_TOL);
+        for (name, scale) in FIXTURES {
+            eprintln!("{name}");
+            check_engine(&fixture(name), gpu.clone(), scale * CUDA_LOGITS_TOL);
+        }
     }
 }
 
-fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
-    let dir = fixture();
-    let g = Golden::open(&dir).unwrap();
-    let weights = Weights::open(&dir).unwrap();
+fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
+    let g = Golden::open(dir).unwrap();
+    let weights = Weights::open(dir).unwrap();
     let engine = Engine::load(
-        &dir,
+        dir,
         &weights,
         backend,
         EngineConfig::default(),
@@ -66,10 +91,11 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
         let name = case["name"].as_str().unwrap();
         let key = format!("case.{name}");
         let (_, prompt) = g.ints(&format!("{key}.prompt_ids")).unwrap();
+        // Text-only fixtures' cases name no images.
         let images: Vec<ImageInput> = case["images"]
             .as_array()
-            .unwrap()
-            .iter()
+            .into_iter()
+            .flatten()
             .map(|n| hf_image(&g, n.as_str().unwrap()))
             .collect();
         let (_, hf_tokens) = g.ints(&format!("{key}.tokens")).unwrap();
@@ -79,26 +105,14 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
             images,
             sampling: SamplingParams::greedy(),
             max_new_tokens: hf_tokens.len(),
-            ignore_eos: false,
+            // The text fixtures' reference runs a fixed step count through EOS; where
+            // Qwen3-VL's stopped at EOS, that was its last token, so the budget ends ours there.
+            ignore_eos: true,
             return_logits: true,
         };
 
         // Positions first: a wrong M-RoPE layout would show here before it shows in logits.
-        let m = engine.config().spatial_merge_size;
-        let grids: Vec<_> = req
-            .images
-            .iter()
-            .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
-            .collect();
-        let spans =
-            mrope::image_spans(&req.prompt, engine.config().image_token_id, &grids).unwrap();
-        let ours = mrope::prompt_positions(req.prompt.len(), &spans);
-        let (shape, hf_pos) = g.ints(&format!("{key}.position_ids")).unwrap();
-        let l = shape[1];
-        for (i, p) in ours.positions.iter().enumerate() {
-            let hf = [hf_pos[i], hf_pos[l + i], hf_pos[2 * l + i]];
-            assert_eq!(p.map(i64::from), hf, "{name}: position of token {i}");
-        }
+        check_positions(&g, &key, engine.config(), &req);
 
         let mut logits = Vec::new();
         let out = engine
@@ -108,6 +122,8 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
             })
             .unwrap();
         let vocab = hf_logits.shape()[1];
+        assert_eq!(logits.len(), hf_tokens.len(), "{name}: steps");
+        let (mut worst, mut largest) = (0f32, 0f32);
         for (step, ours) in logits.iter().enumerate() {
             let hf = &hf_logits.data()[step * vocab..(step + 1) * vocab];
             let max = ours
@@ -116,6 +132,8 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(max <= tol, "{name}: step {step} logits differ by {max}");
+            worst = worst.max(max);
+            largest = hf.iter().fold(largest, |m, v| m.max(v.abs()));
             // Greedy tokens must be HF's, except where HF's top two are closer than the
             // tolerance allows us to tell apart; after such a step the sequences may diverge.
             let mut sorted = hf.to_vec();
@@ -132,6 +150,9 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
                 "{name}: greedy token {step}"
             );
         }
+        eprintln!(
+            "{name}: logits up to {largest:.1} in size, ours within {worst:.1e} of HF's (tolerance {tol:.0e})"
+        );
         // Without logits, greedy tokens are picked on the device (Backend::sample_rows): the same.
         let on_device = engine
             .generate(
@@ -150,5 +171,97 @@ fn check_engine<B: vlm_compute::Backend>(backend: B, tol: f32) {
             let tokens: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
             assert_eq!(tokens, hf_tokens, "{name}: greedy tokens");
         }
+    }
+}
+
+/// A text-only checkpoint refuses a request with images at the door (the server's
+/// INVALID_ARGUMENT), naming the field and the model, instead of failing mid-generation.
+#[test]
+fn a_text_only_model_refuses_images() {
+    let dir = fixture("tiny-qwen3");
+    let weights = Weights::open(&dir).unwrap();
+    let backend = CpuBackend::new();
+    let engine = Engine::load(
+        &dir,
+        &weights,
+        backend,
+        EngineConfig::default(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
+    assert!(engine.config().vision.is_none());
+    let vl = Golden::open(&fixture("tiny-qwen3-vl")).unwrap();
+    let mut image = hf_image(
+        &vl,
+        vl.manifest()["cases"][0]["images"][0].as_str().unwrap(),
+    );
+    // Shaped for this model's width, so that only its being text-only is wrong.
+    let rows = image.embeds.shape()[0];
+    let hidden = engine.config().text.hidden_size;
+    let embeds =
+        vlm_compute::HostTensor::new(vec![rows, hidden], vec![0.0; rows * hidden]).unwrap();
+    image.embeds = Embeddings::F32(embeds);
+    image.deepstack.clear();
+    let req = GenerateRequest {
+        prompt: vec![1, 2, 3],
+        images: vec![image],
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: 2,
+        ignore_eos: false,
+        return_logits: false,
+    };
+    let err = engine.validate(&req).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            llm_svc::Error::ImagesNotSupported {
+                architecture: "Qwen3ForCausalLM",
+                images: 1
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("`images`"), "{err}");
+    assert_eq!(
+        tonic::Status::from(err).code(),
+        tonic::Code::InvalidArgument
+    );
+}
+
+/// Our prompt positions against HF's `position_ids` where the fixture has them: `[3, L]` for
+/// Qwen3-VL (M-RoPE), `[L]` or `[1, L]` for a text-only model (1-D RoPE: ours must have all
+/// three streams equal to it). Without them, a text-only prompt's positions must count up.
+fn check_positions(g: &Golden, key: &str, cfg: &llm_svc::ModelConfig, req: &GenerateRequest) {
+    let spans = match &cfg.vision {
+        Some(v) => {
+            let m = v.spatial_merge_size;
+            let grids: Vec<_> = req
+                .images
+                .iter()
+                .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
+                .collect();
+            mrope::image_spans(&req.prompt, v.image_token_id, &grids).unwrap()
+        }
+        None => Vec::new(),
+    };
+    let ours = mrope::prompt_positions(req.prompt.len(), &spans);
+    let l = req.prompt.len();
+    let hf: Vec<[i64; 3]> = match g.ints(&format!("{key}.position_ids")) {
+        Ok((shape, hf)) if shape.len() == 2 && shape[0] == 3 => {
+            (0..l).map(|i| [hf[i], hf[l + i], hf[2 * l + i]]).collect()
+        }
+        Ok((_, hf)) => hf.iter().map(|&p| [p; 3]).collect(),
+        Err(_) if cfg.vision.is_none() => (0..l as i64).map(|p| [p; 3]).collect(),
+        Err(e) => panic!("{key}: {e}"),
+    };
+    assert_eq!(hf.len(), l, "{key}: position count");
+    for (i, (p, hf)) in ours.positions.iter().zip(&hf).enumerate() {
+        assert_eq!(p.map(i64::from), *hf, "{key}: position of token {i}");
+    }
+    if cfg.vision.is_none() {
+        assert_eq!(
+            ours.delta, 0,
+            "{key}: a text prompt decodes on from its length"
+        );
     }
 }

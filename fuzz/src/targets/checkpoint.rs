@@ -100,7 +100,7 @@ fn load(dir: &Path) -> Outcome {
     let weights = Weights::open(dir).map_err(text)?;
     let vision = VisionEncoder::load(dir, &weights, CpuBackend::new()).map_err(text)?;
     let model = ModelConfig::from_dir(dir).map_err(text)?;
-    let image_token_id = model.image_token_id;
+    let image_token_id = model.image_token_id();
     TextModel::new(model, &weights, CpuBackend::new()).map_err(text)?;
     drop(vision);
     let chat = ChatTokenizer::from_dir(dir, image_token_id).map_err(text)?;

@@ -26,7 +26,7 @@ pub fn gateway_steps(req: &ChatRequest) -> Outcome {
     ::gateway::sampling::check_logit_bias_ids(&req.sampling, f.model.text.vocab_size)
         .map_err(text)?;
     let n_images = image_parts(&req.messages).count();
-    let merge = f.model.spatial_merge_size;
+    let merge = f.model.vision.as_ref().map_or(2, |v| v.spatial_merge_size);
     let grid = [1u32, 2 * merge as u32, 2 * merge as u32];
     let tokens = 4;
     let ids = match f.chat.prompt_ids(&req.messages, &vec![tokens; n_images]) {

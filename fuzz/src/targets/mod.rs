@@ -40,7 +40,7 @@ pub fn fixture() -> &'static Fixture {
             let weights = Weights::open(&dir).map_err(text)?;
             let vision = VisionEncoder::load(&dir, &weights, CpuBackend::new()).map_err(text)?;
             let model = ModelConfig::from_dir(&dir).map_err(text)?;
-            let chat = ChatTokenizer::from_dir(&dir, model.image_token_id).map_err(text)?;
+            let chat = ChatTokenizer::from_dir(&dir, model.image_token_id()).map_err(text)?;
             // A small cache: only `validate` is called, nothing is generated.
             let engine = Engine::load(
                 &dir,

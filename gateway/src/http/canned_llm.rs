@@ -57,7 +57,9 @@ struct Harness {
 /// finishes (its vision-svc is nowhere: the chats are text).
 async fn harness() -> Harness {
     let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
-    let image_token = llm_svc::ModelConfig::from_dir(&dir).unwrap().image_token_id;
+    let image_token = llm_svc::ModelConfig::from_dir(&dir)
+        .unwrap()
+        .image_token_id();
     let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
     // Tokens of plain ASCII words, and one byte that starts a two-byte character.
     let tb = TokenBytes::new(chat.tokenizer());

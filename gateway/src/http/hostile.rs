@@ -28,7 +28,9 @@ fn fixture() -> PathBuf {
 /// The fixture's gateway with `limits`, two places, and no upstream.
 fn state(limits: RequestLimits) -> HttpState {
     let dir = fixture();
-    let image_token = llm_svc::ModelConfig::from_dir(&dir).unwrap().image_token_id;
+    let image_token = llm_svc::ModelConfig::from_dir(&dir)
+        .unwrap()
+        .image_token_id();
     let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
     let nowhere = [NOWHERE.to_string()];
     let orchestrator = Orchestrator::new(
