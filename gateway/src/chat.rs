@@ -238,6 +238,64 @@ mod tests {
         ChatTokenizer::from_dir(&dir, Some(412)).unwrap()
     }
 
+    /// A text-only checkpoint's chats as HF renders and tokenizes them, with the template read
+    /// from `chat_template.jinja` and, as older checkpoints (Qwen2.5) ship it, from
+    /// `tokenizer_config.json`'s `chat_template`; and an image sent to it is the request's fault.
+    #[test]
+    fn text_only_chats_match_hf_with_the_template_from_either_file() {
+        let fixture = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
+        let in_config = std::env::temp_dir().join(format!("vlm-chat-tc-{}", std::process::id()));
+        std::fs::create_dir_all(&in_config).unwrap();
+        std::fs::copy(
+            fixture.join("tokenizer.json"),
+            in_config.join("tokenizer.json"),
+        )
+        .unwrap();
+        let read = |f: &str| std::fs::read_to_string(fixture.join(f)).unwrap();
+        let mut tok_cfg: Value = serde_json::from_str(&read("tokenizer_config.json")).unwrap();
+        tok_cfg["chat_template"] = read("chat_template.jinja").into();
+        std::fs::write(in_config.join("tokenizer_config.json"), tok_cfg.to_string()).unwrap();
+        assert!(!in_config.join("chat_template.jinja").exists());
+
+        let golden: Value = serde_json::from_str(&read("golden/golden.json")).unwrap();
+        for dir in [&fixture, &in_config] {
+            let chat = ChatTokenizer::from_dir(dir, None).unwrap();
+            let mut chats = 0;
+            for case in golden["cases"].as_array().unwrap() {
+                let Some(messages) = case["messages"].as_array() else {
+                    continue;
+                };
+                let messages: Vec<Message> = messages
+                    .iter()
+                    .map(|m| Message {
+                        role: m["role"].as_str().unwrap().into(),
+                        parts: vec![Part::Text(m["content"].as_str().unwrap().into())],
+                    })
+                    .collect();
+                assert_eq!(
+                    chat.render(&messages).unwrap(),
+                    case["chat_text"].as_str().unwrap(),
+                    "{}: {}",
+                    dir.display(),
+                    case["name"]
+                );
+                let ids: Vec<u32> =
+                    serde_json::from_value(case["prompt_token_ids"].clone()).unwrap();
+                assert_eq!(chat.prompt_ids(&messages, &[]).unwrap(), ids);
+                chats += 1;
+            }
+            assert!(chats >= 2, "the fixture's chat cases");
+            let with_image = [Message::user(vec![
+                Part::Image(Vec::new()),
+                Part::Text("hi".into()),
+            ])];
+            let err = chat.prompt_ids(&with_image, &[4]).unwrap_err();
+            assert!(matches!(err, Error::InvalidRequest(_)), "{err}");
+            assert!(err.to_string().contains("text-only"), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(in_config);
+    }
+
     /// Found by the chat_template fuzz target: both were internal errors (500).
     #[test]
     fn images_the_template_drops_and_placeholders_in_text_are_invalid_requests() {
