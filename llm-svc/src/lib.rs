@@ -1,5 +1,10 @@
 //! The language stage: prompt token ids and image embeddings in, generated tokens out.
 //!
+//! It serves Qwen3-VL's text decoder and, as the same model configured without vision, the
+//! text-only Qwen3 (`Qwen3ForCausalLM`) and Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`) checkpoints:
+//! `config.json`'s `architectures` picks the [`Architecture`], and a text-only model's
+//! [`ModelConfig::vision`] is `None` (it refuses requests with images).
+//!
 //! ```text
 //! GenerateRequest ─validate─▶ Engine::submit ─▶ queue ─▶ engine loop (one per device):
 //!   scheduler: running decodes + prefill chunks under a token budget, blocks of the paged
