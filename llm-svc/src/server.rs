@@ -417,4 +417,71 @@ mod tests {
         drop(full);
         assert!(generate(vec![1, 2, 3], 2).await.is_ok());
     }
+
+    /// A text-only checkpoint (Qwen3ForCausalLM) answers text and refuses images at the door,
+    /// saying why.
+    #[tokio::test]
+    async fn a_text_only_model_refuses_images_with_invalid_argument() {
+        use tokio_stream::StreamExt;
+        let dir = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
+        let weights = Weights::open(&dir).unwrap();
+        let engine = Engine::load(
+            &dir,
+            &weights,
+            vlm_compute::CpuBackend::new(),
+            EngineConfig::default(),
+            &prometheus::Registry::new(),
+        )
+        .unwrap();
+        let hidden = engine.config().text.hidden_size;
+        let cell = Arc::new(OnceLock::new());
+        let _ = cell.set(engine);
+        let server = LlmServer {
+            engine: cell,
+            permits: Arc::new(Semaphore::new(1)),
+            max_concurrent: 1,
+            shm_domain: None,
+            device_domain: None,
+        };
+        let image = pb::ImageEmbeddings {
+            grid_thw: vec![1, 2, 2],
+            embeddings: Some(tensor::encode(
+                &[1, hidden],
+                &vec![0.5; hidden],
+                pb::Dtype::F32,
+            )),
+            ..Default::default()
+        };
+        let s = server
+            .generate(Request::new(pb::GenerateRequest {
+                prompt_token_ids: vec![1, 2, 3],
+                images: vec![image],
+                max_new_tokens: 2,
+                ..Default::default()
+            }))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+        assert!(
+            s.message().contains("text-only") && s.message().contains("Qwen3ForCausalLM"),
+            "{s:?}"
+        );
+
+        let mut stream = server
+            .generate(Request::new(pb::GenerateRequest {
+                prompt_token_ids: vec![401, 84, 82],
+                max_new_tokens: 3,
+                ignore_eos: true,
+                ..Default::default()
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut tokens = 0;
+        while let Some(msg) = stream.next().await {
+            tokens += msg.unwrap().token_ids.len();
+        }
+        assert_eq!(tokens, 3);
+    }
 }
