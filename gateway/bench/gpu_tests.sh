@@ -26,7 +26,7 @@ dir=${2%.tar.gz}
 [ -f Cargo.toml ] && [ -d gateway/bench ] || { echo "run from the repository root" >&2; exit 2; }
 
 # Test programs by crate: cargo's --test names (batching is both vision-svc's and llm-svc's).
-packages=(-p vlm-compute -p vision-svc -p llm-svc -p gateway)
+packages=(-p vlm-compute -p vision-svc -p llm-svc -p vlm-cli)
 tests=(--test cuda_twin --test golden_vision --test batching --test golden_text --test stack)
 
 case "$cmd" in
@@ -37,7 +37,7 @@ build)
   # it: vlm goes to DIR, each test program to DIR/<crate's directory>/<test name>. The other
   # binaries cargo builds for the tests (llm-svc, vision-svc) are left out.
   {
-    cargo build --release --message-format=json -p gateway --bin vlm
+    cargo build --release --message-format=json -p vlm-cli --bin vlm
     cargo test --release --no-run --message-format=json "${packages[@]}" "${tests[@]}"
   } | python3 -c '
 import json, os, shutil, sys

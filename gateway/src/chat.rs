@@ -9,7 +9,7 @@ use std::path::Path;
 use minijinja::{context, Environment, ErrorKind, Value as JinjaValue};
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
-use vlm_compute::files;
+use vlm_proto::checkpoint;
 
 use crate::{Error, Result};
 
@@ -67,7 +67,7 @@ fn load_template(dir: &Path, tokenizer_config: &Value) -> Result<String> {
     }
     let json_path = dir.join("chat_template.json");
     let (source, path) = if json_path.is_file() {
-        (files::read_json(&json_path)?, json_path)
+        (checkpoint::read_json(&json_path)?, json_path)
     } else {
         (tokenizer_config.clone(), dir.join("tokenizer_config.json"))
     };
@@ -100,7 +100,7 @@ impl ChatTokenizer {
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", tok_path.display())))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let tokenizer_config = if cfg_path.is_file() {
-            files::read_json(&cfg_path)?
+            checkpoint::read_json(&cfg_path)?
         } else {
             Value::Null
         };
@@ -234,7 +234,7 @@ mod tests {
     use super::*;
 
     fn tiny() -> ChatTokenizer {
-        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let dir = crate::tiny_fixture();
         ChatTokenizer::from_dir(&dir, Some(412)).unwrap()
     }
 
@@ -243,7 +243,7 @@ mod tests {
     /// `tokenizer_config.json`'s `chat_template`; and an image sent to it is the request's fault.
     #[test]
     fn text_only_chats_match_hf_with_the_template_from_either_file() {
-        let fixture = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
+        let fixture = crate::fixture("tiny-qwen3");
         let in_config = std::env::temp_dir().join(format!("vlm-chat-tc-{}", std::process::id()));
         std::fs::create_dir_all(&in_config).unwrap();
         std::fs::copy(

@@ -244,7 +244,7 @@ mod tests {
 
     #[test]
     fn token_bytes_undo_the_byte_level_alphabet() {
-        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let dir = crate::tiny_fixture();
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
         let tb = TokenBytes::new(&tokenizer);
         assert!(tb.byte_level);

@@ -1,5 +1,5 @@
-//! Errors of the gateway's own work (templating, tokenizing, request checks) and of the stages
-//! it drives. `is_invalid_input` decides between "your request is wrong" and "we failed".
+//! Errors of the gateway's own work (templating, tokenizing, request checks, reading the
+//! checkpoint). `is_invalid_input` decides between "your request is wrong" and "we failed".
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -10,12 +10,6 @@ pub enum Error {
     Template(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// Which image of the request failed, and why (not a `#[source]`: the message says it all).
-    #[error("image {index}: {error}")]
-    Image {
-        index: usize,
-        error: vision_svc::Error,
-    },
     /// The model directory is missing or is not a checkpoint.
     #[error("{0}")]
     ModelDir(String),
@@ -28,12 +22,9 @@ pub enum Error {
     /// A sampling field outside the contract's rules (`vlm_proto::sampling`).
     #[error(transparent)]
     Sampling(#[from] vlm_proto::sampling::InvalidSampling),
+    /// A checkpoint file that cannot be read (tokenizer and template settings).
     #[error(transparent)]
-    Vision(#[from] vision_svc::Error),
-    #[error(transparent)]
-    Llm(#[from] llm_svc::Error),
-    #[error(transparent)]
-    Compute(#[from] vlm_compute::Error),
+    Checkpoint(#[from] vlm_proto::checkpoint::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -43,14 +34,11 @@ impl Error {
     pub fn is_invalid_input(&self) -> bool {
         match self {
             Error::InvalidRequest(_) | Error::Sampling(_) => true,
-            Error::Image { error, .. } => error.is_invalid_input(),
-            Error::Vision(e) => e.is_invalid_input(),
-            Error::Llm(e) => e.is_invalid_input(),
             Error::Template(_)
             | Error::Tokenizer(_)
             | Error::ModelDir(_)
             | Error::GenerationConfig { .. }
-            | Error::Compute(_) => false,
+            | Error::Checkpoint(_) => false,
         }
     }
 }

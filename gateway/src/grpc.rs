@@ -18,7 +18,7 @@ use vlm_proto::telemetry;
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
-use crate::pipeline::ChatRequest;
+use crate::request::ChatRequest;
 use crate::sampling::{RequestedSampling, SamplingDefaults};
 
 pub struct GatewayService {

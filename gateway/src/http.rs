@@ -34,7 +34,7 @@ use vlm_proto::pb;
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
-use crate::pipeline::{ChatRequest, RequestLimits};
+use crate::request::{ChatRequest, RequestLimits};
 use crate::sampling::{RequestedSampling, SamplingDefaults};
 
 mod fields;

@@ -5,29 +5,46 @@
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`sampling`]: a request's sampling fields, with the checkpoint's defaults for those it
 //!   leaves out.
-//! - [`pipeline`]: the whole request in one process (`vlm run`).
+//! - [`request`]: a chat request as the gateway takes it, and its limits and checks;
+//!   [`checkpoint`]: what the gateway reads from the model directory besides the tokenizer.
 //! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas;
 //!   [`gateway_error`]: what a request can fail with, as gRPC and HTTP statuses.
-//! - [`serve`]: the gateway's servers; [`stack`]: all three services in one process.
-//! - [`bench`] and [`load`]: the measurements of `vlm bench` and `vlm load`; [`stand_in`]: an
-//!   llm-svc without a model, to measure the gateway alone.
+//! - [`serve`]: the gateway's servers.
+//!
+//! The gateway talks to vision-svc and llm-svc over the contract (`vlm-proto`) only, and links
+//! none of their code; the `vlm` CLI (crate `vlm-cli`) composes all three in one process.
 
 pub mod auth;
-pub mod bench;
 pub mod chat;
+pub mod checkpoint;
 pub mod detok;
 mod error;
 pub mod gateway_error;
 pub mod grpc;
 pub mod http;
-pub mod load;
 pub mod metrics;
 pub mod orchestrator;
-pub mod pipeline;
+pub mod request;
 pub mod sampling;
 pub mod serve;
-pub mod stack;
-pub mod stand_in;
 pub mod upstream;
 
 pub use error::{Error, Result};
+
+/// The committed test checkpoint `tests/fixtures/<name>`.
+#[cfg(test)]
+pub(crate) fn fixture(name: &str) -> std::path::PathBuf {
+    let rel = std::path::Path::new("../tests/fixtures").join(name);
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&rel);
+    if built.is_dir() {
+        built
+    } else {
+        rel
+    }
+}
+
+/// The tiny Qwen3-VL checkpoint most tests read.
+#[cfg(test)]
+pub(crate) fn tiny_fixture() -> std::path::PathBuf {
+    fixture("tiny-qwen3-vl")
+}

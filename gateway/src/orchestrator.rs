@@ -44,9 +44,9 @@ use crate::chat::{ChatTokenizer, Message, Part};
 use crate::detok::{TextStream, TokenBytes};
 pub use crate::gateway_error::GatewayError;
 use crate::metrics::Metrics;
-use crate::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits};
+use crate::request::{image_parts, validate_request, ChatRequest, RequestLimits};
 use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
-use crate::upstream::Upstreams;
+use crate::upstream::{Release, ReleaseSharedMemory, Upstreams};
 
 /// Most choices one request may ask for (`n`).
 pub const MAX_CHOICES: usize = 16;
@@ -159,8 +159,10 @@ pub struct Orchestrator {
     pub metrics: Metrics,
     /// Offer vision-svc shared memory for the embeddings when llm-svc shares it.
     pub shared_memory: bool,
+    /// Lets go of what a failed request's images left upstream.
+    pub release: Arc<dyn Release>,
     /// The shared-memory and device domains each llm-svc replica named in its last response
-    /// headers (`vlm_proto::shm`, `vlm_compute::handoff`), by address.
+    /// headers ([`headers`]), by address.
     llm_domains: std::sync::Mutex<std::collections::HashMap<String, LlmDomains>>,
     /// Longest a stream waits for its client to take the next event; past it the generation
     /// is cancelled, so a client that stops reading holds no permit, KV cache or task.
@@ -240,6 +242,7 @@ impl Orchestrator {
             image_settings: None,
             metrics,
             shared_memory: true,
+            release: Arc::new(ReleaseSharedMemory),
             llm_domains: Default::default(),
             client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
             sampling_defaults: SamplingDefaults::default(),
@@ -383,10 +386,7 @@ impl Orchestrator {
             .with_label_values(&[outcome])
             .observe(started.elapsed().as_secs_f64());
         let r = result?;
-        let held = Held {
-            segment: vlm_proto::shm::Segment::new(&r.shm_segment),
-            device: DeviceHandle(r.device_handle),
-        };
+        let held = Held::new(&r, self.release.clone());
         span.record("embedding_bytes", r.payload_bytes());
         span.record("shm", !r.shm_segment.is_empty());
         span.record("device", r.device_handle != 0);
@@ -819,32 +819,37 @@ async fn forward(
     }
 }
 
-/// What an encoded image holds until llm-svc takes it: a shared-memory segment, or embeddings
-/// deposited on the device in this process; dropped without [`Held::keep`] (the request
-/// failed on the way), both are let go at once.
+/// What an encoded image holds upstream until llm-svc takes it (a shared-memory segment, a
+/// device handoff); dropped without [`Held::keep`] (the request failed on the way), it is let go
+/// of at once through the orchestrator's [`Release`].
 struct Held {
-    segment: vlm_proto::shm::Segment,
-    device: DeviceHandle,
+    /// The names only (no tensors); `None` once kept.
+    image: Option<pb::ImageEmbeddings>,
+    release: Arc<dyn Release>,
 }
 
 impl Held {
-    fn keep(self) {
-        self.segment.keep();
-        std::mem::forget(self.device);
+    fn new(r: &EncodeResponse, release: Arc<dyn Release>) -> Self {
+        Self {
+            image: Some(pb::ImageEmbeddings {
+                shm_segment: r.shm_segment.clone(),
+                device_handle: r.device_handle,
+                ..Default::default()
+            }),
+            release,
+        }
+    }
+
+    /// llm-svc has it: leave it to llm-svc.
+    fn keep(mut self) {
+        self.image = None;
     }
 }
 
-/// A device handoff (`vlm_compute::handoff`) not yet taken. Where the gateway runs in the
-/// process that holds it (`vlm serve`), dropping this frees its device memory now instead of
-/// at the deposit's expiry; elsewhere there is nothing under the number here.
-struct DeviceHandle(u64);
-
-impl Drop for DeviceHandle {
+impl Drop for Held {
     fn drop(&mut self) {
-        if self.0 != 0 {
-            drop(vlm_compute::handoff::take::<Vec<vlm_compute::Embeddings>>(
-                self.0,
-            ));
+        if let Some(image) = self.image.take() {
+            self.release.release(&image);
         }
     }
 }
@@ -862,10 +867,10 @@ mod tests {
 
     /// A gateway of the tiny fixture with llm-svc replicas at `llm` (none is ever called).
     fn orchestrator(llm: &[&str]) -> Orchestrator {
-        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
-        let image_token = llm_svc::ModelConfig::from_dir(&dir)
+        let dir = crate::tiny_fixture();
+        let image_token = crate::checkpoint::ModelIds::read(&dir)
             .unwrap()
-            .image_token_id();
+            .image_token_id;
         let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
         let llm: Vec<String> = llm.iter().map(|a| a.to_string()).collect();
         Orchestrator::new(
@@ -888,22 +893,27 @@ mod tests {
 
     #[test]
     fn a_handoff_not_passed_on_is_let_go_and_one_passed_on_is_left_to_llm_svc() {
-        use vlm_compute::{handoff, Embeddings};
-        let held = |id| Held {
-            segment: vlm_proto::shm::Segment::new(""),
-            device: DeviceHandle(id),
+        #[derive(Default)]
+        struct Released(std::sync::Mutex<Vec<u64>>);
+        impl Release for Released {
+            fn release(&self, image: &pb::ImageEmbeddings) {
+                self.0.lock().unwrap().push(image.device_handle);
+            }
+        }
+        let released = Arc::new(Released::default());
+        let held = |id| {
+            let r = EncodeResponse {
+                device_handle: id,
+                ..Default::default()
+            };
+            Held::new(&r, released.clone())
         };
-        let dropped = handoff::deposit(Vec::<Embeddings>::new());
-        drop(held(dropped));
-        assert!(
-            handoff::take::<Vec<Embeddings>>(dropped).is_none(),
-            "let go"
-        );
-        let kept = handoff::deposit(Vec::<Embeddings>::new());
-        held(kept).keep();
-        assert!(
-            handoff::take::<Vec<Embeddings>>(kept).is_some(),
-            "still there"
+        drop(held(7));
+        held(9).keep();
+        assert_eq!(
+            *released.0.lock().unwrap(),
+            vec![7],
+            "7 let go, 9 still there"
         );
     }
 

@@ -223,7 +223,7 @@ mod tests {
     fn no_file_no_keys_or_none_mode_is_greedy() {
         let greedy = SamplingParams::default();
         // The bundled fixture says do_sample false and names no sampling key.
-        let fixture = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
+        let fixture = crate::tiny_fixture();
         let dir = std::env::temp_dir().join(format!("vlm-genconfig-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(

@@ -14,17 +14,19 @@ use tonic_health::pb::HealthCheckRequest;
 use vlm_proto::pb::gateway_server::GatewayServer;
 
 use tonic::transport::ClientTlsConfig;
+use vlm_proto::image::PreprocessConfig;
 use vlm_proto::tls::ServerIdentity;
 
 use crate::auth::{ApiKey, GrpcAuth};
 use crate::chat::ChatTokenizer;
+use crate::checkpoint::{check_model_dir, ModelIds};
 use crate::grpc::GatewayService;
 use crate::http::{router, HttpState};
 use crate::metrics::Metrics;
 use crate::orchestrator::Orchestrator;
-use crate::pipeline::{check_model_dir, RequestLimits};
+use crate::request::RequestLimits;
 use crate::sampling::{GenerationConfig, SamplingDefaults};
-use crate::upstream::{upstream_endpoint, Upstreams};
+use crate::upstream::{upstream_endpoint, Release, Upstreams};
 
 pub struct GatewayConfig {
     /// Checkpoint directory: the gateway reads its tokenizer, chat template and config.json.
@@ -46,6 +48,9 @@ pub struct GatewayConfig {
     /// Let embeddings travel through shared memory when vision-svc and llm-svc share this
     /// host's (see `vlm_proto::shm`); off: always inside the gRPC messages.
     pub shared_memory: bool,
+    /// Lets go of what a failed request's images left upstream ([`crate::upstream::ReleaseSharedMemory`] unless
+    /// the stages share this process and can free device handoffs too).
+    pub release: Arc<dyn Release>,
     /// Metrics of other services to show on the gateway's `/metrics` (`vlm serve` runs the
     /// model services in its process).
     pub also_metrics: Vec<prometheus::Registry>,
@@ -220,8 +225,8 @@ pub async fn serve(
 /// defaults, the upstreams, the limits and how embeddings travel.
 fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     check_model_dir(&cfg.model)?;
-    let llm_cfg = llm_svc::ModelConfig::from_dir(&cfg.model)?;
-    let chat = ChatTokenizer::from_dir(&cfg.model, llm_cfg.image_token_id())?;
+    let ids = ModelIds::read(&cfg.model)?;
+    let chat = ChatTokenizer::from_dir(&cfg.model, ids.image_token_id)?;
     let sampling_defaults = SamplingDefaults::load(&cfg.model, cfg.generation_config)?;
     if !sampling_defaults.is_empty() {
         // As vLLM says it: a request that names no temperature is not greedy here.
@@ -241,7 +246,8 @@ fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     );
     orchestrator.embedding_dtype = cfg.embedding_dtype;
     orchestrator.shared_memory = cfg.shared_memory;
-    orchestrator.image_settings = match vision_svc::PreprocessConfig::from_dir(&cfg.model) {
+    orchestrator.release = cfg.release.clone();
+    orchestrator.image_settings = match PreprocessConfig::from_dir(&cfg.model) {
         Ok(settings) => Some(settings),
         Err(e) => {
             tracing::warn!(error = %e, "prompts wait for the image embeddings to count image tokens");
@@ -250,7 +256,7 @@ fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     };
     orchestrator.client_send_timeout = cfg.client_send_timeout;
     orchestrator.sampling_defaults = sampling_defaults;
-    orchestrator.vocab_size = Some(llm_cfg.text.vocab_size);
+    orchestrator.vocab_size = Some(ids.vocab_size);
     Ok(orchestrator)
 }
 

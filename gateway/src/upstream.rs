@@ -10,6 +10,24 @@ use tonic::Status;
 
 use crate::gateway_error::{upstream_gone, GatewayError};
 
+/// Lets go of what an encoded image left upstream for llm-svc (a shared-memory segment, a
+/// device handoff: the gateway passes both on by name and never looks inside) when its request
+/// fails before llm-svc takes it. The gateway's own is [`ReleaseSharedMemory`]; `vlm serve`,
+/// whose stages share its process, supplies one that frees device handoffs too.
+pub trait Release: Send + Sync {
+    fn release(&self, image: &vlm_proto::pb::ImageEmbeddings);
+}
+
+/// Removes an image's shared-memory segment, which any process on the host can; a device
+/// handoff lives in another process, and is dropped there when it expires.
+pub struct ReleaseSharedMemory;
+
+impl Release for ReleaseSharedMemory {
+    fn release(&self, image: &vlm_proto::pb::ImageEmbeddings) {
+        drop(vlm_proto::shm::Segment::new(&image.shm_segment));
+    }
+}
+
 /// The endpoint of an upstream at `addr` (`host:port`, or a URL): plaintext, or with `tls`
 /// TLS (a bare `host:port` then means `https://`, and the certificate must name the host).
 pub fn upstream_endpoint(addr: &str, tls: Option<&ClientTlsConfig>) -> anyhow::Result<Endpoint> {

@@ -1,6 +1,6 @@
 //! The product end to end: the three real binaries on loopback, driven as clients drive them
 //! (gRPC and OpenAI-style HTTP), answers compared with `vlm run` (whose equality with HF
-//! transformers `gateway/tests/cli.rs` proves), the error contract, cancellation, deadlines,
+//! transformers `cli/tests/cli.rs` proves), the error contract, cancellation, deadlines,
 //! graceful shutdown, and one trace per request across the three processes.
 
 use std::time::Duration;

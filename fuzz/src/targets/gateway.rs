@@ -9,7 +9,7 @@
 //! long for the context).
 
 use ::gateway::chat::{Message, Part};
-use ::gateway::pipeline::{image_parts, validate_request, ChatRequest, RequestLimits};
+use ::gateway::request::{image_parts, validate_request, ChatRequest, RequestLimits};
 use llm_svc::SamplingParams;
 use vlm_proto::pb;
 use vlm_proto::tensor;

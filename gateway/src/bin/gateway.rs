@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use gateway::pipeline::RequestLimits;
+use gateway::request::RequestLimits;
 use gateway::serve::{serve, GatewayConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -133,6 +133,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     });
     let cfg = GatewayConfig {
         also_metrics: Vec::new(),
+        release: std::sync::Arc::new(gateway::upstream::ReleaseSharedMemory),
         model: args.model,
         model_name,
         vision_addrs: args.vision_addr,

@@ -56,10 +56,10 @@ struct Harness {
 /// A gateway of the tiny fixture whose llm-svc answers three tokens, one per message, then
 /// finishes (its vision-svc is nowhere: the chats are text).
 async fn harness() -> Harness {
-    let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
-    let image_token = llm_svc::ModelConfig::from_dir(&dir)
+    let dir = crate::tiny_fixture();
+    let image_token = crate::checkpoint::ModelIds::read(&dir)
         .unwrap()
-        .image_token_id();
+        .image_token_id;
     let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
     // Tokens of plain ASCII words, and one byte that starts a two-byte character.
     let tb = TokenBytes::new(chat.tokenizer());
@@ -109,10 +109,7 @@ async fn harness() -> Harness {
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     let nowhere = ["127.0.0.1:1".to_string()];
-    let vocab = llm_svc::ModelConfig::from_dir(&dir)
-        .unwrap()
-        .text
-        .vocab_size;
+    let vocab = crate::checkpoint::ModelIds::read(&dir).unwrap().vocab_size;
     let mut orchestrator = Orchestrator::new(
         chat,
         Upstreams::new("vision-svc", &nowhere, None).unwrap(),

@@ -22,15 +22,15 @@ use crate::upstream::Upstreams;
 const NOWHERE: &str = "127.0.0.1:1";
 
 fn fixture() -> PathBuf {
-    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
+    crate::tiny_fixture()
 }
 
 /// The fixture's gateway with `limits`, two places, and no upstream.
 fn state(limits: RequestLimits) -> HttpState {
     let dir = fixture();
-    let image_token = llm_svc::ModelConfig::from_dir(&dir)
+    let image_token = crate::checkpoint::ModelIds::read(&dir)
         .unwrap()
-        .image_token_id();
+        .image_token_id;
     let chat = ChatTokenizer::from_dir(&dir, image_token).unwrap();
     let nowhere = [NOWHERE.to_string()];
     let orchestrator = Orchestrator::new(
@@ -247,6 +247,7 @@ async fn a_grpc_message_over_the_limit_is_refused_naming_it() {
     let stop = tokio_util::sync::CancellationToken::new();
     let cfg = crate::serve::GatewayConfig {
         model: fixture(),
+        release: std::sync::Arc::new(crate::upstream::ReleaseSharedMemory),
         model_name: "tiny".into(),
         vision_addrs: vec![NOWHERE.into()],
         llm_addrs: vec![NOWHERE.into()],

@@ -7,8 +7,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use gateway::chat::{Message, Part};
-use gateway::pipeline::{ChatOutput, ChatRequest, Pipeline};
+use gateway::request::ChatRequest;
 use llm_svc::SamplingParams;
+use vlm_cli::pipeline::{ChatOutput, Pipeline};
 use vlm_compute::{npy, Backend, Device, HostTensor, OnDevice};
 
 #[derive(clap::Args)]

@@ -31,8 +31,10 @@ use vision_svc::{Delivery, Patches, VisionConfig};
 use vlm_compute::sampling::SampleBuffers;
 use vlm_compute::{Backend, HostTensor, Weights};
 
-use crate::chat::{ChatTokenizer, Message, Part};
-use crate::pipeline::{ChatRequest, Pipeline};
+use gateway::chat::{ChatTokenizer, Message, Part};
+use gateway::request::ChatRequest;
+
+use crate::pipeline::Pipeline;
 use crate::stack::{LocalStack, StackConfig};
 
 pub struct BenchOptions {

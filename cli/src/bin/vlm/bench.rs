@@ -1,5 +1,5 @@
 //! `vlm bench`: the stages measured on this machine against its copy bandwidth and GEMM rate
-//! (the measurements are in [`gateway::bench`]); prints a table and, with `--json`, one object
+//! (the measurements are in [`vlm_cli::bench`]); prints a table and, with `--json`, one object
 //! per measurement with the device, config and commit.
 
 use std::path::PathBuf;
@@ -94,7 +94,7 @@ pub struct BenchArgs {
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    gateway::pipeline::check_model_dir(&args.model)?;
+    gateway::checkpoint::check_model_dir(&args.model)?;
     let device = args.device.describe()?;
     args.device.run(Bench {
         args: &args,
@@ -123,7 +123,7 @@ fn bench_on<B: Backend + Clone>(
     copy: impl Fn(&B, usize) -> anyhow::Result<std::time::Duration>,
     device: String,
 ) -> anyhow::Result<()> {
-    let opts = gateway::bench::BenchOptions {
+    let opts = vlm_cli::bench::BenchOptions {
         warmup: args.warmup,
         repeats: args.repeats,
         image_sides: args.image_sides.0.clone(),
@@ -138,7 +138,7 @@ fn bench_on<B: Backend + Clone>(
         through_gateway: !args.no_gateway,
         random_weights: args.random_weights.then_some(0),
     };
-    let rows = gateway::bench::run(&args.model, open, &opts, copy)?;
+    let rows = vlm_cli::bench::run(&args.model, open, &opts, copy)?;
     let config = format!(
         "{}{}",
         args.model.display(),
@@ -148,7 +148,7 @@ fn bench_on<B: Backend + Clone>(
             ""
         }
     );
-    println!("device: {device}\n{}", gateway::bench::table(&rows));
+    println!("device: {device}\n{}", vlm_cli::bench::table(&rows));
     if let Some(path) = &args.json {
         let commit = git_commit();
         let items: Vec<serde_json::Value> = rows

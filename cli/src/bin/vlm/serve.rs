@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gateway::stack::StackConfig;
+use vlm_cli::stack::StackConfig;
 
 use vlm_compute::Device;
 
@@ -70,7 +70,7 @@ pub async fn serve(
     args: ServeArgs,
     log_format: vlm_proto::telemetry::LogFormat,
 ) -> anyhow::Result<()> {
-    gateway::pipeline::check_model_dir(&args.model).with_context(|| {
+    gateway::checkpoint::check_model_dir(&args.model).with_context(|| {
         "vlm serve needs a model; run it from the repository root or pass --model DIR"
     })?;
     let telemetry = vlm_proto::telemetry::init("vlm", log_format);

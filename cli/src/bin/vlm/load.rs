@@ -1,6 +1,6 @@
 //! `vlm load`: many streamed chats at once, through the gateway's HTTP and gRPC APIs, at one
 //! concurrency after another; a table of throughput and latency per level (the measuring is
-//! in [`gateway::load`]).
+//! in [`vlm_cli::load`]).
 //!
 //! It targets a running gateway (`--http`, `--grpc`) or starts the local stack itself, as
 //! `vlm serve` would, with the same model and engine flags. The clients run on their own
@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
-use gateway::load::{self, ApiMix, LevelLimits, LevelStats, RequestMaker, Target, Workload};
-use gateway::stack::{LocalStack, StackConfig};
 use indicatif::{ProgressBar, ProgressStyle};
+use vlm_cli::load::{self, ApiMix, LevelLimits, LevelStats, RequestMaker, Target, Workload};
+use vlm_cli::stack::{LocalStack, StackConfig};
 
 use vlm_compute::Device;
 
@@ -198,7 +198,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         (None, true) => None,
     };
     if let Some(dir) = &model {
-        gateway::pipeline::check_model_dir(dir).with_context(|| {
+        gateway::checkpoint::check_model_dir(dir).with_context(|| {
             "vlm load needs a model; run it from the repository root or pass --model DIR"
         })?;
     }
@@ -300,7 +300,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         image_side: args.image_side,
         api: args.api,
         seed: args.seed,
-        sampling: gateway::load::LoadSampling {
+        sampling: vlm_cli::load::LoadSampling {
             temperature: args.temperature,
             top_p: args.top_p,
             top_k: args.top_k,

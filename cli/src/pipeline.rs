@@ -6,56 +6,15 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use llm_svc::{
-    Engine, EngineConfig, FinishReason, GenerateRequest, ImageInput, SamplingParams, TokenEvent,
-};
+use gateway::chat::ChatTokenizer;
+use gateway::checkpoint::{check_model_dir, ModelIds};
+use gateway::detok::TextStream;
+use gateway::request::{image_parts, validate_request, ChatRequest, RequestLimits};
+use llm_svc::{Engine, EngineConfig, FinishReason, GenerateRequest, ImageInput, TokenEvent};
 use vision_svc::VisionEncoder;
 use vlm_compute::{Backend, Weights};
 
-use crate::chat::{ChatTokenizer, Message, Part};
-use crate::detok::TextStream;
 use crate::{Error, Result};
-
-/// Limits applied to every request, on top of the model's own.
-#[derive(Clone, Debug)]
-pub struct RequestLimits {
-    /// Most images in one request.
-    pub max_images: usize,
-    /// Most new tokens one request may ask for.
-    pub max_new_tokens: usize,
-    /// Most messages in one request.
-    pub max_messages: usize,
-    /// Largest encoded image (PNG, JPEG, ... bytes) in a request.
-    pub max_image_bytes: usize,
-    /// Largest request: an HTTP body (larger gets 413) or a gRPC message (OUT_OF_RANGE).
-    pub max_body_bytes: usize,
-}
-
-impl Default for RequestLimits {
-    fn default() -> Self {
-        Self {
-            max_images: 8,
-            max_new_tokens: 8192,
-            max_messages: 1024,
-            max_image_bytes: 32 * 1024 * 1024,
-            max_body_bytes: vlm_proto::MAX_MESSAGE_BYTES,
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct ChatRequest {
-    pub messages: Vec<Message>,
-    pub sampling: SamplingParams,
-    pub max_new_tokens: usize,
-    /// Generation stops before any of these strings; the text returned excludes it.
-    pub stop: Vec<String>,
-    /// Generate through eos tokens, up to `max_new_tokens` (for benchmarks and tests).
-    pub ignore_eos: bool,
-    /// Hand each step's logits to `on_token` (`vlm run --logits-out`); otherwise greedy
-    /// requests keep them on the device.
-    pub return_logits: bool,
-}
 
 #[derive(Clone, Debug, Default)]
 pub struct Timings {
@@ -84,76 +43,6 @@ pub struct Pipeline<B: Backend> {
     pub limits: RequestLimits,
 }
 
-/// Checks that `dir` looks like a checkpoint before anything else reads from it.
-pub fn check_model_dir(dir: &Path) -> Result<()> {
-    if !dir.is_dir() {
-        return Err(Error::ModelDir(format!(
-            "model directory {} does not exist",
-            dir.display()
-        )));
-    }
-    if !dir.join("config.json").is_file() {
-        return Err(Error::ModelDir(format!(
-            "{} has no config.json; point --model at a Hugging Face Qwen3-VL checkpoint directory",
-            dir.display()
-        )));
-    }
-    Ok(())
-}
-
-/// Checks a chat request against `limits` before any work is done for it.
-pub fn validate_request(req: &ChatRequest, limits: &RequestLimits) -> Result<()> {
-    if req.messages.is_empty() {
-        return Err(Error::InvalidRequest("`messages` is empty".into()));
-    }
-    if req.messages.len() > limits.max_messages {
-        return Err(Error::InvalidRequest(format!(
-            "a request may carry at most {} messages (--max-messages), got {}",
-            limits.max_messages,
-            req.messages.len()
-        )));
-    }
-    if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
-        return Err(Error::InvalidRequest(format!("message {i} has no content")));
-    }
-    let images = image_parts(&req.messages).count();
-    if images > limits.max_images {
-        return Err(Error::InvalidRequest(format!(
-            "a request may carry at most {} images (--max-images), got {images}",
-            limits.max_images
-        )));
-    }
-    if let Some((i, bytes)) = image_parts(&req.messages)
-        .enumerate()
-        .find(|(_, b)| b.len() > limits.max_image_bytes)
-    {
-        return Err(Error::InvalidRequest(format!(
-            "image {i} has {} bytes; an image may have at most {} (--max-image-bytes)",
-            bytes.len(),
-            limits.max_image_bytes
-        )));
-    }
-    if req.max_new_tokens == 0 || req.max_new_tokens > limits.max_new_tokens {
-        return Err(Error::InvalidRequest(format!(
-            "`max_tokens` (tokens to generate; --max-new-tokens in the CLI) must be between 1 and {}, got {}",
-            limits.max_new_tokens, req.max_new_tokens
-        )));
-    }
-    req.sampling.validate()?;
-    Ok(())
-}
-
-/// The image bytes of a chat, in order of appearance.
-pub fn image_parts(messages: &[Message]) -> impl Iterator<Item = &Vec<u8>> {
-    messages
-        .iter()
-        .flat_map(|m| &m.parts)
-        .filter_map(|p| match p {
-            Part::Image(bytes) => Some(bytes),
-            Part::Text(_) => None,
-        })
-}
-
 impl<B: Backend + Clone> Pipeline<B> {
     /// Loads tokenizer, template, vision tower and text decoder from one checkpoint directory.
     pub fn load(dir: &Path, backend: B, engine: EngineConfig) -> Result<Self> {
@@ -173,7 +62,7 @@ impl<B: Backend + Clone> Pipeline<B> {
         let vision = VisionEncoder::load(dir, weights, backend.clone())?;
         let engine = Engine::load(dir, weights, backend, engine, &prometheus::Registry::new())?;
         weights.finish();
-        let chat = ChatTokenizer::from_dir(dir, engine.config().image_token_id())?;
+        let chat = ChatTokenizer::from_dir(dir, ModelIds::read(dir)?.image_token_id)?;
         Ok(Self {
             chat,
             vision,
@@ -240,7 +129,7 @@ impl<B: Backend + Clone> Pipeline<B> {
                 }
             })?;
         if let Some(e) = failure {
-            return Err(e);
+            return Err(e.into());
         }
         out_text.push_str(&stream.finish()?);
         timings.prefill = generation.prefill;

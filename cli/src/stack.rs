@@ -17,8 +17,26 @@ use tokio::net::TcpListener;
 use tokio::task::{Id, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::pipeline::RequestLimits;
-use crate::serve::{GatewayConfig, UpstreamHealth};
+use gateway::request::RequestLimits;
+use gateway::serve::{GatewayConfig, UpstreamHealth};
+use gateway::upstream::{Release, ReleaseSharedMemory};
+use vlm_proto::pb;
+
+/// What a failed request's images left upstream, let go of in a process that holds both
+/// stages: the shared-memory segment as any gateway does, and the device handoff
+/// (`vlm_compute::handoff`), whose device memory is freed now instead of at the deposit's expiry.
+pub struct ReleaseInProcess;
+
+impl Release for ReleaseInProcess {
+    fn release(&self, image: &pb::ImageEmbeddings) {
+        ReleaseSharedMemory.release(image);
+        if image.device_handle != 0 {
+            drop(vlm_compute::handoff::take::<Vec<vlm_compute::Embeddings>>(
+                image.device_handle,
+            ));
+        }
+    }
+}
 
 /// What to start, and how.
 #[derive(Clone, Debug)]
@@ -54,12 +72,12 @@ pub struct StackConfig {
     /// Longest a request may take.
     pub request_timeout: Duration,
     /// The key the public APIs require; `None`: open.
-    pub api_key: Option<crate::auth::ApiKey>,
+    pub api_key: Option<gateway::auth::ApiKey>,
     /// HTTPS and gRPC over TLS on the public ports.
     pub tls: Option<vlm_proto::tls::ServerIdentity>,
     /// Whether the checkpoint's generation_config.json gives the sampling fields a request
     /// leaves out.
-    pub generation_config: crate::sampling::GenerationConfig,
+    pub generation_config: gateway::sampling::GenerationConfig,
     /// Instead of llm-svc, a stand-in that hands each request a token every this long, with
     /// no model ([`crate::stand_in`]), and no vision-svc (text requests only): what the
     /// gateway and the hops cost, measured without the models.
@@ -187,7 +205,7 @@ impl LocalStack {
             );
             stack.spawn("llm-svc", llm_task);
         }
-        let gateway_task = crate::serve::serve(
+        let gateway_task = gateway::serve::serve(
             GatewayConfig {
                 model: cfg.model.clone(),
                 model_name: cfg.model_name.clone(),
@@ -197,9 +215,10 @@ impl LocalStack {
                 limits: RequestLimits::default(),
                 default_max_tokens: cfg.default_max_tokens,
                 request_timeout: cfg.request_timeout,
-                client_send_timeout: crate::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT,
+                client_send_timeout: gateway::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT,
                 embedding_dtype: cfg.embedding_dtype,
                 shared_memory: cfg.shared_memory,
+                release: std::sync::Arc::new(ReleaseInProcess),
                 also_metrics: vec![registry],
                 api_key: cfg.api_key.clone(),
                 tls: cfg.tls.clone(),
@@ -306,5 +325,29 @@ impl Drop for LocalStack {
     /// token is cancelled and the services' tasks are aborted with the set that holds them.
     fn drop(&mut self) {
         self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_handoff_not_passed_on_is_let_go() {
+        use vlm_compute::{handoff, Embeddings};
+        let dropped = handoff::deposit(Vec::<Embeddings>::new());
+        ReleaseInProcess.release(&pb::ImageEmbeddings {
+            device_handle: dropped,
+            ..Default::default()
+        });
+        assert!(
+            handoff::take::<Vec<Embeddings>>(dropped).is_none(),
+            "let go"
+        );
+        let kept = handoff::deposit(Vec::<Embeddings>::new());
+        assert!(
+            handoff::take::<Vec<Embeddings>>(kept).is_some(),
+            "still there"
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! `gateway::stack::LocalStack`, the one way `vlm serve`, `vlm bench` and `vlm load` start the
+//! `vlm_cli::stack::LocalStack`, the one way `vlm serve`, `vlm bench` and `vlm load` start the
 //! three services in process: it serves the bundled tiny model through both public APIs (with
 //! logprobs when asked) and stops cleanly, and a model that cannot load fails `ready` with the service's name and its
 //! error instead of waiting out the timeout.
@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gateway::stack::{LocalStack, StackConfig};
+use vlm_cli::stack::{LocalStack, StackConfig};
 use vlm_compute::CpuBackend;
 use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ChatMessage, ContentPart};
 
@@ -214,7 +214,8 @@ async fn the_same_on_a_gpu() {
 
 async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::Result<B>) {
     use gateway::chat::{Message, Part};
-    use gateway::pipeline::{ChatRequest, Pipeline};
+    use gateway::request::ChatRequest;
+    use vlm_cli::pipeline::Pipeline;
 
     let image = std::fs::read(fixture().join("images/cat.png")).unwrap();
     let text = "What is in the picture?";

@@ -18,7 +18,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use clap::{Parser, Subcommand};
-use gateway::stack::{LocalStack, StackConfig};
+use vlm_cli::stack::{LocalStack, StackConfig};
 use vlm_compute::{Backend, Device, OnDevice};
 
 #[derive(Parser)]

@@ -1,0 +1,102 @@
+//! A chat request as the gateway takes it, after either API has read it and before any work
+//! is done for it: its messages, sampling and budget ([`ChatRequest`]), the limits every request
+//! is held to ([`RequestLimits`]) and the checks against them ([`validate_request`]). The
+//! orchestrator serves it across the services; `vlm run` runs it in one process.
+
+use crate::chat::{Message, Part};
+use crate::{Error, Result};
+use vlm_proto::sampling::SamplingParams;
+
+/// Limits applied to every request, on top of the model's own.
+#[derive(Clone, Debug)]
+pub struct RequestLimits {
+    /// Most images in one request.
+    pub max_images: usize,
+    /// Most new tokens one request may ask for.
+    pub max_new_tokens: usize,
+    /// Most messages in one request.
+    pub max_messages: usize,
+    /// Largest encoded image (PNG, JPEG, ... bytes) in a request.
+    pub max_image_bytes: usize,
+    /// Largest request: an HTTP body (larger gets 413) or a gRPC message (OUT_OF_RANGE).
+    pub max_body_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_images: 8,
+            max_new_tokens: 8192,
+            max_messages: 1024,
+            max_image_bytes: 32 * 1024 * 1024,
+            max_body_bytes: vlm_proto::MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub sampling: SamplingParams,
+    pub max_new_tokens: usize,
+    /// Generation stops before any of these strings; the text returned excludes it.
+    pub stop: Vec<String>,
+    /// Generate through eos tokens, up to `max_new_tokens` (for benchmarks and tests).
+    pub ignore_eos: bool,
+    /// Hand each step's logits to `on_token` (`vlm run --logits-out`); otherwise greedy
+    /// requests keep them on the device.
+    pub return_logits: bool,
+}
+
+/// Checks a chat request against `limits` before any work is done for it.
+pub fn validate_request(req: &ChatRequest, limits: &RequestLimits) -> Result<()> {
+    if req.messages.is_empty() {
+        return Err(Error::InvalidRequest("`messages` is empty".into()));
+    }
+    if req.messages.len() > limits.max_messages {
+        return Err(Error::InvalidRequest(format!(
+            "a request may carry at most {} messages (--max-messages), got {}",
+            limits.max_messages,
+            req.messages.len()
+        )));
+    }
+    if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
+        return Err(Error::InvalidRequest(format!("message {i} has no content")));
+    }
+    let images = image_parts(&req.messages).count();
+    if images > limits.max_images {
+        return Err(Error::InvalidRequest(format!(
+            "a request may carry at most {} images (--max-images), got {images}",
+            limits.max_images
+        )));
+    }
+    if let Some((i, bytes)) = image_parts(&req.messages)
+        .enumerate()
+        .find(|(_, b)| b.len() > limits.max_image_bytes)
+    {
+        return Err(Error::InvalidRequest(format!(
+            "image {i} has {} bytes; an image may have at most {} (--max-image-bytes)",
+            bytes.len(),
+            limits.max_image_bytes
+        )));
+    }
+    if req.max_new_tokens == 0 || req.max_new_tokens > limits.max_new_tokens {
+        return Err(Error::InvalidRequest(format!(
+            "`max_tokens` (tokens to generate; --max-new-tokens in the CLI) must be between 1 and {}, got {}",
+            limits.max_new_tokens, req.max_new_tokens
+        )));
+    }
+    req.sampling.validate()?;
+    Ok(())
+}
+
+/// The image bytes of a chat, in order of appearance.
+pub fn image_parts(messages: &[Message]) -> impl Iterator<Item = &Vec<u8>> {
+    messages
+        .iter()
+        .flat_map(|m| &m.parts)
+        .filter_map(|p| match p {
+            Part::Image(bytes) => Some(bytes),
+            Part::Text(_) => None,
+        })
+}
