@@ -14,6 +14,8 @@ use llm_svc::EngineArgs;
     about = "Qwen3-VL language service: continuous batching over a paged KV cache, tokens streamed over gRPC (vlm.v1.LlmService)",
     long_about = "Qwen3-VL language service: continuous batching over a paged KV cache, tokens streamed over gRPC \
         (vlm.v1.LlmService, plus grpc.health.v1 and reflection).\n\n\
+        --model takes a Qwen3-VL checkpoint, or a text-only Qwen3 (Qwen3ForCausalLM) or Qwen2 / Qwen2.5 \
+        (Qwen2ForCausalLM) one, which refuses requests with images (INVALID_ARGUMENT).\n\n\
         One engine loop owns the device: every step it runs the decoding requests together with chunks of \
         waiting prompts (--max-batch-seqs, --max-batch-tokens). The KV cache is a pool of blocks allocated once \
         at start-up (--gpu-memory-utilization or --kv-cache-tokens; the size is logged); prompts that begin like \
