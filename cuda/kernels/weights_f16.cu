@@ -601,29 +601,72 @@ __device__ __forceinline__ uint4 load_stream16(const unsigned* __restrict__ p) {
     return v;
 }
 
-// part[r] += sum over the load's 128 / BITS columns from c of (q - zero) * x[r, c + i];
-// off = 2^23 + zero.
+// (q - zero) of one 32-bit word's values, as f16 pairs (exact: whole numbers below 2048), and the
+// column (from the word's first) of each pair's two halves. 4 bits: lop3 puts nibbles 0 and 4
+// (then 1 and 5, scaled by 16) into the mantissas of 1024.0 halves, so one hsub2 (one hfma2 for
+// the scaled ones) leaves q - zero; after a shift by 8, nibbles 2 and 6, 3 and 7 (Marlin's
+// dequantization). 8 bits: a byte permute puts bytes 0 and 2, then 1 and 3, into 1024.0's.
+template <int BITS>
+struct IntPairs {
+    static constexpr int N = 32 / BITS / 2;
+    __half2 v[N];
+    __device__ __forceinline__ IntPairs(unsigned w, __half2 base, __half2 base16) {
+        if (BITS == 4) {
+            const unsigned lo_mask = 0x000f000f, hi_mask = 0x00f000f0, ex = 0x64006400;
+            const __half2 sixteenth = __float2half2_rn(0.0625f);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned q = w >> (8 * h);
+                unsigned lo, hi;
+                asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(lo) : "r"(q), "r"(lo_mask), "r"(ex));
+                asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(hi) : "r"(q), "r"(hi_mask), "r"(ex));
+                v[2 * h] = __hsub2(*reinterpret_cast<__half2*>(&lo), base);
+                v[2 * h + 1] = __hfma2(*reinterpret_cast<__half2*>(&hi), sixteenth, base16);
+            }
+        } else {
+            const unsigned a = __byte_perm(w, 0x64646464, 0x4240);
+            const unsigned b = __byte_perm(w, 0x64646464, 0x4341);
+            v[0] = __hsub2(*reinterpret_cast<const __half2*>(&a), base);
+            v[1] = __hsub2(*reinterpret_cast<const __half2*>(&b), base);
+        }
+    }
+    // Column offsets of pair p's low and high halves within the word.
+    static __device__ __forceinline__ int lo_col(int p) { return BITS == 4 ? p : p; }
+    static __device__ __forceinline__ int hi_col(int p) { return BITS == 4 ? p + 4 : p + 2; }
+};
+
+// pa[r] and pb[r] += sum over one load's 128 / BITS columns from c of (q - zero) * x[r, c + i],
+// for the loads ra and rb of two weight rows that share x's reads.
 template <int BITS, int ROWS>
-__device__ __forceinline__ void int_dot(const float* __restrict__ x, int k, int c, uint4 raw,
-                                        float off, float part[ROWS]) {
-    constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+__device__ __forceinline__ void int_dot2(const float* __restrict__ x, int k, int c, uint4 ra,
+                                         uint4 rb, __half2 base_a, __half2 base16_a,
+                                         __half2 base_b, __half2 base16_b, float pa[ROWS],
+                                         float pb[ROWS]) {
+    constexpr int PER = 32 / BITS;
+    const unsigned wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-        float q[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i)
-            q[i] = __int_as_float(0x4B000000 | ((words[wi] >> (BITS * i)) & MASK)) - off;
+        const IntPairs<BITS> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
+            float xs[PER];
             const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k + c + wi * PER);
 #pragma unroll
             for (int v = 0; v < PER / 4; ++v) {
-                const float4 a = xr[v];
-                part[r] = fmaf(q[4 * v], a.x, part[r]);
-                part[r] = fmaf(q[4 * v + 1], a.y, part[r]);
-                part[r] = fmaf(q[4 * v + 2], a.z, part[r]);
-                part[r] = fmaf(q[4 * v + 3], a.w, part[r]);
+                const float4 t = xr[v];
+                xs[4 * v] = t.x;
+                xs[4 * v + 1] = t.y;
+                xs[4 * v + 2] = t.z;
+                xs[4 * v + 3] = t.w;
+            }
+#pragma unroll
+            for (int p = 0; p < IntPairs<BITS>::N; ++p) {
+                const float2 fa = __half22float2(qa.v[p]), fb = __half22float2(qb.v[p]);
+                const int lo = IntPairs<BITS>::lo_col(p), hi = IntPairs<BITS>::hi_col(p);
+                pa[r] = fmaf(fa.x, xs[lo], pa[r]);
+                pa[r] = fmaf(fa.y, xs[hi], pa[r]);
+                pb[r] = fmaf(fb.x, xs[lo], pb[r]);
+                pb[r] = fmaf(fb.y, xs[hi], pb[r]);
             }
         }
     }
@@ -643,26 +686,44 @@ __device__ __forceinline__ void int_loads(const unsigned* __restrict__ w, int ro
     }
 }
 
-// acc[r] += this lane's share of x[r, :] . row `row` over the chunks of loads u0 ..
-// u0 + IW_LOADS held in raw.
+// The f16 constants that turn a load's raw values into q - zero: 1024 + zero, and for the
+// 4-bit nibbles read 16 times too large, -(64 + zero).
+__device__ __forceinline__ void int_bases(float zero, __half2& base, __half2& base16) {
+    base = __float2half2_rn(1024.0f + zero);
+    base16 = __float2half2_rn(-(64.0f + zero));
+}
+
+// acc_a[r] and acc_b[r] += this lane's share of x[r, :] . rows a and b over the chunks of loads
+// u0 .. u0 + IW_LOADS held in ra and rb.
 template <int BITS, int ROWS>
-__device__ __forceinline__ void int_row_part(const float* __restrict__ x, const __half2* __restrict__ sz,
-                                             int groups, int group, int row, int k, int u0,
-                                             const uint4 raw[IW_LOADS], float acc[ROWS]) {
+__device__ __forceinline__ void int_pair_part(const float* __restrict__ x,
+                                              const __half2* __restrict__ sz, int groups,
+                                              int group, int a, int b, int k, int u0,
+                                              const uint4 ra[IW_LOADS], const uint4 rb[IW_LOADS],
+                                              float acc_a[ROWS], float acc_b[ROWS]) {
     constexpr int COLS = 128 / BITS;
     const int chunks = k / COLS, lane = threadIdx.x % WARP;
 #pragma unroll
     for (int u = 0; u < IW_LOADS; ++u) {
         const int ch = lane + (u0 + u) * WARP;
-        if (ch >= chunks) break;
-        const int c = ch * COLS;
-        const float2 s = __half22float2(__ldg(sz + (size_t)row * groups + c / group));
-        float part[ROWS];
+        if (ch < chunks) {
+            const int c = ch * COLS;
+            const float2 sa = __half22float2(__ldg(sz + (size_t)a * groups + c / group));
+            const float2 sb = __half22float2(__ldg(sz + (size_t)b * groups + c / group));
+            __half2 base_a, base16_a, base_b, base16_b;
+            int_bases(sa.y, base_a, base16_a);
+            int_bases(sb.y, base_b, base16_b);
+            float pa[ROWS], pb[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) part[r] = 0.0f;
-        int_dot<BITS, ROWS>(x, k, c, raw[u], 8388608.0f + s.y, part);
+            for (int r = 0; r < ROWS; ++r) pa[r] = pb[r] = 0.0f;
+            int_dot2<BITS, ROWS>(x, k, c, ra[u], rb[u], base_a, base16_a, base_b, base16_b, pa,
+                                 pb);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(s.x, part[r], acc[r]);
+            for (int r = 0; r < ROWS; ++r) {
+                acc_a[r] = fmaf(sa.x, pa[r], acc_a[r]);
+                acc_b[r] = fmaf(sb.x, pb[r], acc_b[r]);
+            }
+        }
     }
 }
 
@@ -694,18 +755,31 @@ __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
     grid_launch_dependents();
     float inv[ROWS];
     const float* xr = gemv_input<NORM, ROWS>(x, norm_w, eps, k, inv);
-    for (bool first = true; p < pairs; p += warps, first = false) {
+    for (; p < pairs; p += warps) {
         const int a = row_a(p), b = row_b(p);
         float acc_a[ROWS], acc_b[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc_a[r] = acc_b[r] = 0.0f;
         for (int u0 = 0; u0 < loads; u0 += IW_LOADS) {
-            if (!(first && u0 == 0)) {
-                int_loads<BITS>(w, a, k, u0, ra);
-                int_loads<BITS>(w, b, k, u0, rb);
+            // The next loads (this pair's next chunks, or the next pair's first) go out before
+            // these are summed: one batch in flight while another is used.
+            uint4 na[IW_LOADS], nb[IW_LOADS];
+            const bool more = u0 + IW_LOADS < loads, next_pair = !more && p + warps < pairs;
+            if (more) {
+                int_loads<BITS>(w, a, k, u0 + IW_LOADS, na);
+                int_loads<BITS>(w, b, k, u0 + IW_LOADS, nb);
+            } else if (next_pair) {
+                int_loads<BITS>(w, row_a(p + warps), k, 0, na);
+                int_loads<BITS>(w, row_b(p + warps), k, 0, nb);
             }
-            int_row_part<BITS, ROWS>(xr, sz, groups, group, a, k, u0, ra, acc_a);
-            int_row_part<BITS, ROWS>(xr, sz, groups, group, b, k, u0, rb, acc_b);
+            int_pair_part<BITS, ROWS>(xr, sz, groups, group, a, b, k, u0, ra, rb, acc_a, acc_b);
+            if (more || next_pair) {
+#pragma unroll
+                for (int u = 0; u < IW_LOADS; ++u) {
+                    ra[u] = na[u];
+                    rb[u] = nb[u];
+                }
+            }
         }
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {

@@ -445,7 +445,7 @@ fn opt_in_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
     })
 }
 
-/// The normed GEMVs, and every streamed one, stage their input rows in shared memory: lets
+/// The normed GEMVs (f16 and integer), and every streamed one, stage their input rows in shared memory: lets
 /// them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past the
 /// default 48), less what they declare statically. Returns the bytes they may use: that, or
 /// the default's share where the GPU refused.
@@ -459,10 +459,16 @@ fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>)
     let streamed = [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
         .into_iter()
         .map(|g| (g, true));
+    let int_normed = [4, 8].into_iter().flat_map(|bits| {
+        [Gemv::Normed, Gemv::NormedSwiglu]
+            .into_iter()
+            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_kernel(bits, r)))
+    });
     let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
         .into_iter()
         .chain(streamed)
         .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
+        .chain(int_normed)
         .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
     Ok(if opted_in {
         dynamic
