@@ -17,10 +17,22 @@ fn fixture(name: &str) -> PathBuf {
 /// outputs (tests/fixtures/make_fixtures.py, make_text_fixtures.py), with the size of its
 /// logits relative to Qwen3-VL's, by which the CUDA tolerance scales: the text-only fixtures
 /// scale `lm_head` by 3 for clear top-1 margins, and their logits reach ~31 against ~13.
-const FIXTURES: [(&str, f32); 3] = [
+const FIXTURES: [(&str, f32); 10] = [
     ("tiny-qwen3-vl", 1.0),
     ("tiny-qwen3", 3.0),
     ("tiny-qwen2", 3.0),
+    // tiny-qwen3 quantized by each format's own tooling (make_quant_fixtures.py): against
+    // transformers loading the directory (compressed-tensors) or an f32 model of the tool's own
+    // dequantized weights (AWQ, GPTQ). On CUDA the GEMVs read the packed values (q - zero
+    // exact, the f16 scale once a load: no more rounding than f16 weights), prefill's GEMMs
+    // the matrix dequantized to f16 (2^-11 of each weight, as an f16 checkpoint's).
+    ("tiny-qwen3-ct-w4a16-group", 3.0),
+    ("tiny-qwen3-ct-w4a16-asym", 3.0),
+    ("tiny-qwen3-ct-w8a16-channel", 3.0),
+    ("tiny-qwen3-awq", 3.0),
+    ("tiny-qwen3-gptq", 3.0),
+    ("tiny-qwen3-gptq-actorder", 3.0),
+    ("tiny-qwen3-gptq-v2", 3.0),
 ];
 
 fn hf_image(g: &Golden, name: &str) -> ImageInput {
@@ -60,6 +72,17 @@ fn qwen3_text_only_matches_hf() {
 #[test]
 fn qwen2_text_only_matches_hf() {
     check_engine(&fixture("tiny-qwen2"), CpuBackend::new(), CPU_LOGITS_TOL);
+}
+
+/// Quantized checkpoints as their tools wrote them (compressed-tensors W4A16 group and
+/// asymmetric and W8A16 channel, AutoAWQ GEMM, GPTQ v1, v1 with act order, and v2): the CPU
+/// dequantizes at load, so its logits are the reference's up to f32 summation order.
+#[test]
+fn quantized_checkpoints_match_their_references() {
+    for (name, _) in &FIXTURES[3..] {
+        eprintln!("{name}");
+        check_engine(&fixture(name), CpuBackend::new(), CPU_LOGITS_TOL);
+    }
 }
 
 /// The same checks with the CUDA backend, every fixture; skipped without a GPU. On the GPU
