@@ -64,6 +64,8 @@ pub struct BenchOptions {
     pub through_gateway: bool,
     /// Random weights from this seed instead of the checkpoint's.
     pub random_weights: Option<u64>,
+    /// `--quantize`: the text decoder's matrices quantized at load.
+    pub quantize: Option<vlm_compute::quant::QuantizeTo>,
 }
 
 /// One row of the report.
@@ -144,7 +146,7 @@ pub fn run<B: Backend + Clone>(
 ) -> anyhow::Result<Vec<Measurement>> {
     let backend = open()?;
     let base_memory = backend.memory_in_use();
-    let weights = Weights::open_or_random(dir, opts.random_weights)?;
+    let weights = Weights::open_or_random(dir, opts.random_weights)?.quantize(opts.quantize)?;
     let shapes = Shapes::new(dir, opts)?;
     let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), shapes.engine(opts))?;
     let bar = progress_bar(opts, &shapes);
@@ -160,6 +162,10 @@ pub fn run<B: Backend + Clone>(
         pipeline: &pipeline,
         bandwidth: out[0].throughput(),
         flop_rate: out[1].throughput(),
+        int_bits: opts
+            .quantize
+            .map(|q| q.bits())
+            .or_else(|| weights.quant_config().map(|q| q.bits())),
     };
     for &side in &opts.image_sides {
         out.extend(bench.vit(side)?);
@@ -380,12 +386,28 @@ struct Bench<'a, B: Backend> {
     bandwidth: f64,
     /// FLOP per second of the large GEMM: what the ViT and prefill are set against.
     flop_rate: f64,
+    /// Bits a decoder-layer weight takes where the checkpoint or `--quantize` made them
+    /// integers (`None`: the backend's own weight format).
+    int_bits: Option<u32>,
 }
 
 impl<B: Backend + Clone> Bench<'_, B> {
-    /// The text decoder's parameters (what decoding reads per token).
+    /// The text decoder's parameters (a prefill token's FLOPs are twice these).
     fn params(&self) -> f64 {
         text_params(&self.pipeline.engine.config().text) as f64
+    }
+
+    /// Bytes a decoded token reads of the weights, as stored: the decoder layers' matrices
+    /// at `int_bits` with an f16 scale and zero per 128 (`--quantize`'s group, and the usual
+    /// one of checkpoints), the rest (`lm_head`, norms) in the backend's format.
+    fn weight_bytes(&self) -> f64 {
+        let c = &self.pipeline.engine.config().text;
+        let all = text_params(c) as f64;
+        let Some(bits) = self.int_bits else {
+            return all * B::WEIGHT_BYTES as f64;
+        };
+        let layers = (c.num_hidden_layers * decoder_layer_matrix_params(c)) as f64;
+        layers * (bits as f64 / 8.0 + 4.0 / 128.0) + (all - layers) * B::WEIGHT_BYTES as f64
     }
 
     /// Bytes of KV cache one token of context takes.
@@ -396,8 +418,9 @@ impl<B: Backend + Clone> Bench<'_, B> {
     /// ViT + mergers for a `side` x `side` image: with the outputs kept on the device, then
     /// downloaded to the host.
     fn vit(&self, side: usize) -> anyhow::Result<Vec<Measurement>> {
-        let (opts, bar, pipeline) = (self.opts, self.bar, self.pipeline);
-        let patches = vit_input(&pipeline.vision.preprocess, side)?;
+        let (opts, bar) = (self.opts, self.bar);
+        let tower = vision_tower(self.pipeline)?;
+        let patches = vit_input(&tower.preprocess, side)?;
         let g = patches.grid_thw[1];
         bar.set_message(format!("ViT {side}x{side}"));
         // The pass as the language stage of this process takes it (HF's peer row likewise
@@ -408,7 +431,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
         }];
         let s = time(opts, bar, || {
             let t = Instant::now();
-            let vision = &pipeline.vision.model;
+            let vision = &tower.model;
             vision.forward_delivered(std::slice::from_ref(&patches), &on_device)?;
             vision.backend().synchronize()?;
             Ok(t.elapsed())
@@ -416,7 +439,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
         // And as a separate vision service delivers it: outputs downloaded to the host.
         let s_host = time(opts, bar, || {
             let t = Instant::now();
-            pipeline.vision.model.forward(&patches)?;
+            tower.model.forward(&patches)?;
             Ok(t.elapsed())
         })?;
         let rows = [
@@ -429,7 +452,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
                 s_host,
             ),
         ];
-        let vcfg = pipeline.vision.model.config();
+        let vcfg = tower.model.config();
         Ok(rows
             .into_iter()
             .map(|(name, seconds)| {
@@ -481,7 +504,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
         };
         bar.set_message(format!("preprocess {side}x{side}"));
         // The host's part: decoding and resizing (the tower's backend cuts the patches).
-        let vision = &pipeline.vision;
+        let vision = vision_tower(pipeline)?;
         let preprocessed = time(opts, bar, || {
             let t = Instant::now();
             vision_svc::preprocess::preprocess(png, &vision.preprocess, &vision.limits)?;
@@ -508,7 +531,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
             roofline: None,
         });
         // The floor of a repeated image: its embeddings at hand, only the prompt to prefill.
-        let image = pipeline.vision.encode_image(png)?;
+        let image = vision.encode_image(png)?;
         let prompt = pipeline
             .chat
             .prompt_ids(&request.messages, &[image.embeds.rows()])?;
@@ -566,7 +589,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
         })?;
         let kv_bytes = (context + opts.decode_tokens / 2) as f64 * self.kv_bytes_per_token();
         // Weights as the backend stores them (f32 on the CPU, f16 on a GPU), and the cache.
-        let bytes_per_token = self.params() * B::WEIGHT_BYTES as f64 + kv_bytes;
+        let bytes_per_token = self.weight_bytes() + kv_bytes;
         let mut meas = Measurement {
             name: format!("decode: batch 1 at context {context}{tag}"),
             seconds: s,
@@ -608,7 +631,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
             roofline: None,
         };
         // One step reads the weights once and every sequence's cache.
-        let step_bytes = self.params() * B::WEIGHT_BYTES as f64 + kv_bytes;
+        let step_bytes = self.weight_bytes() + kv_bytes;
         meas.roofline = Some(meas.throughput() / batch as f64 * step_bytes / self.bandwidth);
         Ok(meas)
     }
@@ -773,6 +796,19 @@ fn start_decoding(
 /// image's bytes (a gradient; already at a size the tower takes, so nothing is resized:
 /// decoding and resizing are not the ViT's cost) and the processor's normalization table. The
 /// tower's backend cuts the patches from them, a GPU on the device.
+/// The pipeline's vision tower, for the rows that measure it; a text-only checkpoint has none.
+fn vision_tower<B: Backend>(
+    pipeline: &Pipeline<B>,
+) -> anyhow::Result<&vision_svc::VisionEncoder<B>> {
+    pipeline.vision.as_ref().ok_or_else(|| {
+        anyhow::anyhow!(
+            "the model ({}) is text-only: it has no vision tower to measure (image rows need a \
+             Qwen3-VL checkpoint)",
+            pipeline.engine.config().architecture.name()
+        )
+    })
+}
+
 fn vit_input(pcfg: &vision_svc::PreprocessConfig, side: usize) -> anyhow::Result<Patches> {
     let factor = pcfg.patch_size * pcfg.merge_size;
     let side = (side / factor).max(1) * factor;
@@ -811,9 +847,10 @@ fn profile_steps<B: Backend + Clone>(
          waiting for the host (uploads, downloads, setup) counts to the op after the wait"
     );
     for &side in image_sides {
-        let patches = vit_input(&pipeline.vision.preprocess, side)?;
+        let tower = vision_tower(pipeline)?;
+        let patches = vit_input(&tower.preprocess, side)?;
         be.op_times()?;
-        pipeline.vision.model.forward(&patches)?;
+        tower.model.forward(&patches)?;
         print_op_times(be, &format!("ViT + mergers of a {side}x{side} image"))?;
     }
     for tokens in PROFILE_PREFILLS {
@@ -1055,6 +1092,7 @@ fn through_gateway<B: Backend + Clone>(
 fn stack_config(dir: &Path, opts: &BenchOptions, hop: Hop) -> StackConfig {
     let mut cfg = StackConfig::loopback(dir.to_path_buf());
     cfg.random_weights = opts.random_weights;
+    cfg.quantize = opts.quantize;
     cfg.model_name = "bench".into();
     cfg.max_concurrent = 1;
     cfg.vision_max_concurrent = 1;
@@ -1158,10 +1196,17 @@ fn to_grpc(request: &ChatRequest) -> vlm_proto::pb::ChatRequest {
 
 /// Parameters of the text decoder (what decoding reads per token), lm_head included.
 pub fn text_params(c: &llm_svc::TextConfig) -> usize {
+    let d = c.head_dim;
+    c.num_hidden_layers * (decoder_layer_matrix_params(c) + 2 * d + 2 * c.hidden_size)
+        + 2 * c.vocab_size * c.hidden_size
+        + c.hidden_size
+}
+
+/// The projections' parameters in one decoder layer (q/k/v, o, gate/up, down): what
+/// quantization makes integers.
+fn decoder_layer_matrix_params(c: &llm_svc::TextConfig) -> usize {
     let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
-    let attn = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 2 * d;
-    let mlp = 3 * h * i;
-    c.num_hidden_layers * (attn + mlp + 2 * h) + 2 * c.vocab_size * h + h
+    h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * i
 }
 
 /// Multiply-adds x 2 of the ViT and its mergers for `n` patches.

@@ -223,6 +223,15 @@ pub fn random_int_scale(bound: f32, bits: u32) -> f32 {
     half::f16::from_f32(bound / (1u32 << (bits - 1)) as f32).to_f32()
 }
 
+impl std::fmt::Display for QuantizeTo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            QuantizeTo::Int8 => "int8",
+            QuantizeTo::Int4 => "int4",
+        })
+    }
+}
+
 impl std::str::FromStr for QuantizeTo {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
@@ -391,6 +400,15 @@ impl QuantConfig {
             scheme = Some(this);
         }
         Ok(scheme.expect("config_groups is not empty"))
+    }
+
+    /// Bits a quantized value takes.
+    pub fn bits(&self) -> u32 {
+        match *self {
+            QuantConfig::CompressedTensors { bits, .. }
+            | QuantConfig::Awq { bits, .. }
+            | QuantConfig::Gptq { bits, .. } => bits,
+        }
     }
 
     /// Whether the module under `w` is stored quantized in this format.

@@ -1,4 +1,5 @@
-//! The engine's command-line flags, shared by the `llm-svc` binary and `vlm serve`.
+//! The engine's command-line flags, shared by the `llm-svc` binary and `vlm serve`, and the
+//! weights' (`--quantize`), shared by every command that loads the model.
 
 use crate::{EngineConfig, KvCacheSize};
 
@@ -43,4 +44,17 @@ impl EngineArgs {
             ..EngineConfig::default()
         }
     }
+}
+
+/// How the text decoder's weights are loaded: `llm-svc` and every `vlm` command that loads the
+/// model.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct WeightArgs {
+    /// Quantize the text decoder's f16/bf16 matrices at load: int8 (symmetric) or int4
+    /// (asymmetric), round-to-nearest in groups of 128 columns, so decoding reads a half or a
+    /// quarter of the bytes. Lower quality than an AWQ or GPTQ checkpoint (which are served as
+    /// they are, without this flag); the vision tower, the embeddings and lm_head stay f16.
+    /// Refused for a checkpoint that is quantized already.
+    #[arg(long, env = "VLM_QUANTIZE", value_name = "int8|int4")]
+    pub quantize: Option<vlm_compute::quant::QuantizeTo>,
 }

@@ -34,7 +34,7 @@ mod sequence;
 pub mod server;
 mod step;
 
-pub use cli::EngineArgs;
+pub use cli::{EngineArgs, WeightArgs};
 pub use config::{Architecture, ModelConfig, TextConfig, VisionTokens};
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use llm_svc::server::{Serve, ServeConfig};
-use llm_svc::EngineArgs;
+use llm_svc::{EngineArgs, WeightArgs};
 
 #[derive(Parser)]
 #[command(
@@ -52,6 +52,8 @@ struct Args {
     max_context: Option<usize>,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    weights: WeightArgs,
     /// Serve Prometheus metrics (KV blocks in use, sequences running/waiting, prefix-cache
     /// hits, step times) at http://ADDR/metrics.
     #[arg(long, env = "VLM_LLM_METRICS_LISTEN")]
@@ -75,6 +77,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = ServeConfig {
         model: args.model,
         random_weights: args.random_weights.then_some(0),
+        quantize: args.weights.quantize,
         max_concurrent: args.max_concurrent,
         engine: args.engine.config(args.max_context, args.device.is_gpu()),
         registry: registry.clone(),

@@ -34,6 +34,8 @@ pub struct ServeConfig {
     /// Random weights of the model's config from this seed instead of its checkpoint (for
     /// benchmarks and smoke tests of sizes whose weights are not at hand).
     pub random_weights: Option<u64>,
+    /// `--quantize`: the decoder's f16/bf16 matrices quantized at load.
+    pub quantize: Option<vlm_compute::quant::QuantizeTo>,
     /// Requests in the engine at once (running or queued); more get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
     /// Context, KV cache size, batch limits, prefix caching.
@@ -319,12 +321,13 @@ pub async fn serve<B: Backend>(
     let ServeConfig {
         model,
         random_weights,
+        quantize,
         engine: engine_cfg,
         registry,
         ..
     } = cfg;
     let load = vlm_proto::load_model(engine, what, move || -> Result<_, Error> {
-        let weights = Weights::open_or_random(&model, random_weights)?;
+        let weights = Weights::open_or_random(&model, random_weights)?.quantize(quantize)?;
         let e = Engine::load(&model, &weights, backend()?, engine_cfg, &registry)?;
         weights.finish();
         Ok(e)

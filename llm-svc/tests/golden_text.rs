@@ -85,6 +85,64 @@ fn quantized_checkpoints_match_their_references() {
     }
 }
 
+/// `--quantize` of the bf16 tiny-qwen3 (round-to-nearest, groups of 128): the quantized model
+/// is a different model, so its logits are held to what its rounding allows, not to f32. This
+/// fixture's uniform random weights are rounding's worst case (no outliers to spend the range
+/// on): its first step's logits (up to ~34) moved by 0.32 at int8 and 3.9 at int4. The bounds
+/// leave 2-3x, well below the O(30) of a wrong zero point or scale; int8 must also stay closer
+/// than int4.
+#[test]
+fn quantize_at_load_stays_near_the_bf16_model() {
+    use vlm_compute::quant::QuantizeTo;
+    let dir = fixture("tiny-qwen3");
+    let g = Golden::open(&dir).unwrap();
+    let mut diffs = Vec::new();
+    for (to, bound) in [(QuantizeTo::Int8, 1.0f32), (QuantizeTo::Int4, 8.0)] {
+        let weights = Weights::open(&dir).unwrap().quantize(Some(to)).unwrap();
+        let engine = Engine::load(
+            &dir,
+            &weights,
+            CpuBackend::new(),
+            EngineConfig::default(),
+            &prometheus::Registry::new(),
+        )
+        .unwrap();
+        let (_, prompt) = g.ints("case.chat.prompt_ids").unwrap();
+        let hf = g.tensor("case.chat.logits").unwrap();
+        let vocab = hf.shape()[1];
+        let req = GenerateRequest {
+            prompt: prompt.iter().map(|&t| t as u32).collect(),
+            images: vec![],
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 1,
+            ignore_eos: true,
+            return_logits: true,
+        };
+        let mut first = Vec::new();
+        engine
+            .generate(&req, |ev| {
+                first = ev.logits.expect("asked for").to_vec();
+                ControlFlow::Break(())
+            })
+            .unwrap();
+        let diff = first
+            .iter()
+            .zip(&hf.data()[..vocab])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!("{to}: first step's logits within {diff:.3} of the bf16 model's");
+        assert!(diff > 0.0, "{to}: nothing was quantized");
+        assert!(diff < bound, "{to}: logits moved by {diff}");
+        diffs.push(diff);
+    }
+    assert!(
+        diffs[0] < diffs[1],
+        "int8 {} vs int4 {}",
+        diffs[0],
+        diffs[1]
+    );
+}
+
 /// The same checks with the CUDA backend, every fixture; skipped without a GPU. On the GPU
 /// machine: `cargo test --release -p llm-svc --test golden_text -- --nocapture`.
 #[test]

@@ -39,6 +39,8 @@ pub struct BenchArgs {
     /// deploy/models/qwen3-vl-8b for the real 8B sizes; f32 on the CPU needs ~36 GB).
     #[arg(long)]
     random_weights: bool,
+    #[command(flatten)]
+    weights: llm_svc::WeightArgs,
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
@@ -137,15 +139,20 @@ fn bench_on<B: Backend + Clone>(
         ttft_text_tokens: args.ttft_text_tokens,
         through_gateway: !args.no_gateway,
         random_weights: args.random_weights.then_some(0),
+        quantize: args.weights.quantize,
     };
     let rows = vlm_cli::bench::run(&args.model, open, &opts, copy)?;
     let config = format!(
-        "{}{}",
+        "{}{}{}",
         args.model.display(),
         if args.random_weights {
             " (random weights)"
         } else {
             ""
+        },
+        match args.weights.quantize {
+            Some(to) => format!(" --quantize {to}"),
+            None => String::new(),
         }
     );
     println!("device: {device}\n{}", vlm_cli::bench::table(&rows));

@@ -116,6 +116,8 @@ pub struct LoadArgs {
     stand_in_llm: Option<f64>,
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
+    #[command(flatten)]
+    weights: llm_svc::WeightArgs,
 }
 
 /// `--stand-in-llm MS` as the stack takes it.
@@ -246,6 +248,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         let device = args.device.describe()?;
         let mut cfg = StackConfig::loopback(dir.clone());
         cfg.random_weights = args.random_weights.then_some(0);
+        cfg.quantize = args.weights.quantize;
         cfg.max_concurrent = max_concurrent;
         cfg.vision_max_concurrent = args.vision_max_concurrent;
         cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());

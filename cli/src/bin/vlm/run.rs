@@ -55,6 +55,8 @@ pub struct RunArgs {
     /// Seed of the random weights (the same seed gives the same model).
     #[arg(long, default_value_t = 0, requires = "random_weights")]
     weights_seed: u64,
+    #[command(flatten)]
+    weights: llm_svc::WeightArgs,
     /// Cap on prompt + generated tokens (defaults to the model's max_position_embeddings, at
     /// most 32768: the KV cache `vlm run` allocates).
     #[arg(long)]
@@ -82,11 +84,13 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
     let request = chat_request(&args)?;
     let engine = engine_config(&args);
     let pipeline = if args.random_weights {
-        let weights = vlm_compute::Weights::random(&args.model, args.weights_seed);
-        Pipeline::with_weights(&args.model, &weights, backend, engine)
+        Ok(vlm_compute::Weights::random(&args.model, args.weights_seed))
     } else {
-        Pipeline::load(&args.model, backend, engine)
+        vlm_compute::Weights::open(&args.model)
     }
+    .and_then(|w| w.quantize(args.weights.quantize))
+    .map_err(vlm_cli::Error::from)
+    .and_then(|weights| Pipeline::with_weights(&args.model, &weights, backend, engine))
     .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
     let vocab = pipeline.engine.config().text.vocab_size;
     let mut logits: Vec<f32> = Vec::new();

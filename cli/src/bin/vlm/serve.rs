@@ -63,6 +63,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
     #[command(flatten)]
+    weights: llm_svc::WeightArgs,
+    #[command(flatten)]
     access: gateway::auth::AccessArgs,
 }
 
@@ -88,6 +90,7 @@ pub async fn serve(
         ""
     };
     cfg.random_weights = args.random_weights.then_some(0);
+    cfg.quantize = args.weights.quantize;
     cfg.grpc_addr = (args.host, args.grpc_port).into();
     cfg.http_addr = (args.host, args.http_port).into();
     cfg.max_concurrent = args.max_concurrent;
