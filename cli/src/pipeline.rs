@@ -1,6 +1,7 @@
 //! The whole request path in one process: chat → images through the vision stage → prompt ids
 //! → the language stage → streamed text. `vlm run` uses it directly; the services split the
-//! same steps across processes.
+//! same steps across processes. A text-only checkpoint (Qwen3ForCausalLM, Qwen2ForCausalLM)
+//! has no vision stage, and a chat with images is refused.
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -37,7 +38,8 @@ pub struct ChatOutput {
 
 pub struct Pipeline<B: Backend> {
     pub chat: ChatTokenizer,
-    pub vision: VisionEncoder<B>,
+    /// The vision tower; `None` for a text-only checkpoint.
+    pub vision: Option<VisionEncoder<B>>,
     /// The language stage's engine (its loop runs on a thread of its own).
     pub engine: Engine,
     pub limits: RequestLimits,
@@ -59,7 +61,12 @@ impl<B: Backend + Clone> Pipeline<B> {
         engine: EngineConfig,
     ) -> Result<Self> {
         check_model_dir(dir)?;
-        let vision = VisionEncoder::load(dir, weights, backend.clone())?;
+        // The language stage's reading of config.json says whether there is a vision tower
+        // (and names an unsupported `architectures` before anything else is read).
+        let vision = match llm_svc::ModelConfig::from_dir(dir)?.vision {
+            Some(_) => Some(VisionEncoder::load(dir, weights, backend.clone())?),
+            None => None,
+        };
         let engine = Engine::load(dir, weights, backend, engine, &prometheus::Registry::new())?;
         weights.finish();
         let chat = ChatTokenizer::from_dir(dir, ModelIds::read(dir)?.image_token_id)?;
@@ -82,20 +89,19 @@ impl<B: Backend + Clone> Pipeline<B> {
         let mut timings = Timings::default();
 
         let started = Instant::now();
-        let images = image_parts(&req.messages)
-            .enumerate()
-            .map(|(index, bytes)| {
-                let out = self
-                    .vision
-                    .encode_image_for_this_process(bytes)
-                    .map_err(|error| Error::Image { index, error })?;
-                Ok(ImageInput {
-                    embeds: out.embeds,
-                    deepstack: out.deepstack,
-                    grid_thw: out.grid_thw,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let images = match &self.vision {
+            Some(vision) => encode_images(vision, req)?,
+            None => match image_parts(&req.messages).count() {
+                0 => Vec::new(),
+                images => {
+                    return Err(llm_svc::Error::ImagesNotSupported {
+                        architecture: self.engine.config().architecture.name(),
+                        images,
+                    }
+                    .into())
+                }
+            },
+        };
         timings.vision = started.elapsed();
 
         let per_image: Vec<usize> = images.iter().map(|i| i.embeds.shape()[0]).collect();
@@ -142,4 +148,24 @@ impl<B: Backend + Clone> Pipeline<B> {
             timings,
         })
     }
+}
+
+/// The chat's images through the vision tower, in order, as the language stage takes them.
+fn encode_images<B: Backend + Clone>(
+    vision: &VisionEncoder<B>,
+    req: &ChatRequest,
+) -> Result<Vec<ImageInput>> {
+    image_parts(&req.messages)
+        .enumerate()
+        .map(|(index, bytes)| {
+            let out = vision
+                .encode_image_for_this_process(bytes)
+                .map_err(|error| Error::Image { index, error })?;
+            Ok(ImageInput {
+                embeds: out.embeds,
+                deepstack: out.deepstack,
+                grid_thw: out.grid_thw,
+            })
+        })
+        .collect()
 }

@@ -457,3 +457,90 @@ fn doctor_lists_what_cuda_needs_and_fails_where_something_is_missing() {
         assert!(line("ok", "kernels compile for sm_87"), "{text}");
     }
 }
+
+/// `vlm run` on the text-only checkpoints (Qwen3ForCausalLM, Qwen2ForCausalLM): a one-turn chat
+/// gives HF's prompt ids and greedy tokens, an image is refused naming the model as text-only,
+/// and a config of another architecture is refused naming the field and what is supported.
+#[test]
+fn text_only_models_run_as_hf_and_refuse_images() {
+    for name in ["tiny-qwen3", "tiny-qwen2"] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures")
+            .join(name);
+        let m = dir.to_str().unwrap();
+        let g = Golden::open(&dir).unwrap();
+        let case = g.manifest()["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "chat")
+            .unwrap()
+            .clone();
+        let prompt = case["messages"][0]["content"].as_str().unwrap();
+        let steps = case["max_new_tokens"].to_string();
+        let args = [
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            &steps,
+            "--temperature",
+            "0",
+            "--json",
+        ];
+        let out = vlm(&args);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            json["prompt_token_ids"], case["prompt_token_ids"],
+            "{name}: prompt"
+        );
+        assert_eq!(
+            json["generated_token_ids"], case["generated_token_ids"],
+            "{name}: greedy tokens"
+        );
+
+        let image = fixture().join("images/cat.png");
+        let err = fails(&[
+            "run",
+            "--model",
+            m,
+            "--image",
+            image.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ]);
+        assert!(
+            err.contains("text-only") && err.contains("images"),
+            "{name}: {err}"
+        );
+    }
+
+    let d = tmp("llama");
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    std::fs::write(
+        d.join("config.json"),
+        cfg.replace("Qwen3ForCausalLM", "LlamaForCausalLM"),
+    )
+    .unwrap();
+    let err = fails(&["run", "--model", d.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        err.contains("`architectures`")
+            && err.contains("LlamaForCausalLM")
+            && err.contains("Qwen2ForCausalLM"),
+        "{err}"
+    );
+}
