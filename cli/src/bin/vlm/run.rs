@@ -83,6 +83,9 @@ impl OnDevice for RunArgs {
 fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
     let request = chat_request(&args)?;
     let engine = engine_config(&args);
+    // A missing or incomplete directory is named before any weights are opened.
+    gateway::checkpoint::check_model_dir(&args.model)
+        .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
     let pipeline = if args.random_weights {
         Ok(vlm_compute::Weights::random(&args.model, args.weights_seed))
     } else {
