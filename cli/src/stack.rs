@@ -130,8 +130,9 @@ pub struct LocalStack {
     /// A service's failure that [`LocalStack::ready`] already reported: the other services may
     /// be stopped before they fail themselves, so [`LocalStack::wait`] returns this one too.
     failed_while_starting: Option<String>,
-    /// Running a stand-in llm-svc and no vision-svc ([`StackConfig::stand_in_llm`]).
-    stand_in: bool,
+    /// Whether a vision-svc runs: not beside a stand-in llm-svc ([`StackConfig::stand_in_llm`])
+    /// or for a text-only checkpoint.
+    runs_vision: bool,
 }
 
 impl LocalStack {
@@ -164,7 +165,7 @@ impl LocalStack {
             services: JoinSet::new(),
             names: Vec::new(),
             failed_while_starting: None,
-            stand_in: cfg.stand_in_llm.is_some(),
+            runs_vision: false,
         };
         // Both model services and the gateway show their metrics on the gateway's /metrics.
         let registry = prometheus::Registry::new();
@@ -177,21 +178,30 @@ impl LocalStack {
             // Nothing answers there: image requests fail, text ones never ask.
             drop(vision);
         } else {
-            let vision_task = vision_svc::server::serve(
-                vision_svc::server::ServeConfig {
-                    model: cfg.model.clone(),
-                    random_weights: cfg.random_weights,
-                    max_concurrent: cfg.vision_max_concurrent,
-                    max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
-                    registry: registry.clone(),
-                    tls: None,
-                    embedding_cache_bytes: cfg.embedding_cache_bytes,
-                },
-                open,
-                vision,
-                stack.stop.clone().cancelled_owned(),
-            );
-            stack.spawn("vision-svc", vision_task);
+            // A text-only checkpoint gets no vision-svc (the gateway refuses its images).
+            let takes_images = gateway::checkpoint::ModelIds::read(&cfg.model)?
+                .image_token_id
+                .is_some();
+            if !takes_images {
+                drop(vision);
+            } else {
+                stack.runs_vision = true;
+                let vision_task = vision_svc::server::serve(
+                    vision_svc::server::ServeConfig {
+                        model: cfg.model.clone(),
+                        random_weights: cfg.random_weights,
+                        max_concurrent: cfg.vision_max_concurrent,
+                        max_batch_patches: vision_svc::server::DEFAULT_MAX_BATCH_PATCHES,
+                        registry: registry.clone(),
+                        tls: None,
+                        embedding_cache_bytes: cfg.embedding_cache_bytes,
+                    },
+                    open,
+                    vision,
+                    stack.stop.clone().cancelled_owned(),
+                );
+                stack.spawn("vision-svc", vision_task);
+            }
             let llm_task = llm_svc::server::serve(
                 llm_svc::server::ServeConfig {
                     model: cfg.model.clone(),
@@ -258,10 +268,10 @@ impl LocalStack {
     /// `timeout`. A service that ends meanwhile (a missing checkpoint, a failed GPU self-check,
     /// a cache that does not fit) fails this with its name and its error.
     pub async fn ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
-        let vision = if self.stand_in {
-            Vec::new()
-        } else {
+        let vision = if self.runs_vision {
             vec![self.vision_addr.to_string()]
+        } else {
+            Vec::new()
         };
         let health = UpstreamHealth::new(&vision, &[self.llm_addr.to_string()]);
         let deadline = Instant::now() + timeout;

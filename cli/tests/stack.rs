@@ -81,6 +81,66 @@ async fn serves_the_tiny_model_and_stops() {
 /// Logprobs from the engine through both APIs: one entry per generated token with as many
 /// alternatives as asked, best first; greedy's pick is the best of the raw logprobs; the two
 /// APIs agree.
+/// A text-only checkpoint (tiny Qwen3ForCausalLM) served with no vision-svc: its chats give
+/// HF's greedy tokens over HTTP, and an image gets 400 naming why, with nothing upstream asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_only_model_serves_without_a_vision_service_and_refuses_images() {
+    let dir = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
+    let mut stack = LocalStack::start(StackConfig::loopback(dir.clone()), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let golden = vlm_compute::golden::Golden::open(&dir).unwrap();
+    let case = golden.manifest()["cases"][0].clone();
+    let (_, hf_tokens) = golden
+        .ints(&format!("case.{}.tokens", case["name"].as_str().unwrap()))
+        .unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("http://{}/v1/chat/completions", stack.http_addr);
+    let answer: serde_json::Value = http
+        .post(&url)
+        .json(&serde_json::json!({
+            "messages": case["messages"],
+            "max_tokens": hf_tokens.len(),
+            "temperature": 0,
+            "ignore_eos": true,
+            "return_token_ids": true,
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ours: Vec<i64> = answer["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{answer}"))
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect();
+    assert_eq!(ours, hf_tokens, "{answer}");
+    let png = std::fs::read(fixture().join("images/cat.png")).unwrap();
+    let data_url = format!(
+        "data:image/png;base64,{}",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, png)
+    );
+    let refused = http
+        .post(&url)
+        .json(&serde_json::json!({
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url}},
+                {"type": "text", "text": "what is this?"}]}],
+            "max_tokens": 2,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 400);
+    let body = refused.text().await.unwrap();
+    assert!(body.contains("text-only"), "{body}");
+    stack.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_come_with_every_token_through_both_apis() {
     let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))

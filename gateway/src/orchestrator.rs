@@ -150,7 +150,8 @@ pub struct Orchestrator {
     /// Element type asked of the vision service for embeddings: f32 is exact, f16/bf16 halve
     /// the bytes moved per image.
     pub embedding_dtype: pb::Dtype,
-    pub vision: Upstreams,
+    /// `None` for a text-only checkpoint.
+    pub vision: Option<Upstreams>,
     pub llm: Upstreams,
     pub limits: RequestLimits,
     /// The checkpoint's image preprocessing, to count an image's tokens from its header
@@ -224,10 +225,20 @@ fn with_deadline<T>(msg: T, deadline: Option<Instant>) -> Result<tonic::Request<
     Ok(req)
 }
 
+/// A request with images to a text-only checkpoint: the client's to fix.
+fn text_only() -> GatewayError {
+    GatewayError::Invalid(
+        "this model is text-only (its config.json names no image token): it takes no images; \
+         send the message's text parts only"
+            .into(),
+    )
+}
+
 impl Orchestrator {
+    /// `vision`: `None` for a text-only checkpoint, whose requests take no images.
     pub fn new(
         chat: ChatTokenizer,
-        vision: Upstreams,
+        vision: Option<Upstreams>,
         llm: Upstreams,
         limits: RequestLimits,
         max_concurrent: usize,
@@ -351,8 +362,11 @@ impl Orchestrator {
                 self.llm_device_domain().unwrap_or_default(),
             )
         };
+        let Some(vision) = &self.vision else {
+            return Err(text_only());
+        };
         let result = async {
-            self.vision
+            vision
                 .call(|ch| {
                     let msg = EncodeRequest {
                         image: image.clone(),
@@ -465,6 +479,9 @@ impl Orchestrator {
         let images: Vec<bytes::Bytes> = image_parts(&req.messages)
             .map(|i| bytes::Bytes::copy_from_slice(i))
             .collect();
+        if !images.is_empty() && self.vision.is_none() {
+            return Err(text_only());
+        }
         // Each image's token count from its header, so the prompt is rendered and tokenized
         // while the images are encoded; it is used if vision-svc's counts agree.
         let expected: Option<Vec<usize>> = self.image_settings.as_ref().and_then(|cfg| {
@@ -875,7 +892,7 @@ mod tests {
         let llm: Vec<String> = llm.iter().map(|a| a.to_string()).collect();
         Orchestrator::new(
             chat,
-            Upstreams::new("vision-svc", &["127.0.0.1:1".into()], None).unwrap(),
+            Some(Upstreams::new("vision-svc", &["127.0.0.1:1".into()], None).unwrap()),
             Upstreams::new("llm-svc", &llm, None).unwrap(),
             RequestLimits::default(),
             1,

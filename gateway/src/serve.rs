@@ -171,8 +171,13 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let orchestrator = Arc::new(orchestrator(&cfg)?);
+    // A text-only model's gateway asks no vision-svc, and its health waits on none.
+    let vision_addrs: &[String] = match &orchestrator.vision {
+        Some(_) => &cfg.vision_addrs,
+        None => &[],
+    };
     let health = Arc::new(
-        UpstreamHealth::new(&cfg.vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),
+        UpstreamHealth::new(vision_addrs, &cfg.llm_addrs).with_tls(cfg.upstream_tls.clone()),
     );
     let http_state = HttpState {
         orchestrator: orchestrator.clone(),
@@ -223,6 +228,22 @@ pub async fn serve(
 
 /// The orchestrator `cfg` describes: the checkpoint's tokenizer, chat template and sampling
 /// defaults, the upstreams, the limits and how embeddings travel.
+/// The vision-svc replicas, for a checkpoint that takes images; a text-only one needs none (and
+/// any given are not asked).
+fn vision_upstreams(cfg: &GatewayConfig, takes_images: bool) -> anyhow::Result<Option<Upstreams>> {
+    if !takes_images {
+        if !cfg.vision_addrs.is_empty() {
+            tracing::info!(vision = ?cfg.vision_addrs, "the model is text-only: no vision-svc is used, and requests with images get 400");
+        }
+        return Ok(None);
+    }
+    Ok(Some(Upstreams::new(
+        "vision-svc",
+        &cfg.vision_addrs,
+        cfg.upstream_tls.as_ref(),
+    )?))
+}
+
 fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     check_model_dir(&cfg.model)?;
     let ids = ModelIds::read(&cfg.model)?;
@@ -238,7 +259,7 @@ fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     }
     let mut orchestrator = Orchestrator::new(
         chat,
-        Upstreams::new("vision-svc", &cfg.vision_addrs, cfg.upstream_tls.as_ref())?,
+        vision_upstreams(cfg, ids.image_token_id.is_some())?,
         Upstreams::new("llm-svc", &cfg.llm_addrs, cfg.upstream_tls.as_ref())?,
         cfg.limits.clone(),
         cfg.max_concurrent,

@@ -112,7 +112,7 @@ async fn harness() -> Harness {
     let vocab = crate::checkpoint::ModelIds::read(&dir).unwrap().vocab_size;
     let mut orchestrator = Orchestrator::new(
         chat,
-        Upstreams::new("vision-svc", &nowhere, None).unwrap(),
+        Some(Upstreams::new("vision-svc", &nowhere, None).unwrap()),
         Upstreams::new("llm-svc", std::slice::from_ref(&llm_addr), None).unwrap(),
         RequestLimits::default(),
         4,

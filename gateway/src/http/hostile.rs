@@ -35,7 +35,7 @@ fn state(limits: RequestLimits) -> HttpState {
     let nowhere = [NOWHERE.to_string()];
     let orchestrator = Orchestrator::new(
         chat,
-        Upstreams::new("vision-svc", &nowhere, None).unwrap(),
+        Some(Upstreams::new("vision-svc", &nowhere, None).unwrap()),
         Upstreams::new("llm-svc", &nowhere, None).unwrap(),
         limits,
         2,
