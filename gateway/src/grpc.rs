@@ -17,6 +17,7 @@ use vlm_proto::telemetry;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
+use crate::media::{is_fetched, PendingImage};
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
 use crate::request::ChatRequest;
 use crate::sampling::{RequestedSampling, SamplingDefaults};
@@ -61,17 +62,28 @@ fn requested_sampling(r: &pb::ChatRequest) -> Result<RequestedSampling, GatewayE
 }
 
 /// Checks roles, parts and sampling values, and applies the defaults: `default_max_tokens`,
-/// and `defaults` for the sampling fields left out.
+/// and `defaults` for the sampling fields left out. Image URLs are left as empty images
+/// (see [`read_request`]).
 pub fn request_from_pb(
     r: pb::ChatRequest,
     default_max_tokens: usize,
     defaults: &SamplingDefaults,
 ) -> Result<ChatRequest, GatewayError> {
+    read_request(r, default_max_tokens, defaults).map(|(req, _)| req)
+}
+
+/// [`request_from_pb`], with the image URLs to fetch into their (empty) parts.
+pub fn read_request(
+    r: pb::ChatRequest,
+    default_max_tokens: usize,
+    defaults: &SamplingDefaults,
+) -> Result<(ChatRequest, Vec<PendingImage>), GatewayError> {
     let sampling = defaults.apply(requested_sampling(&r)?);
     sampling
         .validate()
         .map_err(|e| GatewayError::Invalid(e.to_string()))?;
     let mut messages = Vec::with_capacity(r.messages.len());
+    let mut pending = Vec::new();
     for (i, m) in r.messages.into_iter().enumerate() {
         if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
             return Err(GatewayError::Invalid(format!(
@@ -86,6 +98,22 @@ pub fn request_from_pb(
             .map(|(j, p)| match p.part {
                 Some(content_part::Part::Text(t)) => Ok(Part::Text(t)),
                 Some(content_part::Part::Image(b)) => Ok(Part::Image(b)),
+                Some(content_part::Part::ImageUrl(url)) => {
+                    let at = format!("messages[{i}].content[{j}]");
+                    if !is_fetched(&url) {
+                        let scheme = url.split(':').next().unwrap_or_default();
+                        return Err(GatewayError::Invalid(format!(
+                            "{at}: image_url may be an http:, https: or file: URL (send bytes as `image`), got a {scheme}: URL"
+                        )));
+                    }
+                    pending.push(PendingImage {
+                        message: i,
+                        part: j,
+                        url,
+                        at,
+                    });
+                    Ok(Part::Image(Vec::new()))
+                }
                 None => Err(GatewayError::Invalid(format!(
                     "messages[{i}].content[{j}] is empty"
                 ))),
@@ -96,14 +124,15 @@ pub fn request_from_pb(
             parts,
         });
     }
-    Ok(ChatRequest {
+    let req = ChatRequest {
         messages,
         sampling,
         max_new_tokens: r.max_tokens.map_or(default_max_tokens, |m| m as usize),
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         return_logits: false,
-    })
+    };
+    Ok((req, pending))
 }
 
 fn top_logprob_to_pb(l: Logprob) -> pb::ChatTopLogprob {
@@ -129,6 +158,32 @@ fn logprobs_to_pb(t: TokenLogprobs) -> pb::ChatTokenLogprob {
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<pb::ChatChunk, Status>> + Send>>;
 
 impl GatewayService {
+    /// The request read, its image URLs fetched (concurrently) into their parts.
+    async fn read_and_fetch(&self, r: pb::ChatRequest) -> Result<ChatRequest, GatewayError> {
+        let (mut req, pending) = read_request(
+            r,
+            self.default_max_tokens,
+            &self.orchestrator.sampling_defaults,
+        )?;
+        // Counted before anything is fetched (validate_request counts again).
+        let images = crate::request::image_parts(&req.messages).count();
+        let max_images = self.orchestrator.limits.max_images;
+        if images > max_images {
+            return Err(GatewayError::Invalid(format!(
+                "a request may carry at most {max_images} images (--max-images), got {images}"
+            )));
+        }
+        self.orchestrator
+            .media
+            .resolve(
+                &mut req.messages,
+                pending,
+                self.orchestrator.limits.max_image_bytes,
+            )
+            .await?;
+        Ok(req)
+    }
+
     fn timeout(&self, metadata: &tonic::metadata::MetadataMap) -> Duration {
         vlm_proto::grpc_timeout(metadata)
             .map_or(self.request_timeout, |t| t.min(self.request_timeout))
@@ -154,11 +209,7 @@ impl Gateway for GatewayService {
             let r = request.into_inner();
             let n_set = r.n.is_some();
             let n = choices(r.n.map(i64::from))?;
-            let req = request_from_pb(
-                r,
-                self.default_max_tokens,
-                &self.orchestrator.sampling_defaults,
-            )?;
+            let req = self.read_and_fetch(r).await?;
             let mut rx = self
                 .orchestrator
                 .chat(req, n, "grpc", Some(timeout))
@@ -232,11 +283,7 @@ impl Gateway for GatewayService {
         let rx = async {
             let r = request.into_inner();
             let n = choices(r.n.map(i64::from))?;
-            let req = request_from_pb(
-                r,
-                self.default_max_tokens,
-                &self.orchestrator.sampling_defaults,
-            )?;
+            let req = self.read_and_fetch(r).await?;
             self.orchestrator.chat(req, n, "grpc", Some(timeout)).await
         }
         .instrument(span)

@@ -1,8 +1,8 @@
 //! OpenAI-compatible HTTP on the gateway: `POST /v1/chat/completions` (unary, or server-sent
 //! events with `stream: true`), `GET /v1/models`, `GET /health`, `GET /metrics`.
 //!
-//! Images come as `image_url` parts holding `data:` URLs (base64); the gateway fetches nothing
-//! from the network. Beyond OpenAI's fields it accepts vLLM's `top_k`, `min_p`,
+//! Images come as `image_url` parts holding `data:` URLs (base64), or `http(s)://` and
+//! `file://` URLs the gateway reads itself under the fetch rules ([`crate::media`]). Beyond OpenAI's fields it accepts vLLM's `top_k`, `min_p`,
 //! `repetition_penalty`, `ignore_eos` and `return_token_ids`; fields that would change the
 //! answer and are not implemented, and unknown ones, are refused naming the field
 //! (`http/fields.rs`). `n` choices come in OpenAI's shape, each with its `index` (one
@@ -33,6 +33,7 @@ use vlm_proto::pb;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
+use crate::media::{is_fetched, PendingImage};
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
 use crate::request::{ChatRequest, RequestLimits};
 use crate::sampling::{RequestedSampling, SamplingDefaults};
@@ -148,7 +149,7 @@ fn data_url_bytes(url: &str, at: &str, max_bytes: usize) -> Result<Vec<u8>, Gate
     let Some(rest) = url.strip_prefix("data:") else {
         let scheme = url.split(':').next().unwrap_or_default();
         return Err(GatewayError::Invalid(format!(
-            "{at}: only data: URLs are supported (the gateway fetches nothing), got a {scheme}: URL"
+            "{at}: image URLs may be data:, http:, https: or file: URLs, got a {scheme}: URL"
         )));
     };
     let (meta, data) = rest
@@ -238,12 +239,15 @@ fn not_a_request(at: &str, e: impl std::fmt::Display) -> GatewayError {
     ))
 }
 
+/// A request as read, with its image URLs still to fetch (their parts hold empty images).
+type Parsed = (ChatRequest, ResponseOptions, Vec<PendingImage>);
+
 fn parse_request(
     body: &[u8],
     default_max_tokens: usize,
     limits: &RequestLimits,
     defaults: &SamplingDefaults,
-) -> Result<(ChatRequest, ResponseOptions), GatewayError> {
+) -> Result<Parsed, GatewayError> {
     // Read as a map first, so that fields are refused by name before any is interpreted;
     // the values move into the request unchanged (no copy of an image's base64).
     let mut fields: Map<String, Value> =
@@ -272,6 +276,7 @@ fn parse_request(
         )));
     }
     let mut messages = Vec::with_capacity(r.messages.len());
+    let mut pending = Vec::new();
     for (i, m) in r.messages.into_iter().enumerate() {
         if !matches!(
             m.role.as_str(),
@@ -309,6 +314,15 @@ fn parse_request(
                                 .ok_or_else(|| {
                                     GatewayError::Invalid(format!("{at}.image_url.url is missing"))
                                 })?;
+                            if is_fetched(url) {
+                                pending.push(PendingImage {
+                                    message: i,
+                                    part: j,
+                                    url: url.to_string(),
+                                    at,
+                                });
+                                return Ok(Part::Image(Vec::new()));
+                            }
                             Ok(Part::Image(data_url_bytes(
                                 url,
                                 &at,
@@ -366,6 +380,7 @@ fn parse_request(
             return_logits: false,
         },
         options,
+        pending,
     ))
 }
 
@@ -394,7 +409,7 @@ pub fn parse_chat_request(
         limits,
         &SamplingDefaults::default(),
     )
-    .map(|(req, _)| req)
+    .map(|(req, _, _)| req)
 }
 
 /// OpenAI's stand-in for a logprob of minus infinity, which JSON cannot carry.
@@ -479,10 +494,23 @@ async fn chat_completions(
         &st.orchestrator.limits,
         &st.orchestrator.sampling_defaults,
     );
-    let (req, options) = match parsed {
+    let (mut req, options, pending) = match parsed {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
+    let fetched = st
+        .orchestrator
+        .media
+        .resolve(
+            &mut req.messages,
+            pending,
+            st.orchestrator.limits.max_image_bytes,
+        )
+        .instrument(span.clone())
+        .await;
+    if let Err(e) = fetched {
+        return error_response(&e);
+    }
     span.record("stream", options.stream);
     let started = st
         .orchestrator
@@ -613,6 +641,7 @@ mod tests {
             &RequestLimits::default(),
             &SamplingDefaults::default(),
         )
+        .map(|(req, options, _)| (req, options))
     }
 
     /// A one-message chat with `fields` added.
@@ -765,7 +794,7 @@ mod tests {
             ..Default::default()
         };
         let body = chat_with(json!({"temperature": 0, "presence_penalty": 0}));
-        let (req, _) = parse_request(
+        let (req, _, _) = parse_request(
             body.to_string().as_bytes(),
             8,
             &RequestLimits::default(),
@@ -836,14 +865,29 @@ mod tests {
     }
 
     #[test]
-    fn rejects_remote_urls_bad_roles_and_bad_json_with_the_field() {
+    fn rejects_other_url_schemes_bad_roles_and_bad_json_with_the_field() {
         let remote = json!({"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]});
+            {"type": "image_url", "image_url": {"url": "ftp://example.com/cat.png"}}]}]});
         let e = parse(&remote, 1).unwrap_err();
         assert!(
-            e.to_string().contains("messages[0].content[0]") && e.to_string().contains("https"),
+            e.to_string().contains("messages[0].content[0]") && e.to_string().contains("ftp:"),
             "{e}"
         );
+        // An https URL is left for the fetcher, its part a placeholder.
+        let https = json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]});
+        let (req, _, pending) = parse_request(
+            https.to_string().as_bytes(),
+            1,
+            &RequestLimits::default(),
+            &SamplingDefaults::default(),
+        )
+        .unwrap();
+        assert_eq!(pending.len(), 1);
+        assert_eq!((pending[0].message, pending[0].part), (0, 1));
+        assert_eq!(pending[0].at, "messages[0].content[1]");
+        assert!(matches!(&req.messages[0].parts[1], Part::Image(b) if b.is_empty()));
         let role = json!({"messages": [{"role": "robot", "content": "hi"}]});
         let e = parse(&role, 1).unwrap_err();
         assert!(e.to_string().contains("messages[0].role"), "{e}");

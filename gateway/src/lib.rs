@@ -9,6 +9,7 @@
 //!   [`checkpoint`]: what the gateway reads from the model directory besides the tokenizer.
 //! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas;
 //!   [`gateway_error`]: what a request can fail with, as gRPC and HTTP statuses.
+//! - [`media`]: images by URL (http, https, file), fetched with the SSRF guards and cached.
 //! - [`serve`]: the gateway's servers.
 //!
 //! The gateway talks to vision-svc and llm-svc over the contract (`vlm-proto`) only, and links
@@ -22,6 +23,7 @@ mod error;
 pub mod gateway_error;
 pub mod grpc;
 pub mod http;
+pub mod media;
 pub mod metrics;
 pub mod orchestrator;
 pub mod request;

@@ -27,6 +27,10 @@ pub struct Metrics {
     pub vision_seconds: HistogramVec,
     pub generated_tokens: IntCounter,
     pub prompt_tokens: IntCounter,
+    /// Image URLs read, by outcome: "ok" (fetched), "cached", "file", or why it was refused.
+    pub media_fetches: IntCounterVec,
+    /// Bytes of images fetched over the network (cache hits not counted).
+    pub media_fetch_bytes: IntCounter,
 }
 
 impl Metrics {
@@ -71,6 +75,19 @@ impl Metrics {
             .expect("valid metric");
         let prompt = IntCounter::new("vlm_prompt_tokens_total", "Prompt tokens processed")
             .expect("valid metric");
+        let media_fetches = IntCounterVec::new(
+            Opts::new(
+                "vlm_media_fetches_total",
+                "Image URLs read by the gateway, by outcome",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let media_fetch_bytes = IntCounter::new(
+            "vlm_media_fetch_bytes_total",
+            "Bytes of images fetched from image URLs",
+        )
+        .expect("valid metric");
         for m in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(in_flight.clone()),
@@ -79,6 +96,8 @@ impl Metrics {
             Box::new(vision.clone()),
             Box::new(generated.clone()),
             Box::new(prompt.clone()),
+            Box::new(media_fetches.clone()),
+            Box::new(media_fetch_bytes.clone()),
         ] {
             registry.register(m).expect("unique metric names");
         }
@@ -92,6 +111,8 @@ impl Metrics {
             vision_seconds: vision,
             generated_tokens: generated,
             prompt_tokens: prompt,
+            media_fetches,
+            media_fetch_bytes,
         }
     }
 

@@ -154,6 +154,8 @@ pub struct Orchestrator {
     pub vision: Option<Upstreams>,
     pub llm: Upstreams,
     pub limits: RequestLimits,
+    /// Reads the image URLs of requests by `limits.media`, with its URL cache.
+    pub media: Arc<crate::media::MediaFetcher>,
     /// The checkpoint's image preprocessing, to count an image's tokens from its header
     /// before it is encoded; `None`: the prompt waits for the embeddings.
     pub image_settings: Option<PreprocessConfig>,
@@ -249,6 +251,10 @@ impl Orchestrator {
             embedding_dtype: pb::Dtype::F32,
             vision,
             llm,
+            media: Arc::new(crate::media::MediaFetcher::new(
+                limits.media.clone(),
+                metrics.clone(),
+            )),
             limits,
             image_settings: None,
             metrics,

@@ -20,6 +20,8 @@ pub struct RequestLimits {
     pub max_image_bytes: usize,
     /// Largest request: an HTTP body (larger gets 413) or a gRPC message (OUT_OF_RANGE).
     pub max_body_bytes: usize,
+    /// What image URLs may reach, and how they are fetched ([`crate::media`]).
+    pub media: crate::media::MediaRules,
 }
 
 impl Default for RequestLimits {
@@ -30,6 +32,7 @@ impl Default for RequestLimits {
             max_messages: 1024,
             max_image_bytes: 32 * 1024 * 1024,
             max_body_bytes: vlm_proto::MAX_MESSAGE_BYTES,
+            media: crate::media::MediaRules::default(),
         }
     }
 }
@@ -99,4 +102,42 @@ pub fn image_parts(messages: &[Message]) -> impl Iterator<Item = &Vec<u8>> {
             Part::Image(bytes) => Some(bytes),
             Part::Text(_) => None,
         })
+}
+
+/// The request limits and image-URL rules as flags, shared by `gateway` and `vlm serve`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct RequestLimitArgs {
+    /// Most images in one request.
+    #[arg(long, env = "VLM_MAX_IMAGES", default_value_t = RequestLimits::default().max_images)]
+    pub max_images: usize,
+    /// Most messages in one request.
+    #[arg(long, env = "VLM_MAX_MESSAGES", default_value_t = RequestLimits::default().max_messages)]
+    pub max_messages: usize,
+    /// Largest image in a request, in bytes as encoded (PNG, JPEG, WebP, GIF); base64 data
+    /// over it is refused before it is decoded, and an image URL's body is not read past it.
+    #[arg(long, env = "VLM_MAX_IMAGE_BYTES", default_value_t = RequestLimits::default().max_image_bytes)]
+    pub max_image_bytes: usize,
+    /// Largest request in bytes: an HTTP body (more gets 413) or a gRPC message (more gets
+    /// OUT_OF_RANGE).
+    #[arg(long, env = "VLM_MAX_BODY_BYTES", default_value_t = RequestLimits::default().max_body_bytes)]
+    pub max_body_bytes: usize,
+    /// Most tokens one request may ask to generate.
+    #[arg(long, env = "VLM_MAX_TOKENS_LIMIT", default_value_t = RequestLimits::default().max_new_tokens)]
+    pub max_tokens_limit: usize,
+    #[command(flatten)]
+    pub media: crate::media::MediaArgs,
+}
+
+impl RequestLimitArgs {
+    /// The limits these flags set (the local media directory must exist).
+    pub fn limits(&self) -> anyhow::Result<RequestLimits> {
+        Ok(RequestLimits {
+            max_images: self.max_images,
+            max_new_tokens: self.max_tokens_limit,
+            max_messages: self.max_messages,
+            max_image_bytes: self.max_image_bytes,
+            max_body_bytes: self.max_body_bytes,
+            media: self.media.rules()?,
+        })
+    }
 }

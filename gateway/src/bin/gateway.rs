@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use gateway::request::RequestLimits;
 use gateway::serve::{serve, GatewayConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -25,6 +24,10 @@ use tokio_util::sync::CancellationToken;
         `Authorization: Bearer <key>` (401 / UNAUTHENTICATED otherwise); /health, /metrics, grpc.health.v1 \
         and reflection stay open. --tls-cert/--tls-key serve HTTPS and gRPC over TLS on the public ports; \
         --upstream-tls-* speak TLS, or mutual TLS, to the services.\n\
+        Image URLs: data: always; http(s):// fetched by the gateway unless --no-media-fetch, only from \
+        hosts whose addresses are public (--allow-private-media-addresses lifts that; \
+        --allowed-media-domains narrows it), at most --max-image-bytes, 3 redirects each checked again, \
+        cached by URL; file:// only under --allowed-local-media-path.\n\
         Traces go to OTEL_EXPORTER_OTLP_ENDPOINT when set; logs to stderr (RUST_LOG, default info; \
         --log-format json for collectors)."
 )]
@@ -60,23 +63,8 @@ struct Args {
     /// Requests served at once; more get RESOURCE_EXHAUSTED (HTTP 429).
     #[arg(long, env = "VLM_MAX_CONCURRENT", default_value_t = 256)]
     max_concurrent: usize,
-    /// Most images in one request.
-    #[arg(long, env = "VLM_MAX_IMAGES", default_value_t = 8)]
-    max_images: usize,
-    /// Most messages in one request.
-    #[arg(long, env = "VLM_MAX_MESSAGES", default_value_t = RequestLimits::default().max_messages)]
-    max_messages: usize,
-    /// Largest image in a request, in bytes as encoded (PNG, JPEG, WebP, GIF); base64 data
-    /// over it is refused before it is decoded.
-    #[arg(long, env = "VLM_MAX_IMAGE_BYTES", default_value_t = RequestLimits::default().max_image_bytes)]
-    max_image_bytes: usize,
-    /// Largest request in bytes: an HTTP body (more gets 413) or a gRPC message (more gets
-    /// OUT_OF_RANGE).
-    #[arg(long, env = "VLM_MAX_BODY_BYTES", default_value_t = RequestLimits::default().max_body_bytes)]
-    max_body_bytes: usize,
-    /// Most tokens one request may ask to generate.
-    #[arg(long, env = "VLM_MAX_TOKENS_LIMIT", default_value_t = 8192)]
-    max_tokens_limit: usize,
+    #[command(flatten)]
+    limits: gateway::request::RequestLimitArgs,
     /// Tokens generated when a request does not say.
     #[arg(long, env = "VLM_DEFAULT_MAX_TOKENS", default_value_t = 256)]
     default_max_tokens: usize,
@@ -139,13 +127,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         vision_addrs: args.vision_addr,
         llm_addrs: args.llm_addr,
         max_concurrent: args.max_concurrent,
-        limits: RequestLimits {
-            max_images: args.max_images,
-            max_new_tokens: args.max_tokens_limit,
-            max_messages: args.max_messages,
-            max_image_bytes: args.max_image_bytes,
-            max_body_bytes: args.max_body_bytes,
-        },
+        limits: args.limits.limits()?,
         default_max_tokens: args.default_max_tokens,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         client_send_timeout: Duration::try_from_secs_f64(args.client_send_timeout_secs)
