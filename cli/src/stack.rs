@@ -73,6 +73,9 @@ pub struct StackConfig {
     pub default_max_tokens: usize,
     /// Longest a request may take.
     pub request_timeout: Duration,
+    /// The gateway's request limits and image-URL rules (`--max-image-bytes`,
+    /// `--allowed-media-domains`, ...).
+    pub limits: RequestLimits,
     /// The key the public APIs require; `None`: open.
     pub api_key: Option<gateway::auth::ApiKey>,
     /// HTTPS and gRPC over TLS on the public ports.
@@ -109,6 +112,7 @@ impl StackConfig {
             device_handoff: true,
             default_max_tokens: 256,
             request_timeout: Duration::from_secs(600),
+            limits: RequestLimits::default(),
             api_key: None,
             tls: None,
             generation_config: Default::default(),
@@ -226,7 +230,7 @@ impl LocalStack {
                 vision_addrs: vec![stack.vision_addr.to_string()],
                 llm_addrs: vec![stack.llm_addr.to_string()],
                 max_concurrent: cfg.max_concurrent,
-                limits: RequestLimits::default(),
+                limits: cfg.limits.clone(),
                 default_max_tokens: cfg.default_max_tokens,
                 request_timeout: cfg.request_timeout,
                 client_send_timeout: gateway::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT,

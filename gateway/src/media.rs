@@ -36,6 +36,9 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default byte budget of the URL cache (`--media-cache-bytes`).
 pub const DEFAULT_CACHE_BYTES: usize = 256 * 1024 * 1024;
+/// Default number of image fetches in flight at once, over all requests
+/// (`--media-max-concurrent-fetches`).
+pub const DEFAULT_MAX_CONCURRENT_FETCHES: usize = 64;
 /// Longest a cached image is reused when its response names no shorter `max-age`.
 pub const CACHE_TTL: Duration = Duration::from_secs(600);
 
@@ -55,6 +58,8 @@ pub struct MediaRules {
     pub fetch_timeout: Duration,
     /// Bytes of fetched images kept by URL; 0 turns the cache off.
     pub cache_bytes: usize,
+    /// Fetches in flight at once over all requests; one more is refused at once (429).
+    pub max_concurrent_fetches: usize,
 }
 
 impl Default for MediaRules {
@@ -67,6 +72,7 @@ impl Default for MediaRules {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             fetch_timeout: DEFAULT_FETCH_TIMEOUT,
             cache_bytes: DEFAULT_CACHE_BYTES,
+            max_concurrent_fetches: DEFAULT_MAX_CONCURRENT_FETCHES,
         }
     }
 }
@@ -130,6 +136,10 @@ pub struct MediaArgs {
     /// does not fetch it again (responses with Cache-Control: no-store are not kept); 0: off.
     #[arg(long, env = "VLM_MEDIA_CACHE_BYTES", default_value_t = DEFAULT_CACHE_BYTES)]
     pub media_cache_bytes: usize,
+    /// Image fetches in flight at once, over all requests (they run before a request takes
+    /// one of --max-concurrent's places); one more gets RESOURCE_EXHAUSTED / 429 at once.
+    #[arg(long, env = "VLM_MEDIA_MAX_CONCURRENT_FETCHES", default_value_t = DEFAULT_MAX_CONCURRENT_FETCHES)]
+    pub media_max_concurrent_fetches: usize,
 }
 
 impl MediaArgs {
@@ -165,6 +175,7 @@ impl MediaArgs {
             )?,
             fetch_timeout: secs(self.media_fetch_timeout_secs, "--media-fetch-timeout-secs")?,
             cache_bytes: self.media_cache_bytes,
+            max_concurrent_fetches: self.media_max_concurrent_fetches,
         })
     }
 }
@@ -193,6 +204,8 @@ pub enum FetchError {
     TooManyRedirects,
     #[error("timeout: no whole image within {0:?}")]
     Timeout(Duration),
+    #[error("{0} image fetches are in flight, the most at once (--media-max-concurrent-fetches); retry later")]
+    Busy(usize),
     #[error("refused file: {0}")]
     LocalRefused(String),
     #[error("cannot read the file: {0}")]
@@ -213,6 +226,7 @@ impl FetchError {
             FetchError::NotAnImage(_) => "not_an_image",
             FetchError::TooManyRedirects => "too_many_redirects",
             FetchError::Timeout(_) => "timeout",
+            FetchError::Busy(_) => "busy",
             FetchError::LocalRefused(_) => "file_refused",
             FetchError::LocalUnreadable(_) => "file_unreadable",
         }
@@ -391,6 +405,8 @@ pub struct MediaFetcher {
     pub rules: MediaRules,
     client: OnceLock<reqwest::Client>,
     cache: Mutex<UrlCache>,
+    /// One per fetch in flight ([`MediaRules::max_concurrent_fetches`]).
+    permits: Arc<tokio::sync::Semaphore>,
     metrics: Metrics,
 }
 
@@ -402,6 +418,7 @@ impl MediaFetcher {
             entries: lru::LruCache::unbounded(),
         });
         Self {
+            permits: Arc::new(tokio::sync::Semaphore::new(rules.max_concurrent_fetches)),
             rules,
             client: OnceLock::new(),
             cache,
@@ -513,9 +530,11 @@ impl MediaFetcher {
                 } else {
                     format!(" from {host}")
                 };
-                Err(GatewayError::Invalid(format!(
-                    "{at}: cannot fetch the image{from}: {e}"
-                )))
+                let message = format!("{at}: cannot fetch the image{from}: {e}");
+                Err(match e {
+                    FetchError::Busy(_) => GatewayError::Overloaded(message),
+                    _ => GatewayError::Invalid(message),
+                })
             }
         }
     }
@@ -542,6 +561,11 @@ impl MediaFetcher {
                 return Ok((bytes, "cached"));
             }
         }
+        let _permit = self
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| FetchError::Busy(self.rules.max_concurrent_fetches))?;
         let (bytes, ttl) = self.fetch_http(url, max_bytes).await?;
         check_image(&bytes)?;
         let bytes = Arc::new(bytes);

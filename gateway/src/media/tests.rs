@@ -467,3 +467,29 @@ async fn a_request_s_urls_are_fetched_into_their_parts() {
     }
     assert!(seen.image_requests.load(Ordering::SeqCst) >= 1);
 }
+
+#[tokio::test]
+async fn fetches_past_the_limit_in_flight_get_429_at_once() {
+    let (base, _) = server().await;
+    let f = Arc::new(fetcher(MediaRules {
+        max_concurrent_fetches: 1,
+        fetch_timeout: Duration::from_secs(3),
+        ..loopback_rules()
+    }));
+    let stalled = tokio::spawn({
+        let f = f.clone();
+        let url = format!("{base}/slow");
+        async move { f.image(&url, "messages[0].content[0]", LIMIT).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let e = f
+        .image(&format!("{base}/cat.png"), "messages[1].content[0]", LIMIT)
+        .await
+        .unwrap_err();
+    assert_eq!(e.http_status(), 429, "{e}");
+    assert!(
+        e.to_string().contains("--media-max-concurrent-fetches"),
+        "{e}"
+    );
+    stalled.abort();
+}

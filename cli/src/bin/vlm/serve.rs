@@ -64,6 +64,11 @@ pub struct ServeArgs {
     engine: llm_svc::EngineArgs,
     #[command(flatten)]
     weights: llm_svc::WeightArgs,
+    /// Longest a request may take, in seconds (a client's shorter grpc-timeout wins).
+    #[arg(long, env = "VLM_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
+    request_timeout_secs: u64,
+    #[command(flatten)]
+    limits: gateway::request::RequestLimitArgs,
     #[command(flatten)]
     access: gateway::auth::AccessArgs,
 }
@@ -97,6 +102,8 @@ pub async fn serve(
     cfg.vision_max_concurrent = args.vision_max_concurrent;
     cfg.embedding_cache_bytes = args.embedding_cache_bytes;
     cfg.generation_config = args.generation_config;
+    cfg.limits = args.limits.limits()?;
+    cfg.request_timeout = std::time::Duration::from_secs(args.request_timeout_secs);
     cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
     cfg.stand_in_llm = crate::load::stand_in_step(args.stand_in_llm)?;
     let model_name = cfg.model_name.clone();
