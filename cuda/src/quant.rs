@@ -444,6 +444,21 @@ fn field(words: &[i32], n: usize, bits: u32) -> u8 {
     ((words[n / per] as u32 >> ((n % per) as u32 * bits)) & ((1 << bits) - 1)) as u8
 }
 
+/// A row-major `[rows, cols]` matrix of `at(row, col)`, rows filled in parallel: the formats
+/// that store a matrix transposed (AWQ, GPTQ: `[in, out]`) read into ours.
+fn by_rows<T: Copy + Default + Send>(
+    rows: usize,
+    cols: usize,
+    at: impl Fn(usize, usize) -> T + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::default(); rows * cols];
+    out.par_chunks_mut(cols.max(1))
+        .enumerate()
+        .for_each(|(r, row)| row.iter_mut().enumerate().for_each(|(c, v)| *v = at(r, c)));
+    out
+}
+
 /// `in / groups` from a scale tensor's group count, checked.
 fn group_size(w: &WeightPrefix, name: &str, inp: usize, groups: usize) -> Result<usize> {
     if groups == 0 || inp % groups != 0 {
@@ -488,12 +503,9 @@ fn read_compressed_tensors(
     let q: Vec<u8> = if packed {
         let words = w.get_i32("weight_packed", &[out, inp.div_ceil(per)])?;
         let row = inp.div_ceil(per);
-        (0..out)
-            .flat_map(|o| {
-                let words = &words[o * row..(o + 1) * row];
-                (0..inp).map(move |i| field(words, i, bits))
-            })
-            .collect()
+        by_rows(out, inp, |o, i| {
+            field(&words[o * row..(o + 1) * row], i, bits)
+        })
     } else {
         let vals = w.get_i8("weight", &[out, inp])?;
         vals.iter()
@@ -551,7 +563,6 @@ fn read_awq(
     bits: u32,
     group: usize,
 ) -> Result<IntMatrix> {
-    const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
     if out % 8 != 0 || inp % group != 0 {
         return Err(Error::Quantized {
             name: w.name("qweight"),
@@ -564,26 +575,15 @@ fn read_awq(
     let words = w.get_i32("qweight", &[inp, out / 8])?;
     let zwords = w.get_i32("qzeros", &[groups, out / 8])?;
     let s = w.get("scales", &[groups, out])?;
-    // Nibble j of a word holds output column ORDER[j] of its eight.
-    let unpack = |words: &[i32], r: usize, o: usize| -> u8 {
-        let word = words[r * (out / 8) + o / 8] as u32;
-        let j = ORDER.iter().position(|&c| c == o % 8).expect("0..8");
-        ((word >> (4 * j)) & 0xF) as u8
+    // Nibble j of a word holds output column [0, 2, 4, 6, 1, 3, 5, 7][j] of its eight, so
+    // column c is nibble AT[c].
+    const AT: [u32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+    let nibble = |words: &[i32], r: usize, o: usize| -> u8 {
+        ((words[r * (out / 8) + o / 8] as u32 >> (4 * AT[o % 8])) & 0xF) as u8
     };
-    let mut q = vec![0u8; out * inp];
-    for i in 0..inp {
-        for o in 0..out {
-            q[o * inp + i] = unpack(&words, i, o);
-        }
-    }
-    let mut scales = vec![0.0f32; out * groups];
-    let mut zeros = vec![0.0f32; out * groups];
-    for g in 0..groups {
-        for o in 0..out {
-            scales[o * groups + g] = s.data()[g * out + o];
-            zeros[o * groups + g] = unpack(&zwords, g, o) as f32;
-        }
-    }
+    let q = by_rows(out, inp, |o, i| nibble(&words, i, o));
+    let scales = by_rows(out, groups, |o, g| s.data()[g * out + o]);
+    let zeros = by_rows(out, groups, |o, g| nibble(&zwords, g, o) as f32);
     Ok(IntMatrix {
         out,
         inp,
@@ -619,24 +619,17 @@ fn read_gptq(w: &WeightPrefix, out: usize, inp: usize, bits: u32, v2: bool) -> R
     let words = w.get_i32("qweight", &[inp / per, out])?;
     let zwords = w.get_i32("qzeros", &[groups, out / per])?;
     let s = w.get("scales", &[groups, out])?;
-    let mut q = vec![0u8; out * inp];
-    for i in 0..inp {
-        for o in 0..out {
-            let word = words[(i / per) * out + o] as u32;
-            q[o * inp + i] = ((word >> ((i % per) as u32 * bits)) & ((1 << bits) - 1)) as u8;
-        }
-    }
-    let mut scales = vec![0.0f32; out * groups];
-    let mut zeros = vec![0.0f32; out * groups];
+    let q = by_rows(out, inp, |o, i| {
+        let word = words[(i / per) * out + o] as u32;
+        ((word >> ((i % per) as u32 * bits)) & ((1 << bits) - 1)) as u8
+    });
+    let scales = by_rows(out, groups, |o, g| s.data()[g * out + o]);
     // v1 stores each zero point minus one (AutoGPTQ's off-by-one, kept for compatibility).
     let bump = if v2 { 0.0 } else { 1.0 };
-    for g in 0..groups {
-        let zrow = &zwords[g * (out / per)..(g + 1) * (out / per)];
-        for o in 0..out {
-            scales[o * groups + g] = s.data()[g * out + o];
-            zeros[o * groups + g] = field(zrow, o, bits) as f32 + bump;
-        }
-    }
+    let zrow = out / per;
+    let zeros = by_rows(out, groups, |o, g| {
+        field(&zwords[g * zrow..(g + 1) * zrow], o, bits) as f32 + bump
+    });
     let m = IntMatrix {
         out,
         inp,
