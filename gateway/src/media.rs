@@ -496,8 +496,9 @@ impl MediaFetcher {
         );
         let started = Instant::now();
         let result = async {
-            let u = parsed.map_err(|e| FetchError::BadUrl(format!("not a valid URL: {e}")))?;
-            match tokio::time::timeout(self.rules.fetch_timeout, self.fetch(u, max_bytes)).await {
+            let target = check_url(url, &self.rules)?;
+            let fetch = self.fetch(target, max_bytes);
+            match tokio::time::timeout(self.rules.fetch_timeout, fetch).await {
                 Ok(r) => r,
                 Err(_) => Err(FetchError::Timeout(self.rules.fetch_timeout)),
             }
@@ -542,18 +543,24 @@ impl MediaFetcher {
     /// The bytes and the outcome label ("ok", "cached", "file").
     async fn fetch(
         &self,
-        url: Url,
+        target: UrlTarget,
         max_bytes: usize,
     ) -> Result<(Arc<Vec<u8>>, &'static str), FetchError> {
-        if url.scheme() == "file" {
-            let bytes = self.read_local(&url, max_bytes).await?;
-            check_image(&bytes)?;
-            return Ok((Arc::new(bytes), "file"));
-        }
-        if !self.rules.fetch {
-            return Err(FetchError::Disabled);
-        }
-        self.check_target(&url)?;
+        let url = match target {
+            UrlTarget::File(path) => {
+                let dir = self.rules.local_dir.clone();
+                let bytes = tokio::task::spawn_blocking(move || {
+                    dir.as_ref().map_or(Err(no_local_dir()), |dir| {
+                        read_inside(&path, dir, max_bytes)
+                    })
+                })
+                .await
+                .map_err(|e| FetchError::LocalUnreadable(e.to_string()))??;
+                check_image(&bytes)?;
+                return Ok((Arc::new(bytes), "file"));
+            }
+            UrlTarget::Http(url) => url,
+        };
         let key = url.as_str().to_string();
         let cached = self.cache.lock().map(|mut c| c.get(&key)).ok().flatten();
         if let Some(bytes) = cached {
@@ -575,35 +582,6 @@ impl MediaFetcher {
         Ok((bytes, "ok"))
     }
 
-    /// The checks a URL gets before any connection, first or redirected: http(s), a host on
-    /// the allowlist, and an IP-literal host that is public (names are checked as resolved).
-    fn check_target(&self, url: &Url) -> Result<(), FetchError> {
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(FetchError::BadUrl(format!(
-                "only http, https (and file, under --allowed-local-media-path) URLs are fetched, got {}:",
-                url.scheme()
-            )));
-        }
-        let Some(host) = url.host_str().filter(|h| !h.is_empty()) else {
-            return Err(FetchError::BadUrl("the URL has no host".into()));
-        };
-        if !self.rules.allowed_domains.is_empty() {
-            let name = host.to_ascii_lowercase();
-            let name = name.trim_end_matches('.');
-            if !self.rules.allowed_domains.iter().any(|d| d == name) {
-                return Err(FetchError::DomainNotAllowed);
-            }
-        }
-        if !self.rules.allow_private_addresses {
-            // An IP-literal host is connected to as written, without the resolver.
-            let literal = host.trim_start_matches('[').trim_end_matches(']');
-            if let Some(ip) = literal.parse::<IpAddr>().ok().filter(|ip| !is_public(*ip)) {
-                return Err(FetchError::RefusedAddress(ip));
-            }
-        }
-        Ok(())
-    }
-
     /// GETs `url`, following at most [`MAX_REDIRECTS`] checked redirects; the body (never
     /// more than `max_bytes` of it read) and how long it may be cached.
     async fn fetch_http(
@@ -614,7 +592,7 @@ impl MediaFetcher {
         let client = self.client()?;
         let mut redirects = 0;
         loop {
-            self.check_target(&url)?;
+            check_target(&url, &self.rules)?;
             let mut resp = client
                 .get(url.clone())
                 .send()
@@ -672,30 +650,94 @@ impl MediaFetcher {
         }
         FetchError::Unreachable(root)
     }
+}
 
-    /// A `file://` URL's bytes, if the file resolves to a place inside the allowed directory.
-    async fn read_local(&self, url: &Url, max_bytes: usize) -> Result<Vec<u8>, FetchError> {
-        let Some(dir) = self.rules.local_dir.clone() else {
-            return Err(FetchError::LocalRefused(
-                "file: URLs are refused; --allowed-local-media-path DIR allows those under DIR"
-                    .into(),
-            ));
-        };
-        if url
-            .host_str()
-            .is_some_and(|h| !h.is_empty() && h != "localhost")
-        {
-            return Err(FetchError::LocalRefused(
-                "a file: URL may not name a host".into(),
-            ));
-        }
-        let path = url
-            .to_file_path()
-            .map_err(|_| FetchError::BadUrl("not a file path".into()))?;
-        tokio::task::spawn_blocking(move || read_inside(&path, &dir, max_bytes))
-            .await
-            .map_err(|e| FetchError::LocalUnreadable(e.to_string()))?
+/// The checks a URL gets before any connection, first or redirected: http(s), a host on
+/// the allowlist, and an IP-literal host that is public (names are checked as resolved).
+fn check_target(url: &Url, rules: &MediaRules) -> Result<(), FetchError> {
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(FetchError::BadUrl(format!(
+            "only http, https (and file, under --allowed-local-media-path) URLs are fetched, got {}:",
+            url.scheme()
+        )));
     }
+    let Some(host) = url.host_str().filter(|h| !h.is_empty()) else {
+        return Err(FetchError::BadUrl("the URL has no host".into()));
+    };
+    if !rules.allowed_domains.is_empty() {
+        let name = host.to_ascii_lowercase();
+        let name = name.trim_end_matches('.');
+        if !rules.allowed_domains.iter().any(|d| d == name) {
+            return Err(FetchError::DomainNotAllowed);
+        }
+    }
+    if !rules.allow_private_addresses {
+        // An IP-literal host is connected to as written, without the resolver.
+        let literal = host.trim_start_matches('[').trim_end_matches(']');
+        if let Some(ip) = literal.parse::<IpAddr>().ok().filter(|ip| !is_public(*ip)) {
+            return Err(FetchError::RefusedAddress(ip));
+        }
+    }
+    Ok(())
+}
+
+/// Where an image URL leads, once it has passed every check that needs neither the network
+/// nor the filesystem ([`check_url`]).
+#[derive(Debug)]
+pub enum UrlTarget {
+    /// An http(s) URL to fetch (its host's addresses are checked as it is resolved).
+    Http(Url),
+    /// A file under `--allowed-local-media-path` (its symlinks are checked as it is read).
+    File(PathBuf),
+}
+
+/// Reads an image URL by `rules`: http or https with a host (on the allowlist, an IP literal
+/// only if public), or file under the allowed directory; nothing is resolved or opened.
+pub fn check_url(url: &str, rules: &MediaRules) -> Result<UrlTarget, FetchError> {
+    let url = Url::parse(url).map_err(|e| FetchError::BadUrl(format!("not a valid URL: {e}")))?;
+    if url.scheme() == "file" {
+        return local_path(&url, rules).map(UrlTarget::File);
+    }
+    if !rules.fetch && matches!(url.scheme(), "http" | "https") {
+        return Err(FetchError::Disabled);
+    }
+    check_target(&url, rules)?;
+    Ok(UrlTarget::Http(url))
+}
+
+fn no_local_dir() -> FetchError {
+    FetchError::LocalRefused(
+        "file: URLs are refused; --allowed-local-media-path DIR allows those under DIR".into(),
+    )
+}
+
+/// A `file://` URL's path, if it lies under the allowed directory as written (the URL parser
+/// has already taken out `.` and `..`), so nothing is learned of files outside.
+fn local_path(url: &Url, rules: &MediaRules) -> Result<PathBuf, FetchError> {
+    let dir = rules.local_dir.as_ref().ok_or_else(no_local_dir)?;
+    if url
+        .host_str()
+        .is_some_and(|h| !h.is_empty() && h != "localhost")
+    {
+        return Err(FetchError::LocalRefused(
+            "a file: URL may not name a host".into(),
+        ));
+    }
+    let path = url
+        .to_file_path()
+        .map_err(|_| FetchError::BadUrl("not a file path".into()))?;
+    let inside = |d: &Path| {
+        path.starts_with(d)
+            && !path
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+    };
+    if !inside(&dir.given) && !inside(&dir.resolved) {
+        return Err(FetchError::LocalRefused(
+            "the path is outside --allowed-local-media-path".into(),
+        ));
+    }
+    Ok(path)
 }
 
 /// Reads `path` if it, and what it resolves to, lie inside `dir`; at most `max_bytes`.

@@ -493,3 +493,56 @@ async fn fetches_past_the_limit_in_flight_get_429_at_once() {
     );
     stalled.abort();
 }
+
+#[test]
+fn urls_are_checked_without_the_network_or_the_disk() {
+    let dir = PathBuf::from("/srv/images");
+    let rules = MediaRules {
+        local_dir: Some(LocalDir {
+            given: dir.clone(),
+            resolved: dir,
+        }),
+        ..Default::default()
+    };
+    let refused = |url: &str| match check_url(url, &rules) {
+        Err(FetchError::RefusedAddress(ip)) => ip.to_string(),
+        other => panic!("{url}: {other:?}"),
+    };
+    // Every spelling of a non-public IP literal, as the URL parser reads it.
+    assert_eq!(
+        refused("http://169.254.169.254/latest/meta-data"),
+        "169.254.169.254"
+    );
+    assert_eq!(
+        refused("http://[::ffff:127.0.0.1]:8080/x"),
+        "::ffff:127.0.0.1"
+    );
+    assert_eq!(refused("http://0x7f.1/x"), "127.0.0.1");
+    assert_eq!(refused("http://2130706433/x"), "127.0.0.1");
+    assert_eq!(refused("https://[fd00::1]/x"), "fd00::1");
+    assert!(matches!(
+        check_url("https://Example.com/cat.png?sig=1", &rules),
+        Ok(UrlTarget::Http(_))
+    ));
+    assert!(matches!(
+        check_url("file:///srv/images/a/../b.png", &rules),
+        Ok(UrlTarget::File(p)) if p == Path::new("/srv/images/b.png")
+    ));
+    for outside in [
+        "file:///srv/images/../etc/passwd",
+        "file:///srv/images-old/cat.png",
+        "file:///etc/passwd",
+    ] {
+        assert!(
+            matches!(check_url(outside, &rules), Err(FetchError::LocalRefused(_))),
+            "{outside}"
+        );
+    }
+    for bad in ["gopher://example.com/x", "http://", "not a url", "data:,x"] {
+        assert!(
+            matches!(check_url(bad, &rules), Err(FetchError::BadUrl(_))),
+            "{bad}: {:?}",
+            check_url(bad, &rules)
+        );
+    }
+}
