@@ -1,5 +1,5 @@
 //! Fuzzing the inputs the services take from outside: image bytes, OpenAI request bodies, gRPC
-//! messages, chat content through the chat template, and checkpoint files.
+//! messages, chat content through the chat template, image URLs, and checkpoint files.
 //!
 //! Each target is a plain `fn(&[u8]) -> Outcome` over the same functions a service runs on a
 //! request ([`targets`]); a refusal (`Err` with the message a client would get) is fine, a
@@ -167,6 +167,33 @@ const PROTO_DICT: &[&[u8]] = &[
     b"<|image_pad|>",
 ];
 
+const URL_DICT: &[&[u8]] = &[
+    b"http://",
+    b"https://",
+    b"file://",
+    b"file:///srv/images/",
+    b"data:",
+    b"localhost",
+    b"images.example.com",
+    b"127.0.0.1",
+    b"0x7f.1",
+    b"2130706433",
+    b"169.254.169.254",
+    b"[::1]",
+    b"[::ffff:127.0.0.1]",
+    b"[64:ff9b::7f00:1]",
+    b"[fd00::1]",
+    b"%2e%2e/",
+    b"../",
+    b"/..",
+    b"%00",
+    b"@",
+    b":80",
+    b"#",
+    b"?",
+    b"\\",
+];
+
 const CHECKPOINT_DICT: &[&[u8]] = &[
     b"{",
     b"}",
@@ -240,6 +267,12 @@ pub static TARGETS: &[Target] = &[
         run: targets::gateway::chat_messages,
         dict: TEMPLATE_DICT,
         max_len: 64 * 1024,
+    },
+    Target {
+        name: "image_url",
+        run: targets::media::image_url,
+        dict: URL_DICT,
+        max_len: 4096,
     },
     Target {
         name: "checkpoint",

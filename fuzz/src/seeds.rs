@@ -442,6 +442,30 @@ fn checkpoint() -> Vec<(String, Vec<u8>)> {
 }
 
 /// Writes every target's seeds under `root` (`fuzz/corpus`).
+/// Image URLs, accepted and refused, for `image_url`.
+fn image_urls() -> Vec<(String, Vec<u8>)> {
+    [
+        ("https", "https://images.example.com/cat.png?sig=abc"),
+        ("http-port", "http://images.example.com:8080/a/b/../cat.png"),
+        ("loopback", "http://127.0.0.1/cat.png"),
+        ("hex-ip", "http://0x7f.1/cat.png"),
+        (
+            "mapped-v6",
+            "http://[::ffff:169.254.169.254]/latest/meta-data",
+        ),
+        ("nat64", "http://[64:ff9b::7f00:1]/"),
+        ("userinfo", "http://images.example.com@127.0.0.1/cat.png"),
+        ("file-inside", "file:///srv/images/cat.png"),
+        ("file-dotdot", "file:///srv/images/../../etc/passwd"),
+        ("file-encoded", "file:///srv/images/%2e%2e/secret"),
+        ("file-host", "file://server/srv/images/cat.png"),
+        ("gopher", "gopher://images.example.com/"),
+    ]
+    .into_iter()
+    .map(|(name, url)| (name.to_string(), url.as_bytes().to_vec()))
+    .collect()
+}
+
 pub fn write_all(root: &Path) -> std::io::Result<usize> {
     let sets = [
         ("image", images()),
@@ -449,6 +473,7 @@ pub fn write_all(root: &Path) -> std::io::Result<usize> {
         ("openai_request", openai()),
         ("grpc", grpc()),
         ("chat_template", chat()),
+        ("image_url", image_urls()),
         ("checkpoint", checkpoint()),
     ];
     let mut n = 0;

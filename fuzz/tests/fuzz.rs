@@ -61,6 +61,11 @@ fn fuzz_chat_template() {
 }
 
 #[test]
+fn fuzz_image_url() {
+    fuzz("image_url");
+}
+
+#[test]
 fn fuzz_checkpoint() {
     fuzz("checkpoint");
 }

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod gateway;
 pub mod grpc;
 pub mod image;
+pub mod media;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
