@@ -62,6 +62,10 @@ async fn server() -> (String, Arc<Seen>) {
         )
         .route("/loop", get(|| async { redirect("/loop".into()) }))
         .route(
+            "/to-file",
+            get(|| async { redirect("file:///etc/passwd".into()) }),
+        )
+        .route(
             "/endless",
             get(|State(s): State<Arc<Seen>>| async move {
                 let chunk = Bytes::from(vec![0x89u8; 64 * 1024]);
@@ -225,6 +229,13 @@ async fn three_redirects_are_followed_and_a_fourth_is_refused() {
     assert!(e.contains("too many redirects"), "{e}");
     let e = fetch(&f, &format!("{base}/loop")).await.unwrap_err();
     assert!(e.contains("too many redirects"), "{e}");
+    // A redirect may not leave http(s), even with a local directory allowed.
+    let f = fetcher(MediaRules {
+        local_dir: Some(LocalDir::new(Path::new("/etc")).unwrap()),
+        ..loopback_rules()
+    });
+    let e = fetch(&f, &format!("{base}/to-file")).await.unwrap_err();
+    assert!(e.contains("only http, https"), "{e}");
 }
 
 #[tokio::test]
