@@ -3,6 +3,8 @@
 //! device's copy bandwidth: what `--quantize` buys batch-1 decode, kernel by kernel.
 //!
 //!     cargo run --release -p vlm-compute --example int_gemv [ROWS]
+//!
+//! `VLM_INT_GEMV=cuda` times the CUDA-core integer GEMVs instead of the tensor-core ones.
 
 use std::time::Instant;
 

@@ -837,6 +837,329 @@ FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w8, 8, true)
 FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w8, 8, false)
 FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, 8, true)
 
+// ---- Integer GEMVs on the tensor cores (mma.sync m16n8k16) ----
+//
+// The GEMVs above spend ~3 instructions an element (dequantize, f16 -> f32, fma) and read x
+// from shared memory or L1 at 128 bytes a lane apart (8-way bank conflicts): at 4 bits they
+// reached 26% of the copy bandwidth on an H100. Here a warp multiplies a 16-row tile of the
+// weights (A, dequantized in registers exactly as above: q - zero, whole numbers in f16) by
+// x's rows (B: 8 columns, ROWS of them real) with mma.sync, so the products cost an
+// instruction per 256 weights, and x is read once per 16 weight rows.
+//
+// A GEMV's dot products may sum k in any order so long as A and B agree. Lane (g, t) of a
+// warp (g = lane / 4, t = lane % 4) loads chunk 4b + t (16 bytes, COLS columns) of A rows g
+// and g + 8 for batch b (4 * COLS columns); the pairs its dequantization gives (IntPairs:
+// columns p and p + 4 of a word at 4 bits, p and p + 2 at 8) are its A fragment's k slots,
+// and B's lane (n = g, t) holds x[n] at the same columns. A batch lies in one scale group
+// (group a multiple of 4 * COLS), so the scale multiplies a batch's sums once.
+//
+// x enters the tensor cores as two f16 halves, hi = f16(x * 2^e) and lo = f16(x * 2^e - hi)
+// (two products, one accumulator): 22 of f32's 24 bits, with 2^e a power of two per row that
+// puts the row's largest |x| under 2^15 (no f16 overflow; the sums are scaled back by 2^-e,
+// exactly). Each block stages its ROWS rows that way in shared memory once (ROWS * k * 4
+// bytes, as the normed kernels' f32 rows), in the order the B fragments are read, 16-byte
+// units XOR-swizzled so that a warp's 8 lanes of a phase hit distinct banks.
+//
+// A block's IM_WARPS warps split one tile's batches (warp w takes w, w + IM_WARPS, ...) and sum
+// through shared memory; blocks take tiles tile, tile + grid, ... With SWIGLU a tile is 8 gate
+// rows (A rows g) and their 8 up rows (A rows g + 8), so a lane holds both halves of its
+// outputs. Needs k and group multiples of 4 * COLS (128 at 4 bits, 64 at 8) and the staging's
+// shared memory: the host falls back to int_gemv otherwise.
+#define IM_WARPS GEMV_WARPS
+// Batches a lane loads at once (two 16-byte loads each), the next step's prefetched. 4 was
+// slower (H100, int_gemv rows 1: W4 1129 vs 1305 GB/s, W8 1561 vs 1869).
+#define IM_STEP 2
+
+// Staged x's 16-byte unit j (columns 4j .. 4j + 3 of the chunk, as f32; after the split, hi
+// and lo pairs) of row n, chunk ch, counted in units from the staging's start.
+template <int BITS>
+__device__ __forceinline__ int im_unit(int n, int k, int ch, int j) {
+    constexpr int U = 32 / BITS;  // units a chunk
+    const int key = BITS == 4 ? (((n & 1) << 2) | (ch & 3)) : (((n & 1) << 1) | ((ch >> 1) & 1));
+    return n * (k / 4) + ch * U + (j ^ key);
+}
+
+__device__ __forceinline__ void im_split(float a, float b, unsigned& hi, unsigned& lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 f = __half22float2(h);
+    const __half2 l = __floats2half2_rn(a - f.x, b - f.y);
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
+// Stages x (with NORM times norm_w) as above into st; scale[r] = 2^e of row r, back[r] what
+// row r's sums are multiplied by at the end (2^-e, with NORM times 1 / rms). Every thread of
+// the block must call it (barriers).
+template <int BITS, bool NORM, int ROWS>
+__device__ __forceinline__ void im_stage(const float* __restrict__ x,
+                                         const float* __restrict__ norm_w, float eps, int k,
+                                         float4* st, float back[ROWS]) {
+    constexpr int U = 32 / BITS;
+    __shared__ float red[2][ROWS][IM_WARPS];
+    const int units = k / 4, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    float scale[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)r * k);
+        float ss = 0.0f, mx = 0.0f;
+        for (int e = threadIdx.x; e < units; e += blockDim.x) {
+            float4 a = x4[e];
+            if (NORM) {
+                const float4 g = reinterpret_cast<const float4*>(norm_w)[e];
+                ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+                a = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
+            }
+            mx = fmaxf(mx, fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))));
+            st[im_unit<BITS>(r, k, e / U, e % U)] = a;
+        }
+        ss = warp_sum(ss);
+        for (int o = WARP / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+        if (lane == 0) {
+            red[0][r][warp] = ss;
+            red[1][r][warp] = mx;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float ss = 0.0f, mx = 0.0f;
+        for (int w = 0; w < IM_WARPS; ++w) {
+            ss += red[0][r][w];
+            mx = fmaxf(mx, red[1][r][w]);
+        }
+        int ex = 0;
+        frexpf(mx, &ex);
+        const int e = mx > 0.0f ? min(max(15 - ex, -126), 126) : 0;
+        scale[r] = __int_as_float((127 + e) << 23);
+        back[r] = __int_as_float((127 - e) << 23) * (NORM ? rsqrtf(ss / k + eps) : 1.0f);
+    }
+    // In place: each thread turns the f32 units of one word's columns into hi and lo pairs.
+    constexpr int WORD_UNITS = BITS == 4 ? 2 : 1;
+    const int words = k / (32 / BITS);
+    for (int i = threadIdx.x; i < ROWS * words; i += blockDim.x) {
+        const int n = i / words, wd = i % words, ch = wd / 4, wi = wd % 4;
+        float s = scale[0];
+#pragma unroll
+        for (int r = 1; r < ROWS; ++r)
+            if (n == r) s = scale[r];
+        if (WORD_UNITS == 2) {
+            const int u0 = im_unit<BITS>(n, k, ch, 2 * wi), u1 = im_unit<BITS>(n, k, ch, 2 * wi + 1);
+            const float4 a = st[u0], b = st[u1];
+            uint4 hi, lo;
+            im_split(a.x * s, b.x * s, hi.x, lo.x);
+            im_split(a.y * s, b.y * s, hi.y, lo.y);
+            im_split(a.z * s, b.z * s, hi.z, lo.z);
+            im_split(a.w * s, b.w * s, hi.w, lo.w);
+            st[u0] = *reinterpret_cast<const float4*>(&hi);
+            st[u1] = *reinterpret_cast<const float4*>(&lo);
+        } else {
+            const int u = im_unit<BITS>(n, k, ch, wi);
+            const float4 a = st[u];
+            uint4 v;
+            im_split(a.x * s, a.z * s, v.x, v.z);
+            im_split(a.y * s, a.w * s, v.y, v.w);
+            st[u] = *reinterpret_cast<const float4*>(&v);
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void mma_16816(float d[4], __half2 a0, __half2 a1, __half2 a2,
+                                          __half2 a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(*reinterpret_cast<unsigned*>(&a0)), "r"(*reinterpret_cast<unsigned*>(&a1)),
+          "r"(*reinterpret_cast<unsigned*>(&a2)), "r"(*reinterpret_cast<unsigned*>(&a3)),
+          "r"(b0), "r"(b1));
+}
+
+// acc (this lane's C fragment: rows g, g + 8 of the tile, x rows 2t, 2t + 1) += batch b's
+// products, the lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb.
+// The hi and lo halves of x go to two accumulators (two chains of dependent mma, not one).
+template <int BITS, int ROWS>
+__device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 la, uint4 lb,
+                                         __half2 za, __half2 zb, float acc[4]) {
+    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, ch = 4 * b + t;
+    const float2 sa = __half22float2(za), sb = __half22float2(zb);
+    __half2 base_a, base16_a, base_b, base16_b;
+    int_bases(sa.y, base_a, base16_a);
+    int_bases(sb.y, base_b, base16_b);
+    const unsigned wa[4] = {la.x, la.y, la.z, la.w}, wb[4] = {lb.x, lb.y, lb.z, lb.w};
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+        const IntPairs<BITS> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
+        if (BITS == 4) {
+            uint4 hi = make_uint4(0, 0, 0, 0), lo = hi;
+            if (g < ROWS) {
+                const float4 h = st[im_unit<4>(g, k, ch, 2 * wi)];
+                const float4 l = st[im_unit<4>(g, k, ch, 2 * wi + 1)];
+                hi = *reinterpret_cast<const uint4*>(&h);
+                lo = *reinterpret_cast<const uint4*>(&l);
+            }
+            mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], hi.x, hi.y);
+            mma_16816(e, qa.v[0], qb.v[0], qa.v[1], qb.v[1], lo.x, lo.y);
+            mma_16816(d, qa.v[2], qb.v[2], qa.v[3], qb.v[3], hi.z, hi.w);
+            mma_16816(e, qa.v[2], qb.v[2], qa.v[3], qb.v[3], lo.z, lo.w);
+        } else {
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (g < ROWS) {
+                const float4 h = st[im_unit<8>(g, k, ch, wi)];
+                v = *reinterpret_cast<const uint4*>(&h);
+            }
+            mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.x, v.y);
+            mma_16816(e, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.z, v.w);
+        }
+    }
+    acc[0] = fmaf(sa.x, d[0] + e[0], acc[0]);
+    acc[1] = fmaf(sa.x, d[1] + e[1], acc[1]);
+    acc[2] = fmaf(sb.x, d[2] + e[2], acc[2]);
+    acc[3] = fmaf(sb.x, d[3] + e[3], acc[3]);
+}
+
+template <int BITS, bool NORM, bool SWIGLU, int ROWS>
+__device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
+                                             const float* __restrict__ norm_w, float eps,
+                                             const unsigned* __restrict__ w,
+                                             const float* __restrict__ bias, int has_bias,
+                                             float* __restrict__ out, int accumulate, int m,
+                                             int k, const __half2* __restrict__ sz, int group) {
+    constexpr int COLS = 128 / BITS, BATCH = 4 * COLS;
+    float4* st = reinterpret_cast<float4*>(gemv_staged);
+    float4* part = st + (size_t)ROWS * k / 4;  // [2][IM_WARPS][WARP]
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const int batches = k / BATCH, groups = k / group, row_words = k / (32 / BITS);
+    const int steps = (batches + IM_WARPS - 1) / IM_WARPS;
+    const int tiles = SWIGLU ? (m + 7) / 8 : (m + 15) / 16;
+    auto rows_of = [&](int tile, int& ra, int& rb) {
+        if (SWIGLU) {
+            ra = min(tile * 8 + g, m - 1);
+            rb = m + ra;
+        } else {
+            ra = min(tile * 16 + g, m - 1);
+            rb = min(tile * 16 + 8 + g, m - 1);
+        }
+    };
+    // A step's loads: the lane's chunks of rows ra and rb.
+    auto loads = [&](int ra, int rb, int s0, uint4 la[IM_STEP], uint4 lb[IM_STEP]) {
+#pragma unroll
+        for (int u = 0; u < IM_STEP; ++u) {
+            const int b = warp + (s0 + u) * IM_WARPS, ch = 4 * b + t;
+            la[u] = lb[u] = make_uint4(0, 0, 0, 0);
+            if (b < batches) {
+                la[u] = load_stream16(w + (size_t)ra * row_words + ch * 4);
+                lb[u] = load_stream16(w + (size_t)rb * row_words + ch * 4);
+            }
+        }
+    };
+    int tile = blockIdx.x, ra = 0, rb = 0;
+    uint4 la[IM_STEP], lb[IM_STEP];
+    if (tile < tiles) {
+        rows_of(tile, ra, rb);
+        loads(ra, rb, 0, la, lb);
+    }
+    grid_wait();
+    grid_launch_dependents();
+    float back[ROWS];
+    im_stage<BITS, NORM, ROWS>(x, norm_w, eps, k, st, back);
+    for (int turn = 0; tile < tiles; tile += gridDim.x, ++turn) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int na = ra, nb = rb;
+        for (int s0 = 0; s0 < steps; s0 += IM_STEP) {
+            uint4 ma[IM_STEP], mb[IM_STEP];
+            const bool more = s0 + IM_STEP < steps, next = !more && tile + gridDim.x < tiles;
+            if (more) {
+                loads(ra, rb, s0 + IM_STEP, ma, mb);
+            } else if (next) {
+                rows_of(tile + gridDim.x, na, nb);
+                loads(na, nb, 0, ma, mb);
+            }
+#pragma unroll
+            for (int u = 0; u < IM_STEP; ++u) {
+                const int b = warp + (s0 + u) * IM_WARPS, gi = b * BATCH / group;
+                if (b < batches)
+                    im_batch<BITS, ROWS>(st, k, b, la[u], lb[u],
+                                         __ldg(sz + (size_t)ra * groups + gi),
+                                         __ldg(sz + (size_t)rb * groups + gi), acc);
+            }
+            if (more || next) {
+#pragma unroll
+                for (int u = 0; u < IM_STEP; ++u) {
+                    la[u] = ma[u];
+                    lb[u] = mb[u];
+                }
+            }
+        }
+        float4* pt = part + (turn & 1) * IM_WARPS * WARP;
+        pt[warp * WARP + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        __syncthreads();
+        if (warp == 0) {
+            float4 s = pt[lane];
+#pragma unroll
+            for (int v = 1; v < IM_WARPS; ++v) {
+                const float4 o = pt[v * WARP + lane];
+                s.x += o.x;
+                s.y += o.y;
+                s.z += o.z;
+                s.w += o.w;
+            }
+            const float c[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = 2 * t + h;
+                if (n >= ROWS) continue;
+                float f = back[0];
+#pragma unroll
+                for (int r = 1; r < ROWS; ++r)
+                    if (n == r) f = back[r];
+                const float lo = c[h] * f, hi = c[2 + h] * f;
+                if (SWIGLU) {
+                    const int j = tile * 8 + g;
+                    if (j < m) out[(size_t)n * m + j] = lo / (1.0f + expf(-lo)) * hi;
+                } else {
+                    float* o = out + (size_t)n * m;
+                    const int j0 = tile * 16 + g, j1 = j0 + 8;
+                    if (j0 < m)
+                        o[j0] = (accumulate ? o[j0] : 0.0f) + lo + (has_bias ? bias[j0] : 0.0f);
+                    if (j1 < m)
+                        o[j1] = (accumulate ? o[j1] : 0.0f) + hi + (has_bias ? bias[j1] : 0.0f);
+                }
+            }
+        }
+        ra = na;
+        rb = nb;
+    }
+}
+
+#define INT_MMA_GEMV_KERNEL(NAME, BITS, NORM, ROWS)                                               \
+    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
+        float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
+        int group) {                                                                              \
+        int_mma_gemv<BITS, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, \
+                                              m, k, sz, group);                                   \
+    }
+#define INT_MMA_SWIGLU_KERNEL(NAME, BITS, NORM, ROWS)                                             \
+    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+        const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
+        const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
+        const __half2* __restrict__ sz, int group) {                                              \
+        int_mma_gemv<BITS, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k,   \
+                                             sz, group);                                          \
+    }
+
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w4, 4, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w4, 4, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w4, 4, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w4, 4, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w8, 8, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w8, 8, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w8, 8, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
+
 // An integer matrix as f16 [m, k], for the tensor-core GEMMs of prefill and batches (into a
 // scratch buffer the GEMM then reads): one thread per 32-bit word.
 template <int BITS>

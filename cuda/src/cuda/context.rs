@@ -464,11 +464,18 @@ fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>)
             .into_iter()
             .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_kernel(bits, r)))
     });
+    // The tensor-core integer GEMVs stage x whether normed or not.
+    let int_mma = [4, 8].into_iter().flat_map(|bits| {
+        [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
+            .into_iter()
+            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_mma_kernel(bits, r)))
+    });
     let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
         .into_iter()
         .chain(streamed)
         .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
         .chain(int_normed)
+        .chain(int_mma)
         .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
     Ok(if opted_in {
         dynamic

@@ -20,6 +20,17 @@ use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::quant::{random_int_scale, IntMatrix, QuantizeTo, QUANTIZE_GROUP};
 use crate::{Error, Result};
 
+/// Shared memory the tensor-core integer GEMVs take past their staged rows: the warps' partial
+/// sums, two turns of GEMV_WARPS x 32 lanes x 4 floats.
+const MMA_PART_BYTES: usize = 2 * GEMV_WARPS as usize * 32 * 16;
+
+/// Whether the integer GEMVs may take the tensor cores (int_mma_gemv) where their shapes allow;
+/// `VLM_INT_GEMV=cuda` keeps every one on int_gemv (to compare, and to test that path).
+fn tensor_core_gemv() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VLM_INT_GEMV").map_or(true, |v| v != "cuda"))
+}
+
 /// Columns one 16-byte load of the integer GEMVs holds at `bits`.
 fn load_cols(bits: u32) -> usize {
     128 / bits as usize
@@ -279,15 +290,30 @@ impl CudaBackend {
         accumulate: bool,
         m: usize,
     ) -> Result<()> {
-        let name = kind.int_kernel(iw.bits, x.rows());
-        let pairs = match kind {
-            Gemv::Swiglu | Gemv::NormedSwiglu => m,
-            Gemv::Plain | Gemv::Normed => m.div_ceil(2),
-        };
-        let staged = if kind.normed() {
-            x.len() * std::mem::size_of::<f32>()
+        let swiglu = matches!(kind, Gemv::Swiglu | Gemv::NormedSwiglu);
+        let batch = 4 * load_cols(iw.bits);
+        let mma_staged = x.len() * std::mem::size_of::<f32>() + MMA_PART_BYTES;
+        let mma = tensor_core_gemv()
+            && x.cols() % batch == 0
+            && iw.group % batch == 0
+            && mma_staged <= self.inner.gemv_smem;
+        let (name, staged, units) = if mma {
+            // Tiles of 16 weight rows (8 outputs with SWIGLU), a block each.
+            let tiles = if swiglu {
+                m.div_ceil(8)
+            } else {
+                m.div_ceil(16)
+            };
+            (kind.int_mma_kernel(iw.bits, x.rows()), mma_staged, tiles)
         } else {
-            0
+            let pairs = if swiglu { m } else { m.div_ceil(2) };
+            let staged = if kind.normed() {
+                x.len() * std::mem::size_of::<f32>()
+            } else {
+                0
+            };
+            let name = kind.int_kernel(iw.bits, x.rows());
+            (name, staged, pairs.div_ceil(GEMV_WARPS as usize))
         };
         let block = GEMV_WARPS * 32;
         let resident = self
@@ -295,9 +321,7 @@ impl CudaBackend {
             .occupancy_max_active_blocks_per_multiprocessor(block, staged, None)
             .unwrap_or(1)
             .max(1) as usize;
-        let blocks = pairs
-            .div_ceil(GEMV_WARPS as usize)
-            .clamp(1, resident * self.inner.sm_count);
+        let blocks = units.clamp(1, resident * self.inner.sm_count);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (block, 1, 1),
@@ -322,10 +346,11 @@ impl CudaBackend {
             Gemv::Swiglu | Gemv::NormedSwiglu => args.push(arg(&op)),
         }
         args.extend([arg(&mm), arg(&kk), arg(&sp), arg(&group)]);
-        // SAFETY: the arguments are INT_GEMV_KERNEL's or INT_SWIGLU_KERNEL's, in order; shapes
-        // are checked by the callers (k a whole number of loads and groups: upload); a normed
-        // kernel's staged rows fit its shared memory (normed_gemv_fits). Under programmatic
-        // launch the kernel reads only weights before its grid_wait.
+        // SAFETY: the arguments are INT_GEMV_KERNEL's or INT_SWIGLU_KERNEL's (the INT_MMA_
+        // kernels' are the same), in order; shapes are checked by the callers (k a whole number
+        // of loads and groups: upload); a normed kernel's staged rows fit its shared memory
+        // (normed_gemv_fits), a tensor-core one's are checked above (k and group whole batches).
+        // Under programmatic launch the kernel reads only weights before its grid_wait.
         let launched =
             unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
         self.launched(name, launched)

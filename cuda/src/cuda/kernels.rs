@@ -376,7 +376,7 @@ pub(super) enum Gemv {
     NormedSwiglu,
 }
 
-pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 16] = [
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
     [
         "gemv_f16w_r1",
         "gemv_f16w_r2",
@@ -464,6 +464,55 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 16] = [
         "rms_norm_swiglu_gemv_w8_r3",
         "rms_norm_swiglu_gemv_w8_r4",
     ],
+    // The integer GEMVs on the tensor cores (int_mma_gemv), in the same order.
+    [
+        "mma_gemv_w4_r1",
+        "mma_gemv_w4_r2",
+        "mma_gemv_w4_r3",
+        "mma_gemv_w4_r4",
+    ],
+    [
+        "mma_rms_norm_gemv_w4_r1",
+        "mma_rms_norm_gemv_w4_r2",
+        "mma_rms_norm_gemv_w4_r3",
+        "mma_rms_norm_gemv_w4_r4",
+    ],
+    [
+        "mma_swiglu_gemv_w4_r1",
+        "mma_swiglu_gemv_w4_r2",
+        "mma_swiglu_gemv_w4_r3",
+        "mma_swiglu_gemv_w4_r4",
+    ],
+    [
+        "mma_rms_norm_swiglu_gemv_w4_r1",
+        "mma_rms_norm_swiglu_gemv_w4_r2",
+        "mma_rms_norm_swiglu_gemv_w4_r3",
+        "mma_rms_norm_swiglu_gemv_w4_r4",
+    ],
+    [
+        "mma_gemv_w8_r1",
+        "mma_gemv_w8_r2",
+        "mma_gemv_w8_r3",
+        "mma_gemv_w8_r4",
+    ],
+    [
+        "mma_rms_norm_gemv_w8_r1",
+        "mma_rms_norm_gemv_w8_r2",
+        "mma_rms_norm_gemv_w8_r3",
+        "mma_rms_norm_gemv_w8_r4",
+    ],
+    [
+        "mma_swiglu_gemv_w8_r1",
+        "mma_swiglu_gemv_w8_r2",
+        "mma_swiglu_gemv_w8_r3",
+        "mma_swiglu_gemv_w8_r4",
+    ],
+    [
+        "mma_rms_norm_swiglu_gemv_w8_r1",
+        "mma_rms_norm_swiglu_gemv_w8_r2",
+        "mma_rms_norm_swiglu_gemv_w8_r3",
+        "mma_rms_norm_swiglu_gemv_w8_r4",
+    ],
 ];
 
 impl Gemv {
@@ -475,6 +524,11 @@ impl Gemv {
     /// The integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
     pub(super) fn int_kernel(self, bits: u32, rows: usize) -> &'static str {
         GEMV_KERNELS[8 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
+    }
+
+    /// The tensor-core integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
+    pub(super) fn int_mma_kernel(self, bits: u32, rows: usize) -> &'static str {
+        GEMV_KERNELS[16 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
     }
 
     pub(super) fn normed(self) -> bool {
