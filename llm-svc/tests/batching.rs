@@ -33,6 +33,16 @@ fn engine_on<B: Backend>(backend: B, cfg: EngineConfig) -> Engine {
     engine_of(&fixture(), backend, cfg)
 }
 
+/// An engine config for a GPU test: a KV cache of a fixed size, not 90% of the device (the
+/// default there), so that engines of tests running at once, or one after another in a
+/// process whose freed memory the pool keeps, all fit.
+fn on_gpu() -> EngineConfig {
+    EngineConfig {
+        kv_cache: KvCacheSize::Tokens(8192),
+        ..EngineConfig::default()
+    }
+}
+
 fn engine(cfg: EngineConfig) -> Engine {
     engine_on(CpuBackend::new(), cfg)
 }
@@ -431,7 +441,7 @@ fn on_cuda_batched_greedy_tokens_match_alone() {
             ..r
         })
         .collect();
-    let e = engine_on(gpu, EngineConfig::default());
+    let e = engine_on(gpu, on_gpu());
     let logits_of = |r: &GenerateRequest| {
         let mut logits = Vec::new();
         let g = e
@@ -477,7 +487,7 @@ fn on_cuda_sampled_tokens_are_the_rules_picks_in_any_batch() {
             ..r
         })
         .collect();
-    let e = engine_on(gpu, EngineConfig::default());
+    let e = engine_on(gpu, on_gpu());
     let streams: Vec<_> = reqs
         .iter()
         .map(|r| e.submit(r.clone(), None, tracing::Span::none()).unwrap())

@@ -158,14 +158,13 @@ fn logits_on_cuda_match_hf() {
 fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
     let g = Golden::open(dir).unwrap();
     let weights = Weights::open(dir).unwrap();
-    let engine = Engine::load(
-        dir,
-        &weights,
-        backend,
-        EngineConfig::default(),
-        &prometheus::Registry::new(),
-    )
-    .unwrap();
+    // A KV cache of a fixed size, not 90% of a GPU (the default there): the engines of every
+    // fixture, one after another in one process whose freed memory the pool keeps, all fit.
+    let cfg = EngineConfig {
+        kv_cache: llm_svc::KvCacheSize::Tokens(4096),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::load(dir, &weights, backend, cfg, &prometheus::Registry::new()).unwrap();
     let cases = g.manifest()["cases"].as_array().unwrap().clone();
     assert!(cases.len() >= 3);
     for case in cases {
