@@ -40,6 +40,12 @@ pub enum Error {
          for quantized checkpoints' packed tensors"
     )]
     UnsupportedDtype { name: String, dtype: String },
+    /// A weight f16 (the GPU's weight format) cannot hold, or not a number at all.
+    #[error(
+        "tensor `{name}` holds {value}, which f16 (the GPU's weight format, largest finite \
+         value 65504) cannot hold: the checkpoint is damaged, or this weight needs a wider format"
+    )]
+    NotF16 { name: String, value: f32 },
     /// A quantized module that cannot be read as its format says.
     #[error("quantized weight `{name}`: {problem}")]
     Quantized { name: String, problem: String },

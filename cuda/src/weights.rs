@@ -150,6 +150,54 @@ pub struct Weights {
     quant: Option<QuantConfig>,
     /// `--quantize`: what the decoder's f16/bf16 matrices become at load.
     quantize: Option<QuantizeTo>,
+    /// What rounding the matrices to f16 loses (backends that store them so), summed at load.
+    audit: std::sync::Mutex<F16Audit>,
+}
+
+/// f16's largest finite value and smallest normal one.
+const F16_MAX: f32 = 65504.0;
+const F16_MIN_NORMAL: f32 = 6.103_515_6e-5;
+
+/// What converting matrices, embedding tables and quantization scales to f16 (the GPU's weight
+/// format) loses: values below f16's normal range keep fewer bits (and under 2^-24 become 0).
+/// Values past its range would become inf, and are an error, as is an inf or NaN in the
+/// checkpoint ([`F16Audit::check`]).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct F16Audit {
+    /// Values checked.
+    pub values: u64,
+    /// Nonzero values below f16's smallest normal, 6.1e-5.
+    pub subnormal: u64,
+    /// The tensor with the most of them, and how many.
+    pub worst: Option<(String, u64)>,
+}
+
+impl F16Audit {
+    /// Counts `data` (tensor `name`), or an error naming it when a value is not finite or
+    /// past f16's range.
+    fn check(&mut self, name: &str, data: &[f32]) -> Result<()> {
+        use rayon::prelude::*;
+        let (bad, subnormal) = data
+            .par_iter()
+            .map(|&v| {
+                let a = v.abs();
+                let bad = (!a.is_finite() || a > F16_MAX).then_some(v);
+                (bad, (a > 0.0 && a < F16_MIN_NORMAL) as u64)
+            })
+            .reduce(|| (None, 0), |(b1, s1), (b2, s2)| (b1.or(b2), s1 + s2));
+        if let Some(value) = bad {
+            return Err(Error::NotF16 {
+                name: name.to_string(),
+                value,
+            });
+        }
+        self.values += data.len() as u64;
+        self.subnormal += subnormal;
+        if subnormal > self.worst.as_ref().map_or(0, |w| w.1) {
+            self.worst = Some((name.to_string(), subnormal));
+        }
+        Ok(())
+    }
 }
 
 impl Weights {
@@ -195,6 +243,7 @@ impl Weights {
             random_seed: None,
             quant,
             quantize: None,
+            audit: Default::default(),
         })
     }
 
@@ -241,6 +290,7 @@ impl Weights {
             random_seed: Some(seed),
             quant: None,
             quantize: None,
+            audit: Default::default(),
         }
     }
 
@@ -356,9 +406,41 @@ impl Weights {
         Ok(bytes.iter().map(|&b| b as i8).collect())
     }
 
-    /// Clears the progress bar once a model is built.
+    /// Clears the progress bar once a model is built, and logs what f16 conversion lost.
     pub fn finish(&self) {
         self.progress.finish_and_clear();
+        let audit = self.f16_audit();
+        if audit.subnormal > 0 {
+            let (worst, n) = audit.worst.clone().unwrap_or_default();
+            tracing::warn!(
+                subnormal = audit.subnormal,
+                of = audit.values,
+                worst_tensor = %worst,
+                worst_count = n,
+                "weights below f16's normal range (6.1e-5) keep fewer bits on the GPU"
+            );
+        } else if audit.values > 0 {
+            tracing::info!(
+                values = audit.values,
+                "every weight converts to f16 with full precision"
+            );
+        }
+    }
+
+    /// What f16 conversion of the weights read so far loses ([`F16Audit`]).
+    pub fn f16_audit(&self) -> F16Audit {
+        self.audit.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Audits `data` (tensor `name`) for a backend that stores weights as f16.
+    fn audit<B: crate::Backend>(&self, name: &str, data: &[f32]) -> Result<()> {
+        if B::WEIGHT_BYTES != 2 {
+            return Ok(());
+        }
+        self.audit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .check(name, data)
     }
 
     /// A view that prefixes every name with `prefix.` (like candle's `VarBuilder::pp`).
@@ -427,7 +509,9 @@ impl WeightPrefix<'_> {
         inp: usize,
     ) -> Result<B::Weight> {
         if let Some(q) = self.weights.quant.as_ref().filter(|q| q.holds(self)) {
-            return backend.upload_int_weight(&q.read(self, out, inp)?);
+            let m = q.read(self, out, inp)?;
+            self.weights.audit::<B>(&self.full("scales"), &m.scales)?;
+            return backend.upload_int_weight(&m);
         }
         match self.weights.quantize {
             Some(to) if to.applies_to(&self.prefix, inp) => {
@@ -436,8 +520,11 @@ impl WeightPrefix<'_> {
                     Some(RandomInit::Uniform { key, bound }) => {
                         backend.random_int_weight(&[out, inp], key, bound, to)
                     }
-                    _ => backend
-                        .upload_int_weight(&to.quantize(&self.weights.get(&full, &[out, inp])?)),
+                    _ => {
+                        let m = to.quantize(&self.weights.get(&full, &[out, inp])?);
+                        self.weights.audit::<B>(&full, &m.scales)?;
+                        backend.upload_int_weight(&m)
+                    }
                 }
             }
             _ => self.load_weight(backend, "weight", &[out, inp]),
@@ -475,7 +562,11 @@ impl WeightPrefix<'_> {
         let full = self.full(name);
         match self.weights.random_init(&full, shape) {
             Some(RandomInit::Uniform { key, bound }) => backend.random_weight(shape, key, bound),
-            _ => backend.upload_weight(&self.weights.get(&full, shape)?),
+            _ => {
+                let t = self.weights.get(&full, shape)?;
+                self.weights.audit::<B>(&full, t.data())?;
+                backend.upload_weight(&t)
+            }
         }
     }
 }
@@ -556,6 +647,20 @@ mod tests {
         assert!(matches!(err, Error::WeightShape { .. }), "{err}");
         let err = w.get("nope", &[1]).unwrap_err();
         assert!(err.to_string().contains("`nope`"), "{err}");
+    }
+
+    #[test]
+    fn f16_conversion_is_audited() {
+        let mut a = F16Audit::default();
+        a.check("w", &[0.5, 1e-6, -3e-5, 0.0, 65504.0]).unwrap();
+        a.check("v", &[1e-7, 2.0]).unwrap();
+        assert_eq!((a.values, a.subnormal), (7, 3));
+        assert_eq!(a.worst, Some(("w".to_string(), 2)));
+        for bad in [f32::INFINITY, f32::NAN, 70000.0, -1e9] {
+            let e = a.check("x.weight", &[1.0, bad]).unwrap_err().to_string();
+            assert!(e.contains("`x.weight`") && e.contains("f16"), "{e}");
+        }
+        assert_eq!(a.values, 7, "a refused tensor is not counted");
     }
 
     #[test]
