@@ -110,12 +110,6 @@ pub struct LoadSampling {
     pub presence_penalty: Option<f32>,
 }
 
-impl LoadSampling {
-    pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
-    }
-}
-
 /// One request of the run, ready to send.
 #[derive(Clone, Debug)]
 pub struct LoadRequest {

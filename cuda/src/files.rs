@@ -3,7 +3,7 @@
 //! Every failure names the file and, where there is one, the key: "config.json: key
 //! `text_config.hidden_size` missing field" tells a user what to fix, "invalid type" does not.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -52,11 +52,6 @@ pub fn require<'a>(path: &Path, value: &'a Value, key: &str) -> Result<&'a Value
         key: key.to_string(),
         problem: "is missing".into(),
     })
-}
-
-/// The first of `names` that exists in `dir`.
-pub fn first_existing(dir: &Path, names: &[&str]) -> Option<PathBuf> {
-    names.iter().map(|n| dir.join(n)).find(|p| p.is_file())
 }
 
 /// Token ids given as a single integer or a list (`eos_token_id` comes both ways).
