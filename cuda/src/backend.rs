@@ -408,7 +408,9 @@ pub trait Backend: Send + Sync + 'static {
     fn download_ids(&self, ids: &Self::Ids, n: usize) -> Result<Vec<u32>>;
     /// A zeroed cache for one layer's keys or values: `[slots, heads, dim]`.
     fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<Self::Cache>;
-    /// A cache's contents as f32 (tests and the self-check).
+    /// A cache's contents as f32. Only the twin tests call it (`twin.rs`: the start-up
+    /// self-check and `cuda/tests/cuda_twin.rs`), to compare the caches `write_kv` fills;
+    /// kept for them.
     fn download_cache(&self, cache: &Self::Cache) -> Result<HostTensor>;
 
     /// Each row's next token from its logits (`[rows, vocab]`) by the rule of
@@ -573,7 +575,10 @@ pub trait Backend: Send + Sync + 'static {
         rms_norm_mlp_op_by_op(self, x, norm, eps, gate_up, down)
     }
     fn gelu(&self, x: &Self::Tensor, kind: GeluKind) -> Result<Self::Tensor>;
-    /// `silu(gate) * up`, the SwiGLU of the text MLP.
+    /// `silu(gate) * up`, the SwiGLU of the text MLP. The model runs the SwiGLU fused
+    /// ([`Backend::swiglu`], [`Backend::rms_norm_mlp`]); only the twin tests call it alone
+    /// (`twin.rs`: the start-up self-check and `cuda/tests/cuda_twin.rs`), so the kernel stays
+    /// checked; kept for them.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
 
     // ---- attention ----
