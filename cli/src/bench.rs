@@ -37,6 +37,7 @@ use gateway::request::ChatRequest;
 use crate::pipeline::Pipeline;
 use crate::stack::{LocalStack, StackConfig};
 
+#[derive(Clone, Debug)]
 pub struct BenchOptions {
     pub warmup: usize,
     pub repeats: usize,
@@ -144,6 +145,20 @@ pub fn run<B: Backend + Clone>(
     opts: &BenchOptions,
     copy: impl Fn(&B, usize) -> anyhow::Result<Duration>,
 ) -> anyhow::Result<Vec<Measurement>> {
+    // A text-only checkpoint has no vision tower: its rows are the text ones.
+    let text_only_opts;
+    let opts = if llm_svc::ModelConfig::from_dir(dir)?.vision.is_none() {
+        tracing::info!("the model is text-only: no ViT, time-to-first-token or gateway rows");
+        text_only_opts = BenchOptions {
+            image_sides: Vec::new(),
+            ttft_image_sides: Vec::new(),
+            through_gateway: false,
+            ..opts.clone()
+        };
+        &text_only_opts
+    } else {
+        opts
+    };
     let backend = open()?;
     let base_memory = backend.memory_in_use();
     let weights = Weights::open_or_random(dir, opts.random_weights)?.quantize(opts.quantize)?;
@@ -167,12 +182,16 @@ pub fn run<B: Backend + Clone>(
             .map(|q| q.bits())
             .or_else(|| weights.quant_config().map(|q| q.bits())),
     };
+    // What serving holds, by kind: the text decoder's weights as stored (their format says
+    // the bytes) and the KV cache, then everything the device has in use beside them.
+    out.extend(held_rows(&pipeline.engine, &weights));
     for &side in &opts.image_sides {
         out.extend(bench.vit(side)?);
     }
     memory_row(
         &mut out,
-        "memory: both models' weights and ViT activations",
+        "memory: in use after the ViT rows (both models' weights, KV cache, activations, \
+         workspaces, graphs, and this bench's own buffers)",
         &backend,
         base_memory,
     );
@@ -211,7 +230,7 @@ pub fn run<B: Backend + Clone>(
     }
     memory_row(
         &mut out,
-        "memory: both models, KV cache, activations",
+        "memory: in use after every row (as above, with the decode rows' graphs and buffers)",
         &backend,
         base_memory,
     );
@@ -247,12 +266,17 @@ struct Shapes {
 
 impl Shapes {
     fn new(dir: &Path, opts: &BenchOptions) -> anyhow::Result<Self> {
-        let image_settings = vision_svc::PreprocessConfig::from_dir(dir)?;
+        let image_settings = if opts.ttft_image_sides.is_empty() {
+            None
+        } else {
+            Some(vision_svc::PreprocessConfig::from_dir(dir)?)
+        };
         let ttft_prompts = opts
             .ttft_image_sides
             .iter()
             .map(|&side| {
-                let image = vlm_proto::image::image_tokens_of_size(side, side, &image_settings)?;
+                let settings = image_settings.as_ref().expect("read when there are sides");
+                let image = vlm_proto::image::image_tokens_of_size(side, side, settings)?;
                 // The chat template's own tokens on top of the image's and the text's.
                 Ok(image + opts.ttft_text_tokens + 64)
             })
@@ -927,6 +951,32 @@ fn print_op_times<B: Backend>(be: &B, what: &str) -> anyhow::Result<()> {
 }
 
 /// A row for the device memory in use above `base`, when the backend can tell.
+/// The text decoder's weights (named by their format) and its KV cache, in bytes.
+fn held_rows(engine: &llm_svc::Engine, weights: &Weights) -> Vec<Measurement> {
+    let format = match (weights.quant_config(), weights.quantizing()) {
+        (Some(q), _) => format!("{}-bit {q}", q.bits()),
+        (None, Some(to)) => format!("--quantize {to}"),
+        (None, None) => "the backend's format".into(),
+    };
+    let row = |name: String, bytes: usize| Measurement {
+        name,
+        seconds: vec![0.0],
+        work: bytes as f64,
+        unit: "B in use",
+        roofline: None,
+    };
+    vec![
+        row(
+            format!("memory: text decoder weights ({format})"),
+            engine.weight_bytes(),
+        ),
+        row(
+            format!("memory: KV cache ({} tokens)", engine.kv_cache_tokens()),
+            engine.kv_cache_bytes(),
+        ),
+    ]
+}
+
 fn memory_row<B: Backend>(out: &mut Vec<Measurement>, name: &str, be: &B, base: Option<usize>) {
     if let (Some(now), Some(base)) = (be.memory_in_use(), base) {
         out.push(Measurement {

@@ -367,6 +367,9 @@ pub trait Backend: Send + Sync + 'static {
     fn random_uniform(&self, shape: &[usize], key: u64, bound: f32) -> Result<Self::Tensor> {
         self.upload(&crate::random::uniform_tensor(shape, key, bound))
     }
+    /// Bytes `w` takes as this backend stores it (packed values and scales for an integer
+    /// matrix): what memory reports count, by kind.
+    fn weight_bytes(&self, w: &Self::Weight) -> usize;
     /// A weight matrix `[out, in]` (or table `[rows, width]`) from f32 host values.
     fn upload_weight(&self, t: &HostTensor) -> Result<Self::Weight>;
     /// A weight matrix from integer-quantized values ([`crate::quant`]). By default (the CPU

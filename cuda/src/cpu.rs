@@ -176,6 +176,10 @@ impl Backend for CpuBackend {
         Ok(t.clone())
     }
 
+    fn weight_bytes(&self, w: &HostTensor) -> usize {
+        w.len() * std::mem::size_of::<f32>()
+    }
+
     fn upload_weight(&self, t: &HostTensor) -> Result<HostTensor> {
         Ok(t.clone())
     }

@@ -87,6 +87,11 @@ impl<B: Backend> Linear<B> {
         }
     }
 
+    /// Bytes the matrix takes as `be` stores it.
+    pub fn bytes(&self, be: &B) -> usize {
+        be.weight_bytes(&self.w)
+    }
+
     /// The weight matrix, for ops that take several (`Backend::swiglu`).
     pub fn weight(&self) -> &B::Weight {
         &self.w

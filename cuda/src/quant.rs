@@ -243,6 +243,22 @@ impl std::str::FromStr for QuantizeTo {
     }
 }
 
+impl std::fmt::Display for QuantConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QuantConfig::CompressedTensors { packed: true, .. } => {
+                f.write_str("compressed-tensors pack-quantized")
+            }
+            QuantConfig::CompressedTensors { packed: false, .. } => {
+                f.write_str("compressed-tensors int-quantized")
+            }
+            QuantConfig::Awq { .. } => f.write_str("AWQ"),
+            QuantConfig::Gptq { v2: false, .. } => f.write_str("GPTQ"),
+            QuantConfig::Gptq { v2: true, .. } => f.write_str("GPTQ v2"),
+        }
+    }
+}
+
 /// A checkpoint's `quantization_config`: which format its packed tensors are in.
 #[derive(Clone, Debug, PartialEq)]
 pub enum QuantConfig {

@@ -263,6 +263,11 @@ impl Weights {
         Ok(self)
     }
 
+    /// `--quantize`, if given.
+    pub fn quantizing(&self) -> Option<QuantizeTo> {
+        self.quantize
+    }
+
     /// The checkpoint's quantization format, if it has one.
     pub fn quant_config(&self) -> Option<&QuantConfig> {
         self.quant.as_ref()

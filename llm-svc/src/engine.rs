@@ -73,6 +73,9 @@ struct Shared {
     cfg: ModelConfig,
     max_context: usize,
     kv_tokens: usize,
+    /// What the model's weights and the KV cache take on the backend.
+    weight_bytes: usize,
+    kv_bytes: usize,
     metrics: EngineMetrics,
     next_id: AtomicU64,
 }
@@ -136,6 +139,8 @@ impl Engine {
             cfg: model_cfg.clone(),
             max_context,
             kv_tokens,
+            weight_bytes: model.weight_bytes(),
+            kv_bytes: blocks * bs * per_token,
             metrics,
             next_id: AtomicU64::new(0),
         });
@@ -180,6 +185,16 @@ impl Engine {
     /// Tokens the KV cache holds, all sequences together.
     pub fn kv_cache_tokens(&self) -> usize {
         self.shared.kv_tokens
+    }
+
+    /// Bytes the text decoder's weights take on the backend, as stored.
+    pub fn weight_bytes(&self) -> usize {
+        self.shared.weight_bytes
+    }
+
+    /// Bytes the KV cache takes on the backend (every block, the spare one included).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.shared.kv_bytes
     }
 
     pub fn metrics(&self) -> &EngineMetrics {

@@ -178,6 +178,8 @@ pub struct TextModel<B: Backend> {
     layers: Vec<DecoderLayer<B>>,
     norm: B::Tensor,
     lm_head: B::Weight,
+    /// `lm_head` is `embed_tokens` (a tied checkpoint that stores none).
+    tied_head: bool,
 }
 
 impl<B: Backend> TextModel<B> {
@@ -192,7 +194,8 @@ impl<B: Backend> TextModel<B> {
             .collect::<Result<Vec<_>>>()?;
         let norm = w.load(be, "norm.weight", &[h])?;
         // Tied checkpoints (the small Qwen3-VL, Qwen3 and Qwen2.5 sizes) store no lm_head.
-        let lm_head = if cfg.tie_word_embeddings && !weights.contains("lm_head.weight") {
+        let tied_head = cfg.tie_word_embeddings && !weights.contains("lm_head.weight");
+        let lm_head = if tied_head {
             embed_tokens.clone()
         } else {
             weights.pp("lm_head").load_weight(be, "weight", &[v, h])?
@@ -204,11 +207,31 @@ impl<B: Backend> TextModel<B> {
             layers,
             norm,
             lm_head,
+            tied_head,
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Bytes the matrices and the embedding table take on the backend, as stored (a tied
+    /// `lm_head` counted once): what serving holds for weights, norms aside.
+    pub fn weight_bytes(&self) -> usize {
+        let be = &self.backend;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.attn.qkv.bytes(be) + l.attn.o.bytes(be) + l.gate_up.bytes(be) + l.down.bytes(be)
+            })
+            .sum();
+        let head = if self.tied_head {
+            0
+        } else {
+            be.weight_bytes(&self.lm_head)
+        };
+        layers + be.weight_bytes(&self.embed_tokens) + head
     }
 
     pub fn backend(&self) -> &B {

@@ -140,6 +140,13 @@ impl Backend for CudaBackend {
         self.random_weight_impl(shape, key, bound)
     }
 
+    fn weight_bytes(&self, w: &CudaWeight) -> usize {
+        match &w.data {
+            tensor::WeightData::F16(b) => b.len() * 2,
+            tensor::WeightData::Int(iw) => iw.words.len() * 4 + iw.sz.len() * 2,
+        }
+    }
+
     fn upload_int_weight(&self, m: &crate::quant::IntMatrix) -> Result<CudaWeight> {
         self.upload_int_weight_impl(m)
     }
