@@ -16,13 +16,11 @@
 use std::collections::HashMap;
 
 use vlm_compute::Backend;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::{Result, TextConfig};
 
-/// Identity of a block's contents, as a chain: equal hashes mean equal tokens, images and
-/// prefix. 128 bits, so a collision between distinct prefixes is not a practical concern.
-pub type BlockHash = u128;
+/// The block naming rule is shared with the gateway, which routes by it.
+pub use vlm_proto::prefix::{block_hash, BlockHash};
 
 /// The block no sequence owns; padding rows of a recorded step read and write it.
 pub const NULL_BLOCK: u32 = 0;
@@ -59,21 +57,6 @@ impl<B: Backend> PagedKv<B> {
     pub fn bytes_per_token(cfg: &TextConfig) -> usize {
         2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * B::CACHE_BYTES
     }
-}
-
-/// The hash of a full block: the previous block's hash, the block's token ids, and the
-/// identities of the images whose tokens it holds (their placeholder ids are all alike).
-pub fn block_hash(prev: Option<BlockHash>, tokens: &[u32], images: &[BlockHash]) -> BlockHash {
-    let mut h = Xxh3::new();
-    h.update(&prev.unwrap_or(0).to_le_bytes());
-    h.update(&[prev.is_some() as u8]);
-    for t in tokens {
-        h.update(&t.to_le_bytes());
-    }
-    for i in images {
-        h.update(&i.to_le_bytes());
-    }
-    h.digest128()
 }
 
 /// Counts the prefix cache keeps, for metrics and logs.
@@ -269,6 +252,14 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_engine_caches_blocks_of_the_size_the_gateway_routes_by() {
+        assert_eq!(
+            crate::engine::EngineConfig::default().block_size,
+            vlm_proto::prefix::KV_BLOCK_SIZE
+        );
+    }
 
     #[test]
     fn blocks_are_handed_out_once_and_come_back_when_released() {

@@ -17,6 +17,7 @@ pub mod checkpoint;
 pub mod headers;
 pub mod image;
 pub mod metrics;
+pub mod prefix;
 pub mod sampling;
 pub mod shm;
 pub mod telemetry;
