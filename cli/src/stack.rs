@@ -243,6 +243,7 @@ impl LocalStack {
                 // The model services are this process's own, on loopback.
                 upstream_tls: None,
                 generation_config: cfg.generation_config,
+                routing: Default::default(),
             },
             grpc,
             http,

@@ -141,6 +141,11 @@ impl ChatTokenizer {
         })
     }
 
+    /// The image placeholder's id (`None`: a text-only checkpoint).
+    pub fn image_token_id(&self) -> Option<u32> {
+        self.image_token.as_ref().map(|(id, _)| *id)
+    }
+
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }

@@ -7,7 +7,8 @@
 //!   leaves out.
 //! - [`request`]: a chat request as the gateway takes it, and its limits and checks;
 //!   [`checkpoint`]: what the gateway reads from the model directory besides the tokenizer.
-//! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas;
+//! - [`orchestrator`]: a chat across the services; [`upstream`]: their replicas, their health
+//!   checks and ejection; [`routing`]: which replica a call goes to (cache-aware);
 //!   [`gateway_error`]: what a request can fail with, as gRPC and HTTP statuses.
 //! - [`media`]: images by URL (http, https, file), fetched with the SSRF guards and cached.
 //! - [`serve`]: the gateway's servers.
@@ -27,6 +28,7 @@ pub mod media;
 pub mod metrics;
 pub mod orchestrator;
 pub mod request;
+pub mod routing;
 pub mod sampling;
 pub mod serve;
 pub mod upstream;

@@ -14,6 +14,12 @@
 //! upstream stream is dropped, and the LLM service stops decoding. A client that stays but
 //! stops reading is treated the same once it has taken nothing for `client_send_timeout`.
 //! The caller's deadline is passed on to every upstream call.
+//! Each call's replica is picked by [`crate::routing`]: an image by its bytes, the prompt by
+//! its KV blocks (as llm-svc names them) against each replica's load. The Generate stream is
+//! read up to its first message before the client sees anything, so a replica that fails
+//! before then is ejected and the request goes once to another (when its embeddings travel
+//! inside the messages; a segment or handoff is the first replica's); a failure after it ends
+//! the stream with UNAVAILABLE naming the replica.
 //! A request's sampling fields reach llm-svc whole ([`generate_request`]); the logprobs it
 //! asked for come back per token and leave here with each token's text ([`TokenLogprobs`]).
 //!
@@ -42,11 +48,14 @@ use vlm_proto::{headers, telemetry};
 
 use crate::chat::{ChatTokenizer, Message, Part};
 use crate::detok::{TextStream, TokenBytes};
+use crate::gateway_error::upstream_gone;
 pub use crate::gateway_error::GatewayError;
 use crate::metrics::Metrics;
 use crate::request::{image_parts, validate_request, ChatRequest, RequestLimits};
+use crate::routing::RouteKey;
 use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
-use crate::upstream::{Release, ReleaseSharedMemory, Upstreams};
+use crate::upstream::{Load, Release, ReleaseSharedMemory, Routed, Upstreams};
+use vlm_proto::prefix::{prompt_block_hashes, BlockHash, KV_BLOCK_SIZE};
 
 /// Most choices one request may ask for (`n`).
 pub const MAX_CHOICES: usize = 16;
@@ -300,6 +309,28 @@ impl Orchestrator {
         Ok(ids)
     }
 
+    /// The KV blocks of `prompt` as llm-svc names them, each image (its placeholder run, in
+    /// order) named by the identity of its bytes, to route the prompt by.
+    fn prompt_blocks(&self, prompt: &[u32], images: &[BlockHash]) -> Vec<BlockHash> {
+        let mut spans = Vec::with_capacity(images.len());
+        if let Some(image_token) = self.chat.image_token_id() {
+            let mut at = 0;
+            while at < prompt.len() && spans.len() < images.len() {
+                if prompt[at] != image_token {
+                    at += 1;
+                    continue;
+                }
+                let len = prompt[at..]
+                    .iter()
+                    .take_while(|&&t| t == image_token)
+                    .count();
+                spans.push((at, len, images[spans.len()]));
+                at += len;
+            }
+        }
+        prompt_block_hashes(prompt, &spans, KV_BLOCK_SIZE)
+    }
+
     /// The domain every llm-svc replica shares, once each has named it: embeddings may then
     /// travel through shared memory if vision-svc sees the same one.
     fn llm_shm_domain(&self) -> Option<String> {
@@ -372,8 +403,9 @@ impl Orchestrator {
             return Err(text_only());
         };
         let result = async {
+            let key = RouteKey::Image(vlm_proto::prefix::image_identity(&image));
             vision
-                .call(|ch| {
+                .call(key, None, |ch| {
                     let msg = EncodeRequest {
                         image: image.clone(),
                         dtype: self.embedding_dtype as i32,
@@ -390,7 +422,7 @@ impl Orchestrator {
                     }
                 })
                 .await
-                .map(|(r, _)| r)
+                .map(|r| r.value)
                 .map_err(|e| match e {
                     GatewayError::Invalid(m) => {
                         GatewayError::Invalid(format!("image {index}: {m}"))
@@ -485,6 +517,10 @@ impl Orchestrator {
         let images: Vec<bytes::Bytes> = image_parts(&req.messages)
             .map(|i| bytes::Bytes::copy_from_slice(i))
             .collect();
+        let image_ids: Vec<BlockHash> = images
+            .iter()
+            .map(|i| vlm_proto::prefix::image_identity(i))
+            .collect();
         if !images.is_empty() && self.vision.is_none() {
             return Err(text_only());
         }
@@ -561,15 +597,45 @@ impl Orchestrator {
                 client.generate(req).await
             }
         };
-        let (first, llm_addr) = self
-            .llm
-            .call(|ch| generate(ch, 0))
-            .instrument(span.clone())
-            .await?;
+        let blocks = self.prompt_blocks(&gen.prompt_token_ids, &image_ids);
+        // Embeddings passed by name (a segment, a handoff) are taken by the first llm-svc that
+        // gets them: only a request that carries them inside can go to a second replica.
+        let inline = gen
+            .images
+            .iter()
+            .all(|i| i.shm_segment.is_empty() && i.device_handle == 0);
+        let mut tried: Option<String> = None;
+        let (meta, stream, first_message, llm_addr, load) = loop {
+            let routed = self
+                .llm
+                .call(RouteKey::Prompt(&blocks), tried.as_deref(), |ch| {
+                    generate(ch, 0)
+                })
+                .instrument(span.clone())
+                .await?;
+            let Routed {
+                value: response,
+                addr,
+                load,
+            } = routed;
+            let (meta, mut stream, _) = response.into_parts();
+            // The stream is read up to its first message here: until then nothing has
+            // reached the client, and a replica that fails is replaced (once).
+            match stream.message().await {
+                Ok(first) => break (meta, stream, first, addr, load),
+                Err(st) if upstream_gone(&st) && tried.is_none() && inline => {
+                    tracing::warn!(%addr, error = %st.message(), "llm-svc failed before the first token; retrying on another replica");
+                    self.llm.eject(&addr);
+                    tried = Some(addr);
+                }
+                Err(st) => return Err(GatewayError::upstream("llm-svc", &addr, &st)),
+            }
+        };
         // llm-svc has the request, and its segments and handoffs.
         held.into_iter().for_each(Held::keep);
-        self.note_llm_domains(&llm_addr, first.metadata());
-        let mut upstreams = vec![first.into_inner()];
+        self.llm.record(&llm_addr, &blocks);
+        self.note_llm_domains(&llm_addr, &meta);
+        let mut upstreams = vec![(first_message, stream)];
         if n > 1 {
             // The other choices go where the first went, to share its prompt's blocks.
             let ch = self.llm.channel(&llm_addr).ok_or_else(|| {
@@ -579,11 +645,12 @@ impl Orchestrator {
                 .instrument(span.clone())
                 .await
                 .map_err(|s| GatewayError::upstream("llm-svc", &llm_addr, &s))?;
-            upstreams.extend(rest.into_iter().map(tonic::Response::into_inner));
+            upstreams.extend(rest.into_iter().map(|r| (None, r.into_inner())));
         }
         Ok(Started {
             upstreams,
             llm_addr,
+            load,
             permit,
             prompt_tokens,
             arrived,
@@ -620,8 +687,14 @@ impl Orchestrator {
 
 /// A request's generations under way upstream, one per choice.
 struct Started {
-    upstreams: Vec<tonic::Streaming<pb::GenerateResponse>>,
+    /// Each choice's stream, with the message already read from it (the first choice's first).
+    upstreams: Vec<(
+        Option<pb::GenerateResponse>,
+        tonic::Streaming<pb::GenerateResponse>,
+    )>,
     llm_addr: String,
+    /// The replica's load count, held until the stream ends.
+    load: Load,
     /// Held until the stream ends: concurrency is counted per stream, not per call.
     permit: tokio::sync::OwnedSemaphorePermit,
     prompt_tokens: u32,
@@ -679,6 +752,7 @@ async fn forward(
     let Started {
         upstreams,
         llm_addr,
+        load: _load,
         permit,
         prompt_tokens,
         arrived,
@@ -694,9 +768,10 @@ async fn forward(
         })
         .collect();
     let mut streams: StreamMap<usize, ChoiceStream> = StreamMap::new();
-    for (i, up) in upstreams.into_iter().enumerate() {
+    for (i, (read, up)) in upstreams.into_iter().enumerate() {
         let ended = futures::stream::once(async { None });
-        streams.insert(i, Box::pin(up.map(Some).chain(ended)));
+        let read = futures::stream::iter(read.map(Ok));
+        streams.insert(i, Box::pin(read.chain(up).map(Some).chain(ended)));
     }
     let mut ttft: Option<Duration> = None;
     let mut generated = 0u32;

@@ -25,6 +25,7 @@ use crate::http::{router, HttpState};
 use crate::metrics::Metrics;
 use crate::orchestrator::Orchestrator;
 use crate::request::RequestLimits;
+use crate::routing::RoutingConfig;
 use crate::sampling::{GenerationConfig, SamplingDefaults};
 use crate::upstream::{upstream_endpoint, Release, Upstreams};
 
@@ -60,6 +61,8 @@ pub struct GatewayConfig {
     pub tls: Option<ServerIdentity>,
     /// TLS (with a client certificate: mutual TLS) to vision-svc and llm-svc.
     pub upstream_tls: Option<ClientTlsConfig>,
+    /// How calls are spread over the replicas ([`crate::routing`]).
+    pub routing: RoutingConfig,
     /// Whether the checkpoint's generation_config.json gives the sampling fields a request
     /// leaves out (`--generation-config`).
     pub generation_config: GenerationConfig,
@@ -171,6 +174,11 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let orchestrator = Arc::new(orchestrator(&cfg)?);
+    // Each replica's health, asked every quarter second: the failing ones are ejected.
+    orchestrator.llm.watch_health(shutdown.clone());
+    if let Some(vision) = &orchestrator.vision {
+        vision.watch_health(shutdown.clone());
+    }
     // A text-only model's gateway asks no vision-svc, and its health waits on none.
     let vision_addrs: &[String] = match &orchestrator.vision {
         Some(_) => &cfg.vision_addrs,
@@ -237,10 +245,11 @@ fn vision_upstreams(cfg: &GatewayConfig, takes_images: bool) -> anyhow::Result<O
         }
         return Ok(None);
     }
-    Ok(Some(Upstreams::new(
+    Ok(Some(Upstreams::with_routing(
         "vision-svc",
         &cfg.vision_addrs,
         cfg.upstream_tls.as_ref(),
+        cfg.routing.clone(),
     )?))
 }
 
@@ -260,7 +269,12 @@ fn orchestrator(cfg: &GatewayConfig) -> anyhow::Result<Orchestrator> {
     let mut orchestrator = Orchestrator::new(
         chat,
         vision_upstreams(cfg, ids.image_token_id.is_some())?,
-        Upstreams::new("llm-svc", &cfg.llm_addrs, cfg.upstream_tls.as_ref())?,
+        Upstreams::with_routing(
+            "llm-svc",
+            &cfg.llm_addrs,
+            cfg.upstream_tls.as_ref(),
+            cfg.routing.clone(),
+        )?,
         cfg.limits.clone(),
         cfg.max_concurrent,
         metrics,

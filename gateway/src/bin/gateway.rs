@@ -94,6 +94,8 @@ struct Args {
     )]
     generation_config: gateway::sampling::GenerationConfig,
     #[command(flatten)]
+    routing: gateway::routing::RoutingArgs,
+    #[command(flatten)]
     access: gateway::auth::AccessArgs,
     #[command(flatten)]
     upstream_tls: gateway::auth::UpstreamTlsArgs,
@@ -126,6 +128,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         model_name,
         vision_addrs: args.vision_addr,
         llm_addrs: args.llm_addr,
+        routing: args.routing.config()?,
         max_concurrent: args.max_concurrent,
         limits: args.limits.limits()?,
         default_max_tokens: args.default_max_tokens,

@@ -263,6 +263,7 @@ async fn a_grpc_message_over_the_limit_is_refused_naming_it() {
         upstream_tls: None,
         client_send_timeout: crate::orchestrator::DEFAULT_CLIENT_SEND_TIMEOUT,
         generation_config: Default::default(),
+        routing: Default::default(),
     };
     let server = tokio::spawn(crate::serve::serve(cfg, grpc, http, stop.clone()));
     let mut client = None;
