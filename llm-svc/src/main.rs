@@ -85,22 +85,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         // Alone in its process: no vision-svc here to hand embeddings over on the device.
         device_handoff: false,
     };
-    let stop = tokio_util::sync::CancellationToken::new();
-    let metrics_stop = stop.clone();
-    vlm_proto::metrics::listen(args.metrics_listen, vec![registry], async move {
-        metrics_stop.cancelled().await
-    })
-    .await?;
     let shutdown = vlm_proto::shutdown_signal();
-    let result = args
-        .device
-        .run(Serve {
-            cfg,
-            listener,
-            shutdown,
-        })
-        .await;
-    stop.cancel();
+    let service = args.device.run(Serve {
+        cfg,
+        listener,
+        shutdown,
+    });
+    let result = vlm_proto::metrics::beside(args.metrics_listen, vec![registry], service).await;
     telemetry.shutdown();
     result
 }

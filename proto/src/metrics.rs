@@ -66,3 +66,22 @@ pub async fn listen(
     }
     Ok(())
 }
+
+/// Runs `service` (a service binary's server, to its end) with `registries` served at `addr`
+/// (when given) beside it, as [`listen`] does; the metrics endpoint stops when the service
+/// returns. Fails without running the service if the address cannot be bound.
+pub async fn beside(
+    addr: Option<std::net::SocketAddr>,
+    registries: Vec<Registry>,
+    service: impl Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    // Dropping `stop` when the service returns ends the wait on `stopped`.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    listen(addr, registries, async move {
+        let _ = stopped.await;
+    })
+    .await?;
+    let result = service.await;
+    drop(stop);
+    result
+}
