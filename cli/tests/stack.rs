@@ -3,12 +3,16 @@
 //! logprobs when asked) and stops cleanly, and a model that cannot load fails `ready` with the service's name and its
 //! error instead of waiting out the timeout.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use vlm_cli::stack::{LocalStack, StackConfig};
 use vlm_compute::CpuBackend;
-use vlm_proto::pb::{content_part, gateway_client::GatewayClient, ChatMessage, ContentPart};
+use vlm_proto::pb::content_part::Part;
+use vlm_proto::pb::{
+    content_part, gateway_client::GatewayClient, ChatMessage, ChatRequest, ContentPart,
+};
 
 /// The bundled tiny model (found from the gateway's directory when the test program runs on
 /// another machine, as on the GPU one).
@@ -16,25 +20,61 @@ fn fixture() -> PathBuf {
     vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serves_the_tiny_model_and_stops() {
-    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
+/// A loopback stack serving `dir` on the CPU, ready.
+async fn ready_on_cpu(dir: PathBuf) -> LocalStack {
+    let mut stack = LocalStack::start(StackConfig::loopback(dir), || Ok(CpuBackend::new()))
         .await
         .unwrap();
     stack.ready(Duration::from_secs(60)).await.unwrap();
+    stack
+}
+
+/// A gRPC chat of one user message made of `parts`, every other field its default.
+fn user_chat(parts: Vec<content_part::Part>) -> ChatRequest {
+    ChatRequest {
+        messages: vec![ChatMessage {
+            role: "user".into(),
+            content: parts
+                .into_iter()
+                .map(|part| ContentPart { part: Some(part) })
+                .collect(),
+        }],
+        ..Default::default()
+    }
+}
+
+/// The value of the sample `name` (with its labels, if any) on the stack's `/metrics` page at
+/// `http_addr`; 0 when the page has none.
+async fn metric(http_addr: SocketAddr, name: &str) -> f64 {
+    let page = reqwest::get(format!("http://{http_addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The JSON chunks of an SSE body, `[DONE]` left out.
+fn sse_chunks(sse: &str) -> impl Iterator<Item = serde_json::Value> + '_ {
+    sse.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_the_tiny_model_and_stops() {
+    let stack = ready_on_cpu(fixture()).await;
     let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
         .await
         .unwrap();
-    let request = vlm_proto::pb::ChatRequest {
-        messages: vec![ChatMessage {
-            role: "user".into(),
-            content: vec![ContentPart {
-                part: Some(content_part::Part::Text("hello".into())),
-            }],
-        }],
+    let request = ChatRequest {
         max_tokens: Some(3),
         ignore_eos: true,
-        ..Default::default()
+        ..user_chat(vec![Part::Text("hello".into())])
     };
     let answer = client.chat(request.clone()).await.unwrap().into_inner();
     assert_eq!(answer.token_ids.len(), 3);
@@ -57,17 +97,13 @@ async fn serves_the_tiny_model_and_stops() {
         .await
         .unwrap();
     let mut streamed: Vec<u32> = Vec::new();
-    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if data == "[DONE]" {
-            continue;
-        }
-        let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+    for chunk in sse_chunks(&sse) {
         if let Some(ids) = chunk["choices"][0]["token_ids"].as_array() {
             streamed.extend(ids.iter().map(|i| i.as_u64().unwrap() as u32));
         }
     }
     let unary = client
-        .chat(vlm_proto::pb::ChatRequest {
+        .chat(ChatRequest {
             max_tokens: Some(12),
             ..request
         })
@@ -86,10 +122,7 @@ async fn serves_the_tiny_model_and_stops() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_only_model_serves_without_a_vision_service_and_refuses_images() {
     let dir = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
-    let mut stack = LocalStack::start(StackConfig::loopback(dir.clone()), || Ok(CpuBackend::new()))
-        .await
-        .unwrap();
-    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let stack = ready_on_cpu(dir.clone()).await;
     let golden = vlm_compute::golden::Golden::open(&dir).unwrap();
     let case = golden.manifest()["cases"][0].clone();
     let (_, hf_tokens) = golden
@@ -143,10 +176,7 @@ async fn a_text_only_model_serves_without_a_vision_service_and_refuses_images() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_come_with_every_token_through_both_apis() {
-    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
-        .await
-        .unwrap();
-    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let stack = ready_on_cpu(fixture()).await;
     let body = serde_json::json!({
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 5, "ignore_eos": true, "return_token_ids": true,
@@ -184,18 +214,12 @@ async fn logprobs_come_with_every_token_through_both_apis() {
         .await
         .unwrap();
     let grpc = client
-        .chat(vlm_proto::pb::ChatRequest {
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: vec![ContentPart {
-                    part: Some(content_part::Part::Text("hello".into())),
-                }],
-            }],
+        .chat(ChatRequest {
             max_tokens: Some(5),
             ignore_eos: true,
             logprobs: true,
             top_logprobs: Some(3),
-            ..Default::default()
+            ..user_chat(vec![Part::Text("hello".into())])
         })
         .await
         .unwrap()
@@ -273,8 +297,7 @@ async fn the_same_on_a_gpu() {
 }
 
 async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::Result<B>) {
-    use gateway::chat::{Message, Part};
-    use gateway::request::ChatRequest;
+    use gateway::chat::{self, Message};
     use vlm_cli::pipeline::Pipeline;
 
     let image = std::fs::read(fixture().join("images/cat.png")).unwrap();
@@ -290,10 +313,10 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
     // The pipeline waits on its engine from a thread outside the runtime, as `vlm run` does.
     let local = tokio::task::spawn_blocking(move || {
         let pipeline = Pipeline::load(&fixture(), open().unwrap(), pipeline_engine).unwrap();
-        let request = ChatRequest {
+        let request = gateway::request::ChatRequest {
             messages: vec![Message::user(vec![
-                Part::Image(png),
-                Part::Text(text.into()),
+                chat::Part::Image(png),
+                chat::Part::Text(text.into()),
             ])],
             sampling: llm_svc::SamplingParams::greedy(),
             max_new_tokens: 6,
@@ -309,22 +332,11 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
     .await
     .unwrap();
 
-    let request = vlm_proto::pb::ChatRequest {
-        messages: vec![ChatMessage {
-            role: "user".into(),
-            content: vec![
-                ContentPart {
-                    part: Some(content_part::Part::Image(image)),
-                },
-                ContentPart {
-                    part: Some(content_part::Part::Text(text.into())),
-                },
-            ],
-        }],
+    let request = ChatRequest {
         max_tokens: Some(6),
         temperature: Some(0.0),
         ignore_eos: true,
-        ..Default::default()
+        ..user_chat(vec![Part::Image(image), Part::Text(text.into())])
     };
     for (device_handoff, shared_memory, path) in [
         (true, true, "device"),
@@ -376,18 +388,11 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
     let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
         .await
         .unwrap();
-    let metrics = format!("http://{}/metrics", stack.http_addr);
-    let sample = |page: &str, name: &str| -> f64 {
-        page.lines()
-            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-            .unwrap_or(0.0)
-    };
     let mut hits = 0.0;
     for _ in 0..100 {
         let answer = client.chat(request.clone()).await.unwrap().into_inner();
         assert_eq!(answer.token_ids, local, "cache");
-        let page = reqwest::get(&metrics).await.unwrap().text().await.unwrap();
-        hits = sample(&page, "vlm_vision_embedding_cache_hits_total");
+        hits = metric(stack.http_addr, "vlm_vision_embedding_cache_hits_total").await;
         if hits > 0.0 {
             break;
         }
@@ -409,10 +414,7 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
     use serde_json::{json, Value};
-    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
-        .await
-        .unwrap();
-    stack.ready(Duration::from_secs(60)).await.unwrap();
+    let stack = ready_on_cpu(fixture()).await;
     let http = reqwest::Client::new();
     let url = format!("http://{}/v1/chat/completions", stack.http_addr);
     let post = |body: Value| {
@@ -423,21 +425,8 @@ async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
             resp.text().await.unwrap()
         }
     };
-    let hits = || async {
-        let page = reqwest::get(format!("http://{}/metrics", stack.http_addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        page.lines()
-            .find_map(|l| {
-                l.strip_prefix("vlm_llm_prefix_cache_hit_tokens_total ")?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .unwrap_or(0)
-    };
+    let hits =
+        || async { metric(stack.http_addr, "vlm_llm_prefix_cache_hit_tokens_total").await as u64 };
     // A prompt of several cache blocks (16 tokens each).
     let prompt =
         "Tell me a long story about a lighthouse keeper, the sea, and the ships that pass \
@@ -499,11 +488,7 @@ async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
     // Streamed: each choice's chunks carry its index; together they are the unary choices.
     let sse = post(request(3, json!({"stream": true}))).await;
     let mut streamed = vec![(Vec::new(), 0); 3];
-    for data in sse.lines().filter_map(|l| l.strip_prefix("data: ")) {
-        if data == "[DONE]" {
-            continue;
-        }
-        let chunk: Value = serde_json::from_str(data).unwrap();
+    for chunk in sse_chunks(&sse) {
         let c = &chunk["choices"][0];
         let i = c["index"].as_u64().unwrap() as usize;
         if let Some(ids) = c["token_ids"].as_array() {
@@ -543,19 +528,13 @@ async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
         .await
         .unwrap();
     let grpc = client
-        .chat(vlm_proto::pb::ChatRequest {
-            messages: vec![ChatMessage {
-                role: "user".into(),
-                content: vec![ContentPart {
-                    part: Some(content_part::Part::Text(prompt.into())),
-                }],
-            }],
+        .chat(ChatRequest {
             n: Some(3),
             seed: Some(5),
             temperature: Some(1.0),
             max_tokens: Some(16),
             ignore_eos: true,
-            ..Default::default()
+            ..user_chat(vec![Part::Text(prompt.into())])
         })
         .await
         .unwrap()
@@ -575,37 +554,17 @@ async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
 /// all the answer of one choice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_of_an_image_chat_encode_it_once() {
-    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
-        .await
-        .unwrap();
-    stack.ready(Duration::from_secs(60)).await.unwrap();
-    let metrics = format!("http://{}/metrics", stack.http_addr);
-    let sample = |name: &'static str| {
-        let metrics = metrics.clone();
-        async move {
-            let page = reqwest::get(metrics).await.unwrap().text().await.unwrap();
-            page.lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-                .unwrap_or(0.0)
-        }
-    };
+    let stack = ready_on_cpu(fixture()).await;
+    let sample = |name| metric(stack.http_addr, name);
     let image = std::fs::read(fixture().join("images/cat.png")).unwrap();
-    let request = |n| vlm_proto::pb::ChatRequest {
-        messages: vec![ChatMessage {
-            role: "user".into(),
-            content: vec![
-                ContentPart {
-                    part: Some(content_part::Part::Image(image.clone())),
-                },
-                ContentPart {
-                    part: Some(content_part::Part::Text("What is in the picture?".into())),
-                },
-            ],
-        }],
+    let request = |n| ChatRequest {
         n,
         max_tokens: Some(6),
         ignore_eos: true,
-        ..Default::default()
+        ..user_chat(vec![
+            Part::Image(image.clone()),
+            Part::Text("What is in the picture?".into()),
+        ])
     };
     let mut client = GatewayClient::connect(format!("http://{}", stack.grpc_addr))
         .await
