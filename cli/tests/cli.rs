@@ -28,6 +28,21 @@ fn tmp(name: &str) -> PathBuf {
     d
 }
 
+/// A copy of the checkpoint `src` in a fresh temporary directory `name`, with `from`
+/// replaced by `to` in its config.json.
+fn copy_with_config(name: &str, src: &Path, from: &str, to: &str) -> PathBuf {
+    let d = tmp(name);
+    for entry in std::fs::read_dir(src).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    std::fs::write(d.join("config.json"), cfg.replace(from, to)).unwrap();
+    d
+}
+
 /// Runs a case of the golden manifest through `vlm run --json`.
 fn run_case(case: &Value, extra: &[&str]) -> (Value, Output) {
     let dir = fixture();
@@ -229,19 +244,12 @@ fn bad_models_and_parameters_are_named() {
     );
 
     // A checkpoint whose config disagrees with its weights.
-    let d = tmp("badmodel");
-    for entry in std::fs::read_dir(fixture()).unwrap() {
-        let p = entry.unwrap().path();
-        if p.is_file() {
-            std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
-        }
-    }
-    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
-    std::fs::write(
-        d.join("config.json"),
-        cfg.replace("\"intermediate_size\": 160", "\"intermediate_size\": 128"),
-    )
-    .unwrap();
+    let d = copy_with_config(
+        "badmodel",
+        &fixture(),
+        "\"intermediate_size\": 160",
+        "\"intermediate_size\": 128",
+    );
     let err = fails(&["run", "--model", d.to_str().unwrap(), "--prompt", "hi"]);
     assert!(
         err.contains("mlp.gate_proj.weight") && err.contains("[128, 64]"),
@@ -522,20 +530,8 @@ fn text_only_models_run_as_hf_and_refuse_images() {
         );
     }
 
-    let d = tmp("llama");
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3");
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let p = entry.unwrap().path();
-        if p.is_file() {
-            std::fs::copy(&p, d.join(p.file_name().unwrap())).unwrap();
-        }
-    }
-    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
-    std::fs::write(
-        d.join("config.json"),
-        cfg.replace("Qwen3ForCausalLM", "LlamaForCausalLM"),
-    )
-    .unwrap();
+    let d = copy_with_config("llama", &src, "Qwen3ForCausalLM", "LlamaForCausalLM");
     let err = fails(&["run", "--model", d.to_str().unwrap(), "--prompt", "hi"]);
     assert!(
         err.contains("`architectures`")
