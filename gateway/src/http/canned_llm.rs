@@ -53,6 +53,30 @@ struct Harness {
     tokens: Vec<(u32, String, Vec<u8>)>,
 }
 
+impl Harness {
+    /// The gateway's gRPC service over this harness's orchestrator.
+    fn grpc(&self) -> GatewayService {
+        GatewayService {
+            orchestrator: self.state.orchestrator.clone(),
+            default_max_tokens: 3,
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A gRPC chat whose one user message says "hi", every other field its default.
+fn hi() -> pb::ChatRequest {
+    pb::ChatRequest {
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: vec![pb::ContentPart {
+                part: Some(pb::content_part::Part::Text("hi".into())),
+            }],
+        }],
+        ..Default::default()
+    }
+}
+
 /// A gateway of the tiny fixture whose llm-svc answers three tokens, one per message, then
 /// finishes (its vision-svc is nowhere: the chats are text).
 async fn harness() -> Harness {
@@ -273,23 +297,13 @@ async fn each_streamed_chunk_carries_the_logprobs_of_its_tokens() {
 #[tokio::test]
 async fn grpc_answers_carry_the_same_logprobs() {
     let h = harness().await;
-    let grpc = GatewayService {
-        orchestrator: h.state.orchestrator.clone(),
-        default_max_tokens: 3,
-        request_timeout: Duration::from_secs(10),
-    };
+    let grpc = h.grpc();
     let request = |top_logprobs| {
         tonic::Request::new(pb::ChatRequest {
-            messages: vec![pb::ChatMessage {
-                role: "user".into(),
-                content: vec![pb::ContentPart {
-                    part: Some(pb::content_part::Part::Text("hi".into())),
-                }],
-            }],
             logprobs: true,
             top_logprobs,
             repetition_penalty: Some(1.2),
-            ..Default::default()
+            ..hi()
         })
     };
     let out = grpc.chat(request(Some(2))).await.unwrap().into_inner();
@@ -433,22 +447,12 @@ async fn n_choices_are_n_generations_each_with_its_index_finish_and_logprobs() {
 #[tokio::test]
 async fn grpc_lists_the_choices_and_tags_each_chunk_with_its_index() {
     let h = harness().await;
-    let grpc = GatewayService {
-        orchestrator: h.state.orchestrator.clone(),
-        default_max_tokens: 3,
-        request_timeout: Duration::from_secs(10),
-    };
+    let grpc = h.grpc();
     let request = |n| {
         tonic::Request::new(pb::ChatRequest {
-            messages: vec![pb::ChatMessage {
-                role: "user".into(),
-                content: vec![pb::ContentPart {
-                    part: Some(pb::content_part::Part::Text("hi".into())),
-                }],
-            }],
             n,
             logprobs: true,
-            ..Default::default()
+            ..hi()
         })
     };
     let out = grpc.chat(request(Some(3))).await.unwrap().into_inner();
