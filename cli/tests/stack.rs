@@ -43,6 +43,16 @@ fn user_chat(parts: Vec<content_part::Part>) -> ChatRequest {
     }
 }
 
+/// POSTs `body` to the `/v1/chat/completions` of the stack at `http_addr`.
+async fn post_chat(http_addr: SocketAddr, body: &serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("http://{http_addr}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
 /// The value of the sample `name` (with its labels, if any) on the stack's `/metrics` page at
 /// `http_addr`; 0 when the page has none.
 async fn metric(http_addr: SocketAddr, name: &str) -> f64 {
@@ -87,12 +97,8 @@ async fn serves_the_tiny_model_and_stops() {
         "stream": true,
         "return_token_ids": true,
     });
-    let sse = reqwest::Client::new()
-        .post(format!("http://{}/v1/chat/completions", stack.http_addr))
-        .json(&body)
-        .send()
+    let sse = post_chat(stack.http_addr, &body)
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -128,20 +134,15 @@ async fn a_text_only_model_serves_without_a_vision_service_and_refuses_images() 
     let (_, hf_tokens) = golden
         .ints(&format!("case.{}.tokens", case["name"].as_str().unwrap()))
         .unwrap();
-    let http = reqwest::Client::new();
-    let url = format!("http://{}/v1/chat/completions", stack.http_addr);
-    let answer: serde_json::Value = http
-        .post(&url)
-        .json(&serde_json::json!({
-            "messages": case["messages"],
-            "max_tokens": hf_tokens.len(),
-            "temperature": 0,
-            "ignore_eos": true,
-            "return_token_ids": true,
-        }))
-        .send()
+    let body = serde_json::json!({
+        "messages": case["messages"],
+        "max_tokens": hf_tokens.len(),
+        "temperature": 0,
+        "ignore_eos": true,
+        "return_token_ids": true,
+    });
+    let answer: serde_json::Value = post_chat(stack.http_addr, &body)
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
@@ -157,17 +158,13 @@ async fn a_text_only_model_serves_without_a_vision_service_and_refuses_images() 
         "data:image/png;base64,{}",
         base64::Engine::encode(&base64::engine::general_purpose::STANDARD, png)
     );
-    let refused = http
-        .post(&url)
-        .json(&serde_json::json!({
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url}},
-                {"type": "text", "text": "what is this?"}]}],
-            "max_tokens": 2,
-        }))
-        .send()
-        .await
-        .unwrap();
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url}},
+            {"type": "text", "text": "what is this?"}]}],
+        "max_tokens": 2,
+    });
+    let refused = post_chat(stack.http_addr, &body).await;
     assert_eq!(refused.status(), 400);
     let body = refused.text().await.unwrap();
     assert!(body.contains("text-only"), "{body}");
@@ -182,12 +179,8 @@ async fn logprobs_come_with_every_token_through_both_apis() {
         "max_tokens": 5, "ignore_eos": true, "return_token_ids": true,
         "logprobs": true, "top_logprobs": 3,
     });
-    let answer: serde_json::Value = reqwest::Client::new()
-        .post(format!("http://{}/v1/chat/completions", stack.http_addr))
-        .json(&body)
-        .send()
+    let answer: serde_json::Value = post_chat(stack.http_addr, &body)
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
@@ -415,15 +408,10 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
 async fn n_choices_draw_apart_share_the_prompt_and_stop_each_on_its_own() {
     use serde_json::{json, Value};
     let stack = ready_on_cpu(fixture()).await;
-    let http = reqwest::Client::new();
-    let url = format!("http://{}/v1/chat/completions", stack.http_addr);
-    let post = |body: Value| {
-        let req = http.post(&url).json(&body);
-        async move {
-            let resp = req.send().await.unwrap();
-            assert_eq!(resp.status(), 200);
-            resp.text().await.unwrap()
-        }
+    let post = |body: Value| async move {
+        let resp = post_chat(stack.http_addr, &body).await;
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap()
     };
     let hits =
         || async { metric(stack.http_addr, "vlm_llm_prefix_cache_hit_tokens_total").await as u64 };
