@@ -350,3 +350,49 @@ fn eject(service: &str, r: &Replica) {
     }
     r.record.lock().unwrap_or_else(|e| e.into_inner()).clear();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llm(addrs: &[&str]) -> Upstreams {
+        let addrs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+        Upstreams::with_routing("llm-svc", &addrs, None, RoutingConfig::default()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_prompt_goes_where_its_blocks_are_and_new_prompts_alternate() {
+        let u = llm(&["a:1", "b:1"]);
+        let firsts: Vec<usize> = (0..4)
+            .map(|_| u.order(RouteKey::Prompt(&[1, 2, 3]), None)[0])
+            .collect();
+        assert_eq!(firsts, [0, 1, 0, 1], "nothing held: in turn");
+        u.record("b:1", &[1, 2]);
+        for _ in 0..3 {
+            assert_eq!(u.order(RouteKey::Prompt(&[1, 2, 3]), None)[0], 1);
+        }
+        // Busy enough, b loses to a despite holding the prefix.
+        u.replicas[1].active_blocks.store(5, Ordering::Relaxed);
+        assert_eq!(u.order(RouteKey::Prompt(&[1, 2, 3]), None)[0], 0);
+    }
+
+    #[tokio::test]
+    async fn an_ejected_replica_is_tried_last_and_forgets_what_it_held() {
+        let u = llm(&["a:1", "b:1"]);
+        u.record("b:1", &[1, 2]);
+        u.eject("b:1");
+        assert!(!u.admitted("b:1"));
+        for _ in 0..3 {
+            assert_eq!(u.order(RouteKey::Prompt(&[1, 2]), None), [0, 1]);
+        }
+        assert_eq!(u.order(RouteKey::None, Some("a:1")), [1], "a avoided");
+        u.replicas[1].admitted.store(true, Ordering::Relaxed);
+        let firsts: Vec<usize> = (0..2)
+            .map(|_| u.order(RouteKey::Prompt(&[1, 2]), None)[0])
+            .collect();
+        assert!(
+            firsts.contains(&1),
+            "re-admitted with nothing held: back in turn"
+        );
+    }
+}
