@@ -183,15 +183,15 @@ pub fn run<B: Backend + Clone>(
             .or_else(|| weights.quant_config().map(|q| q.bits())),
     };
     // What serving holds, by kind: the text decoder's weights as stored (their format says
-    // the bytes) and the KV cache, then everything the device has in use beside them.
+    // the bytes) and the KV cache; then all the device has in use (both models' weights, the
+    // KV cache, activations, workspaces, recorded graphs, and this bench's own buffers).
     out.extend(held_rows(&pipeline.engine, &weights));
     for &side in &opts.image_sides {
         out.extend(bench.vit(side)?);
     }
     memory_row(
         &mut out,
-        "memory: in use after the ViT rows (both models' weights, KV cache, activations, \
-         workspaces, graphs, and this bench's own buffers)",
+        "memory: all in use after the ViT rows (the bench's own buffers too)",
         &backend,
         base_memory,
     );
@@ -230,7 +230,7 @@ pub fn run<B: Backend + Clone>(
     }
     memory_row(
         &mut out,
-        "memory: in use after every row (as above, with the decode rows' graphs and buffers)",
+        "memory: all in use after every row",
         &backend,
         base_memory,
     );
