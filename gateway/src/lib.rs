@@ -33,6 +33,9 @@ pub mod sampling;
 pub mod serve;
 pub mod upstream;
 
+#[cfg(test)]
+mod failover_tests;
+
 pub use error::{Error, Result};
 
 /// The committed test checkpoint `tests/fixtures/<name>`.
