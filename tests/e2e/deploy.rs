@@ -329,18 +329,21 @@ fn compose_files_match_the_binaries_and_each_other() {
         }
     }
 
-    // Every knob of the Jetson env file is used by the Jetson compose file.
+    // Every knob of the Jetson env files (32/64 GB Orin, 16 GB Orin NX) is used by the Jetson
+    // compose file.
     let jetson = std::fs::read_to_string(deploy().join("docker-compose.jetson.yml")).unwrap();
-    let knobs = std::fs::read_to_string(deploy().join("jetson.env")).unwrap();
-    for line in knobs
-        .lines()
-        .filter(|l| !l.starts_with('#') && l.contains('='))
-    {
-        let key = line.split('=').next().unwrap();
-        assert!(
-            jetson.contains(&format!("${{{key}")),
-            "jetson.env sets {key}, which the compose file never reads"
-        );
+    for file in ["jetson.env", "jetson-16gb.env"] {
+        let knobs = std::fs::read_to_string(deploy().join(file)).unwrap();
+        for line in knobs
+            .lines()
+            .filter(|l| !l.starts_with('#') && l.contains('='))
+        {
+            let key = line.split('=').next().unwrap();
+            assert!(
+                jetson.contains(&format!("${{{key}")),
+                "{file} sets {key}, which the compose file never reads"
+            );
+        }
     }
     // The collector receives OTLP/gRPC on 4317 and forwards to Jaeger.
     let otel = load(&deploy().join("config/otel-collector.yaml"));
