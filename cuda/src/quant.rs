@@ -74,12 +74,6 @@ impl IntMatrix {
         HostTensor::new(vec![self.out, self.inp], data).expect("shape matches")
     }
 
-    /// Bytes this matrix takes as the GPU stores it: the packed values and a (scale, zero) pair
-    /// of f16 per group.
-    pub fn device_bytes(&self) -> usize {
-        self.out * self.inp * self.bits as usize / 8 + self.out * self.groups() * 4
-    }
-
     fn check(&self, name: &str) -> Result<()> {
         let groups = self.inp / self.group.max(1);
         let ok = self.group > 0
