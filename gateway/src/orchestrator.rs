@@ -348,7 +348,8 @@ impl Orchestrator {
 
     fn common_llm_domain(&self, pick: impl Fn(&LlmDomains) -> Option<&String>) -> Option<String> {
         let domains = self.llm_domains.lock().unwrap_or_else(|e| e.into_inner());
-        let mut named = self.llm.addrs().map(|a| domains.get(a).and_then(&pick));
+        let addrs = self.llm.addrs();
+        let mut named = addrs.iter().map(|a| domains.get(a).and_then(&pick));
         let first = named.next()??;
         named.all(|d| d == Some(first)).then(|| first.clone())
     }

@@ -42,6 +42,9 @@ pub struct RoutingConfig {
     /// Calls in flight a vision-svc replica may have beyond the least loaded one and still get
     /// the images it is affine to.
     pub vision_slack: usize,
+    /// How often an upstream address that is a DNS name is resolved again (each address it
+    /// gives is a replica): a Kubernetes headless Service's pods, compose's `deploy.replicas`.
+    pub resolve_interval: std::time::Duration,
 }
 
 impl Default for RoutingConfig {
@@ -51,6 +54,7 @@ impl Default for RoutingConfig {
             overlap_weight: 1.0,
             record_blocks: 1 << 16,
             vision_slack: 4,
+            resolve_interval: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -75,6 +79,11 @@ pub struct RoutingArgs {
     /// the images whose embeddings it caches.
     #[arg(long, env = "VLM_ROUTE_VISION_SLACK", default_value_t = 4)]
     pub route_vision_slack: usize,
+    /// Seconds between DNS lookups of an upstream address that is a name: each address the
+    /// name resolves to is a replica, so a Kubernetes headless Service's pods (or compose's
+    /// deploy.replicas) are found as they come and go.
+    #[arg(long, env = "VLM_RESOLVE_INTERVAL_SECS", default_value_t = 5.0)]
+    pub resolve_interval_secs: f64,
 }
 
 impl RoutingArgs {
@@ -84,7 +93,17 @@ impl RoutingArgs {
             "--route-overlap-weight must be a non-negative number, got {}",
             self.route_overlap_weight
         );
+        let resolve_interval = std::time::Duration::try_from_secs_f64(self.resolve_interval_secs)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--resolve-interval-secs must be a positive number of seconds, got {}",
+                    self.resolve_interval_secs
+                )
+            })?;
         Ok(RoutingConfig {
+            resolve_interval,
             policy: self.routing,
             overlap_weight: self.route_overlap_weight,
             record_blocks: self.route_record_blocks,

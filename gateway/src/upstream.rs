@@ -3,7 +3,7 @@
 //! or TLS, with the internal hops' HTTP/2 settings.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -66,6 +66,8 @@ pub const HEALTH_TIMEOUT: Duration = Duration::from_millis(750);
 /// One replica: its channel, whether it is admitted, and what the gateway has sent it.
 struct Replica {
     addr: String,
+    /// The given address (index into the targets) it comes from.
+    target: usize,
     channel: Channel,
     /// False while ejected: its connection or health check failed, and it has not answered
     /// SERVING since. Ejected replicas are tried only when no admitted one is left.
@@ -77,33 +79,70 @@ struct Replica {
     record: Mutex<BlockRecord>,
 }
 
+/// An address as given: an IP (a replica of its own) or a DNS name (as many replicas as it
+/// resolves to, resolved again every interval).
+struct Target {
+    given: String,
+    /// For a DNS name: the scheme prefix given (`""`, `http://`, `https://`), host and port.
+    name: Option<(String, String, u16)>,
+}
+
+impl Target {
+    fn parse(given: &str) -> Target {
+        let (scheme, rest) = match given.find("://") {
+            Some(i) => given.split_at(i + 3),
+            None => ("", given),
+        };
+        let rest = rest.trim_end_matches('/');
+        let name = rest.rsplit_once(':').and_then(|(host, port)| {
+            let port: u16 = port.parse().ok()?;
+            let is_ip = host.parse::<std::net::IpAddr>().is_ok() || host.starts_with('[');
+            (!is_ip && !host.is_empty()).then(|| (scheme.to_string(), host.to_string(), port))
+        });
+        Target {
+            given: given.to_string(),
+            name,
+        }
+    }
+}
+
 /// One or more replicas of an upstream service. Each call goes to the replica
 /// [`crate::routing`] picks among the admitted ones; a replica that answers UNAVAILABLE (or
 /// whose connection breaks) is ejected and the call goes to the next. With
 /// [`Upstreams::watch_health`] running, every replica's health is asked every
 /// [`HEALTH_INTERVAL`]: one that fails is ejected within a second, one that answers again is
-/// re-admitted, so a dead host costs requests no connect timeout. Channels connect lazily and
-/// reconnect on their own, so the gateway starts before its upstreams and recovers when they
-/// return.
+/// re-admitted, so a dead host costs requests no connect timeout; and an address that is a
+/// DNS name is resolved again every interval, each address it gives a replica. Channels
+/// connect lazily and reconnect on their own, so the gateway starts before its upstreams and
+/// recovers when they return.
 pub struct Upstreams {
-    service: &'static str,
-    replicas: Arc<[Replica]>,
+    shared: Arc<Shared>,
     next: AtomicUsize,
     routing: RoutingConfig,
 }
 
+/// What the health and DNS tasks share with the calls.
+struct Shared {
+    service: &'static str,
+    targets: Vec<Target>,
+    tls: Option<ClientTlsConfig>,
+    routing: RoutingConfig,
+    /// The replicas now; replaced whole when a name resolves differently.
+    replicas: RwLock<Arc<[Arc<Replica>]>>,
+}
+
 /// A call's hold on its replica's load count; dropped when the call (or its stream) ends.
 pub(crate) struct Load {
-    replicas: Arc<[Replica]>,
-    index: usize,
+    replica: Arc<Replica>,
     blocks: usize,
 }
 
 impl Drop for Load {
     fn drop(&mut self) {
-        let r = &self.replicas[self.index];
-        r.in_flight.fetch_sub(1, Ordering::Relaxed);
-        r.active_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+        self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.replica
+            .active_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
     }
 }
 
@@ -112,6 +151,34 @@ pub(crate) struct Routed<T> {
     pub value: T,
     pub addr: String,
     pub load: Load,
+}
+
+/// A replica at `addr` (`host:port` or a URL); `server_name`: the name its TLS certificate
+/// must carry when `addr` is an IP a DNS name resolved to.
+fn replica(
+    addr: String,
+    target: usize,
+    tls: Option<&ClientTlsConfig>,
+    server_name: Option<&str>,
+    routing: &RoutingConfig,
+) -> anyhow::Result<Replica> {
+    let tls = match (tls, server_name) {
+        (Some(t), Some(name)) => Some(t.clone().domain_name(name)),
+        (t, _) => t.cloned(),
+    };
+    let channel = vlm_proto::internal_hop::endpoint(upstream_endpoint(&addr, tls.as_ref())?)
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        .connect_lazy();
+    Ok(Replica {
+        addr,
+        target,
+        channel,
+        admitted: AtomicBool::new(true),
+        in_flight: AtomicUsize::new(0),
+        active_blocks: AtomicUsize::new(0),
+        record: Mutex::new(BlockRecord::new(routing.record_blocks)),
+    })
 }
 
 impl Upstreams {
@@ -128,7 +195,8 @@ impl Upstreams {
         Self::with_routing(service, addrs, tls, routing)
     }
 
-    /// Replicas at `addrs`, routed by `routing`.
+    /// Replicas at `addrs`, routed by `routing`. A DNS name is one replica, under its name,
+    /// until [`Upstreams::watch_health`] resolves it.
     pub fn with_routing(
         service: &'static str,
         addrs: &[String],
@@ -138,60 +206,58 @@ impl Upstreams {
         anyhow::ensure!(!addrs.is_empty(), "no {service} address given");
         let replicas = addrs
             .iter()
-            .map(|a| {
-                let channel = vlm_proto::internal_hop::endpoint(upstream_endpoint(a, tls)?)
-                    .connect_timeout(Duration::from_secs(2))
-                    .tcp_nodelay(true)
-                    .connect_lazy();
-                Ok(Replica {
-                    addr: a.clone(),
-                    channel,
-                    admitted: AtomicBool::new(true),
-                    in_flight: AtomicUsize::new(0),
-                    active_blocks: AtomicUsize::new(0),
-                    record: Mutex::new(BlockRecord::new(routing.record_blocks)),
-                })
-            })
+            .enumerate()
+            .map(|(i, a)| replica(a.clone(), i, tls, None, &routing).map(Arc::new))
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Self {
-            service,
-            replicas: replicas.into(),
+            shared: Arc::new(Shared {
+                service,
+                targets: addrs.iter().map(|a| Target::parse(a)).collect(),
+                tls: tls.cloned(),
+                routing: routing.clone(),
+                replicas: RwLock::new(replicas.into()),
+            }),
             next: AtomicUsize::new(0),
             routing,
         })
     }
 
+    /// The replicas now.
+    fn snapshot(&self) -> Arc<[Arc<Replica>]> {
+        self.shared.snapshot()
+    }
+
+    fn find(&self, addr: &str) -> Option<Arc<Replica>> {
+        self.snapshot().iter().find(|r| r.addr == addr).cloned()
+    }
+
     /// Every replica's address.
-    pub(crate) fn addrs(&self) -> impl Iterator<Item = &str> {
-        self.replicas.iter().map(|r| r.addr.as_str())
+    pub(crate) fn addrs(&self) -> Vec<String> {
+        self.snapshot().iter().map(|r| r.addr.clone()).collect()
     }
 
     /// The channel to the replica at `addr` (one of [`Upstreams::addrs`]).
     pub(crate) fn channel(&self, addr: &str) -> Option<Channel> {
-        self.replicas
-            .iter()
-            .find(|r| r.addr == addr)
-            .map(|r| r.channel.clone())
+        self.find(addr).map(|r| r.channel.clone())
     }
 
     /// Whether the replica at `addr` is admitted (not ejected).
     pub fn admitted(&self, addr: &str) -> bool {
-        self.replicas
-            .iter()
-            .any(|r| r.addr == addr && r.admitted.load(Ordering::Relaxed))
+        self.find(addr)
+            .is_some_and(|r| r.admitted.load(Ordering::Relaxed))
     }
 
     /// Ejects the replica at `addr`: no call goes there while another is admitted, until its
     /// health check answers SERVING again. What it held is forgotten (a restart empties it).
     pub(crate) fn eject(&self, addr: &str) {
-        if let Some(i) = self.replicas.iter().position(|r| r.addr == addr) {
-            eject(self.service, &self.replicas[i]);
+        if let Some(r) = self.find(addr) {
+            eject(self.shared.service, &r);
         }
     }
 
     /// Notes that the replica at `addr` was sent a prompt of these blocks.
     pub(crate) fn record(&self, addr: &str, blocks: &[vlm_proto::prefix::BlockHash]) {
-        if let Some(r) = self.replicas.iter().find(|r| r.addr == addr) {
+        if let Some(r) = self.find(addr) {
             r.record
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -199,13 +265,16 @@ impl Upstreams {
         }
     }
 
-    /// Asks every replica's health every [`HEALTH_INTERVAL`] until `stop`: ejects those that
-    /// fail or take longer than [`HEALTH_TIMEOUT`], re-admits those that answer SERVING.
+    /// Until `stop`: asks every replica's health every [`HEALTH_INTERVAL`], ejecting those
+    /// that fail or take longer than [`HEALTH_TIMEOUT`] and re-admitting those that answer
+    /// SERVING; and resolves DNS names again every `resolve_interval` ([`RoutingConfig`]).
     pub fn watch_health(&self, stop: CancellationToken) {
-        let replicas = self.replicas.clone();
-        let service = self.service;
+        let shared = self.shared.clone();
+        let health_stop = stop.clone();
         tokio::spawn(async move {
             loop {
+                let replicas = shared.snapshot();
+                let service = shared.service;
                 let probes = replicas.iter().map(|r| async move {
                     let mut client = HealthClient::new(r.channel.clone());
                     let probe = client.check(HealthCheckRequest {
@@ -226,27 +295,42 @@ impl Upstreams {
                 });
                 futures::future::join_all(probes).await;
                 tokio::select! {
-                    _ = stop.cancelled() => break,
+                    _ = health_stop.cancelled() => break,
                     _ = tokio::time::sleep(HEALTH_INTERVAL) => {}
+                }
+            }
+        });
+        if self.shared.targets.iter().all(|t| t.name.is_none()) {
+            return;
+        }
+        let (shared, interval) = (self.shared.clone(), self.routing.resolve_interval);
+        tokio::spawn(async move {
+            loop {
+                let resolved = shared.resolve().await;
+                shared.apply_resolved(&resolved);
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(interval) => {}
                 }
             }
         });
     }
 
-    /// Replica indices in the order to try them for a call routed by `key`: the admitted ones,
-    /// best first by [`crate::routing`], then the ejected ones (a last resort). `avoid`: a
-    /// replica not to try at all.
-    fn order(&self, key: RouteKey<'_>, avoid: Option<&str>) -> Vec<usize> {
-        let n = self.replicas.len();
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+    /// Replicas in the order to try them for a call routed by `key`: the admitted ones, best
+    /// first by [`crate::routing`], then the ejected ones (a last resort). `avoid`: a replica
+    /// not to try at all.
+    fn order(&self, key: RouteKey<'_>, avoid: Option<&str>) -> Vec<Arc<Replica>> {
+        let replicas = self.snapshot();
+        let n = replicas.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n.max(1);
         // In turn from `start`, so ties go round robin.
-        let turn: Vec<usize> = (0..n)
-            .map(|i| (start + i) % n)
-            .filter(|&i| Some(self.replicas[i].addr.as_str()) != avoid)
+        let turn: Vec<Arc<Replica>> = (0..n)
+            .map(|i| replicas[(start + i) % n].clone())
+            .filter(|r| Some(r.addr.as_str()) != avoid)
             .collect();
-        let (mut admitted, ejected): (Vec<usize>, Vec<usize>) = turn
+        let (mut admitted, ejected): (Vec<_>, Vec<_>) = turn
             .into_iter()
-            .partition(|&i| self.replicas[i].admitted.load(Ordering::Relaxed));
+            .partition(|r| r.admitted.load(Ordering::Relaxed));
         if self.routing.policy == Policy::CacheAware {
             self.rank(key, &mut admitted);
         }
@@ -255,13 +339,12 @@ impl Upstreams {
     }
 
     /// Sorts `candidates` (in turn order) best first for `key` (stable: ties keep their turn).
-    fn rank(&self, key: RouteKey<'_>, candidates: &mut [usize]) {
-        let load = |i: usize| self.replicas[i].in_flight.load(Ordering::Relaxed);
+    fn rank(&self, key: RouteKey<'_>, candidates: &mut [Arc<Replica>]) {
+        let load = |r: &Replica| r.in_flight.load(Ordering::Relaxed);
         match key {
-            RouteKey::None => candidates.sort_by_key(|&i| load(i)),
+            RouteKey::None => candidates.sort_by_key(|r| load(r)),
             RouteKey::Prompt(blocks) => {
-                let cost = |i: usize| {
-                    let r = &self.replicas[i];
+                let cost = |r: &Replica| {
                     let overlap = r
                         .record
                         .lock()
@@ -274,20 +357,21 @@ impl Upstreams {
                         r.active_blocks.load(Ordering::Relaxed),
                     )
                 };
-                let mut costed: Vec<(f64, usize, usize)> =
-                    candidates.iter().map(|&i| (cost(i), load(i), i)).collect();
+                let mut costed: Vec<(f64, usize, Arc<Replica>)> = candidates
+                    .iter()
+                    .map(|r| (cost(r), load(r), r.clone()))
+                    .collect();
                 costed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                for (slot, (_, _, i)) in candidates.iter_mut().zip(costed) {
-                    *slot = i;
+                for (slot, (_, _, r)) in candidates.iter_mut().zip(costed) {
+                    *slot = r;
                 }
             }
             RouteKey::Image(image) => {
-                candidates
-                    .sort_by_key(|&i| std::cmp::Reverse(affinity(image, &self.replicas[i].addr)));
-                let least = candidates.iter().map(|&i| load(i)).min().unwrap_or(0);
-                if let Some(&best) = candidates.first() {
+                candidates.sort_by_key(|r| std::cmp::Reverse(affinity(image, &r.addr)));
+                let least = candidates.iter().map(|r| load(r)).min().unwrap_or(0);
+                if let Some(best) = candidates.first() {
                     if load(best) > least + self.routing.vision_slack {
-                        candidates.sort_by_key(|&i| load(i));
+                        candidates.sort_by_key(|r| load(r));
                     }
                 }
             }
@@ -296,7 +380,7 @@ impl Upstreams {
 
     /// Runs `call` on replicas, best first for `key`, until one is not gone
     /// ([`upstream_gone`]; a gone one is ejected); returns its answer, the replica's address
-    /// and its load hold. `blocks`: the KV blocks the call puts on the replica, for its load.
+    /// and its load hold. `avoid`: a replica not to try (one that just failed).
     pub(crate) async fn call<T, F, Fut>(
         &self,
         key: RouteKey<'_>,
@@ -312,13 +396,11 @@ impl Upstreams {
             _ => 0,
         };
         let mut last = None;
-        for i in self.order(key, avoid) {
-            let r = &self.replicas[i];
+        for r in self.order(key, avoid) {
             r.in_flight.fetch_add(1, Ordering::Relaxed);
             r.active_blocks.fetch_add(blocks, Ordering::Relaxed);
             let load = Load {
-                replicas: self.replicas.clone(),
-                index: i,
+                replica: r.clone(),
                 blocks,
             };
             match call(r.channel.clone()).await {
@@ -330,16 +412,100 @@ impl Upstreams {
                     })
                 }
                 Err(s) if upstream_gone(&s) => {
-                    tracing::warn!(service = self.service, addr = %r.addr, error = %s.message(), "replica unavailable");
-                    eject(self.service, r);
-                    last = Some(GatewayError::upstream(self.service, &r.addr, &s));
+                    tracing::warn!(service = self.shared.service, addr = %r.addr, error = %s.message(), "replica unavailable");
+                    eject(self.shared.service, &r);
+                    last = Some(GatewayError::upstream(self.shared.service, &r.addr, &s));
                 }
-                Err(s) => return Err(GatewayError::upstream(self.service, &r.addr, &s)),
+                Err(s) => return Err(GatewayError::upstream(self.shared.service, &r.addr, &s)),
             }
         }
         Err(last.unwrap_or_else(|| {
-            GatewayError::Unavailable(format!("no other {} replica to try", self.service))
+            GatewayError::Unavailable(format!("no other {} replica to try", self.shared.service))
         }))
+    }
+}
+
+impl Shared {
+    fn snapshot(&self) -> Arc<[Arc<Replica>]> {
+        self.replicas
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Sets the replicas from what each DNS name resolved to (`resolved[i]`: target `i`'s
+    /// addresses; `None`: an IP, or a name that did not resolve, which keeps its replicas).
+    /// A replica whose address stays keeps its state; one whose address went is dropped
+    /// (calls under way on it finish).
+    fn apply_resolved(&self, resolved: &[Option<Vec<std::net::SocketAddr>>]) {
+        let now = self.snapshot();
+        let mut next: Vec<Arc<Replica>> = Vec::new();
+        for (i, (target, found)) in self.targets.iter().zip(resolved).enumerate() {
+            let (Some((scheme, host, _)), Some(found)) = (&target.name, found) else {
+                // An IP, or a name that did not resolve: it keeps its replicas.
+                next.extend(now.iter().filter(|r| r.target == i).cloned());
+                continue;
+            };
+            for sa in found {
+                let addr = format!("{scheme}{sa}");
+                if next.iter().any(|r| r.addr == addr) {
+                    continue;
+                }
+                match now.iter().find(|r| r.addr == addr) {
+                    Some(r) => next.push(r.clone()),
+                    None => match replica(
+                        addr.clone(),
+                        i,
+                        self.tls.as_ref(),
+                        Some(host),
+                        &self.routing,
+                    ) {
+                        Ok(r) => {
+                            tracing::info!(service = self.service, name = %target.given, %addr, "replica found by DNS");
+                            next.push(Arc::new(r));
+                        }
+                        Err(e) => {
+                            tracing::warn!(service = self.service, %addr, error = %e, "cannot use a resolved address")
+                        }
+                    },
+                }
+            }
+        }
+        for gone in now
+            .iter()
+            .filter(|r| !next.iter().any(|n| n.addr == r.addr))
+        {
+            tracing::info!(service = self.service, addr = %gone.addr, "replica no longer in DNS: removed");
+        }
+        if next.is_empty() {
+            return;
+        }
+        *self.replicas.write().unwrap_or_else(|e| e.into_inner()) = next.into();
+    }
+
+    /// Resolves every DNS-name target once (`None` for IPs and for names that fail).
+    async fn resolve(&self) -> Vec<Option<Vec<std::net::SocketAddr>>> {
+        let mut out = Vec::with_capacity(self.targets.len());
+        for t in &self.targets {
+            out.push(match &t.name {
+                None => None,
+                Some((_, host, port)) => {
+                    match tokio::net::lookup_host((host.as_str(), *port)).await {
+                        Ok(addrs) => {
+                            let mut addrs: Vec<_> = addrs.collect();
+                            addrs.sort();
+                            addrs.dedup();
+                            (!addrs.is_empty()).then_some(addrs)
+                        }
+                        Err(e) => {
+                            tracing::warn!(service = self.service, name = %t.given, error = %e, "DNS name does not resolve; keeping its replicas");
+                            None
+                        }
+                    }
+                }
+            });
+        }
+        out
     }
 }
 
@@ -360,20 +526,45 @@ mod tests {
         Upstreams::with_routing("llm-svc", &addrs, None, RoutingConfig::default()).unwrap()
     }
 
+    /// The addresses of `order`'s answer.
+    fn order(u: &Upstreams, key: RouteKey<'_>, avoid: Option<&str>) -> Vec<String> {
+        u.order(key, avoid).iter().map(|r| r.addr.clone()).collect()
+    }
+
     #[tokio::test]
     async fn a_prompt_goes_where_its_blocks_are_and_new_prompts_alternate() {
         let u = llm(&["a:1", "b:1"]);
-        let firsts: Vec<usize> = (0..4)
-            .map(|_| u.order(RouteKey::Prompt(&[1, 2, 3]), None)[0])
+        let firsts: Vec<String> = (0..4)
+            .map(|_| order(&u, RouteKey::Prompt(&[1, 2, 3]), None)[0].clone())
             .collect();
-        assert_eq!(firsts, [0, 1, 0, 1], "nothing held: in turn");
+        assert_eq!(
+            firsts,
+            ["a:1", "b:1", "a:1", "b:1"],
+            "nothing held: in turn"
+        );
         u.record("b:1", &[1, 2]);
         for _ in 0..3 {
-            assert_eq!(u.order(RouteKey::Prompt(&[1, 2, 3]), None)[0], 1);
+            assert_eq!(order(&u, RouteKey::Prompt(&[1, 2, 3]), None)[0], "b:1");
         }
         // Busy enough, b loses to a despite holding the prefix.
-        u.replicas[1].active_blocks.store(5, Ordering::Relaxed);
-        assert_eq!(u.order(RouteKey::Prompt(&[1, 2, 3]), None)[0], 0);
+        u.snapshot()[1].active_blocks.store(5, Ordering::Relaxed);
+        assert_eq!(order(&u, RouteKey::Prompt(&[1, 2, 3]), None)[0], "a:1");
+    }
+
+    #[tokio::test]
+    async fn an_image_sticks_to_one_replica_until_it_is_too_busy() {
+        let u = llm(&["a:1", "b:1", "c:1"]);
+        let first = order(&u, RouteKey::Image(7), None)[0].clone();
+        for _ in 0..4 {
+            assert_eq!(order(&u, RouteKey::Image(7), None)[0], first);
+        }
+        let busy = u.find(&first).unwrap();
+        busy.in_flight.store(5, Ordering::Relaxed);
+        assert_ne!(
+            order(&u, RouteKey::Image(7), None)[0],
+            first,
+            "past the slack of 4"
+        );
     }
 
     #[tokio::test]
@@ -383,16 +574,73 @@ mod tests {
         u.eject("b:1");
         assert!(!u.admitted("b:1"));
         for _ in 0..3 {
-            assert_eq!(u.order(RouteKey::Prompt(&[1, 2]), None), [0, 1]);
+            assert_eq!(order(&u, RouteKey::Prompt(&[1, 2]), None), ["a:1", "b:1"]);
         }
-        assert_eq!(u.order(RouteKey::None, Some("a:1")), [1], "a avoided");
-        u.replicas[1].admitted.store(true, Ordering::Relaxed);
-        let firsts: Vec<usize> = (0..2)
-            .map(|_| u.order(RouteKey::Prompt(&[1, 2]), None)[0])
+        assert_eq!(order(&u, RouteKey::None, Some("a:1")), ["b:1"], "a avoided");
+        u.snapshot()[1].admitted.store(true, Ordering::Relaxed);
+        let firsts: Vec<String> = (0..2)
+            .map(|_| order(&u, RouteKey::Prompt(&[1, 2]), None)[0].clone())
             .collect();
         assert!(
-            firsts.contains(&1),
+            firsts.contains(&"b:1".to_string()),
             "re-admitted with nothing held: back in turn"
+        );
+    }
+
+    #[test]
+    fn names_are_told_from_ips() {
+        let name = |a: &str| Target::parse(a).name;
+        assert_eq!(
+            name("llm-svc:50052"),
+            Some(("".into(), "llm-svc".into(), 50052))
+        );
+        assert_eq!(
+            name("https://llm.example:443"),
+            Some(("https://".into(), "llm.example".into(), 443))
+        );
+        assert_eq!(name("127.0.0.1:50052"), None);
+        assert_eq!(name("[::1]:50052"), None);
+        assert_eq!(name("http://10.0.0.1:1"), None);
+    }
+
+    #[tokio::test]
+    async fn a_name_becomes_a_replica_per_address_as_its_addresses_change() {
+        let u = llm(&["llm-svc:50052", "127.0.0.1:9"]);
+        assert_eq!(
+            u.addrs(),
+            ["llm-svc:50052", "127.0.0.1:9"],
+            "unresolved yet"
+        );
+        let sa = |s: &str| -> std::net::SocketAddr { s.parse().unwrap() };
+        let shared = u.shared.clone();
+        shared.apply_resolved(&[Some(vec![sa("10.0.0.1:50052"), sa("10.0.0.2:50052")]), None]);
+        assert_eq!(
+            u.addrs(),
+            ["10.0.0.1:50052", "10.0.0.2:50052", "127.0.0.1:9"]
+        );
+        u.record("10.0.0.2:50052", &[1, 2]);
+        // A pod goes, another comes: the one that stays keeps what it held.
+        shared.apply_resolved(&[Some(vec![sa("10.0.0.2:50052"), sa("10.0.0.3:50052")]), None]);
+        assert_eq!(
+            u.addrs(),
+            ["10.0.0.2:50052", "10.0.0.3:50052", "127.0.0.1:9"]
+        );
+        assert_eq!(
+            order(&u, RouteKey::Prompt(&[1, 2]), None)[0],
+            "10.0.0.2:50052"
+        );
+        // A lookup that fails keeps the last answer.
+        shared.apply_resolved(&[None, None]);
+        assert_eq!(
+            u.addrs(),
+            ["10.0.0.2:50052", "10.0.0.3:50052", "127.0.0.1:9"]
+        );
+        // A real lookup: localhost resolves to loopback.
+        let u = llm(&["localhost:50052"]);
+        let found = u.shared.resolve().await;
+        assert!(
+            found[0].as_ref().unwrap().contains(&sa("127.0.0.1:50052")),
+            "{found:?}"
         );
     }
 }
