@@ -2,6 +2,10 @@
 //!
 //! Every failure names the file and, where there is one, the key: "config.json: key
 //! `text_config.hidden_size` missing field" tells a user what to fix, "invalid type" does not.
+//!
+//! `vlm_proto::checkpoint` reads the same way for the gateway and the image rule. The copy is
+//! deliberate: vlm-compute and vlm-proto depend on no crate of ours (docs/architecture.md), so
+//! neither can take the other's, and a crate of its own for three functions would cost more.
 
 use std::path::Path;
 
