@@ -9,6 +9,7 @@
 
 pub mod bench;
 mod error;
+pub mod footprint;
 pub mod load;
 pub mod pipeline;
 pub mod stack;

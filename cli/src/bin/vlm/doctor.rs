@@ -1,6 +1,7 @@
 //! `vlm doctor`: whether this machine can run `--device cuda` (driver, NVRTC, cuBLAS, CUDA
 //! headers, kernel cache), every kernel compiled for the target GPUs, and on a GPU the
-//! self-check op by op. One line per check; exit 0 only if all is in order.
+//! self-check op by op. One line per check; exit 0 only if all is in order. With `--model`,
+//! first what that model takes on the GPU, by kind.
 
 use anyhow::bail;
 
@@ -10,9 +11,21 @@ pub struct DoctorArgs {
     /// is Jetson Orin, sm_90 H100, sm_89 L4/L40, sm_80 A100.
     #[arg(long, value_delimiter = ',', default_value = "sm_87,sm_90")]
     arch: Vec<String>,
+    /// Also say what this checkpoint takes on the GPU (from its config.json alone): weights by
+    /// format, the KV cache for --kv-cache-tokens, and a quantized model's scratch.
+    #[arg(long, value_name = "DIR")]
+    model: Option<std::path::PathBuf>,
+    /// Tokens of KV cache to count with --model.
+    #[arg(long, default_value_t = 8192, requires = "model")]
+    kv_cache_tokens: usize,
+    #[command(flatten)]
+    weights: llm_svc::WeightArgs,
 }
 
 pub fn doctor(args: DoctorArgs) -> anyhow::Result<()> {
+    if let Some(dir) = &args.model {
+        print_footprint(dir, args.weights.quantize, args.kv_cache_tokens)?;
+    }
     let archs = args
         .arch
         .iter()
@@ -36,5 +49,37 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<()> {
         bail!("--device cuda cannot run here until the problems above are fixed");
     }
     println!("--device cuda can run here.");
+    Ok(())
+}
+
+/// What the model in `dir` takes on the GPU, a line per kind.
+fn print_footprint(
+    dir: &std::path::Path,
+    quantize: Option<vlm_compute::quant::QuantizeTo>,
+    kv_tokens: usize,
+) -> anyhow::Result<()> {
+    let f = vlm_cli::footprint::Footprint::of(dir, quantize, kv_tokens)?;
+    let gb = |b: usize| format!("{:>7.2} GB", b as f64 / 1e9);
+    println!("{} on the GPU:", dir.display());
+    println!(
+        "  {} text decoder matrices ({})",
+        gb(f.decoder_matrices),
+        f.decoder_format
+    );
+    println!("  {} embeddings and lm_head (f16)", gb(f.embeddings));
+    if f.vision > 0 {
+        println!("  {} vision tower and mergers (f16)", gb(f.vision));
+    }
+    println!("  {} KV cache, {} tokens", gb(f.kv_cache), f.kv_tokens);
+    if f.dequant_scratch > 0 {
+        println!(
+            "  {} dequantization scratch (prefill and batches)",
+            gb(f.dequant_scratch)
+        );
+    }
+    println!(
+        "  {} in all, before activations, workspaces and recorded graphs (llm-svc keeps 1 GiB and a step's activations for them)",
+        gb(f.total())
+    );
     Ok(())
 }

@@ -1,0 +1,135 @@
+//! What a model takes on the GPU before it serves anything: the weights by format, the KV cache
+//! for a given number of tokens, and the scratch a quantized model's GEMMs use, from the
+//! checkpoint's config alone (`vlm doctor --model`). The same quantities `vlm bench` reports
+//! measured, so the two can be set side by side; activations, workspaces and recorded graphs
+//! come on top (llm-svc keeps 1 GiB and a step's activations for them when it sizes the cache).
+
+use std::path::Path;
+
+use vlm_compute::quant::{QuantConfig, QuantizeTo, QUANTIZE_GROUP};
+use vlm_compute::CudaBackend;
+
+/// Bytes, by kind.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Footprint {
+    /// The text decoder's projections, as stored, and what that format is.
+    pub decoder_matrices: usize,
+    pub decoder_format: String,
+    /// Embedding table and `lm_head` (f16; a tied head once).
+    pub embeddings: usize,
+    /// The vision tower and its mergers (f16); 0 for a text-only checkpoint.
+    pub vision: usize,
+    /// The KV cache for `kv_tokens` tokens (f16 keys and values).
+    pub kv_cache: usize,
+    pub kv_tokens: usize,
+    /// Where an integer matrix is dequantized for the GEMMs of prefill and batches: as large
+    /// as the largest one in f16.
+    pub dequant_scratch: usize,
+}
+
+impl Footprint {
+    pub fn total(&self) -> usize {
+        self.decoder_matrices + self.embeddings + self.vision + self.kv_cache + self.dequant_scratch
+    }
+
+    /// The checkpoint in `dir` (its own format, or `quantize`d at load) with a cache of
+    /// `kv_tokens`.
+    pub fn of(dir: &Path, quantize: Option<QuantizeTo>, kv_tokens: usize) -> anyhow::Result<Self> {
+        let cfg = llm_svc::ModelConfig::from_dir(dir)?;
+        let t = &cfg.text;
+        let (h, i, d) = (t.hidden_size, t.intermediate_size, t.head_dim);
+        let layer = h * d * (2 * t.num_attention_heads + 2 * t.num_key_value_heads) + 3 * h * i;
+        let matrices = t.num_hidden_layers * layer;
+        // The checkpoint's own format (config.json alone; no weights need be there), else
+        // --quantize.
+        let path = dir.join("config.json");
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        let checkpoint = QuantConfig::from_config(&path, &json)?;
+        if let (Some(q), Some(to)) = (&checkpoint, quantize) {
+            anyhow::bail!("--quantize {to} asked of a checkpoint that is quantized already ({q})");
+        }
+        let bits = checkpoint.map(|q| q.bits()).or(quantize.map(|q| q.bits()));
+        let (decoder_matrices, decoder_format, dequant_scratch) = match bits {
+            Some(b) => (
+                matrices * b as usize / 8 + matrices / QUANTIZE_GROUP * 4,
+                format!("{b}-bit"),
+                2 * i * h * 2,
+            ),
+            None => (matrices * 2, "f16".into(), 0),
+        };
+        let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
+        let vision = match vision_svc::VisionConfig::from_dir(dir) {
+            Ok(v) if cfg.vision.is_some() => 2 * vision_params(&v),
+            _ => 0,
+        };
+        Ok(Self {
+            decoder_matrices,
+            decoder_format,
+            embeddings: heads * t.vocab_size * h * 2,
+            vision,
+            kv_cache: kv_tokens * llm_svc::PagedKv::<CudaBackend>::bytes_per_token(t),
+            kv_tokens,
+            dequant_scratch,
+        })
+    }
+}
+
+/// The ViT's and its mergers' parameters.
+fn vision_params(v: &vision_svc::VisionConfig) -> usize {
+    let (h, i) = (v.hidden_size, v.intermediate_size);
+    let block = 4 * h * h + 2 * h * i;
+    let merged = h * v.spatial_merge_size * v.spatial_merge_size;
+    let merger = merged * merged + merged * v.out_hidden_size;
+    let patch = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size * h;
+    v.depth * block
+        + (1 + v.deepstack_visual_indexes.len()) * merger
+        + patch
+        + v.num_position_embeddings * h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), name)
+    }
+
+    /// The estimate's decoder and embeddings equal what the loaded model holds, counted by the
+    /// CPU backend (f32, so twice f16's bytes), for the f16 fixture.
+    #[test]
+    fn the_estimate_matches_the_loaded_model() {
+        let dir = fixture("tiny-qwen3");
+        let f = Footprint::of(&dir, None, 1024).unwrap();
+        let engine = llm_svc::Engine::load(
+            &dir,
+            &vlm_compute::Weights::open(&dir).unwrap(),
+            vlm_compute::CpuBackend::new(),
+            llm_svc::EngineConfig::default(),
+            &prometheus::Registry::new(),
+        )
+        .unwrap();
+        assert_eq!(
+            2 * (f.decoder_matrices + f.embeddings),
+            engine.weight_bytes()
+        );
+        assert_eq!((f.vision, f.dequant_scratch), (0, 0), "text-only, f16");
+        // 2 layers x 2 KV heads x 32 dims x K and V x f16.
+        assert_eq!(f.kv_cache, 1024 * 2 * 2 * 32 * 2 * 2);
+    }
+
+    #[test]
+    fn four_bits_take_about_a_quarter_and_the_format_comes_from_the_checkpoint() {
+        let f16 = Footprint::of(&fixture("tiny-qwen3"), None, 0).unwrap();
+        let w4 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int4), 0).unwrap();
+        let awq = Footprint::of(&fixture("tiny-qwen3-awq"), None, 0).unwrap();
+        assert_eq!(w4, awq, "AWQ is 4-bit");
+        assert_eq!(w4.decoder_format, "4-bit");
+        // Half a byte a value and 4 bytes a 128 of them, against f16's 2 bytes: 0.2656.
+        let ratio = w4.decoder_matrices as f64 / f16.decoder_matrices as f64;
+        assert!((ratio - 0.265625).abs() < 1e-9, "{ratio}");
+        assert!(w4.dequant_scratch > 0);
+        let vl = Footprint::of(&fixture("tiny-qwen3-vl"), None, 0).unwrap();
+        assert!(vl.vision > 0);
+    }
+}
