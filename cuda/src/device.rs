@@ -7,14 +7,76 @@
 
 use crate::{Backend, CpuBackend, CudaBackend, Result};
 
-/// Where the models run (`--device`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+/// Where the models run (`--device`): `cpu`, or `cuda` / `cuda:N` for GPU N.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
     /// The CPU reference path (any machine).
     Cpu,
-    /// An NVIDIA GPU (GPU 0) through CUDA: kernels compiled at run time by NVRTC, each
-    /// checked against the CPU reference on this GPU before anything is served.
-    Cuda,
+    /// An NVIDIA GPU (by its CUDA ordinal; `cuda` is GPU 0) through CUDA: kernels compiled at
+    /// run time by NVRTC, each checked against the CPU reference on this GPU before anything
+    /// is served.
+    Cuda(u8),
+}
+
+/// GPUs `--device cuda:N` can name (N below this).
+pub const MAX_GPUS: usize = 16;
+
+/// Every value of the flag, for clap.
+const VARIANTS: [Device; MAX_GPUS + 1] = {
+    let mut v = [Device::Cpu; MAX_GPUS + 1];
+    let mut i = 0;
+    while i < MAX_GPUS {
+        v[i + 1] = Device::Cuda(i as u8);
+        i += 1;
+    }
+    v
+};
+
+/// Each GPU's name as a flag value (GPU 0 is `cuda`, also `cuda:0`).
+const CUDA_NAMES: [&str; MAX_GPUS] = [
+    "cuda", "cuda:1", "cuda:2", "cuda:3", "cuda:4", "cuda:5", "cuda:6", "cuda:7", "cuda:8",
+    "cuda:9", "cuda:10", "cuda:11", "cuda:12", "cuda:13", "cuda:14", "cuda:15",
+];
+
+/// Opens and verifies GPU `N`: a plain function per GPU, as [`OnDevice::run`] takes one.
+fn open_cuda<const N: usize>() -> Result<CudaBackend> {
+    CudaBackend::open_verified(N)
+}
+
+const OPEN_CUDA: [fn() -> Result<CudaBackend>; MAX_GPUS] = [
+    open_cuda::<0>,
+    open_cuda::<1>,
+    open_cuda::<2>,
+    open_cuda::<3>,
+    open_cuda::<4>,
+    open_cuda::<5>,
+    open_cuda::<6>,
+    open_cuda::<7>,
+    open_cuda::<8>,
+    open_cuda::<9>,
+    open_cuda::<10>,
+    open_cuda::<11>,
+    open_cuda::<12>,
+    open_cuda::<13>,
+    open_cuda::<14>,
+    open_cuda::<15>,
+];
+
+impl clap::ValueEnum for Device {
+    fn value_variants<'a>() -> &'a [Self] {
+        &VARIANTS
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        use clap::builder::PossibleValue;
+        Some(match *self {
+            Device::Cpu => PossibleValue::new("cpu").help("the CPU reference path (any machine)"),
+            Device::Cuda(0) => PossibleValue::new("cuda")
+                .alias("cuda:0")
+                .help("NVIDIA GPU 0 through CUDA (cuda:N: GPU N)"),
+            Device::Cuda(n) => PossibleValue::new(CUDA_NAMES[n as usize]).hide(true),
+        })
+    }
 }
 
 /// Work written once for any backend, run by [`Device::run`].
@@ -28,26 +90,26 @@ pub trait OnDevice {
 }
 
 impl Device {
-    /// Short name for logs and reports ("cpu", "cuda").
+    /// Short name for logs and reports, as the flag takes it ("cpu", "cuda", "cuda:1").
     pub fn name(self) -> &'static str {
         match self {
             Device::Cpu => "cpu",
-            Device::Cuda => "cuda",
+            Device::Cuda(n) => CUDA_NAMES[n as usize],
         }
     }
 
     /// Whether the device has memory of its own (the KV cache is then sized from it).
     pub fn is_gpu(self) -> bool {
-        self == Device::Cuda
+        matches!(self, Device::Cuda(_))
     }
 
     /// Runs `work` on this device's backend: the one place the backend is chosen.
     pub fn run<W: OnDevice>(self, work: W) -> W::Output {
         match self {
             Device::Cpu => work.run(|| Ok(CpuBackend::new())),
-            // GPU 0, once every kernel has matched the CPU reference on it. Without a GPU
-            // or driver the open fails with what is missing (Error::Cuda).
-            Device::Cuda => work.run(|| CudaBackend::open_verified(0)),
+            // The GPU, once every kernel has matched the CPU reference on it. Without a GPU
+            // or driver (or without GPU N) the open fails with what is missing (Error::Cuda).
+            Device::Cuda(n) => work.run(OPEN_CUDA[n as usize]),
         }
     }
 
@@ -59,8 +121,8 @@ impl Device {
                 "cpu ({} threads)",
                 std::thread::available_parallelism().map_or(1, |n| n.get())
             ),
-            Device::Cuda => {
-                let gpu = CudaBackend::new(0)?;
+            Device::Cuda(n) => {
+                let gpu = CudaBackend::new(n as usize)?;
                 let (major, minor) = gpu.compute_capability();
                 format!(
                     "{} (sm_{major}{minor}, driver CUDA {})",
@@ -90,15 +152,19 @@ mod tests {
     fn cpu_dispatches_to_the_cpu_backend_and_names_parse_as_flags() {
         assert_eq!(Device::Cpu.run(BackendName).unwrap(), "cpu");
         use clap::ValueEnum;
-        for d in [Device::Cpu, Device::Cuda] {
+        for d in VARIANTS {
             assert_eq!(Device::from_str(d.name(), false).unwrap(), d);
         }
+        assert_eq!(Device::from_str("cuda:0", false).unwrap(), Device::Cuda(0));
+        assert_eq!(Device::from_str("cuda:3", false).unwrap(), Device::Cuda(3));
+        assert_eq!(Device::Cuda(3).name(), "cuda:3");
         assert!(Device::from_str("tpu", false).is_err());
+        assert!(Device::from_str("cuda:16", false).is_err());
     }
 
     #[test]
     fn cuda_opens_the_cuda_backend_or_says_what_is_missing() {
-        match Device::Cuda.run(BackendName) {
+        match Device::Cuda(0).run(BackendName) {
             Ok(name) => assert_eq!(name, "cuda"),
             Err(e) => assert!(
                 matches!(

@@ -39,8 +39,9 @@ struct Args {
     /// benchmarks and smoke tests of sizes whose weights are not at hand. Answers are noise.
     #[arg(long)]
     random_weights: bool,
-    /// Where to run the model: cpu, or cuda (GPU 0; kernels are compiled by NVRTC and checked
-    /// against the CPU reference before the service reports SERVING).
+    /// Where to run the model: cpu, or cuda (GPU 0) / cuda:N (GPU N: one service per GPU on a
+    /// host of several); kernels are compiled by NVRTC and checked against the CPU reference on
+    /// that GPU before the service reports SERVING.
     #[arg(long, env = "VLM_DEVICE", value_enum, default_value = "cpu")]
     device: vlm_compute::Device,
     /// Requests held at once (running or queued); more get RESOURCE_EXHAUSTED at once.
