@@ -3,7 +3,7 @@
 //! counters and histograms accumulate.
 
 use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    exponential_buckets, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
     IntGauge, IntGaugeVec, Opts, Registry,
 };
 
@@ -28,8 +28,67 @@ pub struct EngineMetrics {
     pub requests: IntCounterVec,
 }
 
+/// vLLM's names for the engine's load, read from ours at each scrape, so routers that read
+/// vLLM's metrics (llm-d's endpoint picker, Dynamo, SGLang's gateway) read llm-svc unchanged:
+/// `vllm:num_requests_running`, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`
+/// (the share of KV blocks in use, 0 to 1).
+struct VllmNames {
+    sequences: IntGaugeVec,
+    kv_blocks_in_use: IntGauge,
+    kv_blocks_total: IntGauge,
+    running: Gauge,
+    waiting: Gauge,
+    kv_usage: Gauge,
+}
+
+impl VllmNames {
+    fn new(sequences: &IntGaugeVec, in_use: &IntGauge, total: &IntGauge) -> Self {
+        let gauge = |name: &str, help: &str| Gauge::new(name, help).expect("valid");
+        Self {
+            sequences: sequences.clone(),
+            kv_blocks_in_use: in_use.clone(),
+            kv_blocks_total: total.clone(),
+            running: gauge(
+                "vllm:num_requests_running",
+                "Requests running (vLLM's name for vlm_llm_sequences{state=\"running\"})",
+            ),
+            waiting: gauge(
+                "vllm:num_requests_waiting",
+                "Requests waiting (vLLM's name for vlm_llm_sequences{state=\"waiting\"})",
+            ),
+            kv_usage: gauge(
+                "vllm:kv_cache_usage_perc",
+                "Share of KV cache blocks in use, 0 to 1 (vLLM's name)",
+            ),
+        }
+    }
+}
+
+impl prometheus::core::Collector for VllmNames {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        [&self.running, &self.waiting, &self.kv_usage]
+            .into_iter()
+            .flat_map(|g| g.desc())
+            .collect()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let state = |s: &str| self.sequences.with_label_values(&[s]).get() as f64;
+        self.running.set(state("running"));
+        self.waiting.set(state("waiting"));
+        let total = self.kv_blocks_total.get().max(1) as f64;
+        self.kv_usage
+            .set(self.kv_blocks_in_use.get() as f64 / total);
+        [&self.running, &self.waiting, &self.kv_usage]
+            .into_iter()
+            .flat_map(|g| g.collect())
+            .collect()
+    }
+}
+
 impl EngineMetrics {
-    /// Metrics registered in `registry` (a service's own, or one `vlm serve` shares).
+    /// Metrics registered in `registry` (a service's own, or one `vlm serve` shares), with
+    /// vLLM's names for the load beside ours ([`VllmNames`]).
     pub fn new(registry: &Registry) -> Self {
         fn reg<T: prometheus::core::Collector + Clone + 'static>(r: &Registry, m: T) -> T {
             // Registering the same name twice is a programming error, caught by the tests.
@@ -40,7 +99,7 @@ impl EngineMetrics {
         let r = registry;
         let gauge = |name: &str, help: &str| reg(r, IntGauge::new(name, help).expect("valid"));
         let counter = |name: &str, help: &str| reg(r, IntCounter::new(name, help).expect("valid"));
-        Self {
+        let m = Self {
             registry: r.clone(),
             kv_blocks_in_use: gauge(
                 "vlm_llm_kv_blocks_in_use",
@@ -97,6 +156,42 @@ impl EngineMetrics {
                 )
                 .expect("valid"),
             ),
-        }
+        };
+        r.register(Box::new(VllmNames::new(
+            &m.sequences,
+            &m.kv_blocks_in_use,
+            &m.kv_blocks_total,
+        )))
+        .expect("metric names are unique");
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllms_names_read_the_engines_load() {
+        let r = Registry::new();
+        let m = EngineMetrics::new(&r);
+        m.sequences.with_label_values(&["running"]).set(3);
+        m.sequences.with_label_values(&["waiting"]).set(2);
+        m.kv_blocks_total.set(200);
+        m.kv_blocks_in_use.set(50);
+        let value = |name: &str| {
+            r.gather()
+                .iter()
+                .find(|f| f.name() == name)
+                .map(|f| f.get_metric()[0].get_gauge().get_value())
+                .unwrap_or_else(|| panic!("{name} not exported"))
+        };
+        assert_eq!(value("vllm:num_requests_running"), 3.0);
+        assert_eq!(value("vllm:num_requests_waiting"), 2.0);
+        assert_eq!(value("vllm:kv_cache_usage_perc"), 0.25);
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&r.gather())
+            .unwrap();
+        assert!(text.contains("vllm:kv_cache_usage_perc 0.25"), "{text}");
     }
 }
