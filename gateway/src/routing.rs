@@ -13,9 +13,10 @@
 //! the block hashes of the prompts it was sent, least recently sent evicted past a bound. It
 //! needs nothing from llm-svc and costs no hop; it is approximate (it does not see llm-svc
 //! evict blocks under memory pressure, nor what other gateways sent), and forgets a replica's
-//! blocks when the replica is ejected (a restart empties its cache). **Load** is the gateway's
-//! own count of what each replica is serving for it: requests in flight, and their prompts'
-//! blocks.
+//! blocks when it comes back from an ejection longer than a restart takes (a restart empties
+//! its cache; a replica restarted faster is routed to as if it still held them, which costs
+//! hits, not answers). **Load** is the gateway's own count of what each replica is serving for
+//! it: requests in flight, and their prompts' blocks.
 
 use std::collections::{HashMap, VecDeque};
 

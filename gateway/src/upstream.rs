@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
@@ -72,6 +72,8 @@ struct Replica {
     /// False while ejected: its connection or health check failed, and it has not answered
     /// SERVING since. Ejected replicas are tried only when no admitted one is left.
     admitted: AtomicBool,
+    /// When it was last ejected.
+    ejected_at: Mutex<Option<Instant>>,
     /// Calls the gateway has in flight there, and their prompts' KV blocks (llm-svc).
     in_flight: AtomicUsize,
     active_blocks: AtomicUsize,
@@ -175,6 +177,7 @@ fn replica(
         target,
         channel,
         admitted: AtomicBool::new(true),
+        ejected_at: Mutex::new(None),
         in_flight: AtomicUsize::new(0),
         active_blocks: AtomicUsize::new(0),
         record: Mutex::new(BlockRecord::new(routing.record_blocks)),
@@ -248,7 +251,8 @@ impl Upstreams {
     }
 
     /// Ejects the replica at `addr`: no call goes there while another is admitted, until its
-    /// health check answers SERVING again. What it held is forgotten (a restart empties it).
+    /// health check answers SERVING again. What it held is forgotten if it stays out for
+    /// longer than a restart takes ([`RESTART_AFTER`]).
     pub(crate) fn eject(&self, addr: &str) {
         if let Some(r) = self.find(addr) {
             eject(self.shared.service, &r);
@@ -286,10 +290,7 @@ impl Upstreams {
                     );
                     match (serving, r.admitted.load(Ordering::Relaxed)) {
                         (false, true) => eject(service, r),
-                        (true, false) => {
-                            r.admitted.store(true, Ordering::Relaxed);
-                            tracing::info!(service, addr = %r.addr, "replica answers again: re-admitted");
-                        }
+                        (true, false) => readmit(service, r),
                         _ => {}
                     }
                 });
@@ -512,9 +513,29 @@ impl Shared {
 /// Ejects `r` (see [`Upstreams::eject`]).
 fn eject(service: &str, r: &Replica) {
     if r.admitted.swap(false, Ordering::Relaxed) {
+        *r.ejected_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         tracing::warn!(service, addr = %r.addr, "replica ejected until it answers its health check");
     }
-    r.record.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+/// A replica out for longer than this when it answers again is taken to have restarted (a
+/// model takes longer than this to load), and what the gateway recorded for it is forgotten;
+/// a shorter ejection (a health answer slowed by load) keeps it.
+const RESTART_AFTER: Duration = Duration::from_secs(2);
+
+/// Re-admits `r`, which answered SERVING.
+fn readmit(service: &str, r: &Replica) {
+    let out_for = r
+        .ejected_at
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .map_or(Duration::ZERO, |t| t.elapsed());
+    if out_for > RESTART_AFTER {
+        r.record.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+    r.admitted.store(true, Ordering::Relaxed);
+    tracing::info!(service, addr = %r.addr, out_ms = out_for.as_millis() as u64, "replica answers again: re-admitted");
 }
 
 #[cfg(test)]
@@ -568,7 +589,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_ejected_replica_is_tried_last_and_forgets_what_it_held() {
+    async fn an_ejected_replica_is_tried_last_and_forgets_what_it_held_once_out_for_a_restart() {
         let u = llm(&["a:1", "b:1"]);
         u.record("b:1", &[1, 2]);
         u.eject("b:1");
@@ -577,14 +598,21 @@ mod tests {
             assert_eq!(order(&u, RouteKey::Prompt(&[1, 2]), None), ["a:1", "b:1"]);
         }
         assert_eq!(order(&u, RouteKey::None, Some("a:1")), ["b:1"], "a avoided");
-        u.snapshot()[1].admitted.store(true, Ordering::Relaxed);
+        // Back at once (a slow health answer): it still holds the prompt.
+        let b = u.find("b:1").unwrap();
+        readmit("llm-svc", &b);
+        for _ in 0..2 {
+            assert_eq!(order(&u, RouteKey::Prompt(&[1, 2]), None)[0], "b:1");
+        }
+        // Out for longer than a restart: forgotten, back in turn.
+        u.eject("b:1");
+        *b.ejected_at.lock().unwrap() = Some(Instant::now() - 2 * RESTART_AFTER);
+        readmit("llm-svc", &b);
+        assert!(u.admitted("b:1"));
         let firsts: Vec<String> = (0..2)
             .map(|_| order(&u, RouteKey::Prompt(&[1, 2]), None)[0].clone())
             .collect();
-        assert!(
-            firsts.contains(&"b:1".to_string()),
-            "re-admitted with nothing held: back in turn"
-        );
+        assert!(firsts.contains(&"a:1".to_string()), "{firsts:?}");
     }
 
     #[test]
