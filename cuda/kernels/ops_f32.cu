@@ -68,10 +68,13 @@ extern "C" __global__ void silu_mul_halves_f32(const float* __restrict__ y, floa
 }
 
 // The same in f16, for the GEMMs on either side: y is the gate/up GEMM's f16 output and out
-// the down projection's operand; the math is f32. Eight columns a thread (16-byte loads and
+// the down projection's operand, times `scale`; the math is f32. The host passes a power of two
+// below 1 (SWIGLU_F16_SCALE) and multiplies the down GEMM by its inverse: Qwen3's massive
+// activations put a few channels' products near 5e4, past which f16 (65504) would store inf. Eight columns a thread (16-byte loads and
 // stores) where rows allow (m % 8 == 0, every Qwen3 size), else one. A grid-stride loop.
 extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
-                                               __half* __restrict__ out, int m, int n) {
+                                               __half* __restrict__ out, int m, int n,
+                                               float scale) {
     const int per = (m % 8 == 0) ? 8 : 1;
     const size_t groups_per_row = m / per, groups = (size_t)n * groups_per_row;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -91,13 +94,13 @@ extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 float2 a = __half22float2(g2[p]), b = __half22float2(u2[p]);
-                o2[p] = __floats2half2_rn(a.x / (1.0f + expf(-a.x)) * b.x,
-                                          a.y / (1.0f + expf(-a.y)) * b.y);
+                o2[p] = __floats2half2_rn(a.x / (1.0f + expf(-a.x)) * b.x * scale,
+                                          a.y / (1.0f + expf(-a.y)) * b.y * scale);
             }
             *reinterpret_cast<uint4*>(o) = ov;
         } else {
             float a = __half2float(gate[0]);
-            o[0] = __float2half_rn(a / (1.0f + expf(-a)) * __half2float(up[0]));
+            o[0] = __float2half_rn(a / (1.0f + expf(-a)) * __half2float(up[0]) * scale);
         }
     }
 }

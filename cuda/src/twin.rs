@@ -112,6 +112,12 @@ pub enum Case {
         k: usize,
         hidden: usize,
     },
+    /// [`Case::RmsNormMlp`] with a planted massive activation: SwiGLU products of ~2.6e5, past
+    /// f16's 65504 (Qwen3 models reach ~5e4 in a few channels), for `n` rows (past 4: the
+    /// batched path, whose products are stored in f16).
+    SwigluOutlier {
+        n: usize,
+    },
     Rope {
         tokens: usize,
         heads: usize,
@@ -402,6 +408,7 @@ impl Case {
             Case::RmsNormMlp { n, k, hidden } => {
                 format!("rms_norm_mlp {n}x{k}->{hidden}->{k}")
             }
+            Case::SwigluOutlier { n } => format!("rms_norm_mlp {n} rows, products of 2.6e5"),
             Case::Rope { tokens, heads, dim } => format!("rope [{tokens},{heads},{dim}]"),
             Case::Attention {
                 queries,
@@ -516,6 +523,8 @@ impl Case {
             // Past 4 rows the text MLP's norm, its gate/up product and the SwiGLU are each
             // rounded to f16 as the next GEMM's operand: three roundings of 2^-11 on the way.
             Case::RmsNormMlp { n, .. } if *n > 4 => 3e-3,
+            // The same roundings, and the products stored scaled (exactly, by a power of two).
+            Case::SwigluOutlier { .. } => 3e-3,
             // Up to 4 rows the GEMVs read the f32 norm: sums in another order, hidden of 4304.
             Case::LayerNormLinears { .. } => 1e-4,
             Case::LayerNormMlp { .. } | Case::RmsNormMlp { .. } => 2e-4,
@@ -640,6 +649,7 @@ impl Case {
                 dim,
             } => layer_norm_rope_attention(be, lens, hidden, heads, dim)?,
             Case::RmsNormMlp { n, k, hidden } => rms_norm_mlp(be, n, k, hidden)?,
+            Case::SwigluOutlier { n } => swiglu_outlier(be, n)?,
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
                 &up(&[tokens, dim], 18)?,
@@ -872,6 +882,25 @@ fn rms_norm_mlp<B: Backend>(be: &B, n: usize, k: usize, hidden: usize) -> Result
     let gate_up = be.stack_weights(&[&gate, &upw])?;
     let down = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 67)))?;
     be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
+    Ok(x)
+}
+
+/// [`Case::SwigluOutlier`]: positive inputs normed and scaled by 32, gate and up weights of
+/// 0.25 over 64 columns (each ~512, so silu(gate) * up ~2.6e5), down weights of 2^-10 (outputs
+/// ~4e3, well within f16 and f32). Every weight is f16-exact.
+fn swiglu_outlier<B: Backend>(be: &B, n: usize) -> Result<B::Tensor> {
+    let (k, hidden) = (64, 16);
+    let x = input(&[n, k], 70);
+    let positive: Vec<f32> = x.data().iter().map(|v| 1.0 + 0.5 * v.abs()).collect();
+    let mut x = be.upload(&HostTensor::new(vec![n, k], positive)?)?;
+    let filled =
+        |shape: [usize; 2], v: f32| HostTensor::new(shape.to_vec(), vec![v; shape[0] * shape[1]]);
+    let gate = be.upload_weight(&filled([hidden, k], 0.25)?)?;
+    let upw = be.upload_weight(&filled([hidden, k], 0.25)?)?;
+    let gate_up = be.stack_weights(&[&gate, &upw])?;
+    let down = be.upload_weight(&filled([k, hidden], 1.0 / 1024.0)?)?;
+    let norm = be.upload(&HostTensor::new(vec![k], vec![32.0; k])?)?;
+    be.rms_norm_mlp(&mut x, &norm, 1e-6, &gate_up, &down)?;
     Ok(x)
 }
 
@@ -1351,6 +1380,8 @@ pub fn self_check_cases() -> Vec<Case> {
     for (n, k, hidden) in [(33, 1024, 200), (9, 64, 36), (3, 64, 40)] {
         cases.push(RmsNormMlp { n, k, hidden });
     }
+    // Products past f16's range, through the batched path (stored scaled) and the GEMVs (f32).
+    cases.extend([SwigluOutlier { n: 9 }, SwigluOutlier { n: 2 }]);
     cases.extend([
         Rope {
             tokens: 3,

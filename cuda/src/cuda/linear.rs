@@ -22,6 +22,12 @@ use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
 use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 
+/// What the batched text MLP stores its SwiGLU products at in f16 (and its down GEMM undoes):
+/// a power of two, so both steps are exact, that moves f16's overflow from 65504 to ~1e6 (Qwen3
+/// models' massive activations reach ~5e4 in a few channels) and costs precision only below
+/// 1e-3, where the products are noise in the down projection's sums.
+const SWIGLU_F16_SCALE: f32 = 1.0 / 16.0;
+
 /// Blocks of a streamed GEMV an SM: two, so that the next kernel's blocks find room beside
 /// the running one's (cuda/bench/gemv_chain.cu measured one and two).
 const STREAM_BLOCKS_PER_SM: usize = 2;
@@ -249,11 +255,24 @@ impl CudaBackend {
         out: &mut CudaSlice<O>,
         accumulate: bool,
     ) -> Result<()> {
+        self.gemm_f16_alpha(x16, n, w, out, accumulate, 1.0)
+    }
+
+    /// [`Self::gemm_f16`] with the product times `alpha` (f32) before it is stored or added.
+    pub(super) fn gemm_f16_alpha<O: GemmOut>(
+        &self,
+        x16: &CudaSlice<half::f16>,
+        n: usize,
+        w: &CudaWeight,
+        out: &mut CudaSlice<O>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> Result<()> {
         let (k, m) = (w.shape[1], w.shape[0]);
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
         // read transposed from its row-major [m, k] storage. f16 in, f32 accumulation.
         {
-            let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+            let beta = if accumulate { 1.0f32 } else { 0.0 };
             let stream = &self.inner.stream;
             let dense = self.dense_f16(w)?;
             let (wp, _w_guard) = dense.device_ptr(stream);
@@ -429,7 +448,11 @@ impl CudaBackend {
         let name = "silu_mul_halves_f16";
         let (mm, nn) = (m as i32, n as i32);
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&y16).arg(&mut g16).arg(&mm).arg(&nn);
+        l.arg(&y16)
+            .arg(&mut g16)
+            .arg(&mm)
+            .arg(&nn)
+            .arg(&SWIGLU_F16_SCALE);
         let per = if m % 8 == 0 { 8 } else { 1 };
         // SAFETY: matches silu_mul_halves_f16: y16 is [n, 2m] and g16 [n, m] halves; with
         // m % 8 == 0 every row starts 16-byte aligned (allocations are 256-byte aligned).
@@ -437,7 +460,15 @@ impl CudaBackend {
             name,
             unsafe { l.launch(Self::fill_config((n * m / per) as u64)) }.map(|_| ()),
         )?;
-        self.gemm_f16(&g16, n, down, self.unshared(x)?, true)
+        // g16 holds the products times SWIGLU_F16_SCALE: the GEMM's alpha undoes it exactly.
+        self.gemm_f16_alpha(
+            &g16,
+            n,
+            down,
+            self.unshared(x)?,
+            true,
+            1.0 / SWIGLU_F16_SCALE,
+        )
     }
 
     /// Room for `len` halves, not initialized: every caller's kernel or GEMM writes all of it.
