@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use e2e::{fixture, free_port, metric, metrics_page, Proc};
+use futures::StreamExt;
 use serde_json::Value;
 use vlm_proto::pb::gateway_client::GatewayClient;
 use vlm_proto::pb::{self, content_part::Part};
@@ -111,6 +112,9 @@ impl Fleet {
             dir,
         };
         fleet.wait_all_serving(Duration::from_secs(90)).await;
+        // The gateway's router re-admits a replica ejected while it started at its next health
+        // check (every 250 ms); `/health` asks on its own.
+        tokio::time::sleep(Duration::from_millis(600)).await;
         fleet
     }
 
@@ -329,5 +333,88 @@ async fn a_killed_replica_is_ejected_within_a_second_and_readmitted_when_it_retu
         fleet.gateway.log(),
         fleet.llm[1].proc.log(),
         metrics_page(&fleet.llm[1].metrics).await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_a_replica_under_load_fails_only_the_streams_already_under_way_there() {
+    let mut fleet = Fleet::start("cache-aware").await;
+    let client = fleet.client().await;
+    let dead = fleet.llm[1].addr();
+    // One stream: its tokens, and the error that ended it if one did.
+    // Streams that have had their first token.
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stream = |mut c: GatewayClient<tonic::transport::Channel>, conv: usize| {
+        let started = started.clone();
+        async move {
+            let mut r = conversation(conv);
+            r.max_tokens = Some(400);
+            r.ignore_eos = true;
+            let mut tokens = 0;
+            let mut s = match c.chat_stream(r).await {
+                Ok(s) => s.into_inner(),
+                Err(e) => return (tokens, Some(e)),
+            };
+            while let Some(chunk) = s.next().await {
+                match chunk {
+                    Ok(c) => {
+                        if tokens == 0 && !c.token_ids.is_empty() {
+                            started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        tokens += c.token_ids.len();
+                    }
+                    Err(e) => return (tokens, Some(e)),
+                }
+            }
+            (tokens, None)
+        }
+    };
+    let before: Vec<_> = (100..116)
+        .map(|conv| tokio::spawn(stream(client.clone(), conv)))
+        .collect();
+    // Killed once every stream is under way: those on the dead replica fail mid-stream.
+    let wait = Instant::now();
+    while started.load(std::sync::atomic::Ordering::SeqCst) < 16
+        && wait.elapsed() < Duration::from_secs(30)
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    fleet.llm[1].proc.kill9();
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A second of grace later, new requests all go to the live replica.
+    let after: Vec<_> = (200..208)
+        .map(|conv| tokio::spawn(stream(client.clone(), conv)))
+        .collect();
+    let mut failed = 0;
+    for t in before {
+        let (tokens, error) = t.await.unwrap();
+        if let Some(e) = error {
+            failed += 1;
+            // Only a stream already under way may fail, with UNAVAILABLE naming the replica.
+            assert!(tokens > 0, "failed before its first token: {e:?}");
+            assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+            assert!(e.message().contains(&dead), "{e:?}");
+        } else {
+            assert_eq!(tokens, 400);
+        }
+    }
+    for t in after {
+        let (tokens, error) = t.await.unwrap();
+        assert!(
+            error.is_none(),
+            "a request after the ejection failed: {error:?}"
+        );
+        assert_eq!(tokens, 400);
+    }
+    // The streams were spread over both replicas by their load; those on the dead one failed.
+    assert!(
+        failed > 0 && failed < 16,
+        "{failed} of 16 failed: not spread over both replicas"
+    );
+    println!(
+        "killed one of two llm-svc under 16 streams: {failed} failed mid-stream, none before \
+         its first token; 8 more started 1.1 s after the kill all served ({:?} in all)",
+        killed.elapsed()
     );
 }
