@@ -25,7 +25,8 @@ use vlm_proto::prefix::BlockHash;
 /// How a stage's replicas are chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Policy {
-    /// By the cost above (prefix overlap against load; image affinity against load).
+    /// llm-svc: the prompt's KV blocks a replica holds against its load; vision-svc: the
+    /// image's replica unless it is too busy.
     CacheAware,
     /// In turn, skipping ejected replicas.
     RoundRobin,

@@ -44,7 +44,9 @@ struct Args {
     /// Model name in /v1/models and responses (default: the directory's name).
     #[arg(long, env = "VLM_MODEL_NAME")]
     model_name: Option<String>,
-    /// vision-svc address(es), host:port, comma-separated.
+    /// vision-svc address(es), host:port, comma-separated. Each replica's health is asked
+    /// every 250 ms (one that fails is ejected until it answers); a DNS name is a replica per
+    /// address it resolves to (--resolve-interval-secs).
     #[arg(
         long,
         env = "VLM_VISION_ADDRS",
@@ -52,7 +54,9 @@ struct Args {
         default_value = "127.0.0.1:50051"
     )]
     vision_addr: Vec<String>,
-    /// llm-svc address(es), host:port, comma-separated.
+    /// llm-svc address(es), host:port, comma-separated; health and DNS names as for
+    /// --vision-addr. A request whose replica fails before its first token is retried once on
+    /// another.
     #[arg(
         long,
         env = "VLM_LLM_ADDRS",
