@@ -545,25 +545,8 @@ fn read_compressed_tensors(
             zp.data().iter().map(|&v| v + offset as f32).collect()
         }
     };
-    let perm = if w.contains("weight_g_idx") {
-        act_order(w, "weight_g_idx", inp, group)?
-    } else {
-        None
-    };
-    let mut m = IntMatrix {
-        out,
-        inp,
-        bits,
-        group,
-        q,
-        scales,
-        zeros,
-        perm: None,
-    };
-    if let Some(p) = perm {
-        m = m.permuted(p);
-    }
-    Ok(m)
+    let perm = act_order(w, "weight_g_idx", inp, group)?;
+    Ok(IntMatrix::in_order(out, inp, bits, group, q, scales, zeros).with_perm(perm))
 }
 
 fn read_awq(
@@ -594,16 +577,7 @@ fn read_awq(
     let q = by_rows(out, inp, |o, i| nibble(&words, i, o));
     let scales = by_rows(out, groups, |o, g| s.data()[g * out + o]);
     let zeros = by_rows(out, groups, |o, g| nibble(&zwords, g, o) as f32);
-    Ok(IntMatrix {
-        out,
-        inp,
-        bits,
-        group,
-        q,
-        scales,
-        zeros,
-        perm: None,
-    })
+    Ok(IntMatrix::in_order(out, inp, bits, group, q, scales, zeros))
 }
 
 fn read_gptq(w: &WeightPrefix, out: usize, inp: usize, bits: u32, v2: bool) -> Result<IntMatrix> {
@@ -640,20 +614,8 @@ fn read_gptq(w: &WeightPrefix, out: usize, inp: usize, bits: u32, v2: bool) -> R
     let zeros = by_rows(out, groups, |o, g| {
         field(&zwords[g * zrow..(g + 1) * zrow], o, bits) as f32 + bump
     });
-    let m = IntMatrix {
-        out,
-        inp,
-        bits,
-        group,
-        q,
-        scales,
-        zeros,
-        perm: None,
-    };
-    match act_order(w, "g_idx", inp, group)? {
-        Some(p) => Ok(m.permuted(p)),
-        None => Ok(m),
-    }
+    let perm = act_order(w, "g_idx", inp, group)?;
+    Ok(IntMatrix::in_order(out, inp, bits, group, q, scales, zeros).with_perm(perm))
 }
 
 /// The permutation that sorts input columns by their group (`g_idx[i]`), when they are not in
@@ -686,6 +648,36 @@ fn act_order(w: &WeightPrefix, name: &str, inp: usize, group: usize) -> Result<O
 }
 
 impl IntMatrix {
+    /// A matrix whose columns are stored in the checkpoint's order.
+    fn in_order(
+        out: usize,
+        inp: usize,
+        bits: u32,
+        group: usize,
+        q: Vec<u8>,
+        scales: Vec<f32>,
+        zeros: Vec<f32>,
+    ) -> Self {
+        IntMatrix {
+            out,
+            inp,
+            bits,
+            group,
+            q,
+            scales,
+            zeros,
+            perm: None,
+        }
+    }
+
+    /// With act order (`perm`: the columns sorted by group), stored in that order.
+    fn with_perm(self, perm: Option<Vec<u32>>) -> Self {
+        match perm {
+            Some(p) => self.permuted(p),
+            None => self,
+        }
+    }
+
     /// This matrix (values in checkpoint column order, group of column `i` given by the
     /// scales' `perm`-sorted order) with its columns stored in `perm` order.
     fn permuted(mut self, perm: Vec<u32>) -> Self {
