@@ -143,6 +143,26 @@ def sampled_table(greedy, sampled, text, server):
     return "\n".join(lines + notes) + "\n"
 
 
+QUANT_ROWS = ["decode: batch 1 at context 512", "decode: batch 64 at context 512",
+              "prefill: 4096 text tokens"]
+
+
+def quant_table(ours, ours_int, llama_f16, llama_quant):
+    """Weight formats side by side: ours in f16 and under --quantize int8/int4, llama.cpp's f16
+    GGUF and its llama-quantize'd Q8_0/Q4_K_M/Q4_0, in tok/s (llama-bench has no batch of 64)."""
+    columns = [("vlm f16", ours)] + [(f"vlm {q}", rs) for q, rs in ours_int]
+    columns += [("llama.cpp f16", llama_f16)] + [(f"llama.cpp {q}", rs) for q, rs in llama_quant]
+    lines = ["| tok/s | " + " | ".join(c for c, _ in columns) + " |",
+             "|---" * (1 + len(columns)) + "|"]
+    for name in QUANT_ROWS:
+        cells = []
+        for _, rs in columns:
+            m = [r for r in rs if r["name"] == name]
+            cells.append(f"{m[0]['throughput']:,.0f}" if m else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("ours")
@@ -153,6 +173,10 @@ def main():
     ap.add_argument("--load-sampled", help="vlm load --json output, sampled as Qwen recommends")
     ap.add_argument("--load-text", help="the same, text only over HTTP")
     ap.add_argument("--server-load", help="vlm load --json output against llama-server")
+    ap.add_argument("--quant", nargs="*", default=[], metavar="FORMAT=FILE",
+                    help="vlm bench --quantize outputs, e.g. int4=ours-int4.json")
+    ap.add_argument("--llama-quant", nargs="*", default=[], metavar="FORMAT=FILE",
+                    help="llama-bench -o json of quantized GGUFs, e.g. Q4_0=llama-Q4_0.json")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -226,6 +250,13 @@ def main():
         table += "\n## Many clients at once\n\n" + section
     if sampled or text or server:
         table += "\n## Sampled, as clients ask\n\n" + sampled_table(load, sampled, text, server)
+    pairs = lambda args: [tuple(x.split("=", 1)) for x in args]
+    ours_int = [(q, opt(p)) for q, p in pairs(a.quant) if os.path.exists(p)]
+    llama_quant = [(q, llama_rows(p)) for q, p in pairs(a.llama_quant) if os.path.exists(p)]
+    if ours_int or llama_quant:
+        llama_f16 = [r for r in rows if r.get("system") == "llama.cpp"]
+        table += ("\n## Weight formats\n\n"
+                  + quant_table(ours, ours_int, llama_f16, llama_quant))
     open(os.path.join(a.out, "table.md"), "w").write(table)
     print(table)
 

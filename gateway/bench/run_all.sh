@@ -8,8 +8,10 @@
 #   gateway/bench/run_all.sh VLM_BINARY OUT_DIR
 #
 # Run from the repository root. PEERS (default ../shared/peers) holds llama.cpp's source and
-# GGUF writer (see its README). STEPS picks parts: "ours load sampled hf llama server report"
-# (the default: all).
+# GGUF writer (see its README). STEPS picks parts: "ours load sampled hf llama server quant
+# report" (the default: all).
+#   quant   llama-quantize'd Q8_0, Q4_K_M, Q4_0 GGUFs under llama-bench (prefill 4096, tg128),
+#           and vlm bench --quantize int8 / int4 (decode batch 1 and 64, prefill 4096)
 # LEVELS replaces the concurrencies (default 1,8,32,64,128); LOAD_ARGS replaces the workload
 # flags of vlm load (default below); BENCH_ARGS adds flags to
 # vlm bench (e.g. "--ttft-image-sides 448,1344").
@@ -33,7 +35,7 @@ set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
 peers=$(realpath -m "${PEERS:-../shared/peers}")
-steps=" ${STEPS:-ours load sampled hf llama server report} "
+steps=" ${STEPS:-ours load sampled hf llama server quant report} "
 model=deploy/models/qwen3-vl-8b
 work=${WORK:-/tmp/vlm-bench}
 # The concurrencies vlm load runs and llama-batched-bench's parallel sequences: the same list.
@@ -87,7 +89,7 @@ SOURCE
 }
 built() {
   [ -x "$work/b/bin/llama-bench" ] && [ -x "$work/b/bin/llama-batched-bench" ] \
-    && [ -x "$work/b/bin/llama-server" ]
+    && [ -x "$work/b/bin/llama-server" ] && [ -x "$work/b/bin/llama-quantize" ]
 }
 # Waits for the background build, if one was started and is not waited for yet.
 wait_build() {
@@ -96,14 +98,14 @@ wait_build() {
     build_pid=
   fi
 }
-if { has llama || has server; } && ! built; then
+if { has llama || has server || has quant; } && ! built; then
   echo "building llama.cpp in the background ($out/llama-build.log)"
   tar xzf "$peers"/llama.cpp-*.tgz -C "$work"
   stub_llama_ui "$work/llama.cpp/tools/ui"
   setsid nice -n 19 bash -c "cmake -S $work/llama.cpp -B $work/b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    && cmake --build $work/b -j$(nproc) --target llama-bench llama-batched-bench llama-server" > "$out/llama-build.log" 2>&1 &
+    && cmake --build $work/b -j$(nproc) --target llama-bench llama-batched-bench llama-server llama-quantize" > "$out/llama-build.log" 2>&1 &
   build_pid=$!
 fi
 
@@ -184,6 +186,24 @@ if has server; then
     || echo "vlm load against llama-server failed: see $out/server-load.log"
   kill "$server_pid" 2> /dev/null || true
 fi
+if has quant; then
+  part "weight formats: llama.cpp Q8_0 / Q4_K_M / Q4_0, vlm --quantize int8 / int4"
+  gguf
+  wait_build
+  for q in Q8_0 Q4_K_M Q4_0; do
+    "$work/b/bin/llama-quantize" "$work/q3-8b-f16.gguf" "$work/q3-8b-$q.gguf" "$q" \
+      >> "$out/llama-quantize.log" 2>&1
+    "$work/b/bin/llama-bench" -m "$work/q3-8b-$q.gguf" -ngl 99 -fa 1 -r 3 -o json -p 4096 -n 128 \
+      > "$out/llama-$q.json" 2>> "$out/llama.log"
+    rm -f "$work/q3-8b-$q.gguf"
+  done
+  for q in int8 int4; do
+    "$vlm" bench --device cuda --model "$model" --random-weights --quantize "$q" --no-gateway \
+      --greedy-only --image-sides '' --ttft-image-sides '' --prefill-tokens 4096 \
+      --decode-contexts 512 --decode-batches 1,64 --json "$out/ours-$q.json" 2>&1 \
+      | tee "$out/ours-$q.log"
+  done
+fi
 rm -f "$work/q3-8b-f16.gguf"
 
 if has report; then
@@ -193,6 +213,9 @@ if has report; then
     --load "$out/load.json" --llama-batched "$out/llama-batched.jsonl" \
     --load-sampled "$out/load-sampled.json" --load-text "$out/load-text.json" \
     --server-load "$out/server-load.json" \
+    --quant int8="$out/ours-int8.json" int4="$out/ours-int4.json" \
+    --llama-quant Q8_0="$out/llama-Q8_0.json" Q4_K_M="$out/llama-Q4_K_M.json" \
+      Q4_0="$out/llama-Q4_0.json" \
     --out "$out"
 fi
 echo "done in ${SECONDS}s"
