@@ -595,7 +595,8 @@ async fn models(State(st): State<HttpState>) -> Json<Value> {
 }
 
 async fn health(State(st): State<HttpState>) -> Response {
-    let (ok, detail) = st.health.check().await;
+    let (ok, mut detail) = st.health.check().await;
+    with_routing(&mut detail, &st.orchestrator);
     let status = if ok {
         StatusCode::OK
     } else {
@@ -606,6 +607,23 @@ async fn health(State(st): State<HttpState>) -> Response {
         Json(json!({"status": if ok { "ok" } else { "unavailable" }, "upstreams": detail})),
     )
         .into_response()
+}
+
+/// Marks each upstream of `/health`'s report with whether the router sends it calls now
+/// (`"routed"`): a replica answers its health check up to a check interval before the router
+/// admits it again, and one the router ejected for a failed call may still answer.
+fn with_routing(detail: &mut Value, o: &Orchestrator) {
+    for entry in detail.as_array_mut().into_iter().flatten() {
+        let addr = entry["addr"].as_str().unwrap_or_default();
+        let upstreams = match entry["service"].as_str() {
+            Some("llm-svc") => Some(&o.llm),
+            Some("vision-svc") => o.vision.as_ref(),
+            _ => None,
+        };
+        if let Some(routed) = upstreams.and_then(|u| u.routed(addr)) {
+            entry["routed"] = Value::Bool(routed);
+        }
+    }
 }
 
 async fn metrics(State(st): State<HttpState>) -> Response {

@@ -244,6 +244,13 @@ impl Upstreams {
         self.find(addr).map(|r| r.channel.clone())
     }
 
+    /// Whether the router sends calls to the replica at `addr` (admitted) or not (ejected);
+    /// `None` for an address it has no replica at (a DNS name, whose replicas are the addresses
+    /// it resolves to).
+    pub fn routed(&self, addr: &str) -> Option<bool> {
+        self.find(addr).map(|r| r.admitted.load(Ordering::Relaxed))
+    }
+
     /// Whether the replica at `addr` is admitted (not ejected).
     pub fn admitted(&self, addr: &str) -> bool {
         self.find(addr)

@@ -495,3 +495,24 @@ async fn grpc_lists_the_choices_and_tags_each_chunk_with_its_index() {
         assert!(e.message().contains("`n`"), "{e:?}");
     }
 }
+
+/// `/health` marks each replica with whether the router sends it calls: the canned llm-svc is
+/// routed, a vision-svc the router ejected is not, though its health check is what it is.
+#[tokio::test]
+async fn health_says_which_replicas_the_router_sends_calls() {
+    let h = harness().await;
+    let o = &h.state.orchestrator;
+    let vision = o.vision.as_ref().unwrap();
+    vision.eject("127.0.0.1:1");
+    let llm = o.llm.addrs()[0].clone();
+    let mut detail = json!([
+        {"service": "llm-svc", "addr": llm, "status": "SERVING"},
+        {"service": "vision-svc", "addr": "127.0.0.1:1", "status": "unreachable"},
+        {"service": "llm-svc", "addr": "llm.example:50052", "status": "SERVING"},
+    ]);
+    with_routing(&mut detail, o);
+    assert_eq!(detail[0]["routed"], json!(true), "{detail}");
+    assert_eq!(detail[1]["routed"], json!(false), "{detail}");
+    // A DNS name is not a replica itself (its addresses are): nothing said.
+    assert!(detail[2].get("routed").is_none(), "{detail}");
+}
