@@ -11,7 +11,8 @@
 //! - [`twin`]: a device backend compared with the CPU reference op by op: the GPU twin tests and
 //!   the self-check every GPU passes before it serves.
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
-//!   converted from f32/f16/bf16 to f32 by name with shape checks.
+//!   converted from f32/f16/bf16 to f32 by name with shape checks; quantized ones' packed
+//!   tensors read through [`quant`].
 //! - [`quant`]: integer-quantized checkpoints (compressed-tensors, AWQ, GPTQ) read into one
 //!   form, and `--quantize` of an f16/bf16 one.
 //! - [`sampling`]: the rule that picks each sequence's next token (greedy or a seeded draw

@@ -2,8 +2,10 @@
 //!
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`, memory mapped; a
 //! tensor is read by name, its shape checked against what the config implies, and converted
-//! from F32/F16/BF16 to f32. A progress bar (hidden when stderr is not a terminal) counts the
-//! tensors read.
+//! from F32/F16/BF16 to f32 (I8/I32/I64 are the packed tensors of quantized checkpoints, read by
+//! `crate::quant`). A linear layer's matrix comes through [`WeightPrefix::load_matrix`], in
+//! whatever format the checkpoint stores it. A progress bar (hidden when stderr is not a
+//! terminal) counts the tensors read.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
