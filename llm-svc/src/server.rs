@@ -380,28 +380,34 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_bad_request_gets_invalid_argument_even_when_every_place_is_taken() {
-        let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
-        let weights = Weights::open(&dir).unwrap();
+    /// A server of the checkpoint in `dir` on the CPU, one request at a time, no shared memory.
+    fn one_place_server(dir: &std::path::Path) -> LlmServer {
+        let weights = Weights::open(dir).unwrap();
         let engine = Engine::load(
-            &dir,
+            dir,
             &weights,
             vlm_compute::CpuBackend::new(),
             EngineConfig::default(),
             &prometheus::Registry::new(),
         )
         .unwrap();
-        let vocab = engine.config().text.vocab_size as u32;
         let cell = Arc::new(OnceLock::new());
         let _ = cell.set(engine);
-        let server = LlmServer {
+        LlmServer {
             engine: cell,
             permits: Arc::new(Semaphore::new(1)),
             max_concurrent: 1,
             shm_domain: None,
             device_domain: None,
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_request_gets_invalid_argument_even_when_every_place_is_taken() {
+        let server = one_place_server(&vlm_compute::golden::tiny_fixture(env!(
+            "CARGO_MANIFEST_DIR"
+        )));
+        let vocab = server.engine.get().unwrap().config().text.vocab_size as u32;
         let generate = |prompt: Vec<u32>, max_new_tokens: u32| {
             server.generate(Request::new(pb::GenerateRequest {
                 prompt_token_ids: prompt,
@@ -426,26 +432,11 @@ mod tests {
     #[tokio::test]
     async fn a_text_only_model_refuses_images_with_invalid_argument() {
         use tokio_stream::StreamExt;
-        let dir = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
-        let weights = Weights::open(&dir).unwrap();
-        let engine = Engine::load(
-            &dir,
-            &weights,
-            vlm_compute::CpuBackend::new(),
-            EngineConfig::default(),
-            &prometheus::Registry::new(),
-        )
-        .unwrap();
-        let hidden = engine.config().text.hidden_size;
-        let cell = Arc::new(OnceLock::new());
-        let _ = cell.set(engine);
-        let server = LlmServer {
-            engine: cell,
-            permits: Arc::new(Semaphore::new(1)),
-            max_concurrent: 1,
-            shm_domain: None,
-            device_domain: None,
-        };
+        let server = one_place_server(&vlm_compute::golden::fixture(
+            env!("CARGO_MANIFEST_DIR"),
+            "tiny-qwen3",
+        ));
+        let hidden = server.engine.get().unwrap().config().text.hidden_size;
         let image = pb::ImageEmbeddings {
             grid_thw: vec![1, 2, 2],
             embeddings: Some(tensor::encode(
