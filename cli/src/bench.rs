@@ -34,6 +34,7 @@ use vlm_compute::{Backend, HostTensor, Weights};
 use gateway::chat::{ChatTokenizer, Message, Part};
 use gateway::request::ChatRequest;
 
+use crate::footprint::{decoder_layer_matrix_params, int_bytes};
 use crate::pipeline::Pipeline;
 use crate::stack::{LocalStack, StackConfig};
 
@@ -83,6 +84,17 @@ pub struct Measurement {
 }
 
 impl Measurement {
+    /// A row that is an amount of memory (`bytes` in use), not a rate.
+    fn amount(name: String, bytes: usize) -> Self {
+        Self {
+            name,
+            seconds: vec![0.0],
+            work: bytes as f64,
+            unit: "B in use",
+            roofline: None,
+        }
+    }
+
     pub fn median(&self) -> f64 {
         self.seconds[self.seconds.len() / 2]
     }
@@ -430,8 +442,8 @@ impl<B: Backend + Clone> Bench<'_, B> {
         let Some(bits) = self.int_bits else {
             return all * B::WEIGHT_BYTES as f64;
         };
-        let layers = (c.num_hidden_layers * decoder_layer_matrix_params(c)) as f64;
-        layers * (bits as f64 / 8.0 + 4.0 / 128.0) + (all - layers) * B::WEIGHT_BYTES as f64
+        let layers = c.num_hidden_layers * decoder_layer_matrix_params(c);
+        int_bytes(layers, bits) as f64 + (all - layers as f64) * B::WEIGHT_BYTES as f64
     }
 
     /// Bytes of KV cache one token of context takes.
@@ -958,19 +970,12 @@ fn held_rows(engine: &llm_svc::Engine, weights: &Weights) -> Vec<Measurement> {
         (None, Some(to)) => format!("--quantize {to}"),
         (None, None) => "the backend's format".into(),
     };
-    let row = |name: String, bytes: usize| Measurement {
-        name,
-        seconds: vec![0.0],
-        work: bytes as f64,
-        unit: "B in use",
-        roofline: None,
-    };
     vec![
-        row(
+        Measurement::amount(
             format!("memory: text decoder weights ({format})"),
             engine.weight_bytes(),
         ),
-        row(
+        Measurement::amount(
             format!("memory: KV cache ({} tokens)", engine.kv_cache_tokens()),
             engine.kv_cache_bytes(),
         ),
@@ -979,13 +984,7 @@ fn held_rows(engine: &llm_svc::Engine, weights: &Weights) -> Vec<Measurement> {
 
 fn memory_row<B: Backend>(out: &mut Vec<Measurement>, name: &str, be: &B, base: Option<usize>) {
     if let (Some(now), Some(base)) = (be.memory_in_use(), base) {
-        out.push(Measurement {
-            name: name.into(),
-            seconds: vec![0.0],
-            work: now.saturating_sub(base) as f64,
-            unit: "B in use",
-            roofline: None,
-        });
+        out.push(Measurement::amount(name.into(), now.saturating_sub(base)));
     }
 }
 
@@ -1250,13 +1249,6 @@ pub fn text_params(c: &llm_svc::TextConfig) -> usize {
     c.num_hidden_layers * (decoder_layer_matrix_params(c) + 2 * d + 2 * c.hidden_size)
         + 2 * c.vocab_size * c.hidden_size
         + c.hidden_size
-}
-
-/// The projections' parameters in one decoder layer (q/k/v, o, gate/up, down): what
-/// quantization makes integers.
-fn decoder_layer_matrix_params(c: &llm_svc::TextConfig) -> usize {
-    let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
-    h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * i
 }
 
 /// Multiply-adds x 2 of the ViT and its mergers for `n` patches.

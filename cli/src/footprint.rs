@@ -37,9 +37,8 @@ impl Footprint {
     pub fn of(dir: &Path, quantize: Option<QuantizeTo>, kv_tokens: usize) -> anyhow::Result<Self> {
         let cfg = llm_svc::ModelConfig::from_dir(dir)?;
         let t = &cfg.text;
-        let (h, i, d) = (t.hidden_size, t.intermediate_size, t.head_dim);
-        let layer = h * d * (2 * t.num_attention_heads + 2 * t.num_key_value_heads) + 3 * h * i;
-        let matrices = t.num_hidden_layers * layer;
+        let (h, i) = (t.hidden_size, t.intermediate_size);
+        let matrices = t.num_hidden_layers * decoder_layer_matrix_params(t);
         // The checkpoint's own format (config.json alone; no weights need be there), else
         // --quantize.
         let path = dir.join("config.json");
@@ -50,11 +49,7 @@ impl Footprint {
         }
         let bits = checkpoint.map(|q| q.bits()).or(quantize.map(|q| q.bits()));
         let (decoder_matrices, decoder_format, dequant_scratch) = match bits {
-            Some(b) => (
-                matrices * b as usize / 8 + matrices / QUANTIZE_GROUP * 4,
-                format!("{b}-bit"),
-                2 * i * h * 2,
-            ),
+            Some(b) => (int_bytes(matrices, b), format!("{b}-bit"), 2 * i * h * 2),
             None => (matrices * 2, "f16".into(), 0),
         };
         let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
@@ -72,6 +67,20 @@ impl Footprint {
             dequant_scratch,
         })
     }
+}
+
+/// The projections' parameters in one decoder layer (q/k/v, o, gate/up, down): what
+/// quantization makes integers.
+pub fn decoder_layer_matrix_params(c: &llm_svc::TextConfig) -> usize {
+    let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * i
+}
+
+/// Bytes `params` integer weights of `bits` take as the GPU stores them: the packed values and
+/// an f16 scale and zero per [`QUANTIZE_GROUP`] (`--quantize`'s group, and the usual one of
+/// checkpoints).
+pub fn int_bytes(params: usize, bits: u32) -> usize {
+    params * bits as usize / 8 + params / QUANTIZE_GROUP * 4
 }
 
 /// The ViT's and its mergers' parameters.
