@@ -1021,6 +1021,7 @@ fn ttft_request(
         stop: Vec::new(),
         ignore_eos: true,
         return_logits: false,
+        constraint: None,
     })
 }
 
@@ -1342,6 +1343,7 @@ fn greedy_request(prompt: Vec<u32>, max_new_tokens: usize) -> GenerateRequest {
         max_new_tokens,
         ignore_eos: true,
         return_logits: false,
+        constraint: None,
     }
 }
 

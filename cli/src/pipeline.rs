@@ -113,6 +113,7 @@ impl<B: Backend + Clone> Pipeline<B> {
             max_new_tokens: req.max_new_tokens,
             ignore_eos: req.ignore_eos,
             return_logits: req.return_logits,
+            constraint: req.constraint.clone(),
         };
         let mut stream = TextStream::new(self.chat.tokenizer(), req.stop.clone());
         let mut out_text = String::new();

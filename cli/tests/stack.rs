@@ -316,6 +316,7 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
             stop: Vec::new(),
             ignore_eos: true,
             return_logits: false,
+            constraint: None,
         };
         pipeline
             .run(&request, |_, _| std::ops::ControlFlow::Continue(()))

@@ -131,6 +131,7 @@ pub fn read_request(
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         return_logits: false,
+        constraint: None,
     };
     Ok((req, pending))
 }

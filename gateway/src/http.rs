@@ -378,6 +378,7 @@ fn parse_request(
             stop,
             ignore_eos: r.ignore_eos.unwrap_or(false),
             return_logits: false,
+            constraint: None,
         },
         options,
         pending,

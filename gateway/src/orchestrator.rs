@@ -673,6 +673,7 @@ pub fn generate_request(
         sampling: Some(vlm_proto::sampling::to_pb(&req.sampling)),
         max_new_tokens: req.max_new_tokens as u32,
         ignore_eos: req.ignore_eos,
+        constraint: req.constraint.clone(),
     }
 }
 

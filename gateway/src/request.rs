@@ -49,6 +49,8 @@ pub struct ChatRequest {
     /// Hand each step's logits to `on_token` (`vlm run --logits-out`); otherwise greedy
     /// requests keep them on the device.
     pub return_logits: bool,
+    /// The grammar the answer keeps to (structured outputs, tool calls), enforced by llm-svc.
+    pub constraint: Option<vlm_proto::pb::Constraint>,
 }
 
 /// Checks a chat request against `limits` before any work is done for it.

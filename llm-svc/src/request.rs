@@ -35,6 +35,8 @@ pub struct GenerateRequest {
     /// Send every step's logits with its token ([`Event::Token`]). Otherwise greedy requests
     /// pick their token on the device and only its id comes back.
     pub return_logits: bool,
+    /// The grammar every generated token keeps to ([`crate::grammar`]).
+    pub constraint: Option<vlm_proto::pb::Constraint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

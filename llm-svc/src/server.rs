@@ -165,6 +165,7 @@ pub fn request_from_pb(mut req: pb::GenerateRequest) -> Result<GenerateRequest, 
         max_new_tokens: req.max_new_tokens as usize,
         ignore_eos: req.ignore_eos,
         return_logits: false,
+        constraint: req.constraint,
     })
 }
 

@@ -81,6 +81,7 @@ fn requests() -> Vec<GenerateRequest> {
             max_new_tokens: 12 + 3 * i,
             ignore_eos: true,
             return_logits: false,
+            constraint: None,
         };
         out.push(base.clone());
         out.push(GenerateRequest {

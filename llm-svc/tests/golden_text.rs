@@ -117,6 +117,7 @@ fn quantize_at_load_stays_near_the_bf16_model() {
             max_new_tokens: 1,
             ignore_eos: true,
             return_logits: true,
+            constraint: None,
         };
         let mut first = Vec::new();
         engine
@@ -189,6 +190,7 @@ fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
             // Qwen3-VL's stopped at EOS, that was its last token, so the budget ends ours there.
             ignore_eos: true,
             return_logits: true,
+            constraint: None,
         };
 
         // Positions first: a wrong M-RoPE layout would show here before it shows in logits.
@@ -289,6 +291,7 @@ fn a_text_only_model_refuses_images() {
         max_new_tokens: 2,
         ignore_eos: false,
         return_logits: false,
+        constraint: None,
     };
     let err = engine.validate(&req).unwrap_err();
     assert!(

@@ -163,6 +163,7 @@ fn chat_request(args: &RunArgs) -> anyhow::Result<ChatRequest> {
         stop: args.stop.clone(),
         ignore_eos: false,
         return_logits: args.logits_out.is_some(),
+        constraint: None,
     })
 }
 
