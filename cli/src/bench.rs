@@ -1311,7 +1311,7 @@ fn time_sampler<B: Backend>(
             sampling.row(r as u64, 100, slot, 0)
         })
         .collect();
-    let mut bufs = SampleBuffers::new(be, vocab, &params, &[], &vec![0; rows * vocab])?;
+    let mut bufs = SampleBuffers::new(be, vocab, &params, &[], &[], &vec![0; rows * vocab])?;
     time(opts, bar, || {
         be.synchronize()?;
         let t = Instant::now();

@@ -62,6 +62,7 @@ __device__ __forceinline__ uint4 s_philox(uint4 c, unsigned k0, unsigned k1) {
 struct SParams {
     float temperature, top_p, min_p, presence, frequency, repetition;
     unsigned top_k, seed_lo, seed_hi, position, stream, slot, logprobs, bias_start, bias_len;
+    bool masked;
 };
 
 __device__ __forceinline__ SParams s_params(const unsigned* w) {
@@ -81,6 +82,7 @@ __device__ __forceinline__ SParams s_params(const unsigned* w) {
     p.logprobs = w[12];
     p.bias_start = w[13];
     p.bias_len = w[14];
+    p.masked = w[15] != 0;
     return p;
 }
 
@@ -554,14 +556,17 @@ __device__ __forceinline__ void s_block_best(float& v, unsigned& i) {
 
 extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
     sample_prepare_f32(const float* __restrict__ logits, int vocab, const unsigned* __restrict__ params,
-                       const unsigned* __restrict__ bias, const unsigned* __restrict__ counts,
-                       float* __restrict__ scratch, unsigned* __restrict__ work, int rows, int split) {
+                       const unsigned* __restrict__ bias, const unsigned* __restrict__ masks,
+                       const unsigned* __restrict__ counts, float* __restrict__ scratch,
+                       unsigned* __restrict__ work, int rows, int split) {
     const int row = blockIdx.x / split, k = blockIdx.x % split;
     const SParams p = s_params(params + (size_t)row * SAMPLE_WORDS);
     const SWork w = s_work(work, rows, split);
     const float* l = logits + (size_t)row * vocab;
     const unsigned* cnt = p.slot == S_NO_SLOT ? nullptr : counts + (size_t)p.slot * vocab;
-    const bool plain = p.temperature == 0.0f && !cnt && p.bias_len == 0;
+    // A masked row's disallowed tokens are -inf (mask_allows in sampling.rs).
+    const unsigned* m = p.masked ? masks + (size_t)row * ((vocab + 31) / 32) : nullptr;
+    const bool plain = p.temperature == 0.0f && !cnt && p.bias_len == 0 && !m;
     float* y = scratch + (size_t)row * vocab;
     int lo, hi;
     s_slice(vocab, split, k, lo, hi);
@@ -572,11 +577,12 @@ extern "C" __global__ void __launch_bounds__(S_PREP_THREADS)
         }
     if (!plain) {
         for (int j = lo + threadIdx.x; j < hi; j += blockDim.x)
-            y[j] = s_process(l[j], 0.0f, cnt ? cnt[j] : 0u, p);
+            y[j] = m && !((m[j >> 5] >> (j & 31)) & 1u) ? NEG_INF : s_process(l[j], 0.0f, cnt ? cnt[j] : 0u, p);
         __syncthreads();
         for (unsigned e = threadIdx.x; e < p.bias_len; e += blockDim.x) {
             unsigned t = bias[2 * (p.bias_start + e)];
             if ((int)t < lo || (int)t >= hi) continue;
+            if (m && !((m[t >> 5] >> (t & 31)) & 1u)) continue;
             float b = __uint_as_float(bias[2 * (p.bias_start + e) + 1]);
             y[t] = s_process(l[t], b, cnt ? cnt[t] : 0u, p);
         }

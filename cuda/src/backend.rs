@@ -256,6 +256,9 @@ pub struct SampleIo<'a, B: Backend + ?Sized> {
     pub params: &'a B::Ids,
     /// The step's `logit_bias` entries ([`crate::sampling::bias_words`]), which rows index.
     pub bias: &'a B::Ids,
+    /// At least `[rows × mask_words(vocab)]` ([`crate::sampling::mask_words`]): row `r`'s
+    /// allowed tokens, read where its parameters say `masked`.
+    pub masks: &'a B::Ids,
     /// `[slots × vocab]` token counts of the sequences with penalties (a row names its slot);
     /// each pick adds one to its token's.
     pub counts: &'a mut B::Ids,

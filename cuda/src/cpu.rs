@@ -225,10 +225,14 @@ impl Backend for CpuBackend {
     }
 
     fn sample_rows(&self, logits: &HostTensor, io: SampleIo<'_, Self>) -> Result<()> {
-        use crate::sampling::{sample_row, RowParams, LOGPROB_COLS, MAX_TOP_LOGPROBS, NO_SLOT};
+        use crate::sampling::{
+            mask_words, sample_masked_row, RowParams, LOGPROB_COLS, MAX_TOP_LOGPROBS, NO_SLOT,
+        };
         let (rows, vocab) = (logits.rows(), logits.cols());
         let words = crate::sampling::SAMPLE_WORDS;
+        let mask_len = mask_words(vocab);
         if io.params.len() < rows * words
+            || io.masks.len() < rows * mask_len
             || io.picks.len() < rows
             || io.logprobs.len() < rows * LOGPROB_COLS
             || io.top_ids.len() < rows * MAX_TOP_LOGPROBS
@@ -260,7 +264,10 @@ impl Backend for CpuBackend {
                     Error::shape("sample_rows", format!("row {r}: count slot {}", p.slot))
                 })?)
             };
-            let pick = sample_row(logits.row(r), &p, &bias, counts);
+            let mask = p
+                .masked
+                .then(|| &io.masks[r * mask_len..(r + 1) * mask_len]);
+            let pick = sample_masked_row(logits.row(r), &p, &bias, mask, counts);
             io.picks[r] = pick.token;
             let row = &mut out[r * LOGPROB_COLS..(r + 1) * LOGPROB_COLS];
             row[0] = pick.logprob;

@@ -6,7 +6,9 @@
 //! 1. **Processing.** `x = logit + logit_bias`, then the penalties: repetition (HF's: a seen
 //!    token's positive logit divided by it, a negative one multiplied; seen = in the prompt or
 //!    generated), frequency (minus `frequency × times generated`) and presence (minus
-//!    `presence` once generated). Then `y = x / temperature`.
+//!    `presence` once generated). Then `y = x / temperature`. A row with a token mask (a
+//!    grammar's allowed tokens, one bit a token) gives every token it does not allow
+//!    `y = -inf`, so neither greedy nor a draw can pick it.
 //! 2. **Greedy** at temperature 0: the largest `y`, the lowest id on ties.
 //! 3. **Candidates**: tokens within [`CUTOFF`] of the best `y` (weight `e^(y - max)` at least
 //!    2^-31 of the best's). The rest can never be drawn.
@@ -54,6 +56,17 @@ pub fn work_words(rows: usize) -> usize {
 
 /// A row that keeps no token counts (no penalty asks for them).
 pub const NO_SLOT: u32 = u32::MAX;
+
+/// `u32` words of one row's token mask over `vocab` tokens: bit `t % 32` of word `t / 32` is
+/// set where token `t` is allowed.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// Whether `mask` (a row of [`mask_words`]) allows token `t`.
+pub fn mask_allows(mask: &[u32], t: usize) -> bool {
+    mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 != 0)
+}
 /// Candidates are tokens with `y - max(y) > CUTOFF`: `e^-21` is 7.6e-10, so each has a weight
 /// of at least 1 in units of 2^-31 of the best's. The largest Gumbel or inverse-CDF advantage a
 /// 24-bit uniform gives is far smaller, so the tokens left out could never have been drawn.
@@ -93,6 +106,9 @@ pub struct RowParams {
     /// This row's `logit_bias` entries: a range of the step's bias pairs.
     pub bias_start: u32,
     pub bias_len: u32,
+    /// Whether row `r` of the step's masks ([`mask_words`] words a row) says which tokens the
+    /// row may pick; otherwise any.
+    pub masked: bool,
 }
 
 impl Default for RowParams {
@@ -112,6 +128,7 @@ impl Default for RowParams {
             logprobs: 0,
             bias_start: 0,
             bias_len: 0,
+            masked: false,
         }
     }
 }
@@ -135,7 +152,7 @@ impl RowParams {
             self.logprobs,
             self.bias_start,
             self.bias_len,
-            0,
+            self.masked as u32,
         ]
     }
 
@@ -155,13 +172,14 @@ impl RowParams {
             logprobs: w[12],
             bias_start: w[13],
             bias_len: w[14],
+            masked: w[15] != 0,
         }
     }
 
     /// Whether the row's token is the largest raw logit: nothing changes the logits and
     /// nothing is drawn.
     pub fn is_plain_greedy(&self) -> bool {
-        self.temperature == 0.0 && self.slot == NO_SLOT && self.bias_len == 0
+        self.temperature == 0.0 && self.slot == NO_SLOT && self.bias_len == 0 && !self.masked
     }
 }
 
@@ -172,6 +190,8 @@ pub struct SampleBuffers<B: crate::Backend> {
     /// `[rows × SAMPLE_WORDS]`: write each row's [`RowParams::to_words`] here.
     pub params: B::Ids,
     pub bias: B::Ids,
+    /// `[rows × mask_words(vocab)]`: the masked rows' allowed tokens.
+    pub masks: B::Ids,
     pub counts: B::Ids,
     pub scratch: B::Tensor,
     pub picks: B::Ids,
@@ -182,20 +202,25 @@ pub struct SampleBuffers<B: crate::Backend> {
 
 impl<B: crate::Backend> SampleBuffers<B> {
     /// For `rows` rows of `vocab` logits with `params` (one [`RowParams`] a row), `bias` (the
-    /// rows' `logit_bias` entries) and `counts` (`[slots × vocab]`, the rows' slots).
+    /// rows' `logit_bias` entries), `masks` (`[rows × mask_words(vocab)]`, or empty where no
+    /// row is masked) and `counts` (`[slots × vocab]`, the rows' slots).
     pub fn new(
         be: &B,
         vocab: usize,
         params: &[RowParams],
         bias: &[(u32, f32)],
+        masks: &[u32],
         counts: &[u32],
     ) -> crate::Result<Self> {
         let rows = params.len();
         let words: Vec<u32> = params.iter().flat_map(|p| p.to_words()).collect();
+        let mut mask_rows = masks.to_vec();
+        mask_rows.resize(rows * mask_words(vocab), 0);
         Ok(Self {
             params: be.upload_ids(&words)?,
             // Never empty: a device buffer of no bytes has no address.
             bias: be.upload_ids(&[bias_words(bias), vec![0, 0]].concat())?,
+            masks: be.upload_ids(&mask_rows)?,
             counts: be.upload_ids(if counts.is_empty() { &[0] } else { counts })?,
             scratch: be.zeros(&[rows, vocab])?,
             picks: be.upload_ids(&vec![0; rows])?,
@@ -212,6 +237,7 @@ impl<B: crate::Backend> SampleBuffers<B> {
             crate::SampleIo {
                 params: &self.params,
                 bias: &self.bias,
+                masks: &self.masks,
                 counts: &mut self.counts,
                 scratch: &mut self.scratch,
                 picks: &mut self.picks,
@@ -372,12 +398,13 @@ fn raw_logprobs(logits: &[f32], n: usize, token: u32) -> (f32, Vec<(u32, f32)>) 
 }
 
 /// Steps 1 and 2 for a row: its processed, tempered logits (`count(i)` is token `i`'s count
-/// word), their largest, and the first token that has it (greedy's pick, and the fallback of a
-/// draw with no finite logit).
+/// word; tokens `mask` does not allow are -inf), their largest, and the first token that has
+/// it (greedy's pick, and the fallback of a draw with no finite logit).
 fn tempered(
     logits: &[f32],
     p: &RowParams,
     bias: &[(u32, f32)],
+    mask: Option<&[u32]>,
     count: impl Fn(usize) -> u32,
 ) -> (Vec<f32>, f32, u32) {
     let mut y: Vec<f32> = (0..logits.len())
@@ -385,6 +412,13 @@ fn tempered(
         .collect();
     for &(t, b) in bias {
         y[t as usize] = temper(process(logits[t as usize], b, count(t as usize), p), p);
+    }
+    if let Some(mask) = mask {
+        for (t, x) in y.iter_mut().enumerate() {
+            if !mask_allows(mask, t) {
+                *x = f32::NEG_INFINITY;
+            }
+        }
     }
     let (mut max, mut greedy) = (f32::NEG_INFINITY, 0u32);
     for (i, &x) in y.iter().enumerate() {
@@ -401,9 +435,23 @@ pub fn sample_row(
     logits: &[f32],
     p: &RowParams,
     bias: &[(u32, f32)],
+    counts: Option<&mut [u32]>,
+) -> Pick {
+    sample_masked_row(logits, p, bias, None, counts)
+}
+
+/// [`sample_row`] for a row that may pick only the tokens `mask` allows (a row of
+/// [`mask_words`]), where it has one. The mask must allow a token: with none, the pick is 0
+/// here (the device's is undefined).
+pub fn sample_masked_row(
+    logits: &[f32],
+    p: &RowParams,
+    bias: &[(u32, f32)],
+    mask: Option<&[u32]>,
     mut counts: Option<&mut [u32]>,
 ) -> Pick {
-    let (y, max, greedy) = tempered(logits, p, bias, |i| counts.as_ref().map_or(0, |c| c[i]));
+    let count = |i: usize| counts.as_ref().map_or(0, |c| c[i]);
+    let (y, max, greedy) = tempered(logits, p, bias, mask, count);
     let token = if p.temperature > 0.0 && max.is_finite() {
         draw(&y, max, p).unwrap_or(greedy)
     } else {
@@ -491,7 +539,7 @@ fn kept(y: &[f32], max: f32, p: &RowParams) -> Vec<(u32, u32, u32)> {
 /// (not updated).
 pub fn kept_tokens(logits: &[f32], p: &RowParams, bias: &[(u32, f32)], counts: &[u32]) -> Vec<u32> {
     let count = |i: usize| if p.slot == NO_SLOT { 0 } else { counts[i] };
-    let (y, max, greedy) = tempered(logits, p, bias, count);
+    let (y, max, greedy) = tempered(logits, p, bias, None, count);
     if p.temperature > 0.0 && max.is_finite() {
         kept(&y, max, p).into_iter().map(|c| c.0).collect()
     } else {
@@ -686,6 +734,40 @@ mod tests {
     }
 
     #[test]
+    fn a_mask_limits_greedy_and_draws_to_its_tokens_even_against_the_bias() {
+        // 40 tokens; the mask allows 3, 17 and 33, the logits favour others.
+        let logits: Vec<f32> = (0..40).map(|t| (t % 7) as f32).collect();
+        let mut mask = vec![0u32; mask_words(40)];
+        for t in [3usize, 17, 33] {
+            mask[t / 32] |= 1 << (t % 32);
+        }
+        assert!(mask_allows(&mask, 33) && !mask_allows(&mask, 34) && !mask_allows(&mask, 99));
+        let greedy = RowParams {
+            masked: true,
+            ..Default::default()
+        };
+        assert!(!greedy.is_plain_greedy());
+        // 17 % 7 = 3 beats 3 and 33 (5); a bias of +100 on a banned token changes nothing.
+        let pick = sample_masked_row(&logits, &greedy, &[(6, 100.0)], Some(&mask), None);
+        assert_eq!(pick.token, 33);
+        let drawn = RowParams {
+            masked: true,
+            ..params(2.0, 0, 1.0, 9)
+        };
+        let mut seen = std::collections::HashSet::new();
+        for pos in 0..200 {
+            let p = RowParams {
+                position: pos,
+                ..drawn
+            };
+            seen.insert(sample_masked_row(&logits, &p, &[], Some(&mask), None).token);
+        }
+        assert_eq!(seen, [3, 17, 33].into_iter().collect());
+        // The words carry the flag.
+        assert_eq!(RowParams::from_words(&drawn.to_words()), drawn);
+    }
+
+    #[test]
     fn logprobs_are_the_raw_log_softmax() {
         let logits = [2.0f32, 1.0, 4.0, 3.0];
         let p = RowParams {
@@ -720,6 +802,7 @@ mod tests {
             logprobs: 6,
             bias_start: 3,
             bias_len: 4,
+            masked: true,
         };
         assert_eq!(RowParams::from_words(&p.to_words()), p);
     }

@@ -955,7 +955,7 @@ fn argmax_rows<B: Backend>(
         logits.data_mut()[last + b] = 5.0;
     }
     let greedy = vec![crate::sampling::RowParams::default(); rows];
-    let mut picks = crate::sampling::SampleBuffers::new(be, n, &greedy, &[], &[])?;
+    let mut picks = crate::sampling::SampleBuffers::new(be, n, &greedy, &[], &[], &[])?;
     picks.sample(be, &be.upload(&logits)?)?;
     let ids = be.download_ids(&picks.picks, rows)?;
     HostTensor::new(vec![rows], ids.iter().map(|&i| i as f32).collect())
@@ -1060,7 +1060,7 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
     let mut cache = be.zeros_cache(8 * bs, heads, dim)?;
     let mut out = be.zeros(&[2, heads * dim])?;
     let greedy = [crate::sampling::RowParams::default(); 2];
-    let mut picks = crate::sampling::SampleBuffers::new(be, heads * dim, &greedy, &[], &[])?;
+    let mut picks = crate::sampling::SampleBuffers::new(be, heads * dim, &greedy, &[], &[], &[])?;
     let step = |tokens: &B::Ids,
                 slots: &B::Ids,
                 seqs: &B::Ids,
@@ -1206,7 +1206,19 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
     let mut params: Vec<_> = (0..rows).map(sample_settings).collect();
     let mut slots = 0;
     let mut bias = Vec::new();
+    // Every third row keeps to a grammar's mask: about a fifth of the tokens, never the best.
+    let words = crate::sampling::mask_words(vocab);
+    let mut masks = vec![0u32; rows * words];
     for (r, p) in params.iter_mut().enumerate() {
+        if r % 3 == 2 {
+            p.masked = true;
+            let best = crate::argmax(logits.row(r)) as usize;
+            for t in (0..vocab).filter(|&t| t != best) {
+                if (t as u32).wrapping_mul(2_654_435_761) >> 29 < 2 {
+                    masks[r * words + t / 32] |= 1 << (t % 32);
+                }
+            }
+        }
         if p.slot != NO_SLOT {
             p.slot = slots;
             slots += 1;
@@ -1228,7 +1240,7 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
         })
         .collect();
     let x = be.upload(&logits)?;
-    let mut bufs = crate::sampling::SampleBuffers::new(be, vocab, &params, &bias, &counts)?;
+    let mut bufs = crate::sampling::SampleBuffers::new(be, vocab, &params, &bias, &masks, &counts)?;
     let (mut exact, mut values) = (Vec::new(), Vec::new());
     for _ in 0..2 {
         let words: Vec<u32> = params.iter().flat_map(|p| p.to_words()).collect();

@@ -27,6 +27,7 @@ use rand::Rng;
 use tracing::Span;
 use vlm_compute::{Backend, Weights};
 
+use crate::grammar::{Grammar, Grammars};
 use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
 use crate::kv_sizing::{kv_blocks, CacheBudget, KvCacheSize};
 use crate::metrics::EngineMetrics;
@@ -78,6 +79,8 @@ struct Shared {
     kv_bytes: usize,
     metrics: EngineMetrics,
     next_id: AtomicU64,
+    /// Compiles requests' constraints; or why this checkpoint's vocabulary cannot have them.
+    grammars: std::result::Result<Grammars, String>,
 }
 
 /// A handle on the engine loop: cheap to clone, safe to use from any thread.
@@ -135,6 +138,12 @@ impl Engine {
         );
         let metrics = EngineMetrics::new(registry);
         metrics.kv_blocks_total.set((blocks - 1) as i64);
+        // Without grammar support the model still serves; constrained requests are refused.
+        let grammars = Grammars::load(dir, text.vocab_size, &model_cfg.eos_token_ids)
+            .map_err(|e| e.to_string())
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "structured outputs are off: the vocabulary could not be read for grammars")
+            });
         let shared = Arc::new(Shared {
             cfg: model_cfg.clone(),
             max_context,
@@ -143,6 +152,7 @@ impl Engine {
             kv_bytes: blocks * bs * per_token,
             metrics,
             next_id: AtomicU64::new(0),
+            grammars,
         });
         let (tx, rx) = std::sync::mpsc::channel();
         let pool = BlockPool::new(blocks, bs);
@@ -201,9 +211,23 @@ impl Engine {
         &self.shared.metrics
     }
 
-    /// Checks a request without running it.
+    /// Checks a request without running it (its grammar compiled, then dropped).
     pub fn validate(&self, req: &GenerateRequest) -> Result<()> {
-        self.check(req).map(|_| ())
+        self.check(req)?;
+        self.grammar(req).map(|_| ())
+    }
+
+    /// The request's constraint compiled, if it has one.
+    fn grammar(&self, req: &GenerateRequest) -> Result<Option<Grammar>> {
+        let Some(c) = &req.constraint else {
+            return Ok(None);
+        };
+        match &self.shared.grammars {
+            Ok(g) => g.compile(c).map(Some),
+            Err(why) => Err(Error::InvalidParameter(format!(
+                "constraint: this model's vocabulary does not support grammars ({why})"
+            ))),
+        }
     }
 
     /// Checks a request and returns where its images sit in the prompt.
@@ -310,6 +334,7 @@ impl Engine {
         span: Span,
     ) -> Result<RequestStream> {
         let spans = self.check(&req)?;
+        let grammar = self.grammar(&req)?;
         let seed = req.sampling.seed.unwrap_or_else(|| rand::rng().random());
         let positions = prompt_positions(req.prompt.len(), &spans);
         let images = spans
@@ -332,7 +357,7 @@ impl Engine {
             deadline,
         };
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let seq = Sequence::new(
+        let mut seq = Sequence::new(
             id,
             req.prompt,
             positions,
@@ -342,6 +367,7 @@ impl Engine {
             tx,
             span,
         );
+        seq.grammar = grammar.map(std::sync::Mutex::new);
         self.tx
             .send(seq)
             .map_err(|_| Error::Engine("the engine has stopped".into()))?;
@@ -498,13 +524,22 @@ impl<B: Backend> EngineLoop<B> {
         self.sched.add(seq);
     }
 
-    /// Ends sequences whose client has gone or whose deadline has passed.
+    /// Ends sequences whose client has gone, whose deadline has passed or whose grammar can
+    /// go no further.
     fn reap(&mut self) {
         let now = Instant::now();
         let expired = |s: &Sequence| s.limits.deadline.is_some_and(|d| now > d);
-        for seq in self.sched.remove_where(|s| s.abandoned() || expired(s)) {
+        let stuck = |s: &Sequence| s.grammar.is_some() && s.grammar_failure().is_some();
+        for seq in self
+            .sched
+            .remove_where(|s| s.abandoned() || expired(s) || stuck(s))
+        {
             let why = if seq.abandoned() {
                 Exit::Cancelled
+            } else if let Some(why) = seq.grammar_failure() {
+                Exit::Failed(Error::Engine(format!(
+                    "the request's grammar could not go on: {why}"
+                )))
             } else {
                 Exit::Failed(Error::DeadlineExceeded {
                     generated: seq.generated(),
@@ -540,6 +575,9 @@ impl<B: Backend> EngineLoop<B> {
         totals.tokens += tokens as u64;
         if let Ok(out) = &result {
             totals.enqueue_seconds += out.enqueue.as_secs_f64();
+            if !out.masks.is_zero() {
+                m.grammar_mask_seconds.observe(out.masks.as_secs_f64());
+            }
         }
         match result {
             Ok(out) => self.advance(plan, out),

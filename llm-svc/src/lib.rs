@@ -22,6 +22,7 @@ mod cli;
 mod config;
 mod engine;
 mod error;
+pub mod grammar;
 pub mod kv_cache;
 mod kv_sizing;
 pub mod metrics;

@@ -22,6 +22,9 @@ pub struct EngineMetrics {
     pub step_seconds: HistogramVec,
     /// Tokens computed per step (decodes count one each).
     pub step_tokens: Histogram,
+    /// Host time a step spent computing its grammars' token masks (steps with grammars only;
+    /// it overlaps the forward pass on the device).
+    pub grammar_mask_seconds: Histogram,
     pub prompt_tokens: IntCounter,
     pub generated_tokens: IntCounter,
     /// Finished requests by outcome (stop, length, cancelled, deadline, error).
@@ -143,6 +146,17 @@ impl EngineMetrics {
                 Histogram::with_opts(
                     HistogramOpts::new("vlm_llm_step_tokens", "Tokens computed in one step")
                         .buckets(exponential_buckets(1.0, 2.0, 14).expect("valid")),
+                )
+                .expect("valid"),
+            ),
+            grammar_mask_seconds: reg(
+                r,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "vlm_llm_grammar_mask_seconds",
+                        "Host time of one step's grammar token masks (all its constrained sequences)",
+                    )
+                    .buckets(exponential_buckets(0.000_05, 2.0, 14).expect("valid")),
                 )
                 .expect("valid"),
             ),

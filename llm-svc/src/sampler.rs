@@ -60,6 +60,8 @@ impl SamplerRow for SamplingParams {
             logprobs: self.logprobs.map_or(0, |n| 1 + n as u32),
             bias_start: bias_start as u32,
             bias_len: self.logit_bias.len() as u32,
+            // Set by the step once the sequence's grammar has given its mask.
+            masked: false,
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 use vlm_compute::Embeddings;
 
+use crate::grammar::Grammar;
 use crate::kv_cache::{block_hash, BlockHash};
 use crate::mrope::PromptPositions;
 use crate::request::{Event, FinishReason};
@@ -54,6 +55,9 @@ pub struct Sequence {
     /// OS).
     pub sampling: SamplingParams,
     pub seed: u64,
+    /// The grammar its tokens keep to, if it has one: the step reads its mask (on a pool
+    /// thread, hence the lock, never contended) and each pick advances it.
+    pub grammar: Option<std::sync::Mutex<Grammar>>,
     pub limits: SequenceLimits,
     /// Cache blocks holding this sequence's keys and values, in order.
     pub blocks: Vec<u32>,
@@ -105,6 +109,7 @@ impl Sequence {
             images,
             sampling,
             seed,
+            grammar: None,
             limits,
             blocks: Vec::new(),
             computed: 0,
@@ -129,8 +134,9 @@ impl Sequence {
         }
     }
 
-    /// Appends a generated token and sends it to the caller. The first one ends the prefill
-    /// phase of the request's trace and opens its decode phase.
+    /// Appends a generated token and sends it to the caller (unless it broke the sequence's
+    /// grammar: the request then fails without it). The first one ends the prefill phase of
+    /// the request's trace and opens its decode phase.
     pub fn push_token(&mut self, pick: Pick) {
         if self.first_token.is_none() {
             self.first_token = Some(std::time::Instant::now());
@@ -145,6 +151,13 @@ impl Sequence {
             ));
         }
         self.tokens.push(pick.token);
+        if let Some(g) = self.grammar.as_mut() {
+            let g = g.get_mut().unwrap_or_else(|e| e.into_inner());
+            g.accept(pick.token);
+            if g.failure().is_some() {
+                return;
+            }
+        }
         let _ = self.events.send(Event::Token {
             id: pick.token,
             logits: pick.logits,
@@ -153,10 +166,14 @@ impl Sequence {
     }
 
     /// Why the sequence ends after its last token, if it does: an eos token (unless it
-    /// generates through them), its token budget, or the context.
-    pub fn finish_reason(&self, eos: &[u32]) -> Option<FinishReason> {
+    /// generates through them), a grammar that is complete, its token budget, or the context.
+    pub fn finish_reason(&mut self, eos: &[u32]) -> Option<FinishReason> {
         let last = *self.tokens.last()?;
-        if !self.limits.ignore_eos && eos.contains(&last) {
+        let complete = self
+            .grammar
+            .as_mut()
+            .is_some_and(|g| g.get_mut().unwrap_or_else(|e| e.into_inner()).is_complete());
+        if (!self.limits.ignore_eos && eos.contains(&last)) || complete {
             Some(FinishReason::Eos)
         } else if self.generated() >= self.limits.max_new_tokens
             || self.tokens.len() > self.limits.max_len
@@ -174,6 +191,13 @@ impl Sequence {
     /// Tokens whose keys and values are still to compute (1 while decoding).
     pub fn uncomputed(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// Why its grammar cannot go on, if it has one that cannot (the request then fails).
+    pub fn grammar_failure(&self) -> Option<String> {
+        let g = self.grammar.as_ref()?;
+        let g = g.lock().unwrap_or_else(|e| e.into_inner());
+        g.failure().map(str::to_string)
     }
 
     /// Whether the client has gone (its stream dropped).

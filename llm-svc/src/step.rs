@@ -7,14 +7,20 @@
 //! Steps where every sequence decodes one token and no image is involved are replayed from a
 //! recording ([`Backend::record`], a CUDA graph), one per batch-size bucket: the inputs are
 //! written into buffers that stay put, the batch is padded to the bucket with rows that write
-//! to the null block, and one launch runs the whole step. Other steps (prefill chunks mixed in)
-//! run op by op with freshly uploaded inputs.
+//! to the null block, and two launches run the whole step (the forward pass, then the
+//! sampler). Other steps (prefill chunks mixed in) run op by op with freshly uploaded inputs.
+//!
+//! Sequences with a grammar ([`crate::grammar`]) have their token masks computed on the host
+//! while the device runs the forward pass (in parallel, one task a sequence), then uploaded for
+//! the sampler, which is queued after them.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use rayon::prelude::*;
 use vlm_compute::sampling::{
-    bias_words, work_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS,
+    bias_words, mask_words, work_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS,
+    SAMPLE_WORDS,
 };
 use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch, SampleIo};
 
@@ -47,6 +53,8 @@ struct HostStep<'a> {
     draws: Vec<RowParams>,
     bias: Vec<(u32, f32)>,
     need_logits: Vec<bool>,
+    /// The sampling sequences with a grammar, each with its index in `draws`.
+    constrained: Vec<(usize, &'a Sequence)>,
     /// Rows holding image tokens, and the images they come from, in the same order: each with
     /// the range of its rows in this step.
     image_rows: Vec<usize>,
@@ -75,6 +83,7 @@ impl<'a> HostStep<'a> {
             draws: Vec::new(),
             bias: Vec::new(),
             need_logits: Vec::new(),
+            constrained: Vec::new(),
             image_rows: Vec::new(),
             image_parts: Vec::new(),
             started: Instant::now(),
@@ -106,11 +115,52 @@ impl<'a> HostStep<'a> {
                     .push(sampling.row(seq.seed, seq.tokens.len(), slot, s.bias.len()));
                 s.bias.extend_from_slice(&sampling.logit_bias);
                 s.need_logits.push(seq.limits.return_logits);
+                if seq.grammar.is_some() {
+                    s.constrained.push((s.draws.len() - 1, seq));
+                }
             }
             s.max_queries = s.max_queries.max(p.tokens);
             s.max_keys = s.max_keys.max(to);
         }
         s
+    }
+
+    /// The constrained sequences' masks, computed in parallel: the words to upload (rows up to
+    /// the last masked one, [`mask_words`] each; rows in between unread) with each masked
+    /// draw flagged, and how long the host took. A sequence whose grammar has not started (or
+    /// has failed, which ends it after the step) samples unmasked.
+    fn masks(&mut self, vocab: usize) -> (Vec<u32>, Duration) {
+        let started = Instant::now();
+        if self.constrained.is_empty() {
+            return (Vec::new(), Duration::ZERO);
+        }
+        let masks: Vec<(usize, Option<Vec<u32>>)> = self
+            .constrained
+            .par_iter()
+            .map(|&(draw, seq)| {
+                let grammar = seq
+                    .grammar
+                    .as_ref()
+                    .expect("constrained sequences have one");
+                let mask = grammar.lock().unwrap_or_else(|e| e.into_inner()).mask();
+                (draw, mask)
+            })
+            .collect();
+        let words = mask_words(vocab);
+        let rows = masks
+            .iter()
+            .filter(|(_, m)| m.is_some())
+            .map(|(d, _)| d + 1)
+            .max()
+            .unwrap_or(0);
+        let mut all = vec![0u32; rows * words];
+        for (draw, mask) in masks {
+            if let Some(mask) = mask {
+                all[draw * words..(draw + 1) * words].copy_from_slice(&mask);
+                self.draws[draw].masked = true;
+            }
+        }
+        (all, started.elapsed())
     }
 
     /// Pads the step to `rows` single-token sequences that attend to and write the null
@@ -211,6 +261,9 @@ pub struct StepOutput {
     /// the host may queue the next one meanwhile; some calls then wait for the device, and
     /// that wait counts here.
     pub enqueue: Duration,
+    /// Host time spent computing the grammars' token masks (zero without grammars); it
+    /// overlaps the forward pass on the device.
+    pub masks: Duration,
 }
 
 /// The sampler's outputs for a step of `rows` rows, and its parameter words.
@@ -232,7 +285,9 @@ impl<B: Backend> SampleOut<B> {
     }
 }
 
-/// A recorded decode step of `rows` sequences and the buffers it reads and writes.
+/// A recorded decode step of `rows` sequences and the buffers it reads and writes: the
+/// forward pass and the sampler recorded apart, so that grammars' masks can be computed
+/// while the first runs and uploaded before the second.
 struct DecodeGraph<B: Backend> {
     rows: usize,
     ids: B::Ids,
@@ -242,7 +297,8 @@ struct DecodeGraph<B: Backend> {
     sin: B::Tensor,
     logits: B::Tensor,
     out: SampleOut<B>,
-    graph: B::Graph,
+    forward: B::Graph,
+    sample: B::Graph,
 }
 
 /// Whether this backend records steps.
@@ -331,6 +387,8 @@ struct SamplerState<B: Backend> {
     slots: CountSlots,
     scratch: B::Tensor,
     graph_bias: B::Ids,
+    /// The grammars' token masks, [`mask_words`] a row, for the largest step.
+    masks: B::Ids,
     /// What the device's sampling passes hand each other, sized for the largest step.
     work: B::Ids,
 }
@@ -365,10 +423,12 @@ impl<B: Backend> StepRunner<B> {
     }
 
     /// Device bytes of the sampler's shared buffers for `max_batch` sequences (for the KV
-    /// cache's sizing): the count table, the processed logits' room and the work buffer.
+    /// cache's sizing): the count table, the processed logits' room, the masks and the work
+    /// buffer.
     pub fn sampler_bytes(cfg: &TextConfig, max_batch: usize) -> usize {
         let rows = max_batch.next_power_of_two();
-        (2 * rows * cfg.vocab_size + work_words(rows.max(256))) * 4
+        let masks = rows * mask_words(cfg.vocab_size);
+        (2 * rows * cfg.vocab_size + masks + work_words(rows.max(256))) * 4
     }
 
     /// Recorded decode steps so far (for logs).
@@ -402,6 +462,7 @@ impl<B: Backend> StepRunner<B> {
                 slots: CountSlots::new(self.max_batch),
                 scratch: be.zeros(&[rows, vocab])?,
                 graph_bias: be.upload_ids(&vec![0; 2 * rows * MAX_LOGIT_BIAS + 2])?,
+                masks: be.upload_ids(&vec![0; rows * mask_words(vocab)])?,
                 work: be.upload_ids(&vec![0; (1..=rows).map(work_words).max().unwrap_or(0)])?,
             });
         }
@@ -419,7 +480,7 @@ impl<B: Backend> StepRunner<B> {
         if decode_only && replayable {
             if let Some(rows) = self.bucket(plan.len()) {
                 host.pad_to(rows);
-                if let Some(out) = self.replay(model, kv, &host, rows, plan.len())? {
+                if let Some(out) = self.replay(model, kv, &mut host, rows, plan.len())? {
                     return Ok(out);
                 }
                 let started = host.started;
@@ -428,7 +489,7 @@ impl<B: Backend> StepRunner<B> {
                 host.started = started;
             }
         }
-        self.eager(model, kv, &host)
+        self.eager(model, kv, &mut host)
     }
 
     /// The M-RoPE tables for `positions`.
@@ -445,6 +506,7 @@ impl<B: Backend> StepRunner<B> {
         out: &SampleOut<B>,
         host: &HostStep,
         n: usize,
+        masks: Duration,
     ) -> Result<StepOutput> {
         let enqueue = host.started.elapsed();
         let picks = be.download_ids(&out.picks, n)?;
@@ -481,6 +543,7 @@ impl<B: Backend> StepRunner<B> {
             logits: logits_out,
             logprobs,
             enqueue,
+            masks,
         })
     }
 
@@ -488,7 +551,7 @@ impl<B: Backend> StepRunner<B> {
         &mut self,
         model: &TextModel<B>,
         kv: &mut PagedKv<B>,
-        host: &HostStep,
+        host: &mut HostStep,
     ) -> Result<StepOutput> {
         let started = host.started;
         let be = model.backend();
@@ -539,18 +602,25 @@ impl<B: Backend> StepRunner<B> {
                 logits: Vec::new(),
                 logprobs: Vec::new(),
                 enqueue: started.elapsed(),
+                masks: Duration::ZERO,
             });
         };
+        // The forward pass is queued: the masks are computed while it runs.
+        let (masks, mask_time) = host.masks(self.cfg.vocab_size);
         let mut out = SampleOut::new(be, n)?;
         let words: Vec<u32> = host.draws.iter().flat_map(|d| d.to_words()).collect();
         be.write_ids(&mut out.params, &words)?;
         let bias = be.upload_ids(&[bias_words(&host.bias), vec![0, 0]].concat())?;
         let sampler = self.sampler.as_mut().expect("made by run");
+        if !masks.is_empty() {
+            be.write_ids(&mut sampler.masks, &masks)?;
+        }
         be.sample_rows(
             &logits,
             SampleIo {
                 params: &out.params,
                 bias: &bias,
+                masks: &sampler.masks,
                 counts: &mut sampler.counts,
                 scratch: &mut sampler.scratch,
                 picks: &mut out.picks,
@@ -559,7 +629,7 @@ impl<B: Backend> StepRunner<B> {
                 work: &mut sampler.work,
             },
         )?;
-        let result = Self::outputs(be, &logits, &out, host, n)?;
+        let result = Self::outputs(be, &logits, &out, host, n, mask_time)?;
         tracing::debug!(
             rows = host.ids.len(),
             sequences = host.seqs.len() / 4,
@@ -577,7 +647,7 @@ impl<B: Backend> StepRunner<B> {
         &mut self,
         model: &TextModel<B>,
         kv: &mut PagedKv<B>,
-        host: &HostStep,
+        host: &mut HostStep,
         rows: usize,
         n: usize,
     ) -> Result<Option<StepOutput>> {
@@ -610,10 +680,17 @@ impl<B: Backend> StepRunner<B> {
         be.write_ids(&mut g.seqs, &host.seqs)?;
         be.write(&mut g.cos, cos.data())?;
         be.write(&mut g.sin, sin.data())?;
+        be.replay(&g.forward)?;
+        // The forward pass is queued: the masks are computed while it runs.
+        let (masks, mask_time) = host.masks(self.cfg.vocab_size);
+        if !masks.is_empty() {
+            let sampler = self.sampler.as_mut().expect("made by run");
+            be.write_ids(&mut sampler.masks, &masks)?;
+        }
         let words: Vec<u32> = host.draws.iter().flat_map(|d| d.to_words()).collect();
         be.write_ids(&mut g.out.params, &words)?;
-        be.replay(&g.graph)?;
-        Self::outputs(be, &g.logits, &g.out, host, n).map(Some)
+        be.replay(&g.sample)?;
+        Self::outputs(be, &g.logits, &g.out, host, n, mask_time).map(Some)
     }
 
     /// Records the decode step for `rows` rows: `None` if the backend does not record (then
@@ -640,6 +717,7 @@ impl<B: Backend> StepRunner<B> {
             draws: Vec::new(),
             bias: Vec::new(),
             need_logits: Vec::new(),
+            constrained: Vec::new(),
             image_rows: Vec::new(),
             image_parts: Vec::new(),
             started: Instant::now(),
@@ -658,7 +736,7 @@ impl<B: Backend> StepRunner<B> {
         let sampler = self.sampler.as_mut().expect("made by run");
         let (block_size, max_context) = (self.block_size, self.max_context);
         let started = std::time::Instant::now();
-        let recorded = be.record(&mut || {
+        let forward = be.record(&mut || {
             let step = StepInput {
                 ids: &ids,
                 cos: &cos,
@@ -677,23 +755,32 @@ impl<B: Backend> StepRunner<B> {
                 logits: LogitsOf::AllRows,
             };
             let forward = model.forward(kv, &step)?.expect("every row's logits");
-            be.copy(&mut logits, &forward)?;
-            be.sample_rows(
-                &logits,
-                SampleIo {
-                    params: &out.params,
-                    bias: &sampler.graph_bias,
-                    counts: &mut sampler.counts,
-                    scratch: &mut sampler.scratch,
-                    picks: &mut out.picks,
-                    logprobs: &mut out.logprobs,
-                    top_ids: &mut out.top_ids,
-                    work: &mut sampler.work,
-                },
-            )
+            be.copy(&mut logits, &forward)
         });
+        let recorded = match forward {
+            Ok(Some(forward)) => be
+                .record(&mut || {
+                    be.sample_rows(
+                        &logits,
+                        SampleIo {
+                            params: &out.params,
+                            bias: &sampler.graph_bias,
+                            masks: &sampler.masks,
+                            counts: &mut sampler.counts,
+                            scratch: &mut sampler.scratch,
+                            picks: &mut out.picks,
+                            logprobs: &mut out.logprobs,
+                            top_ids: &mut out.top_ids,
+                            work: &mut sampler.work,
+                        },
+                    )
+                })
+                .map(|sample| sample.map(|sample| (forward, sample))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
         match recorded {
-            Ok(Some(graph)) => {
+            Ok(Some((forward, sample))) => {
                 self.recording = Recording::Works;
                 tracing::debug!(
                     rows,
@@ -709,7 +796,8 @@ impl<B: Backend> StepRunner<B> {
                     sin,
                     logits,
                     out,
-                    graph,
+                    forward,
+                    sample,
                 }))
             }
             Ok(None) => {

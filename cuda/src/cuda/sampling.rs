@@ -7,7 +7,9 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::CudaBackend;
 use crate::backend::SampleIo;
-use crate::sampling::{split_for, work_words, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS};
+use crate::sampling::{
+    mask_words, split_for, work_words, LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_WORDS,
+};
 use crate::{Error, Result};
 
 /// Threads of the last kernel's block, one a row (`S_THREADS`).
@@ -23,6 +25,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let (rows, vocab) = (logits.rows(), logits.cols());
         if io.params.len < rows * SAMPLE_WORDS
+            || io.masks.len < rows * mask_words(vocab)
             || io.picks.len < rows
             || io.logprobs.len() < rows * LOGPROB_COLS
             || io.top_ids.len < rows * MAX_TOP_LOGPROBS
@@ -48,14 +51,16 @@ impl CudaBackend {
         };
         // SAFETY (all four): each matches its kernel in sampling_f32.cu; every buffer was
         // checked against the rows above (the work buffer against work_words, which sizes the
-        // kernels' SWork for these rows and split). Bias entries and count slots are the
-        // engine's: tokens it checked against the vocabulary, slots of the table it allocated.
+        // kernels' SWork for these rows and split; the masks against a full row each). Bias
+        // entries and count slots are the engine's: tokens it checked against the vocabulary,
+        // slots of the table it allocated.
         let name = "sample_prepare_f32";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&*logits.buf)
             .arg(&v)
             .arg(&io.params.buf)
             .arg(&io.bias.buf)
+            .arg(&io.masks.buf)
             .arg(&io.counts.buf)
             .arg(&mut *scratch)
             .arg(&mut io.work.buf)

@@ -1,0 +1,265 @@
+//! Grammar-constrained decoding (structured outputs, tool calls): a request's
+//! [`Constraint`] (a JSON schema, a regular expression or a Lark grammar) compiled by
+//! llguidance against the checkpoint's vocabulary, then, every step, the set of tokens the
+//! grammar allows next as a bit mask that the device's sampler applies before it picks
+//! (`vlm_compute::sampling`: disallowed tokens get -inf, so greedy and sampled requests alike
+//! keep to the grammar).
+//!
+//! One [`Grammars`] per engine holds llguidance's parser factory, built once from
+//! `tokenizer.json` (the token trie and its precomputed slices); each request gets its own
+//! [`Grammar`] (a matcher), which follows the tokens as they are picked.
+//!
+//! The token trie is built from the vocabulary's bytes through toktrie's own API
+//! (`token_bytes_from_tokenizer_json`), not through `toktrie_hf_tokenizers`, which pins an older
+//! `tokenizers` than ours. Its greedy tokenization is used only for a grammar's literal
+//! strings; masks never depend on it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use vlm_proto::pb::{constraint, Constraint};
+
+use crate::{Error, Result};
+
+/// The parser factory of one vocabulary.
+pub struct Grammars {
+    factory: ParserFactory,
+    /// Tokens the model scores (the logits' width; the tokenizer may have fewer).
+    vocab: usize,
+}
+
+impl Grammars {
+    /// The factory for the checkpoint in `dir` (its `tokenizer.json`), for a model scoring
+    /// `vocab` tokens that ends a sequence at any of `eos`.
+    pub fn load(dir: &Path, vocab: usize, eos: &[u32]) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        if words.len() > vocab {
+            return Err(Error::Config(format!(
+                "{} has {} tokens, more than the model's vocab_size {vocab}",
+                path.display(),
+                words.len()
+            )));
+        }
+        // Ids the model scores but the tokenizer never made: no bytes, never allowed.
+        words.resize(vocab, Vec::new());
+        let first_eos = eos.first().copied().unwrap_or(0);
+        let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, first_eos), &words);
+        let trie = if eos.is_empty() {
+            trie
+        } else {
+            trie.with_eos_tokens(eos)
+        };
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| Error::Config(format!("grammar support for {}: {e}", path.display())))?;
+        // llguidance's own logging goes to stderr; its errors come back as values instead.
+        factory.quiet();
+        Ok(Self { factory, vocab })
+    }
+
+    /// Compiles a request's constraint; a grammar llguidance refuses is the request's error,
+    /// with llguidance's reason.
+    pub fn compile(&self, c: &Constraint) -> Result<Grammar> {
+        let bad = |why: String| Error::InvalidParameter(format!("constraint: {why}"));
+        let grammar = match &c.grammar {
+            Some(constraint::Grammar::JsonSchema(text)) => {
+                let mut schema: serde_json::Value = serde_json::from_str(text)
+                    .map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?;
+                let Some(obj) = schema.as_object_mut() else {
+                    return Err(bad("a JSON schema must be an object".into()));
+                };
+                // Compact JSON unless the schema says otherwise: with whitespace allowed
+                // anywhere, a model can fill its token budget with it and never finish.
+                obj.entry("x-guidance")
+                    .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
+                TopLevelGrammar::from_json_schema(schema)
+            }
+            Some(constraint::Grammar::Regex(rx)) => TopLevelGrammar::from_regex(rx),
+            Some(constraint::Grammar::Lark(lark)) => TopLevelGrammar::from_lark(lark.clone()),
+            None => return Err(bad("no grammar given".into())),
+        };
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| bad(e.to_string()))?;
+        if let Some(t) = c.after_token.filter(|&t| t as usize >= self.vocab) {
+            return Err(bad(format!(
+                "after_token {t} is not in the vocabulary ({} tokens)",
+                self.vocab
+            )));
+        }
+        Ok(Grammar {
+            matcher: Matcher::new(Ok(parser)),
+            waiting_for: c.after_token,
+            vocab: self.vocab,
+            failure: None,
+        })
+    }
+}
+
+/// One request's grammar as its tokens are picked.
+pub struct Grammar {
+    matcher: Matcher,
+    /// The token after which the grammar applies, until it has been picked.
+    waiting_for: Option<u32>,
+    vocab: usize,
+    /// Why the grammar can go no further, if it cannot (the request then fails).
+    failure: Option<String>,
+}
+
+impl Grammar {
+    /// The tokens the next pick may be ([`vlm_compute::sampling::mask_words`] words, one bit a
+    /// token), or `None` while the grammar has not started (any token).
+    pub fn mask(&mut self) -> Option<Vec<u32>> {
+        if self.waiting_for.is_some() || self.failure.is_some() {
+            return None;
+        }
+        match self.matcher.compute_mask_or_eos() {
+            Ok(mask) if mask.num_set() > 0 => {
+                let mut words: Vec<u32> = mask.into();
+                words.resize(vlm_compute::sampling::mask_words(self.vocab), 0);
+                Some(words)
+            }
+            Ok(_) => {
+                self.failure = Some("the grammar allows no token here".into());
+                None
+            }
+            Err(e) => {
+                self.failure = Some(e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Follows a picked token.
+    pub fn accept(&mut self, token: u32) {
+        if self.failure.is_some() {
+            return;
+        }
+        if let Some(start) = self.waiting_for {
+            if token == start {
+                self.waiting_for = None;
+            }
+            return;
+        }
+        if let Err(e) = self.matcher.consume_token(token) {
+            self.failure = Some(format!("token {token} breaks the grammar: {e}"));
+        }
+    }
+
+    /// Whether the grammar is complete and allows nothing more (the answer ends here).
+    pub fn is_complete(&self) -> bool {
+        self.failure.is_none() && self.waiting_for.is_none() && self.matcher.is_stopped()
+    }
+
+    /// Why the grammar cannot go on, if it cannot.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vlm_compute::sampling::mask_allows;
+
+    fn fixture() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-qwen3-vl")
+    }
+
+    fn grammars() -> (Grammars, tokenizers::Tokenizer) {
+        let cfg = crate::ModelConfig::from_dir(&fixture()).unwrap();
+        let g = Grammars::load(&fixture(), cfg.text.vocab_size, &cfg.eos_token_ids).unwrap();
+        let tok = tokenizers::Tokenizer::from_file(fixture().join("tokenizer.json")).unwrap();
+        (g, tok)
+    }
+
+    fn schema(s: &str) -> Constraint {
+        Constraint {
+            grammar: Some(constraint::Grammar::JsonSchema(s.into())),
+            after_token: None,
+        }
+    }
+
+    /// Picks, at each step, the allowed token whose text comes first in `want` (the longest
+    /// that fits), as a model that wants to write `want` would.
+    fn write(g: &mut Grammar, tok: &tokenizers::Tokenizer, want: &str) -> String {
+        let mut out = String::new();
+        while let Some(mask) = g.mask() {
+            let rest = &want[out.len()..];
+            let best = (0..tok.get_vocab_size(true) as u32)
+                .filter(|&t| mask_allows(&mask, t as usize))
+                .filter_map(|t| tok.decode(&[t], false).ok().map(|s| (t, s)))
+                .filter(|(_, s)| !s.is_empty() && rest.starts_with(s.as_str()))
+                .max_by_key(|(_, s)| s.len());
+            let Some((t, s)) = best else { break };
+            g.accept(t);
+            out.push_str(&s);
+            if g.is_complete() {
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_schema_allows_what_it_validates_and_nothing_else() {
+        let (gs, tok) = grammars();
+        let c = schema(
+            r#"{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false}"#,
+        );
+        let mut g = gs.compile(&c).unwrap();
+        // The first token must open the object.
+        let mask = g.mask().unwrap();
+        let open = tok.token_to_id("{").unwrap() as usize;
+        let letter = tok.token_to_id("a").unwrap() as usize;
+        assert!(mask_allows(&mask, open) && !mask_allows(&mask, letter));
+        assert_eq!(write(&mut g, &tok, r#"{"n":42}"#), r#"{"n":42}"#);
+        // A key the schema does not have is refused partway.
+        let mut g = gs.compile(&c).unwrap();
+        assert_eq!(write(&mut g, &tok, r#"{"m":1}"#), r#"{""#);
+    }
+
+    #[test]
+    fn after_token_leaves_the_tokens_before_it_free() {
+        let (gs, tok) = grammars();
+        let start = tok.token_to_id("#").unwrap();
+        let mut c = schema(r#"{"type":"boolean"}"#);
+        c.after_token = Some(start);
+        let mut g = gs.compile(&c).unwrap();
+        assert!(g.mask().is_none());
+        g.accept(tok.token_to_id("x").unwrap());
+        assert!(g.mask().is_none());
+        g.accept(start);
+        assert_eq!(write(&mut g, &tok, "true"), "true");
+    }
+
+    #[test]
+    fn bad_grammars_are_the_requests_error() {
+        let (gs, _) = grammars();
+        for (c, why) in [
+            (schema("{not json"), "not JSON"),
+            (schema("[1]"), "must be an object"),
+            (schema(r#"{"type":"nonsense"}"#), "nonsense"),
+            (
+                Constraint {
+                    grammar: Some(constraint::Grammar::Lark("start: (".into())),
+                    after_token: None,
+                },
+                "",
+            ),
+        ] {
+            let e = gs.compile(&c).err().expect("refused").to_string();
+            assert!(e.contains("constraint") && e.contains(why), "{e}");
+        }
+    }
+}
