@@ -57,6 +57,9 @@ pub struct BenchOptions {
     /// Also measure every decode row sampled as Qwen3-VL's model card asks (temperature 0.7,
     /// top-p 0.8, top-k 20, presence penalty 1.5, a fixed seed), beside greedy.
     pub sampled_decode: bool,
+    /// Also measure every decode row sampled with a JSON schema on every request
+    /// ([`bench_schema`]), and the host's grammar masks a step at each batch size.
+    pub json_schema_decode: bool,
     /// The time-to-first-token requests: one square image of each of these sides and about
     /// `ttft_text_tokens` text tokens.
     pub ttft_image_sides: Vec<usize>,
@@ -176,6 +179,19 @@ pub fn run<B: Backend + Clone>(
     let weights = Weights::open_or_random(dir, opts.random_weights)?.quantize(opts.quantize)?;
     let shapes = Shapes::new(dir, opts)?;
     let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), shapes.engine(opts))?;
+    // A vocabulary llguidance cannot read has no structured outputs: their rows are left out.
+    let no_grammar_opts;
+    let opts = match pipeline.engine.grammars() {
+        Err(why) if opts.json_schema_decode => {
+            tracing::warn!(%why, "no structured-output rows: the vocabulary has no grammars");
+            no_grammar_opts = BenchOptions {
+                json_schema_decode: false,
+                ..opts.clone()
+            };
+            &no_grammar_opts
+        }
+        _ => opts,
+    };
     let bar = progress_bar(opts, &shapes);
     let mut out = Vec::new();
 
@@ -213,15 +229,20 @@ pub fn run<B: Backend + Clone>(
     for &side in &opts.ttft_image_sides {
         out.extend(bench.ttft_in_process(side)?);
     }
-    let samplings = decode_samplings(opts);
+    let decodings = decodings(opts);
     for &context in &opts.decode_contexts {
-        for (tag, sampling) in &samplings {
-            out.push(bench.decode(context, tag, sampling)?);
+        for d in &decodings {
+            out.push(bench.decode(context, d)?);
         }
     }
     for &batch in &shapes.batched {
-        for (tag, sampling) in &samplings {
-            out.push(bench.decode_batched(batch, shapes.batch_context, tag, sampling)?);
+        for d in &decodings {
+            out.push(bench.decode_batched(batch, shapes.batch_context, d)?);
+        }
+    }
+    if opts.json_schema_decode {
+        for &batch in &opts.decode_batches {
+            out.extend(bench.grammar_masks(batch)?);
         }
     }
     if opts.sampled_decode {
@@ -350,8 +371,9 @@ fn progress_bar(opts: &BenchOptions, shapes: &Shapes) -> ProgressBar {
         + opts.image_sides.len() * 2
         + opts.prefill_tokens.len()
         + opts.ttft_image_sides.len() * (3 + 6 * opts.through_gateway as usize)
-        + (opts.decode_contexts.len() + shapes.batched.len()) * (1 + opts.sampled_decode as usize)
-        + opts.decode_batches.len() * 4 * opts.sampled_decode as usize;
+        + (opts.decode_contexts.len() + shapes.batched.len()) * decodings(opts).len()
+        + opts.decode_batches.len() * 4 * opts.sampled_decode as usize
+        + opts.decode_batches.len() * opts.json_schema_decode as usize;
     ProgressBar::new((per_measure * measures) as u64).with_style(
         ProgressStyle::with_template("bench {bar:30} {pos}/{len} runs {msg}")
             .expect("valid template"),
@@ -603,16 +625,13 @@ impl<B: Backend + Clone> Bench<'_, B> {
     }
 
     /// Seconds per token decoded by one sequence at `context`, steady state (eos ignored).
-    fn decode(
-        &self,
-        context: usize,
-        tag: &str,
-        sampling: &SamplingParams,
-    ) -> anyhow::Result<Measurement> {
+    fn decode(&self, context: usize, d: &Decoding) -> anyhow::Result<Measurement> {
         let opts = self.opts;
+        let tag = d.tag;
         self.bar.set_message(format!("decode at {context}{tag}"));
         let req = GenerateRequest {
-            sampling: sampling.clone(),
+            sampling: d.sampling.clone(),
+            constraint: d.constraint.clone(),
             ..greedy_request(text_prompt(context), opts.decode_tokens + 1)
         };
         let s = time(opts, self.bar, || {
@@ -642,10 +661,10 @@ impl<B: Backend + Clone> Bench<'_, B> {
         &self,
         batch: usize,
         context: usize,
-        tag: &str,
-        sampling: &SamplingParams,
+        d: &Decoding,
     ) -> anyhow::Result<Measurement> {
         let opts = self.opts;
+        let tag = d.tag;
         self.bar.set_message(format!("decode batch {batch}{tag}"));
         let s = time(opts, self.bar, || {
             batched_decode(
@@ -653,7 +672,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
                 batch,
                 context,
                 opts.decode_tokens,
-                sampling,
+                d,
                 || Ok(()),
             )
         })?;
@@ -670,6 +689,42 @@ impl<B: Backend + Clone> Bench<'_, B> {
         let step_bytes = self.weight_bytes() + kv_bytes;
         meas.roofline = Some(meas.throughput() / batch as f64 * step_bytes / self.bandwidth);
         Ok(meas)
+    }
+
+    /// The host's side of grammar-constrained decoding at `batch` sequences: one step's token
+    /// masks ([`llm_svc::grammar::masks_in_parallel`], as the engine computes them while the
+    /// device runs the forward pass), over steps of [`bench_schema`] answers. Two rows: the
+    /// median step (its spread from the fastest to the slowest), and the 99th percentile.
+    fn grammar_masks(&self, batch: usize) -> anyhow::Result<Vec<Measurement>> {
+        self.bar
+            .set_message(format!("grammar masks of {batch} sequences"));
+        let grammars = self
+            .pipeline
+            .engine
+            .grammars()
+            .map_err(|why| anyhow::anyhow!("no grammars for this vocabulary: {why}"))?;
+        let steps = 64 * self.opts.repeats.max(1);
+        let s = time_masks(grammars, batch, 16, steps)?;
+        self.bar
+            .inc((self.opts.warmup + self.opts.repeats.max(1)) as u64);
+        let p99 = s[(s.len() * 99).div_ceil(100) - 1];
+        let row = |name: String, seconds: Vec<f64>| Measurement {
+            name,
+            seconds,
+            work: batch as f64,
+            unit: "token",
+            roofline: None,
+        };
+        Ok(vec![
+            row(
+                format!("grammar masks: {batch} sequences, a step (host, median)"),
+                s,
+            ),
+            row(
+                format!("grammar masks: {batch} sequences, a step (host, p99)"),
+                vec![p99],
+            ),
+        ])
     }
 
     /// The sampler alone: one `sample_rows` over `rows` rows of logits with `sampling`.
@@ -701,15 +756,77 @@ fn text_prompt(len: usize) -> Vec<u32> {
     (0..len).map(|i| (i % 100 + 10) as u32).collect()
 }
 
-/// The decode rows' samplings, each with the tag its rows' names end with: greedy, and with
-/// `sampled_decode` as the model card asks.
-fn decode_samplings(opts: &BenchOptions) -> Vec<(&'static str, SamplingParams)> {
-    std::iter::once(("", SamplingParams::greedy()))
-        .chain(
-            opts.sampled_decode
-                .then(|| (", sampled", recommended_sampling())),
-        )
-        .collect()
+/// How a decode row's requests choose their tokens, and the tag its name ends with.
+pub struct Decoding {
+    pub tag: &'static str,
+    pub sampling: SamplingParams,
+    pub constraint: Option<vlm_proto::pb::Constraint>,
+}
+
+impl Decoding {
+    fn greedy() -> Self {
+        Self {
+            tag: "",
+            sampling: SamplingParams::greedy(),
+            constraint: None,
+        }
+    }
+}
+
+/// The decode rows' ways: greedy; with `sampled_decode` as the model card asks; with
+/// `json_schema_decode` sampled so with [`bench_schema`] on every request.
+fn decodings(opts: &BenchOptions) -> Vec<Decoding> {
+    let plain = |tag, sampling| Decoding {
+        tag,
+        sampling,
+        constraint: None,
+    };
+    let mut out = vec![Decoding::greedy()];
+    if opts.sampled_decode {
+        out.push(plain(", sampled", recommended_sampling()));
+    }
+    if opts.json_schema_decode {
+        out.push(Decoding {
+            tag: ", sampled, json_schema",
+            sampling: recommended_sampling(),
+            constraint: Some(bench_constraint()),
+        });
+    }
+    out
+}
+
+/// The schema of the constrained rows: Qwen3-VL's detections (`bbox_2d` in its 0-1000
+/// coordinates and a label). At least 64 of them, over a thousand tokens, so that no answer
+/// completes (a complete grammar ends a request, even one that generates through eos) and
+/// every row decodes its fixed number of tokens.
+pub fn bench_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "array",
+        "minItems": 64,
+        "items": {
+            "type": "object",
+            "properties": {
+                "bbox_2d": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 1000},
+                    "minItems": 4,
+                    "maxItems": 4
+                },
+                "label": {"type": "string", "maxLength": 32}
+            },
+            "required": ["bbox_2d", "label"],
+            "additionalProperties": false
+        }
+    })
+}
+
+fn bench_constraint() -> vlm_proto::pb::Constraint {
+    vlm_proto::pb::Constraint {
+        grammar: Some(vlm_proto::pb::constraint::Grammar::JsonSchema(
+            bench_schema().to_string(),
+        )),
+        after_token: None,
+    }
 }
 
 /// The sampler rows' settings, each with the tag its row's name ends with.
@@ -772,13 +889,13 @@ fn batched_decode(
     batch: usize,
     context: usize,
     tokens: usize,
-    sampling: &SamplingParams,
+    d: &Decoding,
     mut prefilled: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Duration> {
     // More than any sequence can generate before the last one is prefilled: at least one
     // prompt's worth of prefill per step, so at most `batch` steps of head start each.
     let budget = tokens + 1 + batch + 16;
-    let mut streams = start_decoding(engine, batch, context, budget, sampling)?;
+    let mut streams = start_decoding(engine, batch, context, budget, d)?;
     prefilled()?;
     let started = Instant::now();
     let last = streams.last_mut().expect("batch >= 1");
@@ -801,7 +918,7 @@ fn start_decoding(
     batch: usize,
     context: usize,
     budget: usize,
-    sampling: &SamplingParams,
+    d: &Decoding,
 ) -> anyhow::Result<Vec<llm_svc::RequestStream>> {
     let mut streams = Vec::with_capacity(batch);
     for b in 0..batch {
@@ -812,8 +929,9 @@ fn start_decoding(
         let req = GenerateRequest {
             sampling: SamplingParams {
                 seed: Some(b as u64),
-                ..sampling.clone()
+                ..d.sampling.clone()
             },
+            constraint: d.constraint.clone(),
             ..greedy_request(prompt, budget)
         };
         streams.push(engine.submit(req, None, tracing::Span::none())?);
@@ -907,7 +1025,7 @@ fn profile_steps<B: Backend + Clone>(
         batch,
         context,
         steps,
-        &SamplingParams::greedy(),
+        &Decoding::greedy(),
         || be.op_times().map(|_| ()).map_err(anyhow::Error::from),
     )?;
     print_op_times(
@@ -918,13 +1036,7 @@ fn profile_steps<B: Backend + Clone>(
     // prefilled beside them (its arrival may also see a decode step or two go by). One fewer
     // decoding, so that the engine (sized for `batch` sequences) admits the prompt at once.
     let decoding = batch.saturating_sub(1).max(1);
-    let streams = start_decoding(
-        &pipeline.engine,
-        decoding,
-        context,
-        64,
-        &SamplingParams::greedy(),
-    )?;
+    let streams = start_decoding(&pipeline.engine, decoding, context, 64, &Decoding::greedy())?;
     let chunk = 512;
     let req = greedy_request((0..chunk).map(|i| (i % 150 + 20) as u32).collect(), 1);
     be.op_times()?;
@@ -1292,6 +1404,47 @@ pub fn table(rows: &[Measurement]) -> String {
         ));
     }
     s
+}
+
+/// Seconds of each of `steps` steps' masks for `batch` answers to [`bench_schema`] (after
+/// `warmup` steps), sorted. Each answer takes, every step, an allowed token picked by a fixed
+/// hash (as random weights would: strings and numbers of any length); one that completes
+/// starts over.
+fn time_masks(
+    grammars: &llm_svc::grammar::Grammars,
+    batch: usize,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<Vec<f64>> {
+    use std::sync::Mutex;
+    let constraint = bench_constraint();
+    let mut answers = (0..batch)
+        .map(|_| grammars.compile(&constraint).map(Mutex::new))
+        .collect::<llm_svc::Result<Vec<_>>>()?;
+    let mut seconds = Vec::with_capacity(steps);
+    for step in 0..warmup + steps {
+        let refs: Vec<&Mutex<_>> = answers.iter().collect();
+        let started = Instant::now();
+        let masks = llm_svc::grammar::masks_in_parallel(&refs);
+        if step >= warmup {
+            seconds.push(started.elapsed().as_secs_f64());
+        }
+        for (i, (answer, mask)) in answers.iter_mut().zip(masks).enumerate() {
+            let mask = mask.ok_or_else(|| anyhow::anyhow!("an answer's grammar gave no mask"))?;
+            let allowed: Vec<u32> = (0..mask.len() * 32)
+                .filter(|&t| vlm_compute::sampling::mask_allows(&mask, t))
+                .map(|t| t as u32)
+                .collect();
+            let pick = allowed[(step * 7919 + i * 104_729) % allowed.len()];
+            let g = answer.get_mut().unwrap_or_else(|e| e.into_inner());
+            g.accept(pick);
+            if g.is_complete() {
+                *g = grammars.compile(&constraint)?;
+            }
+        }
+    }
+    seconds.sort_by(f64::total_cmp);
+    Ok(seconds)
 }
 
 /// Seconds of one `sample_rows` over `rows` rows of random logits (spread as a model's, a few

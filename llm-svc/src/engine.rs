@@ -207,6 +207,11 @@ impl Engine {
         self.shared.kv_bytes
     }
 
+    /// The grammar compiler of this model's vocabulary, or why there is none.
+    pub fn grammars(&self) -> std::result::Result<&Grammars, &str> {
+        self.shared.grammars.as_ref().map_err(String::as_str)
+    }
+
     pub fn metrics(&self) -> &EngineMetrics {
         &self.shared.metrics
     }

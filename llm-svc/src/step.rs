@@ -17,7 +17,6 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
 use vlm_compute::sampling::{
     bias_words, mask_words, work_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS,
     SAMPLE_WORDS,
@@ -134,17 +133,20 @@ impl<'a> HostStep<'a> {
         if self.constrained.is_empty() {
             return (Vec::new(), Duration::ZERO);
         }
+        let grammars: Vec<_> = self
+            .constrained
+            .iter()
+            .map(|(_, seq)| {
+                seq.grammar
+                    .as_ref()
+                    .expect("constrained sequences have one")
+            })
+            .collect();
         let masks: Vec<(usize, Option<Vec<u32>>)> = self
             .constrained
-            .par_iter()
-            .map(|&(draw, seq)| {
-                let grammar = seq
-                    .grammar
-                    .as_ref()
-                    .expect("constrained sequences have one");
-                let mask = grammar.lock().unwrap_or_else(|e| e.into_inner()).mask();
-                (draw, mask)
-            })
+            .iter()
+            .map(|&(draw, _)| draw)
+            .zip(crate::grammar::masks_in_parallel(&grammars))
             .collect();
         let words = mask_words(vocab);
         let rows = masks

@@ -78,6 +78,12 @@ pub struct BenchArgs {
     /// 1.5), what real clients send.
     #[arg(long)]
     greedy_only: bool,
+    /// Skip the structured-output rows: by default every decode row is also measured sampled
+    /// with a JSON schema on every request (Qwen3-VL's detections: bbox_2d and label), and at
+    /// each --decode-batches size the host's time for one step's grammar token masks (median
+    /// and p99), computed as the engine does while the device runs the forward pass.
+    #[arg(long)]
+    no_json_schema: bool,
     /// Image sides of the time-to-first-token requests (each with --ttft-text-tokens of
     /// text), comma-separated; empty for none.
     #[arg(long, alias = "ttft-image-side", default_value = "448")]
@@ -135,6 +141,7 @@ fn bench_on<B: Backend + Clone>(
         decode_batches: args.decode_batches.0.clone(),
         profile: args.profile,
         sampled_decode: !args.greedy_only,
+        json_schema_decode: !args.no_json_schema,
         ttft_image_sides: args.ttft_image_sides.0.clone(),
         ttft_text_tokens: args.ttft_text_tokens,
         through_gateway: !args.no_gateway,
