@@ -83,6 +83,13 @@ struct Shared {
     grammars: std::result::Result<Grammars, String>,
 }
 
+/// A request the engine has checked, its grammar compiled ([`Engine::check_request`]).
+pub struct CheckedRequest {
+    req: GenerateRequest,
+    spans: Vec<ImageSpan>,
+    grammar: Option<Grammar>,
+}
+
 /// A handle on the engine loop: cheap to clone, safe to use from any thread.
 #[derive(Clone)]
 pub struct Engine {
@@ -329,6 +336,19 @@ impl Engine {
         image_spans(&req.prompt, vision.image_token_id, &grids)
     }
 
+    /// Checks a request and compiles its grammar, once, for [`Engine::submit_checked`]. (A
+    /// large JSON schema can take milliseconds to compile: async callers run this on a
+    /// blocking thread.)
+    pub fn check_request(&self, req: GenerateRequest) -> Result<CheckedRequest> {
+        let spans = self.check(&req)?;
+        let grammar = self.grammar(&req)?;
+        Ok(CheckedRequest {
+            req,
+            spans,
+            grammar,
+        })
+    }
+
     /// Queues a request: its tokens arrive on the returned stream. `span` is the request's
     /// (the engine's prefill and decode spans and its log lines about the request go under
     /// it); past `deadline` the request ends with [`Error::DeadlineExceeded`].
@@ -338,8 +358,21 @@ impl Engine {
         deadline: Option<Instant>,
         span: Span,
     ) -> Result<RequestStream> {
-        let spans = self.check(&req)?;
-        let grammar = self.grammar(&req)?;
+        self.submit_checked(self.check_request(req)?, deadline, span)
+    }
+
+    /// [`Engine::submit`] for a request [`Engine::check_request`] has checked.
+    pub fn submit_checked(
+        &self,
+        checked: CheckedRequest,
+        deadline: Option<Instant>,
+        span: Span,
+    ) -> Result<RequestStream> {
+        let CheckedRequest {
+            req,
+            spans,
+            grammar,
+        } = checked;
         let seed = req.sampling.seed.unwrap_or_else(|| rand::rng().random());
         let positions = prompt_positions(req.prompt.len(), &spans);
         let images = spans

@@ -37,7 +37,7 @@ mod step;
 
 pub use cli::{EngineArgs, WeightArgs};
 pub use config::{Architecture, ModelConfig, TextConfig, VisionTokens};
-pub use engine::{Engine, EngineConfig};
+pub use engine::{CheckedRequest, Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use kv_cache::PagedKv;
 pub use kv_sizing::KvCacheSize;

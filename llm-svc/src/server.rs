@@ -208,13 +208,23 @@ impl LlmService for LlmServer {
                     .await
                     .map_err(|e| Error::Engine(format!("unpacking the embeddings failed: {e}")))??
             };
-            engine.validate(&req)?;
+            // A grammar is compiled here, once (milliseconds for a large schema): off the
+            // runtime's threads.
+            let checked = if req.constraint.is_some() {
+                let engine = engine.clone();
+                let compile = info_span!("compile_grammar");
+                tokio::task::spawn_blocking(move || compile.in_scope(|| engine.check_request(req)))
+                    .await
+                    .map_err(|e| Error::Engine(format!("compiling the grammar failed: {e}")))??
+            } else {
+                engine.check_request(req)?
+            };
             let overloaded = Error::Overloaded {
                 limit: self.max_concurrent,
             };
             let permit = self.permits.clone().try_acquire_owned();
             let permit = permit.map_err(|_| overloaded)?;
-            let stream = engine.submit(req, deadline, tracing::Span::current())?;
+            let stream = engine.submit_checked(checked, deadline, tracing::Span::current())?;
             Ok((permit, stream))
         };
         let (permit, mut stream) = setup.instrument(span.clone()).await?;
@@ -478,5 +488,52 @@ mod tests {
             tokens += msg.unwrap().token_ids.len();
         }
         assert_eq!(tokens, 3);
+    }
+
+    /// A constraint travels the wire: a schema that does not compile is INVALID_ARGUMENT with
+    /// llguidance's reason (compiled before the request takes a place); one that does holds
+    /// the answer to it.
+    #[tokio::test]
+    async fn constraints_are_compiled_at_the_door_and_hold_the_answer() {
+        use tokio_stream::StreamExt;
+        let server = one_place_server(&vlm_compute::golden::tiny_fixture(env!(
+            "CARGO_MANIFEST_DIR"
+        )));
+        let generate = |schema: &str| {
+            server.generate(Request::new(pb::GenerateRequest {
+                prompt_token_ids: vec![40, 41, 42],
+                max_new_tokens: 16,
+                constraint: Some(pb::Constraint {
+                    grammar: Some(pb::constraint::Grammar::JsonSchema(schema.into())),
+                    after_token: None,
+                }),
+                ..Default::default()
+            }))
+        };
+        let full = server.permits.clone().try_acquire_owned().unwrap();
+        let s = generate(r#"{"type": "object", "properties": 5}"#)
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+        assert!(s.message().contains("constraint"), "{s:?}");
+        drop(full);
+        let mut stream = generate(r#"{"enum": ["left", "right"]}"#)
+            .await
+            .unwrap()
+            .into_inner();
+        let (mut tokens, mut finish) = (Vec::new(), 0);
+        while let Some(msg) = stream.next().await {
+            let msg = msg.unwrap();
+            tokens.extend(msg.token_ids);
+            finish = msg.finish_reason;
+        }
+        assert_eq!(finish, pb::FinishReason::Stop as i32);
+        let tok = tokenizers::Tokenizer::from_file(
+            vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR")).join("tokenizer.json"),
+        )
+        .unwrap();
+        let text = tok.decode(&tokens, true).unwrap();
+        assert!(text == r#""left""# || text == r#""right""#, "{text:?}");
     }
 }
