@@ -1133,7 +1133,7 @@ fn ttft_request(
         stop: Vec::new(),
         ignore_eos: true,
         return_logits: false,
-        constraint: None,
+        ..Default::default()
     })
 }
 
@@ -1348,6 +1348,7 @@ fn to_grpc(request: &ChatRequest) -> vlm_proto::pb::ChatRequest {
                     }),
                 })
                 .collect(),
+            ..Default::default()
         }],
         max_tokens: Some(1),
         temperature: Some(0.0),

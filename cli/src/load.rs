@@ -644,6 +644,7 @@ fn grpc_request(req: &LoadRequest, w: &Workload) -> pb::ChatRequest {
         messages: vec![pb::ChatMessage {
             role: "user".into(),
             content,
+            ..Default::default()
         }],
         max_tokens: Some(w.max_tokens as u32),
         temperature: Some(w.sampling.temperature),

@@ -149,6 +149,7 @@ async fn an_image_by_url_or_file_answers_as_the_same_image_sent_inline() {
                     part: Some(content_part::Part::Text("What is this?".into())),
                 },
             ],
+            ..Default::default()
         }],
         max_tokens: Some(4),
         ignore_eos: true,

@@ -38,6 +38,7 @@ fn user_chat(parts: Vec<content_part::Part>) -> ChatRequest {
                 .into_iter()
                 .map(|part| ContentPart { part: Some(part) })
                 .collect(),
+            ..Default::default()
         }],
         ..Default::default()
     }
@@ -316,7 +317,7 @@ async fn check_hops<B: vlm_compute::Backend + Clone>(open: fn() -> vlm_compute::
             stop: Vec::new(),
             ignore_eos: true,
             return_logits: false,
-            constraint: None,
+            ..Default::default()
         };
         pipeline
             .run(&request, |_, _| std::ops::ControlFlow::Continue(()))

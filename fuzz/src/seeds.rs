@@ -304,6 +304,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                     messages: vec![pb::ChatMessage {
                         role: "user".into(),
                         content: vec![text("Hello")],
+                        ..Default::default()
                     }],
                     max_tokens: Some(8),
                     stop: vec!["\n".into()],
@@ -320,6 +321,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                         pb::ChatMessage {
                             role: "system".into(),
                             content: vec![text("Be brief.")],
+                            ..Default::default()
                         },
                         pb::ChatMessage {
                             role: "user".into(),
@@ -329,6 +331,7 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                                 },
                                 text("What is this?"),
                             ],
+                            ..Default::default()
                         },
                     ],
                     temperature: Some(0.3),

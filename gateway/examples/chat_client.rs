@@ -31,6 +31,7 @@ async fn main() -> anyhow::Result<()> {
                     part: Some(Part::Text(prompt)),
                 },
             ],
+            ..Default::default()
         }],
         max_tokens: Some(32),
         ..Default::default()

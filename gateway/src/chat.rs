@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use minijinja::{context, Environment, ErrorKind, Value as JinjaValue};
+use minijinja::{Environment, ErrorKind, Value as JinjaValue};
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 use vlm_proto::checkpoint;
@@ -21,21 +21,71 @@ pub enum Part {
     Image(Vec<u8>),
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Message {
-    /// "system", "user" or "assistant".
+    /// "system", "user", "assistant" or "tool".
     pub role: String,
     pub parts: Vec<Part>,
+    /// An assistant's earlier calls in OpenAI's shape (`{"id", "type": "function",
+    /// "function": {"name", "arguments"}}`), which the template renders as `<tool_call>`
+    /// blocks.
+    pub tool_calls: Vec<Value>,
+    /// The call a tool message answers.
+    pub tool_call_id: Option<String>,
 }
 
 impl Message {
-    pub fn user(parts: Vec<Part>) -> Self {
+    pub fn new(role: &str, parts: Vec<Part>) -> Self {
         Self {
-            role: "user".into(),
+            role: role.into(),
             parts,
+            ..Default::default()
+        }
+    }
+
+    pub fn user(parts: Vec<Part>) -> Self {
+        Self::new("user", parts)
+    }
+
+    /// The same message with each image's bytes left out (the template needs where images
+    /// are, not what they hold).
+    pub fn without_image_bytes(&self) -> Self {
+        let parts = self
+            .parts
+            .iter()
+            .map(|p| match p {
+                Part::Text(t) => Part::Text(t.clone()),
+                Part::Image(_) => Part::Image(Vec::new()),
+            })
+            .collect();
+        Self {
+            role: self.role.clone(),
+            parts,
+            tool_calls: self.tool_calls.clone(),
+            tool_call_id: self.tool_call_id.clone(),
         }
     }
 }
+
+/// What a request gives the chat template besides its messages.
+#[derive(Clone, Debug, Default)]
+pub struct TemplateVars {
+    /// The tools offered, as the request sent them (`{"type": "function", "function":
+    /// {...}}`); the template lists them in its system turn (`tools`).
+    pub tools: Vec<Value>,
+    /// More variables (`chat_template_kwargs`, e.g. `enable_thinking: false`); they cannot
+    /// replace the ones the server sets ([`RESERVED_TEMPLATE_VARS`]).
+    pub kwargs: serde_json::Map<String, Value>,
+}
+
+/// The template variables the server sets itself.
+pub const RESERVED_TEMPLATE_VARS: &[&str] = &[
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
 
 /// The checkpoint's tokenizer and chat template.
 pub struct ChatTokenizer {
@@ -152,6 +202,11 @@ impl ChatTokenizer {
 
     /// Renders `messages` with the generation prompt appended, images as placeholders.
     pub fn render(&self, messages: &[Message]) -> Result<String> {
+        self.render_with(messages, &TemplateVars::default())
+    }
+
+    /// [`ChatTokenizer::render`] with the request's tools and template variables.
+    pub fn render_with(&self, messages: &[Message], vars: &TemplateVars) -> Result<String> {
         let msgs: Vec<Value> = messages
             .iter()
             .map(|m| {
@@ -163,17 +218,44 @@ impl ChatTokenizer {
                         Part::Image(_) => json!({"type": "image"}),
                     })
                     .collect();
-                json!({"role": m.role, "content": content})
+                let mut msg = json!({"role": m.role, "content": content});
+                if !m.tool_calls.is_empty() {
+                    msg["tool_calls"] = Value::Array(m.tool_calls.clone());
+                }
+                if let Some(id) = &m.tool_call_id {
+                    msg["tool_call_id"] = id.clone().into();
+                }
+                msg
             })
             .collect();
+        let mut ctx = vars.kwargs.clone();
+        for (name, value) in [
+            ("messages", Value::Array(msgs)),
+            ("add_generation_prompt", true.into()),
+            ("bos_token", self.bos_token.clone().into()),
+            ("eos_token", self.eos_token.clone().into()),
+        ] {
+            ctx.insert(name.into(), value);
+        }
+        // No tools is no variable: templates test `tools` for being defined or truthy.
+        if vars.tools.is_empty() {
+            ctx.remove("tools");
+        } else {
+            ctx.insert("tools".into(), Value::Array(vars.tools.clone()));
+        }
         let tmpl = self.env.get_template("chat").expect("added at load");
-        tmpl.render(context! {
-            messages => msgs,
-            add_generation_prompt => true,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        })
-        .map_err(|e| Error::Template(format!("cannot render the chat: {e:#}")))
+        tmpl.render(JinjaValue::from_serialize(&ctx))
+            .map_err(|e| Error::Template(format!("cannot render the chat: {e:#}")))
+    }
+
+    /// The id of `text` where the vocabulary has it as one added token (`<tool_call>`,
+    /// `</think>` in Qwen's), so a grammar can name it.
+    pub fn added_token_id(&self, text: &str) -> Option<u32> {
+        self.tokenizer
+            .get_added_tokens_decoder()
+            .iter()
+            .find(|(_, t)| t.content == text)
+            .map(|(&id, _)| id)
     }
 
     /// Token ids of rendered text; special tokens written in the text are recognized.
@@ -194,7 +276,17 @@ impl ChatTokenizer {
     /// Prompt token ids for `messages`: rendered, tokenized, and each image placeholder
     /// repeated `tokens_per_image[k]` times.
     pub fn prompt_ids(&self, messages: &[Message], tokens_per_image: &[usize]) -> Result<Vec<u32>> {
-        let text = self.render(messages)?;
+        self.prompt_ids_with(messages, &TemplateVars::default(), tokens_per_image)
+    }
+
+    /// [`ChatTokenizer::prompt_ids`] with the request's tools and template variables.
+    pub fn prompt_ids_with(
+        &self,
+        messages: &[Message],
+        vars: &TemplateVars,
+        tokens_per_image: &[usize],
+    ) -> Result<Vec<u32>> {
+        let text = self.render_with(messages, vars)?;
         let ids = self.encode(&text)?;
         self.expand_image_tokens(&ids, tokens_per_image)
     }
@@ -272,9 +364,11 @@ mod tests {
                 };
                 let messages: Vec<Message> = messages
                     .iter()
-                    .map(|m| Message {
-                        role: m["role"].as_str().unwrap().into(),
-                        parts: vec![Part::Text(m["content"].as_str().unwrap().into())],
+                    .map(|m| {
+                        Message::new(
+                            m["role"].as_str().unwrap(),
+                            vec![Part::Text(m["content"].as_str().unwrap().into())],
+                        )
                     })
                     .collect();
                 assert_eq!(
@@ -307,10 +401,7 @@ mod tests {
         let chat = tiny();
         let image_in_assistant = [
             Message::user(vec![Part::Text("Hi".into())]),
-            Message {
-                role: "assistant".into(),
-                parts: vec![Part::Image(Vec::new())],
-            },
+            Message::new("assistant", vec![Part::Image(Vec::new())]),
         ];
         let err = chat.prompt_ids(&image_in_assistant, &[4]).unwrap_err();
         assert!(matches!(err, Error::InvalidRequest(_)), "{err}");

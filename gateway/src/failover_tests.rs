@@ -119,6 +119,7 @@ fn hi() -> tonic::Request<pb::ChatRequest> {
             content: vec![pb::ContentPart {
                 part: Some(Part::Text("hi".into())),
             }],
+            ..Default::default()
         }],
         ..Default::default()
     })

@@ -3,24 +3,31 @@
 //! checkpoint defaults for those left out ([`crate::sampling`]), the same logprobs per token.
 //! With `n` set, `ChatResponse.choices` lists every choice (the top-level fields stay choice
 //! 0's, as for a client that predates `n`) and each `ChatChunk` names its choice in `index`.
+//! Tools, tool choice and output formats are read as the HTTP API reads them (the tools are
+//! put in OpenAI's shape and checked by [`crate::tools`]); reasoning and tool calls come back
+//! split out of the text as [`crate::output`] splits them.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
+use serde_json::{json, Value};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_proto::pb::{self, content_part, gateway_server::Gateway};
+use vlm_proto::pb::{self, content_part, gateway_server::Gateway, tool_choice};
 use vlm_proto::telemetry;
 
 use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
 use crate::media::{is_fetched, PendingImage};
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
+use crate::output::ToolCall;
 use crate::request::ChatRequest;
 use crate::sampling::{RequestedSampling, SamplingDefaults};
+use crate::structured;
+use crate::tools::{read_tools, ToolRequest};
 
 pub struct GatewayService {
     pub orchestrator: Arc<Orchestrator>,
@@ -85,9 +92,9 @@ pub fn read_request(
     let mut messages = Vec::with_capacity(r.messages.len());
     let mut pending = Vec::new();
     for (i, m) in r.messages.into_iter().enumerate() {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
             return Err(GatewayError::Invalid(format!(
-                "messages[{i}].role must be system, user or assistant, got {:?}",
+                "messages[{i}].role must be system, user, assistant or tool, got {:?}",
                 m.role
             )));
         }
@@ -122,8 +129,20 @@ pub fn read_request(
         messages.push(Message {
             role: m.role,
             parts,
+            tool_calls: m.tool_calls.iter().map(sent_call_json).collect(),
+            tool_call_id: (!m.tool_call_id.is_empty()).then_some(m.tool_call_id),
         });
     }
+    let tools = read_pb_tools(&r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let format = structured::from_pb(r.output_format.as_ref())?;
+    let template_kwargs = match r.chat_template_kwargs_json.trim() {
+        "" => Default::default(),
+        text => serde_json::from_str(text).map_err(|e| {
+            GatewayError::Invalid(format!(
+                "`chat_template_kwargs_json` must be the JSON text of an object: {e}"
+            ))
+        })?,
+    };
     let req = ChatRequest {
         messages,
         sampling,
@@ -131,9 +150,56 @@ pub fn read_request(
         stop: r.stop,
         ignore_eos: r.ignore_eos,
         return_logits: false,
-        constraint: None,
+        constraint: format.map(|f| f.constraint()),
+        tools,
+        template_kwargs,
     };
     Ok((req, pending))
+}
+
+/// An earlier call as the chat template takes it (OpenAI's shape).
+fn sent_call_json(c: &pb::ToolCall) -> Value {
+    json!({"id": c.id, "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments}})
+}
+
+/// The tools as the HTTP API reads them, from their OpenAI shape, so both APIs check them
+/// one way.
+fn read_pb_tools(
+    tools: &[pb::Tool],
+    choice: Option<&pb::ToolChoice>,
+    parallel: Option<bool>,
+) -> Result<ToolRequest, GatewayError> {
+    let specs = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mut function = json!({"name": t.name, "description": t.description});
+            if !t.parameters_json.trim().is_empty() {
+                let parameters: Value = serde_json::from_str(&t.parameters_json).map_err(|e| {
+                    GatewayError::Invalid(format!("`tools[{i}].parameters_json` is not JSON: {e}"))
+                })?;
+                function["parameters"] = parameters;
+            }
+            Ok(json!({"type": "function", "function": function}))
+        })
+        .collect::<Result<Vec<Value>, GatewayError>>()?;
+    let choice = choice.and_then(|c| c.choice.as_ref()).map(|c| match c {
+        tool_choice::Choice::Mode(mode) => Value::String(mode.clone()),
+        tool_choice::Choice::Function(name) => {
+            json!({"type": "function", "function": {"name": name}})
+        }
+    });
+    read_tools(Some(&Value::Array(specs)), choice.as_ref(), parallel)
+}
+
+fn tool_call_to_pb(c: ToolCall) -> pb::ToolCall {
+    pb::ToolCall {
+        index: c.index,
+        id: c.id,
+        name: c.name,
+        arguments: c.arguments,
+    }
 }
 
 fn top_logprob_to_pb(l: Logprob) -> pb::ChatTopLogprob {
@@ -227,11 +293,16 @@ impl Gateway for GatewayService {
                     ChatEvent::Delta {
                         choice,
                         text,
+                        reasoning,
+                        tool_calls,
                         token_ids,
                         logprobs,
                     } => {
                         let c = &mut choices[choice as usize];
                         c.text.push_str(&text);
+                        c.reasoning.push_str(&reasoning);
+                        c.tool_calls
+                            .extend(tool_calls.into_iter().map(tool_call_to_pb));
                         c.token_ids.extend(token_ids);
                         c.logprobs.extend(logprobs.into_iter().map(logprobs_to_pb));
                     }
@@ -259,6 +330,8 @@ impl Gateway for GatewayService {
                 finish_reason: first.finish_reason,
                 usage: Some(usage),
                 logprobs: first.logprobs,
+                tool_calls: first.tool_calls,
+                reasoning: first.reasoning,
                 choices: if n_set { choices } else { Vec::new() },
             }))
         }
@@ -294,11 +367,15 @@ impl Gateway for GatewayService {
                 ChatEvent::Delta {
                     choice,
                     text,
+                    reasoning,
+                    tool_calls,
                     token_ids,
                     logprobs,
                 } => pb::ChatChunk {
                     index: choice,
                     text,
+                    reasoning,
+                    tool_calls: tool_calls.into_iter().map(tool_call_to_pb).collect(),
                     token_ids,
                     logprobs: logprobs.into_iter().map(logprobs_to_pb).collect(),
                     ..Default::default()

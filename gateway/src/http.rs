@@ -3,9 +3,13 @@
 //!
 //! Images come as `image_url` parts holding `data:` URLs (base64), or `http(s)://` and
 //! `file://` URLs the gateway reads itself under the fetch rules ([`crate::media`]). Beyond OpenAI's fields it accepts vLLM's `top_k`, `min_p`,
-//! `repetition_penalty`, `ignore_eos` and `return_token_ids`; fields that would change the
-//! answer and are not implemented, and unknown ones, are refused naming the field
-//! (`http/fields.rs`). `n` choices come in OpenAI's shape, each with its `index` (one
+//! `repetition_penalty`, `ignore_eos`, `return_token_ids`, `structured_outputs` (and the older
+//! `guided_*`) and `chat_template_kwargs`; fields that would change the answer and are not
+//! implemented, and unknown ones, are refused naming the field (`http/fields.rs`).
+//! `response_format` and the like become the grammar llm-svc enforces ([`crate::structured`]),
+//! `tools` reach the chat template ([`crate::tools`]), and each choice's `message` (or streamed
+//! `delta`) carries `content`, `reasoning_content` and `tool_calls` as [`crate::output`] splits
+//! the answer. `n` choices come in OpenAI's shape, each with its `index` (one
 //! `finish_reason` each; streamed chunks interleaved). Sampling fields a request leaves out take the checkpoint's defaults
 //! ([`crate::sampling`]). Logprobs come in OpenAI's shape, per token with its text and bytes.
 //! Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status
@@ -35,8 +39,11 @@ use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
 use crate::media::{is_fetched, PendingImage};
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
+use crate::output::ToolCall;
 use crate::request::{ChatRequest, RequestLimits};
 use crate::sampling::{RequestedSampling, SamplingDefaults};
+use crate::structured::{output_format, RequestedFormats};
+use crate::tools::read_tools;
 
 mod fields;
 mod stream;
@@ -111,6 +118,20 @@ struct OpenAiRequest {
     ignore_eos: Option<bool>,
     /// Not in OpenAI's API; as vLLM: each choice carries the generated token ids.
     return_token_ids: Option<bool>,
+    /// Read by [`crate::tools::read_tools`].
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+    /// Read by [`crate::structured::output_format`], with vLLM's `structured_outputs` and
+    /// its older `guided_*` fields.
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
+    /// Not in OpenAI's API; as vLLM: more variables for the chat template.
+    chat_template_kwargs: Option<Map<String, Value>>,
 }
 
 /// How the client asked to be answered, besides the chat itself.
@@ -141,6 +162,12 @@ struct OpenAiMessage {
     role: String,
     #[serde(default)]
     content: Value,
+    /// An assistant's earlier calls, passed to the template as sent.
+    #[serde(default)]
+    tool_calls: Option<Vec<Value>>,
+    /// A tool message: the call it answers.
+    #[serde(default)]
+    tool_call_id: Option<String>,
 }
 
 /// Bytes of a `data:[<mime>][;base64],<data>` URL, refused unread when its base64 alone
@@ -280,10 +307,10 @@ fn parse_request(
     for (i, m) in r.messages.into_iter().enumerate() {
         if !matches!(
             m.role.as_str(),
-            "system" | "user" | "assistant" | "developer"
+            "system" | "user" | "assistant" | "developer" | "tool"
         ) {
             return Err(GatewayError::Invalid(format!(
-                "messages[{i}].role must be system, user or assistant, got {:?}",
+                "messages[{i}].role must be system, user, assistant or tool, got {:?}",
                 m.role
             )));
         }
@@ -342,7 +369,12 @@ fn parse_request(
                 )))
             }
         };
-        messages.push(Message { role, parts });
+        messages.push(Message {
+            role,
+            parts,
+            tool_calls: m.tool_calls.unwrap_or_default(),
+            tool_call_id: m.tool_call_id,
+        });
     }
     let stop = match r.stop {
         None | Some(Value::Null) => Vec::new(),
@@ -361,6 +393,19 @@ fn parse_request(
         .max_completion_tokens
         .or(r.max_tokens)
         .map_or(default_max_tokens, |m| m as usize);
+    let tools = read_tools(
+        r.tools.as_ref(),
+        r.tool_choice.as_ref(),
+        r.parallel_tool_calls,
+    )?;
+    let format = output_format(&RequestedFormats {
+        response_format: r.response_format,
+        structured_outputs: r.structured_outputs,
+        guided_json: r.guided_json,
+        guided_regex: r.guided_regex,
+        guided_choice: r.guided_choice,
+        guided_grammar: r.guided_grammar,
+    })?;
     let options = ResponseOptions {
         n,
         stream: r.stream.unwrap_or(false),
@@ -378,7 +423,9 @@ fn parse_request(
             stop,
             ignore_eos: r.ignore_eos.unwrap_or(false),
             return_logits: false,
-            constraint: None,
+            constraint: format.map(|f| f.constraint()),
+            tools,
+            template_kwargs: r.chat_template_kwargs.unwrap_or_default(),
         },
         options,
         pending,
@@ -442,6 +489,8 @@ fn logprobs_json(tokens: &[TokenLogprobs]) -> Value {
 /// One choice of a unary answer, as its events build it.
 struct ChoiceOut {
     text: String,
+    reasoning: String,
+    tool_calls: Vec<ToolCall>,
     finish: &'static str,
     token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprobs>,
@@ -451,6 +500,8 @@ impl Default for ChoiceOut {
     fn default() -> Self {
         Self {
             text: String::new(),
+            reasoning: String::new(),
+            tool_calls: Vec::new(),
             finish: "stop",
             token_ids: Vec::new(),
             logprobs: Vec::new(),
@@ -461,8 +512,33 @@ impl Default for ChoiceOut {
 fn finish_str(f: pb::FinishReason) -> &'static str {
     match f {
         pb::FinishReason::Length => "length",
+        pb::FinishReason::ToolCalls => "tool_calls",
         _ => "stop",
     }
+}
+
+/// A call as OpenAI's `tool_calls` entries (unary and streamed alike) show it.
+fn tool_call_json(c: &ToolCall) -> Value {
+    json!({"index": c.index, "id": c.id, "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments}})
+}
+
+/// A unary choice's `message`: `content` null when the answer is calls alone, and
+/// `reasoning_content` and `tool_calls` only when there are some.
+fn message_json(c: &ChoiceOut) -> Value {
+    let content = if c.text.is_empty() && !c.tool_calls.is_empty() {
+        Value::Null
+    } else {
+        c.text.clone().into()
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !c.reasoning.is_empty() {
+        message["reasoning_content"] = c.reasoning.clone().into();
+    }
+    if !c.tool_calls.is_empty() {
+        message["tool_calls"] = c.tool_calls.iter().map(tool_call_json).collect();
+    }
+    message
 }
 
 fn now_secs() -> u64 {
@@ -533,11 +609,15 @@ async fn chat_completions(
                 Ok(ChatEvent::Delta {
                     choice,
                     text,
+                    reasoning,
+                    tool_calls,
                     token_ids,
                     logprobs,
                 }) => {
                     let c = &mut choices[choice as usize];
                     c.text.push_str(&text);
+                    c.reasoning.push_str(&reasoning);
+                    c.tool_calls.extend(tool_calls);
                     c.token_ids.extend(token_ids);
                     c.logprobs.extend(logprobs);
                 }
@@ -560,7 +640,7 @@ async fn chat_completions(
             .map(|(index, c)| {
                 let mut choice = json!({
                     "index": index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message_json(&c),
                     "logprobs": null,
                     "finish_reason": c.finish,
                 });
@@ -768,9 +848,9 @@ mod tests {
 
     #[test]
     fn unimplemented_fields_are_refused_inert_ones_accepted_and_unknown_ones_named() {
-        let e = parse(&chat_with(json!({"tools": [{"type": "function"}]})), 8).unwrap_err();
+        let e = parse(&chat_with(json!({"best_of": 2})), 8).unwrap_err();
         assert_eq!(e.http_status(), 400);
-        assert!(e.to_string().contains("`tools` is not supported"), "{e}");
+        assert!(e.to_string().contains("`best_of` is not supported"), "{e}");
         for (name, _) in fields::REFUSED {
             let e = parse(&chat_with(field(name, json!("something"))), 8).unwrap_err();
             assert!(e.to_string().contains(&format!("`{name}`")), "{name}: {e}");
@@ -783,11 +863,6 @@ mod tests {
         ] {
             assert!(parse(&chat_with(off.clone()), 8).is_ok(), "{off}");
         }
-        assert!(parse(
-            &chat_with(json!({"response_format": {"type": "json_object"}})),
-            8
-        )
-        .is_err());
         for name in fields::IGNORED {
             let (req, _) = parse(&chat_with(field(name, json!({"any": "thing"}))), 8)
                 .unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -2,6 +2,9 @@
 //!
 //! - [`auth`]: the optional API key, and the access and TLS flags of the public ports.
 //! - [`chat`]: the checkpoint's chat template and tokenizer; image placeholders expanded.
+//! - [`structured`]: structured outputs (a JSON schema, a regex, a choice, a grammar) as the
+//!   grammar llm-svc enforces; [`tools`]: the tools offered and the grammar that forces calls;
+//!   [`output`]: an answer split into reasoning, content and tool calls as it streams.
 //! - [`detok`]: streaming detokenization that never splits a character, and stop strings.
 //! - [`sampling`]: a request's sampling fields, with the checkpoint's defaults for those it
 //!   leaves out.
@@ -27,10 +30,13 @@ pub mod http;
 pub mod media;
 pub mod metrics;
 pub mod orchestrator;
+pub mod output;
 pub mod request;
 pub mod routing;
 pub mod sampling;
 pub mod serve;
+pub mod structured;
+pub mod tools;
 pub mod upstream;
 
 #[cfg(test)]

@@ -46,14 +46,16 @@ use vlm_proto::pb::vision_service_client::VisionServiceClient;
 use vlm_proto::pb::{self, EncodeRequest, EncodeResponse};
 use vlm_proto::{headers, telemetry};
 
-use crate::chat::{ChatTokenizer, Message, Part};
+use crate::chat::{ChatTokenizer, Message};
 use crate::detok::{TextStream, TokenBytes};
 use crate::gateway_error::upstream_gone;
 pub use crate::gateway_error::GatewayError;
 use crate::metrics::Metrics;
+use crate::output::{OutputSplitter, ToolCall, THINK_CLOSE, THINK_OPEN};
 use crate::request::{image_parts, validate_request, ChatRequest, RequestLimits};
 use crate::routing::RouteKey;
 use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
+use crate::tools::{tool_call_grammar, Tag, TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 use crate::upstream::{Load, Release, ReleaseSharedMemory, Routed, Upstreams};
 use vlm_proto::prefix::{prompt_block_hashes, BlockHash, KV_BLOCK_SIZE};
 
@@ -76,16 +78,19 @@ pub fn choices(n: Option<i64>) -> Result<usize, GatewayError> {
 /// error, which ends every choice).
 #[derive(Debug, Clone)]
 pub enum ChatEvent {
-    /// New tokens of choice `choice` and the text they complete (possibly empty); with
-    /// logprobs asked for, one [`TokenLogprobs`] per token, else none.
+    /// New tokens of choice `choice` and the text they complete (possibly empty), split
+    /// into content (`text`), reasoning and tool calls ([`crate::output`]); with logprobs
+    /// asked for, one [`TokenLogprobs`] per token, else none.
     Delta {
         choice: u32,
         text: String,
+        reasoning: String,
+        tool_calls: Vec<ToolCall>,
         token_ids: Vec<u32>,
         logprobs: Vec<TokenLogprobs>,
     },
-    /// The end of choice `choice`: why, and its token counts (the prompt's is the request's,
-    /// the same in every choice).
+    /// The end of choice `choice`: why (`ToolCalls` for an answer that called tools), and
+    /// its token counts (the prompt's is the request's, the same in every choice).
     Done {
         choice: u32,
         finish: pb::FinishReason,
@@ -246,6 +251,15 @@ fn text_only() -> GatewayError {
 }
 
 impl Orchestrator {
+    /// Whether `prompt` ends by opening `<think>` (a Thinking checkpoint's generation prompt):
+    /// the answer then starts with reasoning.
+    fn prompt_opens_reasoning(&self, prompt: &[u32]) -> bool {
+        let tail = &prompt[prompt.len().saturating_sub(4)..];
+        self.chat
+            .decode(tail, false)
+            .is_ok_and(|t| t.trim_end().ends_with(THINK_OPEN))
+    }
+
     /// `vision`: `None` for a text-only checkpoint, whose requests take no images.
     pub fn new(
         chat: ChatTokenizer,
@@ -290,22 +304,14 @@ impl Orchestrator {
         let messages: Vec<Message> = req
             .messages
             .iter()
-            .map(|m| Message {
-                role: m.role.clone(),
-                parts: m
-                    .parts
-                    .iter()
-                    .map(|p| match p {
-                        Part::Text(t) => Part::Text(t.clone()),
-                        Part::Image(_) => Part::Image(Vec::new()),
-                    })
-                    .collect(),
-            })
+            .map(Message::without_image_bytes)
             .collect();
-        let ids = tokio::task::spawn_blocking(move || chat.prompt_ids(&messages, &per_image))
-            .instrument(info_span!("tokenize"))
-            .await
-            .map_err(|e| GatewayError::Internal(format!("tokenizer task failed: {e}")))??;
+        let vars = req.template_vars();
+        let ids =
+            tokio::task::spawn_blocking(move || chat.prompt_ids_with(&messages, &vars, &per_image))
+                .instrument(info_span!("tokenize"))
+                .await
+                .map_err(|e| GatewayError::Internal(format!("tokenizer task failed: {e}")))??;
         Ok(ids)
     }
 
@@ -457,7 +463,6 @@ impl Orchestrator {
         timeout: Option<Duration>,
     ) -> Result<mpsc::Receiver<Result<ChatEvent, GatewayError>>, GatewayError> {
         let mut guard = RequestGuard::new(&self.metrics, api);
-        let stop = req.stop.clone();
         let started = match self.start(req, n, timeout).await {
             Ok(s) => s,
             Err(e) => {
@@ -471,7 +476,6 @@ impl Orchestrator {
         tokio::spawn(
             forward(
                 started,
-                stop,
                 tx,
                 guard,
                 self.chat.clone(),
@@ -576,7 +580,9 @@ impl Orchestrator {
                 device_handle: e.device_handle,
             })
             .collect();
-        let gen = generate_request(&req, prompt, images);
+        let reasoning = self.prompt_opens_reasoning(&prompt);
+        let mut gen = generate_request(&req, prompt, images);
+        gen.constraint = resolve_constraint(&self.chat, &req, reasoning)?;
         let prompt_tokens = gen.prompt_token_ids.len() as u32;
         let span = info_span!(
             "llm.rpc",
@@ -649,6 +655,11 @@ impl Orchestrator {
             upstreams.extend(rest.into_iter().map(|r| (None, r.into_inner())));
         }
         Ok(Started {
+            output: OutputKinds {
+                stop: req.stop,
+                reasoning,
+                tool_calls: req.tools.parses_calls(),
+            },
             upstreams,
             llm_addr,
             load,
@@ -660,8 +671,45 @@ impl Orchestrator {
     }
 }
 
+/// The grammar llm-svc is sent: the request's output format, or the calls its `tool_choice`
+/// forces ([`tool_call_grammar`], the tags named by id where they are single tokens). When the
+/// answer starts by reasoning, the grammar applies after `</think>`, which must then be one
+/// token of the vocabulary; if it is not, the request is refused rather than its reasoning
+/// forced into the format.
+fn resolve_constraint(
+    chat: &ChatTokenizer,
+    req: &ChatRequest,
+    reasoning: bool,
+) -> Result<Option<pb::Constraint>, GatewayError> {
+    let tag = |text: &'static str| {
+        chat.added_token_id(text)
+            .map_or(Tag::Text(text), Tag::Token)
+    };
+    let mut constraint =
+        match tool_call_grammar(&req.tools, &tag(TOOL_CALL_OPEN), &tag(TOOL_CALL_CLOSE)) {
+            Some(lark) => Some(pb::Constraint {
+                grammar: Some(pb::constraint::Grammar::Lark(lark)),
+                after_token: None,
+            }),
+            None => req.constraint.clone(),
+        };
+    if let (Some(c), true) = (&mut constraint, reasoning) {
+        let Some(id) = chat.added_token_id(THINK_CLOSE) else {
+            return Err(GatewayError::Invalid(format!(
+                "this model reasons before it answers (its prompt opens {THINK_OPEN}), and \
+                 {THINK_CLOSE} is not one token of its vocabulary, so the requested format \
+                 cannot start after the reasoning; leave out the format or turn reasoning off \
+                 (`chat_template_kwargs`)"
+            )));
+        };
+        c.after_token = Some(id);
+    }
+    Ok(constraint)
+}
+
 /// What llm-svc is sent for a chat: the prompt's ids, each image's embeddings, and the chat's
-/// sampling and token budget.
+/// sampling, token budget and output format (see [`resolve_constraint`] for the grammar
+/// the orchestrator sends).
 pub fn generate_request(
     req: &ChatRequest,
     prompt: Vec<u32>,
@@ -687,8 +735,18 @@ impl Orchestrator {
     }
 }
 
+/// How each choice's text is read: its stop strings, and what the splitter looks for.
+struct OutputKinds {
+    stop: Vec<String>,
+    /// The prompt opened `<think>`: the answer starts with reasoning.
+    reasoning: bool,
+    /// The request's tools are read out of the answer.
+    tool_calls: bool,
+}
+
 /// A request's generations under way upstream, one per choice.
 struct Started {
+    output: OutputKinds,
     /// Each choice's stream, with the message already read from it (the first choice's first).
     upstreams: Vec<(
         Option<pb::GenerateResponse>,
@@ -704,9 +762,11 @@ struct Started {
     span: tracing::Span,
 }
 
-/// One choice's tokens as they are relayed: its own text (detokenizer and stop strings).
+/// One choice's tokens as they are relayed: its own text (detokenizer and stop strings) and
+/// its split into content, reasoning and tool calls.
 struct ChoiceText<'a> {
     text: TextStream<'a>,
+    output: OutputSplitter,
     generated: u32,
     last_token: Option<Instant>,
 }
@@ -744,7 +804,6 @@ async fn send_event(
 /// cancels its generation, and returning drops the rest (client gone, error).
 async fn forward(
     s: Started,
-    stop: Vec<String>,
     tx: mpsc::Sender<Result<ChatEvent, GatewayError>>,
     mut guard: RequestGuard,
     chat: Arc<ChatTokenizer>,
@@ -752,6 +811,7 @@ async fn forward(
     send_timeout: Duration,
 ) {
     let Started {
+        output,
         upstreams,
         llm_addr,
         load: _load,
@@ -764,7 +824,8 @@ async fn forward(
     let token_bytes = TokenBytes::new(chat.tokenizer());
     let mut choices: Vec<ChoiceText> = (0..n)
         .map(|_| ChoiceText {
-            text: TextStream::new(chat.tokenizer(), stop.clone()),
+            text: TextStream::new(chat.tokenizer(), output.stop.clone()),
+            output: OutputSplitter::new(output.reasoning, output.tool_calls),
             generated: 0,
             last_token: None,
         })
@@ -835,10 +896,16 @@ async fn forward(
                     Err(e) => return Relayed::Failed(e.into()),
                 }
             }
-            if !visible.is_empty() || !msg.token_ids.is_empty() {
+            let mut split = choice.output.push(&visible);
+            if done {
+                split.extend(choice.output.finish());
+            }
+            if !split.is_empty() || !msg.token_ids.is_empty() {
                 let delta = ChatEvent::Delta {
                     choice: i as u32,
-                    text: visible,
+                    text: split.content,
+                    reasoning: split.reasoning,
+                    tool_calls: split.tool_calls,
                     token_ids: msg.token_ids,
                     logprobs,
                 };
@@ -854,13 +921,16 @@ async fn forward(
                 } else {
                     finish.as_str_name()
                 };
+                let finish = match (stop_hit, finish) {
+                    _ if choice.output.called_tools() && finish != pb::FinishReason::Length => {
+                        pb::FinishReason::ToolCalls
+                    }
+                    (true, _) => pb::FinishReason::Stop,
+                    (false, f) => f,
+                };
                 let done = ChatEvent::Done {
                     choice: i as u32,
-                    finish: if stop_hit {
-                        pb::FinishReason::Stop
-                    } else {
-                        finish
-                    },
+                    finish,
                     prompt_tokens,
                     completion_tokens: choice.generated,
                 };

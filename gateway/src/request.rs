@@ -3,7 +3,8 @@
 //! is held to ([`RequestLimits`]) and the checks against them ([`validate_request`]). The
 //! orchestrator serves it across the services; `vlm run` runs it in one process.
 
-use crate::chat::{Message, Part};
+use crate::chat::{Message, Part, TemplateVars, RESERVED_TEMPLATE_VARS};
+use crate::tools::ToolRequest;
 use crate::{Error, Result};
 use vlm_proto::sampling::SamplingParams;
 
@@ -37,7 +38,7 @@ impl Default for RequestLimits {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub sampling: SamplingParams,
@@ -49,8 +50,23 @@ pub struct ChatRequest {
     /// Hand each step's logits to `on_token` (`vlm run --logits-out`); otherwise greedy
     /// requests keep them on the device.
     pub return_logits: bool,
-    /// The grammar the answer keeps to (structured outputs, tool calls), enforced by llm-svc.
+    /// The grammar the answer keeps to (structured outputs), enforced by llm-svc. A tool
+    /// choice that forces calls is a grammar the orchestrator builds from `tools`.
     pub constraint: Option<vlm_proto::pb::Constraint>,
+    /// The tools offered, and what the model is to do with them.
+    pub tools: ToolRequest,
+    /// More variables for the chat template (`chat_template_kwargs`).
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ChatRequest {
+    /// What the chat template is given besides the messages.
+    pub fn template_vars(&self) -> TemplateVars {
+        TemplateVars {
+            tools: self.tools.template_tools(),
+            kwargs: self.template_kwargs.clone(),
+        }
+    }
 }
 
 /// Checks a chat request against `limits` before any work is done for it.
@@ -65,8 +81,28 @@ pub fn validate_request(req: &ChatRequest, limits: &RequestLimits) -> Result<()>
             req.messages.len()
         )));
     }
-    if let Some(i) = req.messages.iter().position(|m| m.parts.is_empty()) {
+    // An assistant turn may be calls alone.
+    if let Some(i) = req
+        .messages
+        .iter()
+        .position(|m| m.parts.is_empty() && m.tool_calls.is_empty())
+    {
         return Err(Error::InvalidRequest(format!("message {i} has no content")));
+    }
+    if req.constraint.is_some() && req.tools.forces_calls() {
+        return Err(Error::InvalidRequest(
+            "`tool_choice` asks for tool calls and `response_format` for another format: \
+             both constrain the answer; send one"
+                .into(),
+        ));
+    }
+    if let Some(name) = RESERVED_TEMPLATE_VARS
+        .iter()
+        .find(|&&n| req.template_kwargs.contains_key(n))
+    {
+        return Err(Error::InvalidRequest(format!(
+            "`chat_template_kwargs.{name}` is set by the server; leave it out"
+        )));
     }
     let images = image_parts(&req.messages).count();
     if images > limits.max_images {

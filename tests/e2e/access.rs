@@ -180,6 +180,7 @@ fn grpc_chat() -> pb::ChatRequest {
             content: vec![pb::ContentPart {
                 part: Some(Part::Text("Hello".into())),
             }],
+            ..Default::default()
         }],
         max_tokens: Some(4),
         temperature: Some(0.0),

@@ -50,6 +50,7 @@ pub fn grpc_chat(images: &[Vec<u8>], text: &str, max_tokens: u32) -> pb::ChatReq
         messages: vec![pb::ChatMessage {
             role: "user".into(),
             content,
+            ..Default::default()
         }],
         temperature: Some(0.0),
         max_tokens: Some(max_tokens),

@@ -179,6 +179,7 @@ fn conversation(c: usize) -> pb::ChatRequest {
     let text = |role: &str, content: Vec<pb::ContentPart>| pb::ChatMessage {
         role: role.into(),
         content,
+        ..Default::default()
     };
     let words = |turn: usize| {
         (0..12)

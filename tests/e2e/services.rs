@@ -61,11 +61,13 @@ fn grpc_request(case: &Value) -> pb::ChatRequest {
             content: vec![pb::ContentPart {
                 part: Some(Part::Text(text)),
             }],
+            ..Default::default()
         })
         .collect();
     messages.push(pb::ChatMessage {
         role: "user".into(),
         content,
+        ..Default::default()
     });
     pb::ChatRequest {
         messages,
@@ -322,6 +324,7 @@ async fn bad_requests_get_invalid_argument_and_400_naming_the_problem() {
                 .into_iter()
                 .map(|p| pb::ContentPart { part: Some(p) })
                 .collect(),
+            ..Default::default()
         }],
         max_tokens: Some(4),
         ..Default::default()

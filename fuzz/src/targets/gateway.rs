@@ -101,7 +101,7 @@ pub fn chat_messages(data: &[u8]) -> Outcome {
         stop: Vec::new(),
         ignore_eos: false,
         return_logits: false,
-        constraint: None,
+        ..Default::default()
     };
     // The gateway checks the request (no messages, an empty one) before rendering it.
     validate_request(&req, &RequestLimits::default()).map_err(text)?;

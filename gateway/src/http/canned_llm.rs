@@ -72,6 +72,7 @@ fn hi() -> pb::ChatRequest {
             content: vec![pb::ContentPart {
                 part: Some(pb::content_part::Part::Text("hi".into())),
             }],
+            ..Default::default()
         }],
         ..Default::default()
     }

@@ -1,8 +1,8 @@
 //! Which top-level fields of a chat completion request the HTTP API reads, which it accepts
 //! and ignores, and which it refuses. A field that would change the answer and that this
-//! server does not implement (tools, structured output, beam search, ...) is refused with a
-//! 400 naming it, so a client never takes an answer that silently left its request out; so is
-//! a field nobody defines (a typo). docs/api.md lists the three sets.
+//! server does not implement (beam search, audio, ...) is refused with a 400 naming it, so a
+//! client never takes an answer that silently left its request out; so is a field nobody
+//! defines (a typo). docs/api.md has one table of every field and what is done with it.
 
 use serde_json::{Map, Value};
 
@@ -31,6 +31,16 @@ pub(super) const READ: &[&str] = &[
     "n",
     "ignore_eos",
     "return_token_ids",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "chat_template_kwargs",
 ];
 
 /// Fields that change nothing about the answer: accepted, and dropped unread. (`model` and
@@ -40,7 +50,6 @@ pub(super) const IGNORED: &[&str] = &[
     "metadata",
     "store",
     "service_tier",
-    "parallel_tool_calls",
     "safety_identifier",
     "prompt_cache_key",
 ];
@@ -48,16 +57,14 @@ pub(super) const IGNORED: &[&str] = &[
 /// Fields of OpenAI's API or vLLM's extensions that would change the answer and that this
 /// server does not implement, with what they ask for.
 pub(super) const REFUSED: &[(&str, &str)] = &[
-    ("tools", "this server does not call tools"),
-    ("tool_choice", "this server does not call tools"),
-    ("functions", "this server does not call functions"),
-    ("function_call", "this server does not call functions"),
-    ("response_format", "this server has no structured output"),
-    ("structured_outputs", "this server has no structured output"),
-    ("guided_json", "this server has no guided decoding"),
-    ("guided_regex", "this server has no guided decoding"),
-    ("guided_choice", "this server has no guided decoding"),
-    ("guided_grammar", "this server has no guided decoding"),
+    (
+        "functions",
+        "the deprecated functions API is not read; send `tools`",
+    ),
+    (
+        "function_call",
+        "the deprecated functions API is not read; send `tool_choice`",
+    ),
     ("audio", "this server answers in text only"),
     ("modalities", "this server answers in text only"),
     ("prediction", "this server has no predicted outputs"),
@@ -98,10 +105,6 @@ pub(super) const REFUSED: &[(&str, &str)] = &[
         "the checkpoint's chat template is the only one",
     ),
     (
-        "chat_template_kwargs",
-        "the checkpoint's chat template takes no arguments here",
-    ),
-    (
         "skip_special_tokens",
         "special tokens are always left out of the text",
     ),
@@ -120,11 +123,8 @@ pub(super) const REFUSED: &[(&str, &str)] = &[
 fn asks_for_nothing(name: &str, value: &Value) -> bool {
     match (name, value) {
         (_, Value::Null) => true,
-        ("tools" | "functions" | "stop_token_ids" | "bad_words", Value::Array(a)) => a.is_empty(),
-        ("tool_choice" | "function_call", Value::String(s)) => s == "none",
-        ("response_format", Value::Object(o)) => {
-            o.len() == 1 && o.get("type").and_then(Value::as_str) == Some("text")
-        }
+        ("functions" | "stop_token_ids" | "bad_words", Value::Array(a)) => a.is_empty(),
+        ("function_call", Value::String(s)) => s == "none",
         ("modalities", Value::Array(a)) => a.len() == 1 && a[0] == "text",
         ("best_of", v) => v.as_u64() == Some(1),
         ("min_tokens", v) => v.as_u64() == Some(0),

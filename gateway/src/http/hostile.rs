@@ -210,6 +210,7 @@ async fn a_bad_request_gets_400_even_when_every_place_is_taken() {
             messages: vec![pb::ChatMessage {
                 role: "user".into(),
                 content,
+                ..Default::default()
             }],
             max_tokens: Some(max_tokens),
             ..Default::default()
@@ -283,6 +284,7 @@ async fn a_grpc_message_over_the_limit_is_refused_naming_it() {
             content: vec![pb::ContentPart {
                 part: Some(pb::content_part::Part::Text("x".repeat(n))),
             }],
+            ..Default::default()
         }],
         max_tokens: Some(0),
         ..Default::default()

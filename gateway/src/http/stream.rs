@@ -20,6 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::{finish_str, ResponseOptions, NEG_INF_LOGPROB};
 use crate::gateway_error::GatewayError;
 use crate::orchestrator::{ChatEvent, Logprob, TokenLogprobs};
+use crate::output::ToolCall;
 
 #[derive(Serialize)]
 struct Chunk<'a> {
@@ -47,7 +48,41 @@ struct Delta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    tool_calls: &'a [ToolCallDelta<'a>],
+}
+
+/// A call in a delta: all of it at once (its block has closed), in OpenAI's delta shape.
+#[derive(Serialize)]
+struct ToolCallDelta<'a> {
+    function: FunctionDelta<'a>,
+    id: &'a str,
+    index: u32,
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+#[derive(Serialize)]
+struct FunctionDelta<'a> {
+    arguments: &'a str,
+    name: &'a str,
+}
+
+impl<'a> ToolCallDelta<'a> {
+    fn of(c: &'a ToolCall) -> Self {
+        Self {
+            function: FunctionDelta {
+                arguments: &c.arguments,
+                name: &c.name,
+            },
+            id: &c.id,
+            index: c.index,
+            kind: "function",
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -156,6 +191,7 @@ impl ChunkWriter {
             let role = Delta {
                 content: Some(""),
                 role: Some("assistant"),
+                ..Default::default()
             };
             self.write(&mut out, &[choice(index, role, None)], None);
         }
@@ -170,16 +206,27 @@ impl ChunkWriter {
             Ok(ChatEvent::Delta {
                 choice: index,
                 text,
+                reasoning,
+                tool_calls,
                 token_ids,
                 logprobs,
             }) => {
                 let with_logprobs = self.options.logprobs && !logprobs.is_empty();
-                if text.is_empty() && !self.options.return_token_ids && !with_logprobs {
+                let other_parts = !reasoning.is_empty() || !tool_calls.is_empty();
+                if text.is_empty()
+                    && !other_parts
+                    && !self.options.return_token_ids
+                    && !with_logprobs
+                {
                     return None;
                 }
+                let calls: Vec<ToolCallDelta> = tool_calls.iter().map(ToolCallDelta::of).collect();
                 let content = Delta {
-                    content: Some(&text),
+                    // A delta of reasoning or calls alone carries no content key.
+                    content: (!text.is_empty() || !other_parts).then_some(text.as_str()),
+                    reasoning_content: (!reasoning.is_empty()).then_some(reasoning.as_str()),
                     role: None,
+                    tool_calls: &calls,
                 };
                 let mut c = choice(index, content, None);
                 if self.options.return_token_ids {
@@ -325,6 +372,8 @@ mod tests {
                 let got = text(w.event(Ok(ChatEvent::Delta {
                     choice: 1,
                     text: t.into(),
+                    reasoning: String::new(),
+                    tool_calls: Vec::new(),
                     token_ids: ids.clone(),
                     logprobs: if with_logprobs {
                         logprobs.clone()

@@ -456,14 +456,11 @@ async fn file_urls_are_read_inside_the_allowed_directory_only() {
 async fn a_request_s_urls_are_fetched_into_their_parts() {
     let (base, seen) = server().await;
     let f = fetcher(loopback_rules());
-    let mut messages = vec![Message {
-        role: "user".into(),
-        parts: vec![
-            Part::Text("two cats".into()),
-            Part::Image(Vec::new()),
-            Part::Image(Vec::new()),
-        ],
-    }];
+    let mut messages = vec![Message::user(vec![
+        Part::Text("two cats".into()),
+        Part::Image(Vec::new()),
+        Part::Image(Vec::new()),
+    ])];
     let pending = (1..3)
         .map(|j| PendingImage {
             message: 0,

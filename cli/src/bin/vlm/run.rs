@@ -144,10 +144,7 @@ fn chat_request(args: &RunArgs) -> anyhow::Result<ChatRequest> {
     parts.push(Part::Text(args.prompt.clone()));
     let mut messages = Vec::new();
     if let Some(system) = &args.system {
-        messages.push(Message {
-            role: "system".into(),
-            parts: vec![Part::Text(system.clone())],
-        });
+        messages.push(Message::new("system", vec![Part::Text(system.clone())]));
     }
     messages.push(Message::user(parts));
     Ok(ChatRequest {
@@ -163,7 +160,7 @@ fn chat_request(args: &RunArgs) -> anyhow::Result<ChatRequest> {
         stop: args.stop.clone(),
         ignore_eos: false,
         return_logits: args.logits_out.is_some(),
-        constraint: None,
+        ..Default::default()
     })
 }
 
