@@ -69,6 +69,7 @@ fn main() -> vlm_compute::Result<()> {
                 None => "f16",
                 Some(QuantizeTo::Int8) => "w8",
                 Some(QuantizeTo::Int4) => "w4",
+                Some(QuantizeTo::Fp8) => "fp8",
             },
             s * 1e3,
             bytes as f64 / 1e9,

@@ -13,8 +13,9 @@
 //! - [`Weights`]: safetensors checkpoints (single file or sharded with an index), memory mapped,
 //!   converted from f32/f16/bf16 to f32 by name with shape checks; quantized ones' packed
 //!   tensors read through [`quant`].
-//! - [`quant`]: integer-quantized checkpoints (compressed-tensors, AWQ, GPTQ) read into one
-//!   form, and `--quantize` of an f16/bf16 one.
+//! - [`quant`]: quantized checkpoints (compressed-tensors int and FP8, AWQ, GPTQ,
+//!   transformers' FineGrainedFP8) read into one form per number format (integer, FP8), and
+//!   `--quantize` of an f16/bf16 one.
 //! - [`sampling`]: the rule that picks each sequence's next token (greedy or a seeded draw
 //!   after penalties, temperature, top-k, top-p and min-p), shared by the CPU and the GPU.
 //! - [`files`]: reading the JSON files of a checkpoint directory with errors that name the file

@@ -1,7 +1,9 @@
-//! Integer-quantized weights (W4A16, W8A16): the checkpoint formats people download, read
-//! into one form, and round-to-nearest quantization of an f16/bf16 checkpoint at load.
+//! Quantized weights (W4A16, W8A16, FP8): the checkpoint formats people download, read into
+//! one form per number format, and round-to-nearest quantization of an f16/bf16 checkpoint at
+//! load. FP8 (e4m3 values with block scales) is its own form, [`fp8::Fp8Matrix`] (see [`fp8`]);
+//! a module's matrix is a [`QuantMatrix`], one or the other.
 //!
-//! Every format is read into an [`IntMatrix`]: unsigned values of `bits` bits, row-major
+//! Every integer format is read into an [`IntMatrix`]: unsigned values of `bits` bits, row-major
 //! `[out, in]`, and per row a scale and an (integer) zero point for each `group` input
 //! columns, so that `w[o, i] = (q[o, i] - zero[o, i / group]) * scale[o, i / group]`. GPTQ's
 //! act order keeps its groups contiguous through a column permutation ([`IntMatrix::perm`]).
@@ -10,9 +12,10 @@
 //!
 //! Which format a checkpoint has is its `config.json`'s `quantization_config`
 //! ([`QuantConfig::from_config`]); which modules are quantized is per tensor: a module whose
-//! packed tensors are present (`weight_packed`, `qweight`) is read through the format, one that
-//! has a plain `weight` (the ViT, `lm_head`, the embeddings, whatever the `ignore` list named)
-//! stays f16. Formats (layouts as the tools write them):
+//! packed tensors are present (`weight_packed`, `qweight`, or FP8's scale beside `weight`) is
+//! read through the format, one that has a plain `weight` (the ViT, `lm_head`, the embeddings,
+//! whatever the `ignore` / `modules_to_not_convert` list named) stays f16. Formats (layouts as
+//! the tools write them; FP8's in [`fp8`]):
 //!
 //! - compressed-tensors `pack-quantized` (llm-compressor): `weight_packed` i32 `[out, in / (32 /
 //!   bits)]`, values along the input dim, low bits first, each stored plus `2^(bits-1)`;
@@ -27,11 +30,39 @@
 //!   does not), `scales` `[groups, out]`, `g_idx` `[in]` (each input column's group; with
 //!   `desc_act` not in order).
 
+pub mod fp8;
+
 use std::path::Path;
 
 use serde_json::Value;
 
 use crate::{Error, HostTensor, Result, WeightPrefix};
+use fp8::{Fp8Matrix, Fp8Scales};
+
+/// A quantized module's matrix, in the form of its number format.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QuantMatrix {
+    Int(IntMatrix),
+    Fp8(Fp8Matrix),
+}
+
+impl QuantMatrix {
+    /// The f32 matrix `[out, inp]` it means.
+    pub fn dequantize(&self) -> HostTensor {
+        match self {
+            QuantMatrix::Int(m) => m.dequantize(),
+            QuantMatrix::Fp8(m) => m.dequantize(),
+        }
+    }
+
+    /// Its scales, whatever they cover (for the f16 audit of backends that store them so).
+    pub fn scales(&self) -> &[f32] {
+        match self {
+            QuantMatrix::Int(m) => &m.scales,
+            QuantMatrix::Fp8(m) => &m.scales,
+        }
+    }
+}
 
 /// A matrix `[out, inp]` of `bits`-bit integers with a scale and zero point per row and group.
 #[derive(Clone, Debug, PartialEq)]
@@ -109,6 +140,9 @@ pub enum QuantizeTo {
     /// 4-bit, asymmetric (min-max, integer zero point), a scale and zero per row and 128
     /// columns.
     Int4,
+    /// e4m3 with a scale per 128x128 block: the layout of Qwen's FP8 checkpoints
+    /// ([`fp8::quantize_fp8`]).
+    Fp8,
 }
 
 /// Columns a scale covers under `--quantize`.
@@ -117,7 +151,7 @@ pub const QUANTIZE_GROUP: usize = 128;
 impl QuantizeTo {
     pub fn bits(self) -> u32 {
         match self {
-            QuantizeTo::Int8 => 8,
+            QuantizeTo::Int8 | QuantizeTo::Fp8 => 8,
             QuantizeTo::Int4 => 4,
         }
     }
@@ -133,10 +167,18 @@ impl QuantizeTo {
             && inp % QUANTIZE_GROUP == 0
     }
 
-    /// Round-to-nearest quantization of `w` `[out, inp]` in groups of [`QUANTIZE_GROUP`]:
-    /// lower quality than AWQ or GPTQ, which choose scales from calibration data; this is what
-    /// makes an f16 checkpoint (or `--random-weights`) run at the quantized speed.
-    pub fn quantize(self, w: &HostTensor) -> IntMatrix {
+    /// Round-to-nearest quantization of `w` `[out, inp]` in groups of [`QUANTIZE_GROUP`]
+    /// (FP8: blocks of [`fp8::FP8_BLOCK`]): lower quality than AWQ or GPTQ, which choose
+    /// scales from calibration data; this is what makes an f16 checkpoint (or
+    /// `--random-weights`) run at the quantized speed.
+    pub fn quantize(self, w: &HostTensor) -> QuantMatrix {
+        match self {
+            QuantizeTo::Fp8 => QuantMatrix::Fp8(fp8::quantize_fp8(w)),
+            QuantizeTo::Int8 | QuantizeTo::Int4 => QuantMatrix::Int(self.quantize_int(w)),
+        }
+    }
+
+    fn quantize_int(self, w: &HostTensor) -> IntMatrix {
         let (out, inp) = (w.shape()[0], w.shape()[1]);
         let group = QUANTIZE_GROUP.min(inp);
         let groups = inp / group;
@@ -152,6 +194,7 @@ impl QuantizeTo {
                         let amax = vals.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                         (amax / 127.0, 128.0)
                     }
+                    QuantizeTo::Fp8 => unreachable!("FP8 quantizes through fp8::quantize_fp8"),
                     QuantizeTo::Int4 => {
                         let lo = vals.iter().fold(0.0f32, |m, &v| m.min(v));
                         let hi = vals.iter().fold(0.0f32, |m, &v| m.max(v));
@@ -186,7 +229,8 @@ impl QuantizeTo {
     }
 }
 
-/// A random-weight model's matrix `[out, inp]` under `--quantize`: value `i` (row-major) is
+/// A random-weight model's matrix `[out, inp]` under `--quantize int8|int4` (FP8 quantizes the
+/// random f32 values instead): value `i` (row-major) is
 /// the top `bits` bits of [`crate::random::bits`]`(key, i)`, zero points the middle of the
 /// range and one f16 scale that spreads the values over `[-bound, bound)`, as
 /// [`crate::random::uniform`] would. The GPU fills the same values (`fill_random_int`).
@@ -222,6 +266,7 @@ impl std::fmt::Display for QuantizeTo {
         f.write_str(match self {
             QuantizeTo::Int8 => "int8",
             QuantizeTo::Int4 => "int4",
+            QuantizeTo::Fp8 => "fp8",
         })
     }
 }
@@ -232,7 +277,10 @@ impl std::str::FromStr for QuantizeTo {
         match s {
             "int8" => Ok(QuantizeTo::Int8),
             "int4" => Ok(QuantizeTo::Int4),
-            other => Err(format!("unknown quantization `{other}`: use int8 or int4")),
+            "fp8" => Ok(QuantizeTo::Fp8),
+            other => Err(format!(
+                "unknown quantization `{other}`: use int8, int4 or fp8"
+            )),
         }
     }
 }
@@ -249,6 +297,14 @@ impl std::fmt::Display for QuantConfig {
             QuantConfig::Awq { .. } => f.write_str("AWQ"),
             QuantConfig::Gptq { v2: false, .. } => f.write_str("GPTQ"),
             QuantConfig::Gptq { v2: true, .. } => f.write_str("GPTQ v2"),
+            QuantConfig::Fp8 {
+                layout: Fp8Layout::FineGrained,
+                scales,
+            } => write!(f, "FP8 e4m3 (FineGrainedFP8), {scales}"),
+            QuantConfig::Fp8 {
+                layout: Fp8Layout::CompressedTensors,
+                scales,
+            } => write!(f, "compressed-tensors float-quantized FP8 e4m3, {scales}"),
         }
     }
 }
@@ -267,11 +323,36 @@ pub enum QuantConfig {
     Awq { bits: u32, group: usize },
     /// GPTQ; `v2` when zeros are stored as they are (`checkpoint_format: gptq_v2`).
     Gptq { bits: u32, v2: bool },
+    /// FP8 e4m3 weights ([`fp8`]), weight-only for now.
+    Fp8 {
+        layout: Fp8Layout,
+        scales: Fp8Scales,
+    },
+}
+
+/// Which tool's FP8 layout: where the scales are and what they are called.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Layout {
+    /// transformers' FineGrainedFP8 (`quant_method: fp8`): `weight_scale_inv`.
+    FineGrained,
+    /// compressed-tensors `float-quantized`: `weight_scale`.
+    CompressedTensors,
+}
+
+impl Fp8Layout {
+    /// The scale tensor beside `weight`.
+    pub fn scale_name(self) -> &'static str {
+        match self {
+            Fp8Layout::FineGrained => "weight_scale_inv",
+            Fp8Layout::CompressedTensors => "weight_scale",
+        }
+    }
 }
 
 const SUPPORTED_METHODS: &str = "compressed-tensors (pack-quantized or int-quantized, int 4 or \
-                                 8 bits, weight-only), awq (version gemm, 4 bits), gptq (4 or 8 \
-                                 bits)";
+                                 8 bits, weight-only; float-quantized FP8 e4m3), fp8 \
+                                 (transformers' FineGrainedFP8, e4m3), awq (version gemm, 4 \
+                                 bits), gptq (4 or 8 bits)";
 
 fn bad(path: &Path, key: &str, problem: impl Into<String>) -> Error {
     Error::BadKey {
@@ -334,6 +415,7 @@ impl QuantConfig {
                     group,
                 }))
             }
+            "fp8" => Self::fine_grained_fp8(path, q).map(Some),
             "gptq" => Ok(Some(QuantConfig::Gptq {
                 bits: bits_of(path, &field("bits"), q.get("bits"), &[4, 8])?,
                 v2: q.get("checkpoint_format").and_then(Value::as_str) == Some("gptq_v2"),
@@ -354,13 +436,14 @@ impl QuantConfig {
         let packed = match format {
             "pack-quantized" => true,
             "int-quantized" | "naive-quantized" => false,
+            "float-quantized" => return Self::compressed_tensors_fp8(path, q),
             other => {
                 return Err(bad(
                     path,
                     "quantization_config.format",
                     format!(
                         "is `{other}`; supported are pack-quantized, int-quantized and \
-                         naive-quantized (integer weights; FP8 checkpoints are not supported yet)"
+                         naive-quantized (integer weights) and float-quantized (FP8 e4m3)"
                     ),
                 ))
             }
@@ -412,12 +495,143 @@ impl QuantConfig {
         Ok(scheme.expect("config_groups is not empty"))
     }
 
+    /// compressed-tensors `float-quantized`: FP8 e4m3 weights with a scale per tensor, channel
+    /// or block. Dynamic input activations (FP8_DYNAMIC, FP8_BLOCK) run unquantized for now.
+    fn compressed_tensors_fp8(path: &Path, q: &Value) -> Result<Self> {
+        let groups = q
+            .get("config_groups")
+            .and_then(Value::as_object)
+            .filter(|g| !g.is_empty())
+            .ok_or_else(|| bad(path, "quantization_config.config_groups", "is missing"))?;
+        let mut scheme = None;
+        for (name, g) in groups {
+            let key = |k: &str| format!("quantization_config.config_groups.{name}.{k}");
+            if let Some(a) = g.get("input_activations").filter(|a| !a.is_null()) {
+                if a.get("dynamic").and_then(Value::as_bool) != Some(true) {
+                    return Err(bad(
+                        path,
+                        &key("input_activations.dynamic"),
+                        "is not true; static activation scales are not supported (dynamic ones \
+                         run weight-only)",
+                    ));
+                }
+            }
+            let w = g
+                .get("weights")
+                .ok_or_else(|| bad(path, &key("weights"), "is missing"))?;
+            let t = w.get("type").and_then(Value::as_str).unwrap_or("float");
+            if t != "float" {
+                return Err(bad(
+                    path,
+                    &key("weights.type"),
+                    format!("is `{t}`; float-quantized holds float weights"),
+                ));
+            }
+            bits_of(path, &key("weights.num_bits"), w.get("num_bits"), &[8])?;
+            if w.get("symmetric").and_then(Value::as_bool) == Some(false) {
+                return Err(bad(
+                    path,
+                    &key("weights.symmetric"),
+                    "is false; FP8 weights with zero points are not supported",
+                ));
+            }
+            let strategy = w
+                .get("strategy")
+                .and_then(Value::as_str)
+                .unwrap_or("tensor");
+            let scales = match strategy {
+                "tensor" => Fp8Scales::Tensor,
+                "channel" => Fp8Scales::Channel,
+                "block" => Fp8Scales::Block(block_of(
+                    path,
+                    &key("weights.block_structure"),
+                    w.get("block_structure"),
+                )?),
+                other => {
+                    return Err(bad(
+                        path,
+                        &key("weights.strategy"),
+                        format!("is `{other}`; supported for FP8 are tensor, channel and block"),
+                    ))
+                }
+            };
+            let this = QuantConfig::Fp8 {
+                layout: Fp8Layout::CompressedTensors,
+                scales,
+            };
+            if scheme.as_ref().is_some_and(|s| *s != this) {
+                return Err(bad(
+                    path,
+                    "quantization_config.config_groups",
+                    "hold different FP8 schemes; one scheme a checkpoint is supported",
+                ));
+            }
+            scheme = Some(this);
+        }
+        if scheme.is_some() {
+            tracing::info!(
+                "FP8 checkpoint: weights are read as they are stored; activations are not \
+                 quantized (weight-only)"
+            );
+        }
+        Ok(scheme.expect("config_groups is not empty"))
+    }
+
+    /// transformers' FineGrainedFP8 (`quant_method: fp8`), the layout of Qwen's FP8 releases:
+    /// `fmt: e4m3`, `activation_scheme: dynamic` (run weight-only for now), `weight_block_size`
+    /// (absent or null: a scale per tensor), `scale_fmt: float`. Other keys are ignored
+    /// (`modules_to_not_convert` needs no reading: those modules are stored unquantized).
+    fn fine_grained_fp8(path: &Path, q: &Value) -> Result<Self> {
+        let field = |k: &str| format!("quantization_config.{k}");
+        let text = |k: &str| q.get(k).and_then(Value::as_str);
+        if let Some(fmt) = text("fmt") {
+            if !fmt.eq_ignore_ascii_case("e4m3") {
+                return Err(bad(
+                    path,
+                    &field("fmt"),
+                    format!("is `{fmt}`; supported is e4m3"),
+                ));
+            }
+        }
+        if let Some(a) = text("activation_scheme") {
+            if !a.eq_ignore_ascii_case("dynamic") {
+                return Err(bad(
+                    path,
+                    &field("activation_scheme"),
+                    format!("is `{a}`; supported is dynamic (run weight-only for now)"),
+                ));
+            }
+        }
+        if let Some(f) = text("scale_fmt") {
+            if f != "float" {
+                return Err(bad(
+                    path,
+                    &field("scale_fmt"),
+                    format!("is `{f}`; supported is float (f32, f16 or bf16 scales)"),
+                ));
+            }
+        }
+        let scales = match q.get("weight_block_size").filter(|v| !v.is_null()) {
+            None => Fp8Scales::Tensor,
+            b => Fp8Scales::Block(block_of(path, &field("weight_block_size"), b)?),
+        };
+        tracing::info!(
+            "FP8 checkpoint: weights are read as they are stored; activations are not quantized \
+             (weight-only)"
+        );
+        Ok(QuantConfig::Fp8 {
+            layout: Fp8Layout::FineGrained,
+            scales,
+        })
+    }
+
     /// Bits a quantized value takes.
     pub fn bits(&self) -> u32 {
         match *self {
             QuantConfig::CompressedTensors { bits, .. }
             | QuantConfig::Awq { bits, .. }
             | QuantConfig::Gptq { bits, .. } => bits,
+            QuantConfig::Fp8 { .. } => 8,
         }
     }
 
@@ -429,11 +643,14 @@ impl QuantConfig {
                 w.contains("weight_scale") && w.contains("weight")
             }
             QuantConfig::Awq { .. } | QuantConfig::Gptq { .. } => w.contains("qweight"),
+            QuantConfig::Fp8 { layout, .. } => {
+                w.contains(layout.scale_name()) && w.contains("weight")
+            }
         }
     }
 
     /// Reads the quantized module under `w`, `[out, inp]`.
-    pub fn read(&self, w: &WeightPrefix, out: usize, inp: usize) -> Result<IntMatrix> {
+    pub fn read(&self, w: &WeightPrefix, out: usize, inp: usize) -> Result<QuantMatrix> {
         let m = match *self {
             QuantConfig::CompressedTensors {
                 bits,
@@ -442,9 +659,36 @@ impl QuantConfig {
             } => read_compressed_tensors(w, out, inp, bits, packed, symmetric)?,
             QuantConfig::Awq { bits, group } => read_awq(w, out, inp, bits, group)?,
             QuantConfig::Gptq { bits, v2 } => read_gptq(w, out, inp, bits, v2)?,
+            QuantConfig::Fp8 { layout, scales } => {
+                return Ok(QuantMatrix::Fp8(fp8::read_fp8(
+                    w,
+                    out,
+                    inp,
+                    layout.scale_name(),
+                    scales,
+                )?))
+            }
         };
         m.check(&w.name("weight"))?;
-        Ok(m)
+        Ok(QuantMatrix::Int(m))
+    }
+}
+
+/// A block shape `[rows, cols]` of two positive whole numbers, from `v` (config key `key`).
+fn block_of(path: &Path, key: &str, v: Option<&Value>) -> Result<[usize; 2]> {
+    let dims: Option<Vec<u64>> = v
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(Value::as_u64).collect());
+    match dims.as_deref() {
+        Some(&[r, c]) if r > 0 && c > 0 => Ok([r as usize, c as usize]),
+        _ => Err(bad(
+            path,
+            key,
+            format!(
+                "is {}; expected two positive whole numbers [rows, cols]",
+                v.map_or("missing".to_string(), Value::to_string)
+            ),
+        )),
     }
 }
 
@@ -706,7 +950,9 @@ mod tests {
     fn round_to_nearest_stays_within_half_a_step() {
         for to in [QuantizeTo::Int8, QuantizeTo::Int4] {
             let w = matrix(8, 256, 3);
-            let q = to.quantize(&w);
+            let QuantMatrix::Int(q) = to.quantize(&w) else {
+                panic!("{to}: not an integer matrix")
+            };
             assert_eq!((q.group, q.groups()), (128, 2));
             let back = q.dequantize();
             for (o, (a, b)) in w.data().iter().zip(back.data()).enumerate() {
@@ -741,9 +987,12 @@ mod tests {
         let e = QuantConfig::from_config(p, &cfg).unwrap_err().to_string();
         assert!(e.contains("bits") && e.contains("is 3"), "{e}");
         let cfg = serde_json::json!({"quantization_config": {"quant_method": "compressed-tensors",
-            "format": "float-quantized", "config_groups": {}}});
+            "format": "nvfp4-pack-quantized", "config_groups": {}}});
         let e = QuantConfig::from_config(p, &cfg).unwrap_err().to_string();
-        assert!(e.contains("format") && e.contains("float-quantized"), "{e}");
+        assert!(
+            e.contains("format") && e.contains("nvfp4-pack-quantized"),
+            "{e}"
+        );
         let cfg = serde_json::json!({"quantization_config": {"quant_method": "compressed-tensors",
             "format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"],
             "weights": {"num_bits": 4, "type": "int", "symmetric": true},

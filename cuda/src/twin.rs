@@ -25,7 +25,7 @@ fn weight<B: Backend>(
 ) -> Result<B::Weight> {
     match int {
         None => be.upload_weight(&f16_exact(input(shape, key))),
-        Some(to) => be.upload_int_weight(&to.quantize(&input(shape, key))),
+        Some(to) => be.upload_quantized(&to.quantize(&input(shape, key))),
     }
 }
 
@@ -34,6 +34,7 @@ fn int_name(int: Option<QuantizeTo>) -> &'static str {
         None => "",
         Some(QuantizeTo::Int4) => " w4",
         Some(QuantizeTo::Int8) => " w8",
+        Some(QuantizeTo::Fp8) => " fp8",
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! `model.safetensors`, or shards listed in `model.safetensors.index.json`, memory mapped; a
 //! tensor is read by name, its shape checked against what the config implies, and converted
-//! from F32/F16/BF16 to f32 (I8/I32/I64 are the packed tensors of quantized checkpoints, read by
-//! `crate::quant`). A linear layer's matrix comes through [`WeightPrefix::load_matrix`], in
+//! from F32/F16/BF16 to f32 (I8/I32/I64 are the packed tensors of quantized checkpoints, F8_E4M3
+//! the values of FP8 ones, read by `crate::quant`). A linear layer's matrix comes through [`WeightPrefix::load_matrix`], in
 //! whatever format the checkpoint stores it. A progress bar (hidden when stderr is not a
 //! terminal) counts the tensors read.
 
@@ -28,6 +28,8 @@ pub enum WeightDtype {
     I8,
     I32,
     I64,
+    /// FP8 checkpoints' values (e4m3fn), read only with their scales.
+    F8E4M3,
 }
 
 impl WeightDtype {
@@ -35,7 +37,7 @@ impl WeightDtype {
         match self {
             WeightDtype::F32 | WeightDtype::I32 => 4,
             WeightDtype::F16 | WeightDtype::BF16 => 2,
-            WeightDtype::I8 => 1,
+            WeightDtype::I8 | WeightDtype::F8E4M3 => 1,
             WeightDtype::I64 => 8,
         }
     }
@@ -113,6 +115,7 @@ impl Shard {
                 Dtype::I8 => WeightDtype::I8,
                 Dtype::I32 => WeightDtype::I32,
                 Dtype::I64 => WeightDtype::I64,
+                Dtype::F8_E4M3 => WeightDtype::F8E4M3,
                 other => {
                     return Err(Error::UnsupportedDtype {
                         name: tname,
@@ -219,6 +222,7 @@ impl Weights {
                 WeightDtype::I8 => "i8",
                 WeightDtype::I32 => "i32",
                 WeightDtype::I64 => "i64",
+                WeightDtype::F8E4M3 => "f8_e4m3",
             })
             .collect();
         dtypes.sort_unstable();
@@ -379,6 +383,15 @@ impl Weights {
                 .chunks_exact(8)
                 .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
                 .collect(),
+            // Without its scale an FP8 value means nothing: only `get_fp8` reads them, for a
+            // module the quantization config says is FP8.
+            WeightDtype::F8E4M3 => {
+                return Err(Error::UnsupportedDtype {
+                    name: name.to_string(),
+                    dtype: "F8_E4M3 without the FP8 quantization_config that gives its scales"
+                        .into(),
+                })
+            }
         };
         self.progress.inc(1);
         HostTensor::new(shape.to_vec(), data)
@@ -411,6 +424,33 @@ impl Weights {
         }
         self.progress.inc(1);
         Ok(bytes.iter().map(|&b| b as i8).collect())
+    }
+
+    /// Reads the F8_E4M3 tensor `name` of exactly `shape` as its bytes (FP8 checkpoints'
+    /// values, [`crate::quant::fp8`]); a NaN in it (0x7F, 0xFF: e4m3fn has no infinities) is an
+    /// error naming the tensor.
+    pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+        let (e, bytes) = self.entry(name, shape)?;
+        if e.dtype != WeightDtype::F8E4M3 {
+            return Err(Error::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: format!("{:?} where its format stores F8_E4M3", e.dtype),
+            });
+        }
+        if let Some(at) = bytes
+            .iter()
+            .position(|&b| crate::quant::fp8::e4m3_is_nan(b))
+        {
+            return Err(Error::Quantized {
+                name: name.to_string(),
+                problem: format!(
+                    "holds NaN (byte {:#04x}) at index {at}: the checkpoint is damaged",
+                    bytes[at]
+                ),
+            });
+        }
+        self.progress.inc(1);
+        Ok(bytes.to_vec())
     }
 
     /// Clears the progress bar once a model is built, and logs what f16 conversion lost.
@@ -506,6 +546,11 @@ impl WeightPrefix<'_> {
         self.weights.get_i8(&self.full(name), shape)
     }
 
+    /// Reads the F8_E4M3 tensor `prefix.name` of exactly `shape`, as its bytes.
+    pub fn get_fp8(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>> {
+        self.weights.get_fp8(&self.full(name), shape)
+    }
+
     /// The matrix `[out, inp]` of the linear layer under this prefix, in whatever format the
     /// checkpoint stores it (f16/bf16/f32 `weight`, or a quantized format's tensors), or
     /// quantized at load under `--quantize`: what `nn::Linear` is built from.
@@ -517,25 +562,44 @@ impl WeightPrefix<'_> {
     ) -> Result<B::Weight> {
         if let Some(q) = self.weights.quant.as_ref().filter(|q| q.holds(self)) {
             let m = q.read(self, out, inp)?;
-            self.weights.audit::<B>(&self.full("scales"), &m.scales)?;
-            return backend.upload_int_weight(&m);
+            return self.upload_quantized(backend, m);
         }
         match self.weights.quantize {
             Some(to) if to.applies_to(&self.prefix, inp) => {
                 let full = self.full("weight");
                 match self.weights.random_init(&full, &[out, inp]) {
-                    Some(RandomInit::Uniform { key, bound }) => {
+                    // FP8 quantizes the random f32 values on the host (below).
+                    Some(RandomInit::Uniform { key, bound }) if to != QuantizeTo::Fp8 => {
                         backend.random_int_weight(&[out, inp], key, bound, to)
                     }
                     _ => {
                         let m = to.quantize(&self.weights.get(&full, &[out, inp])?);
-                        self.weights.audit::<B>(&full, &m.scales)?;
-                        backend.upload_int_weight(&m)
+                        self.upload_quantized(backend, m)
                     }
                 }
             }
             _ => self.load_weight(backend, "weight", &[out, inp]),
         }
+    }
+
+    /// Uploads a quantized matrix, auditing what a backend that stores f16 keeps of it: the
+    /// integer formats' scales, or (while FP8 goes to the GPU dequantized to f16) the FP8
+    /// matrix's values.
+    fn upload_quantized<B: crate::Backend>(
+        &self,
+        backend: &B,
+        m: crate::quant::QuantMatrix,
+    ) -> Result<B::Weight> {
+        use crate::quant::QuantMatrix;
+        if B::WEIGHT_BYTES == 2 {
+            match &m {
+                QuantMatrix::Int(_) => self.weights.audit::<B>(&self.full("scales"), m.scales())?,
+                QuantMatrix::Fp8(f) => self
+                    .weights
+                    .audit::<B>(&self.full("weight"), f.dequantize().data())?,
+            }
+        }
+        backend.upload_quantized(&m)
     }
 
     /// Reads `prefix.name` with exactly `shape`, as f32 on the host.
