@@ -17,7 +17,7 @@ fn fixture(name: &str) -> PathBuf {
 /// outputs (tests/fixtures/make_fixtures.py, make_text_fixtures.py), with the size of its
 /// logits relative to Qwen3-VL's, by which the CUDA tolerance scales: the text-only fixtures
 /// scale `lm_head` by 3 for clear top-1 margins, and their logits reach ~31 against ~13.
-const FIXTURES: [(&str, f32); 10] = [
+const FIXTURES: [(&str, f32); 12] = [
     ("tiny-qwen3-vl", 1.0),
     ("tiny-qwen3", 3.0),
     ("tiny-qwen2", 3.0),
@@ -33,6 +33,12 @@ const FIXTURES: [(&str, f32); 10] = [
     ("tiny-qwen3-gptq", 3.0),
     ("tiny-qwen3-gptq-actorder", 3.0),
     ("tiny-qwen3-gptq-v2", 3.0),
+    // compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC: a scale per channel; FP8_BLOCK:
+    // 128x128 blocks), against an f32 model of the weights transformers decompresses, with
+    // activations unquantized (the loader is weight-only for now). On CUDA the matrices are
+    // dequantized to f16 for now (2^-11 of each weight, as an f16 checkpoint's).
+    ("tiny-qwen3-ct-fp8-dynamic", 3.0),
+    ("tiny-qwen3-ct-fp8-block", 3.0),
 ];
 
 fn hf_image(g: &Golden, name: &str) -> ImageInput {
@@ -75,8 +81,9 @@ fn qwen2_text_only_matches_hf() {
 }
 
 /// Quantized checkpoints as their tools wrote them (compressed-tensors W4A16 group and
-/// asymmetric and W8A16 channel, AutoAWQ GEMM, GPTQ v1, v1 with act order, and v2): the CPU
-/// dequantizes at load, so its logits are the reference's up to f32 summation order.
+/// asymmetric, W8A16 channel, FP8 channel and FP8 block, AutoAWQ GEMM, GPTQ v1, v1 with act
+/// order, and v2): the CPU dequantizes at load, so its logits are the reference's up to f32
+/// summation order.
 #[test]
 fn quantized_checkpoints_match_their_references() {
     for (name, _) in &FIXTURES[3..] {
@@ -85,19 +92,24 @@ fn quantized_checkpoints_match_their_references() {
     }
 }
 
-/// `--quantize` of the bf16 tiny-qwen3 (round-to-nearest, groups of 128): the quantized model
-/// is a different model, so its logits are held to what its rounding allows, not to f32. This
-/// fixture's uniform random weights are rounding's worst case (no outliers to spend the range
-/// on): its first step's logits (up to ~34) moved by 0.32 at int8 and 3.9 at int4. The bounds
-/// leave 2-3x, well below the O(30) of a wrong zero point or scale; int8 must also stay closer
-/// than int4.
+/// `--quantize` of the bf16 tiny-qwen3 (round-to-nearest, groups of 128; FP8: e4m3 in 128x128
+/// blocks): the quantized model is a different model, so its logits are held to what its
+/// rounding allows, not to f32. This fixture's uniform random weights are rounding's worst case
+/// (no outliers to spend the range on): its first step's logits (up to ~34) moved by 0.32 at
+/// int8, 3.9 at int4 and 1.0 at fp8 (3 mantissa bits: half a step is up to 1/16 of a value).
+/// The bounds leave 2-3x, well below the O(30) of a wrong zero point or scale; int8 must also
+/// stay closer than int4.
 #[test]
 fn quantize_at_load_stays_near_the_bf16_model() {
     use vlm_compute::quant::QuantizeTo;
     let dir = fixture("tiny-qwen3");
     let g = Golden::open(&dir).unwrap();
     let mut diffs = Vec::new();
-    for (to, bound) in [(QuantizeTo::Int8, 1.0f32), (QuantizeTo::Int4, 8.0)] {
+    for (to, bound) in [
+        (QuantizeTo::Int8, 1.0f32),
+        (QuantizeTo::Int4, 8.0),
+        (QuantizeTo::Fp8, 3.0),
+    ] {
         let weights = Weights::open(&dir).unwrap().quantize(Some(to)).unwrap();
         let engine = Engine::load(
             &dir,
