@@ -208,6 +208,9 @@ pub fn tool_call_grammar(req: &ToolRequest, open: &Tag, close: &Tag) -> Option<S
         [one] => call_schema(one),
         many => json!({"anyOf": many.iter().map(|t| call_schema(t)).collect::<Vec<_>>()}),
     };
+    // Laid out as the template renders calls (json.dumps's separators, one line), never with
+    // endless whitespace.
+    let schema = vlm_proto::constraint::with_json_style(schema);
     let start = if req.parallel {
         "start: call (\"\\n\" call)*"
     } else {

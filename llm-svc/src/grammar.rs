@@ -72,16 +72,14 @@ impl Grammars {
         let bad = |why: String| Error::InvalidParameter(format!("constraint: {why}"));
         let grammar = match &c.grammar {
             Some(constraint::Grammar::JsonSchema(text)) => {
-                let mut schema: serde_json::Value = serde_json::from_str(text)
+                let schema: serde_json::Value = serde_json::from_str(text)
                     .map_err(|e| bad(format!("the JSON schema is not JSON: {e}")))?;
-                let Some(obj) = schema.as_object_mut() else {
+                if !schema.is_object() {
                     return Err(bad("a JSON schema must be an object".into()));
-                };
-                // Compact JSON unless the schema says otherwise: with whitespace allowed
-                // anywhere, a model can fill its token budget with it and never finish.
-                obj.entry("x-guidance")
-                    .or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
-                TopLevelGrammar::from_json_schema(schema)
+                }
+                // One line, json.dumps's separators, unless the schema says otherwise: with
+                // whitespace allowed anywhere a model can fill its budget with it.
+                TopLevelGrammar::from_json_schema(vlm_proto::constraint::with_json_style(schema))
             }
             Some(constraint::Grammar::Regex(rx)) => TopLevelGrammar::from_regex(rx),
             Some(constraint::Grammar::Lark(lark)) => TopLevelGrammar::from_lark(lark.clone()),
@@ -233,7 +231,10 @@ mod tests {
         let open = tok.token_to_id("{").unwrap() as usize;
         let letter = tok.token_to_id("a").unwrap() as usize;
         assert!(mask_allows(&mask, open) && !mask_allows(&mask, letter));
-        assert_eq!(write(&mut g, &tok, r#"{"n":42}"#), r#"{"n":42}"#);
+        // Laid out as json.dumps writes it (vlm_proto::constraint): no other whitespace.
+        assert_eq!(write(&mut g, &tok, r#"{"n": 42}"#), r#"{"n": 42}"#);
+        let mut g = gs.compile(&c).unwrap();
+        assert_eq!(write(&mut g, &tok, r#"{"n":42}"#), r#"{"n":"#);
         // A key the schema does not have is refused partway.
         let mut g = gs.compile(&c).unwrap();
         assert_eq!(write(&mut g, &tok, r#"{"m":1}"#), r#"{""#);

@@ -8,12 +8,14 @@
 //! - [`tls`]: TLS and mutual TLS on the gRPC hops and the gateway's HTTPS port.
 //! - [`shm`]: the same-host path for embeddings (shared memory instead of gRPC bytes);
 //!   [`headers`]: the metadata names in which llm-svc names its domains.
-//! - [`sampling`]: a request's sampling parameters, their limits and checks, on the wire.
+//! - [`sampling`]: a request's sampling parameters, their limits and checks, on the wire;
+//!   [`constraint`]: how JSON written under a grammar is laid out.
 //! - [`image`]: which images are accepted and how many prompt tokens each becomes;
 //!   [`checkpoint`]: reading the checkpoint's JSON files it takes its settings from.
 //! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
 
 pub mod checkpoint;
+pub mod constraint;
 pub mod headers;
 pub mod image;
 pub mod metrics;

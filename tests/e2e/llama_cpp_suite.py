@@ -9,7 +9,7 @@ kept here. `tests/e2e/llama_cpp_suite.rs` starts the real stack and runs this fi
 alone against any server, as llama.cpp's do with DEBUG_EXTERNAL and PORT:
 
     python3 tests/e2e/llama_cpp_suite.py --base-url http://127.0.0.1:8080 \
-        [--tokenizer tests/fixtures/tiny-qwen3-vl/tokenizer.json] [--image cat.png] [-k name]
+        [--image cat.png] [-k name]
 
 Stdlib only, plus the `openai` package for the cases llama.cpp drives with it. Each case is a
 function below; its `source` names the llama.cpp test it comes from.
@@ -137,9 +137,8 @@ class Response:
 class Server:
     """The server under test: raw HTTP (status codes, SSE lines) and the openai client."""
 
-    def __init__(self, base_url, whitespace_bias, image):
+    def __init__(self, base_url, image):
         self.base = base_url.rstrip("/")
-        self.whitespace_bias = whitespace_bias
         self.image = image
 
     def post(self, path, data):
@@ -186,13 +185,6 @@ class Server:
         import openai
 
         return openai.OpenAI(api_key="dummy", base_url=self.base + "/v1")
-
-    def structured(self, data):
-        """`data` with the logit bias that keeps a random-weight model from writing JSON's
-        optional whitespace forever (see --tokenizer); unchanged without one."""
-        if not self.whitespace_bias:
-            return data
-        return {**data, "logit_bias": dict(self.whitespace_bias)}
 
 
 def any_request(server, data):
@@ -416,15 +408,13 @@ def response_format_json_object(s):
     for stream in (False, True):
         body = any_request(
             s,
-            s.structured(
-                {
+            {
                     "max_tokens": 200,
                     "temperature": 0,
                     "messages": CODING,
                     "response_format": {"type": "json_object"},
                     "stream": stream,
-                }
-            ),
+                },
         )
         choice = body["choices"][0]
         assert choice["finish_reason"] == "stop", f"stream={stream}: {choice}"
@@ -466,8 +456,7 @@ def response_format_json_schema_validates(s):
     for stream in (False, True):
         body = any_request(
             s,
-            s.structured(
-                {
+            {
                     "max_tokens": 300,
                     "temperature": 0,
                     "messages": BOOK,
@@ -476,8 +465,7 @@ def response_format_json_schema_validates(s):
                         "json_schema": {"name": "book", "schema": SCHEMA, "strict": True},
                     },
                     "stream": stream,
-                }
-            ),
+                },
         )
         choice = body["choices"][0]
         assert choice["finish_reason"] == "stop", f"stream={stream}: {choice}"
@@ -669,8 +657,7 @@ def required_tool(s, tool, argument_key, stream, **extra):
     leaves commented out (a non-empty id) switched on."""
     body = any_request(
         s,
-        s.structured(
-            {
+        {
                 "max_tokens": 512,
                 "messages": CODING,
                 "tool_choice": "required",
@@ -679,8 +666,7 @@ def required_tool(s, tool, argument_key, stream, **extra):
                 "temperature": 0,
                 "stream": stream,
                 **extra,
-            }
-        ),
+            },
     )
     choice = body["choices"][0]
     tool_calls = choice["message"].get("tool_calls")
@@ -718,16 +704,14 @@ def named_tool_choice(s):
     for stream in (False, True):
         body = any_request(
             s,
-            s.structured(
-                {
+            {
                     "max_tokens": 512,
                     "messages": CODING,
                     "tools": [TEST_TOOL, PYTHON_TOOL],
                     "tool_choice": {"type": "function", "function": {"name": "python"}},
                     "temperature": 0,
                     "stream": stream,
-                }
-            ),
+                },
         )
         calls = body["choices"][0]["message"].get("tool_calls")
         assert calls and all(c["function"]["name"] == "python" for c in calls), body
@@ -867,40 +851,13 @@ class Skip(Exception):
     pass
 
 
-def byte_level_whitespace_ids(path):
-    """Ids of the tokens of a byte-level BPE tokenizer.json that spell only JSON whitespace."""
-    with open(path) as f:
-        vocab = json.load(f)["model"]["vocab"]
-    # GPT-2's byte <-> printable character table.
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    ws = {ord(" "), ord("\n"), ord("\t"), ord("\r")}
-    return sorted(
-        i for t, i in vocab.items() if t and all(c in chars and chars[c] in ws for c in t)
-    )
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default=f"http://127.0.0.1:{os.environ.get('PORT', '8080')}")
-    p.add_argument(
-        "--tokenizer",
-        help="the served model's tokenizer.json: its whitespace tokens get a -100 bias in the "
-        "structured-output cases, so a random-weight model ends its JSON",
-    )
     p.add_argument("--image", help="a PNG for the vision case")
     p.add_argument("-k", help="run only cases whose name contains this")
     args = p.parse_args()
-    bias = []
-    if args.tokenizer:
-        bias = [(str(i), -100) for i in byte_level_whitespace_ids(args.tokenizer)]
-    server = Server(args.base_url, bias, args.image)
+    server = Server(args.base_url, args.image)
     failed, counts = [], {"PASS": 0, "FAIL": 0, "SKIP": 0}
     for name, source, gate, f in CASES:
         if args.k and args.k not in name:

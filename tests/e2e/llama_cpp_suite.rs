@@ -85,8 +85,6 @@ async fn llama_cpp_server_tests_pass_against_the_stack() {
     let out = tokio::process::Command::new("python3")
         .arg(script)
         .args(["--base-url", &stack.http])
-        .arg("--tokenizer")
-        .arg(fixture().join("tokenizer.json"))
         .arg("--image")
         .arg(fixture().join("images/cat.png"))
         .envs(gates)
