@@ -98,6 +98,8 @@ pub struct Workload {
     pub seed: u64,
     /// How tokens are chosen: greedy by default, or sampled as real clients ask.
     pub sampling: LoadSampling,
+    /// Every request answers to [`crate::bench::bench_schema`] (structured outputs).
+    pub json_schema: bool,
 }
 
 /// The sampling fields every request of a run sends (request `i` also sends seed `i`, so a
@@ -627,6 +629,13 @@ fn http_body(req: &LoadRequest, w: &Workload, model_name: &str) -> Value {
     if let Some(p) = w.sampling.presence_penalty {
         o.insert("presence_penalty".into(), p.into());
     }
+    if w.json_schema {
+        o.insert(
+            "response_format".into(),
+            json!({"type": "json_schema",
+                   "json_schema": {"name": "detections", "schema": crate::bench::bench_schema()}}),
+        );
+    }
     body
 }
 
@@ -653,6 +662,11 @@ fn grpc_request(req: &LoadRequest, w: &Workload) -> pb::ChatRequest {
         presence_penalty: w.sampling.presence_penalty,
         seed: Some(req.index),
         ignore_eos: true,
+        output_format: w.json_schema.then(|| pb::OutputFormat {
+            format: Some(pb::output_format::Format::JsonSchema(
+                crate::bench::bench_schema().to_string(),
+            )),
+        }),
         ..Default::default()
     }
 }
@@ -971,7 +985,39 @@ mod tests {
             api,
             seed: 7,
             sampling: LoadSampling::default(),
+            json_schema: false,
         }
+    }
+
+    #[test]
+    fn a_json_schema_run_asks_both_apis_for_the_same_schema() {
+        let w = Workload {
+            json_schema: true,
+            ..workload(ApiMix::Mixed, 0)
+        };
+        let maker = RequestMaker::new(w.clone(), None);
+        let req = maker.make(0).unwrap();
+        let http = http_body(&req, &w, "m");
+        assert_eq!(http["response_format"]["type"], "json_schema");
+        assert_eq!(
+            http["response_format"]["json_schema"]["schema"],
+            crate::bench::bench_schema()
+        );
+        let grpc = grpc_request(&req, &w);
+        let Some(pb::output_format::Format::JsonSchema(text)) =
+            grpc.output_format.and_then(|f| f.format)
+        else {
+            panic!("no json_schema over gRPC");
+        };
+        assert_eq!(
+            serde_json::from_str::<Value>(&text).unwrap(),
+            crate::bench::bench_schema()
+        );
+        let plain = workload(ApiMix::Mixed, 0);
+        assert!(http_body(&req, &plain, "m")
+            .get("response_format")
+            .is_none());
+        assert!(grpc_request(&req, &plain).output_format.is_none());
     }
 
     #[test]

@@ -91,6 +91,12 @@ pub struct LoadArgs {
     /// OpenAI's presence penalty, in [-2, 2] (sent only when given).
     #[arg(long)]
     presence_penalty: Option<f32>,
+    /// Send every request with a JSON schema to answer to (`response_format` over HTTP,
+    /// `output_format` over gRPC): Qwen3-VL's detections, bbox_2d and label, at least 64 of
+    /// them, so that no answer completes before --max-tokens (vlm bench's schema). Measures
+    /// structured outputs against the same run without it.
+    #[arg(long)]
+    json_schema: bool,
     /// Requests sent one at a time before the first level, not measured (connections,
     /// kernels and caches warm up).
     #[arg(long, default_value_t = 2)]
@@ -309,6 +315,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
             top_k: args.top_k,
             presence_penalty: args.presence_penalty,
         },
+        json_schema: args.json_schema,
     };
     let tokenizer = model.as_deref().map(tokenizer).transpose()?;
     let counted_by = if tokenizer.is_some() {
@@ -326,7 +333,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     }
     let levels = run?;
 
-    let sampling = if args.temperature == 0.0 {
+    let mut sampling = if args.temperature == 0.0 {
         "greedy".to_string()
     } else {
         format!(
@@ -337,6 +344,9 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
             args.presence_penalty.unwrap_or(0.0)
         )
     };
+    if args.json_schema {
+        sampling.push_str(", a JSON schema on every request");
+    }
     let config = format!(
         "prompts of {}-{} text tokens (mean {}, counted by {counted_by}), {} generated with \
          ignore_eos, {}, {sampling}, api {}, seed {}; {served_by}",
