@@ -143,6 +143,27 @@ def sampled_table(greedy, sampled, text, server):
     return "\n".join(lines + notes) + "\n"
 
 
+def json_schema_table(sampled, constrained, bench):
+    """One line per concurrency: sampled with a JSON schema on every request beside the same
+    workload sampled without (the issue's target: at least 90% at 64 streams), then vlm bench's
+    grammar-mask rows (the host's time a step, median and p99)."""
+    by = lambda rows: {r["concurrency"]: r for r in rows}
+    s, j = by(sampled), by(constrained)
+    tok = lambda r: fmt(r["output_tokens_per_s"], ".1f") if r else "not measured"
+    lines = ["| concurrency | vlm sampled tok/s | with a JSON schema tok/s | JSON / sampled "
+             "| ITL p50 / p99 ms, with the schema |", "|---" * 5 + "|"]
+    for c in sorted(set(s) | set(j)):
+        a, b = s.get(c), j.get(c)
+        ratio = f"{100 * b['output_tokens_per_s'] / a['output_tokens_per_s']:.1f}%" if a and b else "-"
+        itl = f"{b['itl_p50_ms']:.1f} / {b['itl_p99_ms']:.1f}" if b else "-"
+        lines.append(f"| {c} | {tok(a)} | {tok(b)} | {ratio} | {itl} |")
+    masks = [r for r in bench if r["name"].startswith("grammar masks")]
+    if masks:
+        lines += ["", "| grammar masks (vlm bench) | ms |", "|---|---|"]
+        lines += [f"| {r['name']} | {r['median_ms']:.3f} |" for r in masks]
+    return "\n".join(lines) + "\n"
+
+
 QUANT_ROWS = ["decode: batch 1 at context 512", "decode: batch 64 at context 512",
               "prefill: 4096 text tokens"]
 
@@ -173,6 +194,7 @@ def main():
     ap.add_argument("--load-sampled", help="vlm load --json output, sampled as Qwen recommends")
     ap.add_argument("--load-text", help="the same, text only over HTTP")
     ap.add_argument("--server-load", help="vlm load --json output against llama-server")
+    ap.add_argument("--load-json", help="vlm load --json output, sampled, --json-schema")
     ap.add_argument("--quant", nargs="*", default=[], metavar="FORMAT=FILE",
                     help="vlm bench --quantize outputs, e.g. int4=ours-int4.json")
     ap.add_argument("--llama-quant", nargs="*", default=[], metavar="FORMAT=FILE",
@@ -193,11 +215,14 @@ def main():
     batched = batched_rows(a.llama_batched) if a.llama_batched and os.path.exists(a.llama_batched) else []
     opt = lambda p: json.load(open(p)) if p and os.path.exists(p) else []
     sampled, text, server = opt(a.load_sampled), opt(a.load_text), opt(a.server_load)
+    constrained = opt(a.load_json)
     for r in sampled + text:
         r.setdefault("system", "vlm sampled")
+    for r in constrained:
+        r.setdefault("system", "vlm json_schema")
     for r in server:
         r["system"] = "llama-server"
-    json.dump(rows + load + batched + sampled + text + server,
+    json.dump(rows + load + batched + sampled + text + server + constrained,
               open(os.path.join(a.out, "results.json"), "w"), indent=1)
 
     peers = ["llama.cpp", "hf transformers"]
@@ -250,6 +275,9 @@ def main():
         table += "\n## Many clients at once\n\n" + section
     if sampled or text or server:
         table += "\n## Sampled, as clients ask\n\n" + sampled_table(load, sampled, text, server)
+    if constrained:
+        table += ("\n## Structured outputs\n\n"
+                  + json_schema_table(sampled, constrained, ours))
     pairs = lambda args: [tuple(x.split("=", 1)) for x in args]
     ours_int = [(q, opt(p)) for q, p in pairs(a.quant) if os.path.exists(p)]
     llama_quant = [(q, llama_rows(p)) for q, p in pairs(a.llama_quant) if os.path.exists(p)]

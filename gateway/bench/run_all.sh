@@ -27,6 +27,8 @@
 #           each plus the drain of the last ones                   ~2 min
 #   sampled vlm load at 0.7 / 0.8 / 20, presence 1.5: the same workload, then text only
 #           over HTTP (llama-server's workload)                    ~4 min
+#   json    vlm load, sampled, a JSON schema on every request (structured outputs, against
+#           the sampled part's rates)                              ~2 min
 #   server  llama-server with as many slots as the largest level, the same text-only sampled
 #           workload over HTTP                                     ~2.5 min
 #   report  seconds
@@ -35,7 +37,7 @@ set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
 peers=$(realpath -m "${PEERS:-../shared/peers}")
-steps=" ${STEPS:-ours load sampled hf llama server quant report} "
+steps=" ${STEPS:-ours load sampled json hf llama server quant report} "
 model=deploy/models/qwen3-vl-8b
 work=${WORK:-/tmp/vlm-bench}
 # The concurrencies vlm load runs and llama-batched-bench's parallel sequences: the same list.
@@ -168,6 +170,14 @@ if has sampled; then
     || echo "vlm load failed: see $out/load-text.log"
 fi
 
+if has json; then
+  part "vlm load, sampled, a JSON schema on every request"
+  # shellcheck disable=SC2086 # lists of flags
+  "$vlm" load --device cuda --model "$model" --random-weights --concurrency "$levels" $load_args \
+    $sampled_args --json-schema --json "$out/load-json.json" 2>&1 | tee "$out/load-json.log" \
+    || echo "vlm load failed: see $out/load-json.log"
+fi
+
 if has server; then
   part "llama-server under vlm load"
   gguf
@@ -212,7 +222,7 @@ if has report; then
     --llama "$out/llama-prefill.json" "$out/llama-decode.json" "$out/llama-decode-4096.json" \
     --load "$out/load.json" --llama-batched "$out/llama-batched.jsonl" \
     --load-sampled "$out/load-sampled.json" --load-text "$out/load-text.json" \
-    --server-load "$out/server-load.json" \
+    --server-load "$out/server-load.json" --load-json "$out/load-json.json" \
     --quant int8="$out/ours-int8.json" int4="$out/ours-int4.json" \
     --llama-quant Q8_0="$out/llama-Q8_0.json" Q4_K_M="$out/llama-Q4_K_M.json" \
       Q4_0="$out/llama-Q4_0.json" \
