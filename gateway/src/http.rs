@@ -725,6 +725,9 @@ mod hostile;
 mod canned_llm;
 
 #[cfg(test)]
+mod canned_answers;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use vlm_proto::sampling::SamplingParams;
