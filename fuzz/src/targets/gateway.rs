@@ -88,10 +88,7 @@ pub fn chat_messages(data: &[u8]) -> Outcome {
         };
         match messages.last_mut() {
             Some(m) if ctrl & 4 == 0 => m.parts.push(part),
-            _ => messages.push(Message {
-                role: ROLES[(ctrl & 3) as usize].into(),
-                parts: vec![part],
-            }),
+            _ => messages.push(Message::new(ROLES[(ctrl & 3) as usize], vec![part])),
         }
     }
     let req = ChatRequest {
