@@ -1,0 +1,280 @@
+//! Structured outputs and forced tool calls through the whole stack (`vlm serve`'s three
+//! services in process, on the CPU) over the OpenAI HTTP API, on the bundled tiny model whose
+//! random weights write garbage unless a grammar holds them: every `json_schema` answer that
+//! ends with `stop` validates against its schema; one cut by `max_tokens` ends with `length`;
+//! `tool_choice: required` gives calls whose arguments validate against their tool's
+//! parameters; a stream's deltas add up to the unary answer; a schema llm-svc cannot compile
+//! and a tool choice naming no offered tool are 400s that say why.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use vlm_cli::stack::{LocalStack, StackConfig};
+use vlm_compute::CpuBackend;
+
+fn fixture() -> PathBuf {
+    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
+}
+
+async fn ready_on_cpu() -> LocalStack {
+    let mut stack = LocalStack::start(StackConfig::loopback(fixture()), || Ok(CpuBackend::new()))
+        .await
+        .unwrap();
+    stack.ready(Duration::from_secs(60)).await.unwrap();
+    stack
+}
+
+/// The status and JSON body (or, streamed, the SSE text as a JSON string) of a chat.
+async fn post(http: SocketAddr, body: &Value) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("http://{http}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, value)
+}
+
+/// A greedy chat of one user message with `fields` added.
+fn chat(fields: Value) -> Value {
+    let mut body = json!({"messages": [{"role": "user", "content": "Answer in JSON."}],
+        "temperature": 0, "max_tokens": 96});
+    for (k, v) in fields.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The unary answer's first choice, checked to be a 200.
+async fn unary(http: SocketAddr, body: &Value) -> Value {
+    let (status, v) = post(http, body).await;
+    assert_eq!(status, 200, "{v}");
+    v["choices"][0].clone()
+}
+
+/// The streamed answer's content, tool calls (their arguments joined) and finish reason.
+async fn streamed(http: SocketAddr, body: &Value) -> (String, Vec<Value>, String) {
+    let mut body = body.clone();
+    body["stream"] = true.into();
+    let (status, sse) = post(http, &body).await;
+    assert_eq!(status, 200, "{sse}");
+    let (mut content, mut calls, mut finish) = (String::new(), Vec::<Value>::new(), String::new());
+    for data in sse
+        .as_str()
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+    {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        let choice = &chunk["choices"][0];
+        content += choice["delta"]["content"].as_str().unwrap_or_default();
+        for c in choice["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let i = c["index"].as_u64().unwrap() as usize;
+            if i == calls.len() {
+                calls.push(json!({"name": c["function"]["name"], "arguments": ""}));
+            }
+            let joined = calls[i]["arguments"].as_str().unwrap().to_string()
+                + c["function"]["arguments"].as_str().unwrap_or_default();
+            calls[i]["arguments"] = joined.into();
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = f.into();
+        }
+    }
+    (content, calls, finish)
+}
+
+/// Schemas covering nested objects, arrays with min/max items, enums, integer and number
+/// ranges, strings with a max length and a pattern, anyOf, $ref and additionalProperties false.
+fn schemas() -> Vec<Value> {
+    vec![
+        json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": false}),
+        json!({"type": "object", "properties": {
+                   "action": {"enum": ["grasp", "move", "stop"]},
+                   "speed": {"type": "number", "minimum": 0, "maximum": 1.5}},
+               "required": ["action", "speed"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {
+                   "bbox_2d": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000},
+                               "minItems": 4, "maxItems": 4},
+                   "label": {"type": "string", "maxLength": 8}},
+               "required": ["bbox_2d", "label"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {
+                   "pose": {"type": "object", "properties": {
+                       "x": {"type": "integer", "minimum": -5, "maximum": 5},
+                       "tag": {"type": "string", "pattern": "^[a-c]{1,3}$"}},
+                    "required": ["x", "tag"], "additionalProperties": false}},
+               "required": ["pose"], "additionalProperties": false}),
+        json!({"anyOf": [{"type": "integer", "minimum": 10, "maximum": 20},
+                         {"$ref": "#/$defs/flag"}],
+               "$defs": {"flag": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                                  "required": ["on"], "additionalProperties": false}}}),
+        json!({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}),
+    ]
+}
+
+fn validates(schema: &Value, value: &Value) -> bool {
+    jsonschema::validator_for(schema).unwrap().is_valid(value)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_answers_validate_and_streams_match_unary() {
+    let stack = ready_on_cpu().await;
+    let http = stack.http_addr;
+    let mut stopped = 0;
+    for schema in schemas() {
+        let body = chat(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": true}}}));
+        let choice = unary(http, &body).await;
+        let content = choice["message"]["content"].as_str().unwrap().to_string();
+        match choice["finish_reason"].as_str().unwrap() {
+            "stop" => {
+                stopped += 1;
+                let value: Value = serde_json::from_str(&content)
+                    .unwrap_or_else(|e| panic!("{content:?} for {schema}: {e}"));
+                assert!(validates(&schema, &value), "{content} against {schema}");
+            }
+            other => assert_eq!(other, "length", "{content}"),
+        }
+        let (streamed, _, finish) = streamed(http, &body).await;
+        assert_eq!(streamed, content, "{schema}");
+        assert_eq!(finish, choice["finish_reason"].as_str().unwrap());
+    }
+    assert!(
+        stopped >= schemas().len() / 2,
+        "only {stopped} answers finished"
+    );
+
+    // json_object: any object.
+    let choice = unary(
+        http,
+        &chat(json!({"response_format": {"type": "json_object"}})),
+    )
+    .await;
+    if choice["finish_reason"] == "stop" {
+        let value: Value =
+            serde_json::from_str(choice["message"]["content"].as_str().unwrap()).unwrap();
+        assert!(value.is_object(), "{value}");
+    }
+
+    // A string of at least 50 characters cannot end in 5 tokens.
+    let cut = chat(
+        json!({"max_tokens": 5, "response_format": {"type": "json_schema",
+        "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 50}}}}),
+    );
+    let choice = unary(http, &cut).await;
+    assert_eq!(choice["finish_reason"], "length", "{choice}");
+
+    // A choice is one of its strings.
+    let choice = unary(
+        http,
+        &chat(json!({"structured_outputs": {"choice": ["left", "right"]}})),
+    )
+    .await;
+    assert_eq!(choice["finish_reason"], "stop", "{choice}");
+    assert!(["left", "right"].contains(&choice["message"]["content"].as_str().unwrap()));
+    stack.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_tool_calls_are_valid_calls_and_bad_requests_say_why() {
+    let stack = ready_on_cpu().await;
+    let http = stack.http_addr;
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "weather now",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]}},
+              "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "move_arm",
+            "parameters": {"type": "object", "properties": {
+                "x": {"type": "integer", "minimum": -10, "maximum": 10}},
+              "required": ["x"], "additionalProperties": false}}},
+    ]);
+    let parameters = |name: &str| {
+        tools
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["function"]["name"] == name)
+            .map(|t| t["function"]["parameters"].clone())
+            .unwrap_or_else(|| panic!("no tool {name}"))
+    };
+    let named = json!({"type": "function", "function": {"name": "move_arm"}});
+    let mut finished = 0;
+    for (choice, parallel) in [(json!("required"), true), (named, false)] {
+        let body = chat(json!({"tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": parallel, "max_tokens": 160}));
+        let answer = unary(http, &body).await;
+        let finish = answer["finish_reason"].as_str().unwrap();
+        if finish == "length" {
+            continue; // cut by the budget: the calls may be incomplete
+        }
+        assert_eq!(finish, "tool_calls", "{answer}");
+        finished += 1;
+        let calls = answer["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty());
+        if !parallel {
+            assert_eq!(calls.len(), 1, "{answer}");
+            assert_eq!(calls[0]["function"]["name"], "move_arm");
+        }
+        for (i, call) in calls.iter().enumerate() {
+            assert_eq!(call["index"], i);
+            assert_eq!(call["type"], "function");
+            assert!(call["id"].as_str().unwrap().starts_with("call_"));
+            let name = call["function"]["name"].as_str().unwrap();
+            let args: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert!(validates(&parameters(name), &args), "{call}");
+        }
+        // Streamed: the same calls, the same finish.
+        let (content, streamed_calls, streamed_finish) = streamed(http, &body).await;
+        assert_eq!(streamed_finish, "tool_calls");
+        assert_eq!(content, answer["message"]["content"].as_str().unwrap_or(""));
+        let unary_calls: Vec<Value> = calls
+            .iter()
+            .map(
+                |c| json!({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}),
+            )
+            .collect();
+        assert_eq!(streamed_calls, unary_calls);
+    }
+    assert!(finished >= 1, "no forced call finished within its budget");
+
+    // A schema llguidance cannot compile: 400 with llm-svc's reason.
+    let (status, v) = post(
+        http,
+        &chat(json!({"response_format": {"type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": 7}}}})),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("constraint"), "{message}");
+
+    // A tool choice naming no offered tool: 400 naming it.
+    let (status, v) = post(
+        http,
+        &chat(json!({"tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "fly"}}})),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("\"fly\""),
+        "{v}"
+    );
+    stack.stop().await.unwrap();
+}
