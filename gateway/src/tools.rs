@@ -196,18 +196,42 @@ pub fn tool_call_grammar(req: &ToolRequest, open: &Tag, close: &Tag) -> Option<S
         ToolChoice::Function(name) => req.tools.iter().filter(|t| &t.name == name).collect(),
         _ => req.tools.iter().collect(),
     };
-    let call_schema = |t: &Tool| {
+    // A tool's own definitions (`$defs`, or the older `definitions`) move to the root of the
+    // call schema, where its `$ref`s ("#/$defs/...") must find them once `parameters` sits
+    // under `arguments`; each tool's are renamed apart, as several tools may share a name.
+    let mut defs = serde_json::Map::new();
+    let mut call_schema = |i: usize, t: &Tool| {
+        let mut parameters = t.parameters.clone();
+        for (key, prefix) in [
+            ("$defs", format!("tool{i}_")),
+            ("definitions", format!("tool{i}_definitions_")),
+        ] {
+            if let Some(Value::Object(own)) = parameters.as_object_mut().and_then(|p| p.remove(key))
+            {
+                for (name, def) in own {
+                    let mut def = def;
+                    rename_refs(&mut def, key, &prefix);
+                    defs.insert(format!("{prefix}{name}"), def);
+                }
+                rename_refs(&mut parameters, key, &prefix);
+            }
+        }
         json!({
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "properties": {"name": {"const": t.name}, "arguments": parameters},
             "required": ["name", "arguments"],
             "additionalProperties": false,
         })
     };
-    let schema = match allowed.as_slice() {
-        [one] => call_schema(one),
-        many => json!({"anyOf": many.iter().map(|t| call_schema(t)).collect::<Vec<_>>()}),
+    let mut schema = match allowed.as_slice() {
+        [one] => call_schema(0, one),
+        many => {
+            json!({"anyOf": many.iter().enumerate().map(|(i, t)| call_schema(i, t)).collect::<Vec<_>>()})
+        }
     };
+    if !defs.is_empty() {
+        schema["$defs"] = Value::Object(defs);
+    }
     // Laid out as the template renders calls (json.dumps's separators, one line), never with
     // endless whitespace.
     let schema = vlm_proto::constraint::with_json_style(schema);
@@ -221,6 +245,26 @@ pub fn tool_call_grammar(req: &ToolRequest, open: &Tag, close: &Tag) -> Option<S
         open.lark(),
         close.lark()
     ))
+}
+
+/// Points every `$ref` to `#/{key}/NAME` in `v` at `#/$defs/{prefix}NAME`.
+fn rename_refs(v: &mut Value, key: &str, prefix: &str) {
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                match x {
+                    Value::String(r) if k == "$ref" => {
+                        if let Some(name) = r.strip_prefix(&format!("#/{key}/")) {
+                            *r = format!("#/$defs/{prefix}{name}");
+                        }
+                    }
+                    _ => rename_refs(x, key, prefix),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rename_refs(x, key, prefix)),
+        _ => {}
+    }
 }
 
 #[cfg(test)]
@@ -301,6 +345,38 @@ mod tests {
                 assert!(e.to_string().contains(name), "{tools} {choice}: {e}");
             }
         }
+    }
+
+    #[test]
+    fn a_tools_own_definitions_move_to_the_root_renamed_apart() {
+        let pose = |name: &str| {
+            json!({"type": "function", "function": {"name": name, "parameters": {
+                "type": "object", "properties": {"at": {"$ref": "#/$defs/point"},
+                    "via": {"type": "array", "items": {"$ref": "#/definitions/point"}}},
+                "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+                "definitions": {"point": {"$ref": "#/definitions/other"},
+                                "other": {"type": "integer"}}}}})
+        };
+        let tools = json!([pose("a"), pose("b")]);
+        let required = read_tools(Some(&tools), Some(&json!("required")), None).unwrap();
+        let g = tool_call_grammar(&required, &Tag::Token(1), &Tag::Token(2)).unwrap();
+        let line = g.lines().find(|l| l.starts_with("arguments: ")).unwrap();
+        let schema: Value =
+            serde_json::from_str(line.strip_prefix("arguments: %json ").unwrap()).unwrap();
+        let args = &schema["anyOf"][1]["properties"]["arguments"];
+        assert_eq!(args["properties"]["at"]["$ref"], "#/$defs/tool1_point");
+        assert_eq!(
+            args["properties"]["via"]["items"]["$ref"],
+            "#/$defs/tool1_definitions_point"
+        );
+        assert!(args.get("$defs").is_none() && args.get("definitions").is_none());
+        let defs = &schema["$defs"];
+        assert_eq!(defs["tool0_point"]["properties"]["x"]["type"], "integer");
+        assert_eq!(defs["tool1_definitions_other"], json!({"type": "integer"}));
+        assert_eq!(
+            defs["tool0_definitions_point"]["$ref"],
+            "#/$defs/tool0_definitions_other"
+        );
     }
 
     #[test]
