@@ -34,7 +34,7 @@ use vlm_compute::{Backend, HostTensor, Weights};
 use gateway::chat::{ChatTokenizer, Message, Part};
 use gateway::request::ChatRequest;
 
-use crate::footprint::{decoder_layer_matrix_params, int_bytes};
+use crate::footprint::{decoder_layer_matrix_params, int_bytes, stored_int_bits};
 use crate::pipeline::Pipeline;
 use crate::stack::{LocalStack, StackConfig};
 
@@ -205,10 +205,7 @@ pub fn run<B: Backend + Clone>(
         pipeline: &pipeline,
         bandwidth: out[0].throughput(),
         flop_rate: out[1].throughput(),
-        int_bits: opts
-            .quantize
-            .map(|q| q.bits())
-            .or_else(|| weights.quant_config().map(|q| q.bits())),
+        int_bits: stored_int_bits(weights.quant_config(), opts.quantize),
     };
     // What serving holds, by kind: the text decoder's weights as stored (their format says
     // the bytes) and the KV cache; then all the device has in use (both models' weights, the

@@ -47,11 +47,14 @@ impl Footprint {
         if let (Some(q), Some(to)) = (&checkpoint, quantize) {
             anyhow::bail!("--quantize {to} asked of a checkpoint that is quantized already ({q})");
         }
-        let bits = checkpoint.map(|q| q.bits()).or(quantize.map(|q| q.bits()));
-        let (decoder_matrices, decoder_format, dequant_scratch) = match bits {
-            Some(b) => (int_bytes(matrices, b), format!("{b}-bit"), 2 * i * h * 2),
-            None => (matrices * 2, "f16".into(), 0),
-        };
+        let fp8 = matches!(checkpoint, Some(QuantConfig::Fp8 { .. }))
+            || quantize == Some(QuantizeTo::Fp8);
+        let (decoder_matrices, decoder_format, dequant_scratch) =
+            match stored_int_bits(checkpoint.as_ref(), quantize) {
+                Some(b) => (int_bytes(matrices, b), format!("{b}-bit"), 2 * i * h * 2),
+                None if fp8 => (matrices * 2, "FP8, held as f16 on the GPU".into(), 0),
+                None => (matrices * 2, "f16".into(), 0),
+            };
         let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
         let vision = match vision_svc::VisionConfig::from_dir(dir) {
             Ok(v) if cfg.vision.is_some() => 2 * vision_params(&v),
@@ -74,6 +77,20 @@ impl Footprint {
 pub fn decoder_layer_matrix_params(c: &llm_svc::TextConfig) -> usize {
     let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
     h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * i
+}
+
+/// Bits of the integer values the GPU holds the decoder's matrices as, for a checkpoint in
+/// `checkpoint`'s format or quantized at load to `quantize`; `None` where it holds f16 (FP8
+/// included: dequantized at upload until the FP8 kernels land).
+pub fn stored_int_bits(
+    checkpoint: Option<&QuantConfig>,
+    quantize: Option<QuantizeTo>,
+) -> Option<u32> {
+    match (checkpoint, quantize) {
+        (Some(QuantConfig::Fp8 { .. }), _) | (None, Some(QuantizeTo::Fp8)) => None,
+        (Some(q), _) => Some(q.bits()),
+        (None, q) => q.map(|q| q.bits()),
+    }
 }
 
 /// Bytes `params` integer weights of `bits` take as the GPU stores them: the packed values and
@@ -140,5 +157,20 @@ mod tests {
         assert!(w4.dequant_scratch > 0);
         let vl = Footprint::of(&fixture("tiny-qwen3-vl"), None, 0).unwrap();
         assert!(vl.vision > 0);
+    }
+
+    /// FP8 matrices are held as f16 on the GPU for now: the estimate says so and counts f16,
+    /// for an FP8 checkpoint and for --quantize fp8 alike.
+    #[test]
+    fn fp8_is_counted_as_the_f16_it_is_held_as() {
+        let f16 = Footprint::of(&fixture("tiny-qwen3"), None, 0).unwrap();
+        for f in [
+            Footprint::of(&fixture("tiny-qwen3-ct-fp8-dynamic"), None, 0).unwrap(),
+            Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Fp8), 0).unwrap(),
+        ] {
+            assert_eq!(f.decoder_matrices, f16.decoder_matrices);
+            assert!(f.decoder_format.contains("FP8"), "{}", f.decoder_format);
+            assert_eq!(f.dequant_scratch, 0);
+        }
     }
 }
