@@ -3,9 +3,10 @@
 //!
 //! Every token of every stream passes here, so each chunk is written straight to the bytes
 //! of its event (`data: {...}\n\n`): serde structs that borrow the event's text and ids, one
-//! buffer a chunk, no JSON value tree and no second copy into the event. The keys come in
-//! the order serde_json gives a `Value`'s (sorted), so the bytes are those the handler's
-//! `json!` chunks had (the tests hold the two side by side).
+//! buffer a chunk, no JSON value tree and no second copy into the event. The keys come
+//! sorted, as a `Value` prints them without serde_json's `preserve_order`, so the bytes are
+//! those the handler's `json!` chunks had (the tests hold the two side by side, sorting the
+//! `json!` side's keys whichever way this build has the feature).
 
 use std::convert::Infallible;
 
@@ -319,7 +320,22 @@ mod tests {
     }
 
     fn event(v: &Value) -> String {
-        format!("data: {v}\n\n")
+        format!("data: {}\n\n", sorted(v))
+    }
+
+    /// `v` with every object's keys in order: what a `Value` prints without serde_json's
+    /// `preserve_order`, whichever way this build has it (llguidance turns it on in a
+    /// workspace build).
+    fn sorted(v: &Value) -> Value {
+        match v {
+            Value::Object(o) => {
+                let mut keys: Vec<&String> = o.keys().collect();
+                keys.sort();
+                Value::Object(keys.into_iter().map(|k| (k.clone(), sorted(&o[k]))).collect())
+            }
+            Value::Array(a) => Value::Array(a.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
     }
 
     fn options(n: usize, token_ids: bool, logprobs: bool, usage: bool) -> ResponseOptions {
