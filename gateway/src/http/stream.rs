@@ -4,9 +4,7 @@
 //! Every token of every stream passes here, so each chunk is written straight to the bytes
 //! of its event (`data: {...}\n\n`): serde structs that borrow the event's text and ids, one
 //! buffer a chunk, no JSON value tree and no second copy into the event. The keys come
-//! sorted, as a `Value` prints them without serde_json's `preserve_order`, so the bytes are
-//! those the handler's `json!` chunks had (the tests hold the two side by side, sorting the
-//! `json!` side's keys whichever way this build has the feature).
+//! sorted; the tests hold the bytes beside `json!` chunks with their keys sorted.
 
 use std::convert::Infallible;
 
@@ -323,15 +321,18 @@ mod tests {
         format!("data: {}\n\n", sorted(v))
     }
 
-    /// `v` with every object's keys in order: what a `Value` prints without serde_json's
-    /// `preserve_order`, whichever way this build has it (llguidance turns it on in a
-    /// workspace build).
+    /// `v` with every object's keys in order: the writer's order (the workspace's serde_json
+    /// keeps `json!`'s own order).
     fn sorted(v: &Value) -> Value {
         match v {
             Value::Object(o) => {
                 let mut keys: Vec<&String> = o.keys().collect();
                 keys.sort();
-                Value::Object(keys.into_iter().map(|k| (k.clone(), sorted(&o[k]))).collect())
+                Value::Object(
+                    keys.into_iter()
+                        .map(|k| (k.clone(), sorted(&o[k])))
+                        .collect(),
+                )
             }
             Value::Array(a) => Value::Array(a.iter().map(sorted).collect()),
             other => other.clone(),
@@ -428,13 +429,12 @@ mod tests {
                 assert_eq!(got, want);
             }
         }
+        // An error is its JSON body as written (OpenAI's key order).
         let mut w = ChunkWriter::new("i".into(), 1, "m".into(), options(1, false, false, false));
         let e = GatewayError::Overloaded("busy".into());
         assert_eq!(
             text(w.event(Err(e))),
-            event(
-                &json!({"error": {"message": "busy", "type": "overloaded", "param": null, "code": null}})
-            )
+            "data: {\"error\":{\"message\":\"busy\",\"type\":\"overloaded\",\"param\":null,\"code\":null}}\n\n"
         );
     }
 }
