@@ -8,59 +8,10 @@
 //! `</tool_call>` added as single tokens (as in Qwen's vocabularies) and a template that opens
 //! `<think>` unless `enable_thinking` is false, as a Thinking checkpoint's does.
 
-use std::pin::Pin;
 use std::sync::Mutex;
-
-use axum::body::Body;
-use tokio_stream::wrappers::TcpListenerStream;
-use tower::ServiceExt;
-use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 
 use super::*;
 use crate::chat::ChatTokenizer;
-use crate::metrics::Metrics;
-use crate::serve::UpstreamHealth;
-use crate::upstream::Upstreams;
-
-/// Answers every Generate with its text's tokens, one a message, then stop; or refuses every
-/// Generate with its status.
-struct CannedAnswer {
-    answer: Result<Vec<u32>, tonic::Status>,
-    seen: Arc<Mutex<Vec<pb::GenerateRequest>>>,
-}
-
-type Steps =
-    Pin<Box<dyn futures::Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Send>>;
-
-#[tonic::async_trait]
-impl LlmService for CannedAnswer {
-    type GenerateStream = Steps;
-
-    async fn generate(
-        &self,
-        request: tonic::Request<pb::GenerateRequest>,
-    ) -> Result<tonic::Response<Steps>, tonic::Status> {
-        self.seen.lock().unwrap().push(request.into_inner());
-        let ids = self.answer.clone()?;
-        let count = ids.len() as u32;
-        let steps = ids
-            .into_iter()
-            .map(|id| pb::GenerateResponse {
-                token_ids: vec![id],
-                ..Default::default()
-            })
-            .chain(std::iter::once(pb::GenerateResponse {
-                finish_reason: pb::FinishReason::Stop as i32,
-                usage: Some(pb::Usage {
-                    prompt_tokens: 1,
-                    completion_tokens: count,
-                }),
-                ..Default::default()
-            }))
-            .map(Ok);
-        Ok(tonic::Response::new(Box::pin(futures::stream::iter(steps))))
-    }
-}
 
 /// The tags added as single tokens, with their ids.
 const ADDED: [(&str, u32); 4] = [
@@ -108,56 +59,36 @@ struct Harness {
     seen: Arc<Mutex<Vec<pb::GenerateRequest>>>,
 }
 
-/// A gateway of the thinking fixture whose llm-svc answers `answer` (its text tokenized).
+/// A gateway of the thinking fixture whose llm-svc answers `answer` (its text tokenized, one
+/// token a message, then stop) or refuses with its status.
 async fn harness(answer: Result<&str, tonic::Status>) -> Harness {
     let dir = thinking_fixture();
     let chat = ChatTokenizer::from_dir(&dir, Some(412)).unwrap();
-    let answer = answer.map(|text| chat.encode(text).unwrap());
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let llm_addr = listener.local_addr().unwrap().to_string();
-    let llm = LlmServiceServer::new(CannedAnswer {
-        answer,
-        seen: seen.clone(),
+    let steps = answer.map(|text| {
+        let ids = chat.encode(text).unwrap();
+        let count = ids.len() as u32;
+        ids.into_iter()
+            .map(|id| pb::GenerateResponse {
+                token_ids: vec![id],
+                ..Default::default()
+            })
+            .chain(std::iter::once(pb::GenerateResponse {
+                finish_reason: pb::FinishReason::Stop as i32,
+                usage: Some(pb::Usage {
+                    prompt_tokens: 1,
+                    completion_tokens: count,
+                }),
+                ..Default::default()
+            }))
+            .collect()
     });
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(llm)
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    let nowhere = ["127.0.0.1:1".to_string()];
-    let orchestrator = Orchestrator::new(
-        chat,
-        Some(Upstreams::new("vision-svc", &nowhere, None).unwrap()),
-        Upstreams::new("llm-svc", std::slice::from_ref(&llm_addr), None).unwrap(),
-        RequestLimits::default(),
-        4,
-        Metrics::new(),
-    );
-    Harness {
-        state: HttpState {
-            orchestrator: Arc::new(orchestrator),
-            model_name: "tiny".into(),
-            default_max_tokens: 64,
-            request_timeout: Duration::from_secs(10),
-            health: Arc::new(UpstreamHealth::new(&nowhere, &[llm_addr])),
-        },
-        seen,
-    }
+    let (state, seen) = super::canned_llm::gateway_of_canned_llm(chat, None, steps, 64).await;
+    Harness { state, seen }
 }
 
 impl Harness {
     async fn post(&self, body: &Value) -> (StatusCode, String) {
-        let req = axum::http::Request::post("/v1/chat/completions")
-            .header("content-type", "application/json")
-            .body(Body::from(body.to_string()))
-            .unwrap();
-        let resp = router(self.state.clone(), None).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (status, String::from_utf8(bytes.to_vec()).unwrap())
+        super::canned_llm::post_chat(&self.state, body).await
     }
 
     /// The unary answer's first choice.

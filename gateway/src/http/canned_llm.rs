@@ -22,9 +22,10 @@ use crate::metrics::Metrics;
 use crate::serve::UpstreamHealth;
 use crate::upstream::Upstreams;
 
-/// Answers every Generate with `steps`, and keeps the requests it was sent.
+/// Answers every Generate with `steps` (or refuses it with their status), and keeps the
+/// requests it was sent. The stand-in llm-svc of this file's tests and `canned_answers.rs`'s.
 struct CannedLlm {
-    steps: Vec<pb::GenerateResponse>,
+    steps: Result<Vec<pb::GenerateResponse>, tonic::Status>,
     seen: Arc<Mutex<Vec<pb::GenerateRequest>>>,
 }
 
@@ -40,9 +41,63 @@ impl LlmService for CannedLlm {
         request: tonic::Request<pb::GenerateRequest>,
     ) -> Result<tonic::Response<Steps>, tonic::Status> {
         self.seen.lock().unwrap().push(request.into_inner());
-        let steps = self.steps.clone().into_iter().map(Ok);
+        let steps = self.steps.clone()?.into_iter().map(Ok);
         Ok(tonic::Response::new(Box::pin(futures::stream::iter(steps))))
     }
+}
+
+/// A gateway (its HTTP state) of `chat` in front of a [`CannedLlm`] answering `steps` on a
+/// loopback port, its vision-svc nowhere (the chats are text); and the requests llm-svc saw.
+pub(super) async fn gateway_of_canned_llm(
+    chat: ChatTokenizer,
+    vocab_size: Option<usize>,
+    steps: Result<Vec<pb::GenerateResponse>, tonic::Status>,
+    default_max_tokens: usize,
+) -> (HttpState, Arc<Mutex<Vec<pb::GenerateRequest>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let llm_addr = listener.local_addr().unwrap().to_string();
+    let llm = LlmServiceServer::new(CannedLlm {
+        steps,
+        seen: seen.clone(),
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(llm)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let nowhere = ["127.0.0.1:1".to_string()];
+    let mut orchestrator = Orchestrator::new(
+        chat,
+        Some(Upstreams::new("vision-svc", &nowhere, None).unwrap()),
+        Upstreams::new("llm-svc", std::slice::from_ref(&llm_addr), None).unwrap(),
+        RequestLimits::default(),
+        4,
+        Metrics::new(),
+    );
+    orchestrator.vocab_size = vocab_size;
+    let state = HttpState {
+        orchestrator: Arc::new(orchestrator),
+        model_name: "tiny".into(),
+        default_max_tokens,
+        request_timeout: Duration::from_secs(10),
+        health: Arc::new(UpstreamHealth::new(&nowhere, &[llm_addr])),
+    };
+    (state, seen)
+}
+
+/// POSTs `body` to the gateway's chat completions: the status and the body's text.
+pub(super) async fn post_chat(state: &HttpState, body: &Value) -> (StatusCode, String) {
+    let req = axum::http::Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let resp = router(state.clone(), None).oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
 }
 
 struct Harness {
@@ -121,37 +176,10 @@ async fn harness() -> Harness {
             ..Default::default()
         }))
         .collect();
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let llm_addr = listener.local_addr().unwrap().to_string();
-    let llm = LlmServiceServer::new(CannedLlm {
-        steps,
-        seen: seen.clone(),
-    });
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(llm)
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    let nowhere = ["127.0.0.1:1".to_string()];
     let vocab = crate::checkpoint::ModelIds::read(&dir).unwrap().vocab_size;
-    let mut orchestrator = Orchestrator::new(
-        chat,
-        Some(Upstreams::new("vision-svc", &nowhere, None).unwrap()),
-        Upstreams::new("llm-svc", std::slice::from_ref(&llm_addr), None).unwrap(),
-        RequestLimits::default(),
-        4,
-        Metrics::new(),
-    );
-    orchestrator.vocab_size = Some(vocab);
+    let (state, seen) = gateway_of_canned_llm(chat, Some(vocab), Ok(steps), 3).await;
     Harness {
-        state: HttpState {
-            orchestrator: Arc::new(orchestrator),
-            model_name: "tiny".into(),
-            default_max_tokens: 3,
-            request_timeout: Duration::from_secs(10),
-            health: Arc::new(UpstreamHealth::new(&nowhere, &[llm_addr])),
-        },
+        state,
         seen,
         tokens,
     }
@@ -159,16 +187,7 @@ async fn harness() -> Harness {
 
 impl Harness {
     async fn post(&self, body: Value) -> (StatusCode, String) {
-        let req = axum::http::Request::post("/v1/chat/completions")
-            .header("content-type", "application/json")
-            .body(Body::from(body.to_string()))
-            .unwrap();
-        let resp = router(self.state.clone(), None).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap();
-        (status, String::from_utf8(bytes.to_vec()).unwrap())
+        post_chat(&self.state, &body).await
     }
 
     /// The OpenAI entry of token `i` (of the canned ones) at `logprob`.
