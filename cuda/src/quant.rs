@@ -583,34 +583,29 @@ impl QuantConfig {
     /// (`modules_to_not_convert` needs no reading: those modules are stored unquantized).
     fn fine_grained_fp8(path: &Path, q: &Value) -> Result<Self> {
         let field = |k: &str| format!("quantization_config.{k}");
-        let text = |k: &str| q.get(k).and_then(Value::as_str);
-        if let Some(fmt) = text("fmt") {
-            if !fmt.eq_ignore_ascii_case("e4m3") {
-                return Err(bad(
-                    path,
-                    &field("fmt"),
-                    format!("is `{fmt}`; supported is e4m3"),
-                ));
-            }
-        }
-        if let Some(a) = text("activation_scheme") {
-            if !a.eq_ignore_ascii_case("dynamic") {
-                return Err(bad(
-                    path,
-                    &field("activation_scheme"),
-                    format!("is `{a}`; supported is dynamic (run weight-only for now)"),
-                ));
-            }
-        }
-        if let Some(f) = text("scale_fmt") {
-            if f != "float" {
-                return Err(bad(
-                    path,
-                    &field("scale_fmt"),
-                    format!("is `{f}`; supported is float (f32, f16 or bf16 scales)"),
-                ));
-            }
-        }
+        // A text field, where present, must be the one value read (`supported` says which).
+        let only = |k: &str, ok: &dyn Fn(&str) -> bool, supported: &str| match q
+            .get(k)
+            .and_then(Value::as_str)
+        {
+            Some(v) if !ok(v) => Err(bad(
+                path,
+                &field(k),
+                format!("is `{v}`; supported is {supported}"),
+            )),
+            _ => Ok(()),
+        };
+        only("fmt", &|v| v.eq_ignore_ascii_case("e4m3"), "e4m3")?;
+        only(
+            "activation_scheme",
+            &|v| v.eq_ignore_ascii_case("dynamic"),
+            "dynamic (run weight-only for now)",
+        )?;
+        only(
+            "scale_fmt",
+            &|v| v == "float",
+            "float (f32, f16 or bf16 scales)",
+        )?;
         let scales = match q.get("weight_block_size").filter(|v| !v.is_null()) {
             None => Fp8Scales::Tensor,
             b => Fp8Scales::Block(block_of(path, &field("weight_block_size"), b)?),
