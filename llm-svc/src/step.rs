@@ -395,6 +395,34 @@ struct SamplerState<B: Backend> {
     work: B::Ids,
 }
 
+impl<B: Backend> SamplerState<B> {
+    /// The step's picks from `logits` into `out`, with `bias` as its `logit_bias` entries (a
+    /// recorded step's: `None`, the buffer written before each replay) and the shared
+    /// buffers.
+    fn sample(
+        &mut self,
+        be: &B,
+        logits: &B::Tensor,
+        out: &mut SampleOut<B>,
+        bias: Option<&B::Ids>,
+    ) -> vlm_compute::Result<()> {
+        be.sample_rows(
+            logits,
+            SampleIo {
+                params: &out.params,
+                bias: bias.unwrap_or(&self.graph_bias),
+                masks: &self.masks,
+                counts: &mut self.counts,
+                scratch: &mut self.scratch,
+                picks: &mut out.picks,
+                logprobs: &mut out.logprobs,
+                top_ids: &mut out.top_ids,
+                work: &mut self.work,
+            },
+        )
+    }
+}
+
 pub struct StepRunner<B: Backend> {
     cfg: TextConfig,
     inv_freq: Vec<f32>,
@@ -617,20 +645,7 @@ impl<B: Backend> StepRunner<B> {
         if !masks.is_empty() {
             be.write_ids(&mut sampler.masks, &masks)?;
         }
-        be.sample_rows(
-            &logits,
-            SampleIo {
-                params: &out.params,
-                bias: &bias,
-                masks: &sampler.masks,
-                counts: &mut sampler.counts,
-                scratch: &mut sampler.scratch,
-                picks: &mut out.picks,
-                logprobs: &mut out.logprobs,
-                top_ids: &mut out.top_ids,
-                work: &mut sampler.work,
-            },
-        )?;
+        sampler.sample(be, &logits, &mut out, Some(&bias))?;
         let result = Self::outputs(be, &logits, &out, host, n, mask_time)?;
         tracing::debug!(
             rows = host.ids.len(),
@@ -761,22 +776,7 @@ impl<B: Backend> StepRunner<B> {
         });
         let recorded = match forward {
             Ok(Some(forward)) => be
-                .record(&mut || {
-                    be.sample_rows(
-                        &logits,
-                        SampleIo {
-                            params: &out.params,
-                            bias: &sampler.graph_bias,
-                            masks: &sampler.masks,
-                            counts: &mut sampler.counts,
-                            scratch: &mut sampler.scratch,
-                            picks: &mut out.picks,
-                            logprobs: &mut out.logprobs,
-                            top_ids: &mut out.top_ids,
-                            work: &mut sampler.work,
-                        },
-                    )
-                })
+                .record(&mut || sampler.sample(be, &logits, &mut out, None))
                 .map(|sample| sample.map(|sample| (forward, sample))),
             Ok(None) => Ok(None),
             Err(e) => Err(e),
