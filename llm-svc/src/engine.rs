@@ -567,7 +567,7 @@ impl<B: Backend> EngineLoop<B> {
     fn reap(&mut self) {
         let now = Instant::now();
         let expired = |s: &Sequence| s.limits.deadline.is_some_and(|d| now > d);
-        let stuck = |s: &Sequence| s.grammar.is_some() && s.grammar_failure().is_some();
+        let stuck = |s: &Sequence| s.grammar_failure().is_some();
         for seq in self
             .sched
             .remove_where(|s| s.abandoned() || expired(s) || stuck(s))

@@ -85,16 +85,17 @@ impl Grammars {
             Some(constraint::Grammar::Lark(lark)) => TopLevelGrammar::from_lark(lark.clone()),
             None => return Err(bad("no grammar given".into())),
         };
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| bad(e.to_string()))?;
+        // Checked before the (costly) compile.
         if let Some(t) = c.after_token.filter(|&t| t as usize >= self.vocab) {
             return Err(bad(format!(
                 "after_token {t} is not in the vocabulary ({} tokens)",
                 self.vocab
             )));
         }
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| bad(e.to_string()))?;
         Ok(Grammar {
             matcher: Matcher::new(Ok(parser)),
             waiting_for: c.after_token,
