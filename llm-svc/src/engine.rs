@@ -32,11 +32,12 @@ use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
 use crate::kv_sizing::{kv_blocks, CacheBudget, KvCacheSize};
 use crate::metrics::EngineMetrics;
 use crate::model::TextModel;
-use crate::mrope::{image_spans, prompt_positions, ImageSpan};
+use crate::mrope::{prompt_positions, ImageSpan};
 use crate::request::{Event, FinishReason, GenerateRequest, Generation, RequestStream, TokenEvent};
 use crate::scheduler::{Planned, Scheduler, SchedulerConfig};
 use crate::sequence::{image_hash, Pick, PlacedImage, Sequence, SequenceLimits};
 use crate::step::{StepOutput, StepRunner};
+use crate::validation;
 use crate::{Error, ModelConfig, Result};
 
 #[derive(Clone, Debug)]
@@ -242,98 +243,10 @@ impl Engine {
         }
     }
 
-    /// Checks a request and returns where its images sit in the prompt.
+    /// Checks a request against the model ([`crate::validation`]) and returns where its
+    /// images sit in the prompt.
     fn check(&self, req: &GenerateRequest) -> Result<Vec<ImageSpan>> {
-        let cfg = self.config();
-        let max_context = self.shared.max_context;
-        if req.prompt.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if req.prompt.len() >= max_context {
-            return Err(Error::PromptTooLong {
-                prompt_tokens: req.prompt.len(),
-                context: max_context,
-            });
-        }
-        let vocab = cfg.text.vocab_size;
-        if let Some((position, &id)) = req
-            .prompt
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| t as usize >= vocab)
-        {
-            return Err(Error::TokenOutOfRange {
-                id,
-                position,
-                vocab,
-            });
-        }
-        req.sampling.validate()?;
-        if let Some(&(id, _)) = req
-            .sampling
-            .logit_bias
-            .iter()
-            .find(|b| b.0 as usize >= vocab)
-        {
-            return Err(Error::InvalidParameter(format!(
-                "`logit_bias` names token {id}, outside the vocabulary of {vocab}"
-            )));
-        }
-        if req.max_new_tokens == 0 {
-            return Err(Error::InvalidParameter(
-                "`max_new_tokens` must be at least 1, got 0".into(),
-            ));
-        }
-        let Some(vision) = &cfg.vision else {
-            if !req.images.is_empty() {
-                return Err(Error::ImagesNotSupported {
-                    architecture: cfg.architecture.name(),
-                    images: req.images.len(),
-                });
-            }
-            return Ok(Vec::new());
-        };
-        let hidden = cfg.text.hidden_size;
-        let m = vision.spatial_merge_size;
-        for (k, img) in req.images.iter().enumerate() {
-            let [t, h, w] = img.grid_thw;
-            // Checked: the grid comes off the wire (u32s, whose product overflows).
-            let tokens = t
-                .checked_mul(h / m)
-                .and_then(|n| n.checked_mul(w / m))
-                .ok_or_else(|| {
-                    Error::ImageMismatch(format!("image {k}: grid {:?} is too large", img.grid_thw))
-                })?;
-            if img.embeds.shape() != [tokens, hidden] {
-                return Err(Error::ImageMismatch(format!(
-                    "image {k}: embeddings {:?}, grid {:?} implies [{tokens}, {hidden}]",
-                    img.embeds.shape(),
-                    img.grid_thw
-                )));
-            }
-            if img.deepstack.len() != req.images[0].deepstack.len()
-                || img
-                    .deepstack
-                    .iter()
-                    .any(|d| d.shape() != img.embeds.shape())
-            {
-                return Err(Error::ImageMismatch(format!(
-                    "image {k}: DeepStack features must all be {:?}, one set per image",
-                    img.embeds.shape()
-                )));
-            }
-            if t != 1 {
-                return Err(Error::ImageMismatch(format!(
-                    "image {k}: temporal grid {t}; images have 1 (video is not supported)"
-                )));
-            }
-        }
-        let grids: Vec<(usize, usize)> = req
-            .images
-            .iter()
-            .map(|i| (i.grid_thw[1] / m, i.grid_thw[2] / m))
-            .collect();
-        image_spans(&req.prompt, vision.image_token_id, &grids)
+        validation::check(req, self.config(), self.shared.max_context)
     }
 
     /// Checks a request and compiles its grammar, once, for [`Engine::submit_checked`]. (A
@@ -766,5 +679,18 @@ impl<B: Backend> EngineLoop<B> {
             r.decode_steps = Default::default();
             r.mixed_steps = Default::default();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_caches_blocks_of_the_size_the_gateway_routes_by() {
+        assert_eq!(
+            EngineConfig::default().block_size,
+            vlm_proto::prefix::KV_BLOCK_SIZE
+        );
     }
 }

@@ -254,14 +254,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_engine_caches_blocks_of_the_size_the_gateway_routes_by() {
-        assert_eq!(
-            crate::engine::EngineConfig::default().block_size,
-            vlm_proto::prefix::KV_BLOCK_SIZE
-        );
-    }
-
-    #[test]
     fn blocks_are_handed_out_once_and_come_back_when_released() {
         let mut pool = BlockPool::new(5, 16);
         assert_eq!(pool.capacity(), 4);

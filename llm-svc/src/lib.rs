@@ -12,11 +12,13 @@
 //!   streamed back to each caller, until eos / budget / the caller stops
 //! ```
 //!
-//! The modules, bottom up (each uses only those above it): `config`, `error`, `request` (what
-//! a caller sends and gets back), `sampler` (sampling settings), `mrope`, `kv_cache`,
-//! `sequence` (one request inside the engine), `scheduler` (which sequences run, and their
-//! state after each step), `model` (the forward pass), `step` (a step on the device),
-//! `kv_sizing` (how large the cache is), `engine` (the loop), `server` (the gRPC service).
+//! The modules, bottom up (each uses only those above it): `error`, `config`, `sampler`
+//! (sampling settings), `grammar` (a request's constraint compiled), `request` (what a caller
+//! sends and gets back), `mrope`, `kv_cache`, `validation` (a request checked against the
+//! model), `sequence` (one request inside the engine), `scheduler` (which sequences run, and
+//! their state after each step), `model` (the forward pass), `step` (a step on the device),
+//! `kv_sizing` (how large the cache is), `metrics`, `engine` (the loop), `cli` (the engine's
+//! flags), `server` (the gRPC service).
 
 mod cli;
 mod config;
@@ -34,6 +36,7 @@ mod scheduler;
 mod sequence;
 pub mod server;
 mod step;
+mod validation;
 
 pub use cli::{EngineArgs, WeightArgs};
 pub use config::{Architecture, ModelConfig, TextConfig, VisionTokens};
