@@ -31,6 +31,7 @@
 //! holds the others back until the first has computed them). One task relays all of them,
 //! each choice with its own detokenizer and stop strings, its events tagged with its index.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,7 +52,7 @@ use crate::detok::{TextStream, TokenBytes};
 use crate::gateway_error::upstream_gone;
 pub use crate::gateway_error::GatewayError;
 use crate::metrics::Metrics;
-use crate::output::{OutputSplitter, ToolCall, THINK_CLOSE, THINK_OPEN};
+use crate::output::{OutputSplitter, ToolCallDelta, THINK_CLOSE, THINK_OPEN};
 use crate::request::{image_parts, validate_request, ChatRequest, RequestLimits};
 use crate::routing::RouteKey;
 use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
@@ -85,7 +86,7 @@ pub enum ChatEvent {
         choice: u32,
         text: String,
         reasoning: String,
-        tool_calls: Vec<ToolCall>,
+        tool_calls: Vec<ToolCallDelta>,
         token_ids: Vec<u32>,
         logprobs: Vec<TokenLogprobs>,
     },
@@ -487,6 +488,9 @@ impl Orchestrator {
         Ok(rx)
     }
 
+    /// Admits the request, encodes its images and builds its prompt, and starts its `n`
+    /// generations: the first on the replica routing picks (replaced once if it fails before
+    /// its first message), the others beside it.
     async fn start(
         &self,
         req: ChatRequest,
@@ -495,8 +499,62 @@ impl Orchestrator {
     ) -> Result<Started, GatewayError> {
         let arrived = Instant::now();
         let deadline = timeout.map(|t| arrived + t);
+        let permit = self.admit(&req, n)?;
+        let Prepared {
+            prompt,
+            images,
+            image_ids,
+            held,
+        } = self.prepare(&req, n, deadline).await?;
+        let reasoning = self.prompt_opens_reasoning(&prompt);
+        let mut gen = generate_request(&req, prompt, images);
+        gen.constraint = resolve_constraint(&self.chat, &req, reasoning)?;
+        let prompt_tokens = gen.prompt_token_ids.len() as u32;
+        let span = info_span!(
+            "llm.rpc",
+            prompt_tokens,
+            choices = n,
+            generated_tokens = tracing::field::Empty
+        );
+        let blocks = self.prompt_blocks(&gen.prompt_token_ids, &image_ids);
+        let first = self
+            .start_first_choice(&gen, &blocks, deadline, &span)
+            .await?;
+        // llm-svc has the request, and its segments and handoffs.
+        held.into_iter().for_each(Held::keep);
+        self.llm.record(&first.addr, &blocks);
+        self.note_llm_domains(&first.addr, &first.meta);
+        let mut upstreams = vec![(first.message, first.stream)];
+        if n > 1 {
+            let rest = self
+                .start_other_choices(&gen, n, &first.addr, deadline, &span)
+                .await?;
+            upstreams.extend(rest.into_iter().map(|r| (None, r)));
+        }
+        Ok(Started {
+            output: OutputKinds {
+                stop: req.stop,
+                reasoning,
+                tool_calls: req.tools.parses_calls(),
+            },
+            upstreams,
+            llm_addr: first.addr,
+            load: first.load,
+            permit,
+            prompt_tokens,
+            arrived,
+            span,
+        })
+    }
+
+    /// Checks the request and takes its `n` places (one a choice), or refuses it at once.
+    fn admit(
+        &self,
+        req: &ChatRequest,
+        n: usize,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, GatewayError> {
         // Checked before it takes a place: a bad request is a 400 even when the gateway is full.
-        validate_request(&req, &self.limits)?;
+        validate_request(req, &self.limits)?;
         if let Some(vocab) = self.vocab_size {
             check_logit_bias_ids(&req.sampling, vocab)?;
         }
@@ -509,16 +567,23 @@ impl Orchestrator {
             )));
         }
         // Each choice is a stream upstream, and counts as one.
-        let permit = self
-            .permits
+        self.permits
             .clone()
             .try_acquire_many_owned(n as u32)
             .map_err(|_| {
                 GatewayError::Overloaded(
                     "the gateway is serving its limit of concurrent requests; retry later".into(),
                 )
-            })?;
+            })
+    }
 
+    /// Encodes the request's images and builds its prompt from their token counts.
+    async fn prepare(
+        &self,
+        req: &ChatRequest,
+        n: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Prepared, GatewayError> {
         let images: Vec<bytes::Bytes> = image_parts(&req.messages)
             .map(|i| bytes::Bytes::copy_from_slice(i))
             .collect();
@@ -546,7 +611,7 @@ impl Orchestrator {
         );
         let early_prompt = async {
             match &expected {
-                Some(counts) => Some(self.prompt_ids(&req, counts.clone()).await),
+                Some(counts) => Some(self.prompt_ids(req, counts.clone()).await),
                 None => None,
             }
         };
@@ -567,7 +632,7 @@ impl Orchestrator {
             .collect();
         let prompt = match early_prompt {
             Some(prompt) if expected.as_ref() == Some(&per_image) => prompt?,
-            _ => self.prompt_ids(&req, per_image).await?,
+            _ => self.prompt_ids(req, per_image).await?,
         };
 
         let images = encoded
@@ -580,31 +645,23 @@ impl Orchestrator {
                 device_handle: e.device_handle,
             })
             .collect();
-        let reasoning = self.prompt_opens_reasoning(&prompt);
-        let mut gen = generate_request(&req, prompt, images);
-        gen.constraint = resolve_constraint(&self.chat, &req, reasoning)?;
-        let prompt_tokens = gen.prompt_token_ids.len() as u32;
-        let span = info_span!(
-            "llm.rpc",
-            prompt_tokens,
-            choices = n,
-            generated_tokens = tracing::field::Empty
-        );
-        let generate = |ch, choice: usize| {
-            let mut msg = gen.clone();
-            if let Some(s) = &mut msg.sampling {
-                s.choice = choice as u32;
-            }
-            async move {
-                let req = with_deadline(msg, deadline)
-                    .map_err(|e| Status::deadline_exceeded(e.to_string()))?;
-                let mut client = LlmServiceClient::new(ch)
-                    .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
-                    .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
-                client.generate(req).await
-            }
-        };
-        let blocks = self.prompt_blocks(&gen.prompt_token_ids, &image_ids);
+        Ok(Prepared {
+            prompt,
+            images,
+            image_ids,
+            held,
+        })
+    }
+
+    /// Starts the first choice on the replica routing picks for `blocks`, and reads its
+    /// stream up to the first message.
+    async fn start_first_choice(
+        &self,
+        gen: &pb::GenerateRequest,
+        blocks: &[BlockHash],
+        deadline: Option<Instant>,
+        span: &tracing::Span,
+    ) -> Result<FirstChoice, GatewayError> {
         // Embeddings passed by name (a segment, a handoff) are taken by the first llm-svc that
         // gets them: only a request that carries them inside can go to a second replica.
         let inline = gen
@@ -612,11 +669,11 @@ impl Orchestrator {
             .iter()
             .all(|i| i.shm_segment.is_empty() && i.device_handle == 0);
         let mut tried: Option<String> = None;
-        let (meta, stream, first_message, llm_addr, load) = loop {
+        loop {
             let routed = self
                 .llm
-                .call(RouteKey::Prompt(&blocks), tried.as_deref(), |ch| {
-                    generate(ch, 0)
+                .call(RouteKey::Prompt(blocks), tried.as_deref(), |ch| {
+                    generate_choice(ch, gen.clone(), 0, deadline)
                 })
                 .instrument(span.clone())
                 .await?;
@@ -629,7 +686,15 @@ impl Orchestrator {
             // The stream is read up to its first message here: until then nothing has
             // reached the client, and a replica that fails is replaced (once).
             match stream.message().await {
-                Ok(first) => break (meta, stream, first, addr, load),
+                Ok(message) => {
+                    return Ok(FirstChoice {
+                        meta,
+                        stream,
+                        message,
+                        addr,
+                        load,
+                    })
+                }
                 Err(st) if upstream_gone(&st) && tried.is_none() && inline => {
                     tracing::warn!(%addr, error = %st.message(), "llm-svc failed before the first token; retrying on another replica");
                     self.llm.eject(&addr);
@@ -637,38 +702,65 @@ impl Orchestrator {
                 }
                 Err(st) => return Err(GatewayError::upstream("llm-svc", &addr, &st)),
             }
-        };
-        // llm-svc has the request, and its segments and handoffs.
-        held.into_iter().for_each(Held::keep);
-        self.llm.record(&llm_addr, &blocks);
-        self.note_llm_domains(&llm_addr, &meta);
-        let mut upstreams = vec![(first_message, stream)];
-        if n > 1 {
-            // The other choices go where the first went, to share its prompt's blocks.
-            let ch = self.llm.channel(&llm_addr).ok_or_else(|| {
-                GatewayError::Internal(format!("no llm-svc replica at {llm_addr}"))
-            })?;
-            let rest = try_join_all((1..n).map(|i| generate(ch.clone(), i)))
+        }
+    }
+
+    /// Starts choices 1..`n` where the first went (`llm_addr`), to share its prompt's blocks.
+    async fn start_other_choices(
+        &self,
+        gen: &pb::GenerateRequest,
+        n: usize,
+        llm_addr: &str,
+        deadline: Option<Instant>,
+        span: &tracing::Span,
+    ) -> Result<Vec<tonic::Streaming<pb::GenerateResponse>>, GatewayError> {
+        let ch = self
+            .llm
+            .channel(llm_addr)
+            .ok_or_else(|| GatewayError::Internal(format!("no llm-svc replica at {llm_addr}")))?;
+        let rest =
+            try_join_all((1..n).map(|i| generate_choice(ch.clone(), gen.clone(), i, deadline)))
                 .instrument(span.clone())
                 .await
-                .map_err(|s| GatewayError::upstream("llm-svc", &llm_addr, &s))?;
-            upstreams.extend(rest.into_iter().map(|r| (None, r.into_inner())));
-        }
-        Ok(Started {
-            output: OutputKinds {
-                stop: req.stop,
-                reasoning,
-                tool_calls: req.tools.parses_calls(),
-            },
-            upstreams,
-            llm_addr,
-            load,
-            permit,
-            prompt_tokens,
-            arrived,
-            span,
-        })
+                .map_err(|s| GatewayError::upstream("llm-svc", llm_addr, &s))?;
+        Ok(rest.into_iter().map(|r| r.into_inner()).collect())
     }
+}
+
+/// A request's images encoded and its prompt built ([`Orchestrator::prepare`]).
+struct Prepared {
+    prompt: Vec<u32>,
+    images: Vec<pb::ImageEmbeddings>,
+    /// Each image named by the identity of its bytes, to route the prompt by.
+    image_ids: Vec<BlockHash>,
+    /// What the images left upstream, released unless llm-svc takes it.
+    held: Vec<Held>,
+}
+
+/// The first choice's generation, read up to its first message.
+struct FirstChoice {
+    meta: tonic::metadata::MetadataMap,
+    stream: tonic::Streaming<pb::GenerateResponse>,
+    message: Option<pb::GenerateResponse>,
+    addr: String,
+    load: Load,
+}
+
+/// Choice `choice` of `msg` started on the llm-svc replica behind `ch`.
+async fn generate_choice(
+    ch: tonic::transport::Channel,
+    mut msg: pb::GenerateRequest,
+    choice: usize,
+    deadline: Option<Instant>,
+) -> Result<tonic::Response<tonic::Streaming<pb::GenerateResponse>>, Status> {
+    if let Some(s) = &mut msg.sampling {
+        s.choice = choice as u32;
+    }
+    let req = with_deadline(msg, deadline).map_err(|e| Status::deadline_exceeded(e.to_string()))?;
+    let mut client = LlmServiceClient::new(ch)
+        .max_decoding_message_size(vlm_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(vlm_proto::MAX_MESSAGE_BYTES);
+    client.generate(req).await
 }
 
 /// The grammar llm-svc is sent: the request's output format, or the calls its `tool_choice`
@@ -821,132 +913,29 @@ async fn forward(
         span,
     } = s;
     let n = upstreams.len();
-    let token_bytes = TokenBytes::new(chat.tokenizer());
-    let mut choices: Vec<ChoiceText> = (0..n)
-        .map(|_| ChoiceText {
-            text: TextStream::new(chat.tokenizer(), output.stop.clone()),
-            output: OutputSplitter::new(output.reasoning, output.tool_calls),
-            generated: 0,
-            last_token: None,
-        })
-        .collect();
-    let mut streams: StreamMap<usize, ChoiceStream> = StreamMap::new();
-    for (i, (read, up)) in upstreams.into_iter().enumerate() {
-        let ended = futures::stream::once(async { None });
-        let read = futures::stream::iter(read.map(Ok));
-        streams.insert(i, Box::pin(read.chain(up).map(Some).chain(ended)));
-    }
-    let mut ttft: Option<Duration> = None;
-    let mut generated = 0u32;
-    let mut finishes: Vec<&'static str> = vec![""; n];
-    let relayed = async {
-        while let Some((i, item)) = streams.next().await {
-            let mut msg = match item {
-                Some(Ok(m)) => m,
-                None => {
-                    return Relayed::Failed(GatewayError::Internal(
-                        "the LLM stream ended without a finish reason".into(),
-                    ))
-                }
-                Some(Err(st)) => {
-                    return Relayed::Failed(GatewayError::upstream("llm-svc", &llm_addr, &st))
-                }
-            };
-            let choice = &mut choices[i];
-            let now = Instant::now();
-            let mut visible = String::new();
-            let mut stop_hit = false;
-            for &t in &msg.token_ids {
-                match (ttft, choice.last_token) {
-                    (None, _) => {
-                        ttft = Some(now - arrived);
-                        metrics
-                            .time_to_first_token
-                            .observe((now - arrived).as_secs_f64());
-                    }
-                    (Some(_), Some(prev)) => metrics
-                        .inter_token_latency
-                        .observe((now - prev).as_secs_f64()),
-                    // A later choice's first token: neither.
-                    (Some(_), None) => {}
-                }
-                choice.last_token = Some(now);
-                choice.generated += 1;
-                generated += 1;
-                match choice.text.push(t) {
-                    Ok((v, hit)) => {
-                        visible.push_str(&v);
-                        stop_hit |= hit;
-                    }
-                    Err(e) => return Relayed::Failed(e.into()),
-                }
-            }
-            metrics.generated_tokens.inc_by(msg.token_ids.len() as u64);
-            let logprobs = std::mem::take(&mut msg.logprobs);
-            let logprobs = match logprobs_with_text(&msg.token_ids, logprobs, &token_bytes) {
-                Ok(l) => l,
-                Err(e) => return Relayed::Failed(e),
-            };
-            let finish = pb::FinishReason::try_from(msg.finish_reason)
-                .unwrap_or(pb::FinishReason::Unspecified);
-            let done = stop_hit || finish != pb::FinishReason::Unspecified;
-            if done && !stop_hit {
-                match choice.text.finish() {
-                    Ok(tail) => visible.push_str(&tail),
-                    Err(e) => return Relayed::Failed(e.into()),
-                }
-            }
-            let mut split = choice.output.push(&visible);
-            if done {
-                split.extend(choice.output.finish());
-            }
-            if !split.is_empty() || !msg.token_ids.is_empty() {
-                let delta = ChatEvent::Delta {
-                    choice: i as u32,
-                    text: split.content,
-                    reasoning: split.reasoning,
-                    tool_calls: split.tool_calls,
-                    token_ids: msg.token_ids,
-                    logprobs,
-                };
-                if let Err(end) = send_event(&tx, delta, send_timeout).await {
-                    return end;
-                }
-            }
-            if done {
-                // A stop string: this choice's generation is cancelled here.
-                streams.remove(&i);
-                finishes[i] = if stop_hit {
-                    "stop_string"
-                } else {
-                    finish.as_str_name()
-                };
-                let finish = match (stop_hit, finish) {
-                    _ if choice.output.called_tools() && finish != pb::FinishReason::Length => {
-                        pb::FinishReason::ToolCalls
-                    }
-                    (true, _) => pb::FinishReason::Stop,
-                    (false, f) => f,
-                };
-                let done = ChatEvent::Done {
-                    choice: i as u32,
-                    finish,
-                    prompt_tokens,
-                    completion_tokens: choice.generated,
-                };
-                if streams.is_empty() {
-                    return Relayed::Finished(done);
-                }
-                if let Err(end) = send_event(&tx, done, send_timeout).await {
-                    return end;
-                }
-            }
-        }
-        Relayed::Failed(GatewayError::Internal(
-            "the LLM streams ended without a finish reason".into(),
-        ))
-    }
-    .await;
+    let mut relay = Relay {
+        choices: (0..n)
+            .map(|_| ChoiceText {
+                text: TextStream::new(chat.tokenizer(), output.stop.clone()),
+                output: OutputSplitter::new(output.reasoning, output.tool_calls),
+                generated: 0,
+                last_token: None,
+            })
+            .collect(),
+        token_bytes: TokenBytes::new(chat.tokenizer()),
+        tx: &tx,
+        send_timeout,
+        metrics: &metrics,
+        llm_addr: &llm_addr,
+        arrived,
+        prompt_tokens,
+        ttft: None,
+        generated: 0,
+        finishes: vec![""; n],
+    };
+    let mut streams = choice_streams(upstreams);
+    let relayed = relay.run(&mut streams).await;
+    let generated = relay.generated;
     match relayed {
         Relayed::Finished(last) => {
             metrics.prompt_tokens.inc_by(prompt_tokens as u64);
@@ -955,8 +944,8 @@ async fn forward(
             tracing::info!(
                 prompt_tokens,
                 generated,
-                finish = finishes.join(","),
-                ttft_ms = ttft.map_or(0.0, |t| t.as_secs_f64() * 1e3),
+                finish = relay.finishes.join(","),
+                ttft_ms = relay.ttft.map_or(0.0, |t| t.as_secs_f64() * 1e3),
                 "request done"
             );
             let _ = tokio::time::timeout(send_timeout, tx.send(Ok(last))).await;
@@ -986,6 +975,177 @@ async fn forward(
             drop(guard);
             let _ = tokio::time::timeout(send_timeout, tx.send(Err(e))).await;
         }
+    }
+}
+
+/// Each choice's stream, its message already read (the first choice's first) put back in
+/// front, keyed by choice.
+fn choice_streams(
+    upstreams: Vec<(
+        Option<pb::GenerateResponse>,
+        tonic::Streaming<pb::GenerateResponse>,
+    )>,
+) -> StreamMap<usize, ChoiceStream> {
+    let mut streams: StreamMap<usize, ChoiceStream> = StreamMap::new();
+    for (i, (read, up)) in upstreams.into_iter().enumerate() {
+        let ended = futures::stream::once(async { None });
+        let read = futures::stream::iter(read.map(Ok));
+        streams.insert(i, Box::pin(read.chain(up).map(Some).chain(ended)));
+    }
+    streams
+}
+
+/// One request's relay: each choice's text, where its events go, and the counts its metrics
+/// and log line take.
+struct Relay<'a> {
+    choices: Vec<ChoiceText<'a>>,
+    token_bytes: TokenBytes<'a>,
+    tx: &'a mpsc::Sender<Result<ChatEvent, GatewayError>>,
+    send_timeout: Duration,
+    metrics: &'a Metrics,
+    llm_addr: &'a str,
+    arrived: Instant,
+    prompt_tokens: u32,
+    /// When the request's first token came, from its arrival.
+    ttft: Option<Duration>,
+    /// Tokens generated, all choices together.
+    generated: u32,
+    /// How each choice ended, for the log line.
+    finishes: Vec<&'static str>,
+}
+
+impl Relay<'_> {
+    /// Relays every message of `streams` until the last choice's `Done` (returned, still to
+    /// send), an error or the client's going.
+    async fn run(&mut self, streams: &mut StreamMap<usize, ChoiceStream>) -> Relayed {
+        while let Some((i, item)) = streams.next().await {
+            let msg = match item {
+                Some(Ok(m)) => m,
+                None => {
+                    return Relayed::Failed(GatewayError::Internal(
+                        "the LLM stream ended without a finish reason".into(),
+                    ))
+                }
+                Some(Err(st)) => {
+                    return Relayed::Failed(GatewayError::upstream("llm-svc", self.llm_addr, &st))
+                }
+            };
+            if let ControlFlow::Break(end) = self.message(i, msg, streams).await {
+                return end;
+            }
+        }
+        Relayed::Failed(GatewayError::Internal(
+            "the LLM streams ended without a finish reason".into(),
+        ))
+    }
+
+    /// Relays one message of choice `i`: its delta, and its `Done` if it ends the choice.
+    async fn message(
+        &mut self,
+        i: usize,
+        mut msg: pb::GenerateResponse,
+        streams: &mut StreamMap<usize, ChoiceStream>,
+    ) -> ControlFlow<Relayed> {
+        let (mut visible, stop_hit) = match self.take_tokens(i, &msg.token_ids) {
+            Ok(v) => v,
+            Err(e) => return ControlFlow::Break(Relayed::Failed(e)),
+        };
+        let logprobs = std::mem::take(&mut msg.logprobs);
+        let logprobs = match logprobs_with_text(&msg.token_ids, logprobs, &self.token_bytes) {
+            Ok(l) => l,
+            Err(e) => return ControlFlow::Break(Relayed::Failed(e)),
+        };
+        let choice = &mut self.choices[i];
+        let finish =
+            pb::FinishReason::try_from(msg.finish_reason).unwrap_or(pb::FinishReason::Unspecified);
+        let done = stop_hit || finish != pb::FinishReason::Unspecified;
+        if done && !stop_hit {
+            match choice.text.finish() {
+                Ok(tail) => visible.push_str(&tail),
+                Err(e) => return ControlFlow::Break(Relayed::Failed(e.into())),
+            }
+        }
+        let mut split = choice.output.push(&visible);
+        if done {
+            split.extend(choice.output.finish());
+        }
+        if !split.is_empty() || !msg.token_ids.is_empty() {
+            let delta = ChatEvent::Delta {
+                choice: i as u32,
+                text: split.content,
+                reasoning: split.reasoning,
+                tool_calls: split.tool_calls,
+                token_ids: msg.token_ids,
+                logprobs,
+            };
+            if let Err(end) = send_event(self.tx, delta, self.send_timeout).await {
+                return ControlFlow::Break(end);
+            }
+        }
+        if !done {
+            return ControlFlow::Continue(());
+        }
+        // A stop string: this choice's generation is cancelled here.
+        streams.remove(&i);
+        let choice = &self.choices[i];
+        self.finishes[i] = if stop_hit {
+            "stop_string"
+        } else {
+            finish.as_str_name()
+        };
+        let finish = match (stop_hit, finish) {
+            _ if choice.output.called_tools() && finish != pb::FinishReason::Length => {
+                pb::FinishReason::ToolCalls
+            }
+            (true, _) => pb::FinishReason::Stop,
+            (false, f) => f,
+        };
+        let done = ChatEvent::Done {
+            choice: i as u32,
+            finish,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: choice.generated,
+        };
+        if streams.is_empty() {
+            return ControlFlow::Break(Relayed::Finished(done));
+        }
+        match send_event(self.tx, done, self.send_timeout).await {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(end) => ControlFlow::Break(end),
+        }
+    }
+
+    /// Counts choice `i`'s new tokens (time to first token, inter-token latency) and runs
+    /// them through its detokenizer: the text they complete, and whether a stop string hit.
+    fn take_tokens(&mut self, i: usize, ids: &[u32]) -> Result<(String, bool), GatewayError> {
+        let choice = &mut self.choices[i];
+        let now = Instant::now();
+        let mut visible = String::new();
+        let mut stop_hit = false;
+        for &t in ids {
+            match (self.ttft, choice.last_token) {
+                (None, _) => {
+                    self.ttft = Some(now - self.arrived);
+                    self.metrics
+                        .time_to_first_token
+                        .observe((now - self.arrived).as_secs_f64());
+                }
+                (Some(_), Some(prev)) => self
+                    .metrics
+                    .inter_token_latency
+                    .observe((now - prev).as_secs_f64()),
+                // A later choice's first token: neither.
+                (Some(_), None) => {}
+            }
+            choice.last_token = Some(now);
+            choice.generated += 1;
+            self.generated += 1;
+            let (v, hit) = choice.text.push(t)?;
+            visible.push_str(&v);
+            stop_hit |= hit;
+        }
+        self.metrics.generated_tokens.inc_by(ids.len() as u64);
+        Ok((visible, stop_hit))
     }
 }
 
