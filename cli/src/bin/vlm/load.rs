@@ -199,7 +199,6 @@ fn tokenizer(dir: &Path) -> anyhow::Result<tokenizers::Tokenizer> {
 pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     check(&args)?;
     let remote = args.http.is_some() || args.grpc.is_some();
-    let largest = args.concurrency.iter().copied().max().unwrap_or(1);
     let model = match (&args.model, remote) {
         (Some(dir), _) => Some(dir.clone()),
         (None, false) => Some(PathBuf::from(DEFAULT_MODEL)),
@@ -218,88 +217,12 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
 
-    let mut stack: Option<LocalStack> = None;
-    let (target, device, model_desc, served_by) = if remote {
-        let http = args.http.as_deref().map(base_url);
-        let grpc = args.grpc.as_deref().map(base_url);
-        let served_name = match &http {
-            Some(url) => client_rt.block_on(served_model(url)),
-            None => None,
-        };
-        let addresses = [http.as_deref(), grpc.as_deref()]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>()
-            .join(", ");
-        let target = Target {
-            http,
-            grpc,
-            model_name: served_name.clone().unwrap_or_else(|| "vlm".into()),
-        };
-        let model_desc = served_name.unwrap_or_else(|| "unknown".into());
-        (
-            target,
-            "unknown (a running gateway)".to_string(),
-            model_desc,
-            format!("a running gateway at {addresses}"),
-        )
+    let (served, stack) = if remote {
+        (remote_gateway(&args, &client_rt), None)
     } else {
         let dir = model.clone().expect("the local stack has a model");
-        let max_concurrent = args.max_concurrent.unwrap_or(256.max(largest));
-        ensure!(
-            max_concurrent >= largest,
-            "--max-concurrent {max_concurrent} is below the largest --concurrency {largest}: \
-             the clients past it would get RESOURCE_EXHAUSTED / 429"
-        );
-        let device = args.device.describe()?;
-        let mut cfg = StackConfig::loopback(dir.clone());
-        cfg.random_weights = args.random_weights.then_some(0);
-        cfg.quantize = args.weights.quantize;
-        cfg.max_concurrent = max_concurrent;
-        cfg.vision_max_concurrent = args.vision_max_concurrent;
-        cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
-        cfg.stand_in_llm = stand_in_step(args.stand_in_llm)?;
-        let e = &cfg.engine;
-        let served_by = match args.stand_in_llm {
-            Some(ms) => format!(
-                "the gateway alone (max_concurrent {max_concurrent}), with a stand-in llm-svc \
-                 that hands each request a token every {ms} ms (no model)"
-            ),
-            None => format!(
-                "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \
-             max_batch_tokens {}, prefix caching {}, KV cache {})",
-                args.device.name(),
-                e.max_batch_seqs,
-                e.max_batch_tokens,
-                if e.prefix_caching { "on" } else { "off" },
-                match e.kv_cache {
-                    llm_svc::KvCacheSize::Tokens(n) => format!("{n} tokens"),
-                    llm_svc::KvCacheSize::DeviceFraction(f) => format!("{f} of the GPU's memory"),
-                    llm_svc::KvCacheSize::Auto => "sized by the engine".into(),
-                },
-            ),
-        };
-        let target_name = cfg.model_name.clone();
-        eprintln!("starting {served_by} with {}", dir.display());
-        let mut started = stack_rt.block_on(start_stack(cfg, args.device))?;
-        // Weights and the GPU's self-check take their time at the 8B sizes.
-        stack_rt.block_on(started.ready(Duration::from_secs(1800)))?;
-        let target = Target {
-            http: Some(format!("http://{}", started.http_addr)),
-            grpc: Some(format!("http://{}", started.grpc_addr)),
-            model_name: target_name,
-        };
-        stack = Some(started);
-        let model_desc = format!(
-            "{}{}",
-            dir.display(),
-            if args.random_weights {
-                " (random weights)"
-            } else {
-                ""
-            }
-        );
-        (target, device, model_desc, served_by)
+        let (served, stack) = start_local_stack(&args, dir, &stack_rt)?;
+        (served, Some(stack))
     };
 
     let workload = Workload {
@@ -324,7 +247,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         "words, about one token each"
     };
     let maker = Arc::new(RequestMaker::new(workload, tokenizer));
-    let run = client_rt.block_on(run_levels(&args, &target, &maker));
+    let run = client_rt.block_on(run_levels(&args, &served.target, &maker));
     if let Some(stack) = stack {
         let stopped = stack_rt.block_on(stack.stop());
         if run.is_ok() {
@@ -333,6 +256,125 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     }
     let levels = run?;
 
+    let config = config_line(&args, counted_by, &served.served_by);
+    let Served {
+        device, model_desc, ..
+    } = served;
+    println!("device: {device}\nmodel: {model_desc}\nconfig: {config}");
+    print!("{}", load::table(&levels));
+    if let Some(path) = &args.json {
+        write_json(path, &args, &levels, &device, &model_desc, &config)?;
+    }
+    Ok(())
+}
+
+/// What the levels run against, and how the report describes it.
+struct Served {
+    target: Target,
+    device: String,
+    model_desc: String,
+    /// What serves the requests, for the config line.
+    served_by: String,
+}
+
+/// A running gateway at `--http` / `--grpc`, its model named by its `/v1/models` if it answers.
+fn remote_gateway(args: &LoadArgs, client_rt: &tokio::runtime::Runtime) -> Served {
+    let http = args.http.as_deref().map(base_url);
+    let grpc = args.grpc.as_deref().map(base_url);
+    let served_name = match &http {
+        Some(url) => client_rt.block_on(served_model(url)),
+        None => None,
+    };
+    let addresses = [http.as_deref(), grpc.as_deref()]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let target = Target {
+        http,
+        grpc,
+        model_name: served_name.clone().unwrap_or_else(|| "vlm".into()),
+    };
+    Served {
+        target,
+        device: "unknown (a running gateway)".to_string(),
+        model_desc: served_name.unwrap_or_else(|| "unknown".into()),
+        served_by: format!("a running gateway at {addresses}"),
+    }
+}
+
+/// Starts the local stack (or the gateway with a stand-in llm-svc) on `dir`, as `vlm serve`
+/// would with the same flags, and waits until it is ready.
+fn start_local_stack(
+    args: &LoadArgs,
+    dir: PathBuf,
+    stack_rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<(Served, LocalStack)> {
+    let largest = args.concurrency.iter().copied().max().unwrap_or(1);
+    let max_concurrent = args.max_concurrent.unwrap_or(256.max(largest));
+    ensure!(
+        max_concurrent >= largest,
+        "--max-concurrent {max_concurrent} is below the largest --concurrency {largest}: \
+         the clients past it would get RESOURCE_EXHAUSTED / 429"
+    );
+    let device = args.device.describe()?;
+    let mut cfg = StackConfig::loopback(dir.clone());
+    cfg.random_weights = args.random_weights.then_some(0);
+    cfg.quantize = args.weights.quantize;
+    cfg.max_concurrent = max_concurrent;
+    cfg.vision_max_concurrent = args.vision_max_concurrent;
+    cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
+    cfg.stand_in_llm = stand_in_step(args.stand_in_llm)?;
+    let e = &cfg.engine;
+    let served_by = match args.stand_in_llm {
+        Some(ms) => format!(
+            "the gateway alone (max_concurrent {max_concurrent}), with a stand-in llm-svc \
+             that hands each request a token every {ms} ms (no model)"
+        ),
+        None => format!(
+            "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \
+         max_batch_tokens {}, prefix caching {}, KV cache {})",
+            args.device.name(),
+            e.max_batch_seqs,
+            e.max_batch_tokens,
+            if e.prefix_caching { "on" } else { "off" },
+            match e.kv_cache {
+                llm_svc::KvCacheSize::Tokens(n) => format!("{n} tokens"),
+                llm_svc::KvCacheSize::DeviceFraction(f) => format!("{f} of the GPU's memory"),
+                llm_svc::KvCacheSize::Auto => "sized by the engine".into(),
+            },
+        ),
+    };
+    let target_name = cfg.model_name.clone();
+    eprintln!("starting {served_by} with {}", dir.display());
+    let mut started = stack_rt.block_on(start_stack(cfg, args.device))?;
+    // Weights and the GPU's self-check take their time at the 8B sizes.
+    stack_rt.block_on(started.ready(Duration::from_secs(1800)))?;
+    let target = Target {
+        http: Some(format!("http://{}", started.http_addr)),
+        grpc: Some(format!("http://{}", started.grpc_addr)),
+        model_name: target_name,
+    };
+    let model_desc = format!(
+        "{}{}",
+        dir.display(),
+        if args.random_weights {
+            " (random weights)"
+        } else {
+            ""
+        }
+    );
+    let served = Served {
+        target,
+        device,
+        model_desc,
+        served_by,
+    };
+    Ok((served, started))
+}
+
+/// The report's `config:` line: the workload, the sampling, the API and what served it.
+fn config_line(args: &LoadArgs, counted_by: &str, served_by: &str) -> String {
     let mut sampling = if args.temperature == 0.0 {
         "greedy".to_string()
     } else {
@@ -347,7 +389,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
     if args.json_schema {
         sampling.push_str(", a JSON schema on every request");
     }
-    let config = format!(
+    format!(
         "prompts of {}-{} text tokens (mean {}, counted by {counted_by}), {} generated with \
          ignore_eos, {}, {sampling}, api {}, seed {}; {served_by}",
         args.prompt_tokens.div_ceil(2).max(1),
@@ -361,33 +403,39 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
         },
         args.api.name(),
         args.seed,
-    );
-    println!("device: {device}\nmodel: {model_desc}\nconfig: {config}");
-    print!("{}", load::table(&levels));
-    if let Some(path) = &args.json {
-        let commit = git_commit();
-        let items: Vec<serde_json::Value> = levels
-            .iter()
-            .map(|level| {
-                let mut v = level.to_json();
-                v["system"] = "vlm".into();
-                v["device"] = device.clone().into();
-                v["model"] = model_desc.clone().into();
-                v["config"] = config.clone().into();
-                v["commit"] = commit.clone().into();
-                v["api"] = args.api.name().into();
-                v["prompt_tokens_mean"] = args.prompt_tokens.into();
-                v["max_tokens"] = args.max_tokens.into();
-                v["image_every"] = args.image_every.into();
-                v["image_side"] = args.image_side.into();
-                v["seed"] = args.seed.into();
-                v
-            })
-            .collect();
-        std::fs::write(path, serde_json::to_string_pretty(&items)?)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    Ok(())
+    )
+}
+
+/// `--json`: one object per level, with what was run and where.
+fn write_json(
+    path: &Path,
+    args: &LoadArgs,
+    levels: &[LevelStats],
+    device: &str,
+    model_desc: &str,
+    config: &str,
+) -> anyhow::Result<()> {
+    let commit = git_commit();
+    let items: Vec<serde_json::Value> = levels
+        .iter()
+        .map(|level| {
+            let mut v = level.to_json();
+            v["system"] = "vlm".into();
+            v["device"] = device.into();
+            v["model"] = model_desc.into();
+            v["config"] = config.into();
+            v["commit"] = commit.clone().into();
+            v["api"] = args.api.name().into();
+            v["prompt_tokens_mean"] = args.prompt_tokens.into();
+            v["max_tokens"] = args.max_tokens.into();
+            v["image_every"] = args.image_every.into();
+            v["image_side"] = args.image_side.into();
+            v["seed"] = args.seed.into();
+            v
+        })
+        .collect();
+    std::fs::write(path, serde_json::to_string_pretty(&items)?)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// The id the gateway's `/v1/models` lists, if it answers.
