@@ -23,7 +23,7 @@ use crate::chat::{Message, Part};
 use crate::gateway_error::GatewayError;
 use crate::media::{is_fetched, PendingImage};
 use crate::orchestrator::{choices, ChatEvent, Logprob, Orchestrator, TokenLogprobs};
-use crate::output::ToolCall;
+use crate::output::{ToolCall, ToolCallDelta};
 use crate::request::ChatRequest;
 use crate::sampling::{RequestedSampling, SamplingDefaults};
 use crate::structured;
@@ -202,6 +202,18 @@ fn tool_call_to_pb(c: ToolCall) -> pb::ToolCall {
     }
 }
 
+/// A streamed piece of a call as a `ChatChunk` carries it: `id` and `name` on the call's
+/// first piece only (empty on the others), `arguments` the text to add.
+fn tool_call_delta_to_pb(d: ToolCallDelta) -> pb::ToolCall {
+    let (id, name) = d.head.map_or_else(Default::default, |h| (h.id, h.name));
+    pb::ToolCall {
+        index: d.index,
+        id,
+        name,
+        arguments: d.arguments,
+    }
+}
+
 fn top_logprob_to_pb(l: Logprob) -> pb::ChatTopLogprob {
     pb::ChatTopLogprob {
         token: l.text,
@@ -287,6 +299,7 @@ impl Gateway for GatewayService {
                     ..Default::default()
                 })
                 .collect();
+            let mut calls: Vec<Vec<ToolCall>> = vec![Vec::new(); n];
             let mut usage = pb::Usage::default();
             while let Some(ev) = rx.recv().await {
                 match ev? {
@@ -301,8 +314,9 @@ impl Gateway for GatewayService {
                         let c = &mut choices[choice as usize];
                         c.text.push_str(&text);
                         c.reasoning.push_str(&reasoning);
-                        c.tool_calls
-                            .extend(tool_calls.into_iter().map(tool_call_to_pb));
+                        for d in tool_calls {
+                            ToolCall::gather(&mut calls[choice as usize], d);
+                        }
                         c.token_ids.extend(token_ids);
                         c.logprobs.extend(logprobs.into_iter().map(logprobs_to_pb));
                     }
@@ -317,6 +331,9 @@ impl Gateway for GatewayService {
                         usage.completion_tokens += completion_tokens;
                     }
                 }
+            }
+            for (c, calls) in choices.iter_mut().zip(calls) {
+                c.tool_calls = calls.into_iter().map(tool_call_to_pb).collect();
             }
             // The top-level fields are choice 0's; `choices` has them all when n was asked.
             let first = if n_set {
@@ -375,7 +392,7 @@ impl Gateway for GatewayService {
                     index: choice,
                     text,
                     reasoning,
-                    tool_calls: tool_calls.into_iter().map(tool_call_to_pb).collect(),
+                    tool_calls: tool_calls.into_iter().map(tool_call_delta_to_pb).collect(),
                     token_ids,
                     logprobs: logprobs.into_iter().map(logprobs_to_pb).collect(),
                     ..Default::default()

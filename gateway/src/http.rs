@@ -617,7 +617,9 @@ async fn chat_completions(
                     let c = &mut choices[choice as usize];
                     c.text.push_str(&text);
                     c.reasoning.push_str(&reasoning);
-                    c.tool_calls.extend(tool_calls);
+                    for d in tool_calls {
+                        ToolCall::gather(&mut c.tool_calls, d);
+                    }
                     c.token_ids.extend(token_ids);
                     c.logprobs.extend(logprobs);
                 }

@@ -13,23 +13,25 @@
 //!   itself starts with `<think>` (a hybrid model that chose to think), from there to
 //!   `</think>`. The newlines right after `</think>` are dropped, as Qwen's templates drop them
 //!   when the turn is rendered again. An answer cut before `</think>` is all reasoning.
-//! - Tool calls: when the request offered tools and `tool_choice` is not `none`. A block whose
-//!   text is not a JSON object with a `name` stays content, as vLLM leaves it; so does one cut
-//!   off by the token budget, unless what came is already a whole call. Whitespace between
-//!   and after calls is dropped; text around them is content.
+//! - Tool calls: when the request offered tools and `tool_choice` is not `none`. Whitespace
+//!   between and after calls is dropped; text around them is content.
 //!
-//! A call is streamed whole once its block closes: one delta with its `index`, `id`, `type`,
-//! `function.name` and all of `function.arguments` (OpenAI's delta shape, with the arguments
-//! in one fragment).
+//! Calls stream in OpenAI's delta shape ([`ToolCallDelta`]): a call's first delta carries its
+//! `index`, `id` and `function.name` as soon as the block's `"name"` has been read, and the
+//! deltas after it more of `function.arguments`, fragment by fragment as the model writes
+//! them ([`call`] says how a block is read, and what becomes of one that is not a call).
 
-use serde_json::Value;
+mod call;
+
+use call::{CallReader, Ended};
 
 use crate::tools::{TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 
 pub const THINK_OPEN: &str = "<think>";
 pub const THINK_CLOSE: &str = "</think>";
 
-/// One tool call read from the answer, as OpenAI's `tool_calls` carry it.
+/// One tool call of a unary answer, as OpenAI's `tool_calls` carry it: its deltas gathered
+/// ([`ToolCall::gather`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolCall {
     /// Its place among the choice's calls (0, 1, ...).
@@ -41,12 +43,66 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
+impl ToolCall {
+    /// Adds a streamed delta to the calls gathered so far: a first delta opens a call,
+    /// a later one adds to its call's arguments.
+    pub fn gather(calls: &mut Vec<ToolCall>, d: ToolCallDelta) {
+        match d.head {
+            Some(CallHead { id, name }) => calls.push(ToolCall {
+                index: d.index,
+                id,
+                name,
+                arguments: d.arguments,
+            }),
+            None => {
+                if let Some(c) = calls.iter_mut().rev().find(|c| c.index == d.index) {
+                    c.arguments.push_str(&d.arguments);
+                }
+            }
+        }
+    }
+}
+
+/// What a call's first delta alone carries.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallHead {
+    /// `call_` and random characters.
+    pub id: String,
+    pub name: String,
+}
+
+/// A piece of one tool call as a stream carries it (OpenAI's delta shape): the first of a
+/// call has its `head`, each piece adds `arguments` text; a call's pieces joined are the call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCallDelta {
+    /// The call's place among the choice's calls (0, 1, ...).
+    pub index: u32,
+    /// On the call's first delta only.
+    pub head: Option<CallHead>,
+    /// More of the arguments' JSON text (possibly none on a first delta).
+    pub arguments: String,
+}
+
+/// Adds `d` to `calls`, joined with the last one where it continues the same call.
+fn add_call_delta(calls: &mut Vec<ToolCallDelta>, d: ToolCallDelta) {
+    if d.head.is_none() {
+        if d.arguments.is_empty() {
+            return;
+        }
+        if let Some(last) = calls.last_mut().filter(|l| l.index == d.index) {
+            last.arguments.push_str(&d.arguments);
+            return;
+        }
+    }
+    calls.push(d);
+}
+
 /// What one piece of text adds to each part of the answer.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct OutputDelta {
     pub content: String,
     pub reasoning: String,
-    pub tool_calls: Vec<ToolCall>,
+    pub tool_calls: Vec<ToolCallDelta>,
 }
 
 impl OutputDelta {
@@ -54,11 +110,14 @@ impl OutputDelta {
         self.content.is_empty() && self.reasoning.is_empty() && self.tool_calls.is_empty()
     }
 
-    /// Adds `later` after this delta (a unary answer is its deltas gathered).
+    /// Adds `later` after this delta (a unary answer is its deltas gathered); a call's
+    /// pieces in a row are joined into one.
     pub fn extend(&mut self, later: OutputDelta) {
         self.content.push_str(&later.content);
         self.reasoning.push_str(&later.reasoning);
-        self.tool_calls.extend(later.tool_calls);
+        for d in later.tool_calls {
+            add_call_delta(&mut self.tool_calls, d);
+        }
     }
 }
 
@@ -70,7 +129,7 @@ enum State {
     /// Just past `</think>`: its newlines are dropped.
     AfterReasoning,
     Content,
-    /// Inside a `<tool_call>` block (its text so far is `pending`).
+    /// Inside a `<tool_call>` block (`call` reads it).
     InCall,
 }
 
@@ -82,6 +141,8 @@ pub struct OutputSplitter {
     /// whitespace after a call that may turn out to be between calls.
     pending: String,
     calls: u32,
+    /// The block under way.
+    call: Option<CallReader>,
 }
 
 impl OutputSplitter {
@@ -97,6 +158,7 @@ impl OutputSplitter {
             parse_calls,
             pending: String::new(),
             calls: 0,
+            call: None,
         }
     }
 
@@ -196,29 +258,34 @@ impl OutputSplitter {
                     return;
                 }
                 State::InCall => {
-                    let (block, rest, closed) = match self.pending.find(TOOL_CALL_CLOSE) {
-                        Some(at) => (
-                            self.pending[..at].to_string(),
-                            self.pending[at + TOOL_CALL_CLOSE.len()..].to_string(),
-                            true,
-                        ),
-                        None if end => (std::mem::take(&mut self.pending), String::new(), false),
-                        None => return,
+                    let reader = self.call.get_or_insert_with(|| CallReader::new(self.calls));
+                    let closed = self.pending.find(TOOL_CALL_CLOSE);
+                    // Text that may be the start of the closing tag waits.
+                    let take = match closed {
+                        Some(at) => at,
+                        None if end => self.pending.len(),
+                        None => self.pending.len() - held_prefix(&self.pending, TOOL_CALL_CLOSE),
                     };
-                    match parse_call(&block, self.calls) {
-                        Some(call) => {
-                            out.tool_calls.push(call);
+                    for d in reader.push(&self.pending[..take]) {
+                        add_call_delta(&mut out.tool_calls, d);
+                    }
+                    self.pending.drain(..take);
+                    if closed.is_none() && !end {
+                        return;
+                    }
+                    if closed.is_some() {
+                        self.pending.drain(..TOOL_CALL_CLOSE.len());
+                    }
+                    let reader = self.call.take().expect("a block under way");
+                    match reader.end(closed.is_some()) {
+                        Ended::Call(deltas) => {
+                            for d in deltas {
+                                add_call_delta(&mut out.tool_calls, d);
+                            }
                             self.calls += 1;
                         }
-                        None => {
-                            out.content.push_str(TOOL_CALL_OPEN);
-                            out.content.push_str(&block);
-                            if closed {
-                                out.content.push_str(TOOL_CALL_CLOSE);
-                            }
-                        }
+                        Ended::NotACall(text) => out.content.push_str(&text),
                     }
-                    self.pending = rest;
                     self.state = State::Content;
                 }
             }
@@ -233,27 +300,6 @@ fn held_prefix(text: &str, tag: &str) -> usize {
         .rev()
         .find(|&n| text.ends_with(&tag[..n]))
         .unwrap_or(0)
-}
-
-/// A block's call: a JSON object with a string `name` and `arguments` (vLLM also reads
-/// `parameters`); `None` for anything else.
-fn parse_call(block: &str, index: u32) -> Option<ToolCall> {
-    let Ok(Value::Object(call)) = serde_json::from_str::<Value>(block.trim()) else {
-        return None;
-    };
-    let name = call.get("name")?.as_str()?.to_string();
-    let arguments = match call.get("arguments").or_else(|| call.get("parameters")) {
-        None | Some(Value::Null) => "{}".to_string(),
-        // Some models write the arguments as JSON text already.
-        Some(Value::String(s)) => s.clone(),
-        Some(v) => v.to_string(),
-    };
-    Some(ToolCall {
-        index,
-        id: call_id(),
-        name,
-        arguments,
-    })
 }
 
 /// `call_` and 24 random letters and digits, as OpenAI's ids look.
@@ -276,12 +322,15 @@ mod tests {
 
     /// The answer in pieces of `step` characters, each piece's delta kept.
     fn streamed(text: &str, step: usize, reasoning: bool, tools: bool) -> Vec<OutputDelta> {
-        let mut s = OutputSplitter::new(reasoning, tools);
         let chars: Vec<char> = text.chars().collect();
-        let mut deltas: Vec<OutputDelta> = chars
-            .chunks(step)
-            .map(|c| s.push(&c.iter().collect::<String>()))
-            .collect();
+        let pieces: Vec<String> = chars.chunks(step).map(|c| c.iter().collect()).collect();
+        streamed_in(&pieces, reasoning, tools)
+    }
+
+    /// The answer in these pieces, each piece's delta kept, then the finish's.
+    fn streamed_in<S: AsRef<str>>(pieces: &[S], reasoning: bool, tools: bool) -> Vec<OutputDelta> {
+        let mut s = OutputSplitter::new(reasoning, tools);
+        let mut deltas: Vec<OutputDelta> = pieces.iter().map(|p| s.push(p.as_ref())).collect();
         deltas.push(s.finish());
         deltas
     }
@@ -289,24 +338,47 @@ mod tests {
     /// Calls compared without their random ids.
     fn without_ids(mut d: OutputDelta) -> OutputDelta {
         for c in &mut d.tool_calls {
-            assert!(c.id.starts_with("call_") && c.id.len() == 29, "{}", c.id);
-            c.id.clear();
+            if let Some(head) = &mut c.head {
+                assert!(
+                    head.id.starts_with("call_") && head.id.len() == 29,
+                    "{}",
+                    head.id
+                );
+                head.id.clear();
+            }
         }
         d
     }
 
-    fn call(index: u32, name: &str, arguments: &str) -> ToolCall {
-        ToolCall {
+    /// A call's first delta (or a whole call, gathered), without its id.
+    fn call(index: u32, name: &str, arguments: &str) -> ToolCallDelta {
+        ToolCallDelta {
             index,
-            id: String::new(),
-            name: name.into(),
+            head: Some(CallHead {
+                id: String::new(),
+                name: name.into(),
+            }),
             arguments: arguments.into(),
         }
     }
 
-    /// Every way of cutting `text` into pieces gives the unary answer.
+    /// A later delta of call `index`.
+    fn more(index: u32, arguments: &str) -> ToolCallDelta {
+        ToolCallDelta {
+            index,
+            head: None,
+            arguments: arguments.into(),
+        }
+    }
+
+    /// Every way of cutting `text` into pieces gives the unary answer, each call's pieces
+    /// joined into one.
     fn check_streams(text: &str, reasoning: bool, tools: bool) -> OutputDelta {
         let whole = without_ids(unary(text, reasoning, tools));
+        assert!(
+            whole.tool_calls.iter().all(|c| c.head.is_some()),
+            "{whole:?}"
+        );
         for step in 1..=text.chars().count().max(1) {
             let mut gathered = OutputDelta::default();
             for d in streamed(text, step, reasoning, tools) {
@@ -325,7 +397,7 @@ mod tests {
         assert_eq!(
             got.tool_calls,
             vec![
-                call(0, "get_weather", r#"{"city":"Paris"}"#),
+                call(0, "get_weather", r#"{"city": "Paris"}"#),
                 call(1, "clock", "{}")
             ]
         );
@@ -333,7 +405,7 @@ mod tests {
         let only = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}\n</tool_call>\n";
         let got = check_streams(only, false, true);
         assert_eq!((got.content.as_str(), got.tool_calls.len()), ("", 1));
-        assert_eq!(got.tool_calls[0].arguments, r#"{"a":[1,2]}"#);
+        assert_eq!(got.tool_calls[0].arguments, r#"{"a": [1, 2]}"#);
         let got = check_streams(&format!("{only}Done."), false, true);
         assert_eq!(got.content, "\nDone.");
         // Without tools (or tool_choice none) the blocks are plain text.
@@ -342,27 +414,184 @@ mod tests {
     }
 
     #[test]
-    fn malformed_or_cut_blocks_stay_content() {
+    fn a_call_streams_its_name_once_then_its_arguments_as_they_come() {
+        let pieces = [
+            "<tool_call>\n{\"name\": \"get_",
+            "weather\"",
+            ", \"arguments\": {\"ci",
+            "ty\": \"Par",
+            "is\"}",
+            "}\n</tool_call>\n<tool_call>\n{\"name\": \"clock\", \"arguments\": {\"tz\": [\"U",
+            "TC\"]}}</tool",
+            "_call>",
+        ];
+        let deltas: Vec<Vec<ToolCallDelta>> = streamed_in(&pieces, false, true)
+            .into_iter()
+            .map(|d| {
+                assert_eq!(d.content, "");
+                without_ids(d).tool_calls
+            })
+            .collect();
+        assert_eq!(
+            deltas,
+            vec![
+                vec![],
+                // The name is whole: the first delta, no arguments yet.
+                vec![call(0, "get_weather", "")],
+                vec![more(0, "{\"ci")],
+                vec![more(0, "ty\": \"Par")],
+                // The arguments' closing brace ends them: nothing waits for the outer one.
+                vec![more(0, "is\"}")],
+                vec![call(1, "clock", "{\"tz\": [\"U")],
+                vec![more(1, "TC\"]}")],
+                vec![],
+                vec![],
+            ]
+        );
+        // Token by token: the name and id once per call, the arguments in many fragments.
+        let text = pieces.concat();
+        let deltas: Vec<ToolCallDelta> = streamed(&text, 1, false, true)
+            .into_iter()
+            .flat_map(|d| d.tool_calls)
+            .collect();
+        for index in [0, 1] {
+            let of_call: Vec<&ToolCallDelta> = deltas.iter().filter(|d| d.index == index).collect();
+            assert!(of_call[0].head.is_some(), "{of_call:?}");
+            assert!(of_call[1..].iter().all(|d| d.head.is_none()), "{of_call:?}");
+            assert!(of_call.len() > 5, "{of_call:?}");
+        }
+        check_streams(&text, false, true);
+    }
+
+    #[test]
+    fn arguments_keep_their_text_whatever_brackets_and_escapes_their_strings_hold() {
+        for (arguments, rest) in [
+            (
+                r#"{"s": "a}\"]{ </tool", "n": [{"m": "\\"}, []], "e": ""}"#,
+                "",
+            ),
+            (r#"[1, {"x": "]"}]"#, r#", "id": {"k": "}"}"#),
+            ("{\n  \"pretty\": true\n}", ""),
+        ] {
+            let text = format!(
+                "<tool_call>\n{{\"name\": \"f\", \"arguments\": {arguments}{rest}}}\n</tool_call>"
+            );
+            let got = check_streams(&text, false, true);
+            assert_eq!(got.tool_calls, vec![call(0, "f", arguments)], "{text}");
+            assert_eq!(got.content, "");
+        }
+        // Arguments written as a JSON string go out decoded; null is {}; none is {}.
+        for (block, arguments) in [
+            (
+                r#"{"name": "f", "arguments": "{\"x\": \"\\u00e9\"}"}"#,
+                "{\"x\": \"\\u00e9\"}",
+            ),
+            (r#"{"name": "f", "arguments": null}"#, "{}"),
+            (r#"{"name": "f", "parameters": {"x": 1}}"#, r#"{"x": 1}"#),
+            (r#"{"name": "f"}"#, "{}"),
+            (r#"{"n\u0061me": "f\"g", "arguments": 7}"#, "7"),
+        ] {
+            let got = check_streams(&format!("<tool_call>{block}</tool_call>"), false, true);
+            let name = if block.contains("f\\\"g") {
+                "f\"g"
+            } else {
+                "f"
+            };
+            assert_eq!(got.tool_calls, vec![call(0, name, arguments)], "{block}");
+        }
+    }
+
+    #[test]
+    fn a_block_that_does_not_start_with_its_name_is_read_whole_at_its_end() {
+        // Arguments before the name: one delta with the whole call once the block closes.
+        let text = "<tool_call>\n{\"arguments\": {\"x\": [1, 2]}, \"name\": \"f\"}\n</tool_call>";
+        let got = check_streams(text, false, true);
+        assert_eq!(got.tool_calls, vec![call(0, "f", r#"{"x": [1, 2]}"#)]);
+        let deltas = streamed(text, 2, false, true);
+        let with_calls: Vec<usize> = (0..deltas.len())
+            .filter(|&i| !deltas[i].tool_calls.is_empty())
+            .collect();
+        let closing = text.find("</tool_call>").unwrap() + "</tool_call>".len();
+        assert_eq!(with_calls, vec![closing.div_ceil(2) - 1]);
+        // Not a JSON object with a string name: content, tags and all, as vLLM leaves it.
         for text in [
-            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": }\n</tool_call>",
-            "<tool_call>\n[1, 2]\n</tool_call>",
             "<tool_call>\n{\"arguments\": {}}\n</tool_call>",
-            "a <tool_call>\n{\"name\": \"f\", \"argu",
+            "<tool_call>\n{\"name\": 3, \"arguments\": {}}\n</tool_call>",
+            "<tool_call>\n[1, 2]\n</tool_call>",
+            "<tool_call>\n{\"id\": 1, \"name\": \"f\", }\n</tool_call>",
+            "a <tool_call>\n{\"nam",
             "a <tool_cal",
         ] {
             let got = check_streams(text, false, true);
             assert_eq!(got.content, text);
             assert!(got.tool_calls.is_empty(), "{text}");
         }
-        // A whole call whose closing tag never came (eos right after it) is still a call.
-        let got = check_streams("<tool_call>\n{\"name\": \"f\"}\n", false, true);
-        assert_eq!(got.tool_calls.len(), 1);
-        assert_eq!(got.tool_calls[0].arguments, "{}");
         // A good call after a bad one is numbered 0.
         let text = "<tool_call>\nnope\n</tool_call><tool_call>{\"name\": \"g\", \"parameters\": {\"x\": 1}}</tool_call>";
         let got = check_streams(text, false, true);
         assert_eq!(got.content, "<tool_call>\nnope\n</tool_call>");
-        assert_eq!(got.tool_calls, vec![call(0, "g", r#"{"x":1}"#)]);
+        assert_eq!(got.tool_calls, vec![call(0, "g", r#"{"x": 1}"#)]);
+    }
+
+    #[test]
+    fn a_call_whose_name_went_out_stays_a_call_however_it_ends() {
+        for (text, arguments, content) in [
+            // Cut by the token budget: the arguments that came.
+            ("a <tool_call>\n{\"name\": \"f\", \"argu", "", "a "),
+            (
+                "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"par",
+                "{\"q\": \"par",
+                "",
+            ),
+            // The closing tag never came, but the call is whole.
+            ("<tool_call>\n{\"name\": \"f\"}\n", "{}", ""),
+            // Invalid JSON is sent as the model wrote it.
+            (
+                "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": }}\n</tool_call>",
+                "{\"a\": }",
+                "",
+            ),
+            // Text that breaks the object after the name is dropped with the block.
+            (
+                "<tool_call>{\"name\": \"f\" oops, \"arguments\": {}}</tool_call>x",
+                "",
+                "x",
+            ),
+            (
+                "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}} oops</tool_call>",
+                "{\"a\": 1}",
+                "",
+            ),
+        ] {
+            let got = check_streams(text, false, true);
+            assert_eq!(got.tool_calls, vec![call(0, "f", arguments)], "{text}");
+            assert_eq!(got.content, content, "{text}");
+        }
+    }
+
+    #[test]
+    fn gathered_deltas_are_the_unary_calls() {
+        let mut calls = Vec::new();
+        let text = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call><tool_call>{\"name\": \"g\", \"arguments\": [2]}</tool_call>";
+        let mut ids = Vec::new();
+        for d in streamed(text, 3, false, true) {
+            for c in d.tool_calls {
+                if let Some(h) = &c.head {
+                    ids.push(h.id.clone());
+                }
+                ToolCall::gather(&mut calls, c);
+            }
+        }
+        let want = |index: u32, name: &str, arguments: &str| ToolCall {
+            index,
+            id: ids[index as usize].clone(),
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        assert_eq!(
+            calls,
+            vec![want(0, "f", r#"{"a": 1}"#), want(1, "g", "[2]")]
+        );
     }
 
     #[test]
@@ -395,16 +624,5 @@ mod tests {
         let got = check_streams(text, true, true);
         assert_eq!(got.reasoning, "need weather");
         assert_eq!((got.content.as_str(), got.tool_calls.len()), ("", 1));
-    }
-
-    #[test]
-    fn each_call_is_streamed_once_whole() {
-        let text =
-            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"long text\"}}\n</tool_call>";
-        let deltas = streamed(text, 3, false, true);
-        let with_calls: Vec<&OutputDelta> =
-            deltas.iter().filter(|d| !d.tool_calls.is_empty()).collect();
-        assert_eq!(with_calls.len(), 1);
-        assert!(deltas.iter().all(|d| d.content.is_empty()));
     }
 }

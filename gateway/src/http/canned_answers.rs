@@ -99,14 +99,18 @@ impl Harness {
         v["choices"][0].clone()
     }
 
-    /// The streamed answer's deltas gathered as a unary `message` reads, and its finish.
-    async fn streamed(&self, body: &Value) -> (Value, Value) {
+    /// The streamed answer's deltas gathered as a unary `message` reads, and its finish;
+    /// each call's delta in OpenAI's shape is checked on the way: `index`, `id`, `type` and
+    /// `function.name` on its first delta only, `function.arguments` on every one.
+    /// Also returns how many deltas carried each call.
+    async fn streamed(&self, body: &Value) -> (Value, Value, Vec<usize>) {
         let mut body = body.clone();
         body["stream"] = true.into();
         let (status, text) = self.post(&body).await;
         assert_eq!(status, StatusCode::OK, "{text}");
         let (mut content, mut reasoning) = (String::new(), String::new());
         let mut calls: Vec<Value> = Vec::new();
+        let mut pieces: Vec<usize> = Vec::new();
         let mut finish = Value::Null;
         for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
             if line == "[DONE]" {
@@ -120,9 +124,22 @@ impl Harness {
             for c in delta["tool_calls"].as_array().into_iter().flatten() {
                 let i = c["index"].as_u64().unwrap() as usize;
                 if i == calls.len() {
+                    assert_eq!(c["type"], "function", "{c}");
+                    assert!(
+                        c["id"].is_string() && c["function"]["name"].is_string(),
+                        "{c}"
+                    );
                     calls.push(json!({"index": i, "id": c["id"], "type": c["type"],
                         "function": {"name": c["function"]["name"], "arguments": ""}}));
+                    pieces.push(0);
+                } else {
+                    // A later delta of a call under way: its index and more arguments alone.
+                    assert_eq!(i + 1, calls.len(), "calls stream one after another: {c}");
+                    assert_eq!(c.as_object().unwrap().len(), 2, "{c}");
+                    assert_eq!(c["function"].as_object().unwrap().len(), 1, "{c}");
                 }
+                pieces[i] += 1;
+                assert!(c["function"]["arguments"].is_string(), "{c}");
                 let args = calls[i]["function"]["arguments"]
                     .as_str()
                     .unwrap()
@@ -142,7 +159,7 @@ impl Harness {
         if !calls.is_empty() {
             message["tool_calls"] = calls.into();
         }
-        (message, finish)
+        (message, finish, pieces)
     }
 }
 
@@ -183,14 +200,17 @@ async fn reasoning_content_and_tool_calls_come_apart_unary_and_streamed_alike() 
         "reasoning_content": "The user wants weather.\n",
         "tool_calls": [
             {"index": 0, "id": null, "type": "function",
-                "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
             {"index": 1, "id": null, "type": "function",
-                "function": {"name": "get_weather", "arguments": "{\"city\":\"Lyon\"}"}},
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Lyon\"}"}},
         ]})
     );
-    let (streamed, finish) = h.streamed(&body).await;
+    let (streamed, finish, pieces) = h.streamed(&body).await;
     assert_eq!(without_ids(streamed), message);
     assert_eq!(finish, "tool_calls");
+    // One token a message: each call's arguments come in several fragments.
+    assert_eq!(pieces.len(), 2);
+    assert!(pieces.iter().all(|&n| n > 2), "{pieces:?}");
 
     // The tools reached the template, and the prompt ended by opening <think>.
     let prompt = h.seen.lock().unwrap()[0].prompt_token_ids.clone();
@@ -210,6 +230,75 @@ async fn reasoning_content_and_tool_calls_come_apart_unary_and_streamed_alike() 
         .as_str()
         .unwrap()
         .contains("<tool_call>"));
+}
+
+/// gRPC streams calls in the same pieces: a `ToolCall` per piece, `id` and `name` on a call's
+/// first only, `arguments` to add; joined they are the unary `Chat`'s calls.
+#[tokio::test]
+async fn grpc_streams_each_call_as_its_name_then_fragments_of_its_arguments() {
+    use futures::StreamExt;
+    use vlm_proto::pb::gateway_server::Gateway;
+
+    let h = harness(Ok(ANSWER)).await;
+    let grpc = crate::grpc::GatewayService {
+        orchestrator: h.state.orchestrator.clone(),
+        default_max_tokens: 64,
+        request_timeout: Duration::from_secs(10),
+    };
+    let request = || {
+        tonic::Request::new(pb::ChatRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: vec![pb::ContentPart {
+                    part: Some(pb::content_part::Part::Text("weather in Paris?".into())),
+                }],
+                ..Default::default()
+            }],
+            tools: vec![pb::Tool {
+                name: "get_weather".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+    };
+    let unary = grpc.chat(request()).await.unwrap().into_inner();
+    assert_eq!(unary.finish_reason, pb::FinishReason::ToolCalls as i32);
+    let args: Vec<&str> = unary
+        .tool_calls
+        .iter()
+        .map(|c| c.arguments.as_str())
+        .collect();
+    assert_eq!(args, [r#"{"city": "Paris"}"#, r#"{"city": "Lyon"}"#]);
+
+    let mut stream = grpc.chat_stream(request()).await.unwrap().into_inner();
+    let mut calls: Vec<pb::ToolCall> = Vec::new();
+    let mut pieces = vec![0; 2];
+    let mut finish = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.unwrap();
+        finish = chunk.finish_reason.max(finish);
+        for piece in chunk.tool_calls {
+            let i = piece.index as usize;
+            pieces[i] += 1;
+            if i == calls.len() {
+                assert!(
+                    piece.id.starts_with("call_") && !piece.name.is_empty(),
+                    "{piece:?}"
+                );
+                calls.push(piece);
+            } else {
+                assert!(piece.id.is_empty() && piece.name.is_empty(), "{piece:?}");
+                calls[i].arguments += &piece.arguments;
+            }
+        }
+    }
+    assert_eq!(finish, pb::FinishReason::ToolCalls as i32);
+    assert!(pieces.iter().all(|&n| n > 2), "{pieces:?}");
+    let strip = |c: &pb::ToolCall| (c.index, c.name.clone(), c.arguments.clone());
+    assert_eq!(
+        calls.iter().map(strip).collect::<Vec<_>>(),
+        unary.tool_calls.iter().map(strip).collect::<Vec<_>>()
+    );
 }
 
 #[tokio::test]

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::{finish_str, ResponseOptions, NEG_INF_LOGPROB};
 use crate::gateway_error::GatewayError;
 use crate::orchestrator::{ChatEvent, Logprob, TokenLogprobs};
-use crate::output::ToolCall;
+use crate::output::ToolCallDelta;
 
 #[derive(Serialize)]
 struct Chunk<'a> {
@@ -51,35 +51,39 @@ struct Delta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    tool_calls: &'a [ToolCallDelta<'a>],
+    tool_calls: &'a [CallChunk<'a>],
 }
 
-/// A call in a delta: all of it at once (its block has closed), in OpenAI's delta shape.
+/// A piece of a call in a delta, in OpenAI's delta shape: `id`, `type` and `function.name`
+/// on the call's first piece only, `function.arguments` on every piece (`""` on a first one
+/// whose arguments have not begun).
 #[derive(Serialize)]
-struct ToolCallDelta<'a> {
+struct CallChunk<'a> {
     function: FunctionDelta<'a>,
-    id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
     index: u32,
-    #[serde(rename = "type")]
-    kind: &'static str,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
 }
 
 #[derive(Serialize)]
 struct FunctionDelta<'a> {
     arguments: &'a str,
-    name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
 }
 
-impl<'a> ToolCallDelta<'a> {
-    fn of(c: &'a ToolCall) -> Self {
+impl<'a> CallChunk<'a> {
+    fn of(d: &'a ToolCallDelta) -> Self {
         Self {
             function: FunctionDelta {
-                arguments: &c.arguments,
-                name: &c.name,
+                arguments: &d.arguments,
+                name: d.head.as_ref().map(|h| h.name.as_str()),
             },
-            id: &c.id,
-            index: c.index,
-            kind: "function",
+            id: d.head.as_ref().map(|h| h.id.as_str()),
+            index: d.index,
+            kind: d.head.as_ref().map(|_| "function"),
         }
     }
 }
@@ -219,7 +223,7 @@ impl ChunkWriter {
                 {
                     return None;
                 }
-                let calls: Vec<ToolCallDelta> = tool_calls.iter().map(ToolCallDelta::of).collect();
+                let calls: Vec<CallChunk> = tool_calls.iter().map(CallChunk::of).collect();
                 let content = Delta {
                     // A delta of reasoning or calls alone carries no content key.
                     content: (!text.is_empty() || !other_parts).then_some(text.as_str()),
@@ -429,6 +433,52 @@ mod tests {
                 assert_eq!(got, want);
             }
         }
+        // A call's first delta has its id, type and name; a later one its arguments alone.
+        let mut w = ChunkWriter::new(
+            "chatcmpl-1".into(),
+            7,
+            "m".into(),
+            options(1, false, false, false),
+        );
+        let head = |arguments: &str| ToolCallDelta {
+            index: 0,
+            head: Some(crate::output::CallHead {
+                id: "call_x".into(),
+                name: "f".into(),
+            }),
+            arguments: arguments.into(),
+        };
+        let more = |index, arguments: &str| ToolCallDelta {
+            index,
+            head: None,
+            arguments: arguments.into(),
+        };
+        for (calls, want) in [
+            (
+                vec![head("")],
+                json!([{"index": 0, "id": "call_x", "type": "function",
+                    "function": {"name": "f", "arguments": ""}}]),
+            ),
+            (
+                vec![more(0, "{\"a\": "), more(1, "[1")],
+                json!([{"index": 0, "function": {"arguments": "{\"a\": "}},
+                    {"index": 1, "function": {"arguments": "[1"}}]),
+            ),
+        ] {
+            let got = text(w.event(Ok(ChatEvent::Delta {
+                choice: 0,
+                text: String::new(),
+                reasoning: String::new(),
+                tool_calls: calls,
+                token_ids: vec![1],
+                logprobs: Vec::new(),
+            })));
+            assert_eq!(
+                got,
+                event(&oracle_chunk(0, json!({ "tool_calls": want }), None))
+            );
+        }
+
         // An error is its JSON body as written (OpenAI's key order).
         let mut w = ChunkWriter::new("i".into(), 1, "m".into(), options(1, false, false, false));
         let e = GatewayError::Overloaded("busy".into());
