@@ -58,6 +58,8 @@ async fn unary(http: SocketAddr, body: &Value) -> Value {
 }
 
 /// The streamed answer's content, tool calls (their arguments joined) and finish reason.
+/// Each call's deltas are checked to be OpenAI's shape: `id`, `type` and `function.name` on
+/// its first only, then its `index` and more `function.arguments`; `"pieces"` counts them.
 async fn streamed(http: SocketAddr, body: &Value) -> (String, Vec<Value>, String) {
     let mut body = body.clone();
     body["stream"] = true.into();
@@ -83,8 +85,18 @@ async fn streamed(http: SocketAddr, body: &Value) -> (String, Vec<Value>, String
         {
             let i = c["index"].as_u64().unwrap() as usize;
             if i == calls.len() {
-                calls.push(json!({"name": c["function"]["name"], "arguments": ""}));
+                assert!(c["id"].as_str().unwrap().starts_with("call_"), "{c}");
+                assert_eq!(c["type"], "function", "{c}");
+                assert!(c["function"]["name"].is_string(), "{c}");
+                calls.push(json!({"name": c["function"]["name"], "arguments": "", "pieces": 0}));
+            } else {
+                assert_eq!(i + 1, calls.len(), "{c}");
+                assert_eq!(
+                    c,
+                    &json!({"index": i, "function": {"arguments": c["function"]["arguments"]}}),
+                );
             }
+            calls[i]["pieces"] = (calls[i]["pieces"].as_u64().unwrap() + 1).into();
             let joined = calls[i]["arguments"].as_str().unwrap().to_string()
                 + c["function"]["arguments"].as_str().unwrap_or_default();
             calls[i]["arguments"] = joined.into();
@@ -233,8 +245,13 @@ async fn required_tool_calls_are_valid_calls_and_bad_requests_say_why() {
             assert!(validates(&parameters(name), &args), "{call}");
         }
         // Streamed: the same calls, the same finish.
-        let (content, streamed_calls, streamed_finish) = streamed(http, &body).await;
+        let (content, mut streamed_calls, streamed_finish) = streamed(http, &body).await;
         assert_eq!(streamed_finish, "tool_calls");
+        // Each call's arguments, several tokens long, came in several fragments.
+        for c in &mut streamed_calls {
+            let pieces = c.as_object_mut().unwrap().remove("pieces").unwrap();
+            assert!(pieces.as_u64().unwrap() > 2, "{c}: {pieces} deltas");
+        }
         assert_eq!(content, answer["message"]["content"].as_str().unwrap_or(""));
         let unary_calls: Vec<Value> = calls
             .iter()
@@ -319,24 +336,22 @@ async fn grpc_carries_output_formats_and_tool_calls() {
     let parameters = json!({"type": "object", "properties": {
         "x": {"type": "integer", "minimum": -10, "maximum": 10}},
         "required": ["x"], "additionalProperties": false});
-    let answer = client
-        .chat(pb::ChatRequest {
-            messages: vec![user],
-            max_tokens: Some(64),
-            tools: vec![pb::Tool {
-                name: "move_arm".into(),
-                description: "move the arm".into(),
-                parameters_json: parameters.to_string(),
-            }],
-            tool_choice: Some(pb::ToolChoice {
-                choice: Some(pb::tool_choice::Choice::Mode("required".into())),
-            }),
-            parallel_tool_calls: Some(false),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let request = pb::ChatRequest {
+        messages: vec![user],
+        max_tokens: Some(64),
+        temperature: Some(0.0),
+        tools: vec![pb::Tool {
+            name: "move_arm".into(),
+            description: "move the arm".into(),
+            parameters_json: parameters.to_string(),
+        }],
+        tool_choice: Some(pb::ToolChoice {
+            choice: Some(pb::tool_choice::Choice::Mode("required".into())),
+        }),
+        parallel_tool_calls: Some(false),
+        ..Default::default()
+    };
+    let answer = client.chat(request.clone()).await.unwrap().into_inner();
     assert_eq!(
         answer.finish_reason,
         pb::FinishReason::ToolCalls as i32,
@@ -348,4 +363,27 @@ async fn grpc_carries_output_formats_and_tool_calls() {
     assert_eq!(call.name, "move_arm");
     let args: Value = serde_json::from_str(&call.arguments).unwrap();
     assert!(validates(&parameters, &args), "{}", call.arguments);
+
+    // Streamed: the call's first piece has its id and name, the later ones more arguments
+    // alone; joined, the unary call.
+    let mut stream = client.chat_stream(request).await.unwrap().into_inner();
+    let (mut pieces, mut finish) = (Vec::new(), 0);
+    while let Some(chunk) = stream.message().await.unwrap() {
+        pieces.extend(chunk.tool_calls);
+        finish = finish.max(chunk.finish_reason);
+    }
+    assert_eq!(finish, pb::FinishReason::ToolCalls as i32);
+    let (first, rest) = pieces.split_first().expect("a call streamed");
+    assert!(
+        first.id.starts_with("call_") && first.name == "move_arm",
+        "{first:?}"
+    );
+    assert!(!rest.is_empty(), "the arguments in fragments: {pieces:?}");
+    assert!(
+        rest.iter()
+            .all(|p| p.index == 0 && p.id.is_empty() && p.name.is_empty()),
+        "{pieces:?}"
+    );
+    let joined: String = pieces.iter().map(|p| p.arguments.as_str()).collect();
+    assert_eq!(joined, call.arguments);
 }
