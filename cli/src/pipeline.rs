@@ -2,6 +2,12 @@
 //! → the language stage → streamed text. `vlm run` uses it directly; the services split the
 //! same steps across processes. A text-only checkpoint (Qwen3ForCausalLM, Qwen2ForCausalLM)
 //! has no vision stage, and a chat with images is refused.
+//!
+//! The request's tools and template variables reach the chat template as the gateway renders
+//! them, and its grammar (`constraint`) reaches the engine; the answer comes back as text,
+//! unsplit. A request whose tools are to be read out of the answer (`tool_choice` other than
+//! `none`) is refused rather than answered with its calls left in the text: the gateway
+//! (`vlm serve`) reads and forces calls.
 
 use std::ops::ControlFlow;
 use std::path::Path;
@@ -86,6 +92,15 @@ impl<B: Backend + Clone> Pipeline<B> {
         mut on_token: impl FnMut(&TokenEvent, &str) -> ControlFlow<()>,
     ) -> Result<ChatOutput> {
         validate_request(req, &self.limits)?;
+        if req.tools.parses_calls() {
+            return Err(gateway::Error::InvalidRequest(
+                "`tools` with a `tool_choice` other than none: the offline pipeline (`vlm run`) \
+                 neither forces tool calls nor reads them out of the answer; serve the model \
+                 (`vlm serve`) for tool calls"
+                    .into(),
+            )
+            .into());
+        }
         let mut timings = Timings::default();
 
         let started = Instant::now();
@@ -105,7 +120,9 @@ impl<B: Backend + Clone> Pipeline<B> {
         timings.vision = started.elapsed();
 
         let per_image: Vec<usize> = images.iter().map(|i| i.embeds.shape()[0]).collect();
-        let prompt = self.chat.prompt_ids(&req.messages, &per_image)?;
+        let prompt = self
+            .chat
+            .prompt_ids_with(&req.messages, &req.template_vars(), &per_image)?;
         let gen_req = GenerateRequest {
             prompt: prompt.clone(),
             images,

@@ -387,3 +387,39 @@ async fn grpc_carries_output_formats_and_tool_calls() {
     let joined: String = pieces.iter().map(|p| p.arguments.as_str()).collect();
     assert_eq!(joined, call.arguments);
 }
+
+/// The offline pipeline (`vlm run`'s) renders a request's tools as the gateway does, and
+/// refuses, naming `tools`, a request whose calls it would have to read or force, rather than
+/// leave them in the text.
+#[test]
+fn the_offline_pipeline_renders_tools_and_refuses_to_read_calls() {
+    use gateway::chat::{Message, Part};
+    use gateway::tools::read_tools;
+    use vlm_cli::pipeline::Pipeline;
+
+    let engine = llm_svc::EngineConfig {
+        kv_cache: llm_svc::KvCacheSize::Tokens(1024),
+        ..llm_svc::EngineConfig::default()
+    };
+    let pipeline = Pipeline::load(&fixture(), CpuBackend::new(), engine).unwrap();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather"}}]);
+    let request = |choice: &str| gateway::request::ChatRequest {
+        messages: vec![Message::user(vec![Part::Text("weather?".into())])],
+        sampling: llm_svc::SamplingParams::greedy(),
+        max_new_tokens: 2,
+        tools: read_tools(Some(&tools), Some(&json!(choice)), None).unwrap(),
+        ..Default::default()
+    };
+    let keep_going = |_: &llm_svc::TokenEvent, _: &str| std::ops::ControlFlow::Continue(());
+    for choice in ["auto", "required"] {
+        let err = pipeline.run(&request(choice), keep_going).unwrap_err();
+        assert!(err.is_invalid_input(), "{err}");
+        assert!(err.to_string().contains("`tools`"), "{err}");
+    }
+    let out = pipeline.run(&request("none"), keep_going).unwrap();
+    let prompt = pipeline.chat.decode(&out.prompt_token_ids, false).unwrap();
+    assert!(
+        prompt.contains("# Tools") && prompt.contains("\"get_weather\""),
+        "{prompt}"
+    );
+}
