@@ -318,7 +318,7 @@ impl Engine {
             tx,
             span,
         );
-        seq.grammar = grammar.map(std::sync::Mutex::new);
+        seq.grammar = grammar.map(crate::grammar::SequenceGrammar::new);
         self.tx
             .send(seq)
             .map_err(|_| Error::Engine("the engine has stopped".into()))?;
@@ -545,18 +545,20 @@ impl<B: Backend> EngineLoop<B> {
 
     /// Hands a step's results to the scheduler and ends the sequences that finished.
     fn advance(&mut self, plan: &[Planned], out: StepOutput) {
-        let picks: Vec<Pick> = out
+        let picks: Vec<Option<Pick>> = out
             .picks
             .into_iter()
             .zip(out.logits)
             .zip(out.logprobs)
-            .map(|((token, logits), logprob)| Pick {
-                token,
-                logits,
-                logprob,
+            .map(|((token, logits), logprob)| {
+                token.map(|token| Pick {
+                    token,
+                    logits,
+                    logprob,
+                })
             })
             .collect();
-        let sampled = picks.len() as u64;
+        let sampled = picks.iter().flatten().count() as u64;
         self.reported.tokens_since_log += sampled;
         self.shared.metrics.generated_tokens.inc_by(sampled);
         let eos = &self.shared.cfg.eos_token_ids;

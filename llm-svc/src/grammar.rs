@@ -15,7 +15,9 @@
 //! strings; masks never depend on it.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -105,13 +107,146 @@ impl Grammars {
     }
 }
 
-/// Each grammar's next mask ([`Grammar::mask`]), computed in parallel on rayon's pool, one
-/// task a grammar: a step's masks take about as long as its slowest one, not their sum.
-pub fn masks_in_parallel(grammars: &[&Mutex<Grammar>]) -> Vec<Option<Vec<u32>>> {
-    use rayon::prelude::*;
-    grammars
-        .par_iter()
-        .map(|g| g.lock().unwrap_or_else(|e| e.into_inner()).mask())
+/// A sequence's grammar and the mask of its current state, which a pool thread computes
+/// while the engine goes on. The step waits for a mask only until its deadline
+/// ([`masks_by`]); a sequence whose mask is late takes no pick that step, and its mask,
+/// still being computed, is there for the next one. So a slow grammar delays its own
+/// sequence, never the batch.
+pub struct SequenceGrammar {
+    grammar: Mutex<Grammar>,
+    mask: Mutex<MaskState>,
+}
+
+/// Where a sequence's next mask is.
+enum MaskState {
+    /// Not asked for since the grammar last moved.
+    Idle,
+    /// A pool thread is computing it.
+    Computing,
+    /// Computed ([`Grammar::mask`]'s answer), for the step that takes it.
+    Ready(Option<Vec<u32>>),
+}
+
+/// What a step gets of a sequence's mask by its deadline.
+#[derive(Debug, PartialEq)]
+pub enum StepMask {
+    /// The tokens the pick may be.
+    Mask(Vec<u32>),
+    /// Any token: the grammar has not started (or has failed, which ends the request).
+    Free,
+    /// Not computed yet: the sequence takes no pick this step.
+    Late,
+}
+
+/// Extra time every mask takes: zero, except in the test that a slow grammar holds back its
+/// own sequence only (`tests/slow_grammar.rs`, a process of its own).
+static MASK_DELAY_MICROS: AtomicU64 = AtomicU64::new(0);
+
+/// Makes every mask of this process take `by` longer (for tests).
+#[doc(hidden)]
+pub fn slow_every_mask_for_tests(by: std::time::Duration) {
+    MASK_DELAY_MICROS.store(by.as_micros() as u64, Ordering::Relaxed);
+}
+
+/// Rung by a pool thread whenever a mask is ready: one for the process, since a mask computed
+/// for one step may be taken by a later one.
+static MASK_READY: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
+
+impl SequenceGrammar {
+    pub fn new(grammar: Grammar) -> Arc<Self> {
+        Arc::new(Self {
+            grammar: Mutex::new(grammar),
+            mask: Mutex::new(MaskState::Idle),
+        })
+    }
+
+    /// The grammar, to advance or ask; never while its mask is being computed (a late
+    /// sequence takes no pick, so nothing advances it meanwhile).
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Grammar> {
+        self.grammar.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why the grammar cannot go on, without waiting for a mask being computed (then it has
+    /// not failed yet, as far as anyone knows).
+    pub fn failure(&self) -> Option<String> {
+        match self.grammar.try_lock() {
+            Ok(g) => g.failure().map(str::to_string),
+            Err(std::sync::TryLockError::Poisoned(e)) => {
+                e.into_inner().failure().map(str::to_string)
+            }
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, MaskState> {
+        self.mask.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts computing the mask on rayon's pool unless it is computed or under way.
+    fn start(self: &Arc<Self>) {
+        let mut state = self.state();
+        if !matches!(*state, MaskState::Idle) {
+            return;
+        }
+        *state = MaskState::Computing;
+        drop(state);
+        let me = Arc::clone(self);
+        rayon::spawn(move || {
+            let delay = MASK_DELAY_MICROS.load(Ordering::Relaxed);
+            if delay > 0 {
+                std::thread::sleep(std::time::Duration::from_micros(delay));
+            }
+            let mask = me.lock().mask();
+            *me.state() = MaskState::Ready(mask);
+            // Under the signal's lock, so a step checking the masks cannot miss it.
+            let _signal = MASK_READY.0.lock().unwrap_or_else(|e| e.into_inner());
+            MASK_READY.1.notify_all();
+        });
+    }
+
+    /// The mask if it is ready (taken: the grammar then moves with the pick).
+    fn take(&self) -> Option<StepMask> {
+        let mut state = self.state();
+        match std::mem::replace(&mut *state, MaskState::Idle) {
+            MaskState::Ready(Some(mask)) => Some(StepMask::Mask(mask)),
+            MaskState::Ready(None) => Some(StepMask::Free),
+            other => {
+                *state = other;
+                None
+            }
+        }
+    }
+}
+
+/// Each grammar's mask for this step, computed in parallel on rayon's pool (one task a
+/// grammar, so a step's masks take about as long as its slowest one, not their sum), waiting
+/// no later than `deadline`: a mask not ready by then is [`StepMask::Late`] and goes on being
+/// computed for the next step.
+pub fn masks_by(grammars: &[&Arc<SequenceGrammar>], deadline: Instant) -> Vec<StepMask> {
+    for g in grammars {
+        g.start();
+    }
+    let mut masks: Vec<Option<StepMask>> = grammars.iter().map(|_| None).collect();
+    let mut signal = MASK_READY.0.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        for (m, g) in masks.iter_mut().zip(grammars) {
+            if m.is_none() {
+                *m = g.take();
+            }
+        }
+        let now = Instant::now();
+        if masks.iter().all(Option::is_some) || now >= deadline {
+            break;
+        }
+        signal = MASK_READY
+            .1
+            .wait_timeout(signal, deadline - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+    masks
+        .into_iter()
+        .map(|m| m.unwrap_or(StepMask::Late))
         .collect()
 }
 
@@ -147,6 +282,15 @@ impl Grammar {
                 None
             }
         }
+    }
+
+    /// Whether the grammar would take `token` next, leaving it where it is: the check a
+    /// sampler that picks before masking makes (`vlm bench` times it against the masks).
+    pub fn allows(&mut self, token: u32) -> bool {
+        if self.failure.is_some() || self.waiting_for.is_some() {
+            return true;
+        }
+        self.matcher.validate_tokens(&[token]).is_ok_and(|n| n == 1)
     }
 
     /// Follows a picked token.

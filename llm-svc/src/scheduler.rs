@@ -129,13 +129,14 @@ impl Scheduler {
 
     /// Applies a step's results to its sequences, by request id (vLLM's
     /// `update_from_output`): their computed tokens, the full blocks now in the prefix cache,
-    /// and each pick (`picks`, in plan order, one for every sequence whose prompt and tokens
-    /// are all computed) appended and sent to its caller. Returns the sequences that finished
+    /// and each pick (`picks`, in plan order, an entry for every sequence whose prompt and
+    /// tokens are all computed: `None` where its grammar's mask was late) appended and sent to
+    /// its caller. Returns the sequences that finished
     /// (an eos token, the token budget or the context), out of the running set, with why.
     pub fn update_from_output(
         &mut self,
         plan: &[Planned],
-        picks: Vec<Pick>,
+        picks: Vec<Option<Pick>>,
         pool: &mut BlockPool,
         eos: &[u32],
     ) -> Vec<(Sequence, FinishReason)> {
@@ -151,19 +152,31 @@ impl Scheduler {
                 },
             };
             let seq = &mut self.running[i];
-            seq.computed += p.tokens;
+            let computed = seq.computed + p.tokens;
+            let pick = if computed == seq.tokens.len() {
+                picks
+                    .next()
+                    .expect("an entry for every sequence that sampled")
+            } else {
+                None
+            };
+            // A sequence whose grammar's mask was late took no pick: its last token is
+            // computed again next step (the same keys and values, into the same slot), and
+            // the pick made then is the one this step would have made.
+            seq.computed = if computed == seq.tokens.len() && pick.is_none() {
+                computed - 1
+            } else {
+                computed
+            };
             seq.hash_full_blocks(bs);
             let full = seq.computed / bs;
             for b in seq.registered..full {
                 pool.register(seq.blocks[b], seq.hashes[b]);
             }
             seq.registered = seq.registered.max(full);
-            if seq.computed < seq.tokens.len() {
+            let Some(pick) = pick else {
                 continue;
-            }
-            let pick = picks
-                .next()
-                .expect("a pick for every sequence that sampled");
+            };
             seq.push_token(pick);
             if let Some(f) = seq.finish_reason(eos) {
                 done.push((seq.id, f));
@@ -344,6 +357,34 @@ mod tests {
                 seq.tokens.push(7);
             }
         }
+    }
+
+    #[test]
+    fn a_sequence_without_a_pick_computes_its_last_token_again() {
+        let mut pool = BlockPool::new(64, 4);
+        let mut s = sched(8, 100);
+        s.waiting.push_back(seq(0, 6));
+        s.waiting.push_back(seq(1, 6));
+        let plan = s.schedule(&mut pool);
+        let pick = |token| {
+            Some(Pick {
+                token,
+                logits: None,
+                logprob: None,
+            })
+        };
+        // Sequence 0's mask was late: no pick; its prompt's last token is computed again.
+        let done = s.update_from_output(&plan, vec![None, pick(9)], &mut pool, &[]);
+        assert!(done.is_empty());
+        assert_eq!((s.running[0].tokens.len(), s.running[0].computed), (6, 5));
+        assert_eq!((s.running[1].tokens.len(), s.running[1].computed), (7, 6));
+        // Only the full block of computed tokens is in the prefix cache.
+        assert_eq!(s.running[0].registered, 1);
+        let plan = s.schedule(&mut pool);
+        assert_eq!(plan.iter().map(|p| p.tokens).collect::<Vec<_>>(), [1, 1]);
+        s.update_from_output(&plan, vec![pick(8), pick(9)], &mut pool, &[]);
+        assert_eq!(s.running[0].tokens[6..], [8]);
+        assert_eq!(s.running[0].computed, 6);
     }
 
     #[test]

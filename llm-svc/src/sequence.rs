@@ -7,7 +7,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 use vlm_compute::Embeddings;
 
-use crate::grammar::Grammar;
+use crate::grammar::SequenceGrammar;
 use crate::kv_cache::{block_hash, BlockHash};
 use crate::mrope::PromptPositions;
 use crate::request::{Event, FinishReason};
@@ -55,9 +55,9 @@ pub struct Sequence {
     /// OS).
     pub sampling: SamplingParams,
     pub seed: u64,
-    /// The grammar its tokens keep to, if it has one: the step reads its mask (on a pool
-    /// thread, hence the lock, never contended) and each pick advances it.
-    pub grammar: Option<std::sync::Mutex<Grammar>>,
+    /// The grammar its tokens keep to, if it has one: a pool thread computes its mask
+    /// (shared with it, hence the `Arc`) and each pick advances it.
+    pub grammar: Option<std::sync::Arc<SequenceGrammar>>,
     pub limits: SequenceLimits,
     /// Cache blocks holding this sequence's keys and values, in order.
     pub blocks: Vec<u32>,
@@ -151,8 +151,8 @@ impl Sequence {
             ));
         }
         self.tokens.push(pick.token);
-        if let Some(g) = self.grammar.as_mut() {
-            let g = g.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(g) = &self.grammar {
+            let mut g = g.lock();
             g.accept(pick.token);
             if g.failure().is_some() {
                 return;
@@ -171,8 +171,8 @@ impl Sequence {
         let last = *self.tokens.last()?;
         let complete = self
             .grammar
-            .as_mut()
-            .is_some_and(|g| g.get_mut().unwrap_or_else(|e| e.into_inner()).is_complete());
+            .as_ref()
+            .is_some_and(|g| g.lock().is_complete());
         if (!self.limits.ignore_eos && eos.contains(&last)) || complete {
             Some(FinishReason::Eos)
         } else if self.generated() >= self.limits.max_new_tokens
@@ -193,11 +193,10 @@ impl Sequence {
         self.tokens.len() - self.computed
     }
 
-    /// Why its grammar cannot go on, if it has one that cannot (the request then fails).
+    /// Why its grammar cannot go on, if it has one that cannot (the request then fails); not
+    /// known yet while its mask is being computed.
     pub fn grammar_failure(&self) -> Option<String> {
-        let g = self.grammar.as_ref()?;
-        let g = g.lock().unwrap_or_else(|e| e.into_inner());
-        g.failure().map(str::to_string)
+        self.grammar.as_ref()?.failure()
     }
 
     /// Whether the client has gone (its stream dropped).

@@ -12,17 +12,21 @@
 //!
 //! Sequences with a grammar ([`crate::grammar`]) have their token masks computed on the host
 //! while the device runs the forward pass (in parallel, one task a sequence), then uploaded for
-//! the sampler, which is queued after them.
+//! the sampler, which is queued after them. The step waits for them about as long as the
+//! device needs anyway (the last step's time): a sequence whose mask is later than that takes
+//! no pick this step and picks the same token the next (its draw is keyed by its position, and
+//! its token counts are left alone), so a slow grammar holds back its own sequence only.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use vlm_compute::sampling::{
     bias_words, mask_words, work_words, RowParams, IN_PROMPT, LOGPROB_COLS, MAX_TOP_LOGPROBS,
-    SAMPLE_WORDS,
+    NO_SLOT, SAMPLE_WORDS,
 };
 use vlm_compute::{Backend, Embeddings, HostTensor, PagedBatch, SampleIo};
 
+use crate::grammar::StepMask;
 use crate::kv_cache::{PagedKv, NULL_BLOCK};
 use crate::model::{ImageRows, LogitsOf, StepInput, TextModel};
 use crate::mrope;
@@ -54,6 +58,8 @@ struct HostStep<'a> {
     need_logits: Vec<bool>,
     /// The sampling sequences with a grammar, each with its index in `draws`.
     constrained: Vec<(usize, &'a Sequence)>,
+    /// Whether each of `draws` takes no pick this step: its grammar's mask came too late.
+    late: Vec<bool>,
     /// Rows holding image tokens, and the images they come from, in the same order: each with
     /// the range of its rows in this step.
     image_rows: Vec<usize>,
@@ -83,6 +89,7 @@ impl<'a> HostStep<'a> {
             bias: Vec::new(),
             need_logits: Vec::new(),
             constrained: Vec::new(),
+            late: Vec::new(),
             image_rows: Vec::new(),
             image_parts: Vec::new(),
             started: Instant::now(),
@@ -124,12 +131,15 @@ impl<'a> HostStep<'a> {
         s
     }
 
-    /// The constrained sequences' masks, computed in parallel: the words to upload (rows up to
-    /// the last masked one, [`mask_words`] each; rows in between unread) with each masked
-    /// draw flagged, and how long the host took. A sequence whose grammar has not started (or
-    /// has failed, which ends it after the step) samples unmasked.
-    fn masks(&mut self, vocab: usize) -> (Vec<u32>, Duration) {
+    /// The constrained sequences' masks, computed in parallel and waited for until
+    /// `deadline`: the words to upload (rows up to the last masked one, [`mask_words`] each;
+    /// rows in between unread) with each masked draw flagged, and how long the host took. A
+    /// sequence whose grammar has not started (or has failed, which ends it after the step)
+    /// samples unmasked; one whose mask is late samples nothing that counts (its draw
+    /// updates no token counts, and its pick is dropped).
+    fn masks(&mut self, vocab: usize, deadline: Instant) -> (Vec<u32>, Duration) {
         let started = Instant::now();
+        self.late = vec![false; self.draws.len()];
         if self.constrained.is_empty() {
             return (Vec::new(), Duration::ZERO);
         }
@@ -142,24 +152,29 @@ impl<'a> HostStep<'a> {
                     .expect("constrained sequences have one")
             })
             .collect();
-        let masks: Vec<(usize, Option<Vec<u32>>)> = self
-            .constrained
-            .iter()
-            .map(|&(draw, _)| draw)
-            .zip(crate::grammar::masks_in_parallel(&grammars))
-            .collect();
+        let masks = crate::grammar::masks_by(&grammars, deadline);
         let words = mask_words(vocab);
-        let rows = masks
+        let draws: Vec<usize> = self.constrained.iter().map(|&(d, _)| d).collect();
+        let rows = draws
             .iter()
-            .filter(|(_, m)| m.is_some())
+            .zip(&masks)
+            .filter(|(_, m)| matches!(m, StepMask::Mask(_)))
             .map(|(d, _)| d + 1)
             .max()
             .unwrap_or(0);
         let mut all = vec![0u32; rows * words];
-        for (draw, mask) in masks {
-            if let Some(mask) = mask {
-                all[draw * words..(draw + 1) * words].copy_from_slice(&mask);
-                self.draws[draw].masked = true;
+        for (draw, mask) in draws.into_iter().zip(masks) {
+            match mask {
+                StepMask::Mask(mask) => {
+                    all[draw * words..(draw + 1) * words].copy_from_slice(&mask);
+                    self.draws[draw].masked = true;
+                }
+                StepMask::Free => {}
+                StepMask::Late => {
+                    self.late[draw] = true;
+                    self.draws[draw].slot = NO_SLOT;
+                    self.draws[draw].logprobs = 0;
+                }
             }
         }
         (all, started.elapsed())
@@ -250,8 +265,9 @@ struct StepImages<B: Backend> {
 
 /// What a step gives back for each sequence that sampled, in plan order.
 pub struct StepOutput {
-    /// The picked tokens.
-    pub picks: Vec<u32>,
+    /// The picked tokens; `None` for a sequence whose grammar's mask came too late for the
+    /// step (it computes its last token again and picks next step, as it would have).
+    pub picks: Vec<Option<u32>>,
     /// The logits, for the sequences that asked for them (`return_logits`).
     pub logits: Vec<Option<Vec<f32>>>,
     /// The picks' logprobs, for the sequences that asked for them.
@@ -435,7 +451,16 @@ pub struct StepRunner<B: Backend> {
     /// The block lists of a recorded step (shared by all buckets, one runs at a time).
     graph_blocks: Option<B::Ids>,
     sampler: Option<SamplerState<B>>,
+    /// How long a step waits for its grammars' masks once its forward pass is queued: as
+    /// long as the last step that picked took with no mask late (about the time the device is
+    /// busy anyway), and at least [`MIN_MASK_WAIT`].
+    mask_wait: Duration,
 }
+
+/// The least a step waits for its masks. A mask takes well under this (`vlm bench` reports
+/// the p99 at each batch size); a grammar slower than it costs its own sequence steps, not
+/// the others.
+const MIN_MASK_WAIT: Duration = Duration::from_millis(2);
 
 impl<B: Backend> StepRunner<B> {
     pub fn new(cfg: &TextConfig, block_size: usize, max_context: usize, max_batch: usize) -> Self {
@@ -449,6 +474,7 @@ impl<B: Backend> StepRunner<B> {
             graphs: Vec::new(),
             graph_blocks: None,
             sampler: None,
+            mask_wait: MIN_MASK_WAIT,
         }
     }
 
@@ -507,19 +533,28 @@ impl<B: Backend> StepRunner<B> {
         // While ops are timed (`vlm bench --profile`), every step runs op by op.
         let replayable =
             !matches!(self.recording, Recording::Unsupported) && !model.backend().timing_ops();
+        let mut out = None;
         if decode_only && replayable {
             if let Some(rows) = self.bucket(plan.len()) {
                 host.pad_to(rows);
-                if let Some(out) = self.replay(model, kv, &mut host, rows, plan.len())? {
-                    return Ok(out);
+                out = self.replay(model, kv, &mut host, rows, plan.len())?;
+                if out.is_none() {
+                    let started = host.started;
+                    let slots = &self.sampler.as_ref().expect("made above").slots;
+                    host = HostStep::build(plan, running, self.block_size, slots);
+                    host.started = started;
                 }
-                let started = host.started;
-                let slots = &self.sampler.as_ref().expect("made above").slots;
-                host = HostStep::build(plan, running, self.block_size, slots);
-                host.started = started;
             }
         }
-        self.eager(model, kv, &mut host)
+        let out = match out {
+            Some(out) => out,
+            None => self.eager(model, kv, &mut host)?,
+        };
+        // A step with a late mask waited out its deadline: its time says nothing new.
+        if !out.picks.is_empty() && out.picks.iter().all(Option::is_some) {
+            self.mask_wait = host.started.elapsed().max(MIN_MASK_WAIT);
+        }
+        Ok(out)
     }
 
     /// The M-RoPE tables for `positions`.
@@ -539,7 +574,12 @@ impl<B: Backend> StepRunner<B> {
         masks: Duration,
     ) -> Result<StepOutput> {
         let enqueue = host.started.elapsed();
-        let picks = be.download_ids(&out.picks, n)?;
+        let picks = be
+            .download_ids(&out.picks, n)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (!host.late.get(i).copied().unwrap_or(false)).then_some(t))
+            .collect();
         let mut logits_out = vec![None; n];
         if host.need_logits.iter().any(|&w| w) {
             let all = be.download(logits)?;
@@ -636,7 +676,7 @@ impl<B: Backend> StepRunner<B> {
             });
         };
         // The forward pass is queued: the masks are computed while it runs.
-        let (masks, mask_time) = host.masks(self.cfg.vocab_size);
+        let (masks, mask_time) = host.masks(self.cfg.vocab_size, Instant::now() + self.mask_wait);
         let mut out = SampleOut::new(be, n)?;
         let words: Vec<u32> = host.draws.iter().flat_map(|d| d.to_words()).collect();
         be.write_ids(&mut out.params, &words)?;
@@ -699,7 +739,8 @@ impl<B: Backend> StepRunner<B> {
         be.write(&mut g.sin, sin.data())?;
         be.replay(&g.forward)?;
         // The forward pass is queued: the masks are computed while it runs.
-        let (masks, mask_time) = host.masks(self.cfg.vocab_size);
+        let deadline = Instant::now() + self.mask_wait;
+        let (masks, mask_time) = host.masks(self.cfg.vocab_size, deadline);
         if !masks.is_empty() {
             let sampler = self.sampler.as_mut().expect("made by run");
             be.write_ids(&mut sampler.masks, &masks)?;
@@ -735,6 +776,7 @@ impl<B: Backend> StepRunner<B> {
             bias: Vec::new(),
             need_logits: Vec::new(),
             constrained: Vec::new(),
+            late: Vec::new(),
             image_rows: Vec::new(),
             image_parts: Vec::new(),
             started: Instant::now(),
