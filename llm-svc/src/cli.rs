@@ -1,6 +1,7 @@
 //! The engine's command-line flags, shared by the `llm-svc` binary and `vlm serve`, and the
 //! weights' (`--quantize`), shared by every command that loads the model.
 
+use crate::kv_events::KvEventsConfig;
 use crate::{EngineConfig, KvCacheSize};
 
 /// The engine's knobs as command-line flags, for `llm-svc` and `vlm serve`.
@@ -25,6 +26,15 @@ pub struct EngineArgs {
     /// Do not reuse cache blocks of earlier prompts that began the same way.
     #[arg(long, env = "VLM_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
+    /// Publish the prefix cache's changes as KV events in vLLM's format (msgpack
+    /// `KVEventBatch`es of BlockStored / BlockRemoved / AllBlocksCleared on a ZeroMQ PUB
+    /// socket), for llm-d's endpoint picker or Dynamo's KV router: `tcp://*:5557` binds,
+    /// `tcp://HOST:PORT` connects to a subscriber that binds. Off unless given.
+    #[arg(long, env = "VLM_KV_EVENTS_ENDPOINT", value_name = "ZMQ_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// The topic (first frame) of every KV event message, e.g. `kv@POD_IP@MODEL` for llm-d.
+    #[arg(long, env = "VLM_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
 }
 
 impl EngineArgs {
@@ -41,6 +51,13 @@ impl EngineArgs {
             max_batch_seqs: self.max_batch_seqs,
             max_batch_tokens: self.max_batch_tokens,
             prefix_caching: !self.no_prefix_caching,
+            kv_events: self
+                .kv_events_endpoint
+                .clone()
+                .map(|endpoint| KvEventsConfig {
+                    endpoint,
+                    topic: self.kv_events_topic.clone(),
+                }),
             ..EngineConfig::default()
         }
     }

@@ -29,6 +29,7 @@ use vlm_compute::{Backend, Weights};
 
 use crate::grammar::{Grammar, Grammars};
 use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
+use crate::kv_events::{KvEventPublisher, KvEventsConfig, PendingEvents};
 use crate::kv_sizing::{kv_blocks, CacheBudget, KvCacheSize};
 use crate::metrics::EngineMetrics;
 use crate::model::TextModel;
@@ -55,6 +56,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Reuse computed blocks of earlier requests that began with the same tokens and images.
     pub prefix_caching: bool,
+    /// Publish the prefix cache's changes as vLLM's KV events (off when `None`).
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +69,7 @@ impl Default for EngineConfig {
             max_batch_seqs: 128,
             max_batch_tokens: 512,
             prefix_caching: true,
+            kv_events: None,
         }
     }
 }
@@ -82,6 +86,8 @@ struct Shared {
     next_id: AtomicU64,
     /// Compiles requests' constraints; or why this checkpoint's vocabulary cannot have them.
     grammars: std::result::Result<Grammars, String>,
+    /// Where KV events go out, as bound or connected to.
+    kv_events_endpoint: Option<String>,
 }
 
 /// A request the engine has checked, its grammar compiled ([`Engine::check_request`]).
@@ -152,6 +158,12 @@ impl Engine {
             .inspect_err(|e| {
                 tracing::warn!(error = %e, "structured outputs are off: the vocabulary could not be read for grammars")
             });
+        let kv_events = cfg
+            .kv_events
+            .as_ref()
+            .map(KvEventPublisher::start)
+            .transpose()?;
+        let kv_events_endpoint = kv_events.as_ref().map(|p| p.endpoint().to_string());
         let shared = Arc::new(Shared {
             cfg: model_cfg.clone(),
             max_context,
@@ -161,9 +173,13 @@ impl Engine {
             metrics,
             next_id: AtomicU64::new(0),
             grammars,
+            kv_events_endpoint,
         });
         let (tx, rx) = std::sync::mpsc::channel();
-        let pool = BlockPool::new(blocks, bs);
+        let mut pool = BlockPool::new(blocks, bs);
+        if kv_events.is_some() {
+            pool.record_changes();
+        }
         let sched = Scheduler::new(SchedulerConfig {
             max_seqs: cfg.max_batch_seqs,
             max_tokens: cfg.max_batch_tokens,
@@ -184,6 +200,10 @@ impl Engine {
                     steps,
                     shared: loop_shared,
                     reported: Reported::default(),
+                    kv_events: kv_events.map(|publisher| KvEventsOut {
+                        publisher,
+                        pending: PendingEvents::default(),
+                    }),
                 }
                 .run(rx)
             })
@@ -222,6 +242,11 @@ impl Engine {
 
     pub fn metrics(&self) -> &EngineMetrics {
         &self.shared.metrics
+    }
+
+    /// Where KV events are published (the port resolved if `:0` was bound), if they are.
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.shared.kv_events_endpoint.as_deref()
     }
 
     /// Checks a request without running it (its grammar compiled, then dropped).
@@ -417,6 +442,13 @@ struct EngineLoop<B: Backend> {
     steps: StepRunner<B>,
     shared: Arc<Shared>,
     reported: Reported,
+    kv_events: Option<KvEventsOut>,
+}
+
+/// KV events on their way out: the publisher, and the cache's changes waiting for token ids.
+struct KvEventsOut {
+    publisher: KvEventPublisher,
+    pending: PendingEvents,
 }
 
 /// How a sequence left the engine.
@@ -462,6 +494,7 @@ impl<B: Backend> EngineLoop<B> {
                 continue;
             }
             self.step(&plan);
+            self.publish_kv_events();
             self.report();
         }
         tracing::debug!("engine loop stopped");
@@ -572,6 +605,7 @@ impl<B: Backend> EngineLoop<B> {
 
     /// Frees a sequence's blocks and sends (or logs) how it ended.
     fn exit(&mut self, mut seq: Sequence, why: Exit) {
+        self.note_stored_blocks(&seq);
         self.pool.release(seq.blocks.drain(..).rev());
         let generated = seq.generated();
         let _guard = seq.span.enter();
@@ -639,6 +673,33 @@ impl<B: Backend> EngineLoop<B> {
                 let _ = seq.events.send(Event::Failed(e));
             }
         }
+    }
+
+    /// Gives the KV events waiting for their token ids those `seq` holds (it is leaving: later
+    /// it cannot tell).
+    fn note_stored_blocks(&mut self, seq: &Sequence) {
+        if let Some(out) = &mut self.kv_events {
+            out.pending.extend(self.pool.take_changes());
+            let bs = self.pool.block_size();
+            out.pending
+                .fill(&seq.hashes, seq.registered, &seq.tokens, bs);
+        }
+    }
+
+    /// Publishes the step's changes to the prefix cache, their token ids read from the running
+    /// sequences (those that left gave theirs in [`EngineLoop::exit`]).
+    fn publish_kv_events(&mut self) {
+        let Some(out) = &mut self.kv_events else {
+            return;
+        };
+        out.pending.extend(self.pool.take_changes());
+        let bs = self.pool.block_size();
+        for seq in self.sched.running() {
+            out.pending
+                .fill(&seq.hashes, seq.registered, &seq.tokens, bs);
+        }
+        let events = out.pending.take(bs);
+        out.publisher.publish(events);
     }
 
     /// Gauges to the present, counters up to date, and a summary line every 10 s of work.

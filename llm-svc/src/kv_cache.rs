@@ -67,6 +67,15 @@ pub struct PrefixStats {
     pub hit_tokens: u64,
 }
 
+/// A change to what the prefix cache can find, recorded for KV events ([`BlockPool::record_changes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheChange {
+    /// A full block was registered under this hash.
+    Stored(BlockHash),
+    /// The block registered under this hash was reused for other contents.
+    Removed(BlockHash),
+}
+
 /// An end of the free list.
 const NIL: u32 = u32::MAX;
 
@@ -86,6 +95,8 @@ pub struct BlockPool {
     free: usize,
     cached: HashMap<BlockHash, u32>,
     stats: PrefixStats,
+    /// Changes since [`BlockPool::take_changes`], when someone listens (KV events).
+    changes: Option<Vec<CacheChange>>,
 }
 
 impl BlockPool {
@@ -106,6 +117,7 @@ impl BlockPool {
             free: 0,
             cached: HashMap::new(),
             stats: PrefixStats::default(),
+            changes: None,
         };
         // Block 0 holds a permanent reference: never free, never handed out.
         pool.refs[NULL_BLOCK as usize] = 1;
@@ -136,6 +148,20 @@ impl BlockPool {
 
     pub fn stats(&self) -> PrefixStats {
         self.stats
+    }
+
+    /// From now on, keeps every block registered and every registered block reused, for
+    /// [`BlockPool::take_changes`] (off unless KV events are published).
+    pub fn record_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes since the last call, in order.
+    pub fn take_changes(&mut self) -> Vec<CacheChange> {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Blocks needed to hold `tokens` tokens.
@@ -184,6 +210,9 @@ impl BlockPool {
             self.unlink(b);
             if let Some(h) = self.hash[b as usize].take() {
                 self.cached.remove(&h);
+                if let Some(c) = &mut self.changes {
+                    c.push(CacheChange::Removed(h));
+                }
             }
             self.refs[b as usize] = 1;
             out.push(b);
@@ -245,6 +274,9 @@ impl BlockPool {
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(block);
             self.hash[block as usize] = Some(hash);
+            if let Some(c) = &mut self.changes {
+                c.push(CacheChange::Stored(hash));
+            }
         }
     }
 }
@@ -317,6 +349,30 @@ mod tests {
         let fresh = pool.allocate(3).unwrap();
         assert!(pool.lookup(&[h0]).is_empty());
         pool.release(fresh);
+    }
+
+    #[test]
+    fn changes_are_recorded_only_when_asked_for() {
+        let mut pool = BlockPool::new(3, 2);
+        let (h0, h1) = (
+            block_hash(None, &[1, 2], &[]),
+            block_hash(None, &[3, 4], &[]),
+        );
+        let a = pool.allocate(1).unwrap();
+        pool.register(a[0], h0);
+        assert!(pool.take_changes().is_empty(), "off by default");
+        pool.record_changes();
+        let b = pool.allocate(1).unwrap();
+        pool.register(b[0], h1);
+        pool.register(b[0], h1);
+        pool.release([a[0], b[0]]);
+        // Both free and cached; a fresh block reuses the least recently freed, a[0].
+        pool.allocate(1).unwrap();
+        assert_eq!(
+            pool.take_changes(),
+            [CacheChange::Stored(h1), CacheChange::Removed(h0)]
+        );
+        assert!(pool.take_changes().is_empty());
     }
 
     #[test]

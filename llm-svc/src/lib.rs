@@ -14,7 +14,8 @@
 //!
 //! The modules, bottom up (each uses only those above it): `error`, `config`, `sampler`
 //! (sampling settings), `grammar` (a request's constraint compiled), `request` (what a caller
-//! sends and gets back), `mrope`, `kv_cache`, `validation` (a request checked against the
+//! sends and gets back), `mrope`, `kv_cache`, `kv_events` (the cache's changes published in
+//! vLLM's format), `validation` (a request checked against the
 //! model), `sequence` (one request inside the engine), `scheduler` (which sequences run, and
 //! their state after each step), `model` (the forward pass), `step` (a step on the device),
 //! `kv_sizing` (how large the cache is), `metrics`, `engine` (the loop), `cli` (the engine's
@@ -26,6 +27,7 @@ mod engine;
 mod error;
 pub mod grammar;
 pub mod kv_cache;
+pub mod kv_events;
 mod kv_sizing;
 pub mod metrics;
 mod model;
