@@ -58,6 +58,20 @@ struct VitAttentionDims {
     dp: usize,
 }
 
+/// One paged attention call's inputs, checked (`CudaBackend::paged_attention_impl`), for its
+/// decode and prefill launches.
+#[derive(Clone, Copy)]
+struct PagedArgs<'a> {
+    /// `[rows, hq, d]`.
+    q: &'a CudaTensor,
+    k: &'a CudaCache,
+    v: &'a CudaCache,
+    batch: &'a PagedBatch<'a, CudaBackend>,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
 impl CudaBackend {
     pub(super) fn qkv_to_cache_impl(
         &self,
@@ -740,74 +754,115 @@ impl CudaBackend {
         } else {
             self.alloc_zeroed(vec![rows, hq * d])?
         };
-        let scale = 1.0f32 / (d as f32).sqrt();
-        let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
-        let stream = &self.inner.stream;
+        let a = PagedArgs {
+            q,
+            k,
+            v,
+            batch,
+            hq,
+            hkv,
+            d,
+        };
         let mut first_rest = 0;
         // Decoding sequences: split-K over their keys, every KV row read once per head group.
         if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
-            let nd = batch.decode_seqs;
-            // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
-            // a long context's splits stay short enough for a few round trips each (attention
-            // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
-            let want = 4 * self.inner.sm_count / (nd * hkv);
-            let splits = want
-                .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
-                .clamp(1, DECODE_MAX_SPLITS);
-            if nd * hkv > COUNTERS {
-                return Err(Error::shape(
-                    "paged_attention",
-                    format!(
-                        "{nd} decoding sequences of {hkv} KV heads: more than {COUNTERS} counters"
-                    ),
-                ));
-            }
-            let part_o = self.alloc(vec![nd * hq * splits, d])?;
-            let part_ml = self.alloc(vec![nd * hq * splits, 2])?;
-            let (q_p, _q) = q.buf.device_ptr(stream);
-            let (k_p, _k) = k.buf.device_ptr(stream);
-            let (v_p, _v) = v.buf.device_ptr(stream);
-            let (seqs_p, _seqs) = batch.seqs.buf.device_ptr(stream);
-            let (blocks_p, _blocks) = batch.blocks.buf.device_ptr(stream);
-            let (po_p, _po) = part_o.buf.device_ptr(stream);
-            let (pml_p, _pml) = part_ml.buf.device_ptr(stream);
-            // Written by the kernel, which leaves them at 0 again (Inner::counters).
-            let (done_p, _done) = self.inner.counters.device_ptr(stream);
-            let (out_p, _out) = out.buf.device_ptr(stream);
-            let mut args = [
-                arg(&q_p),
-                arg(&k_p),
-                arg(&v_p),
-                arg(&seqs_p),
-                arg(&blocks_p),
-                arg(&po_p),
-                arg(&pml_p),
-                arg(&done_p),
-                arg(&out_p),
-                arg(&hq_i),
-                arg(&hkv_i),
-                arg(&bs_i),
-                arg(&scale),
-            ];
-            let cfg = LaunchConfig {
-                grid_dim: (nd as u32, hkv as u32, splits as u32),
-                block_dim: (DECODE_WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the arguments are paged_decode_d{d}_g{gp}'s, in its order: d is the
-            // instantiated head dim, the group fits gp, the partials hold nd * hq * splits rows,
-            // the counters nd * hkv; before its grid_wait the kernel reads only the step's
-            // tables and keys older than the step's.
-            let launched =
-                unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
-            self.launched(name, launched)?;
-            first_rest = nd;
+            self.paged_decode(&a, name, &out)?;
+            first_rest = batch.decode_seqs;
         }
-        let rest = batch.num_seqs - first_rest;
-        if rest == 0 {
+        if batch.num_seqs == first_rest {
             return Ok(out);
         }
-        let seq0 = first_rest as i32;
+        self.paged_prefill(&a, first_rest, &mut out)?;
+        Ok(out)
+    }
+
+    /// Paged attention's decoding sequences (the batch's first `decode_seqs`, one query each):
+    /// the keys split over up to four blocks an SM, the splits merged by the kernel into `out`.
+    fn paged_decode(&self, a: &PagedArgs, name: &'static str, out: &CudaTensor) -> Result<()> {
+        let PagedArgs {
+            q,
+            k,
+            v,
+            batch,
+            hq,
+            hkv,
+            d,
+        } = *a;
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (hq_i, hkv_i, bs_i) = (hq as i32, hkv as i32, batch.block_size as i32);
+        let stream = &self.inner.stream;
+        let nd = batch.decode_seqs;
+        // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
+        // a long context's splits stay short enough for a few round trips each (attention
+        // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
+        let want = 4 * self.inner.sm_count / (nd * hkv);
+        let splits = want
+            .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
+            .clamp(1, DECODE_MAX_SPLITS);
+        if nd * hkv > COUNTERS {
+            return Err(Error::shape(
+                "paged_attention",
+                format!("{nd} decoding sequences of {hkv} KV heads: more than {COUNTERS} counters"),
+            ));
+        }
+        let part_o = self.alloc(vec![nd * hq * splits, d])?;
+        let part_ml = self.alloc(vec![nd * hq * splits, 2])?;
+        let (q_p, _q) = q.buf.device_ptr(stream);
+        let (k_p, _k) = k.buf.device_ptr(stream);
+        let (v_p, _v) = v.buf.device_ptr(stream);
+        let (seqs_p, _seqs) = batch.seqs.buf.device_ptr(stream);
+        let (blocks_p, _blocks) = batch.blocks.buf.device_ptr(stream);
+        let (po_p, _po) = part_o.buf.device_ptr(stream);
+        let (pml_p, _pml) = part_ml.buf.device_ptr(stream);
+        // Written by the kernel, which leaves them at 0 again (Inner::counters).
+        let (done_p, _done) = self.inner.counters.device_ptr(stream);
+        let (out_p, _out) = out.buf.device_ptr(stream);
+        let mut args = [
+            arg(&q_p),
+            arg(&k_p),
+            arg(&v_p),
+            arg(&seqs_p),
+            arg(&blocks_p),
+            arg(&po_p),
+            arg(&pml_p),
+            arg(&done_p),
+            arg(&out_p),
+            arg(&hq_i),
+            arg(&hkv_i),
+            arg(&bs_i),
+            arg(&scale),
+        ];
+        let cfg = LaunchConfig {
+            grid_dim: (nd as u32, hkv as u32, splits as u32),
+            block_dim: (DECODE_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments are paged_decode_d{d}_g{gp}'s, in its order: d is the
+        // instantiated head dim, the group fits gp, the partials hold nd * hq * splits rows,
+        // the counters nd * hkv; before its grid_wait the kernel reads only the step's
+        // tables and keys older than the step's.
+        let launched =
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
+        self.launched(name, launched)
+    }
+
+    /// Paged attention's prefill chunks, the sequences from `seq0` on: flash attention on
+    /// tensor cores from 16 queries, else one warp per (query, head).
+    fn paged_prefill(&self, a: &PagedArgs, seq0: usize, out: &mut CudaTensor) -> Result<()> {
+        let PagedArgs {
+            q,
+            k,
+            v,
+            batch,
+            hq,
+            hkv,
+            d,
+        } = *a;
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let (hq_i, hkv_i, d_i, bs_i) = (hq as i32, hkv as i32, d as i32, batch.block_size as i32);
+        let stream = &self.inner.stream;
+        let rest = batch.num_seqs - seq0;
+        let seq0 = seq0 as i32;
         // Prefill chunks: flash attention on tensor cores from 16 queries, else one warp per
         // (query, head). Both take the same arguments.
         let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
@@ -850,7 +905,6 @@ impl CudaBackend {
         // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
         // opted in at load) or paged_attention_rows_f16 (one warp per query, head and
         // sequence; d <= MAX_HEAD_DIM).
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 }
