@@ -689,7 +689,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
     }
 
     /// The host's side of grammar-constrained decoding at `batch` sequences: one step's token
-    /// masks ([`llm_svc::grammar::masks_in_parallel`], as the engine computes them while the
+    /// masks ([`llm_svc::grammar::masks_by`], as the engine computes them while the
     /// device runs the forward pass), over steps of [`bench_schema`] answers. Two rows: the
     /// median step (its spread from the fastest to the slowest), and the 99th percentile.
     fn grammar_masks(&self, batch: usize) -> anyhow::Result<Vec<Measurement>> {
@@ -701,10 +701,10 @@ impl<B: Backend + Clone> Bench<'_, B> {
             .grammars()
             .map_err(|why| anyhow::anyhow!("no grammars for this vocabulary: {why}"))?;
         let steps = 64 * self.opts.repeats.max(1);
-        let s = time_masks(grammars, batch, 16, steps)?;
+        let (masks, checks) = time_masks(grammars, batch, 16, steps)?;
         self.bar
             .inc((self.opts.warmup + self.opts.repeats.max(1)) as u64);
-        let p99 = s[(s.len() * 99).div_ceil(100) - 1];
+        let p99 = |s: &[f64]| s[(s.len() * 99).div_ceil(100) - 1];
         let row = |name: String, seconds: Vec<f64>| Measurement {
             name,
             seconds,
@@ -712,14 +712,23 @@ impl<B: Backend + Clone> Bench<'_, B> {
             unit: "token",
             roofline: None,
         };
+        let (masks_p99, checks_p99) = (p99(&masks), p99(&checks));
         Ok(vec![
             row(
                 format!("grammar masks: {batch} sequences, a step (host, median)"),
-                s,
+                masks,
             ),
             row(
                 format!("grammar masks: {batch} sequences, a step (host, p99)"),
-                vec![p99],
+                vec![masks_p99],
+            ),
+            row(
+                format!("grammar pick checks: {batch} sequences, a step (host, median)"),
+                checks,
+            ),
+            row(
+                format!("grammar pick checks: {batch} sequences, a step (host, p99)"),
+                vec![checks_p99],
             ),
         ])
     }
@@ -1405,44 +1414,66 @@ pub fn table(rows: &[Measurement]) -> String {
 }
 
 /// Seconds of each of `steps` steps' masks for `batch` answers to [`bench_schema`] (after
-/// `warmup` steps), sorted. Each answer takes, every step, an allowed token picked by a fixed
-/// hash (as random weights would: strings and numbers of any length); one that completes
-/// starts over.
+/// `warmup` steps), sorted, and of checking each answer's pick against its grammar without a
+/// mask (mistral.rs's way: sample first, compute the mask only if the pick is refused). Each
+/// answer takes, every step, an allowed token picked by a fixed hash (as random weights
+/// would: strings and numbers of any length); one that completes starts over.
 fn time_masks(
     grammars: &llm_svc::grammar::Grammars,
     batch: usize,
     warmup: usize,
     steps: usize,
-) -> anyhow::Result<Vec<f64>> {
-    use std::sync::Mutex;
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    use llm_svc::grammar::{masks_by, SequenceGrammar, StepMask};
+    use rayon::prelude::*;
     let constraint = bench_constraint();
+    let answer = || grammars.compile(&constraint).map(SequenceGrammar::new);
     let mut answers = (0..batch)
-        .map(|_| grammars.compile(&constraint).map(Mutex::new))
+        .map(|_| answer())
         .collect::<llm_svc::Result<Vec<_>>>()?;
-    let mut seconds = Vec::with_capacity(steps);
+    let (mut masking, mut checking) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
+    // The engine waits no longer than its step; here every mask is waited for.
+    let never = Instant::now() + Duration::from_secs(3600);
     for step in 0..warmup + steps {
-        let refs: Vec<&Mutex<_>> = answers.iter().collect();
+        let refs: Vec<_> = answers.iter().collect();
         let started = Instant::now();
-        let masks = llm_svc::grammar::masks_in_parallel(&refs);
-        if step >= warmup {
-            seconds.push(started.elapsed().as_secs_f64());
-        }
-        for (i, (answer, mask)) in answers.iter_mut().zip(masks).enumerate() {
-            let mask = mask.ok_or_else(|| anyhow::anyhow!("an answer's grammar gave no mask"))?;
+        let masks = masks_by(&refs, never);
+        let took = started.elapsed().as_secs_f64();
+        let mut picks = Vec::with_capacity(batch);
+        for (i, mask) in masks.into_iter().enumerate() {
+            let StepMask::Mask(mask) = mask else {
+                anyhow::bail!("an answer's grammar gave no mask");
+            };
             let allowed: Vec<u32> = (0..mask.len() * 32)
                 .filter(|&t| vlm_compute::sampling::mask_allows(&mask, t))
                 .map(|t| t as u32)
                 .collect();
-            let pick = allowed[(step * 7919 + i * 104_729) % allowed.len()];
-            let g = answer.get_mut().unwrap_or_else(|e| e.into_inner());
+            picks.push(allowed[(step * 7919 + i * 104_729) % allowed.len()]);
+        }
+        let started = Instant::now();
+        let refused = answers
+            .par_iter()
+            .zip(&picks)
+            .filter(|(a, &pick)| !a.lock().allows(pick))
+            .count();
+        let checked = started.elapsed().as_secs_f64();
+        anyhow::ensure!(refused == 0, "{refused} allowed picks were refused");
+        if step >= warmup {
+            masking.push(took);
+            checking.push(checked);
+        }
+        for (a, pick) in answers.iter_mut().zip(picks) {
+            let mut g = a.lock();
             g.accept(pick);
             if g.is_complete() {
-                *g = grammars.compile(&constraint)?;
+                drop(g);
+                *a = answer()?;
             }
         }
     }
-    seconds.sort_by(f64::total_cmp);
-    Ok(seconds)
+    masking.sort_by(f64::total_cmp);
+    checking.sort_by(f64::total_cmp);
+    Ok((masking, checking))
 }
 
 /// Seconds of one `sample_rows` over `rows` rows of random logits (spread as a model's, a few

@@ -333,12 +333,13 @@ fn bench_reports_every_measurement_against_the_limits() {
     // its own to report as in use.
     assert_eq!(
         rows.len(),
-        28,
+        30,
         "two limits, the text decoder's weights and its KV cache, one ViT size (outputs kept on the device, and downloaded to the host), \
          prefill, the image's preprocessing, image TTFT in process \
          (and with the image already encoded), \
          packing and unpacking its embeddings, decode and batched decode (each greedy, \
-         sampled, and sampled with a JSON schema), the host's grammar masks (median, p99), \
+         sampled, and sampled with a JSON schema), the host's grammar masks and pick checks \
+         (median, p99), \
          the sampler alone (greedy, temperature alone, sampled, with logprobs), the same through the \
          gateway with a new image (embeddings in the messages, in shared memory and kept on \
          the device) and with one seen before: {names:?}"
@@ -348,6 +349,7 @@ fn bench_reports_every_measurement_against_the_limits() {
             && names.contains(&"decode: batch 3 at context 16, sampled")
             && names.contains(&"decode: batch 3 at context 16, sampled, json_schema")
             && names.contains(&"grammar masks: 3 sequences, a step (host, p99)")
+            && names.contains(&"grammar pick checks: 3 sequences, a step (host, p99)")
             && names.contains(&"sampler: 3 rows of 414 logits, the same with top_logprobs 5")
             && names.contains(&"vision: ViT + mergers 64x64, outputs downloaded to the host"),
         "{names:?}"
