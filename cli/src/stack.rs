@@ -1,5 +1,7 @@
 //! The whole system in one process: vision-svc, llm-svc and the gateway started on loopback
-//! with one shutdown token. `vlm serve` runs it until ctrl-c; the benchmarks (`vlm bench`'s
+//! with one shutdown token; or several vision-svc and llm-svc replicas, one pair per device
+//! (`vlm serve --gpus 0,1`, `--replicas N` on the CPU), with the gateway routing over them by
+//! cache ([`LocalStack::start_replicas`]). `vlm serve` runs it until ctrl-c; the benchmarks (`vlm bench`'s
 //! through-the-gateway row, `vlm load`) start it, wait until it serves, send their requests
 //! through the public ports and stop it.
 //!
@@ -36,6 +38,16 @@ impl Release for ReleaseInProcess {
             ));
         }
     }
+}
+
+/// Replica `i`'s metrics registry: of `replicas` > 1, every series labelled `replica="i"`, so the
+/// gateway's /metrics shows each llm-svc apart (and sums over them read as one).
+fn replica_registry(i: usize, replicas: usize) -> anyhow::Result<prometheus::Registry> {
+    if replicas == 1 {
+        return Ok(prometheus::Registry::new());
+    }
+    let labels = std::collections::HashMap::from([("replica".to_string(), i.to_string())]);
+    Ok(prometheus::Registry::new_custom(None, Some(labels))?)
 }
 
 /// What to start, and how.
@@ -123,14 +135,18 @@ impl StackConfig {
 
 /// vision-svc, llm-svc and the gateway running in this process.
 pub struct LocalStack {
+    /// The first replica's vision-svc and llm-svc.
     pub vision_addr: SocketAddr,
     pub llm_addr: SocketAddr,
+    /// Every replica's, in device order.
+    pub vision_addrs: Vec<SocketAddr>,
+    pub llm_addrs: Vec<SocketAddr>,
     pub grpc_addr: SocketAddr,
     pub http_addr: SocketAddr,
     stop: CancellationToken,
     services: JoinSet<anyhow::Result<()>>,
     /// Which service each task is, for the message when one ends.
-    names: Vec<(Id, &'static str)>,
+    names: Vec<(Id, String)>,
     /// A service's failure that [`LocalStack::ready`] already reported: the other services may
     /// be stopped before they fail themselves, so [`LocalStack::wait`] returns this one too.
     failed_while_starting: Option<String>,
@@ -147,22 +163,55 @@ impl LocalStack {
         cfg: StackConfig,
         open: fn() -> vlm_compute::Result<B>,
     ) -> anyhow::Result<Self> {
+        Self::start_replicas(cfg, vec![open]).await
+    }
+
+    /// [`LocalStack::start`] with one vision-svc and one llm-svc per entry of `opens` (each
+    /// opening its own device: GPU N, or the CPU again), the gateway routing over them all.
+    /// Each llm-svc's metrics carry a `replica` label (0, 1, ...) when there are several, and
+    /// its KV events, if on, go to the endpoint's port plus its index (vLLM's rule for
+    /// data-parallel ranks).
+    pub async fn start_replicas<B: vlm_compute::Backend + Clone>(
+        cfg: StackConfig,
+        opens: Vec<fn() -> vlm_compute::Result<B>>,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            !opens.is_empty(),
+            "a local stack needs at least one replica"
+        );
         let internal = || TcpListener::bind((Ipv4Addr::LOCALHOST, 0));
-        let vision = internal()
-            .await
-            .context("cannot listen on a loopback port for vision-svc")?;
-        let llm = internal()
-            .await
-            .context("cannot listen on a loopback port for llm-svc")?;
+        let (mut visions, mut llms) = (Vec::new(), Vec::new());
+        for _ in &opens {
+            visions.push(
+                internal()
+                    .await
+                    .context("cannot listen on a loopback port for vision-svc")?,
+            );
+            llms.push(
+                internal()
+                    .await
+                    .context("cannot listen on a loopback port for llm-svc")?,
+            );
+        }
         let grpc = TcpListener::bind(cfg.grpc_addr)
             .await
             .with_context(|| format!("cannot listen on {} for the gRPC API", cfg.grpc_addr))?;
         let http = TcpListener::bind(cfg.http_addr)
             .await
             .with_context(|| format!("cannot listen on {} for the HTTP API", cfg.http_addr))?;
+        let vision_addrs = visions
+            .iter()
+            .map(TcpListener::local_addr)
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let llm_addrs = llms
+            .iter()
+            .map(TcpListener::local_addr)
+            .collect::<std::io::Result<Vec<_>>>()?;
         let mut stack = Self {
-            vision_addr: vision.local_addr()?,
-            llm_addr: llm.local_addr()?,
+            vision_addr: vision_addrs[0],
+            llm_addr: llm_addrs[0],
+            vision_addrs,
+            llm_addrs,
             grpc_addr: grpc.local_addr()?,
             http_addr: http.local_addr()?,
             stop: CancellationToken::new(),
@@ -171,25 +220,36 @@ impl LocalStack {
             failed_while_starting: None,
             runs_vision: false,
         };
-        // Both model services and the gateway show their metrics on the gateway's /metrics.
-        let registry = prometheus::Registry::new();
-        if let Some(step) = cfg.stand_in_llm {
-            let model = cfg.model.clone();
-            let stop = stack.stop.clone();
-            stack.spawn("llm-svc (stand-in)", async move {
-                crate::stand_in::serve(&model, step, llm, stop.cancelled_owned()).await
-            });
-            // Nothing answers there: image requests fail, text ones never ask.
-            drop(vision);
-        } else {
-            // A text-only checkpoint gets no vision-svc (the gateway refuses its images).
-            let takes_images = gateway::checkpoint::ModelIds::read(&cfg.model)?
+        // The model services and the gateway show their metrics on the gateway's /metrics.
+        let replicas = opens.len();
+        let mut registries = Vec::new();
+        // A text-only checkpoint gets no vision-svc (the gateway refuses its images); nor does a
+        // stand-in llm-svc.
+        let takes_images = cfg.stand_in_llm.is_none()
+            && gateway::checkpoint::ModelIds::read(&cfg.model)?
                 .image_token_id
                 .is_some();
-            if !takes_images {
-                drop(vision);
-            } else {
-                stack.runs_vision = true;
+        stack.runs_vision = takes_images;
+        for (i, ((open, vision), llm)) in opens.into_iter().zip(visions).zip(llms).enumerate() {
+            let registry = replica_registry(i, replicas)?;
+            registries.push(registry.clone());
+            let name = |service: &str| {
+                if replicas == 1 {
+                    service.to_string()
+                } else {
+                    format!("{service} {i}")
+                }
+            };
+            if let Some(step) = cfg.stand_in_llm {
+                let model = cfg.model.clone();
+                let stop = stack.stop.clone();
+                stack.spawn(name("llm-svc (stand-in)"), async move {
+                    crate::stand_in::serve(&model, step, llm, stop.cancelled_owned()).await
+                });
+                // Nothing answers there: image requests fail, text ones never ask.
+                continue;
+            }
+            if takes_images {
                 let vision_task = vision_svc::server::serve(
                     vision_svc::server::ServeConfig {
                         model: cfg.model.clone(),
@@ -204,16 +264,18 @@ impl LocalStack {
                     vision,
                     stack.stop.clone().cancelled_owned(),
                 );
-                stack.spawn("vision-svc", vision_task);
+                stack.spawn(name("vision-svc"), vision_task);
             }
+            let mut engine = cfg.engine.clone();
+            engine.kv_events = engine.kv_events.map(|k| k.for_replica(i));
             let llm_task = llm_svc::server::serve(
                 llm_svc::server::ServeConfig {
                     model: cfg.model.clone(),
                     random_weights: cfg.random_weights,
                     quantize: cfg.quantize,
                     max_concurrent: cfg.max_concurrent,
-                    engine: cfg.engine.clone(),
-                    registry: registry.clone(),
+                    engine,
+                    registry,
                     tls: None,
                     device_handoff: cfg.device_handoff,
                 },
@@ -221,14 +283,14 @@ impl LocalStack {
                 llm,
                 stack.stop.clone().cancelled_owned(),
             );
-            stack.spawn("llm-svc", llm_task);
+            stack.spawn(name("llm-svc"), llm_task);
         }
         let gateway_task = gateway::serve::serve(
             GatewayConfig {
                 model: cfg.model.clone(),
                 model_name: cfg.model_name.clone(),
-                vision_addrs: vec![stack.vision_addr.to_string()],
-                llm_addrs: vec![stack.llm_addr.to_string()],
+                vision_addrs: stack.vision_addrs.iter().map(|a| a.to_string()).collect(),
+                llm_addrs: stack.llm_addrs.iter().map(|a| a.to_string()).collect(),
                 max_concurrent: cfg.max_concurrent,
                 limits: cfg.limits.clone(),
                 default_max_tokens: cfg.default_max_tokens,
@@ -237,7 +299,7 @@ impl LocalStack {
                 embedding_dtype: cfg.embedding_dtype,
                 shared_memory: cfg.shared_memory,
                 release: std::sync::Arc::new(ReleaseInProcess),
-                also_metrics: vec![registry],
+                also_metrics: registries,
                 api_key: cfg.api_key.clone(),
                 tls: cfg.tls.clone(),
                 // The model services are this process's own, on loopback.
@@ -249,36 +311,37 @@ impl LocalStack {
             http,
             stack.stop.clone(),
         );
-        stack.spawn("gateway", gateway_task);
+        stack.spawn("gateway".into(), gateway_task);
         Ok(stack)
     }
 
     fn spawn(
         &mut self,
-        name: &'static str,
+        name: String,
         task: impl std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
     ) {
         let id = self.services.spawn(task).id();
         self.names.push((id, name));
     }
 
-    fn name_of(&self, id: Id) -> &'static str {
+    fn name_of(&self, id: Id) -> String {
         self.names
             .iter()
             .find(|(i, _)| *i == id)
-            .map_or("a service", |(_, n)| n)
+            .map_or("a service".into(), |(_, n)| n.clone())
     }
 
-    /// Waits until both model services (the stand-in alone, with one) say SERVING (their models are loaded), at most
+    /// Waits until every model service (the stand-ins alone, with them) says SERVING (their models are loaded), at most
     /// `timeout`. A service that ends meanwhile (a missing checkpoint, a failed GPU self-check,
     /// a cache that does not fit) fails this with its name and its error.
     pub async fn ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let addrs = |a: &[SocketAddr]| a.iter().map(|a| a.to_string()).collect::<Vec<_>>();
         let vision = if self.runs_vision {
-            vec![self.vision_addr.to_string()]
+            addrs(&self.vision_addrs)
         } else {
             Vec::new()
         };
-        let health = UpstreamHealth::new(&vision, &[self.llm_addr.to_string()]);
+        let health = UpstreamHealth::new(&vision, &addrs(&self.llm_addrs));
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(ended) = self.services.try_join_next_with_id() {
@@ -293,14 +356,20 @@ impl LocalStack {
                 anyhow::bail!(failure);
             }
             if health.check().await.0 {
+                if self.llm_addrs.len() > 1 {
+                    // The gateway ejected the replicas that were loading; its own checks (every
+                    // 250 ms) admit them again, and until then it would route to the first
+                    // one seen SERVING alone.
+                    tokio::time::sleep(Duration::from_millis(750)).await;
+                }
                 return Ok(());
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "the local stack was not serving within {}s (vision-svc {}, llm-svc {})",
+                "the local stack was not serving within {}s (vision-svc {:?}, llm-svc {:?})",
                 timeout.as_secs(),
-                self.vision_addr,
-                self.llm_addr
+                self.vision_addrs,
+                self.llm_addrs
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -89,7 +89,35 @@ pub trait OnDevice {
     fn run<B: Backend + Clone>(self, open: fn() -> Result<B>) -> Self::Output;
 }
 
+/// Work over several devices of one kind (one replica each), run by [`Device::run_all`].
+pub trait OnDevices {
+    type Output;
+    /// Runs the work with one opener per device, in the order given.
+    fn run<B: Backend + Clone>(self, opens: Vec<fn() -> Result<B>>) -> Self::Output;
+}
+
 impl Device {
+    /// Runs `work` once over every device of `devices`: all the CPU (replicas sharing it) or all
+    /// GPUs (GPU N opened and verified by its own opener). `None` if the list mixes the two or
+    /// is empty.
+    pub fn run_all<W: OnDevices>(devices: &[Device], work: W) -> Option<W::Output> {
+        if devices.is_empty() {
+            return None;
+        }
+        if devices.iter().all(|d| *d == Device::Cpu) {
+            let cpu: fn() -> Result<CpuBackend> = || Ok(CpuBackend::new());
+            return Some(work.run(vec![cpu; devices.len()]));
+        }
+        let gpus: Option<Vec<_>> = devices
+            .iter()
+            .map(|d| match d {
+                Device::Cuda(n) => Some(OPEN_CUDA[*n as usize]),
+                Device::Cpu => None,
+            })
+            .collect();
+        gpus.map(|opens| work.run(opens))
+    }
+
     /// Short name for logs and reports, as the flag takes it ("cpu", "cuda", "cuda:1").
     pub fn name(self) -> &'static str {
         match self {

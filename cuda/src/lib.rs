@@ -47,7 +47,7 @@ pub use backend::{
 };
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
-pub use device::{Device, OnDevice};
+pub use device::{Device, OnDevice, OnDevices, MAX_GPUS};
 pub use embeddings::{Embeddings, HalfTensor};
 pub use error::{Error, Result};
 pub use tensor::HostTensor;

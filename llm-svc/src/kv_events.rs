@@ -233,6 +233,21 @@ pub struct KvEventsConfig {
     pub topic: String,
 }
 
+impl KvEventsConfig {
+    /// Replica `i`'s endpoint when one process runs several engines: the port plus `i`, as vLLM
+    /// offsets it by data-parallel rank (`tcp://*:5557` -> `tcp://*:5558` for replica 1).
+    pub fn for_replica(self, i: usize) -> Self {
+        let endpoint = match self.endpoint.rsplit_once(':') {
+            Some((host, port)) if i > 0 => match port.parse::<usize>() {
+                Ok(p) => format!("{host}:{}", p + i),
+                Err(_) => self.endpoint,
+            },
+            _ => self.endpoint,
+        };
+        Self { endpoint, ..self }
+    }
+}
+
 /// What the engine loop holds: a queue to the publisher thread. Sequence numbers are taken
 /// here, so a batch dropped because the queue was full shows as a gap.
 pub struct KvEventPublisher {
@@ -544,6 +559,16 @@ mod tests {
             "{:?}",
             again.err()
         );
+    }
+
+    #[test]
+    fn each_replica_publishes_on_the_next_port() {
+        let cfg = KvEventsConfig {
+            endpoint: "tcp://*:5557".into(),
+            topic: "t".into(),
+        };
+        assert_eq!(cfg.clone().for_replica(0).endpoint, "tcp://*:5557");
+        assert_eq!(cfg.for_replica(2).endpoint, "tcp://*:5559");
     }
 
     #[test]

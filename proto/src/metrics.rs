@@ -7,7 +7,15 @@ use prometheus::{Encoder, Registry, TextEncoder};
 
 /// The Prometheus text exposition of every metric in `registries`.
 pub fn render(registries: &[Registry]) -> String {
-    let families: Vec<_> = registries.iter().flat_map(|r| r.gather()).collect();
+    // One family per name: registries of replicas of one service (told apart by a label) hold
+    // the same names, and the text format allows each name once.
+    let mut families: Vec<prometheus::proto::MetricFamily> = Vec::new();
+    for family in registries.iter().flat_map(|r| r.gather()) {
+        match families.iter_mut().find(|f| f.name() == family.name()) {
+            Some(f) => f.mut_metric().extend(family.get_metric().iter().cloned()),
+            None => families.push(family),
+        }
+    }
     let mut buf = Vec::new();
     TextEncoder::new()
         .encode(&families, &mut buf)

@@ -120,6 +120,9 @@ pub struct LoadArgs {
     /// about 10 at batch 64 on the 8B shapes), and no vision-svc (needs --image-every 0).
     #[arg(long, value_name = "MS", conflicts_with_all = ["http", "grpc", "random_weights"])]
     stand_in_llm: Option<f64>,
+    /// Local stack: how many replicas, on which GPUs (--gpus) or on the CPU (--replicas).
+    #[command(flatten)]
+    replicas: crate::ReplicaArgs,
     #[command(flatten)]
     engine: llm_svc::EngineArgs,
     #[command(flatten)]
@@ -317,13 +320,17 @@ fn start_local_stack(
         "--max-concurrent {max_concurrent} is below the largest --concurrency {largest}: \
          the clients past it would get RESOURCE_EXHAUSTED / 429"
     );
-    let device = args.device.describe()?;
+    let devices = args.replicas.devices(args.device)?;
+    let device = match devices.as_slice() {
+        [one] => one.describe()?,
+        many => format!("{} x {}", many.len(), many[0].describe()?),
+    };
     let mut cfg = StackConfig::loopback(dir.clone());
     cfg.random_weights = args.random_weights.then_some(0);
     cfg.quantize = args.weights.quantize;
     cfg.max_concurrent = max_concurrent;
     cfg.vision_max_concurrent = args.vision_max_concurrent;
-    cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
+    cfg.engine = args.engine.config(args.max_context, devices[0].is_gpu());
     cfg.stand_in_llm = stand_in_step(args.stand_in_llm)?;
     let e = &cfg.engine;
     let served_by = match args.stand_in_llm {
@@ -334,7 +341,7 @@ fn start_local_stack(
         None => format!(
             "the local stack on {} (max_concurrent {max_concurrent}, max_batch_seqs {}, \
          max_batch_tokens {}, prefix caching {}, KV cache {})",
-            args.device.name(),
+            args.replicas.name(args.device),
             e.max_batch_seqs,
             e.max_batch_tokens,
             if e.prefix_caching { "on" } else { "off" },
@@ -347,7 +354,7 @@ fn start_local_stack(
     };
     let target_name = cfg.model_name.clone();
     eprintln!("starting {served_by} with {}", dir.display());
-    let mut started = stack_rt.block_on(start_stack(cfg, args.device))?;
+    let mut started = stack_rt.block_on(start_stack(cfg, &devices))?;
     // Weights and the GPU's self-check take their time at the 8B sizes.
     stack_rt.block_on(started.ready(Duration::from_secs(1800)))?;
     let target = Target {

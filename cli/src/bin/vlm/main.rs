@@ -19,7 +19,7 @@ use std::pin::Pin;
 
 use clap::{Parser, Subcommand};
 use vlm_cli::stack::{LocalStack, StackConfig};
-use vlm_compute::{Backend, Device, OnDevice};
+use vlm_compute::{Backend, Device, OnDevices};
 
 #[derive(Parser)]
 #[command(
@@ -64,17 +64,76 @@ fn git_commit() -> String {
     env!("VLM_BUILD_COMMIT").to_string()
 }
 
-/// vision-svc, llm-svc and the gateway on loopback in this process, on `device`
-/// (`vlm serve`, `vlm load`).
-async fn start_stack(cfg: StackConfig, device: Device) -> anyhow::Result<LocalStack> {
-    struct Start(StackConfig);
-    impl OnDevice for Start {
-        type Output = Pin<Box<dyn Future<Output = anyhow::Result<LocalStack>>>>;
-        fn run<B: Backend + Clone>(self, open: fn() -> vlm_compute::Result<B>) -> Self::Output {
-            Box::pin(LocalStack::start(self.0, open))
+/// How many vision-svc + llm-svc replicas the local stack runs, and where (`vlm serve`,
+/// `vlm load`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ReplicaArgs {
+    /// One vision-svc and one llm-svc per GPU named (CUDA ordinals, e.g. 0,1), the gateway
+    /// routing over them by cache; instead of --device.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", conflicts_with_all = ["device", "replicas"])]
+    gpus: Vec<u8>,
+    /// Replicas of vision-svc and llm-svc on the CPU (each its own KV cache and embedding
+    /// cache, sharing the cores), the gateway routing over them: routing tried without GPUs.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+}
+
+impl ReplicaArgs {
+    /// The device of each replica, given `--device`.
+    fn devices(&self, device: Device) -> anyhow::Result<Vec<Device>> {
+        if !self.gpus.is_empty() {
+            let mut seen = std::collections::HashSet::new();
+            return self
+                .gpus
+                .iter()
+                .map(|&n| {
+                    anyhow::ensure!(
+                        (n as usize) < vlm_compute::MAX_GPUS,
+                        "--gpus: GPU {n} is past the last one a flag can name ({})",
+                        vlm_compute::MAX_GPUS - 1
+                    );
+                    anyhow::ensure!(seen.insert(n), "--gpus names GPU {n} twice");
+                    Ok(Device::Cuda(n))
+                })
+                .collect();
+        }
+        anyhow::ensure!(self.replicas >= 1, "--replicas must be at least 1, got 0");
+        anyhow::ensure!(
+            self.replicas == 1 || device == Device::Cpu,
+            "--replicas runs replicas on the CPU; name GPUs with --gpus (one replica each)"
+        );
+        Ok(vec![device; self.replicas])
+    }
+
+    /// What the replicas run on, for the banner and reports.
+    fn name(&self, device: Device) -> String {
+        match (self.gpus.as_slice(), self.replicas) {
+            ([], 1) => device.name().to_string(),
+            ([], n) => format!("{n} replicas on {}", device.name()),
+            (gpus, _) => {
+                let list: Vec<String> = gpus.iter().map(|n| format!("cuda:{n}")).collect();
+                format!("{} GPUs ({})", gpus.len(), list.join(", "))
+            }
         }
     }
-    device.run(Start(cfg)).await
+}
+
+/// vision-svc, llm-svc and the gateway on loopback in this process, one pair of model
+/// services per device of `devices` (`vlm serve`, `vlm load`).
+async fn start_stack(cfg: StackConfig, devices: &[Device]) -> anyhow::Result<LocalStack> {
+    struct Start(StackConfig);
+    impl OnDevices for Start {
+        type Output = Pin<Box<dyn Future<Output = anyhow::Result<LocalStack>>>>;
+        fn run<B: Backend + Clone>(
+            self,
+            opens: Vec<fn() -> vlm_compute::Result<B>>,
+        ) -> Self::Output {
+            Box::pin(LocalStack::start_replicas(self.0, opens))
+        }
+    }
+    let start = Device::run_all(devices, Start(cfg))
+        .ok_or_else(|| anyhow::anyhow!("the replicas' devices must be all CPU or all GPUs"))?;
+    start.await
 }
 
 /// Logs on stderr for the one-shot commands (`serve` sets up tracing with OpenTelemetry).

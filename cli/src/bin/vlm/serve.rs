@@ -1,5 +1,6 @@
-//! `vlm serve`: vision-svc, llm-svc and the gateway on loopback in this process, with the
-//! addresses printed, until ctrl-c or SIGTERM.
+//! `vlm serve`: vision-svc, llm-svc and the gateway on loopback in this process (a pair of
+//! model services per GPU with `--gpus`, or `--replicas N` on the CPU), with the addresses
+//! printed, until ctrl-c or SIGTERM.
 
 use std::path::PathBuf;
 
@@ -61,6 +62,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS")]
     stand_in_llm: Option<f64>,
     #[command(flatten)]
+    replicas: crate::ReplicaArgs,
+    #[command(flatten)]
     engine: llm_svc::EngineArgs,
     #[command(flatten)]
     weights: llm_svc::WeightArgs,
@@ -104,10 +107,11 @@ pub async fn serve(
     cfg.generation_config = args.generation_config;
     cfg.limits = args.limits.limits()?;
     cfg.request_timeout = std::time::Duration::from_secs(args.request_timeout_secs);
-    cfg.engine = args.engine.config(args.max_context, args.device.is_gpu());
+    let devices = args.replicas.devices(args.device)?;
+    cfg.engine = args.engine.config(args.max_context, devices[0].is_gpu());
     cfg.stand_in_llm = crate::load::stand_in_step(args.stand_in_llm)?;
     let model_name = cfg.model_name.clone();
-    let stack = start_stack(cfg, args.device)
+    let stack = start_stack(cfg, &devices)
         .await
         .context("vlm serve cannot start (its ports: --host, --http-port, --grpc-port)")?;
     println!(
@@ -115,7 +119,7 @@ pub async fn serve(
         args.model.display(),
         match args.stand_in_llm {
             Some(ms) => format!("a stand-in llm-svc (a token every {ms} ms, no model, no images)"),
-            None => args.device.name().to_string(),
+            None => args.replicas.name(args.device),
         }
     );
     println!(
@@ -126,9 +130,16 @@ pub async fn serve(
         "  gRPC  {}   ({tls_note}; vlm.v1.Gateway: Chat, ChatStream; health and reflection{key_note})",
         stack.grpc_addr
     );
+    let list = |a: &[std::net::SocketAddr]| {
+        a.iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
         "  internal: vision-svc {}, llm-svc {}",
-        stack.vision_addr, stack.llm_addr
+        list(&stack.vision_addrs),
+        list(&stack.llm_addrs)
     );
     println!("ctrl-c to stop");
     let stop = stack.shutdown_token();
