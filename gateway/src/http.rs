@@ -288,107 +288,9 @@ fn parse_request(
     sampling
         .validate()
         .map_err(|e| GatewayError::Invalid(e.to_string()))?;
-    // Counted before any image is decoded (validate_request counts again, for gRPC too).
-    let images = r
-        .messages
-        .iter()
-        .filter_map(|m| m.content.as_array())
-        .flatten()
-        .filter(|item| item.get("type").and_then(Value::as_str) == Some("image_url"))
-        .count();
-    if images > limits.max_images {
-        return Err(GatewayError::Invalid(format!(
-            "a request may carry at most {} images (--max-images), got {images}",
-            limits.max_images
-        )));
-    }
-    let mut messages = Vec::with_capacity(r.messages.len());
-    let mut pending = Vec::new();
-    for (i, m) in r.messages.into_iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(GatewayError::Invalid(format!(
-                "messages[{i}].role must be system, user, assistant or tool, got {:?}",
-                m.role
-            )));
-        }
-        let role = if m.role == "developer" {
-            "system".to_string()
-        } else {
-            m.role
-        };
-        let parts = match m.content {
-            Value::String(s) => vec![Part::Text(s)],
-            Value::Array(items) => items
-                .iter()
-                .enumerate()
-                .map(|(j, item)| {
-                    let at = format!("messages[{i}].content[{j}]");
-                    match item.get("type").and_then(Value::as_str) {
-                        Some("text") => Ok(Part::Text(
-                            item.get("text")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default()
-                                .to_string(),
-                        )),
-                        Some("image_url") => {
-                            let url = item
-                                .get("image_url")
-                                .and_then(|u| u.get("url").or(Some(u)))
-                                .and_then(Value::as_str)
-                                .ok_or_else(|| {
-                                    GatewayError::Invalid(format!("{at}.image_url.url is missing"))
-                                })?;
-                            if is_fetched(url) {
-                                pending.push(PendingImage {
-                                    message: i,
-                                    part: j,
-                                    url: url.to_string(),
-                                    at,
-                                });
-                                return Ok(Part::Image(Vec::new()));
-                            }
-                            Ok(Part::Image(data_url_bytes(
-                                url,
-                                &at,
-                                limits.max_image_bytes,
-                            )?))
-                        }
-                        other => Err(GatewayError::Invalid(format!(
-                            "{at}.type must be text or image_url, got {other:?}"
-                        ))),
-                    }
-                })
-                .collect::<Result<_, _>>()?,
-            Value::Null => Vec::new(),
-            _ => {
-                return Err(GatewayError::Invalid(format!(
-                    "messages[{i}].content must be a string or a list"
-                )))
-            }
-        };
-        messages.push(Message {
-            role,
-            parts,
-            tool_calls: m.tool_calls.unwrap_or_default(),
-            tool_call_id: m.tool_call_id,
-        });
-    }
-    let stop = match r.stop {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s],
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|v| v.as_str().map(str::to_string))
-            .collect(),
-        Some(_) => {
-            return Err(GatewayError::Invalid(
-                "`stop` must be a string or a list of strings".into(),
-            ))
-        }
-    };
+    check_image_count(&r.messages, limits)?;
+    let (messages, pending) = read_messages(r.messages, limits)?;
+    let stop = read_stop(r.stop)?;
     let max_tokens = r
         .max_completion_tokens
         .or(r.max_tokens)
@@ -430,6 +332,133 @@ fn parse_request(
         options,
         pending,
     ))
+}
+
+/// Refuses a request of more images than `limits` allows, counted before any is decoded
+/// (validate_request counts again, for gRPC too).
+fn check_image_count(
+    messages: &[OpenAiMessage],
+    limits: &RequestLimits,
+) -> Result<(), GatewayError> {
+    let images = messages
+        .iter()
+        .filter_map(|m| m.content.as_array())
+        .flatten()
+        .filter(|item| item.get("type").and_then(Value::as_str) == Some("image_url"))
+        .count();
+    if images > limits.max_images {
+        return Err(GatewayError::Invalid(format!(
+            "a request may carry at most {} images (--max-images), got {images}",
+            limits.max_images
+        )));
+    }
+    Ok(())
+}
+
+/// The request's messages, each role checked (`developer` read as `system`) and its content
+/// read into parts; image URLs to fetch come back beside them, their parts left empty.
+fn read_messages(
+    raw: Vec<OpenAiMessage>,
+    limits: &RequestLimits,
+) -> Result<(Vec<Message>, Vec<PendingImage>), GatewayError> {
+    let mut messages = Vec::with_capacity(raw.len());
+    let mut pending = Vec::new();
+    for (i, m) in raw.into_iter().enumerate() {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(GatewayError::Invalid(format!(
+                "messages[{i}].role must be system, user, assistant or tool, got {:?}",
+                m.role
+            )));
+        }
+        let role = if m.role == "developer" {
+            "system".to_string()
+        } else {
+            m.role
+        };
+        let parts = match m.content {
+            Value::String(s) => vec![Part::Text(s)],
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .map(|(j, item)| read_part(item, i, j, limits, &mut pending))
+                .collect::<Result<_, _>>()?,
+            Value::Null => Vec::new(),
+            _ => {
+                return Err(GatewayError::Invalid(format!(
+                    "messages[{i}].content must be a string or a list"
+                )))
+            }
+        };
+        messages.push(Message {
+            role,
+            parts,
+            tool_calls: m.tool_calls.unwrap_or_default(),
+            tool_call_id: m.tool_call_id,
+        });
+    }
+    Ok((messages, pending))
+}
+
+/// Part `j` of message `i`'s content: text, an image inline (a data: URL), or an image to
+/// fetch, noted in `pending` and left empty.
+fn read_part(
+    item: &Value,
+    i: usize,
+    j: usize,
+    limits: &RequestLimits,
+    pending: &mut Vec<PendingImage>,
+) -> Result<Part, GatewayError> {
+    let at = format!("messages[{i}].content[{j}]");
+    match item.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(Part::Text(
+            item.get("text")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string(),
+        )),
+        Some("image_url") => {
+            let url = item
+                .get("image_url")
+                .and_then(|u| u.get("url").or(Some(u)))
+                .and_then(Value::as_str)
+                .ok_or_else(|| GatewayError::Invalid(format!("{at}.image_url.url is missing")))?;
+            if is_fetched(url) {
+                pending.push(PendingImage {
+                    message: i,
+                    part: j,
+                    url: url.to_string(),
+                    at,
+                });
+                return Ok(Part::Image(Vec::new()));
+            }
+            Ok(Part::Image(data_url_bytes(
+                url,
+                &at,
+                limits.max_image_bytes,
+            )?))
+        }
+        other => Err(GatewayError::Invalid(format!(
+            "{at}.type must be text or image_url, got {other:?}"
+        ))),
+    }
+}
+
+/// `stop` as sent: absent, one string or a list of strings.
+fn read_stop(stop: Option<Value>) -> Result<Vec<String>, GatewayError> {
+    match stop {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s]),
+        Some(Value::Array(a)) => Ok(a
+            .iter()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect()),
+        Some(_) => Err(GatewayError::Invalid(
+            "`stop` must be a string or a list of strings".into(),
+        )),
+    }
 }
 
 /// Why a body could not be read: over the limit (413, naming it), or cut off or unreadable.
