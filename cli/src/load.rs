@@ -12,6 +12,11 @@
 //! them from that cache: prefill all but skipped, a different measurement, which the table
 //! says.
 //!
+//! With `turns` > 1 (`--turns`), each client holds conversations instead: every turn resends
+//! the conversation's history (its user messages, their images, and an assistant answer for
+//! each) plus a new user message, as chat clients do, so the prefix cache (and routing to the
+//! replica that holds it) shows in the hit rate and the time to first token.
+//!
 //! The binary (`vlm load`) starts the local stack or points at a running gateway; this module
 //! makes the requests, sends them and counts.
 
@@ -100,6 +105,9 @@ pub struct Workload {
     pub sampling: LoadSampling,
     /// Every request answers to [`crate::bench::bench_schema`] (structured outputs).
     pub json_schema: bool,
+    /// Turns per conversation: 1, every request a new chat; T > 1, requests `c*T .. c*T+T-1`
+    /// are the turns of conversation `c`, each resending the ones before.
+    pub turns: usize,
 }
 
 /// The sampling fields every request of a run sends (request `i` also sends seed `i`, so a
@@ -118,9 +126,23 @@ pub struct LoadRequest {
     /// Its index in the run (also its sampling seed).
     pub index: u64,
     pub api: Api,
+    /// The conversation's earlier turns, oldest first (empty for a single-turn workload).
+    pub history: Vec<PastTurn>,
     pub text: String,
     /// PNG bytes.
     pub image: Option<Vec<u8>>,
+}
+
+/// An earlier turn of a conversation, resent with every later one.
+#[derive(Clone, Debug)]
+pub struct PastTurn {
+    pub user: String,
+    /// PNG bytes.
+    pub image: Option<Vec<u8>>,
+    /// The assistant's answer as the history gives it: text drawn from the turn's seed, as long
+    /// as `max_tokens`, not what the model said (as a client replaying a recorded chat). The
+    /// prefix cache's hit is the earlier prompt's blocks either way.
+    pub assistant: String,
 }
 
 /// Common English words, most of them one token (with the leading space) in Qwen's vocabulary.
@@ -168,8 +190,29 @@ impl RequestMaker {
         &self.workload
     }
 
-    /// Request number `index` of the run.
+    /// Request number `index` of the run: a new chat, or with `turns` > 1 turn `index % turns`
+    /// of conversation `index / turns`, its earlier turns made again from their own indices.
     pub fn make(&self, index: u64) -> anyhow::Result<LoadRequest> {
+        let turns = self.workload.turns.max(1) as u64;
+        let first = index - index % turns;
+        let mut history = Vec::new();
+        for earlier in first..index {
+            let turn = self.make_one(earlier)?;
+            let mut rng = ChaCha8Rng::seed_from_u64(self.workload.seed ^ 0xa551_57a7);
+            rng.set_stream(earlier);
+            history.push(PastTurn {
+                user: turn.text,
+                image: turn.image,
+                assistant: self.text(&mut rng, self.workload.max_tokens.max(1))?,
+            });
+        }
+        let mut req = self.make_one(index)?;
+        req.history = history;
+        Ok(req)
+    }
+
+    /// The newest user message of request `index`, without history.
+    fn make_one(&self, index: u64) -> anyhow::Result<LoadRequest> {
         let w = &self.workload;
         // Its own stream of the seed's generator: request i does not depend on how many
         // requests came before it, or on which level sends it.
@@ -202,6 +245,7 @@ impl RequestMaker {
         Ok(LoadRequest {
             index,
             api,
+            history: Vec::new(),
             text,
             image,
         })
@@ -303,8 +347,11 @@ pub struct LevelStats {
     /// The same, counting only the requests that went through each API (`http`, `grpc`).
     pub by_api: BTreeMap<&'static str, ApiStats>,
     /// Prompt tokens llm-svc looked up in its prefix cache during the level, and found there
-    /// (`None`: the gateway's `/metrics` does not show llm-svc's counters).
+    /// (`None`: the gateway's `/metrics` does not show llm-svc's counters), all replicas
+    /// together.
     pub prefix_cache: Option<PrefixCacheUse>,
+    /// Turns per conversation the level sent ([`Workload::turns`]).
+    pub turns: usize,
 }
 
 /// One API's share of a level.
@@ -445,6 +492,7 @@ impl LevelStats {
             "itl_p50_ms": ms(&self.itl, 50.0),
             "itl_p99_ms": ms(&self.itl, 99.0),
             "by_api": by_api,
+            "turns": self.turns,
             "prefix_cache_hit_pct": self.prefix_cache.map(|p| p.hit_pct()),
         })
     }
@@ -602,15 +650,24 @@ impl Client {
 }
 
 fn http_body(req: &LoadRequest, w: &Workload, model_name: &str) -> Value {
-    let mut content = Vec::new();
-    if let Some(png) = &req.image {
-        let b64 = base64::engine::general_purpose::STANDARD.encode(png);
-        content.push(json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{b64}")}}));
+    let user = |text: &str, image: &Option<Vec<u8>>| {
+        let mut content = Vec::new();
+        if let Some(png) = image {
+            let b64 = base64::engine::general_purpose::STANDARD.encode(png);
+            content.push(json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{b64}")}}));
+        }
+        content.push(json!({"type": "text", "text": text}));
+        json!({"role": "user", "content": content})
+    };
+    let mut messages = Vec::new();
+    for turn in &req.history {
+        messages.push(user(&turn.user, &turn.image));
+        messages.push(json!({"role": "assistant", "content": turn.assistant}));
     }
-    content.push(json!({"type": "text", "text": req.text}));
+    messages.push(user(&req.text, &req.image));
     let mut body = json!({
         "model": model_name,
-        "messages": [{"role": "user", "content": content}],
+        "messages": messages,
         "max_tokens": w.max_tokens,
         "temperature": w.sampling.temperature,
         "seed": req.index,
@@ -640,21 +697,30 @@ fn http_body(req: &LoadRequest, w: &Workload, model_name: &str) -> Value {
 }
 
 fn grpc_request(req: &LoadRequest, w: &Workload) -> pb::ChatRequest {
-    let mut content = Vec::new();
-    if let Some(png) = &req.image {
+    let message = |role: &str, text: &str, image: &Option<Vec<u8>>| {
+        let mut content = Vec::new();
+        if let Some(png) = image {
+            content.push(ContentPart {
+                part: Some(content_part::Part::Image(png.clone())),
+            });
+        }
         content.push(ContentPart {
-            part: Some(content_part::Part::Image(png.clone())),
+            part: Some(content_part::Part::Text(text.to_string())),
         });
-    }
-    content.push(ContentPart {
-        part: Some(content_part::Part::Text(req.text.clone())),
-    });
-    pb::ChatRequest {
-        messages: vec![pb::ChatMessage {
-            role: "user".into(),
+        pb::ChatMessage {
+            role: role.into(),
             content,
             ..Default::default()
-        }],
+        }
+    };
+    let mut messages = Vec::new();
+    for turn in &req.history {
+        messages.push(message("user", &turn.user, &turn.image));
+        messages.push(message("assistant", &turn.assistant, &None));
+    }
+    messages.push(message("user", &req.text, &req.image));
+    pb::ChatRequest {
+        messages,
         max_tokens: Some(w.max_tokens as u32),
         temperature: Some(w.sampling.temperature),
         top_p: w.sampling.top_p,
@@ -818,7 +884,9 @@ async fn make_off_thread(maker: &Arc<RequestMaker>, index: u64) -> anyhow::Resul
 }
 
 /// Runs one level: `concurrency` clients, each connected before the clock starts, sending
-/// requests `first`, `first + 1`, ... as they finish the previous one. Returns the level's
+/// requests `first`, `first + 1`, ... as they finish the previous one; with several turns per
+/// conversation, each client takes the next conversation and sends its turns in order (a
+/// level's request limit and deadline are checked before each turn). Returns the level's
 /// stats and how many request numbers it used.
 pub async fn run_level(
     target: &Target,
@@ -833,32 +901,47 @@ pub async fn run_level(
     )
     .await?;
     let next = Arc::new(AtomicUsize::new(0));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let turns = maker.workload().turns.max(1);
+    // Conversations start at a multiple of `turns`, so `make` finds each one's first turn.
+    let first_conversation = first.next_multiple_of(turns as u64);
     let cache_before = prefix_cache_counters(target).await;
     let started = Instant::now();
     let deadline = limits.duration.map(|d| started + d);
     let mut tasks = tokio::task::JoinSet::new();
     for mut client in clients {
-        let (next, maker, bar) = (next.clone(), maker.clone(), bar.clone());
+        let (next, sent, maker, bar) = (next.clone(), sent.clone(), maker.clone(), bar.clone());
         let model_name = target.model_name.clone();
         tasks.spawn(async move {
             let mut stats = LevelStats::default();
             loop {
+                // A conversation (one request when `turns` is 1).
                 let k = next.fetch_add(1, Ordering::Relaxed);
-                let spent = limits.requests.is_some_and(|n| k >= n);
-                let late = deadline.is_some_and(|d| Instant::now() >= d);
-                if spent || late {
-                    return anyhow::Ok(stats);
+                let start = if turns == 1 {
+                    first + k as u64
+                } else {
+                    first_conversation + (k * turns) as u64
+                };
+                for turn in 0..turns as u64 {
+                    let spent = limits
+                        .requests
+                        .is_some_and(|n| sent.fetch_add(1, Ordering::Relaxed) >= n);
+                    let late = deadline.is_some_and(|d| Instant::now() >= d);
+                    if spent || late {
+                        return anyhow::Ok(stats);
+                    }
+                    let req = make_off_thread(&maker, start + turn).await?;
+                    let api = req.api;
+                    let (seen, failure) = client.send(req, maker.workload(), &model_name).await;
+                    stats.add(api, seen, failure);
+                    bar.inc(1);
                 }
-                let req = make_off_thread(&maker, first + k as u64).await?;
-                let api = req.api;
-                let (seen, failure) = client.send(req, maker.workload(), &model_name).await;
-                stats.add(api, seen, failure);
-                bar.inc(1);
             }
         });
     }
     let mut level = LevelStats {
         concurrency,
+        turns,
         ..LevelStats::default()
     };
     while let Some(done) = tasks.join_next().await {
@@ -872,7 +955,11 @@ pub async fn run_level(
             hit_tokens: after.hit_tokens - before.hit_tokens,
         });
     }
-    Ok((level, next.load(Ordering::Relaxed) as u64))
+    let used = match turns {
+        1 => next.load(Ordering::Relaxed) as u64,
+        t => first_conversation - first + (next.load(Ordering::Relaxed) * t) as u64,
+    };
+    Ok((level, used))
 }
 
 /// llm-svc's prefix-cache counters as the gateway's `/metrics` shows them (`vlm serve` and the
@@ -885,9 +972,20 @@ async fn prefix_cache_counters(target: &Target) -> Option<PrefixCacheUse> {
         .text()
         .await
         .ok()?;
-    let counter = |name: &str| {
-        page.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    // Summed over the series: several llm-svc replicas show one each (`replica` label).
+    let counter = |name: &str| -> Option<f64> {
+        let values: Vec<f64> = page
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let value = match rest.strip_prefix('{') {
+                    Some(labelled) => labelled.split_once("} ")?.1,
+                    None => rest.strip_prefix(' ')?,
+                };
+                value.trim().parse().ok()
+            })
+            .collect();
+        (!values.is_empty()).then(|| values.iter().sum())
     };
     Some(PrefixCacheUse {
         queried_tokens: counter("vlm_llm_prefix_cache_queried_tokens_total")?,
@@ -899,7 +997,7 @@ async fn prefix_cache_counters(target: &Target) -> Option<PrefixCacheUse> {
 /// example message.
 pub fn table(levels: &[LevelStats]) -> String {
     let mut s = format!(
-        "{:>11} {:>7} {:>7} {:>13} {:>8} {:>13} {:>13} {:>13} {:>12} {:>12}\n",
+        "{:>11} {:>7} {:>7} {:>13} {:>8} {:>13} {:>13} {:>13} {:>12} {:>12} {:>12}\n",
         "concurrency",
         "ok",
         "errors",
@@ -909,12 +1007,13 @@ pub fn table(levels: &[LevelStats]) -> String {
         "TTFT p50 ms",
         "TTFT p99 ms",
         "ITL p50 ms",
-        "ITL p99 ms"
+        "ITL p99 ms",
+        "cache hit %"
     );
     let ms = |v: &[f64], p: f64| percentile(v, p).map_or("-".into(), |x| format!("{:.1}", x * 1e3));
     for l in levels {
         s.push_str(&format!(
-            "{:>11} {:>7} {:>7} {:>13.1} {:>8.2} {:>13.1} {:>13} {:>13} {:>12} {:>12}\n",
+            "{:>11} {:>7} {:>7} {:>13.1} {:>8.2} {:>13.1} {:>13} {:>13} {:>12} {:>12} {:>12}\n",
             l.concurrency,
             l.requests_ok,
             l.error_count(),
@@ -925,6 +1024,8 @@ pub fn table(levels: &[LevelStats]) -> String {
             ms(&l.ttft, 99.0),
             ms(&l.itl, 50.0),
             ms(&l.itl, 99.0),
+            l.prefix_cache
+                .map_or("-".into(), |c| format!("{:.1}", c.hit_pct())),
         ));
     }
     for l in levels {
@@ -948,9 +1049,10 @@ pub fn table(levels: &[LevelStats]) -> String {
                 shares.join("; ")
             ));
         }
+        // Conversations hit by design: their turns resend their history.
         if let Some(cache) = l
             .prefix_cache
-            .filter(|c| c.hit_pct() > CACHED_PROMPTS_WARN_PCT)
+            .filter(|c| l.turns <= 1 && c.hit_pct() > CACHED_PROMPTS_WARN_PCT)
         {
             s.push_str(&format!(
                 "concurrency {}: {:.0}% of the prompt tokens were in llm-svc's prefix cache \
@@ -986,7 +1088,50 @@ mod tests {
             seed: 7,
             sampling: LoadSampling::default(),
             json_schema: false,
+            turns: 1,
         }
+    }
+
+    #[test]
+    fn a_conversations_turn_resends_the_turns_before_it() {
+        let maker = RequestMaker::new(
+            Workload {
+                turns: 3,
+                ..workload(ApiMix::Http, 2)
+            },
+            None,
+        );
+        let single = RequestMaker::new(workload(ApiMix::Http, 2), None);
+        // Conversation 1 is requests 3, 4 and 5.
+        let third = maker.make(5).unwrap();
+        assert_eq!(third.history.len(), 2);
+        for (turn, index) in third.history.iter().zip([3, 4]) {
+            let alone = single.make(index).unwrap();
+            assert_eq!(turn.user, alone.text, "the earlier turn's message, resent");
+            assert_eq!(turn.image, alone.image, "with its image");
+            assert_eq!(
+                turn.assistant.split(' ').count(),
+                8,
+                "an answer of max_tokens"
+            );
+        }
+        assert_eq!(third.text, single.make(5).unwrap().text);
+        assert_eq!(
+            maker.make(4).unwrap().history[0].assistant,
+            third.history[0].assistant,
+            "each turn resends the same history"
+        );
+        assert!(maker.make(3).unwrap().history.is_empty(), "a first turn");
+        let body = http_body(&third, maker.workload(), "m");
+        let roles: Vec<&str> = body["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["user", "assistant", "user", "assistant", "user"]);
+        let grpc = grpc_request(&third, maker.workload());
+        assert_eq!(grpc.messages.len(), 5);
     }
 
     #[test]

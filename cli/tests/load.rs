@@ -65,7 +65,7 @@ fn load_answers_every_request_over_both_apis_and_writes_one_object_per_level() {
     let rows: Vec<Vec<&str>> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect())
-        .filter(|cells: &Vec<&str>| cells.len() == 10 && cells[0].parse::<usize>().is_ok())
+        .filter(|cells: &Vec<&str>| cells.len() == 11 && cells[0].parse::<usize>().is_ok())
         .collect();
     assert_eq!(rows.len(), 2, "one table line per level:\n{stdout}");
     for (row, concurrency) in rows.iter().zip(["1", "4"]) {
@@ -122,6 +122,73 @@ fn load_answers_every_request_over_both_apis_and_writes_one_object_per_level() {
     assert!(stdout.contains("concurrency 4 by API: grpc"), "{stdout}");
 }
 
+/// `--turns 3 --replicas 2`: conversations over two CPU replicas behind the local gateway; every
+/// turn after the first resends its history, so most of its prompt is found in the prefix
+/// cache of the replica the gateway sent the conversation to, and the table and the JSON say
+/// how much.
+#[test]
+fn load_holds_conversations_whose_later_turns_hit_the_prefix_cache() {
+    let dir = std::env::temp_dir().join(format!("vlm-load-turns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("load.json");
+    let model = fixture();
+    let out = vlm_load(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--replicas",
+        "2",
+        "--turns",
+        "3",
+        "--concurrency",
+        "2",
+        "--requests",
+        "12",
+        "--warmup",
+        "0",
+        "--max-tokens",
+        "4",
+        "--prompt-tokens",
+        "60",
+        "--image-every",
+        "3",
+        "--image-side",
+        "64",
+        "--api",
+        "mixed",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("conversations of 3 turns"), "{stdout}");
+    assert!(stdout.contains("2 replicas on cpu"), "{stdout}");
+    let row: Vec<&str> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.len() == 11 && cells[0] == "2")
+        .unwrap_or_else(|| panic!("no level line:\n{stdout}"));
+    assert_eq!(&row[..3], ["2", "12", "0"], "{stdout}");
+    let levels: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let level = &levels[0];
+    assert_eq!(level["turns"], 3, "{level}");
+    assert!(level["ttft_p50_ms"].as_f64().unwrap() > 0.0, "{level}");
+    // Four conversations of three turns: turns 2 and 3 find the turns before them cached
+    // (40% of the level's prompt tokens on one replica, whole blocks only; 29-40% over two,
+    // as the gateway weighs load against overlap); the same run with --turns 1 finds 0%.
+    let hit = level["prefix_cache_hit_pct"].as_f64().unwrap();
+    assert!(hit > 20.0, "{level}");
+    assert_eq!(
+        row[10],
+        format!("{hit:.1}"),
+        "the table's cache hit % is the JSON's"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `--stand-in-llm`: the gateway alone, its llm-svc a stand-in without a model.
 #[test]
 fn load_measures_the_gateway_alone_with_a_stand_in_llm() {
@@ -157,7 +224,7 @@ fn load_measures_the_gateway_alone_with_a_stand_in_llm() {
     let row: Vec<&str> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .find(|cells| cells.len() == 10 && cells[0] == "8")
+        .find(|cells| cells.len() == 11 && cells[0] == "8")
         .unwrap_or_else(|| panic!("no level line:\n{stdout}"));
     assert_eq!(&row[..3], ["8", "16", "0"], "{stdout}");
     // No vision-svc: images are refused before anything starts.

@@ -97,6 +97,12 @@ pub struct LoadArgs {
     /// structured outputs against the same run without it.
     #[arg(long)]
     json_schema: bool,
+    /// Turns per conversation: with T > 1 each client holds a conversation and every turn
+    /// resends its history (user messages, their images, an answer for each) plus a new user
+    /// message, so the prefix cache and cache-aware routing over replicas show in the cache
+    /// hit rate and the time to first token. --requests counts turns.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    turns: u64,
     /// Requests sent one at a time before the first level, not measured (connections,
     /// kernels and caches warm up).
     #[arg(long, default_value_t = 2)]
@@ -242,6 +248,7 @@ pub fn load(args: LoadArgs) -> anyhow::Result<()> {
             presence_penalty: args.presence_penalty,
         },
         json_schema: args.json_schema,
+        turns: args.turns as usize,
     };
     let tokenizer = model.as_deref().map(tokenizer).transpose()?;
     let counted_by = if tokenizer.is_some() {
@@ -396,8 +403,15 @@ fn config_line(args: &LoadArgs, counted_by: &str, served_by: &str) -> String {
     if args.json_schema {
         sampling.push_str(", a JSON schema on every request");
     }
+    let turns = match args.turns {
+        1 => String::new(),
+        t => format!(
+            "conversations of {t} turns, each resending its history and images with a new \
+             message of "
+        ),
+    };
     format!(
-        "prompts of {}-{} text tokens (mean {}, counted by {counted_by}), {} generated with \
+        "{turns}prompts of {}-{} text tokens (mean {}, counted by {counted_by}), {} generated with \
          ignore_eos, {}, {sampling}, api {}, seed {}; {served_by}",
         args.prompt_tokens.div_ceil(2).max(1),
         (args.prompt_tokens * 3 / 2).max(1),
