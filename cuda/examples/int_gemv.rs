@@ -76,6 +76,47 @@ fn main() -> vlm_compute::Result<()> {
             bytes as f64 / s / 1e9,
             100.0 * bytes as f64 / s / copy_bw
         );
+        // Each projection alone, its 36 layers back to back: which shape is short of copy.
+        let f = g.rms_norm_swiglu(&resid, &norm, 1e-6, &ws[0].2)?;
+        for (kind, (name, m, k)) in [
+            ("qkv", qkv, h),
+            ("o", h, h),
+            ("gate_up", 2 * inter, h),
+            ("down", h, inter),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let run = |resid: &mut vlm_compute::CudaTensor| -> vlm_compute::Result<()> {
+                for (wqkv, wo, wgu, wd) in &ws {
+                    match kind {
+                        0 => drop(g.rms_norm_linear(resid, &norm, 1e-6, wqkv, None)?),
+                        1 => g.add_linear(resid, &x, wo, None)?,
+                        2 => drop(g.rms_norm_swiglu(resid, &norm, 1e-6, wgu)?),
+                        _ => g.add_linear(resid, &f, wd, None)?,
+                    }
+                }
+                Ok(())
+            };
+            let mut resid = x.clone();
+            run(&mut resid)?;
+            g.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..reps {
+                run(&mut resid)?;
+            }
+            g.synchronize()?;
+            let s = t.elapsed().as_secs_f64() / (reps * layers) as f64;
+            let params = m * k;
+            let groups = if bits == 16 { 0 } else { params / 128 };
+            let bytes = (params * bits / 8 + groups * 4) as f64;
+            println!(
+                "     {name:>8} {m}x{k}: {:.2} us, {:.0} GB/s = {:.0}% of copy",
+                s * 1e6,
+                bytes / s / 1e9,
+                100.0 * bytes / s / copy_bw
+            );
+        }
     }
     Ok(())
 }

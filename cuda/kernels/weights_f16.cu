@@ -869,6 +869,8 @@ FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, 8, true)
 // Batches a lane loads at once (two 16-byte loads each), the next step's prefetched. 4 was
 // slower (H100, int_gemv rows 1: W4 1129 vs 1305 GB/s, W8 1561 vs 1869).
 #define IM_STEP 2
+// x's 16-byte loads a thread has in flight while staging.
+#define IM_STAGE_LOADS 4
 
 // Staged x's 16-byte unit j (columns 4j .. 4j + 3 of the chunk, as f32; after the split, hi
 // and lo pairs) of row n, chunk ch, counted in units from the staging's start.
@@ -902,15 +904,31 @@ __device__ __forceinline__ void im_stage(const float* __restrict__ x,
     for (int r = 0; r < ROWS; ++r) {
         const float4* x4 = reinterpret_cast<const float4*>(x + (size_t)r * k);
         float ss = 0.0f, mx = 0.0f;
-        for (int e = threadIdx.x; e < units; e += blockDim.x) {
-            float4 a = x4[e];
-            if (NORM) {
-                const float4 g = reinterpret_cast<const float4*>(norm_w)[e];
-                ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
-                a = make_float4(a.x * g.x, a.y * g.y, a.z * g.z, a.w * g.w);
+        // IM_STAGE_LOADS loads a thread in flight before the first is used (one at a time, each
+        // waited a full L2 latency: 12 in a row at k = 12288). Same units, same order.
+        for (int e0 = threadIdx.x; e0 < units; e0 += IM_STAGE_LOADS * blockDim.x) {
+            float4 a[IM_STAGE_LOADS], g[IM_STAGE_LOADS];
+#pragma unroll
+            for (int i = 0; i < IM_STAGE_LOADS; ++i) {
+                const int e = e0 + i * blockDim.x;
+                if (e < units) {
+                    a[i] = x4[e];
+                    if (NORM) g[i] = reinterpret_cast<const float4*>(norm_w)[e];
+                }
             }
-            mx = fmaxf(mx, fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))));
-            st[im_unit<BITS>(r, k, e / U, e % U)] = a;
+#pragma unroll
+            for (int i = 0; i < IM_STAGE_LOADS; ++i) {
+                const int e = e0 + i * blockDim.x;
+                if (e >= units) break;
+                if (NORM) {
+                    ss += a[i].x * a[i].x + a[i].y * a[i].y + a[i].z * a[i].z + a[i].w * a[i].w;
+                    a[i] = make_float4(a[i].x * g[i].x, a[i].y * g[i].y, a[i].z * g[i].z,
+                                       a[i].w * g[i].w);
+                }
+                mx = fmaxf(mx, fmaxf(fmaxf(fabsf(a[i].x), fabsf(a[i].y)),
+                                     fmaxf(fabsf(a[i].z), fabsf(a[i].w))));
+                st[im_unit<BITS>(r, k, e / U, e % U)] = a[i];
+            }
         }
         ss = warp_sum(ss);
         for (int o = WARP / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
@@ -1042,23 +1060,29 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
             rb = min(tile * 16 + 8 + g, m - 1);
         }
     };
-    // A step's loads: the lane's chunks of rows ra and rb.
-    auto loads = [&](int ra, int rb, int s0, uint4 la[IM_STEP], uint4 lb[IM_STEP]) {
+    // A step's loads: the lane's chunks of rows ra and rb, and their batches' (scale, zero),
+    // which go out with the chunks (loaded where used, each batch waited out a DRAM latency).
+    auto loads = [&](int ra, int rb, int s0, uint4 la[IM_STEP], uint4 lb[IM_STEP],
+                     __half2 za[IM_STEP], __half2 zb[IM_STEP]) {
 #pragma unroll
         for (int u = 0; u < IM_STEP; ++u) {
-            const int b = warp + (s0 + u) * IM_WARPS, ch = 4 * b + t;
+            const int b = warp + (s0 + u) * IM_WARPS, ch = 4 * b + t, gi = b * BATCH / group;
             la[u] = lb[u] = make_uint4(0, 0, 0, 0);
+            za[u] = zb[u] = __floats2half2_rn(0.0f, 0.0f);
             if (b < batches) {
                 la[u] = load_stream16(w + (size_t)ra * row_words + ch * 4);
                 lb[u] = load_stream16(w + (size_t)rb * row_words + ch * 4);
+                za[u] = __ldg(sz + (size_t)ra * groups + gi);
+                zb[u] = __ldg(sz + (size_t)rb * groups + gi);
             }
         }
     };
     int tile = blockIdx.x, ra = 0, rb = 0;
     uint4 la[IM_STEP], lb[IM_STEP];
+    __half2 za[IM_STEP], zb[IM_STEP];
     if (tile < tiles) {
         rows_of(tile, ra, rb);
-        loads(ra, rb, 0, la, lb);
+        loads(ra, rb, 0, la, lb, za, zb);
     }
     grid_wait();
     grid_launch_dependents();
@@ -1069,26 +1093,26 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
         int na = ra, nb = rb;
         for (int s0 = 0; s0 < steps; s0 += IM_STEP) {
             uint4 ma[IM_STEP], mb[IM_STEP];
+            __half2 ya[IM_STEP], yb[IM_STEP];
             const bool more = s0 + IM_STEP < steps, next = !more && tile + gridDim.x < tiles;
             if (more) {
-                loads(ra, rb, s0 + IM_STEP, ma, mb);
+                loads(ra, rb, s0 + IM_STEP, ma, mb, ya, yb);
             } else if (next) {
                 rows_of(tile + gridDim.x, na, nb);
-                loads(na, nb, 0, ma, mb);
+                loads(na, nb, 0, ma, mb, ya, yb);
             }
 #pragma unroll
             for (int u = 0; u < IM_STEP; ++u) {
-                const int b = warp + (s0 + u) * IM_WARPS, gi = b * BATCH / group;
-                if (b < batches)
-                    im_batch<BITS, ROWS>(st, k, b, la[u], lb[u],
-                                         __ldg(sz + (size_t)ra * groups + gi),
-                                         __ldg(sz + (size_t)rb * groups + gi), acc);
+                const int b = warp + (s0 + u) * IM_WARPS;
+                if (b < batches) im_batch<BITS, ROWS>(st, k, b, la[u], lb[u], za[u], zb[u], acc);
             }
             if (more || next) {
 #pragma unroll
                 for (int u = 0; u < IM_STEP; ++u) {
                     la[u] = ma[u];
                     lb[u] = mb[u];
+                    za[u] = ya[u];
+                    zb[u] = yb[u];
                 }
             }
         }
