@@ -71,28 +71,30 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let telemetry = vlm_proto::telemetry::init("llm-svc", args.log.log_format);
-    let tls = args.tls.server_config()?;
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let registry = prometheus::Registry::new();
-    let cfg = ServeConfig {
-        model: args.model,
-        random_weights: args.random_weights.then_some(0),
-        quantize: args.weights.quantize,
-        max_concurrent: args.max_concurrent,
-        engine: args.engine.config(args.max_context, args.device.is_gpu()),
-        registry: registry.clone(),
-        tls,
-        // Alone in its process: no vision-svc here to hand embeddings over on the device.
-        device_handoff: false,
-    };
-    let shutdown = vlm_proto::shutdown_signal();
-    let service = args.device.run(Serve {
-        cfg,
-        listener,
-        shutdown,
-    });
-    let result = vlm_proto::metrics::beside(args.metrics_listen, vec![registry], service).await;
-    telemetry.shutdown();
-    result
+    vlm_proto::service_main(
+        "llm-svc",
+        args.log,
+        &args.tls,
+        args.listen,
+        args.metrics_listen,
+        |start| {
+            let cfg = ServeConfig {
+                model: args.model,
+                random_weights: args.random_weights.then_some(0),
+                quantize: args.weights.quantize,
+                max_concurrent: args.max_concurrent,
+                engine: args.engine.config(args.max_context, args.device.is_gpu()),
+                registry: start.registry,
+                tls: start.tls,
+                // Alone in its process: no vision-svc here to hand embeddings over on the device.
+                device_handoff: false,
+            };
+            args.device.run(Serve {
+                cfg,
+                listener: start.listener,
+                shutdown: start.shutdown,
+            })
+        },
+    )
+    .await
 }

@@ -12,7 +12,8 @@
 //!   [`constraint`]: how JSON written under a grammar is laid out.
 //! - [`image`]: which images are accepted and how many prompt tokens each becomes;
 //!   [`checkpoint`]: reading the checkpoint's JSON files it takes its settings from.
-//! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses.
+//! - [`MAX_MESSAGE_BYTES`] and [`shutdown_signal`], which every server uses, and
+//!   [`service_main`], the process of each model service.
 
 pub mod checkpoint;
 pub mod constraint;
@@ -218,6 +219,47 @@ pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// What a model service's binary hands its server ([`service_main`]): TLS as its flags ask,
+/// its bound port, the registry its metrics go to, and the shutdown signal.
+pub struct ServiceStart {
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    pub listener: tokio::net::TcpListener,
+    pub registry: prometheus::Registry,
+    /// [`shutdown_signal`].
+    pub shutdown: std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>,
+}
+
+/// The process of a model service (vision-svc, llm-svc): logs and traces set up as `name`,
+/// TLS read and `listen` bound (a bad certificate or a taken port stops the start), then the
+/// server `serve` makes of them runs until SIGTERM or ctrl-c, with its metrics served at
+/// `metrics_listen` beside it; the traces are flushed before it returns.
+pub async fn service_main<F, Fut>(
+    name: &str,
+    log: telemetry::LogArgs,
+    tls: &tls::ServiceTlsArgs,
+    listen: std::net::SocketAddr,
+    metrics_listen: Option<std::net::SocketAddr>,
+    serve: F,
+) -> anyhow::Result<()>
+where
+    F: FnOnce(ServiceStart) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let telemetry = telemetry::init(name, log.log_format);
+    let tls = tls.server_config()?;
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let registry = prometheus::Registry::new();
+    let service = serve(ServiceStart {
+        tls,
+        listener,
+        registry: registry.clone(),
+        shutdown: Box::pin(shutdown_signal()),
+    });
+    let result = metrics::beside(metrics_listen, vec![registry], service).await;
+    telemetry.shutdown();
+    result
 }
 
 /// Resolves on SIGTERM or ctrl-c: the start of a graceful shutdown.

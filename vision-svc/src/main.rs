@@ -69,26 +69,28 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let telemetry = vlm_proto::telemetry::init("vision-svc", args.log.log_format);
-    let tls = args.tls.server_config()?;
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let registry = prometheus::Registry::new();
-    let cfg = ServeConfig {
-        model: args.model,
-        random_weights: args.random_weights.then_some(0),
-        max_concurrent: args.max_concurrent,
-        max_batch_patches: args.max_batch_patches,
-        registry: registry.clone(),
-        tls,
-        embedding_cache_bytes: args.embedding_cache_bytes,
-    };
-    let shutdown = vlm_proto::shutdown_signal();
-    let service = args.device.run(Serve {
-        cfg,
-        listener,
-        shutdown,
-    });
-    let result = vlm_proto::metrics::beside(args.metrics_listen, vec![registry], service).await;
-    telemetry.shutdown();
-    result
+    vlm_proto::service_main(
+        "vision-svc",
+        args.log,
+        &args.tls,
+        args.listen,
+        args.metrics_listen,
+        |start| {
+            let cfg = ServeConfig {
+                model: args.model,
+                random_weights: args.random_weights.then_some(0),
+                max_concurrent: args.max_concurrent,
+                max_batch_patches: args.max_batch_patches,
+                registry: start.registry,
+                tls: start.tls,
+                embedding_cache_bytes: args.embedding_cache_bytes,
+            };
+            args.device.run(Serve {
+                cfg,
+                listener: start.listener,
+                shutdown: start.shutdown,
+            })
+        },
+    )
+    .await
 }
