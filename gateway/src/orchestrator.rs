@@ -664,10 +664,7 @@ impl Orchestrator {
     ) -> Result<FirstChoice, GatewayError> {
         // Embeddings passed by name (a segment, a handoff) are taken by the first llm-svc that
         // gets them: only a request that carries them inside can go to a second replica.
-        let inline = gen
-            .images
-            .iter()
-            .all(|i| i.shm_segment.is_empty() && i.device_handle == 0);
+        let inline = !gen.images.iter().any(pb::ImageEmbeddings::held_by_name);
         let mut tried: Option<String> = None;
         loop {
             let routed = self

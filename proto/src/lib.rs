@@ -51,6 +51,13 @@ pub mod pb {
                 pub fn payload_bytes(&self) -> usize {
                     self.tensors().map(crate::tensor::payload_bytes).sum()
                 }
+
+                /// Whether its embeddings wait upstream, named by a shared-memory segment or a
+                /// device handoff, instead of travelling inside the message: the first llm-svc
+                /// that gets it takes them, and a request that fails first lets them go.
+                pub fn held_by_name(&self) -> bool {
+                    !self.shm_segment.is_empty() || self.device_handle != 0
+                }
             }
         };
     }
