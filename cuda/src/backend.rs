@@ -702,6 +702,9 @@ pub trait Backend: Send + Sync + 'static {
     fn write(&self, dst: &mut Self::Tensor, values: &[f32]) -> Result<()>;
     /// `cache[slots[i]] = rows[i]` for every row of `rows [n, heads * dim]` (or `[n, heads,
     /// dim]`): a step's keys or values into the paged cache, at slots read from the device.
+    /// The model writes its cache through [`Backend::qkv_to_cache`]; the CPU reference's is
+    /// built on this, and only the twin tests (`twin.rs`, `cuda/tests/cuda_twin.rs`) call the
+    /// CUDA kernel alone, so it stays checked; kept for them.
     fn write_kv(
         &self,
         cache: &mut Self::Cache,
