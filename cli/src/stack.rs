@@ -99,6 +99,8 @@ pub struct StackConfig {
     /// no model ([`crate::stand_in`]), and no vision-svc (text requests only): what the
     /// gateway and the hops cost, measured without the models.
     pub stand_in_llm: Option<Duration>,
+    /// How the gateway picks among several replicas (`--routing`, `--route-*`).
+    pub routing: gateway::routing::RoutingConfig,
 }
 
 impl StackConfig {
@@ -129,6 +131,7 @@ impl StackConfig {
             tls: None,
             generation_config: Default::default(),
             stand_in_llm: None,
+            routing: Default::default(),
         }
     }
 }
@@ -305,7 +308,7 @@ impl LocalStack {
                 // The model services are this process's own, on loopback.
                 upstream_tls: None,
                 generation_config: cfg.generation_config,
-                routing: Default::default(),
+                routing: cfg.routing.clone(),
             },
             grpc,
             http,

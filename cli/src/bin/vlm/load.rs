@@ -339,6 +339,7 @@ fn start_local_stack(
     cfg.vision_max_concurrent = args.vision_max_concurrent;
     cfg.engine = args.engine.config(args.max_context, devices[0].is_gpu());
     cfg.stand_in_llm = stand_in_step(args.stand_in_llm)?;
+    cfg.routing = args.replicas.routing.config()?;
     let e = &cfg.engine;
     let served_by = match args.stand_in_llm {
         Some(ms) => format!(

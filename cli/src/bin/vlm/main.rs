@@ -76,6 +76,9 @@ pub struct ReplicaArgs {
     /// cache, sharing the cores), the gateway routing over them: routing tried without GPUs.
     #[arg(long, default_value_t = 1)]
     replicas: usize,
+    /// With several replicas: how the gateway picks one for each call.
+    #[command(flatten)]
+    routing: gateway::routing::RoutingArgs,
 }
 
 impl ReplicaArgs {

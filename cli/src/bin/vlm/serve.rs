@@ -108,6 +108,7 @@ pub async fn serve(
     cfg.limits = args.limits.limits()?;
     cfg.request_timeout = std::time::Duration::from_secs(args.request_timeout_secs);
     let devices = args.replicas.devices(args.device)?;
+    cfg.routing = args.replicas.routing.config()?;
     cfg.engine = args.engine.config(args.max_context, devices[0].is_gpu());
     cfg.stand_in_llm = crate::load::stand_in_step(args.stand_in_llm)?;
     let model_name = cfg.model_name.clone();
