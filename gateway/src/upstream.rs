@@ -574,8 +574,11 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(order(&u, RouteKey::Prompt(&[1, 2, 3]), None)[0], "b:1");
         }
-        // Busy enough, b loses to a despite holding the prefix.
-        u.snapshot()[1].active_blocks.store(5, Ordering::Relaxed);
+        // Busy by more blocks than the two it holds are worth, b loses to a despite them.
+        let worth = 2.0 * crate::routing::DEFAULT_OVERLAP_WEIGHT;
+        u.snapshot()[1]
+            .active_blocks
+            .store(worth as usize + 1, Ordering::Relaxed);
         assert_eq!(order(&u, RouteKey::Prompt(&[1, 2, 3]), None)[0], "a:1");
     }
 
