@@ -417,8 +417,15 @@ impl LevelStats {
             }
             Some(f) => {
                 share.errors += 1;
-                *self.errors.entry(f.kind.clone()).or_default() += 1;
-                self.error_examples.entry(f.kind).or_insert(f.message);
+                // Whether the client had seen a token: a failure before it is one a router
+                // could have retried elsewhere, one after it is not.
+                let kind = if seen.ttft.is_some() {
+                    format!("{} after its first token", f.kind)
+                } else {
+                    f.kind
+                };
+                *self.errors.entry(kind.clone()).or_default() += 1;
+                self.error_examples.entry(kind).or_insert(f.message);
             }
         }
     }
@@ -1293,9 +1300,22 @@ mod tests {
             seen(3),
             Some(Failure::new("gRPC UNAVAILABLE", "gone")),
         );
+        level.add(
+            Api::Grpc,
+            Observed {
+                ttft: None,
+                gaps: Vec::new(),
+                output_tokens: 0,
+                prompt_tokens: 0,
+            },
+            Some(Failure::new("gRPC UNAVAILABLE", "gone")),
+        );
         level.sort();
         assert_eq!(level.by_api["grpc"].output_tokens, 123);
-        assert_eq!(level.by_api["grpc"].errors, 1);
+        assert_eq!(level.by_api["grpc"].errors, 2);
+        // A failure after the first token is told apart from one before it.
+        assert_eq!(level.errors["gRPC UNAVAILABLE after its first token"], 1);
+        assert_eq!(level.errors["gRPC UNAVAILABLE"], 1);
         let t = table(std::slice::from_ref(&level));
         assert!(
             t.contains("concurrency 64 by API: grpc 61.5 output tok/s")
