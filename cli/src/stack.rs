@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use gateway::request::RequestLimits;
 use gateway::serve::{GatewayConfig, UpstreamHealth};
-use gateway::upstream::{Release, ReleaseSharedMemory};
+use gateway::upstream::{Release, ReleaseOnHost};
 use vlm_proto::pb;
 
 /// What a failed request's images left upstream, let go of in a process that holds both
@@ -31,7 +31,7 @@ pub struct ReleaseInProcess;
 
 impl Release for ReleaseInProcess {
     fn release(&self, image: &pb::ImageEmbeddings) {
-        ReleaseSharedMemory.release(image);
+        ReleaseOnHost.release(image);
         if image.device_handle != 0 {
             drop(vlm_compute::handoff::take::<Vec<vlm_compute::Embeddings>>(
                 image.device_handle,

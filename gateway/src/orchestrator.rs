@@ -57,7 +57,7 @@ use crate::request::{image_parts, validate_request, ChatRequest, RequestLimits};
 use crate::routing::RouteKey;
 use crate::sampling::{check_logit_bias_ids, SamplingDefaults};
 use crate::tools::{tool_call_grammar, Tag, TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
-use crate::upstream::{Load, Release, ReleaseSharedMemory, Routed, Upstreams};
+use crate::upstream::{Load, Release, ReleaseOnHost, Routed, Upstreams};
 use vlm_proto::prefix::{prompt_block_hashes, BlockHash, KV_BLOCK_SIZE};
 
 /// Most choices one request may ask for (`n`).
@@ -283,7 +283,7 @@ impl Orchestrator {
             image_settings: None,
             metrics,
             shared_memory: true,
-            release: Arc::new(ReleaseSharedMemory),
+            release: Arc::new(ReleaseOnHost),
             llm_domains: Default::default(),
             client_send_timeout: DEFAULT_CLIENT_SEND_TIMEOUT,
             sampling_defaults: SamplingDefaults::default(),

@@ -19,19 +19,20 @@ use crate::routing::{affinity, llm_cost, BlockRecord, Policy, RouteKey, RoutingC
 
 /// Lets go of what an encoded image left upstream for llm-svc (a shared-memory segment, a
 /// device handoff: the gateway passes both on by name and never looks inside) when its request
-/// fails before llm-svc takes it. The gateway's own is [`ReleaseSharedMemory`]; `vlm serve`,
-/// whose stages share its process, supplies one that frees device handoffs too.
+/// fails before llm-svc takes it. The gateway's own is [`ReleaseOnHost`]; `vlm serve`, whose
+/// stages share its process, supplies one that frees device handoffs too.
 pub trait Release: Send + Sync {
     fn release(&self, image: &vlm_proto::pb::ImageEmbeddings);
 }
 
-/// Removes an image's shared-memory segment, which any process on the host can; a device
-/// handoff lives in another process, and is dropped there when it expires.
-pub struct ReleaseSharedMemory;
+/// What any process on the host may let go of ([`vlm_proto::pb::ImageEmbeddings::release_on_host`]:
+/// the contract knows which of its names that is); a device handoff lives in another process,
+/// and is dropped there when it expires.
+pub struct ReleaseOnHost;
 
-impl Release for ReleaseSharedMemory {
+impl Release for ReleaseOnHost {
     fn release(&self, image: &vlm_proto::pb::ImageEmbeddings) {
-        drop(vlm_proto::shm::Segment::new(&image.shm_segment));
+        image.release_on_host();
     }
 }
 

@@ -63,6 +63,16 @@ pub mod pb {
     }
     image_tensors!(EncodeResponse);
     image_tensors!(ImageEmbeddings);
+
+    impl ImageEmbeddings {
+        /// Lets go of what it holds by name that any process on the host may let go of: its
+        /// shared-memory segment, removed. A device handoff belongs to the process that made
+        /// it (only that process can free it, and it expires there), so a caller outside it
+        /// can do no more. Its embeddings are then gone for whoever would have taken them.
+        pub fn release_on_host(&self) {
+            drop(crate::shm::Segment::new(&self.shm_segment));
+        }
+    }
 }
 
 /// Largest gRPC message any of our servers or clients sends or accepts: 256 MiB. Embeddings

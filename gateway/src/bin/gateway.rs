@@ -127,7 +127,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     });
     let cfg = GatewayConfig {
         also_metrics: Vec::new(),
-        release: std::sync::Arc::new(gateway::upstream::ReleaseSharedMemory),
+        release: std::sync::Arc::new(gateway::upstream::ReleaseOnHost),
         model: args.model,
         model_name,
         vision_addrs: args.vision_addr,

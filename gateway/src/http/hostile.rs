@@ -248,7 +248,7 @@ async fn a_grpc_message_over_the_limit_is_refused_naming_it() {
     let stop = tokio_util::sync::CancellationToken::new();
     let cfg = crate::serve::GatewayConfig {
         model: fixture(),
-        release: std::sync::Arc::new(crate::upstream::ReleaseSharedMemory),
+        release: std::sync::Arc::new(crate::upstream::ReleaseOnHost),
         model_name: "tiny".into(),
         vision_addrs: vec![NOWHERE.into()],
         llm_addrs: vec![NOWHERE.into()],
