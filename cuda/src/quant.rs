@@ -362,6 +362,15 @@ fn bad(path: &Path, key: &str, problem: impl Into<String>) -> Error {
     }
 }
 
+/// A compressed-tensors `quantization_config`'s `config_groups`, each a scheme and the modules
+/// it targets: at least one, for the integer and the FP8 readers alike.
+fn config_groups<'a>(path: &Path, q: &'a Value) -> Result<&'a serde_json::Map<String, Value>> {
+    q.get("config_groups")
+        .and_then(Value::as_object)
+        .filter(|g| !g.is_empty())
+        .ok_or_else(|| bad(path, "quantization_config.config_groups", "is missing"))
+}
+
 fn bits_of(path: &Path, key: &str, v: Option<&Value>, allowed: &[u64]) -> Result<u32> {
     let bits = v
         .and_then(Value::as_u64)
@@ -448,11 +457,7 @@ impl QuantConfig {
                 ))
             }
         };
-        let groups = q
-            .get("config_groups")
-            .and_then(Value::as_object)
-            .filter(|g| !g.is_empty())
-            .ok_or_else(|| bad(path, "quantization_config.config_groups", "is missing"))?;
+        let groups = config_groups(path, q)?;
         let mut scheme = None;
         for (name, g) in groups {
             let key = |k: &str| format!("quantization_config.config_groups.{name}.{k}");
@@ -498,11 +503,7 @@ impl QuantConfig {
     /// compressed-tensors `float-quantized`: FP8 e4m3 weights with a scale per tensor, channel
     /// or block. Dynamic input activations (FP8_DYNAMIC, FP8_BLOCK) run unquantized for now.
     fn compressed_tensors_fp8(path: &Path, q: &Value) -> Result<Self> {
-        let groups = q
-            .get("config_groups")
-            .and_then(Value::as_object)
-            .filter(|g| !g.is_empty())
-            .ok_or_else(|| bad(path, "quantization_config.config_groups", "is missing"))?;
+        let groups = config_groups(path, q)?;
         let mut scheme = None;
         for (name, g) in groups {
             let key = |k: &str| format!("quantization_config.config_groups.{name}.{k}");
