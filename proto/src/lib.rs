@@ -93,6 +93,13 @@ pub mod internal_hop {
     pub const CONNECTION_WINDOW: u32 = 64 << 20;
     /// Largest HTTP/2 DATA frame the receiver accepts.
     pub const MAX_FRAME: u32 = 1 << 20;
+    /// Streams the peer may reset before the server has taken them, per connection. hyper
+    /// allows 20 (a guard against "rapid reset" floods from the internet) and past that closes
+    /// the connection with ENHANCE_YOUR_CALM, failing every stream on it. The gateway carries
+    /// all its calls to a replica over one connection and cancels each whose client went away
+    /// or whose deadline passed, so a burst of cancellations on a busy host passes 20 and took
+    /// the streams beside them down (the soak saw it). The peer here is our own gateway.
+    pub const MAX_PENDING_ACCEPT_RESETS: usize = 1 << 16;
 
     /// `endpoint` (a client of vision-svc or llm-svc) with the hop's windows and frame size.
     pub fn endpoint(endpoint: tonic::transport::Endpoint) -> tonic::transport::Endpoint {
@@ -138,7 +145,8 @@ pub async fn grpc_server(
         builder = builder
             .initial_stream_window_size(internal_hop::STREAM_WINDOW)
             .initial_connection_window_size(internal_hop::CONNECTION_WINDOW)
-            .max_frame_size(internal_hop::MAX_FRAME);
+            .max_frame_size(internal_hop::MAX_FRAME)
+            .http2_max_pending_accept_reset_streams(Some(internal_hop::MAX_PENDING_ACCEPT_RESETS));
     }
     if let Some(tls) = tls {
         builder = builder

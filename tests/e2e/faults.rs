@@ -1,7 +1,7 @@
 //! Faults, one test each, against the three real binaries on loopback: a service killed with
 //! `kill -9` in the middle of a request, SIGTERM to each service while it serves a stream, a
-//! client that stops reading, an upstream that accepts connections but never answers, and a
-//! shared-memory segment whose reader has died.
+//! client that stops reading, an upstream that accepts connections but never answers, a
+//! shared-memory segment whose reader has died, and a burst of cancelled calls beside a stream.
 //!
 //! Every wait is bounded, so a hang fails the test instead of stalling CI. Bounds are many
 //! times what the step needs on a 2-core CI machine (a kill is noticed in milliseconds on
@@ -549,4 +549,63 @@ async fn shared_memory_embeddings_answer_the_same_and_leave_no_segment_behind() 
         Vec::<String>::new(),
         "a segment without a reader is removed"
     );
+}
+
+/// Calls cancelled as soon as they start (a client's deadline, a client gone) reach llm-svc as
+/// RST_STREAMs, often before its server has taken the stream. hyper's HTTP/2 server counts
+/// such streams per connection and, past its limit (20 by default, a guard against "rapid
+/// reset" floods), closes the connection with ENHANCE_YOUR_CALM: every other stream on it fails
+/// with RESOURCE_EXHAUSTED. The gateway multiplexes all its calls over one connection per
+/// replica, so a burst of cancellations must not cost the streams beside them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_alone() {
+    use vlm_proto::pb::llm_service_client::LlmServiceClient;
+    let stack = Stack::start(StackOptions::default()).await;
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", stack.llm_port))
+            .unwrap();
+    let ch = vlm_proto::internal_hop::endpoint(endpoint)
+        .connect()
+        .await
+        .expect("llm-svc answers");
+    let req = |max_new_tokens| pb::GenerateRequest {
+        prompt_token_ids: vec![10, 11, 12, 13],
+        max_new_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut long = LlmServiceClient::new(ch.clone())
+        .generate(req(400))
+        .await
+        .expect("the long stream starts")
+        .into_inner();
+    assert!(long.message().await.expect("a first token").is_some());
+    // Each call is given a few hundred microseconds: its HEADERS go out, then its RST_STREAM.
+    for round in 0..20u64 {
+        let calls = (0..50u64).map(|i| {
+            let mut c = LlmServiceClient::new(ch.clone());
+            let wait = Duration::from_micros((round * 50 + i) % 700);
+            async move {
+                let _ = tokio::time::timeout(wait, c.generate(req(4))).await;
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+    let mut tokens = 1;
+    loop {
+        match tokio::time::timeout(HANG, long.message())
+            .await
+            .expect("no hang")
+        {
+            Ok(Some(m)) if m.finish_reason == 0 => tokens += m.token_ids.len(),
+            Ok(Some(_)) | Ok(None) => break,
+            Err(e) => {
+                let log = stack.llm.as_ref().unwrap().log();
+                let h2: Vec<&str> = log.lines().filter(|l| l.contains("h2")).collect();
+                let h2 = h2.join("\n");
+                panic!("the long stream failed after {tokens} tokens: {e:?}\nllm-svc's HTTP/2 lines:\n{h2}")
+            }
+        }
+    }
+    assert_eq!(tokens, 400);
 }

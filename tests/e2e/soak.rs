@@ -171,8 +171,17 @@ impl Clients {
                         return Outcome::Dropped;
                     }
                 }
-                if text.contains("\"error\"") {
-                    Outcome::Error(format!("error event: {text}"))
+                // An error event is one whose JSON has a top-level `error` (a delta's text may
+                // itself read "error").
+                let error = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .find(|e| {
+                        serde_json::from_str::<serde_json::Value>(e)
+                            .is_ok_and(|v| v.get("error").is_some())
+                    });
+                if let Some(error) = error {
+                    Outcome::Error(format!("error event: {error}"))
                 } else if text.contains("finish_reason\":\"") && text.contains("data: [DONE]") {
                     ok()
                 } else {
@@ -401,6 +410,28 @@ async fn soak_mixed_load_loses_nothing_and_leaks_nothing() {
         .map(str::to_string)
         .collect();
     out += &format!("gateway outcomes: {}\n", gw_outcomes.join(", "));
+    // A failure's cause is often in a service's log (an HTTP/2 connection closed under its
+    // streams, an engine step failed): its errors and the HTTP/2 library's warnings, the last
+    // few of each.
+    if errors > 0 {
+        let procs = [
+            ("gateway", &stack.gateway),
+            ("vision-svc", &stack.vision),
+            ("llm-svc", stack.llm.as_ref().unwrap()),
+        ];
+        for (name, proc) in procs {
+            let log = proc.log();
+            let lines: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains(" ERROR ") || l.contains("WARN h2"))
+                .collect();
+            let last = &lines[lines.len().saturating_sub(8)..];
+            out += &format!("{name}: {} such log lines; the last:\n", lines.len());
+            for l in last {
+                out += &format!("  {l}\n");
+            }
+        }
+    }
 
     // Memory: no growth trend across the second half. The first half warms up: vision-svc's
     // blocking threads and their allocator arenas, the KV pool's pages, tokio's and h2's
