@@ -249,7 +249,8 @@ impl CudaBackend {
         } else {
             "dequant_w8_f16"
         };
-        let n = (shape[0] * shape[1] / (32 / iw.bits as usize)) as u64;
+        // One thread a 16-byte load of words.
+        let n = (shape[0] * shape[1] / load_cols(iw.bits)) as u64;
         let group = iw.group as i32;
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&iw.words)
