@@ -4,8 +4,8 @@
 //! has no vision stage, and a chat with images is refused.
 //!
 //! The request's tools and template variables reach the chat template as the gateway renders
-//! them, and its grammar (`constraint`) reaches the engine; the answer comes back as text,
-//! unsplit. A request whose tools are to be read out of the answer (`tool_choice` other than
+//! them, and its grammar (`constraint`) reaches the engine as the gateway sends it (after
+//! `</think>` for a Thinking checkpoint); the answer comes back as text, unsplit. A request whose tools are to be read out of the answer (`tool_choice` other than
 //! `none`) is refused rather than answered with its calls left in the text: the gateway
 //! (`vlm serve`) reads and forces calls.
 
@@ -130,7 +130,10 @@ impl<B: Backend + Clone> Pipeline<B> {
             max_new_tokens: req.max_new_tokens,
             ignore_eos: req.ignore_eos,
             return_logits: req.return_logits,
-            constraint: req.constraint.clone(),
+            // As the gateway sends it: for a Thinking checkpoint, after `</think>` (refused,
+            // the request's fault, where that is no single token).
+            constraint: gateway::orchestrator::constraint_for(&self.chat, req, &prompt)
+                .map_err(|e| gateway::Error::InvalidRequest(e.to_string()))?,
         };
         let mut stream = TextStream::new(self.chat.tokenizer(), req.stop.clone());
         let mut out_text = String::new();

@@ -252,15 +252,6 @@ fn text_only() -> GatewayError {
 }
 
 impl Orchestrator {
-    /// Whether `prompt` ends by opening `<think>` (a Thinking checkpoint's generation prompt):
-    /// the answer then starts with reasoning.
-    fn prompt_opens_reasoning(&self, prompt: &[u32]) -> bool {
-        let tail = &prompt[prompt.len().saturating_sub(4)..];
-        self.chat
-            .decode(tail, false)
-            .is_ok_and(|t| t.trim_end().ends_with(THINK_OPEN))
-    }
-
     /// `vision`: `None` for a text-only checkpoint, whose requests take no images.
     pub fn new(
         chat: ChatTokenizer,
@@ -506,7 +497,7 @@ impl Orchestrator {
             image_ids,
             held,
         } = self.prepare(&req, n, deadline).await?;
-        let reasoning = self.prompt_opens_reasoning(&prompt);
+        let reasoning = prompt_opens_reasoning(&self.chat, &prompt);
         let mut gen = generate_request(&req, prompt, images);
         gen.constraint = resolve_constraint(&self.chat, &req, reasoning)?;
         let prompt_tokens = gen.prompt_token_ids.len() as u32;
@@ -760,11 +751,32 @@ async fn generate_choice(
     client.generate(req).await
 }
 
+/// Whether `prompt` ends by opening `<think>` (a Thinking checkpoint's generation prompt):
+/// the answer then starts with reasoning.
+fn prompt_opens_reasoning(chat: &ChatTokenizer, prompt: &[u32]) -> bool {
+    let tail = &prompt[prompt.len().saturating_sub(4)..];
+    chat.decode(tail, false)
+        .is_ok_and(|t| t.trim_end().ends_with(THINK_OPEN))
+}
+
+/// The grammar llm-svc is sent for `req`, whose prompt rendered to `prompt`: what
+/// [`resolve_constraint`] makes of it, after the reasoning where the prompt opens one.
+pub fn constraint_for(
+    chat: &ChatTokenizer,
+    req: &ChatRequest,
+    prompt: &[u32],
+) -> Result<Option<pb::Constraint>, GatewayError> {
+    resolve_constraint(chat, req, prompt_opens_reasoning(chat, prompt))
+}
+
 /// The grammar llm-svc is sent: the request's output format, or the calls its `tool_choice`
 /// forces ([`tool_call_grammar`], the tags named by id where they are single tokens). When the
 /// answer starts by reasoning, the grammar applies after `</think>`, which must then be one
 /// token of the vocabulary; if it is not, the request is refused rather than its reasoning
 /// forced into the format.
+///
+/// The in-process pipeline (`vlm run`, the CLI's library) sends the same through
+/// [`constraint_for`].
 fn resolve_constraint(
     chat: &ChatTokenizer,
     req: &ChatRequest,

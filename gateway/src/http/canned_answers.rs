@@ -414,3 +414,26 @@ async fn earlier_calls_and_tool_answers_are_rendered_as_the_template_has_them() 
         "{text}"
     );
 }
+
+/// The rule the in-process pipeline (`vlm run`'s library) shares with the gateway through
+/// `constraint_for`: a format asked of a Thinking checkpoint applies after `</think>`, and
+/// from the first token with thinking turned off.
+#[test]
+fn constraint_for_starts_the_format_after_the_reasoning_the_prompt_opens() {
+    let chat = ChatTokenizer::from_dir(&thinking_fixture(), Some(412)).unwrap();
+    let constraint = |fields: Value| {
+        let body = chat_with(fields).to_string();
+        let req = parse_chat_request(body.as_bytes(), 16, &RequestLimits::default()).unwrap();
+        let prompt = chat
+            .prompt_ids_with(&req.messages, &req.template_vars(), &[])
+            .unwrap();
+        crate::orchestrator::constraint_for(&chat, &req, &prompt)
+            .unwrap()
+            .expect("a constraint")
+    };
+    let format = json!({"response_format": {"type": "json_object"}});
+    assert_eq!(constraint(format).after_token, Some(415));
+    let off = json!({"response_format": {"type": "json_object"},
+        "chat_template_kwargs": {"enable_thinking": false}});
+    assert_eq!(constraint(off).after_token, None);
+}
