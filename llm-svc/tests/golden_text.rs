@@ -253,6 +253,12 @@ fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
         let (mut worst, mut largest) = (0f32, 0f32);
         for (step, ours) in logits.iter().enumerate() {
             let hf = &hf_logits.data()[step * vocab..(step + 1) * vocab];
+            // f32::max skips a NaN, so the bound below would too: an inf or NaN anywhere (an
+            // f16 overflow upstream) fails here by name instead.
+            assert!(
+                ours.iter().all(|v| v.is_finite()),
+                "{name}: step {step} has non-finite logits"
+            );
             let max = ours
                 .iter()
                 .zip(hf)
