@@ -38,8 +38,8 @@ use crate::{Error, Result};
 /// longer tokens one byte each, which a slice cannot spare (shorter slices, measured down to one
 /// character, made those masks slower).
 ///
-/// Measured with `examples/mask_times.rs` (`vlm bench`'s schema, 64 answers, 1,000 steps) on an
-/// H100 host's 16 cores, with the stand-in tokenizer of `deploy/models/qwen3-vl-8b`: one step's
+/// Measured with `cli/examples/mask_times.rs` (`vlm bench`'s schema, 64 answers, 1,000 steps)
+/// on an H100 host's 16 cores, with the stand-in tokenizer of `deploy/models/qwen3-vl-8b`: one step's
 /// 64 masks in parallel went from median 0.283 / p99 2.13 ms to 0.157 / 1.13 ms; a single
 /// mask with 8 or 9 characters left from 0.77 ms to 0.013-0.047 ms, with 7 left from 0.80 to
 /// 0.35 ms; every mask identical to llguidance's default slices'. The factory takes 0.06 s and

@@ -1,9 +1,9 @@
-//! Timings of llguidance's token masks for `vlm bench`'s schema (`bench_schema` in
-//! cli/src/bench.rs: 64 answers, each pick an allowed token chosen by a hash, as `time_masks`),
-//! under llguidance's own slices and under other sets of them, which `grammar.rs`'s choice of
-//! slices was measured with.
+//! Timings of llguidance's token masks for `vlm bench`'s schema
+//! ([`vlm_cli::bench::bench_schema`]: 64 answers, each pick an allowed token chosen by a hash,
+//! as `time_masks`), under llguidance's own slices and under other sets of them, which
+//! llm-svc's `grammar.rs`'s choice of slices was measured with.
 //!
-//!   cargo run --release -p llm-svc --example mask_times -- [--configs "8;7,8;2,4,6,8"]
+//!   cargo run --release -p vlm-cli --example mask_times -- [--configs "8;7,8;2,4,6,8"]
 //!       [--steps 300] [--answers 64] [--workers 16] [--parallel] [--dir deploy/models/qwen3-vl-8b]
 //!
 //! Each config of `--configs` (';' between them) adds `[^"\\\x00-\x1F\x7F]{1,n}` slices for its
@@ -44,27 +44,6 @@ fn slices(bounds: &[usize]) -> Vec<String> {
         s.push(format!(r#"[^"\\\x00-\x1F\x7F]{{1,{b}}}"#));
     }
     s
-}
-
-fn schema() -> serde_json::Value {
-    serde_json::json!({
-        "type": "array",
-        "minItems": 64,
-        "items": {
-            "type": "object",
-            "properties": {
-                "bbox_2d": {
-                    "type": "array",
-                    "items": {"type": "integer", "minimum": 0, "maximum": 1000},
-                    "minItems": 4,
-                    "maxItems": 4
-                },
-                "label": {"type": "string", "maxLength": 32}
-            },
-            "required": ["bbox_2d", "label"],
-            "additionalProperties": false
-        }
-    })
 }
 
 /// Characters of the label written so far, if the text ends inside a label.
@@ -165,8 +144,11 @@ fn main() {
             f
         })
         .collect();
-    let grammar =
-        || TopLevelGrammar::from_json_schema(vlm_proto::constraint::with_json_style(schema()));
+    let grammar = || {
+        TopLevelGrammar::from_json_schema(vlm_proto::constraint::with_json_style(
+            vlm_cli::bench::bench_schema(),
+        ))
+    };
     let new = |f: &ParserFactory| Matcher::new(Ok(f.create_parser(grammar()).unwrap()));
     // ms[c][i]: config c's matcher of answer i.
     let mut ms: Vec<Vec<Matcher>> = factories
