@@ -49,8 +49,9 @@ pub struct GatewayConfig {
     /// Let embeddings travel through shared memory when vision-svc and llm-svc share this
     /// host's (see `vlm_proto::shm`); off: always inside the gRPC messages.
     pub shared_memory: bool,
-    /// Lets go of what a failed request's images left upstream ([`crate::upstream::ReleaseOnHost`] unless
-    /// the stages share this process and can free device handoffs too).
+    /// Lets go of what a failed request's images left upstream
+    /// ([`crate::upstream::ReleaseOnHost`] unless the stages share this process and can free
+    /// device handoffs too).
     pub release: Arc<dyn Release>,
     /// Metrics of other services to show on the gateway's `/metrics` (`vlm serve` runs the
     /// model services in its process).

@@ -25,9 +25,9 @@ pub trait Release: Send + Sync {
     fn release(&self, image: &vlm_proto::pb::ImageEmbeddings);
 }
 
-/// What any process on the host may let go of ([`vlm_proto::pb::ImageEmbeddings::release_on_host`]:
-/// the contract knows which of its names that is); a device handoff lives in another process,
-/// and is dropped there when it expires.
+/// What any process on the host may let go of
+/// ([`vlm_proto::pb::ImageEmbeddings::release_on_host`]: the contract knows which of its names
+/// that is); a device handoff lives in another process, and is dropped there when it expires.
 pub struct ReleaseOnHost;
 
 impl Release for ReleaseOnHost {

@@ -38,15 +38,15 @@ use crate::{Error, Result};
 /// longer tokens one byte each, which a slice cannot spare (shorter slices, measured down to one
 /// character, made those masks slower).
 ///
-/// Measured with `cli/examples/mask_times.rs` (`vlm bench`'s schema, 64 answers, 1,000 steps)
-/// on an H100 host's 16 cores, with the stand-in tokenizer of `deploy/models/qwen3-vl-8b`: one step's
-/// 64 masks in parallel went from median 0.283 / p99 2.13 ms to 0.157 / 1.13 ms; a single
-/// mask with 8 or 9 characters left from 0.77 ms to 0.013-0.047 ms, with 7 left from 0.80 to
-/// 0.35 ms; every mask identical to llguidance's default slices'. The factory takes 0.06 s and
-/// 23 MiB more to build (0.25 s, 53 MiB). What is left of the tail is 5 and 6 characters left
-/// (0.24 and 0.6 ms, as before). The stand-in's words (` t1234`) are all 8 characters or fewer,
-/// so there one slice covers every word; a real vocabulary's longer tokens are still walked, and
-/// its numbers have not been measured.
+/// Measured with `cli/examples/mask_times.rs` (`vlm bench`'s schema, 64 answers, 1,000 steps) on an
+/// H100 host's 16 cores, with the stand-in tokenizer of `deploy/models/qwen3-vl-8b`: one step's 64
+/// masks in parallel went from median 0.283 / p99 2.13 ms to 0.157 / 1.13 ms; a single mask with 8
+/// or 9 characters left from 0.77 ms to 0.013-0.047 ms, with 7 left from 0.80 to 0.35 ms; every
+/// mask identical to llguidance's default slices'. The factory takes 0.06 s and 23 MiB more to
+/// build (0.25 s, 53 MiB). What is left of the tail is 5 and 6 characters left (0.24 and 0.6 ms, as
+/// before). The stand-in's words (` t1234`) are all 8 characters or fewer, so there one slice
+/// covers every word; a real vocabulary's longer tokens are still walked, and its numbers have not
+/// been measured.
 fn slices() -> Vec<String> {
     let mut slices = SlicedBiasComputer::json_slices();
     slices.extend([7, 8].map(|n| format!(r#"[^"\\\x00-\x1F\x7F]{{1,{n}}}"#)));

@@ -603,7 +603,10 @@ async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_a
                 let log = stack.llm.as_ref().unwrap().log();
                 let h2: Vec<&str> = log.lines().filter(|l| l.contains("h2")).collect();
                 let h2 = h2.join("\n");
-                panic!("the long stream failed after {tokens} tokens: {e:?}\nllm-svc's HTTP/2 lines:\n{h2}")
+                panic!(
+                    "the long stream failed after {tokens} tokens: {e:?}\n\
+                     llm-svc's HTTP/2 lines:\n{h2}"
+                )
             }
         }
     }
