@@ -606,12 +606,43 @@ __device__ __forceinline__ uint4 load_stream16(const unsigned* __restrict__ p) {
 // (then 1 and 5, scaled by 16) into the mantissas of 1024.0 halves, so one hsub2 (one hfma2 for
 // the scaled ones) leaves q - zero; after a shift by 8, nibbles 2 and 6, 3 and 7 (Marlin's
 // dequantization). 8 bits: a byte permute puts bytes 0 and 2, then 1 and 3, into 1024.0's.
-template <int BITS>
+//
+// FP8: the same kernels read FP8 e4m3 weights (Qwen's and compressed-tensors' FP8 checkpoints)
+// as 8-bit words, their format the template argument FMT (FMT_W4, FMT_W8 or FMT_F8; the layout
+// is BITS = fmt_bits(FMT)'s). An e4m3 byte moved into an f16's bits (sign to the top, the other
+// seven bits one place below the f16 exponent's top bit) is the value times 2^-8, exactly:
+// e4m3's exponent bias is 7 and f16's 15, and f16 holds every e4m3 value, subnormals included.
+// FP8 has no zero point; its scale is a whole f32 (the host folds the 2^8 in), stored in the
+// (scale, zero) slot's four bytes, so block scales lose nothing to f16.
+#define FMT_W4 4
+#define FMT_W8 8
+#define FMT_F8 9
+__host__ __device__ constexpr int fmt_bits(int fmt) { return fmt == FMT_F8 ? 8 : fmt; }
+
+// Two e4m3 bytes, in the high byte of each half of t, as f16 values times 2^-8.
+__device__ __forceinline__ __half2 f8_pair(unsigned t) {
+    const unsigned h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+    return *reinterpret_cast<const __half2*>(&h);
+}
+
+// A group's (scale, zero) as floats: the halves of its slot, or FP8's f32 scale and zero 0.
+template <int FMT>
+__device__ __forceinline__ float2 group_scale(__half2 slot) {
+    if (FMT == FMT_F8) return make_float2(__uint_as_float(*reinterpret_cast<const unsigned*>(&slot)), 0.0f);
+    return __half22float2(slot);
+}
+
+template <int FMT>
 struct IntPairs {
+    static constexpr int BITS = fmt_bits(FMT);
     static constexpr int N = 32 / BITS / 2;
     __half2 v[N];
     __device__ __forceinline__ IntPairs(unsigned w, __half2 base, __half2 base16) {
-        if (BITS == 4) {
+        if (FMT == FMT_F8) {
+            // Bytes 0 and 2, then 1 and 3 (the columns W8's pairs hold); base is not used.
+            v[0] = f8_pair(__byte_perm(w, 0, 0x2404));
+            v[1] = f8_pair(__byte_perm(w, 0, 0x3414));
+        } else if (BITS == 4) {
             const unsigned lo_mask = 0x000f000f, hi_mask = 0x00f000f0, ex = 0x64006400;
             const __half2 sixteenth = __float2half2_rn(0.0625f);
 #pragma unroll
@@ -637,16 +668,16 @@ struct IntPairs {
 
 // pa[r] and pb[r] += sum over one load's 128 / BITS columns from c of (q - zero) * x[r, c + i],
 // for the loads ra and rb of two weight rows that share x's reads.
-template <int BITS, int ROWS>
+template <int FMT, int ROWS>
 __device__ __forceinline__ void int_dot2(const float* __restrict__ x, int k, int c, uint4 ra,
                                          uint4 rb, __half2 base_a, __half2 base16_a,
                                          __half2 base_b, __half2 base16_b, float pa[ROWS],
                                          float pb[ROWS]) {
-    constexpr int PER = 32 / BITS;
+    constexpr int PER = 32 / fmt_bits(FMT);
     const unsigned wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-        const IntPairs<BITS> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
+        const IntPairs<FMT> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             float xs[PER];
@@ -660,9 +691,9 @@ __device__ __forceinline__ void int_dot2(const float* __restrict__ x, int k, int
                 xs[4 * v + 3] = t.w;
             }
 #pragma unroll
-            for (int p = 0; p < IntPairs<BITS>::N; ++p) {
+            for (int p = 0; p < IntPairs<FMT>::N; ++p) {
                 const float2 fa = __half22float2(qa.v[p]), fb = __half22float2(qb.v[p]);
-                const int lo = IntPairs<BITS>::lo_col(p), hi = IntPairs<BITS>::hi_col(p);
+                const int lo = IntPairs<FMT>::lo_col(p), hi = IntPairs<FMT>::hi_col(p);
                 pa[r] = fmaf(fa.x, xs[lo], pa[r]);
                 pa[r] = fmaf(fa.y, xs[hi], pa[r]);
                 pb[r] = fmaf(fb.x, xs[lo], pb[r]);
@@ -695,28 +726,28 @@ __device__ __forceinline__ void int_bases(float zero, __half2& base, __half2& ba
 
 // acc_a[r] and acc_b[r] += this lane's share of x[r, :] . rows a and b over the chunks of loads
 // u0 .. u0 + IW_LOADS held in ra and rb.
-template <int BITS, int ROWS>
+template <int FMT, int ROWS>
 __device__ __forceinline__ void int_pair_part(const float* __restrict__ x,
                                               const __half2* __restrict__ sz, int groups,
                                               int group, int a, int b, int k, int u0,
                                               const uint4 ra[IW_LOADS], const uint4 rb[IW_LOADS],
                                               float acc_a[ROWS], float acc_b[ROWS]) {
-    constexpr int COLS = 128 / BITS;
+    constexpr int COLS = 128 / fmt_bits(FMT);
     const int chunks = k / COLS, lane = threadIdx.x % WARP;
 #pragma unroll
     for (int u = 0; u < IW_LOADS; ++u) {
         const int ch = lane + (u0 + u) * WARP;
         if (ch < chunks) {
             const int c = ch * COLS;
-            const float2 sa = __half22float2(__ldg(sz + (size_t)a * groups + c / group));
-            const float2 sb = __half22float2(__ldg(sz + (size_t)b * groups + c / group));
+            const float2 sa = group_scale<FMT>(__ldg(sz + (size_t)a * groups + c / group));
+            const float2 sb = group_scale<FMT>(__ldg(sz + (size_t)b * groups + c / group));
             __half2 base_a, base16_a, base_b, base16_b;
             int_bases(sa.y, base_a, base16_a);
             int_bases(sb.y, base_b, base16_b);
             float pa[ROWS], pb[ROWS];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) pa[r] = pb[r] = 0.0f;
-            int_dot2<BITS, ROWS>(x, k, c, ra[u], rb[u], base_a, base16_a, base_b, base16_b, pa,
+            int_dot2<FMT, ROWS>(x, k, c, ra[u], rb[u], base_a, base16_a, base_b, base16_b, pa,
                                  pb);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -731,14 +762,14 @@ __device__ __forceinline__ void int_pair_part(const float* __restrict__ x,
 // takes pairs p, p + warps, ...: pair p is weight rows 2p and 2p + 1 (output columns), or with
 // SWIGLU gate row p and up row m + p (output column p). Launched under programmatic dependent
 // launch where the GPU has it: the first loads go out before grid_wait.
-template <int BITS, bool NORM, bool SWIGLU, int ROWS>
+template <int FMT, bool NORM, bool SWIGLU, int ROWS>
 __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
                                          const float* __restrict__ norm_w, float eps,
                                          const unsigned* __restrict__ w,
                                          const float* __restrict__ bias, int has_bias,
                                          float* __restrict__ out, int accumulate, int m, int k,
                                          const __half2* __restrict__ sz, int group) {
-    constexpr int COLS = 128 / BITS;
+    constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS;
     const int loads = (k / COLS + WARP - 1) / WARP, groups = k / group;
     const int pairs = SWIGLU ? m : (m + 1) / 2;
     const int warps = gridDim.x * (blockDim.x / WARP);
@@ -772,7 +803,7 @@ __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
                 int_loads<BITS>(w, row_a(p + warps), k, 0, na);
                 int_loads<BITS>(w, row_b(p + warps), k, 0, nb);
             }
-            int_pair_part<BITS, ROWS>(xr, sz, groups, group, a, b, k, u0, ra, rb, acc_a, acc_b);
+            int_pair_part<FMT, ROWS>(xr, sz, groups, group, a, b, k, u0, ra, rb, acc_a, acc_b);
             if (more || next_pair) {
 #pragma unroll
                 for (int u = 0; u < IW_LOADS; ++u) {
@@ -807,35 +838,39 @@ __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
 
 // The same signatures as GEMV_KERNEL's and SWIGLU_KERNEL's with the weights as words, and the
 // scales and zeros and their group size last.
-#define INT_GEMV_KERNEL(NAME, BITS, NORM, ROWS)                                                   \
+#define INT_GEMV_KERNEL(NAME, FMT, NORM, ROWS)                                                    \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
         float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
         int group) {                                                                              \
-        int_gemv<BITS, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m,  \
+        int_gemv<FMT, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m,   \
                                           k, sz, group);                                          \
     }
-#define INT_SWIGLU_KERNEL(NAME, BITS, NORM, ROWS)                                                 \
+#define INT_SWIGLU_KERNEL(NAME, FMT, NORM, ROWS)                                                  \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
         const __half2* __restrict__ sz, int group) {                                              \
-        int_gemv<BITS, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k, sz,   \
+        int_gemv<FMT, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k, sz,    \
                                          group);                                                  \
     }
-#define FOR_INT_ROWS(KERNEL, NAME, BITS, NORM)                                  \
-    KERNEL(NAME, BITS, NORM, 1) KERNEL(NAME, BITS, NORM, 2) KERNEL(NAME, BITS, NORM, 3) \
-    KERNEL(NAME, BITS, NORM, 4)
+#define FOR_INT_ROWS(KERNEL, NAME, FMT, NORM)                                                  \
+    KERNEL(NAME, FMT, NORM, 1) KERNEL(NAME, FMT, NORM, 2) KERNEL(NAME, FMT, NORM, 3) \
+    KERNEL(NAME, FMT, NORM, 4)
 
-FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w4, 4, false)
-FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w4, 4, false)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w8, 8, false)
-FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w8, 8, true)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w8, 8, false)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, 8, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_f8, FMT_F8, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 
 // ---- Integer GEMVs on the tensor cores (mma.sync m16n8k16) ----
 //
@@ -996,11 +1031,12 @@ __device__ __forceinline__ void mma_16816(float d[4], __half2 a0, __half2 a1, __
 // acc (this lane's C fragment: rows g, g + 8 of the tile, x rows 2t, 2t + 1) += batch b's
 // products, the lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb.
 // The hi and lo halves of x go to two accumulators (two chains of dependent mma, not one).
-template <int BITS, int ROWS>
+template <int FMT, int ROWS>
 __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 la, uint4 lb,
                                          __half2 za, __half2 zb, float acc[4]) {
+    constexpr int BITS = fmt_bits(FMT);
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, ch = 4 * b + t;
-    const float2 sa = __half22float2(za), sb = __half22float2(zb);
+    const float2 sa = group_scale<FMT>(za), sb = group_scale<FMT>(zb);
     __half2 base_a, base16_a, base_b, base16_b;
     int_bases(sa.y, base_a, base16_a);
     int_bases(sb.y, base_b, base16_b);
@@ -1008,7 +1044,7 @@ __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 l
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-        const IntPairs<BITS> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
+        const IntPairs<FMT> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
         if (BITS == 4) {
             uint4 hi = make_uint4(0, 0, 0, 0), lo = hi;
             if (g < ROWS) {
@@ -1037,14 +1073,14 @@ __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 l
     acc[3] = fmaf(sb.x, d[3] + e[3], acc[3]);
 }
 
-template <int BITS, bool NORM, bool SWIGLU, int ROWS>
+template <int FMT, bool NORM, bool SWIGLU, int ROWS>
 __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                                              const float* __restrict__ norm_w, float eps,
                                              const unsigned* __restrict__ w,
                                              const float* __restrict__ bias, int has_bias,
                                              float* __restrict__ out, int accumulate, int m,
                                              int k, const __half2* __restrict__ sz, int group) {
-    constexpr int COLS = 128 / BITS, BATCH = 4 * COLS;
+    constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, BATCH = 4 * COLS;
     float4* st = reinterpret_cast<float4*>(gemv_staged);
     float4* part = st + (size_t)ROWS * k / 4;  // [2][IM_WARPS][WARP]
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -1104,7 +1140,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
 #pragma unroll
             for (int u = 0; u < IM_STEP; ++u) {
                 const int b = warp + (s0 + u) * IM_WARPS;
-                if (b < batches) im_batch<BITS, ROWS>(st, k, b, la[u], lb[u], za[u], zb[u], acc);
+                if (b < batches) im_batch<FMT, ROWS>(st, k, b, la[u], lb[u], za[u], zb[u], acc);
             }
             if (more || next) {
 #pragma unroll
@@ -1157,32 +1193,36 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
     }
 }
 
-#define INT_MMA_GEMV_KERNEL(NAME, BITS, NORM, ROWS)                                               \
+#define INT_MMA_GEMV_KERNEL(NAME, FMT, NORM, ROWS)                                                \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
         float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
         int group) {                                                                              \
-        int_mma_gemv<BITS, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, \
+        int_mma_gemv<FMT, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate,  \
                                               m, k, sz, group);                                   \
     }
-#define INT_MMA_SWIGLU_KERNEL(NAME, BITS, NORM, ROWS)                                             \
+#define INT_MMA_SWIGLU_KERNEL(NAME, FMT, NORM, ROWS)                                              \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
         const __half2* __restrict__ sz, int group) {                                              \
-        int_mma_gemv<BITS, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k,   \
+        int_mma_gemv<FMT, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k,    \
                                              sz, group);                                          \
     }
 
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w4, 4, false)
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w4, 4, false)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w8, 8, false)
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w8, 8, true)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w8, 8, false)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_f8, FMT_F8, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 
 // An integer matrix as f16 [m, k], for the tensor-core GEMMs of prefill and batches (into a
 // scratch buffer the GEMM then reads). A batch of 64 rows dequantizes every matrix each step,
@@ -1190,17 +1230,18 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
 // and writes its halves in 16-byte stores, one row division per load. One value at a time (a
 // 2-byte store and a 64-bit division each) it ran at about a quarter of the copy bandwidth.
 // Same f32 arithmetic and rounding as before, value for value.
-template <int BITS>
+template <int FMT>
 __device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
                                             const __half2* __restrict__ sz, int group,
                                             __half* __restrict__ out, int m, int k) {
-    constexpr int COLS = 128 / BITS, PER = 32 / BITS, MASK = (1 << BITS) - 1;
+    constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, PER = 32 / BITS;
+    constexpr unsigned MASK = (1u << BITS) - 1;
     const size_t row_loads = k / COLS, n = (size_t)m * row_loads;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const size_t row = i / row_loads;
         const int c0 = (int)(i - row * row_loads) * COLS;
-        const float2 s = __half22float2(sz[row * (k / group) + c0 / group]);
+        const float2 s = group_scale<FMT>(sz[row * (k / group) + c0 / group]);
         const uint4 raw = load_stream16(w + i * 4);
         const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
         uint4* o = reinterpret_cast<uint4*>(out + row * k + c0);
@@ -1210,10 +1251,21 @@ __device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
 #pragma unroll
             for (int h = 0; h < 4; ++h) {
                 const int e = q * 8 + 2 * h;
-                const unsigned qa = (words[e / PER] >> (BITS * (e % PER))) & MASK;
-                const unsigned qb = (words[(e + 1) / PER] >> (BITS * ((e + 1) % PER))) & MASK;
-                const __half2 v =
-                    __floats2half2_rn(((float)qa - s.y) * s.x, ((float)qb - s.y) * s.x);
+                float a, b;
+                if (FMT == FMT_F8) {
+                    // Bytes e and e + 1 (one word: e is even) into the halves' high bytes.
+                    const unsigned two = words[e / PER] >> (8 * (e % PER));
+                    const float2 f =
+                        __half22float2(f8_pair(((two & 0xffu) << 8) | ((two & 0xff00u) << 16)));
+                    a = f.x * s.x;
+                    b = f.y * s.x;
+                } else {
+                    const unsigned qa = (words[e / PER] >> (BITS * (e % PER))) & MASK;
+                    const unsigned qb = (words[(e + 1) / PER] >> (BITS * ((e + 1) % PER))) & MASK;
+                    a = ((float)qa - s.y) * s.x;
+                    b = ((float)qb - s.y) * s.x;
+                }
+                const __half2 v = __floats2half2_rn(a, b);
                 packed[h] = *reinterpret_cast<const unsigned*>(&v);
             }
             o[q] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -1223,12 +1275,17 @@ __device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
 extern "C" __global__ void dequant_w4_f16(const unsigned* __restrict__ w,
                                           const __half2* __restrict__ sz, int group,
                                           __half* __restrict__ out, int m, int k) {
-    dequant_int<4>(w, sz, group, out, m, k);
+    dequant_int<FMT_W4>(w, sz, group, out, m, k);
 }
 extern "C" __global__ void dequant_w8_f16(const unsigned* __restrict__ w,
                                           const __half2* __restrict__ sz, int group,
                                           __half* __restrict__ out, int m, int k) {
-    dequant_int<8>(w, sz, group, out, m, k);
+    dequant_int<FMT_W8>(w, sz, group, out, m, k);
+}
+extern "C" __global__ void dequant_f8_f16(const unsigned* __restrict__ w,
+                                          const __half2* __restrict__ sz, int group,
+                                          __half* __restrict__ out, int m, int k) {
+    dequant_int<FMT_F8>(w, sz, group, out, m, k);
 }
 
 // A random-weight model's integer matrix (cuda/src/quant.rs's random_int): value e (row-major)

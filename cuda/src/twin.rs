@@ -1351,9 +1351,9 @@ pub fn self_check_cases() -> Vec<Case> {
     ] {
         cases.extend(Case::linears(n, k, m));
     }
-    // Integer weights: each GEMV (odd output counts: a warp's second row missing), and the
-    // dequantized GEMM past 4 rows.
-    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+    // Integer and FP8 weights: each GEMV (odd output counts: a warp's second row missing), and
+    // the dequantized GEMM past 4 rows.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         // k = 96 is no whole batch of the tensor-core GEMVs (128 columns at 4 bits, 64 at 8):
         // the CUDA-core ones take it.
         for (n, k, m) in [

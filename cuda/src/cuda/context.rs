@@ -16,6 +16,7 @@ use super::kernels::{
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
 use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM};
+use super::tensor::IntFormat;
 use super::{lt, staging};
 use crate::{Error, Result};
 
@@ -459,16 +460,16 @@ fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>)
     let streamed = [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
         .into_iter()
         .map(|g| (g, true));
-    let int_normed = [4, 8].into_iter().flat_map(|bits| {
+    let int_normed = IntFormat::ALL.into_iter().flat_map(|format| {
         [Gemv::Normed, Gemv::NormedSwiglu]
             .into_iter()
-            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_kernel(bits, r)))
+            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_kernel(format, r)))
     });
     // The tensor-core integer GEMVs stage x whether normed or not.
-    let int_mma = [4, 8].into_iter().flat_map(|bits| {
+    let int_mma = IntFormat::ALL.into_iter().flat_map(|format| {
         [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
             .into_iter()
-            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_mma_kernel(bits, r)))
+            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_mma_kernel(format, r)))
     });
     let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
         .into_iter()

@@ -15,8 +15,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use super::error::cuda_err;
 use super::kernels::{Gemv, GEMV_WARPS};
 use super::launch::arg;
-use super::tensor::{IntWeight, WeightData};
+use super::tensor::{IntFormat, IntWeight, WeightData};
 use super::{CudaBackend, CudaTensor, CudaWeight};
+use crate::quant::fp8::Fp8Matrix;
 use crate::quant::{random_int_scale, IntMatrix, QuantizeTo, QUANTIZE_GROUP};
 use crate::{Error, Result};
 
@@ -101,14 +102,67 @@ impl CudaBackend {
         let sz = stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
-        self.int_weight(vec![m.out, m.inp], m.bits, m.group, words, sz)
+        self.int_weight(
+            vec![m.out, m.inp],
+            IntFormat::of_bits(m.bits),
+            m.group,
+            words,
+            sz,
+        )
+    }
+
+    /// An FP8 matrix as the integer kernels read it in their FP8 form (FMT_F8): the e4m3
+    /// bytes as 8-bit words and, per row and group of columns (a block's columns, or the whole
+    /// row where one scale covers it), the block's scale times 2^8 as an f32 in the (scale,
+    /// zero) slot. A block grid that does not split into whole 16-byte loads stays f16 (exact:
+    /// dequantized at load).
+    pub(super) fn upload_fp8_weight_impl(&self, m: &Fp8Matrix) -> Result<CudaWeight> {
+        let [block_rows, block_cols] = m.block;
+        let group = block_cols.min(m.inp);
+        let cols = load_cols(8);
+        if m.inp % group != 0 || group % cols != 0 || m.inp % cols != 0 {
+            tracing::info!(
+                shape = ?[m.out, m.inp],
+                block = ?m.block,
+                "an FP8 matrix whose scale blocks are not whole 16-byte loads is kept as f16 on \
+                 the GPU"
+            );
+            return self.upload_weight_impl(&m.dequantize());
+        }
+        use rayon::prelude::*;
+        let words: Vec<u32> =
+            m.q.par_chunks(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+        let [_, grid_cols] = m.grid();
+        let groups = m.inp / group;
+        let sz: Vec<half::f16> = (0..m.out * groups)
+            .flat_map(|i| {
+                let (row, g) = (i / groups, i % groups);
+                let scale = m.scales[(row / block_rows) * grid_cols + g * group / block_cols];
+                // The kernels' e4m3 values are 2^-8 of the real ones: a power of two, exact.
+                let bits = (scale * 256.0).to_bits();
+                [
+                    half::f16::from_bits(bits as u16),
+                    half::f16::from_bits((bits >> 16) as u16),
+                ]
+            })
+            .collect();
+        let stream = &self.inner.stream;
+        let words = stream
+            .clone_htod(&words)
+            .map_err(|e| cuda_err("uploading an FP8 weight")(&e))?;
+        let sz = stream
+            .clone_htod(&sz)
+            .map_err(|e| cuda_err("uploading an FP8 weight's scales")(&e))?;
+        self.int_weight(vec![m.out, m.inp], IntFormat::E4m3, group, words, sz)
     }
 
     /// The weight, and the dequantization scratch grown to hold it.
     fn int_weight(
         &self,
         shape: Vec<usize>,
-        bits: u32,
+        format: IntFormat,
         group: usize,
         words: CudaSlice<u32>,
         sz: CudaSlice<half::f16>,
@@ -122,7 +176,7 @@ impl CudaBackend {
         Ok(CudaWeight {
             shape,
             data: WeightData::Int(Arc::new(IntWeight {
-                bits,
+                format,
                 group,
                 words,
                 sz,
@@ -159,7 +213,7 @@ impl CudaBackend {
             .stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
-        self.int_weight(shape.to_vec(), bits, group, words, sz)
+        self.int_weight(shape.to_vec(), IntFormat::of_bits(bits), group, words, sz)
     }
 
     /// The weights' rows one after another: integer weights of one bit width and group stay
@@ -183,12 +237,12 @@ impl CudaBackend {
         let ints: Option<Vec<&IntWeight>> = parts.iter().map(|p| p.as_int()).collect();
         if let Some(ints) = ints.filter(|i| {
             i.iter()
-                .all(|w| (w.bits, w.group) == (i[0].bits, i[0].group))
+                .all(|w| (w.format, w.group) == (i[0].format, i[0].group))
         }) {
-            let (bits, group) = (ints[0].bits, ints[0].group);
+            let (format, group) = (ints[0].format, ints[0].group);
             let words = self.concat(ints.iter().map(|w| &w.words))?;
             let sz = self.concat(ints.iter().map(|w| &w.sz))?;
-            return self.int_weight(vec![rows, cols], bits, group, words, sz);
+            return self.int_weight(vec![rows, cols], format, group, words, sz);
         }
         let dense: Vec<CudaSlice<half::f16>> = parts
             .iter()
@@ -244,13 +298,13 @@ impl CudaBackend {
         out: &mut CudaSlice<half::f16>,
     ) -> Result<()> {
         let (m, k) = (shape[0] as i32, shape[1] as i32);
-        let name = if iw.bits == 4 {
-            "dequant_w4_f16"
-        } else {
-            "dequant_w8_f16"
+        let name = match iw.format {
+            IntFormat::W4 => "dequant_w4_f16",
+            IntFormat::W8 => "dequant_w8_f16",
+            IntFormat::E4m3 => "dequant_f8_f16",
         };
         // One thread a 16-byte load of words.
-        let n = (shape[0] * shape[1] / load_cols(iw.bits)) as u64;
+        let n = (shape[0] * shape[1] / load_cols(iw.format.bits())) as u64;
         let group = iw.group as i32;
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&iw.words)
@@ -292,7 +346,7 @@ impl CudaBackend {
         m: usize,
     ) -> Result<()> {
         let swiglu = matches!(kind, Gemv::Swiglu | Gemv::NormedSwiglu);
-        let batch = 4 * load_cols(iw.bits);
+        let batch = 4 * load_cols(iw.format.bits());
         let mma_staged = x.len() * std::mem::size_of::<f32>() + MMA_PART_BYTES;
         let mma = tensor_core_gemv()
             && x.cols() % batch == 0
@@ -305,7 +359,7 @@ impl CudaBackend {
             } else {
                 m.div_ceil(16)
             };
-            (kind.int_mma_kernel(iw.bits, x.rows()), mma_staged, tiles)
+            (kind.int_mma_kernel(iw.format, x.rows()), mma_staged, tiles)
         } else {
             let pairs = if swiglu { m } else { m.div_ceil(2) };
             let staged = if kind.normed() {
@@ -313,7 +367,7 @@ impl CudaBackend {
             } else {
                 0
             };
-            let name = kind.int_kernel(iw.bits, x.rows());
+            let name = kind.int_kernel(iw.format, x.rows());
             (name, staged, pairs.div_ceil(GEMV_WARPS as usize))
         };
         let block = GEMV_WARPS * 32;

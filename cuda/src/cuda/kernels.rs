@@ -2,6 +2,7 @@
 //! Rust side shares with them (`#define`d into every source), and the text NVRTC compiles.
 
 use super::compile::compile_ptx;
+use super::tensor::IntFormat;
 use crate::sampling::{LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_BINS, SAMPLE_LIST, SAMPLE_WORDS};
 use crate::{Error, Result};
 
@@ -366,7 +367,9 @@ pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
 pub(super) const STREAM_STAGED: usize = 8;
 
 /// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows: the four
-/// kinds below, then the same four streamed (run under programmatic dependent launch).
+/// kinds below, then the same four streamed (run under programmatic dependent launch); in
+/// [`GEMV_KERNELS`] after them the integer ones (int_gemv) and the tensor-core integer ones
+/// (int_mma_gemv), the four kinds for each [`IntFormat`] in order.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Gemv {
     Plain,
@@ -376,7 +379,7 @@ pub(super) enum Gemv {
     NormedSwiglu,
 }
 
-pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 32] = [
     [
         "gemv_f16w_r1",
         "gemv_f16w_r2",
@@ -464,6 +467,26 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
         "rms_norm_swiglu_gemv_w8_r3",
         "rms_norm_swiglu_gemv_w8_r4",
     ],
+    // FP8 e4m3 weights through the same kernels (FMT_F8).
+    ["gemv_f8_r1", "gemv_f8_r2", "gemv_f8_r3", "gemv_f8_r4"],
+    [
+        "rms_norm_gemv_f8_r1",
+        "rms_norm_gemv_f8_r2",
+        "rms_norm_gemv_f8_r3",
+        "rms_norm_gemv_f8_r4",
+    ],
+    [
+        "swiglu_gemv_f8_r1",
+        "swiglu_gemv_f8_r2",
+        "swiglu_gemv_f8_r3",
+        "swiglu_gemv_f8_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_f8_r1",
+        "rms_norm_swiglu_gemv_f8_r2",
+        "rms_norm_swiglu_gemv_f8_r3",
+        "rms_norm_swiglu_gemv_f8_r4",
+    ],
     // The integer GEMVs on the tensor cores (int_mma_gemv), in the same order.
     [
         "mma_gemv_w4_r1",
@@ -513,6 +536,30 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
         "mma_rms_norm_swiglu_gemv_w8_r3",
         "mma_rms_norm_swiglu_gemv_w8_r4",
     ],
+    [
+        "mma_gemv_f8_r1",
+        "mma_gemv_f8_r2",
+        "mma_gemv_f8_r3",
+        "mma_gemv_f8_r4",
+    ],
+    [
+        "mma_rms_norm_gemv_f8_r1",
+        "mma_rms_norm_gemv_f8_r2",
+        "mma_rms_norm_gemv_f8_r3",
+        "mma_rms_norm_gemv_f8_r4",
+    ],
+    [
+        "mma_swiglu_gemv_f8_r1",
+        "mma_swiglu_gemv_f8_r2",
+        "mma_swiglu_gemv_f8_r3",
+        "mma_swiglu_gemv_f8_r4",
+    ],
+    [
+        "mma_rms_norm_swiglu_gemv_f8_r1",
+        "mma_rms_norm_swiglu_gemv_f8_r2",
+        "mma_rms_norm_swiglu_gemv_f8_r3",
+        "mma_rms_norm_swiglu_gemv_f8_r4",
+    ],
 ];
 
 impl Gemv {
@@ -521,14 +568,14 @@ impl Gemv {
         GEMV_KERNELS[self as usize + if streamed { 4 } else { 0 }][rows - 1]
     }
 
-    /// The integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
-    pub(super) fn int_kernel(self, bits: u32, rows: usize) -> &'static str {
-        GEMV_KERNELS[8 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
+    /// The integer-weight kernel of `format` for `rows` input rows.
+    pub(super) fn int_kernel(self, format: IntFormat, rows: usize) -> &'static str {
+        GEMV_KERNELS[8 + 4 * format as usize + self as usize][rows - 1]
     }
 
-    /// The tensor-core integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
-    pub(super) fn int_mma_kernel(self, bits: u32, rows: usize) -> &'static str {
-        GEMV_KERNELS[16 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
+    /// The tensor-core integer-weight kernel of `format` for `rows` input rows.
+    pub(super) fn int_mma_kernel(self, format: IntFormat, rows: usize) -> &'static str {
+        GEMV_KERNELS[20 + 4 * format as usize + self as usize][rows - 1]
     }
 
     pub(super) fn normed(self) -> bool {
