@@ -51,6 +51,22 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "dequant_w4_f16",
             "dequant_w8_f16",
             "fill_random_int",
+            INT_GEMM_KERNELS[0],
+            INT_GEMM_KERNELS[1],
+            INT_GEMM_KERNELS[2],
+            INT_GEMM_KERNELS[3],
+            INT_GEMM_KERNELS[4],
+            INT_GEMM_KERNELS[5],
+            INT_GEMM_KERNELS[6],
+            INT_GEMM_KERNELS[7],
+            INT_GEMM_KERNELS[8],
+            INT_GEMM_KERNELS[9],
+            INT_GEMM_KERNELS[10],
+            INT_GEMM_KERNELS[11],
+            INT_GEMM_KERNELS[12],
+            INT_GEMM_KERNELS[13],
+            INT_GEMM_KERNELS[14],
+            INT_GEMM_KERNELS[15],
         ],
         per_rows: &GEMV_KERNELS,
         sm90a: false,
@@ -514,6 +530,38 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
         "mma_rms_norm_swiglu_gemv_w8_r4",
     ],
 ];
+
+/// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): bits 4 then
+/// 8; n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then f16 output.
+pub(super) const INT_GEMM_KERNELS: [&str; 16] = [
+    "int_gemm_w4_n1_f32",
+    "int_gemm_w4_n1_f16",
+    "int_gemm_w4_n2_f32",
+    "int_gemm_w4_n2_f16",
+    "int_gemm_w4_n4_f32",
+    "int_gemm_w4_n4_f16",
+    "int_gemm_w4_n8_f32",
+    "int_gemm_w4_n8_f16",
+    "int_gemm_w8_n1_f32",
+    "int_gemm_w8_n1_f16",
+    "int_gemm_w8_n2_f32",
+    "int_gemm_w8_n2_f16",
+    "int_gemm_w8_n4_f32",
+    "int_gemm_w8_n4_f16",
+    "int_gemm_w8_n8_f32",
+    "int_gemm_w8_n8_f16",
+];
+
+/// The integer GEMM's n8 tiles for `rows` (1..=64) rows of x: 1, 2, 4 or 8.
+pub(super) fn int_gemm_tiles(rows: usize) -> usize {
+    rows.div_ceil(8).next_power_of_two()
+}
+
+/// The integer GEMM kernel of `bits` (4 or 8) for `rows` (1..=64) rows, f16 output or f32.
+pub(super) fn int_gemm_kernel(bits: u32, rows: usize, f16_out: bool) -> &'static str {
+    let tiles = int_gemm_tiles(rows).trailing_zeros() as usize;
+    INT_GEMM_KERNELS[if bits == 8 { 8 } else { 0 } + 2 * tiles + f16_out as usize]
+}
 
 impl Gemv {
     /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
