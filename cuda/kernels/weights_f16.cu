@@ -1227,13 +1227,13 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
 // Needs k a multiple of IG_K, group a multiple of the loads' columns and either a multiple of
 // 128 or a divisor of it (at most 4 groups a stage), n <= 64: the host falls back to the
 // dequantization otherwise.
-#define IG_WARPS 8
+//
+// IG_WARPS, IG_K, IG_STAGES and IG_SZ_SLOTS (the (scale, zero) a row a stage) are #defined by
+// the host (cuda/src/cuda/kernels.rs), which sizes the shared memory from them.
 #define IG_ROWS (IG_WARPS * 32)
-#define IG_K 128
-#define IG_STAGES 3
-#define IG_SZ_SLOTS 4
 
-// Bytes of one stage's shared memory (the host computes the same: int_gemm_smem).
+// Bytes of one stage's shared memory (the host computes the same: int_gemm_smem in
+// int_weights.rs).
 template <int BITS, int NT>
 __host__ __device__ constexpr int ig_stage_bytes() {
     return IG_ROWS * IG_K * BITS / 8 + NT * 8 * IG_K * 2 + IG_ROWS * IG_SZ_SLOTS * 4;

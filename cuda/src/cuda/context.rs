@@ -15,7 +15,7 @@ use super::kernels::{
     FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
-use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM};
+use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS};
 use super::{lt, staging};
 use crate::{Error, Result};
 
@@ -65,6 +65,9 @@ pub(super) struct Inner {
     /// Where an integer weight is dequantized to f16 for a GEMM (int_weights.rs): as large as
     /// the largest integer weight uploaded.
     pub(super) dequant_scratch: std::sync::Mutex<Option<CudaSlice<half::f16>>>,
+    /// One lock per 256-row block of the integer GEMM (int_weights.rs, `launch_int_gemm`):
+    /// which of its k splits adds into the output next. Each launch leaves them at 0 again.
+    pub(super) int_gemm_locks: CudaSlice<i32>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -217,6 +220,9 @@ impl CudaBackend {
         let gemv_ticket = stream
             .alloc_zeros::<u32>(2)
             .map_err(|e| cuda_err("allocating the GEMV ticket")(&e))?;
+        let int_gemm_locks = stream
+            .alloc_zeros::<i32>(super::int_weights::INT_GEMM_LOCKS)
+            .map_err(|e| cuda_err("allocating the integer GEMM's locks")(&e))?;
         // `VLM_PDL=0` turns programmatic dependent launch off (to compare).
         let programmatic =
             programmatic_capable(cc) && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
@@ -242,6 +248,7 @@ impl CudaBackend {
                 recording: std::sync::Mutex::new(None),
                 side_stream,
                 dequant_scratch: std::sync::Mutex::new(None),
+                int_gemm_locks,
             }),
         })
     }
@@ -476,6 +483,7 @@ fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>)
         .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
         .chain(int_normed)
         .chain(int_mma)
+        .chain(INT_GEMM_KERNELS)
         .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
     Ok(if opted_in {
         dynamic

@@ -531,6 +531,15 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
     ],
 ];
 
+/// The tensor-core integer GEMM's tiles (weights_f16.cu's int_mma_gemm, `IG_*` there): warps a
+/// block (32 weight rows each), columns a k stage, stages in shared memory at once, (scale,
+/// zero) slots a weight row a stage (so groups of at least IG_K / 4 columns), and x's rows.
+pub(super) const INT_GEMM_WARPS: usize = 8;
+pub(super) const INT_GEMM_K: usize = 128;
+pub(super) const INT_GEMM_STAGES: usize = 3;
+pub(super) const INT_GEMM_SZ_SLOTS: usize = 4;
+pub(super) const INT_GEMM_MAX_ROWS: usize = 64;
+
 /// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): bits 4 then
 /// 8; n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then f16 output.
 pub(super) const INT_GEMM_KERNELS: [&str; 16] = [
@@ -596,7 +605,9 @@ fn shared_defines() -> String {
          #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
          #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
          #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
-         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n"
+         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n\
+         #define IG_WARPS {INT_GEMM_WARPS}\n#define IG_K {INT_GEMM_K}\n\
+         #define IG_STAGES {INT_GEMM_STAGES}\n#define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n"
     )
 }
 
