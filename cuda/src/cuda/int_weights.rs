@@ -1,8 +1,10 @@
 //! Integer-quantized weights on the GPU (W4A16, W8A16): upload in the layout the kernels read
 //! (`IntWeight`), random ones for `--random-weights --quantize`, stacking (q/k/v, gate/up), the
-//! GEMV launches for decode rows, and an f16 view for the tensor-core GEMMs of more rows
-//! (dequantized into one scratch buffer as large as the largest matrix). Kernels in
-//! `cuda/kernels/weights_f16.cu` (`int_gemv`, `dequant_int`, `fill_random_int`).
+//! GEMV launches for decode rows, the tensor-core integer GEMM for batches of up to 64 rows
+//! (the packed weights read once), and an f16 view for cuBLAS past that or where the GEMM does
+//! not take the shape (dequantized into one scratch buffer as large as the largest matrix).
+//! Kernels in `cuda/kernels/weights_f16.cu` (`int_gemv`, `int_mma_gemv`, `int_mma_gemm`,
+//! `dequant_int`, `fill_random_int`).
 //!
 //! A matrix the integer kernels cannot take stays f16 (dequantized at load, exactly the values
 //! the checkpoint means): GPTQ act order (columns not grouped in order), groups that are not
@@ -46,6 +48,19 @@ fn tensor_core_gemm() -> bool {
 /// The integer GEMM's locks (context.rs): one per block of INT_GEMM_WARPS * 32 weight rows, so
 /// matrices up to 256K rows may split k (larger ones do not).
 pub(super) const INT_GEMM_LOCKS: usize = 1024;
+
+/// The most k splits an integer GEMM launch takes: `VLM_INT_GEMM_SPLITS=n` (at least 1) to
+/// tune; the splits of a block add into the output one after another, so more splits fill
+/// more SMs but lengthen that chain.
+fn int_gemm_max_splits() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("VLM_INT_GEMM_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(usize::MAX, |n: usize| n.max(1))
+    })
+}
 
 /// Weight rows one integer GEMM block owns.
 const INT_GEMM_BLOCK_ROWS: usize = INT_GEMM_WARPS * 32;
@@ -437,6 +452,7 @@ impl CudaBackend {
         } else {
             (self.inner.sm_count / blocks)
                 .min(stages / INT_GEMM_MIN_SPLIT_STAGES)
+                .min(int_gemm_max_splits())
                 .max(1)
         };
         let smem = int_gemm_smem(iw.bits, n);
