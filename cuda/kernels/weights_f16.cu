@@ -1198,7 +1198,7 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
 // 31 as two m16 tiles (MT = 2), against all n of x's rows as NT n8 tiles (NT = 1, 2, 4, 8: n up
 // to 8, 16, 32, 64), so each dequantized A fragment feeds NT mma and each B fragment MT.
 // Accumulators: MT * NT * 4 = 64 floats a lane at NT = 8. ptxas (sm_90, sm_87; no spills):
-// W4 70, 83, 108, 152 registers at NT = 1, 2, 4, 8 (f32 out), W8 71, 89, 111, 161. A block's
+// W4 70, 86, 110, 155 registers at NT = 1, 2, 4, 8 (f32 out, sm_90), W8 71, 87, 138, 165. A block's
 // x stage is read from L2 once per 256 weight rows: at 64 rows and W4 as many bytes as the
 // weights' own; the B fragments are read from shared memory once per warp (per 32 rows).
 //
@@ -1220,12 +1220,15 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
 //
 // Split-k. At m = 4096 the 256-row blocks are 16; the host splits k into S contiguous ranges
 // of stages (S blocks an m-block, adjacent block indices), so that the grid fills the SMs.
-// The splits of an m-block add into the f32 output in order (split s waits until the
-// m-block's lock reads s; Marlin's serialized reduction): the result does not depend on which
-// split finishes first. The last split sets the lock back to 0, so one zeroed lock buffer
-// serves every launch of the stream. Split 0 applies accumulate and the bias; every split
-// adds alpha times its sums. The grid is at most one block an SM, so every split waited on is
-// resident. An f16 output (the next GEMM's operand) takes S = 1 only (no f16 partial sums).
+// Each split writes its sums to a partial tile of its own (f32 [n][256], a workspace of at
+// most one tile an SM), counts in on the m-block's lock and waits until all S have; then
+// split s adds up the s-th part of the tile's elements over splits 0, 1, .. S - 1 in that
+// order and writes them (times alpha, plus the output with accumulate, plus the bias): the
+// result does not depend on which split finishes first, and the adds run on all S blocks at
+// once. The grid is at most one block an SM, so every split waited on is resident. Each split
+// counts in again once past the wait; the last resets the lock to 0, so one zeroed lock
+// buffer serves every launch of the stream. An f16 output (the next GEMM's operand) is
+// written once as well, its sum in f32.
 //
 // Needs k a multiple of IG_K, group a multiple of the loads' columns and either a multiple of
 // 128 or a divisor of it (at most 4 groups a stage), n <= 64: the host falls back to the
@@ -1306,6 +1309,7 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                                              const float* __restrict__ bias, int has_bias,
                                              O* __restrict__ out, int accumulate, float alpha,
                                              int m, int k, int splits,
+                                             float* __restrict__ partials,
                                              int* __restrict__ locks) {
     constexpr int MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
     constexpr int STAGE = ig_stage_bytes<BITS, NT>() / 16;  // in uint4
@@ -1414,42 +1418,61 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 
-    // Splits of the m-block add in order: wait for this one's turn.
-    if (splits > 1 && split > 0) {
-        if (threadIdx.x == 0) {
-            while (atomicAdd(locks + mb, 0) != split) {
-            }
-        }
-        __syncthreads();
-        __threadfence();
+    auto finish = [&](O* o, int j, float sum) {
+        float v = alpha * sum;
+        if (accumulate) v += load_out(o);
+        if (has_bias) v += bias[j];
+        store_out(o, v);
+    };
+    if (splits == 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int row = nt * 8 + 2 * t + (c & 1);
+                    const int j = r0 + warp * 32 + mt * 16 + g + 8 * (c >> 1);
+                    if (row < n && j < m) finish(out + (size_t)row * m + j, j, acc[mt][nt][c]);
+                }
+        return;
     }
-    const bool first = split == 0;
+    // Split k: this split's sums into its partial tile [n][IG_ROWS], then, once every split
+    // of the m-block has written its own (all are resident: the grid is at most one block an
+    // SM), split s adds up the s-th of the tile's elements over splits 0, 1, .. in that order.
+    const int tile = n * IG_ROWS;
+    float* part = partials + (size_t)blockIdx.x * tile;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int row = nt * 8 + 2 * t + (c & 1);
-                const int j = r0 + warp * 32 + mt * 16 + g + 8 * (c >> 1);
-                if (row >= n || j >= m) continue;
-                O* o = out + (size_t)row * m + j;
-                float v = alpha * acc[mt][nt][c];
-                if (first) {
-                    if (accumulate) v += load_out(o);
-                    if (has_bias) v += bias[j];
-                } else {
-                    v += load_out(o);
-                }
-                store_out(o, v);
+                const int col = warp * 32 + mt * 16 + g + 8 * (c >> 1);
+                if (row < n) __stcg(part + row * IG_ROWS + col, acc[mt][nt][c]);
             }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(locks + mb, 1);
+        while (atomicAdd(locks + mb, 0) < splits) {
         }
-    }
-    if (splits > 1) {
         __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicExch(locks + mb, split + 1 == splits ? 0 : split + 1);
     }
+    __syncthreads();
+    const float* first = partials + (size_t)mb * splits * tile;
+    const int e1 = (int)((long long)(split + 1) * tile / splits);
+    for (int e = (int)((long long)split * tile / splits) + threadIdx.x; e < e1; e += blockDim.x) {
+        const int row = e / IG_ROWS, j = r0 + e % IG_ROWS;
+        if (j >= m) continue;
+        float sum = 0.0f;
+        for (int q = 0; q < splits; ++q) sum += __ldcg(first + (size_t)q * tile + e);
+        finish(out + (size_t)row * m + j, j, sum);
+    }
+    // Every split counts in a second time once past the wait; the last sets the lock to 0
+    // for the next launch (none of the m-block's splits is waiting any more).
+    if (threadIdx.x == 0 && atomicAdd(locks + mb, 1) == 2 * splits - 1) atomicExch(locks + mb, 0);
 }
 
 #define INT_GEMM_KERNEL(BITS, NT, O, SUFFIX)                                                       \
@@ -1458,9 +1481,9 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
             const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                   \
             const __half2* __restrict__ sz, int group, const float* __restrict__ bias,             \
             int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,          \
-            int splits, int* __restrict__ locks) {                                                 \
+            int splits, float* __restrict__ partials, int* __restrict__ locks) {                   \
         int_mma_gemm<BITS, NT, O>(x, n, w, sz, group, bias, has_bias, out, accumulate, alpha, m,   \
-                                  k, splits, locks);                                               \
+                                  k, splits, partials, locks);                                     \
     }
 #define INT_GEMM_KERNELS(BITS, NT)           \
     INT_GEMM_KERNEL(BITS, NT, float, f32)    \

@@ -1472,10 +1472,11 @@ pub fn self_check_cases() -> Vec<Case> {
                 });
             }
         }
-        // The MLP: gate/up in f16 out (one split), down (k = 256) accumulating.
+        // The MLP: gate/up in f16 out (k of 8 stages: two splits), down (k = 256, one split)
+        // scaled by alpha and accumulating.
         cases.push(IntGemm {
             n: 24,
-            k: 512,
+            k: 1024,
             m: 256,
             to,
             group: 32,

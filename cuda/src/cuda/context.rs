@@ -66,8 +66,12 @@ pub(super) struct Inner {
     /// the largest integer weight uploaded.
     pub(super) dequant_scratch: std::sync::Mutex<Option<CudaSlice<half::f16>>>,
     /// One lock per 256-row block of the integer GEMM (int_weights.rs, `launch_int_gemm`):
-    /// which of its k splits adds into the output next. Each launch leaves them at 0 again.
+    /// how many of its k splits have written their partial sums. Each launch leaves them at 0
+    /// again.
     pub(super) int_gemm_locks: CudaSlice<i32>,
+    /// The integer GEMM's partial sums of split k: one tile (64 rows x 256 columns, f32) per
+    /// block of a launch, at most one block an SM.
+    pub(super) int_gemm_partials: CudaSlice<f32>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -223,6 +227,9 @@ impl CudaBackend {
         let int_gemm_locks = stream
             .alloc_zeros::<i32>(super::int_weights::INT_GEMM_LOCKS)
             .map_err(|e| cuda_err("allocating the integer GEMM's locks")(&e))?;
+        let int_gemm_partials = stream
+            .alloc_zeros::<f32>(sm_count * super::int_weights::INT_GEMM_PARTIAL_TILE)
+            .map_err(|e| cuda_err("allocating the integer GEMM's partial sums")(&e))?;
         // `VLM_PDL=0` turns programmatic dependent launch off (to compare).
         let programmatic =
             programmatic_capable(cc) && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
@@ -249,6 +256,7 @@ impl CudaBackend {
                 side_stream,
                 dequant_scratch: std::sync::Mutex::new(None),
                 int_gemm_locks,
+                int_gemm_partials,
             }),
         })
     }

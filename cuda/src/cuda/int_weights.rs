@@ -50,8 +50,7 @@ fn tensor_core_gemm() -> bool {
 pub(super) const INT_GEMM_LOCKS: usize = 1024;
 
 /// The most k splits an integer GEMM launch takes: `VLM_INT_GEMM_SPLITS=n` (at least 1) to
-/// tune; the splits of a block add into the output one after another, so more splits fill
-/// more SMs but lengthen that chain.
+/// tune; more splits fill more SMs but write and read more partial sums.
 fn int_gemm_max_splits() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| {
@@ -64,6 +63,9 @@ fn int_gemm_max_splits() -> usize {
 
 /// Weight rows one integer GEMM block owns.
 const INT_GEMM_BLOCK_ROWS: usize = INT_GEMM_WARPS * 32;
+
+/// Floats of one block's partial sums under split k (context.rs holds one per SM).
+pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLOCK_ROWS;
 
 /// Stages of k each split of the integer GEMM takes at least (fewer and the pipeline's fill
 /// and the ordered adds weigh more than the extra blocks give).
@@ -421,8 +423,8 @@ impl CudaBackend {
 
     /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, `n` rows of x16
     /// (already f16), `m` output columns, k = x16's columns: for shapes
-    /// [`Self::int_gemm_takes`] takes. An f32 `out` may split k (the splits add in a fixed
-    /// order); an f16 one is written by one block per 256 rows.
+    /// [`Self::int_gemm_takes`] takes. k may be split over several blocks of the same rows
+    /// (their partial sums added in a fixed order: the result does not depend on timing).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_int_gemm<O: GemmOut>(
         &self,
@@ -445,9 +447,10 @@ impl CudaBackend {
         let name = int_gemm_kernel(iw.bits, n, O::F16);
         let blocks = m.div_ceil(INT_GEMM_BLOCK_ROWS);
         let stages = k / INT_GEMM_K;
-        // Split k until the grid fills the SMs, at most one block an SM (every split an
-        // m-block's next one waits on is resident) and INT_GEMM_MIN_SPLIT_STAGES a split.
-        let splits = if O::F16 || blocks > INT_GEMM_LOCKS {
+        // Split k until the grid fills the SMs, at most one block an SM (the splits of an
+        // m-block wait for each other: all must be resident; the partial sums hold one tile
+        // an SM) and INT_GEMM_MIN_SPLIT_STAGES a split.
+        let splits = if blocks > INT_GEMM_LOCKS {
             1
         } else {
             (self.inner.sm_count / blocks)
@@ -482,6 +485,7 @@ impl CudaBackend {
         };
         let (op, _o) = out.device_ptr_mut(stream);
         let (lp, _l) = self.inner.int_gemm_locks.device_ptr(stream);
+        let (pp, _p) = self.inner.int_gemm_partials.device_ptr(stream);
         let mut args = [
             arg(&xp),
             arg(&nn),
@@ -496,13 +500,15 @@ impl CudaBackend {
             arg(&mm),
             arg(&kk),
             arg(&ss),
+            arg(&pp),
             arg(&lp),
         ];
         // SAFETY: the arguments are INT_GEMM_KERNEL's, in order, with O the kernel's output
         // type (the name picks f16 or f32); x16 holds n * k halves, out n * m of O, bias m
         // floats (checked above), the words and scales m rows of k (upload); k and group are
         // as int_mma_gemm needs and its shared memory was opted into (int_gemm_takes); the
-        // locks are at least `blocks` where splits > 1, all 0 between launches.
+        // locks are at least `blocks` where splits > 1, all 0 between launches; with splits
+        // > 1 the grid is at most sm_count blocks, and the partials hold a tile for each.
         let launched = unsafe { self.launch_args(name, cfg, &mut args, false) };
         self.launched(name, launched)
     }
