@@ -9,7 +9,7 @@
 
 use vlm_compute::cuda::test_gpu;
 use vlm_compute::quant::QuantizeTo;
-use vlm_compute::twin::{compare, Case};
+use vlm_compute::twin::{compare, Case, IntOp};
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
 
 /// Runs every case, prints each outcome, and fails naming all that are outside tolerance.
@@ -184,6 +184,40 @@ fn every_e4m3_value_is_read_exactly() {
             "{rows} rows of {cols} columns: {:?} vs {:?}",
             &got.data()[..16],
             &want.data()[..16]
+        );
+    }
+}
+
+#[test]
+fn int_gemm_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    // The tensor-core integer GEMM (5..=64 rows; `VLM_INT_GEMM=dequant` runs the same cases on
+    // the dequantization and cuBLAS): batched decode at 8B shapes, k split into several ranges
+    // (4096 columns: up to 8 splits of 4 stages on an H100), groups of 32 and 128.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        check_all(
+            &g,
+            [(8, 4096, 6144), (64, 4096, 512), (32, 12288, 4096)]
+                .into_iter()
+                .flat_map(|(n, k, m)| Case::int_linears(n, k, m, to)),
+        );
+        let cases = [
+            (64, 4096, 4096, 128, IntOp::AddLinear),
+            (40, 4096, 777, 32, IntOp::Linear),
+            (64, 12288, 4096, 32, IntOp::Linear),
+            (17, 4096, 6144, 128, IntOp::AddLinear),
+            (64, 4096, 1536, 128, IntOp::Mlp),
+        ];
+        check_all(
+            &g,
+            cases.map(|(n, k, m, group, op)| Case::IntGemm {
+                n,
+                k,
+                m,
+                to,
+                group,
+                op,
+            }),
         );
     }
 }

@@ -52,6 +52,22 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "dequant_w4_f16",
             "dequant_w8_f16",
             "fill_random_int",
+            INT_GEMM_KERNELS[0],
+            INT_GEMM_KERNELS[1],
+            INT_GEMM_KERNELS[2],
+            INT_GEMM_KERNELS[3],
+            INT_GEMM_KERNELS[4],
+            INT_GEMM_KERNELS[5],
+            INT_GEMM_KERNELS[6],
+            INT_GEMM_KERNELS[7],
+            INT_GEMM_KERNELS[8],
+            INT_GEMM_KERNELS[9],
+            INT_GEMM_KERNELS[10],
+            INT_GEMM_KERNELS[11],
+            INT_GEMM_KERNELS[12],
+            INT_GEMM_KERNELS[13],
+            INT_GEMM_KERNELS[14],
+            INT_GEMM_KERNELS[15],
         ],
         per_rows: &GEMV_KERNELS,
         sm90a: false,
@@ -562,6 +578,47 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 32] = [
     ],
 ];
 
+/// The tensor-core integer GEMM's tiles (weights_f16.cu's int_mma_gemm, `IG_*` there): warps a
+/// block (32 weight rows each), columns a k stage, stages in shared memory at once, (scale,
+/// zero) slots a weight row a stage (so groups of at least IG_K / 4 columns), and x's rows.
+pub(super) const INT_GEMM_WARPS: usize = 8;
+pub(super) const INT_GEMM_K: usize = 128;
+pub(super) const INT_GEMM_STAGES: usize = 3;
+pub(super) const INT_GEMM_SZ_SLOTS: usize = 4;
+pub(super) const INT_GEMM_MAX_ROWS: usize = 64;
+
+/// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): bits 4 then
+/// 8; n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then f16 output.
+pub(super) const INT_GEMM_KERNELS: [&str; 16] = [
+    "int_gemm_w4_n1_f32",
+    "int_gemm_w4_n1_f16",
+    "int_gemm_w4_n2_f32",
+    "int_gemm_w4_n2_f16",
+    "int_gemm_w4_n4_f32",
+    "int_gemm_w4_n4_f16",
+    "int_gemm_w4_n8_f32",
+    "int_gemm_w4_n8_f16",
+    "int_gemm_w8_n1_f32",
+    "int_gemm_w8_n1_f16",
+    "int_gemm_w8_n2_f32",
+    "int_gemm_w8_n2_f16",
+    "int_gemm_w8_n4_f32",
+    "int_gemm_w8_n4_f16",
+    "int_gemm_w8_n8_f32",
+    "int_gemm_w8_n8_f16",
+];
+
+/// The integer GEMM's n8 tiles for `rows` (1..=64) rows of x: 1, 2, 4 or 8.
+pub(super) fn int_gemm_tiles(rows: usize) -> usize {
+    rows.div_ceil(8).next_power_of_two()
+}
+
+/// The integer GEMM kernel of `bits` (4 or 8) for `rows` (1..=64) rows, f16 output or f32.
+pub(super) fn int_gemm_kernel(bits: u32, rows: usize, f16_out: bool) -> &'static str {
+    let tiles = int_gemm_tiles(rows).trailing_zeros() as usize;
+    INT_GEMM_KERNELS[if bits == 8 { 8 } else { 0 } + 2 * tiles + f16_out as usize]
+}
+
 impl Gemv {
     /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
     pub(super) fn kernel(self, rows: usize, streamed: bool) -> &'static str {
@@ -595,7 +652,9 @@ fn shared_defines() -> String {
          #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
          #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
          #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
-         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n"
+         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n\
+         #define IG_WARPS {INT_GEMM_WARPS}\n#define IG_K {INT_GEMM_K}\n\
+         #define IG_STAGES {INT_GEMM_STAGES}\n#define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n"
     )
 }
 
