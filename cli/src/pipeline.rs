@@ -5,9 +5,10 @@
 //!
 //! The request's tools and template variables reach the chat template as the gateway renders
 //! them, and its grammar (`constraint`) reaches the engine as the gateway sends it (after
-//! `</think>` for a Thinking checkpoint); the answer comes back as text, unsplit. A request whose tools are to be read out of the answer (`tool_choice` other than
-//! `none`) is refused rather than answered with its calls left in the text: the gateway
-//! (`vlm serve`) reads and forces calls.
+//! `</think>` for a Thinking checkpoint); the answer comes back as text, unsplit. A request
+//! whose tools are to be read out of the answer (`tool_choice` other than `none`) is refused
+//! rather than answered with its calls left in the text: the gateway (`vlm serve`) reads and
+//! forces calls.
 
 use std::ops::ControlFlow;
 use std::path::Path;
