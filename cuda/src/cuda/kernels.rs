@@ -51,6 +51,7 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "fill_uniform_f16",
             "dequant_w4_f16",
             "dequant_w8_f16",
+            "dequant_f8_f16",
             "fill_random_int",
             INT_GEMM_KERNELS[0],
             INT_GEMM_KERNELS[1],
@@ -723,6 +724,38 @@ mod tests {
                 let (whole, ctas) = flash_wgmma_grid(blocks, tiles, 132);
                 assert!(whole <= blocks && ctas >= blocks, "{blocks} x {tiles}");
                 assert!(ctas - whole <= 132, "{blocks} x {tiles}");
+            }
+        }
+    }
+
+    /// Every kernel a source defines by its plain name is on that source's load list: a kernel
+    /// missing from it compiles, passes every CPU test and fails only at its first launch on a
+    /// GPU (as `dequant_f8_f16` once did). Names built by macros (`NAME##_r##ROWS`) are checked
+    /// the other way, by `load_function` at start.
+    #[test]
+    fn every_plain_kernel_a_source_defines_is_loaded() {
+        for src in SOURCES {
+            let listed: Vec<&str> = src
+                .kernels
+                .iter()
+                .chain(src.per_rows.iter().flatten())
+                .copied()
+                .collect();
+            for piece in src.source.split("extern \"C\" __global__ void").skip(1) {
+                let mut rest = piece.trim_start();
+                if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
+                    rest = &bounds[bounds.find(')').map_or(0, |i| i + 1)..];
+                }
+                let name = rest.split('(').next().unwrap_or_default().trim();
+                // A macro's parameter (`NAME`, `NAME##_r##ROWS`), not a kernel's name.
+                if name.contains("##") || name.chars().all(|c| c.is_ascii_uppercase()) {
+                    continue;
+                }
+                assert!(
+                    listed.contains(&name),
+                    "{}: kernel {name} is defined but not on the source's load list",
+                    src.file
+                );
             }
         }
     }
