@@ -51,8 +51,14 @@ impl Footprint {
             || quantize == Some(QuantizeTo::Fp8);
         let (decoder_matrices, decoder_format, dequant_scratch) =
             match stored_int_bits(checkpoint.as_ref(), quantize) {
-                Some(b) => (int_bytes(matrices, b), format!("{b}-bit"), 2 * i * h * 2),
-                None if fp8 => (matrices * 2, "FP8, held as f16 on the GPU".into(), 0),
+                Some(b) => {
+                    let format = if fp8 {
+                        "FP8 e4m3".into()
+                    } else {
+                        format!("{b}-bit")
+                    };
+                    (int_bytes(matrices, b), format, 2 * i * h * 2)
+                }
                 None => (matrices * 2, "f16".into(), 0),
             };
         let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
@@ -79,15 +85,15 @@ pub fn decoder_layer_matrix_params(c: &llm_svc::TextConfig) -> usize {
     h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * i
 }
 
-/// Bits of the integer values the GPU holds the decoder's matrices as, for a checkpoint in
-/// `checkpoint`'s format or quantized at load to `quantize`; `None` where it holds f16 (FP8
-/// included: dequantized at upload until the FP8 kernels land).
+/// Bits of the values the GPU holds the decoder's matrices as (integers, or FP8's e4m3 bytes
+/// with a scale per row and 128 columns), for a checkpoint in `checkpoint`'s format or
+/// quantized at load to `quantize`; `None` where it holds f16.
 pub fn stored_int_bits(
     checkpoint: Option<&QuantConfig>,
     quantize: Option<QuantizeTo>,
 ) -> Option<u32> {
     match (checkpoint, quantize) {
-        (Some(QuantConfig::Fp8 { .. }), _) | (None, Some(QuantizeTo::Fp8)) => None,
+        (Some(QuantConfig::Fp8 { .. }), _) | (None, Some(QuantizeTo::Fp8)) => Some(8),
         (Some(q), _) => Some(q.bits()),
         (None, q) => q.map(|q| q.bits()),
     }
@@ -159,18 +165,18 @@ mod tests {
         assert!(vl.vision > 0);
     }
 
-    /// FP8 matrices are held as f16 on the GPU for now: the estimate says so and counts f16,
-    /// for an FP8 checkpoint and for --quantize fp8 alike.
+    /// FP8 matrices are held as their e4m3 bytes and an f32 scale per row and 128 columns (8-bit
+    /// integers' bytes), for an FP8 checkpoint and for --quantize fp8 alike.
     #[test]
-    fn fp8_is_counted_as_the_f16_it_is_held_as() {
-        let f16 = Footprint::of(&fixture("tiny-qwen3"), None, 0).unwrap();
+    fn fp8_is_counted_as_the_bytes_it_is_held_as() {
+        let w8 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int8), 0).unwrap();
         for f in [
             Footprint::of(&fixture("tiny-qwen3-ct-fp8-dynamic"), None, 0).unwrap(),
             Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Fp8), 0).unwrap(),
         ] {
-            assert_eq!(f.decoder_matrices, f16.decoder_matrices);
-            assert!(f.decoder_format.contains("FP8"), "{}", f.decoder_format);
-            assert_eq!(f.dequant_scratch, 0);
+            assert_eq!(f.decoder_matrices, w8.decoder_matrices);
+            assert_eq!(f.decoder_format, "FP8 e4m3");
+            assert_eq!(f.dequant_scratch, w8.dequant_scratch);
         }
     }
 }

@@ -606,12 +606,43 @@ __device__ __forceinline__ uint4 load_stream16(const unsigned* __restrict__ p) {
 // (then 1 and 5, scaled by 16) into the mantissas of 1024.0 halves, so one hsub2 (one hfma2 for
 // the scaled ones) leaves q - zero; after a shift by 8, nibbles 2 and 6, 3 and 7 (Marlin's
 // dequantization). 8 bits: a byte permute puts bytes 0 and 2, then 1 and 3, into 1024.0's.
-template <int BITS>
+//
+// FP8: the same kernels read FP8 e4m3 weights (Qwen's and compressed-tensors' FP8 checkpoints)
+// as 8-bit words, their format the template argument FMT (FMT_W4, FMT_W8 or FMT_F8; the layout
+// is BITS = fmt_bits(FMT)'s). An e4m3 byte moved into an f16's bits (sign to the top, the other
+// seven bits one place below the f16 exponent's top bit) is the value times 2^-8, exactly:
+// e4m3's exponent bias is 7 and f16's 15, and f16 holds every e4m3 value, subnormals included.
+// FP8 has no zero point; its scale is a whole f32 (the host folds the 2^8 in), stored in the
+// (scale, zero) slot's four bytes, so block scales lose nothing to f16.
+#define FMT_W4 4
+#define FMT_W8 8
+#define FMT_F8 9
+__host__ __device__ constexpr int fmt_bits(int fmt) { return fmt == FMT_F8 ? 8 : fmt; }
+
+// Two e4m3 bytes, in the high byte of each half of t, as f16 values times 2^-8.
+__device__ __forceinline__ __half2 f8_pair(unsigned t) {
+    const unsigned h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+    return *reinterpret_cast<const __half2*>(&h);
+}
+
+// A group's (scale, zero) as floats: the halves of its slot, or FP8's f32 scale and zero 0.
+template <int FMT>
+__device__ __forceinline__ float2 group_scale(__half2 slot) {
+    if (FMT == FMT_F8) return make_float2(__uint_as_float(*reinterpret_cast<const unsigned*>(&slot)), 0.0f);
+    return __half22float2(slot);
+}
+
+template <int FMT>
 struct IntPairs {
+    static constexpr int BITS = fmt_bits(FMT);
     static constexpr int N = 32 / BITS / 2;
     __half2 v[N];
     __device__ __forceinline__ IntPairs(unsigned w, __half2 base, __half2 base16) {
-        if (BITS == 4) {
+        if (FMT == FMT_F8) {
+            // Bytes 0 and 2, then 1 and 3 (the columns W8's pairs hold); base is not used.
+            v[0] = f8_pair(__byte_perm(w, 0, 0x2404));
+            v[1] = f8_pair(__byte_perm(w, 0, 0x3414));
+        } else if (BITS == 4) {
             const unsigned lo_mask = 0x000f000f, hi_mask = 0x00f000f0, ex = 0x64006400;
             const __half2 sixteenth = __float2half2_rn(0.0625f);
 #pragma unroll
@@ -637,16 +668,16 @@ struct IntPairs {
 
 // pa[r] and pb[r] += sum over one load's 128 / BITS columns from c of (q - zero) * x[r, c + i],
 // for the loads ra and rb of two weight rows that share x's reads.
-template <int BITS, int ROWS>
+template <int FMT, int ROWS>
 __device__ __forceinline__ void int_dot2(const float* __restrict__ x, int k, int c, uint4 ra,
                                          uint4 rb, __half2 base_a, __half2 base16_a,
                                          __half2 base_b, __half2 base16_b, float pa[ROWS],
                                          float pb[ROWS]) {
-    constexpr int PER = 32 / BITS;
+    constexpr int PER = 32 / fmt_bits(FMT);
     const unsigned wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-        const IntPairs<BITS> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
+        const IntPairs<FMT> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             float xs[PER];
@@ -660,9 +691,9 @@ __device__ __forceinline__ void int_dot2(const float* __restrict__ x, int k, int
                 xs[4 * v + 3] = t.w;
             }
 #pragma unroll
-            for (int p = 0; p < IntPairs<BITS>::N; ++p) {
+            for (int p = 0; p < IntPairs<FMT>::N; ++p) {
                 const float2 fa = __half22float2(qa.v[p]), fb = __half22float2(qb.v[p]);
-                const int lo = IntPairs<BITS>::lo_col(p), hi = IntPairs<BITS>::hi_col(p);
+                const int lo = IntPairs<FMT>::lo_col(p), hi = IntPairs<FMT>::hi_col(p);
                 pa[r] = fmaf(fa.x, xs[lo], pa[r]);
                 pa[r] = fmaf(fa.y, xs[hi], pa[r]);
                 pb[r] = fmaf(fb.x, xs[lo], pb[r]);
@@ -695,28 +726,28 @@ __device__ __forceinline__ void int_bases(float zero, __half2& base, __half2& ba
 
 // acc_a[r] and acc_b[r] += this lane's share of x[r, :] . rows a and b over the chunks of loads
 // u0 .. u0 + IW_LOADS held in ra and rb.
-template <int BITS, int ROWS>
+template <int FMT, int ROWS>
 __device__ __forceinline__ void int_pair_part(const float* __restrict__ x,
                                               const __half2* __restrict__ sz, int groups,
                                               int group, int a, int b, int k, int u0,
                                               const uint4 ra[IW_LOADS], const uint4 rb[IW_LOADS],
                                               float acc_a[ROWS], float acc_b[ROWS]) {
-    constexpr int COLS = 128 / BITS;
+    constexpr int COLS = 128 / fmt_bits(FMT);
     const int chunks = k / COLS, lane = threadIdx.x % WARP;
 #pragma unroll
     for (int u = 0; u < IW_LOADS; ++u) {
         const int ch = lane + (u0 + u) * WARP;
         if (ch < chunks) {
             const int c = ch * COLS;
-            const float2 sa = __half22float2(__ldg(sz + (size_t)a * groups + c / group));
-            const float2 sb = __half22float2(__ldg(sz + (size_t)b * groups + c / group));
+            const float2 sa = group_scale<FMT>(__ldg(sz + (size_t)a * groups + c / group));
+            const float2 sb = group_scale<FMT>(__ldg(sz + (size_t)b * groups + c / group));
             __half2 base_a, base16_a, base_b, base16_b;
             int_bases(sa.y, base_a, base16_a);
             int_bases(sb.y, base_b, base16_b);
             float pa[ROWS], pb[ROWS];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) pa[r] = pb[r] = 0.0f;
-            int_dot2<BITS, ROWS>(x, k, c, ra[u], rb[u], base_a, base16_a, base_b, base16_b, pa,
+            int_dot2<FMT, ROWS>(x, k, c, ra[u], rb[u], base_a, base16_a, base_b, base16_b, pa,
                                  pb);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -731,14 +762,14 @@ __device__ __forceinline__ void int_pair_part(const float* __restrict__ x,
 // takes pairs p, p + warps, ...: pair p is weight rows 2p and 2p + 1 (output columns), or with
 // SWIGLU gate row p and up row m + p (output column p). Launched under programmatic dependent
 // launch where the GPU has it: the first loads go out before grid_wait.
-template <int BITS, bool NORM, bool SWIGLU, int ROWS>
+template <int FMT, bool NORM, bool SWIGLU, int ROWS>
 __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
                                          const float* __restrict__ norm_w, float eps,
                                          const unsigned* __restrict__ w,
                                          const float* __restrict__ bias, int has_bias,
                                          float* __restrict__ out, int accumulate, int m, int k,
                                          const __half2* __restrict__ sz, int group) {
-    constexpr int COLS = 128 / BITS;
+    constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS;
     const int loads = (k / COLS + WARP - 1) / WARP, groups = k / group;
     const int pairs = SWIGLU ? m : (m + 1) / 2;
     const int warps = gridDim.x * (blockDim.x / WARP);
@@ -772,7 +803,7 @@ __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
                 int_loads<BITS>(w, row_a(p + warps), k, 0, na);
                 int_loads<BITS>(w, row_b(p + warps), k, 0, nb);
             }
-            int_pair_part<BITS, ROWS>(xr, sz, groups, group, a, b, k, u0, ra, rb, acc_a, acc_b);
+            int_pair_part<FMT, ROWS>(xr, sz, groups, group, a, b, k, u0, ra, rb, acc_a, acc_b);
             if (more || next_pair) {
 #pragma unroll
                 for (int u = 0; u < IW_LOADS; ++u) {
@@ -807,35 +838,39 @@ __device__ __forceinline__ void int_gemv(const float* __restrict__ x,
 
 // The same signatures as GEMV_KERNEL's and SWIGLU_KERNEL's with the weights as words, and the
 // scales and zeros and their group size last.
-#define INT_GEMV_KERNEL(NAME, BITS, NORM, ROWS)                                                   \
+#define INT_GEMV_KERNEL(NAME, FMT, NORM, ROWS)                                                    \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
         float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
         int group) {                                                                              \
-        int_gemv<BITS, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m,  \
+        int_gemv<FMT, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, m,   \
                                           k, sz, group);                                          \
     }
-#define INT_SWIGLU_KERNEL(NAME, BITS, NORM, ROWS)                                                 \
+#define INT_SWIGLU_KERNEL(NAME, FMT, NORM, ROWS)                                                  \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
         const __half2* __restrict__ sz, int group) {                                              \
-        int_gemv<BITS, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k, sz,   \
+        int_gemv<FMT, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k, sz,    \
                                          group);                                                  \
     }
-#define FOR_INT_ROWS(KERNEL, NAME, BITS, NORM)                                  \
-    KERNEL(NAME, BITS, NORM, 1) KERNEL(NAME, BITS, NORM, 2) KERNEL(NAME, BITS, NORM, 3) \
-    KERNEL(NAME, BITS, NORM, 4)
+#define FOR_INT_ROWS(KERNEL, NAME, FMT, NORM)                                                  \
+    KERNEL(NAME, FMT, NORM, 1) KERNEL(NAME, FMT, NORM, 2) KERNEL(NAME, FMT, NORM, 3) \
+    KERNEL(NAME, FMT, NORM, 4)
 
-FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w4, 4, false)
-FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w4, 4, false)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w8, 8, false)
-FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w8, 8, true)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w8, 8, false)
-FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, 8, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_GEMV_KERNEL, gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_GEMV_KERNEL, rms_norm_gemv_f8, FMT_F8, true)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, swiglu_gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 
 // ---- Integer GEMVs on the tensor cores (mma.sync m16n8k16) ----
 //
@@ -996,11 +1031,12 @@ __device__ __forceinline__ void mma_16816(float d[4], __half2 a0, __half2 a1, __
 // acc (this lane's C fragment: rows g, g + 8 of the tile, x rows 2t, 2t + 1) += batch b's
 // products, the lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb.
 // The hi and lo halves of x go to two accumulators (two chains of dependent mma, not one).
-template <int BITS, int ROWS>
+template <int FMT, int ROWS>
 __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 la, uint4 lb,
                                          __half2 za, __half2 zb, float acc[4]) {
+    constexpr int BITS = fmt_bits(FMT);
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, ch = 4 * b + t;
-    const float2 sa = __half22float2(za), sb = __half22float2(zb);
+    const float2 sa = group_scale<FMT>(za), sb = group_scale<FMT>(zb);
     __half2 base_a, base16_a, base_b, base16_b;
     int_bases(sa.y, base_a, base16_a);
     int_bases(sb.y, base_b, base16_b);
@@ -1008,7 +1044,7 @@ __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 l
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-        const IntPairs<BITS> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
+        const IntPairs<FMT> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
         if (BITS == 4) {
             uint4 hi = make_uint4(0, 0, 0, 0), lo = hi;
             if (g < ROWS) {
@@ -1037,14 +1073,14 @@ __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 l
     acc[3] = fmaf(sb.x, d[3] + e[3], acc[3]);
 }
 
-template <int BITS, bool NORM, bool SWIGLU, int ROWS>
+template <int FMT, bool NORM, bool SWIGLU, int ROWS>
 __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                                              const float* __restrict__ norm_w, float eps,
                                              const unsigned* __restrict__ w,
                                              const float* __restrict__ bias, int has_bias,
                                              float* __restrict__ out, int accumulate, int m,
                                              int k, const __half2* __restrict__ sz, int group) {
-    constexpr int COLS = 128 / BITS, BATCH = 4 * COLS;
+    constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, BATCH = 4 * COLS;
     float4* st = reinterpret_cast<float4*>(gemv_staged);
     float4* part = st + (size_t)ROWS * k / 4;  // [2][IM_WARPS][WARP]
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -1104,7 +1140,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
 #pragma unroll
             for (int u = 0; u < IM_STEP; ++u) {
                 const int b = warp + (s0 + u) * IM_WARPS;
-                if (b < batches) im_batch<BITS, ROWS>(st, k, b, la[u], lb[u], za[u], zb[u], acc);
+                if (b < batches) im_batch<FMT, ROWS>(st, k, b, la[u], lb[u], za[u], zb[u], acc);
             }
             if (more || next) {
 #pragma unroll
@@ -1157,32 +1193,349 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
     }
 }
 
-#define INT_MMA_GEMV_KERNEL(NAME, BITS, NORM, ROWS)                                               \
+#define INT_MMA_GEMV_KERNEL(NAME, FMT, NORM, ROWS)                                                \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
         float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
         int group) {                                                                              \
-        int_mma_gemv<BITS, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate, \
+        int_mma_gemv<FMT, NORM, false, ROWS>(x, norm_w, eps, w, bias, has_bias, out, accumulate,  \
                                               m, k, sz, group);                                   \
     }
-#define INT_MMA_SWIGLU_KERNEL(NAME, BITS, NORM, ROWS)                                             \
+#define INT_MMA_SWIGLU_KERNEL(NAME, FMT, NORM, ROWS)                                              \
     extern "C" __global__ void NAME##_r##ROWS(                                                    \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
         const __half2* __restrict__ sz, int group) {                                              \
-        int_mma_gemv<BITS, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k,   \
+        int_mma_gemv<FMT, NORM, true, ROWS>(x, norm_w, eps, gate_up, nullptr, 0, out, 0, m, k,    \
                                              sz, group);                                          \
     }
 
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w4, 4, false)
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w4, 4, false)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w4, 4, true)
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w8, 8, false)
-FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w8, 8, true)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w8, 8, false)
-FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w4, FMT_W4, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w4, FMT_W4, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_w8, FMT_W8, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, FMT_W8, true)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_MMA_GEMV_KERNEL, mma_rms_norm_gemv_f8, FMT_F8, true)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_swiglu_gemv_f8, FMT_F8, false)
+FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
+
+// ---- Integer GEMMs on the tensor cores for batches of rows (mma.sync m16n8k16) ----
+//
+// Past GEMV_MAX_ROWS rows (batched decode, up to 64 sequences) the packed weights used to be
+// dequantized into an f16 scratch matrix for cuBLAS: the weights read at 4 or 8 bits, written
+// and read again at 16, and W4 at 64 rows ran 3.8x slower than f16. Here the packed weights are
+// read once a batch (Marlin's design, IST-DASLab/marlin, in our own layout): dequantized in
+// registers into A fragments as int_mma_gemv does, times their scale in f16 (exactly the f16
+// values dequant_int writes: (q - zero) is exact in f16 and one rounding of the product), with
+// x (f16 [n, k], as cuBLAS gets it) the B operand, f32 accumulation.
+//
+// Tiles. A block (IG_WARPS = 8 warps) owns IG_ROWS = 256 weight rows: warp w rows 32w .. 32w +
+// 31 as two m16 tiles (MT = 2), against all n of x's rows as NT n8 tiles (NT = 1, 2, 4, 8: n up
+// to 8, 16, 32, 64), so each dequantized A fragment feeds NT mma and each B fragment MT.
+// Accumulators: MT * NT * 4 = 64 floats a lane at NT = 8. ptxas (sm_90, sm_87; no spills):
+// W4 70, 86, 110, 155 registers at NT = 1, 2, 4, 8 (f32 out, sm_90), W8 71, 87, 138, 165. A block's
+// x stage is read from L2 once per 256 weight rows: at 64 rows and W4 as many bytes as the
+// weights' own; the B fragments are read from shared memory once per warp (per 32 rows).
+//
+// k goes by stages of IG_K = 128 columns, IG_STAGES deep in shared memory by cp.async (the
+// weights' rows, their (scale, zero) and x's rows of the stage), the next stages in flight
+// while one is multiplied. A stage's shared memory: weights 256 rows x 128 columns (16 KB at 4
+// bits, 32 at 8), x NT * 8 rows x 256 bytes (16 KB at NT = 8), (scale, zero) 256 rows x 4
+// groups x 4 bytes (4 KB): 36 KB at W4, 52 at W8, times 3 stages: 108 and 156 KB (Orin's
+// 163 KB a block holds it; one block an SM).
+//
+// Fragments (as int_mma_gemv): lane (g, t) dequantizes its 16-byte chunk t (at 8 bits chunks
+// t and 4 + t) of weight rows g and g + 8 of an m16 tile; IntPairs gives the pairs (c, c + 4)
+// of a word's 8 columns at 4 bits ((c, c + 2) of 4 at 8), which become the lane's k slots 2t,
+// 2t + 1 and 2t + 8, 2t + 9. B's lane (g, t) must hold x row g at the same columns: it reads
+// x's 16 bytes of those columns in their natural order from shared memory (cp.async cannot
+// reorder inside 16 bytes) and a byte permute a register pairs them as A's (two prmt a mma
+// per n-tile, shared by the MT mma). Shared-memory units (16 bytes) are XOR-swizzled so that
+// the 8 lanes of a phase (rows g, g + 1; t = 0..3) hit distinct banks.
+//
+// Split-k. At m = 4096 the 256-row blocks are 16; the host splits k into S contiguous ranges
+// of stages (S blocks an m-block, adjacent block indices), so that the grid fills the SMs.
+// Each split writes its sums to a partial tile of its own (f32 [n][256], a workspace of at
+// most one tile an SM), counts in on the m-block's lock and waits until all S have; then
+// split s adds up the s-th part of the tile's elements over splits 0, 1, .. S - 1 in that
+// order and writes them (times alpha, plus the output with accumulate, plus the bias): the
+// result does not depend on which split finishes first, and the adds run on all S blocks at
+// once. The grid is at most one block an SM, so every split waited on is resident. Each split
+// counts in again once past the wait; the last resets the lock to 0, so one zeroed lock
+// buffer serves every launch of the stream. An f16 output (the next GEMM's operand) is
+// written once as well, its sum in f32.
+//
+// Needs k a multiple of IG_K, group a multiple of the loads' columns and either a multiple of
+// 128 or a divisor of it (at most 4 groups a stage), n <= 64: the host falls back to the
+// dequantization otherwise.
+//
+// IG_WARPS, IG_K, IG_STAGES and IG_SZ_SLOTS (the (scale, zero) a row a stage) are #defined by
+// the host (cuda/src/cuda/kernels.rs), which sizes the shared memory from them.
+#define IG_ROWS (IG_WARPS * 32)
+
+// Bytes of one stage's shared memory (the host computes the same: int_gemm_smem in
+// int_weights.rs).
+template <int BITS, int NT>
+__host__ __device__ constexpr int ig_stage_bytes() {
+    return IG_ROWS * IG_K * BITS / 8 + NT * 8 * IG_K * 2 + IG_ROWS * IG_SZ_SLOTS * 4;
+}
+
+// 4 bytes global -> shared (cp.async's smallest copy, through L1).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+
+// Swizzled unit of x's logical unit u (of 16 in a stage row) in row r: the 8 lanes of a phase
+// read rows of both parities and units 4t + s (4 bits) or 2(4c + t) + j (8 bits).
+template <int BITS>
+__device__ __forceinline__ int ig_xunit(int u, int r) {
+    return u ^ (BITS == 4 ? ((((u >> 3) & 1) << 1) ^ (r & 1)) : (r & 1));
+}
+// Swizzled unit of the weights' logical unit u (chunk) in stage row r: at 8 bits a row is 8
+// units, and rows r, r + 1 of a phase would share banks.
+template <int BITS>
+__device__ __forceinline__ int ig_wunit(int u, int r) {
+    return BITS == 4 ? u : u ^ ((r & 1) << 2);
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+__device__ __forceinline__ void store_out(float* o, float v) { *o = v; }
+__device__ __forceinline__ void store_out(__half* o, float v) { *o = __float2half_rn(v); }
+__device__ __forceinline__ float load_out(const float* o) { return __ldcg(o); }
+__device__ __forceinline__ float load_out(const __half* o) { return __half2float(*o); }
+
+// Stage `st` (columns st * IG_K ..) of the block's weight rows r0 .., their (scale, zero) and
+// x's rows into shared stage buffer `buf`, in the current cp.async group.
+template <int BITS, int NT>
+__device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __restrict__ w,
+                                              const __half2* __restrict__ sz,
+                                              const __half* __restrict__ x, int n, int m, int k,
+                                              int group, int r0, int st) {
+    constexpr int WU = IG_K * BITS / 128;  // 16-byte units of a weight row a stage
+    uint4* ws = buf;
+    uint4* xs = ws + IG_ROWS * WU;
+    __half2* zs = reinterpret_cast<__half2*>(xs + NT * 8 * 16);
+    const int k0 = st * IG_K, row_words = k / (32 / BITS), groups = k / group;
+    const int sg = group >= IG_K ? 1 : IG_K / group;
+    for (int i = threadIdx.x; i < IG_ROWS * WU; i += blockDim.x) {
+        const int r = i / WU, u = i % WU, row = min(r0 + r, m - 1);
+        cp_async16(ws + r * WU + ig_wunit<BITS>(u, r),
+                   w + (size_t)row * row_words + k0 / (32 / BITS) + u * 4);
+    }
+    for (int i = threadIdx.x; i < NT * 8 * 16; i += blockDim.x) {
+        const int r = i / 16, u = i % 16, row = min(r, n - 1);
+        cp_async16(xs + r * 16 + ig_xunit<BITS>(u, r), x + (size_t)row * k + k0 + u * 8);
+    }
+    for (int i = threadIdx.x; i < IG_ROWS * sg; i += blockDim.x) {
+        const int r = i / sg, j = i % sg, row = min(r0 + r, m - 1);
+        cp_async4(zs + r * IG_SZ_SLOTS + j, sz + (size_t)row * groups + k0 / group + j);
+    }
+}
+
+template <int BITS, int NT, typename O>
+__device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n,
+                                             const unsigned* __restrict__ w,
+                                             const __half2* __restrict__ sz, int group,
+                                             const float* __restrict__ bias, int has_bias,
+                                             O* __restrict__ out, int accumulate, float alpha,
+                                             int m, int k, int splits,
+                                             float* __restrict__ partials,
+                                             int* __restrict__ locks) {
+    constexpr int MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
+    constexpr int STAGE = ig_stage_bytes<BITS, NT>() / 16;  // in uint4
+    uint4* smem = reinterpret_cast<uint4*>(gemv_staged);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const int mb = blockIdx.x / splits, split = blockIdx.x % splits, r0 = mb * IG_ROWS;
+    const int stages = k / IG_K;
+    const int s_begin = (int)((long long)split * stages / splits);
+    const int s_end = (int)((long long)(split + 1) * stages / splits);
+    const int count = s_end - s_begin, gcols = min(group, IG_K);
+    grid_wait();
+    grid_launch_dependents();
+#pragma unroll
+    for (int s = 0; s < IG_STAGES - 1; ++s) {
+        if (s < count)
+            ig_load_stage<BITS, NT>(smem + s * STAGE, w, sz, x, n, m, k, group, r0, s_begin + s);
+        cp_async_commit();
+    }
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+
+    for (int it = 0; it < count; ++it) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(IG_STAGES - 2) : "memory");
+        __syncthreads();
+        // The buffer read an iteration ago is free (every warp passed the barrier above).
+        const int next = it + IG_STAGES - 1;
+        if (next < count)
+            ig_load_stage<BITS, NT>(smem + (next % IG_STAGES) * STAGE, w, sz, x, n, m, k, group,
+                                    r0, s_begin + next);
+        cp_async_commit();
+        const uint4* ws = smem + (it % IG_STAGES) * STAGE;
+        const uint4* xs = ws + IG_ROWS * WU;
+        const __half2* zs = reinterpret_cast<const __half2*>(xs + NT * 8 * 16);
+#pragma unroll
+        for (int c = 0; c < WU / 4; ++c) {  // the lane's chunks: 1 at 4 bits, 2 at 8
+            const int ch = 4 * c + t, slot = ch * COLS / gcols;
+            uint4 la[MT], lb[MT];
+            __half2 sa[MT], sb[MT], ba[MT], b16a[MT], bb[MT], b16b[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int ra = warp * 32 + mt * 16 + g, rb = ra + 8;
+                la[mt] = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
+                lb[mt] = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
+                const float2 za = __half22float2(zs[ra * IG_SZ_SLOTS + slot]);
+                const float2 zb = __half22float2(zs[rb * IG_SZ_SLOTS + slot]);
+                sa[mt] = __float2half2_rn(za.x);
+                sb[mt] = __float2half2_rn(zb.x);
+                int_bases(za.y, ba[mt], b16a[mt]);
+                int_bases(zb.y, bb[mt], b16b[mt]);
+            }
+            // x units of the chunk: 4 at 4 bits (a word each), 2 at 8 (two words each); each
+            // gives two mma (halves h) per n-tile.
+#pragma unroll
+            for (int u = 0; u < 16 / WU; ++u) {
+                __half2 af[MT][2][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const unsigned wa[4] = {la[mt].x, la[mt].y, la[mt].z, la[mt].w};
+                    const unsigned wb[4] = {lb[mt].x, lb[mt].y, lb[mt].z, lb[mt].w};
+                    if (BITS == 4) {
+                        const IntPairs<4> qa(wa[u], ba[mt], b16a[mt]), qb(wb[u], bb[mt], b16b[mt]);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            af[mt][h][0] = __hmul2(qa.v[2 * h], sa[mt]);
+                            af[mt][h][1] = __hmul2(qb.v[2 * h], sb[mt]);
+                            af[mt][h][2] = __hmul2(qa.v[2 * h + 1], sa[mt]);
+                            af[mt][h][3] = __hmul2(qb.v[2 * h + 1], sb[mt]);
+                        }
+                    } else {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const IntPairs<8> qa(wa[2 * u + h], ba[mt], b16a[mt]);
+                            const IntPairs<8> qb(wb[2 * u + h], bb[mt], b16b[mt]);
+                            af[mt][h][0] = __hmul2(qa.v[0], sa[mt]);
+                            af[mt][h][1] = __hmul2(qb.v[0], sb[mt]);
+                            af[mt][h][2] = __hmul2(qa.v[1], sa[mt]);
+                            af[mt][h][3] = __hmul2(qb.v[1], sb[mt]);
+                        }
+                    }
+                }
+                const int xu = BITS == 4 ? 4 * t + u : 2 * ch + u;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int xr = nt * 8 + g;
+                    const uint4 v = xs[xr * 16 + ig_xunit<BITS>(xu, xr)];
+                    // 4 bits: columns (0, 4), (1, 5) then (2, 6), (3, 7) of the unit's 8;
+                    // 8 bits: (0, 2), (1, 3) of each word's 4.
+                    const unsigned p0 = BITS == 4 ? v.x : v.x, q0 = BITS == 4 ? v.z : v.y;
+                    const unsigned p1 = BITS == 4 ? v.y : v.z, q1 = BITS == 4 ? v.w : v.w;
+                    const unsigned b[2][2] = {{prmt(p0, q0, 0x5410), prmt(p0, q0, 0x7632)},
+                                              {prmt(p1, q1, 0x5410), prmt(p1, q1, 0x7632)}};
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_16816(acc[mt][nt], af[mt][h][0], af[mt][h][1], af[mt][h][2],
+                                      af[mt][h][3], b[h][0], b[h][1]);
+                }
+            }
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+
+    auto finish = [&](O* o, int j, float sum) {
+        float v = alpha * sum;
+        if (accumulate) v += load_out(o);
+        if (has_bias) v += bias[j];
+        store_out(o, v);
+    };
+    if (splits == 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int row = nt * 8 + 2 * t + (c & 1);
+                    const int j = r0 + warp * 32 + mt * 16 + g + 8 * (c >> 1);
+                    if (row < n && j < m) finish(out + (size_t)row * m + j, j, acc[mt][nt][c]);
+                }
+        return;
+    }
+    // Split k: this split's sums into its partial tile [n][IG_ROWS], then, once every split
+    // of the m-block has written its own (all are resident: the grid is at most one block an
+    // SM), split s adds up the s-th of the tile's elements over splits 0, 1, .. in that order.
+    const int tile = n * IG_ROWS;
+    float* part = partials + (size_t)blockIdx.x * tile;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int row = nt * 8 + 2 * t + (c & 1);
+                const int col = warp * 32 + mt * 16 + g + 8 * (c >> 1);
+                if (row < n) __stcg(part + row * IG_ROWS + col, acc[mt][nt][c]);
+            }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(locks + mb, 1);
+        while (atomicAdd(locks + mb, 0) < splits) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    const float* first = partials + (size_t)mb * splits * tile;
+    const int e1 = (int)((long long)(split + 1) * tile / splits);
+    for (int e = (int)((long long)split * tile / splits) + threadIdx.x; e < e1; e += blockDim.x) {
+        const int row = e / IG_ROWS, j = r0 + e % IG_ROWS;
+        if (j >= m) continue;
+        float sum = 0.0f;
+        for (int q = 0; q < splits; ++q) sum += __ldcg(first + (size_t)q * tile + e);
+        finish(out + (size_t)row * m + j, j, sum);
+    }
+    // Every split counts in a second time once past the wait; the last sets the lock to 0
+    // for the next launch (none of the m-block's splits is waiting any more).
+    if (threadIdx.x == 0 && atomicAdd(locks + mb, 1) == 2 * splits - 1) atomicExch(locks + mb, 0);
+}
+
+#define INT_GEMM_KERNEL(BITS, NT, O, SUFFIX)                                                       \
+    extern "C" __global__ void __launch_bounds__(IG_WARPS * WARP, 1)                               \
+        int_gemm_w##BITS##_n##NT##_##SUFFIX(                                                       \
+            const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                   \
+            const __half2* __restrict__ sz, int group, const float* __restrict__ bias,             \
+            int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,          \
+            int splits, float* __restrict__ partials, int* __restrict__ locks) {                   \
+        int_mma_gemm<BITS, NT, O>(x, n, w, sz, group, bias, has_bias, out, accumulate, alpha, m,   \
+                                  k, splits, partials, locks);                                     \
+    }
+#define INT_GEMM_KERNELS(BITS, NT)           \
+    INT_GEMM_KERNEL(BITS, NT, float, f32)    \
+    INT_GEMM_KERNEL(BITS, NT, __half, f16)
+INT_GEMM_KERNELS(4, 1)
+INT_GEMM_KERNELS(4, 2)
+INT_GEMM_KERNELS(4, 4)
+INT_GEMM_KERNELS(4, 8)
+INT_GEMM_KERNELS(8, 1)
+INT_GEMM_KERNELS(8, 2)
+INT_GEMM_KERNELS(8, 4)
+INT_GEMM_KERNELS(8, 8)
 
 // An integer matrix as f16 [m, k], for the tensor-core GEMMs of prefill and batches (into a
 // scratch buffer the GEMM then reads). A batch of 64 rows dequantizes every matrix each step,
@@ -1190,17 +1543,18 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_w8, 8, true)
 // and writes its halves in 16-byte stores, one row division per load. One value at a time (a
 // 2-byte store and a 64-bit division each) it ran at about a quarter of the copy bandwidth.
 // Same f32 arithmetic and rounding as before, value for value.
-template <int BITS>
+template <int FMT>
 __device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
                                             const __half2* __restrict__ sz, int group,
                                             __half* __restrict__ out, int m, int k) {
-    constexpr int COLS = 128 / BITS, PER = 32 / BITS, MASK = (1 << BITS) - 1;
+    constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, PER = 32 / BITS;
+    constexpr unsigned MASK = (1u << BITS) - 1;
     const size_t row_loads = k / COLS, n = (size_t)m * row_loads;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const size_t row = i / row_loads;
         const int c0 = (int)(i - row * row_loads) * COLS;
-        const float2 s = __half22float2(sz[row * (k / group) + c0 / group]);
+        const float2 s = group_scale<FMT>(sz[row * (k / group) + c0 / group]);
         const uint4 raw = load_stream16(w + i * 4);
         const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
         uint4* o = reinterpret_cast<uint4*>(out + row * k + c0);
@@ -1210,10 +1564,21 @@ __device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
 #pragma unroll
             for (int h = 0; h < 4; ++h) {
                 const int e = q * 8 + 2 * h;
-                const unsigned qa = (words[e / PER] >> (BITS * (e % PER))) & MASK;
-                const unsigned qb = (words[(e + 1) / PER] >> (BITS * ((e + 1) % PER))) & MASK;
-                const __half2 v =
-                    __floats2half2_rn(((float)qa - s.y) * s.x, ((float)qb - s.y) * s.x);
+                float a, b;
+                if (FMT == FMT_F8) {
+                    // Bytes e and e + 1 (one word: e is even) into the halves' high bytes.
+                    const unsigned two = words[e / PER] >> (8 * (e % PER));
+                    const float2 f =
+                        __half22float2(f8_pair(((two & 0xffu) << 8) | ((two & 0xff00u) << 16)));
+                    a = f.x * s.x;
+                    b = f.y * s.x;
+                } else {
+                    const unsigned qa = (words[e / PER] >> (BITS * (e % PER))) & MASK;
+                    const unsigned qb = (words[(e + 1) / PER] >> (BITS * ((e + 1) % PER))) & MASK;
+                    a = ((float)qa - s.y) * s.x;
+                    b = ((float)qb - s.y) * s.x;
+                }
+                const __half2 v = __floats2half2_rn(a, b);
                 packed[h] = *reinterpret_cast<const unsigned*>(&v);
             }
             o[q] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -1223,12 +1588,17 @@ __device__ __forceinline__ void dequant_int(const unsigned* __restrict__ w,
 extern "C" __global__ void dequant_w4_f16(const unsigned* __restrict__ w,
                                           const __half2* __restrict__ sz, int group,
                                           __half* __restrict__ out, int m, int k) {
-    dequant_int<4>(w, sz, group, out, m, k);
+    dequant_int<FMT_W4>(w, sz, group, out, m, k);
 }
 extern "C" __global__ void dequant_w8_f16(const unsigned* __restrict__ w,
                                           const __half2* __restrict__ sz, int group,
                                           __half* __restrict__ out, int m, int k) {
-    dequant_int<8>(w, sz, group, out, m, k);
+    dequant_int<FMT_W8>(w, sz, group, out, m, k);
+}
+extern "C" __global__ void dequant_f8_f16(const unsigned* __restrict__ w,
+                                          const __half2* __restrict__ sz, int group,
+                                          __half* __restrict__ out, int m, int k) {
+    dequant_int<FMT_F8>(w, sz, group, out, m, k);
 }
 
 // A random-weight model's integer matrix (cuda/src/quant.rs's random_int): value e (row-major)

@@ -381,8 +381,7 @@ pub trait Backend: Send + Sync + 'static {
         self.upload_weight(&m.dequantize())
     }
     /// A weight matrix from FP8 values and block scales ([`crate::quant::fp8`]). By default
-    /// (the CPU reference, and the GPU until it has FP8 kernels) dequantized at load, to f32
-    /// exactly.
+    /// (the CPU reference) dequantized at load, to f32 exactly; the GPU keeps the e4m3 bytes.
     fn upload_fp8_weight(&self, m: &crate::quant::fp8::Fp8Matrix) -> Result<Self::Weight> {
         self.upload_weight(&m.dequantize())
     }

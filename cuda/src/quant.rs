@@ -179,8 +179,17 @@ impl QuantizeTo {
     }
 
     fn quantize_int(self, w: &HostTensor) -> IntMatrix {
+        self.quantize_int_grouped(w, QUANTIZE_GROUP.min(w.shape()[1]))
+    }
+
+    /// [`Self::quantize`] of an integer kind in groups of `group` columns (which must divide
+    /// the row): checkpoints come with groups of 32, 64 or 128.
+    pub fn quantize_int_grouped(self, w: &HostTensor, group: usize) -> IntMatrix {
         let (out, inp) = (w.shape()[0], w.shape()[1]);
-        let group = QUANTIZE_GROUP.min(inp);
+        assert!(
+            group > 0 && inp % group == 0,
+            "groups of {group} in rows of {inp}"
+        );
         let groups = inp / group;
         let max_q = ((1u32 << self.bits()) - 1) as f32;
         let mut q = vec![0u8; out * inp];

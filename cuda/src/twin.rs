@@ -75,6 +75,17 @@ pub enum Case {
         fused: Fused,
         int: Option<QuantizeTo>,
     },
+    /// An integer weight (`to`) quantized in groups of `group` columns, through op `op` at `n`
+    /// rows (past 4: the tensor-core integer GEMM wherever its shapes allow, else the
+    /// dequantization and cuBLAS; `VLM_INT_GEMM=dequant` forces the latter).
+    IntGemm {
+        n: usize,
+        k: usize,
+        m: usize,
+        to: QuantizeTo,
+        group: usize,
+        op: IntOp,
+    },
     /// The fused gate/up/SwiGLU of the text MLP (`normed`: of the input's RMSNorm).
     Swiglu {
         n: usize,
@@ -294,6 +305,18 @@ impl Outcome {
     }
 }
 
+/// The op a [`Case::IntGemm`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IntOp {
+    /// `linear` with a bias: f32 out, the bias added by the GEMM.
+    Linear,
+    /// `add_linear` with a bias: added into a residual (accumulating, split k in order).
+    AddLinear,
+    /// `rms_norm_mlp`, gate/up and down (`[k, m]`) quantized alike: the gate/up product
+    /// written in f16 (the SwiGLU's operand), the down one scaled by alpha and accumulated.
+    Mlp,
+}
+
 /// What a [`Case::Linear`] does around its product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fused {
@@ -395,6 +418,17 @@ impl Case {
                 "{}swiglu {n}x{k}->{m}{}",
                 if *normed { "rms_norm_" } else { "" },
                 int_name(*int)
+            ),
+            Case::IntGemm {
+                n,
+                k,
+                m,
+                to,
+                group,
+                op,
+            } => format!(
+                "int_gemm {op:?} {n}x{k}->{m}{} group {group}",
+                int_name(Some(*to))
             ),
             Case::LayerNormLinears { n, k, m } => format!("layer_norm_linears {n}x{k}->3x{m}"),
             Case::LayerNormMlp { n, k, hidden } => {
@@ -500,6 +534,12 @@ impl Case {
             Case::SiluMul { .. } | Case::Gelu { .. } | Case::Rope { .. } => 1e-5,
             // Reductions over a row, in another order.
             Case::LayerNorm { .. } | Case::RmsNorm { .. } => 1e-4,
+            // The integer GEMM multiplies the same f16 weights the dequantization writes ((q -
+            // zero) exact in f16, one rounding of the product by the f16 scale) by the same f16
+            // activations, in f32 with the sums in another order (k split into ordered
+            // partial sums): the dequantized path's bound, 2^-11 of each weight and of x. The
+            // MLP rounds its gate/up product and SwiGLU to f16 on the way as RmsNormMlp does.
+            Case::IntGemm { .. } => 3e-3,
             // Past 4 rows an integer weight reaches the tensor cores dequantized to f16 (2^-11 of
             // each weight), and a normed input rounded to f16 too.
             Case::Linear {
@@ -650,6 +690,14 @@ impl Case {
                 dim,
             } => layer_norm_rope_attention(be, lens, hidden, heads, dim)?,
             Case::RmsNormMlp { n, k, hidden } => rms_norm_mlp(be, n, k, hidden)?,
+            Case::IntGemm {
+                n,
+                k,
+                m,
+                to,
+                group,
+                op,
+            } => int_gemm(be, n, k, m, to, group, op)?,
             Case::SwigluOutlier { n } => swiglu_outlier(be, n)?,
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
@@ -884,6 +932,40 @@ fn rms_norm_mlp<B: Backend>(be: &B, n: usize, k: usize, hidden: usize) -> Result
     let down = be.upload_weight(&f16_exact(scaled_input(&[k, hidden], 67)))?;
     be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
     Ok(x)
+}
+
+/// [`Case::IntGemm`]: weights scaled as a trained layer's (so the MLP's SwiGLU inputs stay
+/// within a few units), quantized in groups of `group`.
+fn int_gemm<B: Backend>(
+    be: &B,
+    n: usize,
+    k: usize,
+    m: usize,
+    to: QuantizeTo,
+    group: usize,
+    op: IntOp,
+) -> Result<B::Tensor> {
+    let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
+    let int = |shape: [usize; 2], key: u64| {
+        let w = to.quantize_int_grouped(&scaled_input(&shape, key), group);
+        be.upload_quantized(&crate::quant::QuantMatrix::Int(w))
+    };
+    let x = up(&[n, k], 80)?;
+    match op {
+        IntOp::Linear => be.linear(&x, &int([m, k], 81)?, Some(&up(&[m], 82)?)),
+        IntOp::AddLinear => {
+            let mut residual = up(&[n, m], 83)?;
+            be.add_linear(&mut residual, &x, &int([m, k], 81)?, Some(&up(&[m], 82)?))?;
+            Ok(residual)
+        }
+        IntOp::Mlp => {
+            let gate_up = be.stack_weights(&[&int([m, k], 84)?, &int([m, k], 85)?])?;
+            let down = int([k, m], 86)?;
+            let mut x = x;
+            be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
+            Ok(x)
+        }
+    }
 }
 
 /// [`Case::SwigluOutlier`]: positive inputs normed and scaled by 32, gate and up weights of
@@ -1351,9 +1433,9 @@ pub fn self_check_cases() -> Vec<Case> {
     ] {
         cases.extend(Case::linears(n, k, m));
     }
-    // Integer weights: each GEMV (odd output counts: a warp's second row missing), and the
-    // dequantized GEMM past 4 rows.
-    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+    // Integer and FP8 weights: each GEMV (odd output counts: a warp's second row missing), and
+    // the dequantized GEMM past 4 rows.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         // k = 96 is no whole batch of the tensor-core GEMVs (128 columns at 4 bits, 64 at 8):
         // the CUDA-core ones take it.
         for (n, k, m) in [
@@ -1365,6 +1447,41 @@ pub fn self_check_cases() -> Vec<Case> {
         ] {
             cases.extend(Case::int_linears(n, k, m, to));
         }
+    }
+    // The tensor-core integer GEMM past 4 rows, small enough for the startup check: n-tiles 1,
+    // 2, 8 (5, 16, 40 and 64 rows: tiles part empty), odd m (a block's last rows missing), k
+    // of 8 stages (two splits: their ordered adds), groups of 32 (4 a stage), 64 and 128, the
+    // MLP's f16 gate/up output; the group-128 ops of int_linears at 16 rows too. Real sizes
+    // in cuda/tests/cuda_twin.rs (int_gemm_at_real_sizes).
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        cases.extend(Case::int_linears(16, 1024, 256, to));
+        for (n, k, m, group) in [
+            (5, 512, 301, 32),
+            (16, 1024, 256, 128),
+            (40, 1024, 777, 32),
+            (64, 1024, 1000, 64),
+        ] {
+            for op in [IntOp::Linear, IntOp::AddLinear] {
+                cases.push(IntGemm {
+                    n,
+                    k,
+                    m,
+                    to,
+                    group,
+                    op,
+                });
+            }
+        }
+        // The MLP: gate/up in f16 out (k of 8 stages: two splits), down (k = 256, one split)
+        // scaled by alpha and accumulating.
+        cases.push(IntGemm {
+            n: 24,
+            k: 1024,
+            m: 256,
+            to,
+            group: 32,
+            op: IntOp::Mlp,
+        });
     }
     // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.
     for (n, k, m) in [(33, 1152, 200), (3, 64, 40)] {

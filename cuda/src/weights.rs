@@ -583,8 +583,8 @@ impl WeightPrefix<'_> {
     }
 
     /// Uploads a quantized matrix, auditing what a backend that stores f16 keeps of it: the
-    /// integer formats' scales, or (while FP8 goes to the GPU dequantized to f16) the FP8
-    /// matrix's values.
+    /// integer formats' scales, or the FP8 matrix's values (which batches and prefill read
+    /// dequantized to f16, and a matrix the FP8 kernels cannot take is stored as).
     fn upload_quantized<B: crate::Backend>(
         &self,
         backend: &B,

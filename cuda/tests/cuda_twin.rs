@@ -9,7 +9,7 @@
 
 use vlm_compute::cuda::test_gpu;
 use vlm_compute::quant::QuantizeTo;
-use vlm_compute::twin::{compare, Case};
+use vlm_compute::twin::{compare, Case, IntOp};
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
 
 /// Runs every case, prints each outcome, and fails naming all that are outside tolerance.
@@ -110,11 +110,12 @@ fn linear_and_swiglu_at_real_sizes() {
 #[test]
 fn int_weights_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
-    // W4 and W8 (group 128): the CPU multiplies the dequantized f32 values, the GPU's GEMVs the
-    // packed ones (exact q - zero, the f16 scale once a load), so they differ in summation order
-    // only; past 4 rows the GEMM reads the matrix dequantized to f16. (rows, in, out): 8B
+    // W4 and W8 (group 128) and FP8 (128x128 blocks): the CPU multiplies the dequantized f32
+    // values, the GPU's GEMVs the packed ones (exact q - zero or e4m3 value, the scale once a
+    // load), so they differ in summation order only; past 4 rows the GEMM reads the matrix
+    // dequantized to f16. (rows, in, out): 8B
     // q/k/v, o, gate/up (as two halves), down, a batch and a prefill chunk.
-    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         check_all(
             &g,
             [
@@ -137,9 +138,88 @@ fn int_weights_at_real_sizes() {
         &g,
         [(1, 4096, 6144), (4, 12288, 4096)]
             .into_iter()
-            .flat_map(|(n, k, m)| Case::int_linears(n, k, m, QuantizeTo::Int4)),
+            .flat_map(|(n, k, m)| Case::int_linears(n, k, m, QuantizeTo::Int4))
+            .chain(Case::int_linears(1, 4096, 6144, QuantizeTo::Fp8)),
     );
     g.set_programmatic_launch(true);
+}
+
+/// Every e4m3 byte read exactly by each kernel an FP8 weight meets: row j of the matrix holds
+/// byte j in column 0 (NaN's two bytes as 0), x is one-hot at column 0, so each output is one
+/// value times the scale, exact in f32 and in f16 (0.5 times an e4m3 value is an f16 value).
+/// 64 columns take the tensor-core GEMV, 16 the CUDA-core one, 5 rows the dequantized GEMM.
+#[test]
+fn every_e4m3_value_is_read_exactly() {
+    use vlm_compute::quant::fp8::{e4m3_is_nan, Fp8Matrix};
+    let Some(g) = test_gpu() else { return };
+    let cpu = CpuBackend::new();
+    for (rows, cols) in [(1, 64), (4, 64), (1, 16), (3, 16), (5, 64)] {
+        let mut q = vec![0u8; 256 * cols];
+        for j in 0..256 {
+            q[j * cols] = if e4m3_is_nan(j as u8) { 0 } else { j as u8 };
+        }
+        let m = Fp8Matrix {
+            out: 256,
+            inp: cols,
+            block: [128, 128],
+            q,
+            scales: vec![0.5; 2],
+        };
+        let mut x = vec![0.0f32; rows * cols];
+        for r in 0..rows {
+            x[r * cols] = 1.0;
+        }
+        let x = HostTensor::new(vec![rows, cols], x).unwrap();
+        let cpu_w = cpu.upload_fp8_weight(&m).unwrap();
+        let want = cpu
+            .download(&cpu.linear(&cpu.upload(&x).unwrap(), &cpu_w, None).unwrap())
+            .unwrap();
+        let gpu_w = g.upload_fp8_weight(&m).unwrap();
+        let got = g
+            .download(&g.linear(&g.upload(&x).unwrap(), &gpu_w, None).unwrap())
+            .unwrap();
+        assert_eq!(
+            got.max_abs_diff(&want).unwrap(),
+            0.0,
+            "{rows} rows of {cols} columns: {:?} vs {:?}",
+            &got.data()[..16],
+            &want.data()[..16]
+        );
+    }
+}
+
+#[test]
+fn int_gemm_at_real_sizes() {
+    let Some(g) = test_gpu() else { return };
+    // The tensor-core integer GEMM (5..=64 rows; `VLM_INT_GEMM=dequant` runs the same cases on
+    // the dequantization and cuBLAS): batched decode at 8B shapes, k split into several ranges
+    // (4096 columns: up to 8 splits of 4 stages on an H100), groups of 32 and 128.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        check_all(
+            &g,
+            [(8, 4096, 6144), (64, 4096, 512), (32, 12288, 4096)]
+                .into_iter()
+                .flat_map(|(n, k, m)| Case::int_linears(n, k, m, to)),
+        );
+        let cases = [
+            (64, 4096, 4096, 128, IntOp::AddLinear),
+            (40, 4096, 777, 32, IntOp::Linear),
+            (64, 12288, 4096, 32, IntOp::Linear),
+            (17, 4096, 6144, 128, IntOp::AddLinear),
+            (64, 4096, 1536, 128, IntOp::Mlp),
+        ];
+        check_all(
+            &g,
+            cases.map(|(n, k, m, group, op)| Case::IntGemm {
+                n,
+                k,
+                m,
+                to,
+                group,
+                op,
+            }),
+        );
+    }
 }
 
 #[test]

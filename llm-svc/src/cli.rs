@@ -70,7 +70,7 @@ pub struct WeightArgs {
     /// Quantize the text decoder's f16/bf16 matrices at load: int8 (symmetric) or int4
     /// (asymmetric), round-to-nearest in groups of 128 columns, so decoding reads a half or a
     /// quarter of the bytes; or fp8 (e4m3 with a scale per 128x128 block, the layout of Qwen's
-    /// FP8 checkpoints; on the GPU it runs as f16 until the FP8 kernels land). Lower quality
+    /// FP8 checkpoints). Lower quality
     /// than an AWQ or GPTQ checkpoint (which are served as they are, without this flag); the
     /// vision tower, the embeddings and lm_head stay f16. Refused for a checkpoint that is
     /// quantized already.

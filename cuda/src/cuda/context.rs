@@ -15,7 +15,8 @@ use super::kernels::{
     FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
 };
-use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM};
+use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS};
+use super::tensor::IntFormat;
 use super::{lt, staging};
 use crate::{Error, Result};
 
@@ -65,6 +66,13 @@ pub(super) struct Inner {
     /// Where an integer weight is dequantized to f16 for a GEMM (int_weights.rs): as large as
     /// the largest integer weight uploaded.
     pub(super) dequant_scratch: std::sync::Mutex<Option<CudaSlice<half::f16>>>,
+    /// One lock per 256-row block of the integer GEMM (int_weights.rs, `launch_int_gemm`):
+    /// how many of its k splits have written their partial sums. Each launch leaves them at 0
+    /// again.
+    pub(super) int_gemm_locks: CudaSlice<i32>,
+    /// The integer GEMM's partial sums of split k: one tile (64 rows x 256 columns, f32) per
+    /// block of a launch, at most one block an SM.
+    pub(super) int_gemm_partials: CudaSlice<f32>,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -217,6 +225,12 @@ impl CudaBackend {
         let gemv_ticket = stream
             .alloc_zeros::<u32>(2)
             .map_err(|e| cuda_err("allocating the GEMV ticket")(&e))?;
+        let int_gemm_locks = stream
+            .alloc_zeros::<i32>(super::int_weights::INT_GEMM_LOCKS)
+            .map_err(|e| cuda_err("allocating the integer GEMM's locks")(&e))?;
+        let int_gemm_partials = stream
+            .alloc_zeros::<f32>(sm_count * super::int_weights::INT_GEMM_PARTIAL_TILE)
+            .map_err(|e| cuda_err("allocating the integer GEMM's partial sums")(&e))?;
         // `VLM_PDL=0` turns programmatic dependent launch off (to compare).
         let programmatic =
             programmatic_capable(cc) && std::env::var("VLM_PDL").map_or(true, |v| v != "0");
@@ -242,6 +256,8 @@ impl CudaBackend {
                 recording: std::sync::Mutex::new(None),
                 side_stream,
                 dequant_scratch: std::sync::Mutex::new(None),
+                int_gemm_locks,
+                int_gemm_partials,
             }),
         })
     }
@@ -459,16 +475,16 @@ fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>)
     let streamed = [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
         .into_iter()
         .map(|g| (g, true));
-    let int_normed = [4, 8].into_iter().flat_map(|bits| {
+    let int_normed = IntFormat::ALL.into_iter().flat_map(|format| {
         [Gemv::Normed, Gemv::NormedSwiglu]
             .into_iter()
-            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_kernel(bits, r)))
+            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_kernel(format, r)))
     });
     // The tensor-core integer GEMVs stage x whether normed or not.
-    let int_mma = [4, 8].into_iter().flat_map(|bits| {
+    let int_mma = IntFormat::ALL.into_iter().flat_map(|format| {
         [Gemv::Plain, Gemv::Normed, Gemv::Swiglu, Gemv::NormedSwiglu]
             .into_iter()
-            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_mma_kernel(bits, r)))
+            .flat_map(move |g| (1..=GEMV_MAX_ROWS).map(move |r| g.int_mma_kernel(format, r)))
     });
     let opted_in = [(Gemv::Normed, false), (Gemv::NormedSwiglu, false)]
         .into_iter()
@@ -476,6 +492,7 @@ fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>)
         .flat_map(|(g, s)| (1..=GEMV_MAX_ROWS).map(move |r| g.kernel(r, s)))
         .chain(int_normed)
         .chain(int_mma)
+        .chain(INT_GEMM_KERNELS)
         .all(|k| kernels[k].set_attribute(MAX_SMEM, dynamic as i32).is_ok());
     Ok(if opted_in {
         dynamic

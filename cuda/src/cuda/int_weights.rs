@@ -1,8 +1,10 @@
 //! Integer-quantized weights on the GPU (W4A16, W8A16): upload in the layout the kernels read
 //! (`IntWeight`), random ones for `--random-weights --quantize`, stacking (q/k/v, gate/up), the
-//! GEMV launches for decode rows, and an f16 view for the tensor-core GEMMs of more rows
-//! (dequantized into one scratch buffer as large as the largest matrix). Kernels in
-//! `cuda/kernels/weights_f16.cu` (`int_gemv`, `dequant_int`, `fill_random_int`).
+//! GEMV launches for decode rows, the tensor-core integer GEMM for batches of up to 64 rows
+//! (the packed weights read once), and an f16 view for cuBLAS past that or where the GEMM does
+//! not take the shape (dequantized into one scratch buffer as large as the largest matrix).
+//! Kernels in `cuda/kernels/weights_f16.cu` (`int_gemv`, `int_mma_gemv`, `int_mma_gemm`,
+//! `dequant_int`, `fill_random_int`).
 //!
 //! A matrix the integer kernels cannot take stays f16 (dequantized at load, exactly the values
 //! the checkpoint means): GPTQ act order (columns not grouped in order), groups that are not
@@ -13,10 +15,15 @@ use std::sync::{Arc, MutexGuard};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::error::cuda_err;
-use super::kernels::{Gemv, GEMV_WARPS};
+use super::kernels::{
+    int_gemm_kernel, int_gemm_tiles, Gemv, GEMV_WARPS, INT_GEMM_K, INT_GEMM_MAX_ROWS,
+    INT_GEMM_STAGES, INT_GEMM_SZ_SLOTS, INT_GEMM_WARPS,
+};
 use super::launch::arg;
-use super::tensor::{IntWeight, WeightData};
+use super::linear::GemmOut;
+use super::tensor::{IntFormat, IntWeight, WeightData};
 use super::{CudaBackend, CudaTensor, CudaWeight};
+use crate::quant::fp8::Fp8Matrix;
 use crate::quant::{random_int_scale, IntMatrix, QuantizeTo, QUANTIZE_GROUP};
 use crate::{Error, Result};
 
@@ -29,6 +36,49 @@ const MMA_PART_BYTES: usize = 2 * GEMV_WARPS as usize * 32 * 16;
 fn tensor_core_gemv() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VLM_INT_GEMV").map_or(true, |v| v != "cuda"))
+}
+
+/// Whether batches of rows may take the tensor-core integer GEMM (int_mma_gemm: the packed
+/// weights read once) where their shapes allow; `VLM_INT_GEMM=dequant` keeps every one on the
+/// dequantization into the f16 scratch and cuBLAS (to compare, and to test that path).
+fn tensor_core_gemm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VLM_INT_GEMM").map_or(true, |v| v != "dequant"))
+}
+
+/// The integer GEMM's locks (context.rs): one per block of INT_GEMM_WARPS * 32 weight rows, so
+/// matrices up to 256K rows may split k (larger ones do not).
+pub(super) const INT_GEMM_LOCKS: usize = 1024;
+
+/// The most k splits an integer GEMM launch takes: `VLM_INT_GEMM_SPLITS=n` (at least 1) to
+/// tune; more splits fill more SMs but write and read more partial sums.
+fn int_gemm_max_splits() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("VLM_INT_GEMM_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(usize::MAX, |n: usize| n.max(1))
+    })
+}
+
+/// Weight rows one integer GEMM block owns.
+const INT_GEMM_BLOCK_ROWS: usize = INT_GEMM_WARPS * 32;
+
+/// Floats of one block's partial sums under split k (context.rs holds one per SM).
+pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLOCK_ROWS;
+
+/// Stages of k each split of the integer GEMM takes at least (fewer and the pipeline's fill
+/// and the ordered adds weigh more than the extra blocks give).
+const INT_GEMM_MIN_SPLIT_STAGES: usize = 4;
+
+/// Shared memory of the integer GEMM at `bits` for `rows` rows of x: int_mma_gemm's stages
+/// (weights_f16.cu, ig_stage_bytes).
+fn int_gemm_smem(bits: u32, rows: usize) -> usize {
+    let stage = INT_GEMM_BLOCK_ROWS * INT_GEMM_K * bits as usize / 8
+        + int_gemm_tiles(rows) * 8 * INT_GEMM_K * 2
+        + INT_GEMM_BLOCK_ROWS * INT_GEMM_SZ_SLOTS * 4;
+    INT_GEMM_STAGES * stage
 }
 
 /// Columns one 16-byte load of the integer GEMVs holds at `bits`.
@@ -101,14 +151,67 @@ impl CudaBackend {
         let sz = stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
-        self.int_weight(vec![m.out, m.inp], m.bits, m.group, words, sz)
+        self.int_weight(
+            vec![m.out, m.inp],
+            IntFormat::of_bits(m.bits),
+            m.group,
+            words,
+            sz,
+        )
+    }
+
+    /// An FP8 matrix as the integer kernels read it in their FP8 form (FMT_F8): the e4m3
+    /// bytes as 8-bit words and, per row and group of columns (a block's columns, or the whole
+    /// row where one scale covers it), the block's scale times 2^8 as an f32 in the (scale,
+    /// zero) slot. A block grid that does not split into whole 16-byte loads stays f16 (exact:
+    /// dequantized at load).
+    pub(super) fn upload_fp8_weight_impl(&self, m: &Fp8Matrix) -> Result<CudaWeight> {
+        let [block_rows, block_cols] = m.block;
+        let group = block_cols.min(m.inp);
+        let cols = load_cols(8);
+        if m.inp % group != 0 || group % cols != 0 || m.inp % cols != 0 {
+            tracing::info!(
+                shape = ?[m.out, m.inp],
+                block = ?m.block,
+                "an FP8 matrix whose scale blocks are not whole 16-byte loads is kept as f16 on \
+                 the GPU"
+            );
+            return self.upload_weight_impl(&m.dequantize());
+        }
+        use rayon::prelude::*;
+        let words: Vec<u32> =
+            m.q.par_chunks(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+        let [_, grid_cols] = m.grid();
+        let groups = m.inp / group;
+        let sz: Vec<half::f16> = (0..m.out * groups)
+            .flat_map(|i| {
+                let (row, g) = (i / groups, i % groups);
+                let scale = m.scales[(row / block_rows) * grid_cols + g * group / block_cols];
+                // The kernels' e4m3 values are 2^-8 of the real ones: a power of two, exact.
+                let bits = (scale * 256.0).to_bits();
+                [
+                    half::f16::from_bits(bits as u16),
+                    half::f16::from_bits((bits >> 16) as u16),
+                ]
+            })
+            .collect();
+        let stream = &self.inner.stream;
+        let words = stream
+            .clone_htod(&words)
+            .map_err(|e| cuda_err("uploading an FP8 weight")(&e))?;
+        let sz = stream
+            .clone_htod(&sz)
+            .map_err(|e| cuda_err("uploading an FP8 weight's scales")(&e))?;
+        self.int_weight(vec![m.out, m.inp], IntFormat::E4m3, group, words, sz)
     }
 
     /// The weight, and the dequantization scratch grown to hold it.
     fn int_weight(
         &self,
         shape: Vec<usize>,
-        bits: u32,
+        format: IntFormat,
         group: usize,
         words: CudaSlice<u32>,
         sz: CudaSlice<half::f16>,
@@ -122,7 +225,7 @@ impl CudaBackend {
         Ok(CudaWeight {
             shape,
             data: WeightData::Int(Arc::new(IntWeight {
-                bits,
+                format,
                 group,
                 words,
                 sz,
@@ -159,7 +262,7 @@ impl CudaBackend {
             .stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
-        self.int_weight(shape.to_vec(), bits, group, words, sz)
+        self.int_weight(shape.to_vec(), IntFormat::of_bits(bits), group, words, sz)
     }
 
     /// The weights' rows one after another: integer weights of one bit width and group stay
@@ -183,12 +286,12 @@ impl CudaBackend {
         let ints: Option<Vec<&IntWeight>> = parts.iter().map(|p| p.as_int()).collect();
         if let Some(ints) = ints.filter(|i| {
             i.iter()
-                .all(|w| (w.bits, w.group) == (i[0].bits, i[0].group))
+                .all(|w| (w.format, w.group) == (i[0].format, i[0].group))
         }) {
-            let (bits, group) = (ints[0].bits, ints[0].group);
+            let (format, group) = (ints[0].format, ints[0].group);
             let words = self.concat(ints.iter().map(|w| &w.words))?;
             let sz = self.concat(ints.iter().map(|w| &w.sz))?;
-            return self.int_weight(vec![rows, cols], bits, group, words, sz);
+            return self.int_weight(vec![rows, cols], format, group, words, sz);
         }
         let dense: Vec<CudaSlice<half::f16>> = parts
             .iter()
@@ -244,13 +347,13 @@ impl CudaBackend {
         out: &mut CudaSlice<half::f16>,
     ) -> Result<()> {
         let (m, k) = (shape[0] as i32, shape[1] as i32);
-        let name = if iw.bits == 4 {
-            "dequant_w4_f16"
-        } else {
-            "dequant_w8_f16"
+        let name = match iw.format {
+            IntFormat::W4 => "dequant_w4_f16",
+            IntFormat::W8 => "dequant_w8_f16",
+            IntFormat::E4m3 => "dequant_f8_f16",
         };
         // One thread a 16-byte load of words.
-        let n = (shape[0] * shape[1] / load_cols(iw.bits)) as u64;
+        let n = (shape[0] * shape[1] / load_cols(iw.format.bits())) as u64;
         let group = iw.group as i32;
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&iw.words)
@@ -292,7 +395,7 @@ impl CudaBackend {
         m: usize,
     ) -> Result<()> {
         let swiglu = matches!(kind, Gemv::Swiglu | Gemv::NormedSwiglu);
-        let batch = 4 * load_cols(iw.bits);
+        let batch = 4 * load_cols(iw.format.bits());
         let mma_staged = x.len() * std::mem::size_of::<f32>() + MMA_PART_BYTES;
         let mma = tensor_core_gemv()
             && x.cols() % batch == 0
@@ -305,7 +408,7 @@ impl CudaBackend {
             } else {
                 m.div_ceil(16)
             };
-            (kind.int_mma_kernel(iw.bits, x.rows()), mma_staged, tiles)
+            (kind.int_mma_kernel(iw.format, x.rows()), mma_staged, tiles)
         } else {
             let pairs = if swiglu { m } else { m.div_ceil(2) };
             let staged = if kind.normed() {
@@ -313,7 +416,7 @@ impl CudaBackend {
             } else {
                 0
             };
-            let name = kind.int_kernel(iw.bits, x.rows());
+            let name = kind.int_kernel(iw.format, x.rows());
             (name, staged, pairs.div_ceil(GEMV_WARPS as usize))
         };
         let block = GEMV_WARPS * 32;
@@ -354,6 +457,116 @@ impl CudaBackend {
         // Under programmatic launch the kernel reads only weights before its grid_wait.
         let launched =
             unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
+        self.launched(name, launched)
+    }
+
+    /// Whether the tensor-core integer GEMM takes `n` rows of x against `iw` with `k` columns
+    /// (else the dequantization and cuBLAS): 1..=64 rows, k whole stages, groups that divide
+    /// a stage or are whole stages (at most INT_GEMM_SZ_SLOTS a stage), and the stages'
+    /// shared memory.
+    /// FP8 weights are not taken yet (the GEMM multiplies its fragments by an f16 scale, and
+    /// FP8's is an f32): batches of them keep the dequantization.
+    pub(super) fn int_gemm_takes(&self, iw: &IntWeight, n: usize, k: usize) -> bool {
+        let group = iw.group;
+        tensor_core_gemm()
+            && iw.format != IntFormat::E4m3
+            && (1..=INT_GEMM_MAX_ROWS).contains(&n)
+            && k % INT_GEMM_K == 0
+            && group > 0
+            && (group % INT_GEMM_K == 0
+                || (INT_GEMM_K % group == 0 && INT_GEMM_K / group <= INT_GEMM_SZ_SLOTS))
+            && int_gemm_smem(iw.format.bits(), n) <= self.inner.gemv_smem
+    }
+
+    /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, `n` rows of x16
+    /// (already f16), `m` output columns, k = x16's columns: for shapes
+    /// [`Self::int_gemm_takes`] takes. k may be split over several blocks of the same rows
+    /// (their partial sums added in a fixed order: the result does not depend on timing).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_int_gemm<O: GemmOut>(
+        &self,
+        x16: &CudaSlice<half::f16>,
+        n: usize,
+        iw: &IntWeight,
+        m: usize,
+        k: usize,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<O>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> Result<()> {
+        if x16.len() < n * k || out.len() < n * m || bias.is_some_and(|b| b.len() < m) {
+            return Err(Error::shape(
+                "integer GEMM",
+                format!("{n} rows of {k} -> {m} columns"),
+            ));
+        }
+        let name = int_gemm_kernel(iw.format.bits(), n, O::F16);
+        let blocks = m.div_ceil(INT_GEMM_BLOCK_ROWS);
+        let stages = k / INT_GEMM_K;
+        // Split k until the grid fills the SMs, at most one block an SM (the splits of an
+        // m-block wait for each other: all must be resident; the partial sums hold one tile
+        // an SM) and INT_GEMM_MIN_SPLIT_STAGES a split.
+        let splits = if blocks > INT_GEMM_LOCKS {
+            1
+        } else {
+            (self.inner.sm_count / blocks)
+                .min(stages / INT_GEMM_MIN_SPLIT_STAGES)
+                .min(int_gemm_max_splits())
+                .max(1)
+        };
+        let smem = int_gemm_smem(iw.format.bits(), n);
+        let cfg = LaunchConfig {
+            grid_dim: ((blocks * splits) as u32, 1, 1),
+            block_dim: ((INT_GEMM_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let stream = &self.inner.stream;
+        let (nn, group, has_bias, acc) = (
+            n as i32,
+            iw.group as i32,
+            bias.is_some() as i32,
+            accumulate as i32,
+        );
+        let (mm, kk, ss) = (m as i32, k as i32, splits as i32);
+        let (xp, _x) = x16.device_ptr(stream);
+        let (wp, _w) = iw.words.device_ptr(stream);
+        let (sp, _s) = iw.sz.device_ptr(stream);
+        // No bias: the kernel never reads it; given the scales' address.
+        let (bp, _b) = match bias {
+            Some(b) => {
+                let (p, g) = b.device_ptr(stream);
+                (p, Some(g))
+            }
+            None => (sp, None),
+        };
+        let (op, _o) = out.device_ptr_mut(stream);
+        let (lp, _l) = self.inner.int_gemm_locks.device_ptr(stream);
+        let (pp, _p) = self.inner.int_gemm_partials.device_ptr(stream);
+        let mut args = [
+            arg(&xp),
+            arg(&nn),
+            arg(&wp),
+            arg(&sp),
+            arg(&group),
+            arg(&bp),
+            arg(&has_bias),
+            arg(&op),
+            arg(&acc),
+            arg(&alpha),
+            arg(&mm),
+            arg(&kk),
+            arg(&ss),
+            arg(&pp),
+            arg(&lp),
+        ];
+        // SAFETY: the arguments are INT_GEMM_KERNEL's, in order, with O the kernel's output
+        // type (the name picks f16 or f32); x16 holds n * k halves, out n * m of O, bias m
+        // floats (checked above), the words and scales m rows of k (upload); k and group are
+        // as int_mma_gemm needs and its shared memory was opted into (int_gemm_takes); the
+        // locks are at least `blocks` where splits > 1, all 0 between launches; with splits
+        // > 1 the grid is at most sm_count blocks, and the partials hold a tile for each.
+        let launched = unsafe { self.launch_args(name, cfg, &mut args, false) };
         self.launched(name, launched)
     }
 }

@@ -2,6 +2,7 @@
 //! Rust side shares with them (`#define`d into every source), and the text NVRTC compiles.
 
 use super::compile::compile_ptx;
+use super::tensor::IntFormat;
 use crate::sampling::{LOGPROB_COLS, MAX_TOP_LOGPROBS, SAMPLE_BINS, SAMPLE_LIST, SAMPLE_WORDS};
 use crate::{Error, Result};
 
@@ -50,7 +51,24 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "fill_uniform_f16",
             "dequant_w4_f16",
             "dequant_w8_f16",
+            "dequant_f8_f16",
             "fill_random_int",
+            INT_GEMM_KERNELS[0],
+            INT_GEMM_KERNELS[1],
+            INT_GEMM_KERNELS[2],
+            INT_GEMM_KERNELS[3],
+            INT_GEMM_KERNELS[4],
+            INT_GEMM_KERNELS[5],
+            INT_GEMM_KERNELS[6],
+            INT_GEMM_KERNELS[7],
+            INT_GEMM_KERNELS[8],
+            INT_GEMM_KERNELS[9],
+            INT_GEMM_KERNELS[10],
+            INT_GEMM_KERNELS[11],
+            INT_GEMM_KERNELS[12],
+            INT_GEMM_KERNELS[13],
+            INT_GEMM_KERNELS[14],
+            INT_GEMM_KERNELS[15],
         ],
         per_rows: &GEMV_KERNELS,
         sm90a: false,
@@ -366,7 +384,9 @@ pub(super) const GEMV_STATIC_SMEM: usize = 1 << 10;
 pub(super) const STREAM_STAGED: usize = 8;
 
 /// The GEMV kernels of weights_f16.cu (its FOR_ROWS), one per count of input rows: the four
-/// kinds below, then the same four streamed (run under programmatic dependent launch).
+/// kinds below, then the same four streamed (run under programmatic dependent launch); in
+/// [`GEMV_KERNELS`] after them the integer ones (int_gemv) and the tensor-core integer ones
+/// (int_mma_gemv), the four kinds for each [`IntFormat`] in order.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Gemv {
     Plain,
@@ -376,7 +396,7 @@ pub(super) enum Gemv {
     NormedSwiglu,
 }
 
-pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
+pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 32] = [
     [
         "gemv_f16w_r1",
         "gemv_f16w_r2",
@@ -464,6 +484,26 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
         "rms_norm_swiglu_gemv_w8_r3",
         "rms_norm_swiglu_gemv_w8_r4",
     ],
+    // FP8 e4m3 weights through the same kernels (FMT_F8).
+    ["gemv_f8_r1", "gemv_f8_r2", "gemv_f8_r3", "gemv_f8_r4"],
+    [
+        "rms_norm_gemv_f8_r1",
+        "rms_norm_gemv_f8_r2",
+        "rms_norm_gemv_f8_r3",
+        "rms_norm_gemv_f8_r4",
+    ],
+    [
+        "swiglu_gemv_f8_r1",
+        "swiglu_gemv_f8_r2",
+        "swiglu_gemv_f8_r3",
+        "swiglu_gemv_f8_r4",
+    ],
+    [
+        "rms_norm_swiglu_gemv_f8_r1",
+        "rms_norm_swiglu_gemv_f8_r2",
+        "rms_norm_swiglu_gemv_f8_r3",
+        "rms_norm_swiglu_gemv_f8_r4",
+    ],
     // The integer GEMVs on the tensor cores (int_mma_gemv), in the same order.
     [
         "mma_gemv_w4_r1",
@@ -513,7 +553,72 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 24] = [
         "mma_rms_norm_swiglu_gemv_w8_r3",
         "mma_rms_norm_swiglu_gemv_w8_r4",
     ],
+    [
+        "mma_gemv_f8_r1",
+        "mma_gemv_f8_r2",
+        "mma_gemv_f8_r3",
+        "mma_gemv_f8_r4",
+    ],
+    [
+        "mma_rms_norm_gemv_f8_r1",
+        "mma_rms_norm_gemv_f8_r2",
+        "mma_rms_norm_gemv_f8_r3",
+        "mma_rms_norm_gemv_f8_r4",
+    ],
+    [
+        "mma_swiglu_gemv_f8_r1",
+        "mma_swiglu_gemv_f8_r2",
+        "mma_swiglu_gemv_f8_r3",
+        "mma_swiglu_gemv_f8_r4",
+    ],
+    [
+        "mma_rms_norm_swiglu_gemv_f8_r1",
+        "mma_rms_norm_swiglu_gemv_f8_r2",
+        "mma_rms_norm_swiglu_gemv_f8_r3",
+        "mma_rms_norm_swiglu_gemv_f8_r4",
+    ],
 ];
+
+/// The tensor-core integer GEMM's tiles (weights_f16.cu's int_mma_gemm, `IG_*` there): warps a
+/// block (32 weight rows each), columns a k stage, stages in shared memory at once, (scale,
+/// zero) slots a weight row a stage (so groups of at least IG_K / 4 columns), and x's rows.
+pub(super) const INT_GEMM_WARPS: usize = 8;
+pub(super) const INT_GEMM_K: usize = 128;
+pub(super) const INT_GEMM_STAGES: usize = 3;
+pub(super) const INT_GEMM_SZ_SLOTS: usize = 4;
+pub(super) const INT_GEMM_MAX_ROWS: usize = 64;
+
+/// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): bits 4 then
+/// 8; n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then f16 output.
+pub(super) const INT_GEMM_KERNELS: [&str; 16] = [
+    "int_gemm_w4_n1_f32",
+    "int_gemm_w4_n1_f16",
+    "int_gemm_w4_n2_f32",
+    "int_gemm_w4_n2_f16",
+    "int_gemm_w4_n4_f32",
+    "int_gemm_w4_n4_f16",
+    "int_gemm_w4_n8_f32",
+    "int_gemm_w4_n8_f16",
+    "int_gemm_w8_n1_f32",
+    "int_gemm_w8_n1_f16",
+    "int_gemm_w8_n2_f32",
+    "int_gemm_w8_n2_f16",
+    "int_gemm_w8_n4_f32",
+    "int_gemm_w8_n4_f16",
+    "int_gemm_w8_n8_f32",
+    "int_gemm_w8_n8_f16",
+];
+
+/// The integer GEMM's n8 tiles for `rows` (1..=64) rows of x: 1, 2, 4 or 8.
+pub(super) fn int_gemm_tiles(rows: usize) -> usize {
+    rows.div_ceil(8).next_power_of_two()
+}
+
+/// The integer GEMM kernel of `bits` (4 or 8) for `rows` (1..=64) rows, f16 output or f32.
+pub(super) fn int_gemm_kernel(bits: u32, rows: usize, f16_out: bool) -> &'static str {
+    let tiles = int_gemm_tiles(rows).trailing_zeros() as usize;
+    INT_GEMM_KERNELS[if bits == 8 { 8 } else { 0 } + 2 * tiles + f16_out as usize]
+}
 
 impl Gemv {
     /// The kernel for `rows` (1..=GEMV_MAX_ROWS) input rows, streamed or not.
@@ -521,14 +626,14 @@ impl Gemv {
         GEMV_KERNELS[self as usize + if streamed { 4 } else { 0 }][rows - 1]
     }
 
-    /// The integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
-    pub(super) fn int_kernel(self, bits: u32, rows: usize) -> &'static str {
-        GEMV_KERNELS[8 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
+    /// The integer-weight kernel of `format` for `rows` input rows.
+    pub(super) fn int_kernel(self, format: IntFormat, rows: usize) -> &'static str {
+        GEMV_KERNELS[8 + 4 * format as usize + self as usize][rows - 1]
     }
 
-    /// The tensor-core integer-weight kernel of `bits` (4 or 8) for `rows` input rows.
-    pub(super) fn int_mma_kernel(self, bits: u32, rows: usize) -> &'static str {
-        GEMV_KERNELS[16 + if bits == 8 { 4 } else { 0 } + self as usize][rows - 1]
+    /// The tensor-core integer-weight kernel of `format` for `rows` input rows.
+    pub(super) fn int_mma_kernel(self, format: IntFormat, rows: usize) -> &'static str {
+        GEMV_KERNELS[20 + 4 * format as usize + self as usize][rows - 1]
     }
 
     pub(super) fn normed(self) -> bool {
@@ -548,7 +653,9 @@ fn shared_defines() -> String {
          #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
          #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
          #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
-         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n"
+         #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n\
+         #define IG_WARPS {INT_GEMM_WARPS}\n#define IG_K {INT_GEMM_K}\n\
+         #define IG_STAGES {INT_GEMM_STAGES}\n#define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n"
     )
 }
 
@@ -617,6 +724,38 @@ mod tests {
                 let (whole, ctas) = flash_wgmma_grid(blocks, tiles, 132);
                 assert!(whole <= blocks && ctas >= blocks, "{blocks} x {tiles}");
                 assert!(ctas - whole <= 132, "{blocks} x {tiles}");
+            }
+        }
+    }
+
+    /// Every kernel a source defines by its plain name is on that source's load list: a kernel
+    /// missing from it compiles, passes every CPU test and fails only at its first launch on a
+    /// GPU (as `dequant_f8_f16` once did). Names built by macros (`NAME##_r##ROWS`) are checked
+    /// the other way, by `load_function` at start.
+    #[test]
+    fn every_plain_kernel_a_source_defines_is_loaded() {
+        for src in SOURCES {
+            let listed: Vec<&str> = src
+                .kernels
+                .iter()
+                .chain(src.per_rows.iter().flatten())
+                .copied()
+                .collect();
+            for piece in src.source.split("extern \"C\" __global__ void").skip(1) {
+                let mut rest = piece.trim_start();
+                if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
+                    rest = &bounds[bounds.find(')').map_or(0, |i| i + 1)..];
+                }
+                let name = rest.split('(').next().unwrap_or_default().trim();
+                // A macro's parameter (`NAME`, `NAME##_r##ROWS`), not a kernel's name.
+                if name.contains("##") || name.chars().all(|c| c.is_ascii_uppercase()) {
+                    continue;
+                }
+                assert!(
+                    listed.contains(&name),
+                    "{}: kernel {name} is defined but not on the source's load list",
+                    src.file
+                );
             }
         }
     }

@@ -45,16 +45,20 @@ pub(super) fn with_cols(shape: &[usize], cols: usize) -> Vec<usize> {
 /// the GEMM after it).
 pub(super) trait GemmOut: DeviceRepr {
     const TYPE: cudarc::cublas::sys::cudaDataType_t;
+    /// Whether it is f16 (the integer GEMM's kernel for it: `_f16` or `_f32`).
+    const F16: bool;
 }
 
 impl GemmOut for f32 {
     const TYPE: cudarc::cublas::sys::cudaDataType_t =
         cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+    const F16: bool = false;
 }
 
 impl GemmOut for half::f16 {
     const TYPE: cudarc::cublas::sys::cudaDataType_t =
         cudarc::cublas::sys::cudaDataType_t::CUDA_R_16F;
+    const F16: bool = true;
 }
 
 impl CudaBackend {
@@ -269,6 +273,9 @@ impl CudaBackend {
         alpha: f32,
     ) -> Result<()> {
         let (k, m) = (w.shape[1], w.shape[0]);
+        if let Some(iw) = self.int_gemm_weight(w, n) {
+            return self.launch_int_gemm(x16, n, iw, m, k, None, out, accumulate, alpha);
+        }
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
         // read transposed from its row-major [m, k] storage. f16 in, f32 accumulation.
         {
@@ -308,6 +315,19 @@ impl CudaBackend {
             .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16, f32 accumulation)")(&e))?;
         }
         self.op_done("cublas_gemm_f16")
+    }
+
+    /// `w`'s integer weight where the tensor-core integer GEMM takes it for `n` rows (the
+    /// packed weights read once, not dequantized for cuBLAS).
+    pub(super) fn int_gemm_weight<'a>(
+        &self,
+        w: &'a CudaWeight,
+        n: usize,
+    ) -> Option<&'a super::tensor::IntWeight> {
+        match &w.data {
+            WeightData::Int(iw) if self.int_gemm_takes(iw, n, w.shape[1]) => Some(iw),
+            _ => None,
+        }
     }
 
     /// Whether cuBLASLt has an algorithm for `shape` (asked once per shape).
@@ -389,6 +409,9 @@ impl CudaBackend {
             return self.gemm_f16(x16, n, w, out, false);
         };
         let (m, k) = (w.shape[0], w.shape[1]);
+        if let Some(iw) = self.int_gemm_weight(w, n) {
+            return self.launch_int_gemm(x16, n, iw, m, k, Some(&*b.buf), out, false, 1.0);
+        }
         let shape = LtShape {
             n,
             k,
@@ -597,6 +620,11 @@ impl CudaBackend {
         let Some(b) = b else {
             return self.gemm(a, w, self.unshared(x)?, true);
         };
+        if let Some(iw) = self.int_gemm_weight(w, n) {
+            let a16 = self.to_f16(a)?;
+            let out = self.unshared(x)?;
+            return self.launch_int_gemm(&a16, n, iw, m, a.cols(), Some(&*b.buf), out, true, 1.0);
+        }
         let shape = LtShape {
             n,
             k: a.cols(),

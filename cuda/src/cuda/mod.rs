@@ -151,16 +151,8 @@ impl Backend for CudaBackend {
         self.upload_int_weight_impl(m)
     }
 
-    /// FP8 matrices go to the GPU dequantized to f16 until the FP8 kernels land (the fallback
-    /// act-order integer matrices take): correct, at f16's bytes and speed.
     fn upload_fp8_weight(&self, m: &crate::quant::fp8::Fp8Matrix) -> Result<CudaWeight> {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        ONCE.call_once(|| {
-            tracing::info!(
-                "FP8 weights run as f16 on the GPU (dequantized at load) until the FP8 kernels land"
-            )
-        });
-        self.upload_weight_impl(&m.dequantize())
+        self.upload_fp8_weight_impl(m)
     }
 
     fn random_int_weight(

@@ -29,14 +29,44 @@ pub(super) enum WeightData {
     Int(Arc<IntWeight>),
 }
 
-/// An integer matrix `[m, k]` as weights_f16.cu's integer kernels read it: row-major words of
-/// `32 / bits` values along k, low bits first, and a (scale, zero) pair of f16 per row and
-/// `group` columns.
+/// The values of an [`IntWeight`], as weights_f16.cu's FMT: 4- or 8-bit integers
+/// ((q - zero) * scale), or FP8 e4m3 bytes times a scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum IntFormat {
+    W4,
+    W8,
+    E4m3,
+}
+
+impl IntFormat {
+    pub(super) const ALL: [IntFormat; 3] = [IntFormat::W4, IntFormat::W8, IntFormat::E4m3];
+
+    /// The integer format of `bits` (4 or 8).
+    pub(super) fn of_bits(bits: u32) -> Self {
+        if bits == 4 {
+            IntFormat::W4
+        } else {
+            IntFormat::W8
+        }
+    }
+
+    pub(super) fn bits(self) -> u32 {
+        match self {
+            IntFormat::W4 => 4,
+            IntFormat::W8 | IntFormat::E4m3 => 8,
+        }
+    }
+}
+
+/// An integer (or FP8) matrix `[m, k]` as weights_f16.cu's integer kernels read it: row-major
+/// words of `32 / bits` values along k, low bits first, and a (scale, zero) pair of f16 per
+/// row and `group` columns.
 pub(super) struct IntWeight {
-    pub(super) bits: u32,
+    pub(super) format: IntFormat,
     pub(super) group: usize,
     pub(super) words: CudaSlice<u32>,
-    /// `[m, k / group, 2]`: scale, zero.
+    /// `[m, k / group, 2]`: scale, zero. For [`IntFormat::E4m3`] each pair's four bytes are
+    /// one f32, the scale times 2^8 (the kernels read e4m3 bytes as their value times 2^-8).
     pub(super) sz: CudaSlice<half::f16>,
 }
 

@@ -1,0 +1,142 @@
+//! Batched decode's projections at 8B shapes (q/k/v, o, gate/up, down, and the text MLP as
+//! one op) for 8 to 64 rows: f16 weights on cuBLAS, W8 and W4 on the tensor-core integer GEMM
+//! (weights_f16.cu's int_mma_gemm), and W8 and W4 dequantized into the f16 scratch for cuBLAS
+//! (the path before it, `VLM_INT_GEMM=dequant`, timed in a child process of this example, as
+//! the switch is read once a process). Per op: microseconds a call and the weights' GB/s
+//! against the device's copy bandwidth.
+//!
+//!     cargo run --release -p vlm-compute --example int_gemm [ROWS...]
+//!
+//! ROWS defaults to 8 16 32 64. The target: W4 at 64 rows at least as fast as f16.
+
+use std::time::Instant;
+
+use vlm_compute::quant::QuantizeTo;
+use vlm_compute::{Backend, CudaBackend, CudaTensor, CudaWeight, HostTensor};
+
+/// Distinct copies of each matrix, called in turn: more bytes than an H100's 50 MB L2 at
+/// every format, so each call reads its weights from DRAM as decode does.
+const COPIES: usize = 8;
+
+fn main() -> vlm_compute::Result<()> {
+    let mut rows: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("rows"))
+        .collect();
+    if rows.is_empty() {
+        rows = vec![8, 16, 32, 64];
+    }
+    let dequant = std::env::var("VLM_INT_GEMM").is_ok_and(|v| v == "dequant");
+    let g = CudaBackend::new(0)?;
+    let copy_bytes = 1usize << 30;
+    let copy = g.time_copy(copy_bytes)?;
+    let copy = g.time_copy(copy_bytes)?.min(copy);
+    let copy_bw = 2.0 * copy_bytes as f64 / copy.as_secs_f64();
+    let (h, inter, qkv) = (4096usize, 12288usize, 6144usize);
+    let formats: &[Option<QuantizeTo>] = if dequant {
+        &[Some(QuantizeTo::Int8), Some(QuantizeTo::Int4)]
+    } else {
+        println!("{} copy: {:.0} GB/s", g.device_name(), copy_bw / 1e9);
+        &[None, Some(QuantizeTo::Int8), Some(QuantizeTo::Int4)]
+    };
+    let path = if dequant {
+        "dequant+cuBLAS"
+    } else {
+        "int GEMM"
+    };
+    for &fmt in formats {
+        let make = |m: usize, k: usize, key: u64| -> vlm_compute::Result<CudaWeight> {
+            match fmt {
+                None => g.random_weight(&[m, k], key, 0.02),
+                Some(to) => g.random_int_weight(&[m, k], key, 0.02, to),
+            }
+        };
+        let bits = fmt.map_or(16, |t| t.bits() as usize);
+        let name = match fmt {
+            None => "f16 cuBLAS".to_string(),
+            Some(QuantizeTo::Int8) => format!("w8 {path}"),
+            Some(QuantizeTo::Int4) => format!("w4 {path}"),
+            Some(QuantizeTo::Fp8) => unreachable!("not timed here"),
+        };
+        // (name, m, k) and COPIES weights of each.
+        let shapes = [
+            ("qkv", qkv, h),
+            ("o", h, h),
+            ("gate_up", 2 * inter, h),
+            ("down", h, inter),
+        ];
+        let mut ws: Vec<Vec<CudaWeight>> = Vec::new();
+        for (s, &(_, m, k)) in shapes.iter().enumerate() {
+            let copies = (0..COPIES)
+                .map(|c| make(m, k, (s * COPIES + c) as u64))
+                .collect::<vlm_compute::Result<Vec<_>>>()?;
+            ws.push(copies);
+        }
+        let bytes_of = |m: usize, k: usize| {
+            let groups = if bits == 16 { 0 } else { m * k / 128 };
+            (m * k * bits / 8 + groups * 4) as f64
+        };
+        for &n in &rows {
+            let x = g.upload(&HostTensor::new(vec![n, h], vec![0.01; n * h])?)?;
+            let xi = g.upload(&HostTensor::new(vec![n, inter], vec![0.01; n * inter])?)?;
+            let norm = g.upload(&HostTensor::new(vec![h], vec![1.0; h])?)?;
+            println!("{name} rows {n}:");
+            for (s, &(op, m, k)) in shapes.iter().enumerate() {
+                let input: &CudaTensor = if k == h { &x } else { &xi };
+                let t = time(&g, |c| g.linear(input, &ws[s][c], None).map(drop))?;
+                let bytes = bytes_of(m, k);
+                println!(
+                    "  {op:>8} {m}x{k}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy, {:4.0} TFLOP/s",
+                    t * 1e6,
+                    bytes / t / 1e9,
+                    100.0 * bytes / t / copy_bw,
+                    2.0 * (n * m * k) as f64 / t / 1e12
+                );
+            }
+            // The text MLP as decode runs it: norm, gate/up (f16 out), SwiGLU, down into x.
+            let mut resid = x.clone();
+            let t = time(&g, |c| {
+                g.rms_norm_mlp(&mut resid, &norm, 1e-6, &ws[2][c], &ws[3][c])
+            })?;
+            let bytes = bytes_of(2 * inter, h) + bytes_of(h, inter);
+            println!(
+                "  {:>8} {h}->{inter}->{h}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy",
+                "mlp",
+                t * 1e6,
+                bytes / t / 1e9,
+                100.0 * bytes / t / copy_bw
+            );
+        }
+    }
+    if !dequant {
+        // The dequantized path, in a process of its own.
+        let status = std::process::Command::new(std::env::current_exe().expect("own path"))
+            .args(rows.iter().map(|r| r.to_string()))
+            .env("VLM_INT_GEMM", "dequant")
+            .status()
+            .expect("running the dequantized path");
+        assert!(status.success(), "the dequantized path failed: {status}");
+    }
+    Ok(())
+}
+
+/// Seconds a call of `f` (given the weight copy to use), over rounds of COPIES calls after
+/// one warm-up round.
+fn time(
+    g: &CudaBackend,
+    mut f: impl FnMut(usize) -> vlm_compute::Result<()>,
+) -> vlm_compute::Result<f64> {
+    for c in 0..COPIES {
+        f(c)?;
+    }
+    g.synchronize()?;
+    let rounds = 10;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        for c in 0..COPIES {
+            f(c)?;
+        }
+    }
+    g.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / (rounds * COPIES) as f64)
+}
