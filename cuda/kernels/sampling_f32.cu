@@ -19,6 +19,8 @@
 #define S_LIST SAMPLE_LIST
 #define S_IN_PROMPT 0x80000000u
 #define S_NO_SLOT 0xffffffffu
+// The pick of a row with no finite largest logit (sampling.rs's NOT_FINITE).
+#define S_NOT_FINITE 0xffffffffu
 
 // Must stay the same operations as det_exp in sampling.rs.
 __device__ __forceinline__ float s_exp(float d) {
@@ -887,8 +889,12 @@ extern "C" __global__ void __launch_bounds__(S_THREADS)
         if (drawn != 0xffffffffu) pick = drawn;
     }
     if (threadIdx.x == 0) {
-        picks[row] = pick;
-        if (p.slot != S_NO_SLOT) counts[(size_t)p.slot * vocab + pick] += 1;
-        lp_row[0] = p.logprobs > 0 ? l[pick] - lse : __int_as_float(0x7fc00000);
+        // No finite largest logit (NaN everywhere, as an activation that overflowed upstream
+        // leaves it; an infinity; every token masked): no token, nothing counted, and the
+        // engine ends the request with an error instead of sending token 0.
+        const bool lost = !isfinite(best);
+        picks[row] = lost ? S_NOT_FINITE : pick;
+        if (p.slot != S_NO_SLOT && !lost) counts[(size_t)p.slot * vocab + pick] += 1;
+        lp_row[0] = p.logprobs > 0 && !lost ? l[pick] - lse : __int_as_float(0x7fc00000);
     }
 }

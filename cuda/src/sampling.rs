@@ -20,6 +20,11 @@
 //!    by the token's position (and the choice's index), picks by inverse CDF in token-id order
 //!    over the kept weights.
 //!
+//! A row whose largest `y` is not finite has no token: [`NOT_FINITE`], nothing counted. NaN
+//! everywhere is what an activation that overflowed upstream (past f16's 65504, say) leaves in
+//! the logits, and greedy would otherwise pick token 0 from them, silently; an infinity or a
+//! mask that allows nothing is no better. The engine ends such a request with an error.
+//!
 //! Why every step is exact: weights are integers (`floor(e^(y - max) × 2^31)` from [`det_exp`],
 //! a few correctly rounded f32 operations that the GPU performs identically), thresholds are
 //! comparisons of keys that order floats, and masses are integer sums, which no summation
@@ -56,6 +61,10 @@ pub fn work_words(rows: usize) -> usize {
 
 /// A row that keeps no token counts (no penalty asks for them).
 pub const NO_SLOT: u32 = u32::MAX;
+
+/// The pick of a row whose largest processed logit is not finite (`S_NOT_FINITE` in the
+/// kernel): not a token id, as no vocabulary has 2^32 - 1 tokens.
+pub const NOT_FINITE: u32 = u32::MAX;
 
 /// `u32` words of one row's token mask over `vocab` tokens: bit `t % 32` of word `t / 32` is
 /// set where token `t` is allowed.
@@ -441,8 +450,7 @@ pub fn sample_row(
 }
 
 /// [`sample_row`] for a row that may pick only the tokens `mask` allows (a row of
-/// [`mask_words`]), where it has one. The mask must allow a token: with none, the pick is 0
-/// here (the device's is undefined).
+/// [`mask_words`]), where it has one. A mask that allows no token gives [`NOT_FINITE`].
 pub fn sample_masked_row(
     logits: &[f32],
     p: &RowParams,
@@ -452,6 +460,13 @@ pub fn sample_masked_row(
 ) -> Pick {
     let count = |i: usize| counts.as_ref().map_or(0, |c| c[i]);
     let (y, max, greedy) = tempered(logits, p, bias, mask, count);
+    if !max.is_finite() {
+        return Pick {
+            token: NOT_FINITE,
+            logprob: f32::NAN,
+            top: Vec::new(),
+        };
+    }
     let token = if p.temperature > 0.0 && max.is_finite() {
         draw(&y, max, p).unwrap_or(greedy)
     } else {
@@ -617,6 +632,36 @@ mod tests {
             assert!(order_key(w[0]) <= order_key(w[1]), "{w:?}");
         }
         assert_eq!(order_key(-0.0), order_key(0.0));
+    }
+
+    #[test]
+    fn a_row_without_a_finite_largest_logit_has_no_token_and_counts_nothing() {
+        let nan = f32::NAN;
+        let mut counts = vec![0u32; 4];
+        for (logits, temperature) in [
+            ([nan; 4], 0.0),
+            ([nan; 4], 0.7),
+            ([0.5, f32::INFINITY, 1.0, nan], 0.0),
+            ([0.5, f32::INFINITY, 1.0, 2.0], 0.7),
+        ] {
+            let p = RowParams {
+                temperature,
+                logprobs: 3,
+                slot: 0,
+                ..Default::default()
+            };
+            let pick = sample_row(&logits, &p, &[], Some(&mut counts));
+            assert_eq!(pick.token, NOT_FINITE, "{logits:?} at {temperature}");
+            assert!(pick.logprob.is_nan() && pick.top.is_empty());
+        }
+        // A mask that allows nothing leaves every logit at -inf.
+        let mask = vec![0u32; mask_words(4)];
+        let masked = sample_masked_row(&[1.0; 4], &RowParams::default(), &[], Some(&mask), None);
+        assert_eq!(masked.token, NOT_FINITE);
+        assert_eq!(counts, [0; 4]);
+        // A NaN among finite logits never wins, and is no reason to give up the row.
+        let some = sample_row(&[0.5, nan, 1.0, nan], &RowParams::default(), &[], None);
+        assert_eq!(some.token, 2);
     }
 
     #[test]

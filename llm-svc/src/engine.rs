@@ -35,7 +35,7 @@ use crate::metrics::EngineMetrics;
 use crate::model::TextModel;
 use crate::mrope::{prompt_positions, ImageSpan};
 use crate::request::{Event, FinishReason, GenerateRequest, Generation, RequestStream, TokenEvent};
-use crate::scheduler::{Planned, Scheduler, SchedulerConfig};
+use crate::scheduler::{Left, Planned, Scheduler, SchedulerConfig};
 use crate::sequence::{image_hash, Pick, PlacedImage, Sequence, SequenceLimits};
 use crate::step::{StepOutput, StepRunner};
 use crate::validation;
@@ -595,11 +595,20 @@ impl<B: Backend> EngineLoop<B> {
         self.reported.tokens_since_log += sampled;
         self.shared.metrics.generated_tokens.inc_by(sampled);
         let eos = &self.shared.cfg.eos_token_ids;
-        for (seq, f) in self
+        for (seq, left) in self
             .sched
             .update_from_output(plan, picks, &mut self.pool, eos)
         {
-            self.exit(seq, Exit::Finished(f));
+            let why = match left {
+                Left::Finished(f) => Exit::Finished(f),
+                Left::NoFiniteLogits => Exit::Failed(Error::Engine(format!(
+                    "the model's logits for output token {} are not finite (NaN or infinite): \
+                     an activation overflowed or the weights are damaged, so the request was \
+                     ended rather than answered with an arbitrary token",
+                    seq.generated() + 1
+                ))),
+            };
+            self.exit(seq, why);
         }
     }
 

@@ -25,6 +25,17 @@ use std::collections::VecDeque;
 use crate::kv_cache::{BlockHash, BlockPool};
 use crate::request::FinishReason;
 use crate::sequence::{Pick, Sequence};
+use vlm_compute::sampling::NOT_FINITE;
+
+/// Why a sequence left the running set after a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Left {
+    /// An eos token, the token budget or the context.
+    Finished(FinishReason),
+    /// The sampler found no finite largest logit ([`NOT_FINITE`]): NaN everywhere, as an
+    /// activation that overflowed leaves the logits, or an infinity. No token was appended.
+    NoFiniteLogits,
+}
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -131,15 +142,16 @@ impl Scheduler {
     /// `update_from_output`): their computed tokens, the full blocks now in the prefix cache,
     /// and each pick (`picks`, in plan order, an entry for every sequence whose prompt and
     /// tokens are all computed: `None` where its grammar's mask was late) appended and sent to
-    /// its caller. Returns the sequences that finished
-    /// (an eos token, the token budget or the context), out of the running set, with why.
+    /// its caller. Returns the sequences that left, out of the running set, with why: finished
+    /// (an eos token, the token budget or the context), or given no token (a pick of
+    /// [`NOT_FINITE`], which is not appended).
     pub fn update_from_output(
         &mut self,
         plan: &[Planned],
         picks: Vec<Option<Pick>>,
         pool: &mut BlockPool,
         eos: &[u32],
-    ) -> Vec<(Sequence, FinishReason)> {
+    ) -> Vec<(Sequence, Left)> {
         let bs = pool.block_size();
         let mut picks = picks.into_iter();
         let mut done = Vec::new();
@@ -177,9 +189,13 @@ impl Scheduler {
             let Some(pick) = pick else {
                 continue;
             };
+            if pick.token == NOT_FINITE {
+                done.push((seq.id, Left::NoFiniteLogits));
+                continue;
+            }
             seq.push_token(pick);
             if let Some(f) = seq.finish_reason(eos) {
-                done.push((seq.id, f));
+                done.push((seq.id, Left::Finished(f)));
             }
         }
         done.into_iter()
@@ -385,6 +401,29 @@ mod tests {
         s.update_from_output(&plan, vec![pick(8), pick(9)], &mut pool, &[]);
         assert_eq!(s.running[0].tokens[6..], [8]);
         assert_eq!(s.running[0].computed, 6);
+    }
+
+    #[test]
+    fn a_pick_of_no_finite_logit_ends_its_sequence_without_a_token() {
+        let mut pool = BlockPool::new(64, 4);
+        let mut s = sched(8, 100);
+        s.waiting.push_back(seq(0, 6));
+        s.waiting.push_back(seq(1, 6));
+        let plan = s.schedule(&mut pool);
+        let pick = |token| {
+            Some(Pick {
+                token,
+                logits: None,
+                logprob: None,
+            })
+        };
+        let left = s.update_from_output(&plan, vec![pick(NOT_FINITE), pick(9)], &mut pool, &[]);
+        assert_eq!(left.len(), 1);
+        assert_eq!((left[0].0.id, left[0].1), (0, Left::NoFiniteLogits));
+        assert_eq!(left[0].0.tokens.len(), 6, "nothing appended");
+        // The other sequence of the step goes on with its token.
+        assert_eq!(s.running.len(), 1);
+        assert_eq!(s.running[0].tokens[6..], [9]);
     }
 
     #[test]
