@@ -1,6 +1,6 @@
 //! Batched decode's projections at 8B shapes (q/k/v, o, gate/up, down, and the text MLP as
-//! one op) for 8 to 64 rows: f16 weights on cuBLAS, W8 and W4 on the tensor-core integer GEMM
-//! (weights_f16.cu's int_mma_gemm), and W8 and W4 dequantized into the f16 scratch for cuBLAS
+//! one op) for 8 to 64 rows: f16 weights on cuBLAS, W8, W4 and FP8 on the tensor-core integer
+//! GEMM (weights_f16.cu's int_mma_gemm), and the same dequantized into the f16 scratch for cuBLAS
 //! (the path before it, `VLM_INT_GEMM=dequant`, timed in a child process of this example, as
 //! the switch is read once a process). Per op: microseconds a call and the weights' GB/s
 //! against the device's copy bandwidth.
@@ -11,6 +11,7 @@
 
 use std::time::Instant;
 
+use vlm_compute::quant::fp8::{e4m3_is_nan, Fp8Matrix};
 use vlm_compute::quant::QuantizeTo;
 use vlm_compute::{Backend, CudaBackend, CudaTensor, CudaWeight, HostTensor};
 
@@ -34,10 +35,19 @@ fn main() -> vlm_compute::Result<()> {
     let copy_bw = 2.0 * copy_bytes as f64 / copy.as_secs_f64();
     let (h, inter, qkv) = (4096usize, 12288usize, 6144usize);
     let formats: &[Option<QuantizeTo>] = if dequant {
-        &[Some(QuantizeTo::Int8), Some(QuantizeTo::Int4)]
+        &[
+            Some(QuantizeTo::Int8),
+            Some(QuantizeTo::Int4),
+            Some(QuantizeTo::Fp8),
+        ]
     } else {
         println!("{} copy: {:.0} GB/s", g.device_name(), copy_bw / 1e9);
-        &[None, Some(QuantizeTo::Int8), Some(QuantizeTo::Int4)]
+        &[
+            None,
+            Some(QuantizeTo::Int8),
+            Some(QuantizeTo::Int4),
+            Some(QuantizeTo::Fp8),
+        ]
     };
     let path = if dequant {
         "dequant+cuBLAS"
@@ -48,6 +58,7 @@ fn main() -> vlm_compute::Result<()> {
         let make = |m: usize, k: usize, key: u64| -> vlm_compute::Result<CudaWeight> {
             match fmt {
                 None => g.random_weight(&[m, k], key, 0.02),
+                Some(QuantizeTo::Fp8) => g.upload_fp8_weight(&random_fp8(m, k, key)),
                 Some(to) => g.random_int_weight(&[m, k], key, 0.02, to),
             }
         };
@@ -56,7 +67,7 @@ fn main() -> vlm_compute::Result<()> {
             None => "f16 cuBLAS".to_string(),
             Some(QuantizeTo::Int8) => format!("w8 {path}"),
             Some(QuantizeTo::Int4) => format!("w4 {path}"),
-            Some(QuantizeTo::Fp8) => unreachable!("not timed here"),
+            Some(QuantizeTo::Fp8) => format!("fp8 {path}"),
         };
         // (name, m, k) and COPIES weights of each.
         let shapes = [
@@ -118,6 +129,33 @@ fn main() -> vlm_compute::Result<()> {
         assert!(status.success(), "the dequantized path failed: {status}");
     }
     Ok(())
+}
+
+/// An FP8 matrix of pseudo-random e4m3 bytes (no NaN) and 128x128 block scales of about a
+/// trained layer's (amax 0.02): random_int_weight makes no FP8, and quantizing f32 matrices of
+/// these sizes on the CPU would take longer than the timing.
+fn random_fp8(out: usize, inp: usize, key: u64) -> Fp8Matrix {
+    let mut state = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let q = (0..out * inp)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let b = (state >> 56) as u8;
+            if e4m3_is_nan(b) {
+                0
+            } else {
+                b
+            }
+        })
+        .collect();
+    Fp8Matrix {
+        out,
+        inp,
+        block: [128, 128],
+        q,
+        scales: vec![0.02 / 448.0; out.div_ceil(128) * inp.div_ceil(128)],
+    }
 }
 
 /// Seconds a call of `f` (given the weight copy to use), over rounds of COPIES calls after

@@ -1232,22 +1232,39 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // read once a batch (Marlin's design, IST-DASLab/marlin, in our own layout): dequantized in
 // registers into A fragments as int_mma_gemv does, times their scale in f16 (exactly the f16
 // values dequant_int writes: (q - zero) is exact in f16 and one rounding of the product), with
-// x (f16 [n, k], as cuBLAS gets it) the B operand, f32 accumulation.
+// x (f16 [n, k], as cuBLAS gets it) the B operand, f32 accumulation. FMT is FMT_W4, FMT_W8 or
+// FMT_F8 (FP8 e4m3 in W8's layout: the same loads, fragments and x permutation as W8).
+//
+// FP8's weights. IntPairs<FMT_F8> gives each byte's value v times 2^-8, exact in f16; the
+// group's scale s (the checkpoint's times 2^8) is an f32, rounded to f16 once a row and chunk
+// where it is read from shared memory (no zero point: FP8's bases go unused). A fragment is
+// then rn16(v * rn16(s)), where dequant_f8_f16 writes rn16(rn32(v * s)): for s an f16 normal
+// number (2^-14 .. 65504; the host sends any other FP8 weight to the dequantization, see
+// int_gemm_takes) rn16(s) is within 2^-11 of s, relative, so v * rn16(s) lies within 2^-11
+// of the weight, less than one f16 step of it, and the two f16 weights differ by at most one
+// step (2^-10 of the weight; checked over every byte and many scales by
+// gemm_fp8_weights_within_one_step_of_dequant, int_weights.rs). The factor is common to a
+// row's group, so a product's error is at most 2^-11 of the sum of |w x| over it, besides
+// the dequantized path's own: within Case::IntGemm's 3e-3. Multiplying v by the f32 scale
+// in f32 and rounding once (dequant's arithmetic exactly) would take 2 conversions and 2
+// multiplies a pair where this takes one hmul2. W4's and W8's fragments are dequant_int's
+// values bit for bit.
 //
 // Tiles. A block (IG_WARPS = 8 warps) owns IG_ROWS = 256 weight rows: warp w rows 32w .. 32w +
 // 31 as two m16 tiles (MT = 2), against all n of x's rows as NT n8 tiles (NT = 1, 2, 4, 8: n up
 // to 8, 16, 32, 64), so each dequantized A fragment feeds NT mma and each B fragment MT.
 // Accumulators: MT * NT * 4 = 64 floats a lane at NT = 8. ptxas (sm_90, sm_87; no spills):
-// W4 70, 86, 110, 155 registers at NT = 1, 2, 4, 8 (f32 out, sm_90), W8 71, 87, 138, 165. A block's
-// x stage is read from L2 once per 256 weight rows: at 64 rows and W4 as many bytes as the
-// weights' own; the B fragments are read from shared memory once per warp (per 32 rows).
+// W4 70, 86, 110, 155 registers at NT = 1, 2, 4, 8 (f32 out, sm_90), W8 71, 87, 138, 165,
+// FP8 72, 95, 128, 157 (sm_87: 64, 72, 121, 153). A block's x stage is read from L2 once per
+// 256 weight rows: at 64 rows and W4 as many bytes as the weights' own; the B fragments are
+// read from shared memory once per warp (per 32 rows).
 //
 // k goes by stages of IG_K = 128 columns, IG_STAGES deep in shared memory by cp.async (the
 // weights' rows, their (scale, zero) and x's rows of the stage), the next stages in flight
 // while one is multiplied. A stage's shared memory: weights 256 rows x 128 columns (16 KB at 4
 // bits, 32 at 8), x NT * 8 rows x 256 bytes (16 KB at NT = 8), (scale, zero) 256 rows x 4
-// groups x 4 bytes (4 KB): 36 KB at W4, 52 at W8, times 3 stages: 108 and 156 KB (Orin's
-// 163 KB a block holds it; one block an SM).
+// groups x 4 bytes (4 KB): 36 KB at W4, 52 at W8 and FP8, times 3 stages: 108 and 156 KB
+// (Orin's 163 KB a block holds it; one block an SM).
 //
 // Fragments (as int_mma_gemv): lane (g, t) dequantizes its 16-byte chunk t (at 8 bits chunks
 // t and 4 + t) of weight rows g and g + 8 of an m16 tile; IntPairs gives the pairs (c, c + 4)
@@ -1271,8 +1288,8 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // written once as well, its sum in f32.
 //
 // Needs k a multiple of IG_K, group a multiple of the loads' columns and either a multiple of
-// 128 or a divisor of it (at most 4 groups a stage), n <= 64: the host falls back to the
-// dequantization otherwise.
+// 128 or a divisor of it (at most 4 groups a stage), n <= 64, and FP8's scales f16 normal
+// numbers: the host falls back to the dequantization otherwise.
 //
 // IG_WARPS, IG_K, IG_STAGES and IG_SZ_SLOTS (the (scale, zero) a row a stage) are #defined by
 // the host (cuda/src/cuda/kernels.rs), which sizes the shared memory from them.
@@ -1342,7 +1359,7 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
     }
 }
 
-template <int BITS, int NT, typename O>
+template <int FMT, int NT, typename O>
 __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n,
                                              const unsigned* __restrict__ w,
                                              const __half2* __restrict__ sz, int group,
@@ -1351,7 +1368,7 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                                              int m, int k, int splits,
                                              float* __restrict__ partials,
                                              int* __restrict__ locks) {
-    constexpr int MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
+    constexpr int BITS = fmt_bits(FMT), MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
     constexpr int STAGE = ig_stage_bytes<BITS, NT>() / 16;  // in uint4
     uint4* smem = reinterpret_cast<uint4*>(gemv_staged);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
@@ -1398,8 +1415,11 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                 const int ra = warp * 32 + mt * 16 + g, rb = ra + 8;
                 la[mt] = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
                 lb[mt] = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
-                const float2 za = __half22float2(zs[ra * IG_SZ_SLOTS + slot]);
-                const float2 zb = __half22float2(zs[rb * IG_SZ_SLOTS + slot]);
+                // FP8's f32 scale becomes an f16 here, once a row a chunk (the kernel's
+                // comment: what that rounds); W4's and W8's are f16 already. FP8's bases go
+                // unused (no zero point).
+                const float2 za = group_scale<FMT>(zs[ra * IG_SZ_SLOTS + slot]);
+                const float2 zb = group_scale<FMT>(zs[rb * IG_SZ_SLOTS + slot]);
                 sa[mt] = __float2half2_rn(za.x);
                 sb[mt] = __float2half2_rn(zb.x);
                 int_bases(za.y, ba[mt], b16a[mt]);
@@ -1415,7 +1435,8 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                     const unsigned wa[4] = {la[mt].x, la[mt].y, la[mt].z, la[mt].w};
                     const unsigned wb[4] = {lb[mt].x, lb[mt].y, lb[mt].z, lb[mt].w};
                     if (BITS == 4) {
-                        const IntPairs<4> qa(wa[u], ba[mt], b16a[mt]), qb(wb[u], bb[mt], b16b[mt]);
+                        const IntPairs<FMT> qa(wa[u], ba[mt], b16a[mt]);
+                        const IntPairs<FMT> qb(wb[u], bb[mt], b16b[mt]);
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             af[mt][h][0] = __hmul2(qa.v[2 * h], sa[mt]);
@@ -1426,8 +1447,8 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                     } else {
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            const IntPairs<8> qa(wa[2 * u + h], ba[mt], b16a[mt]);
-                            const IntPairs<8> qb(wb[2 * u + h], bb[mt], b16b[mt]);
+                            const IntPairs<FMT> qa(wa[2 * u + h], ba[mt], b16a[mt]);
+                            const IntPairs<FMT> qb(wb[2 * u + h], bb[mt], b16b[mt]);
                             af[mt][h][0] = __hmul2(qa.v[0], sa[mt]);
                             af[mt][h][1] = __hmul2(qb.v[0], sb[mt]);
                             af[mt][h][2] = __hmul2(qa.v[1], sa[mt]);
@@ -1515,27 +1536,31 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
     if (threadIdx.x == 0 && atomicAdd(locks + mb, 1) == 2 * splits - 1) atomicExch(locks + mb, 0);
 }
 
-#define INT_GEMM_KERNEL(BITS, NT, O, SUFFIX)                                                       \
+#define INT_GEMM_KERNEL(FMT, NAME, NT, O, SUFFIX)                                                  \
     extern "C" __global__ void __launch_bounds__(IG_WARPS * WARP, 1)                               \
-        int_gemm_w##BITS##_n##NT##_##SUFFIX(                                                       \
+        int_gemm_##NAME##_n##NT##_##SUFFIX(                                                        \
             const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                   \
             const __half2* __restrict__ sz, int group, const float* __restrict__ bias,             \
             int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,          \
             int splits, float* __restrict__ partials, int* __restrict__ locks) {                   \
-        int_mma_gemm<BITS, NT, O>(x, n, w, sz, group, bias, has_bias, out, accumulate, alpha, m,   \
-                                  k, splits, partials, locks);                                     \
+        int_mma_gemm<FMT, NT, O>(x, n, w, sz, group, bias, has_bias, out, accumulate, alpha, m,    \
+                                 k, splits, partials, locks);                                      \
     }
-#define INT_GEMM_KERNELS(BITS, NT)           \
-    INT_GEMM_KERNEL(BITS, NT, float, f32)    \
-    INT_GEMM_KERNEL(BITS, NT, __half, f16)
-INT_GEMM_KERNELS(4, 1)
-INT_GEMM_KERNELS(4, 2)
-INT_GEMM_KERNELS(4, 4)
-INT_GEMM_KERNELS(4, 8)
-INT_GEMM_KERNELS(8, 1)
-INT_GEMM_KERNELS(8, 2)
-INT_GEMM_KERNELS(8, 4)
-INT_GEMM_KERNELS(8, 8)
+#define INT_GEMM_KERNELS(FMT, NAME, NT)         \
+    INT_GEMM_KERNEL(FMT, NAME, NT, float, f32)  \
+    INT_GEMM_KERNEL(FMT, NAME, NT, __half, f16)
+INT_GEMM_KERNELS(FMT_W4, w4, 1)
+INT_GEMM_KERNELS(FMT_W4, w4, 2)
+INT_GEMM_KERNELS(FMT_W4, w4, 4)
+INT_GEMM_KERNELS(FMT_W4, w4, 8)
+INT_GEMM_KERNELS(FMT_W8, w8, 1)
+INT_GEMM_KERNELS(FMT_W8, w8, 2)
+INT_GEMM_KERNELS(FMT_W8, w8, 4)
+INT_GEMM_KERNELS(FMT_W8, w8, 8)
+INT_GEMM_KERNELS(FMT_F8, f8, 1)
+INT_GEMM_KERNELS(FMT_F8, f8, 2)
+INT_GEMM_KERNELS(FMT_F8, f8, 4)
+INT_GEMM_KERNELS(FMT_F8, f8, 8)
 
 // An integer matrix as f16 [m, k], for the tensor-core GEMMs of prefill and batches (into a
 // scratch buffer the GEMM then reads). A batch of 64 rows dequantizes every matrix each step,

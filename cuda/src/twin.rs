@@ -12,7 +12,7 @@
 //! online softmax) and, where it uses tensor cores, in rounding operands to f16. Inputs that
 //! meet an f16 weight are f16-exact, so both sides multiply the same values.
 
-use crate::quant::QuantizeTo;
+use crate::quant::{fp8, QuantMatrix, QuantizeTo};
 use crate::{AttnMask, Backend, CpuBackend, Error, GeluKind, HostTensor, Result};
 
 /// A case's weight matrix `[m, k]` from `input(shape, key)`: f16-exact, or quantized `int`
@@ -75,9 +75,10 @@ pub enum Case {
         fused: Fused,
         int: Option<QuantizeTo>,
     },
-    /// An integer weight (`to`) quantized in groups of `group` columns, through op `op` at `n`
-    /// rows (past 4: the tensor-core integer GEMM wherever its shapes allow, else the
-    /// dequantization and cuBLAS; `VLM_INT_GEMM=dequant` forces the latter).
+    /// An integer or FP8 weight (`to`) quantized in groups of `group` columns (FP8: blocks of
+    /// 128 rows by `group` columns), through op `op` at `n` rows (past 4: the tensor-core
+    /// integer GEMM wherever its shapes allow, else the dequantization and cuBLAS;
+    /// `VLM_INT_GEMM=dequant` forces the latter).
     IntGemm {
         n: usize,
         k: usize,
@@ -537,11 +538,14 @@ impl Case {
             // The integer GEMM multiplies the same f16 weights the dequantization writes ((q -
             // zero) exact in f16, one rounding of the product by the f16 scale) by the same f16
             // activations, in f32 with the sums in another order (k split into ordered
-            // partial sums): the dequantized path's bound, 2^-11 of each weight and of x. The
-            // MLP rounds its gate/up product and SwiGLU to f16 on the way as RmsNormMlp does.
+            // partial sums): the dequantized path's bound, 2^-11 of each weight and of x. FP8's
+            // f32 scale is rounded to f16 first: another 2^-11 at most, one factor per row and
+            // group (weights_f16.cu, int_mma_gemm). The MLP rounds its gate/up product and
+            // SwiGLU to f16 on the way as RmsNormMlp does.
             Case::IntGemm { .. } => 3e-3,
-            // Past 4 rows an integer weight reaches the tensor cores dequantized to f16 (2^-11 of
-            // each weight), and a normed input rounded to f16 too.
+            // Past 4 rows an integer weight reaches the tensor cores as f16 (2^-11 of each
+            // weight; FP8's through the integer GEMM 2^-10), and a normed input rounded to f16
+            // too.
             Case::Linear {
                 n, int: Some(_), ..
             }
@@ -947,8 +951,11 @@ fn int_gemm<B: Backend>(
 ) -> Result<B::Tensor> {
     let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
     let int = |shape: [usize; 2], key: u64| {
-        let w = to.quantize_int_grouped(&scaled_input(&shape, key), group);
-        be.upload_quantized(&crate::quant::QuantMatrix::Int(w))
+        let w = scaled_input(&shape, key);
+        be.upload_quantized(&match to {
+            QuantizeTo::Fp8 => QuantMatrix::Fp8(fp8::quantize_fp8_in_blocks(&w, [128, group])),
+            _ => QuantMatrix::Int(to.quantize_int_grouped(&w, group)),
+        })
     };
     let x = up(&[n, k], 80)?;
     match op {
@@ -1450,7 +1457,7 @@ pub fn self_check_cases() -> Vec<Case> {
         cases.extend(Case::linears(n, k, m));
     }
     // Integer and FP8 weights: each GEMV (odd output counts: a warp's second row missing), and
-    // the dequantized GEMM past 4 rows.
+    // past 4 rows the integer GEMM (k = 256: two stages).
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         // k = 96 is no whole batch of the tensor-core GEMVs (128 columns at 4 bits, 64 at 8):
         // the CUDA-core ones take it.
@@ -1467,9 +1474,10 @@ pub fn self_check_cases() -> Vec<Case> {
     // The tensor-core integer GEMM past 4 rows, small enough for the startup check: n-tiles 1,
     // 2, 8 (5, 16, 40 and 64 rows: tiles part empty), odd m (a block's last rows missing), k
     // of 8 stages (two splits: their ordered adds), groups of 32 (4 a stage), 64 and 128, the
-    // MLP's f16 gate/up output; the group-128 ops of int_linears at 16 rows too. Real sizes
-    // in cuda/tests/cuda_twin.rs (int_gemm_at_real_sizes).
-    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+    // MLP's f16 gate/up output; the group-128 ops of int_linears at 16 rows too. FP8 as W4 and
+    // W8 (blocks of 128 rows by the group's columns). Real sizes in cuda/tests/cuda_twin.rs
+    // (int_gemm_at_real_sizes).
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         cases.extend(Case::int_linears(16, 1024, 256, to));
         for (n, k, m, group) in [
             (5, 512, 301, 32),

@@ -112,8 +112,9 @@ fn int_weights_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // W4 and W8 (group 128) and FP8 (128x128 blocks): the CPU multiplies the dequantized f32
     // values, the GPU's GEMVs the packed ones (exact q - zero or e4m3 value, the scale once a
-    // load), so they differ in summation order only; past 4 rows the GEMM reads the matrix
-    // dequantized to f16. (rows, in, out): 8B
+    // load), so they differ in summation order only; past 4 rows the integer GEMM forms f16
+    // weights (FP8's scale rounded to f16 first), past 64 the GEMM reads the matrix dequantized
+    // to f16. (rows, in, out): 8B
     // q/k/v, o, gate/up (as two halves), down, a batch and a prefill chunk.
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         check_all(
@@ -146,14 +147,25 @@ fn int_weights_at_real_sizes() {
 
 /// Every e4m3 byte read exactly by each kernel an FP8 weight meets: row j of the matrix holds
 /// byte j in column 0 (NaN's two bytes as 0), x is one-hot at column 0, so each output is one
-/// value times the scale, exact in f32 and in f16 (0.5 times an e4m3 value is an f16 value).
-/// 64 columns take the tensor-core GEMV, 16 the CUDA-core one, 5 rows the dequantized GEMM.
+/// value times the scale, exact in f32 and in f16 (0.5 times an e4m3 value is an f16 value,
+/// and the scale, 128 to the kernels, is one in f16 too). 64 columns take the tensor-core GEMV,
+/// 16 the CUDA-core one; past 4 rows 128 columns (a whole stage) take the integer GEMM (at 5
+/// and 64 rows: n-tiles 1 and 8), 64 (no whole stage) the dequantized GEMM.
 #[test]
 fn every_e4m3_value_is_read_exactly() {
     use vlm_compute::quant::fp8::{e4m3_is_nan, Fp8Matrix};
     let Some(g) = test_gpu() else { return };
     let cpu = CpuBackend::new();
-    for (rows, cols) in [(1, 64), (4, 64), (1, 16), (3, 16), (5, 64)] {
+    let cases = [
+        (1, 64),
+        (4, 64),
+        (1, 16),
+        (3, 16),
+        (5, 64),
+        (5, 128),
+        (64, 128),
+    ];
+    for (rows, cols) in cases {
         let mut q = vec![0u8; 256 * cols];
         for j in 0..256 {
             q[j * cols] = if e4m3_is_nan(j as u8) { 0 } else { j as u8 };
@@ -193,8 +205,9 @@ fn int_gemm_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // The tensor-core integer GEMM (5..=64 rows; `VLM_INT_GEMM=dequant` runs the same cases on
     // the dequantization and cuBLAS): batched decode at 8B shapes, k split into several ranges
-    // (4096 columns: up to 8 splits of 4 stages on an H100), groups of 32 and 128.
-    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+    // (4096 columns: up to 8 splits of 4 stages on an H100), groups of 32 and 128 (FP8: blocks
+    // of 128 rows by as many columns).
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         check_all(
             &g,
             [(8, 4096, 6144), (64, 4096, 512), (32, 12288, 4096)]

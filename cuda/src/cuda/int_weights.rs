@@ -1,8 +1,9 @@
-//! Integer-quantized weights on the GPU (W4A16, W8A16): upload in the layout the kernels read
-//! (`IntWeight`), random ones for `--random-weights --quantize`, stacking (q/k/v, gate/up), the
-//! GEMV launches for decode rows, the tensor-core integer GEMM for batches of up to 64 rows
-//! (the packed weights read once), and an f16 view for cuBLAS past that or where the GEMM does
-//! not take the shape (dequantized into one scratch buffer as large as the largest matrix).
+//! Integer-quantized weights on the GPU (W4A16, W8A16, and FP8 e4m3 in W8's layout): upload in
+//! the layout the kernels read (`IntWeight`), random ones for `--random-weights --quantize`,
+//! stacking (q/k/v, gate/up), the GEMV launches for decode rows, the tensor-core integer GEMM
+//! for batches of up to 64 rows (the packed weights read once), and an f16 view for cuBLAS past
+//! that or where the GEMM does not take the shape (dequantized into one scratch buffer as large
+//! as the largest matrix).
 //! Kernels in `cuda/kernels/weights_f16.cu` (`int_gemv`, `int_mma_gemv`, `int_mma_gemm`,
 //! `dequant_int`, `fill_random_int`).
 //!
@@ -21,7 +22,7 @@ use super::kernels::{
 };
 use super::launch::arg;
 use super::linear::GemmOut;
-use super::tensor::{IntFormat, IntWeight, WeightData};
+use super::tensor::{fp8_scale_fits_f16, IntFormat, IntWeight, WeightData};
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::quant::fp8::Fp8Matrix;
 use crate::quant::{random_int_scale, IntMatrix, QuantizeTo, QUANTIZE_GROUP};
@@ -157,6 +158,7 @@ impl CudaBackend {
             m.group,
             words,
             sz,
+            true,
         )
     }
 
@@ -185,6 +187,14 @@ impl CudaBackend {
                 .collect();
         let [_, grid_cols] = m.grid();
         let groups = m.inp / group;
+        let scales_fit_f16 = m.scales.iter().all(|&s| fp8_scale_fits_f16(s * 256.0));
+        if !scales_fit_f16 {
+            tracing::info!(
+                shape = ?[m.out, m.inp],
+                "an FP8 matrix with scales that are no f16 normal numbers times 2^8 keeps the \
+                 dequantization for batches (the integer GEMM rounds its scales to f16)"
+            );
+        }
         let sz: Vec<half::f16> = (0..m.out * groups)
             .flat_map(|i| {
                 let (row, g) = (i / groups, i % groups);
@@ -204,7 +214,14 @@ impl CudaBackend {
         let sz = stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading an FP8 weight's scales")(&e))?;
-        self.int_weight(vec![m.out, m.inp], IntFormat::E4m3, group, words, sz)
+        self.int_weight(
+            vec![m.out, m.inp],
+            IntFormat::E4m3,
+            group,
+            words,
+            sz,
+            scales_fit_f16,
+        )
     }
 
     /// The weight, and the dequantization scratch grown to hold it.
@@ -215,6 +232,7 @@ impl CudaBackend {
         group: usize,
         words: CudaSlice<u32>,
         sz: CudaSlice<half::f16>,
+        scales_fit_f16: bool,
     ) -> Result<CudaWeight> {
         let n = shape[0] * shape[1];
         let mut scratch = self.inner.dequant_scratch.lock().expect("not poisoned");
@@ -229,6 +247,7 @@ impl CudaBackend {
                 group,
                 words,
                 sz,
+                scales_fit_f16,
             })),
         })
     }
@@ -262,7 +281,14 @@ impl CudaBackend {
             .stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
-        self.int_weight(shape.to_vec(), IntFormat::of_bits(bits), group, words, sz)
+        self.int_weight(
+            shape.to_vec(),
+            IntFormat::of_bits(bits),
+            group,
+            words,
+            sz,
+            true,
+        )
     }
 
     /// The weights' rows one after another: integer weights of one bit width and group stay
@@ -291,7 +317,8 @@ impl CudaBackend {
             let (format, group) = (ints[0].format, ints[0].group);
             let words = self.concat(ints.iter().map(|w| &w.words))?;
             let sz = self.concat(ints.iter().map(|w| &w.sz))?;
-            return self.int_weight(vec![rows, cols], format, group, words, sz);
+            let fit = ints.iter().all(|w| w.scales_fit_f16);
+            return self.int_weight(vec![rows, cols], format, group, words, sz, fit);
         }
         let dense: Vec<CudaSlice<half::f16>> = parts
             .iter()
@@ -462,14 +489,13 @@ impl CudaBackend {
 
     /// Whether the tensor-core integer GEMM takes `n` rows of x against `iw` with `k` columns
     /// (else the dequantization and cuBLAS): 1..=64 rows, k whole stages, groups that divide
-    /// a stage or are whole stages (at most INT_GEMM_SZ_SLOTS a stage), and the stages'
-    /// shared memory.
-    /// FP8 weights are not taken yet (the GEMM multiplies its fragments by an f16 scale, and
-    /// FP8's is an f32): batches of them keep the dequantization.
+    /// a stage or are whole stages (at most INT_GEMM_SZ_SLOTS a stage), scales that hold in
+    /// f16 (FP8's f32 ones are rounded to f16 there: [`IntWeight::scales_fit_f16`]), and the
+    /// stages' shared memory.
     pub(super) fn int_gemm_takes(&self, iw: &IntWeight, n: usize, k: usize) -> bool {
         let group = iw.group;
         tensor_core_gemm()
-            && iw.format != IntFormat::E4m3
+            && iw.scales_fit_f16
             && (1..=INT_GEMM_MAX_ROWS).contains(&n)
             && k % INT_GEMM_K == 0
             && group > 0
@@ -501,7 +527,7 @@ impl CudaBackend {
                 format!("{n} rows of {k} -> {m} columns"),
             ));
         }
-        let name = int_gemm_kernel(iw.format.bits(), n, O::F16);
+        let name = int_gemm_kernel(iw.format, n, O::F16);
         let blocks = m.div_ceil(INT_GEMM_BLOCK_ROWS);
         let stages = k / INT_GEMM_K;
         // Split k until the grid fills the SMs, at most one block an SM (the splits of an
@@ -568,5 +594,89 @@ impl CudaBackend {
         // > 1 the grid is at most sm_count blocks, and the partials hold a tile for each.
         let launched = unsafe { self.launch_args(name, cfg, &mut args, false) };
         self.launched(name, launched)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tensor::fp8_scale_fits_f16;
+    use crate::quant::fp8::{e4m3_is_nan, E4M3};
+    use half::f16;
+
+    /// weights_f16.cu's f8_pair for one byte: the e4m3 bits moved into an f16's.
+    fn f8_as_f16(b: u8) -> f16 {
+        let t = (b as u16) << 8;
+        f16::from_bits((t & 0x8000) | ((t >> 1) & 0x3f80))
+    }
+
+    /// The f16 weight int_mma_gemm forms for FP8 byte `b` and kernel scale `s` (f32): the scale
+    /// rounded to f16, times the byte's f16 (hmul2, one rounding; the product of two f16 values
+    /// is exact in f32, so f32 then f16 is that one rounding), and dequant_f8_f16's: the product
+    /// in f32, then f16.
+    fn gemm_and_dequant(b: u8, s: f32) -> (f16, f16) {
+        let v = f8_as_f16(b).to_f32();
+        let gemm = f16::from_f32(v * f16::from_f32(s).to_f32());
+        (gemm, f16::from_f32(v * s))
+    }
+
+    /// f16 steps between two values of one sign (their bit patterns are ordered alike).
+    fn steps(a: f16, b: f16) -> u16 {
+        (a.to_bits() & 0x7fff).abs_diff(b.to_bits() & 0x7fff)
+    }
+
+    /// The kernel comment's claim (weights_f16.cu, int_mma_gemm, "FP8's weights"): for every
+    /// byte and every kernel scale int_gemm_takes lets through, the GEMM's f16 weight is
+    /// dequant_f8_f16's or one step from it; f8_pair is the byte's value times 2^-8 exactly.
+    #[test]
+    fn gemm_fp8_weights_within_one_step_of_dequant() {
+        for b in 0..=255u8 {
+            if !e4m3_is_nan(b) {
+                assert_eq!(
+                    f8_as_f16(b).to_f32(),
+                    E4M3[b as usize] / 256.0,
+                    "byte {b:#04x}"
+                );
+            }
+        }
+        // Scales across the whole range taken (f32 bit patterns stepped through it, so every
+        // binade and many mantissas), its ends, and checkpoint-like ones (amax / 448 times 2^8).
+        let (lo, hi) = (1.0f32 / 16384.0, f32::from(f16::MAX));
+        let mut scales: Vec<f32> = (lo.to_bits()..=hi.to_bits())
+            .step_by(997)
+            .map(f32::from_bits)
+            .collect();
+        scales.extend([lo, hi, 0.0]);
+        scales.extend((1..2000).map(|i| i as f32 * 1e-3 / 448.0 * 256.0));
+        let (mut same, mut total) = (0usize, 0usize);
+        for &s in &scales {
+            assert!(fp8_scale_fits_f16(s), "{s:e}");
+            for b in 0..=255u8 {
+                if e4m3_is_nan(b) {
+                    continue;
+                }
+                let (gemm, dequant) = gemm_and_dequant(b, s);
+                assert!(
+                    steps(gemm, dequant) <= 1,
+                    "byte {b:#04x}, scale {s:e}: {gemm} vs {dequant}"
+                );
+                same += (gemm == dequant) as usize;
+                total += 1;
+            }
+        }
+        // Most agree exactly (a scale's rounding moves few products across a rounding edge).
+        eprintln!("{same} of {total} FP8 weights as dequant_f8_f16's, the rest one step away");
+        assert!(same * 4 > total * 3, "{same} of {total} agree");
+        // Outside the range the f16 scale loses bits (subnormal) or is infinite: such weights
+        // are kept off the GEMM, and there the two would differ by more than a step.
+        for s in [1e-6f32, 1e5] {
+            assert!(!fp8_scale_fits_f16(s), "{s:e}");
+            assert!(
+                (0..=255u8)
+                    .filter(|&b| !e4m3_is_nan(b))
+                    .any(|b| { gemm_and_dequant(b, s).0 != gemm_and_dequant(b, s).1 }),
+                "{s:e}"
+            );
+        }
+        assert!(!fp8_scale_fits_f16(f32::NAN));
     }
 }

@@ -69,6 +69,14 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             INT_GEMM_KERNELS[13],
             INT_GEMM_KERNELS[14],
             INT_GEMM_KERNELS[15],
+            INT_GEMM_KERNELS[16],
+            INT_GEMM_KERNELS[17],
+            INT_GEMM_KERNELS[18],
+            INT_GEMM_KERNELS[19],
+            INT_GEMM_KERNELS[20],
+            INT_GEMM_KERNELS[21],
+            INT_GEMM_KERNELS[22],
+            INT_GEMM_KERNELS[23],
         ],
         per_rows: &GEMV_KERNELS,
         sm90a: false,
@@ -588,9 +596,10 @@ pub(super) const INT_GEMM_STAGES: usize = 3;
 pub(super) const INT_GEMM_SZ_SLOTS: usize = 4;
 pub(super) const INT_GEMM_MAX_ROWS: usize = 64;
 
-/// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): bits 4 then
-/// 8; n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then f16 output.
-pub(super) const INT_GEMM_KERNELS: [&str; 16] = [
+/// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): W4, W8, then
+/// FP8 (in [`IntFormat`]'s order); n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then
+/// f16 output.
+pub(super) const INT_GEMM_KERNELS: [&str; 24] = [
     "int_gemm_w4_n1_f32",
     "int_gemm_w4_n1_f16",
     "int_gemm_w4_n2_f32",
@@ -607,6 +616,14 @@ pub(super) const INT_GEMM_KERNELS: [&str; 16] = [
     "int_gemm_w8_n4_f16",
     "int_gemm_w8_n8_f32",
     "int_gemm_w8_n8_f16",
+    "int_gemm_f8_n1_f32",
+    "int_gemm_f8_n1_f16",
+    "int_gemm_f8_n2_f32",
+    "int_gemm_f8_n2_f16",
+    "int_gemm_f8_n4_f32",
+    "int_gemm_f8_n4_f16",
+    "int_gemm_f8_n8_f32",
+    "int_gemm_f8_n8_f16",
 ];
 
 /// The integer GEMM's n8 tiles for `rows` (1..=64) rows of x: 1, 2, 4 or 8.
@@ -614,10 +631,10 @@ pub(super) fn int_gemm_tiles(rows: usize) -> usize {
     rows.div_ceil(8).next_power_of_two()
 }
 
-/// The integer GEMM kernel of `bits` (4 or 8) for `rows` (1..=64) rows, f16 output or f32.
-pub(super) fn int_gemm_kernel(bits: u32, rows: usize, f16_out: bool) -> &'static str {
+/// The integer GEMM kernel of `format` for `rows` (1..=64) rows, f16 output or f32.
+pub(super) fn int_gemm_kernel(format: IntFormat, rows: usize, f16_out: bool) -> &'static str {
     let tiles = int_gemm_tiles(rows).trailing_zeros() as usize;
-    INT_GEMM_KERNELS[if bits == 8 { 8 } else { 0 } + 2 * tiles + f16_out as usize]
+    INT_GEMM_KERNELS[8 * format as usize + 2 * tiles + f16_out as usize]
 }
 
 impl Gemv {
@@ -756,6 +773,32 @@ mod tests {
                     "{}: kernel {name} is defined but not on the source's load list",
                     src.file
                 );
+            }
+        }
+    }
+
+    /// The integer GEMM's table is indexed by format, n-tiles and output: each choice names the
+    /// kernel of its own format (FP8's are the last eight, after W4's and W8's).
+    #[test]
+    fn each_format_picks_its_own_integer_gemm() {
+        for (format, tag) in IntFormat::ALL.into_iter().zip(["w4", "w8", "f8"]) {
+            for (rows, tiles) in [
+                (1, 1),
+                (5, 1),
+                (8, 1),
+                (9, 2),
+                (16, 2),
+                (17, 4),
+                (33, 8),
+                (64, 8),
+            ] {
+                for (f16_out, out) in [(false, "f32"), (true, "f16")] {
+                    assert_eq!(
+                        int_gemm_kernel(format, rows, f16_out),
+                        format!("int_gemm_{tag}_n{tiles}_{out}"),
+                        "{format:?}, {rows} rows"
+                    );
+                }
             }
         }
     }

@@ -68,6 +68,18 @@ pub(super) struct IntWeight {
     /// `[m, k / group, 2]`: scale, zero. For [`IntFormat::E4m3`] each pair's four bytes are
     /// one f32, the scale times 2^8 (the kernels read e4m3 bytes as their value times 2^-8).
     pub(super) sz: CudaSlice<half::f16>,
+    /// Whether every scale survives the tensor-core integer GEMM's rounding to f16 within
+    /// 2^-11 (an f16 normal number, or 0): W4's and W8's always (they are f16), FP8's where
+    /// each scale times 2^8 is ([`fp8_scale_fits_f16`]). Else batches keep the dequantization.
+    pub(super) scales_fit_f16: bool,
+}
+
+/// Whether an FP8 weight's kernel scale (the checkpoint's times 2^8) rounds to an f16 normal
+/// number within 2^-11 of it, or is 0, as weights_f16.cu's int_mma_gemm needs.
+pub(super) fn fp8_scale_fits_f16(kernel_scale: f32) -> bool {
+    const F16_MIN_NORMAL: f32 = 1.0 / 16384.0;
+    kernel_scale == 0.0
+        || (F16_MIN_NORMAL..=f32::from(half::f16::MAX)).contains(&kernel_scale.abs())
 }
 
 impl CudaWeight {

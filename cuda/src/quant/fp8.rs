@@ -222,9 +222,15 @@ pub const FP8_BLOCK: [usize; 2] = [128, 128];
 /// checkpoint): per block `s = 448 / amax` (1 for an all-zero block), values
 /// `e4m3(clamp(w * s, ±448))`, stored scale `1 / s` (about `amax / 448`), all in f32.
 pub fn quantize_fp8(w: &HostTensor) -> Fp8Matrix {
+    quantize_fp8_in_blocks(w, FP8_BLOCK)
+}
+
+/// [`quantize_fp8`] with a scale per `block` (rows, columns) instead: the twin tests' FP8
+/// weights in groups of columns other than 128, as per-channel and finer-grained checkpoints
+/// have them.
+pub fn quantize_fp8_in_blocks(w: &HostTensor, block: [usize; 2]) -> Fp8Matrix {
     use rayon::prelude::*;
     let (out, inp) = (w.shape()[0], w.shape()[1]);
-    let block = FP8_BLOCK;
     let (rows, cols) = (out.div_ceil(block[0]), inp.div_ceil(block[1]));
     let data = w.data();
     let amax: Vec<f32> = (0..rows * cols)
