@@ -100,13 +100,28 @@ pub mod internal_hop {
     /// or whose deadline passed, so a burst of cancellations on a busy host passes 20 and took
     /// the streams beside them down (the soak saw it). The peer here is our own gateway.
     pub const MAX_PENDING_ACCEPT_RESETS: usize = 1 << 16;
+    /// Streams the client side remembers having reset, and for how long. A cancelled call
+    /// still has frames on the wire (tokens sent before the RST_STREAM arrived), and HTTP/2
+    /// ignores them only for a stream it remembers: h2 keeps 50, for 1 s. A frame for a
+    /// forgotten stream is answered with a reset of its own, and past 1024 of those over the
+    /// connection's life (`http2_max_local_error_reset_streams`) h2 closes the connection
+    /// with ENHANCE_YOUR_CALM, failing every call on it: after hours of clients leaving, or a
+    /// minute of them on a busy host (the soak saw it). Remembering 65,536 for 10 s covers any
+    /// burst of cancellations a replica's connection carries, and the error limit is lifted,
+    /// as the peer is our own service.
+    pub const REMEMBERED_RESETS: usize = 1 << 16;
+    pub const RESET_MEMORY: std::time::Duration = std::time::Duration::from_secs(10);
 
-    /// `endpoint` (a client of vision-svc or llm-svc) with the hop's windows and frame size.
+    /// `endpoint` (a client of vision-svc or llm-svc) with the hop's windows, frame size and
+    /// reset memory.
     pub fn endpoint(endpoint: tonic::transport::Endpoint) -> tonic::transport::Endpoint {
         endpoint
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
             .max_frame_size(MAX_FRAME)
+            .http2_max_concurrent_reset_streams(REMEMBERED_RESETS)
+            .http2_reset_stream_duration(RESET_MEMORY)
+            .http2_max_local_error_reset_streams(None)
     }
 }
 

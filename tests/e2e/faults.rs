@@ -612,3 +612,64 @@ async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_a
     }
     assert_eq!(tokens, 400);
 }
+
+/// A call the gateway cancels mid-stream still has frames on the wire: tokens llm-svc sent
+/// before the RST_STREAM reached it. The client side of HTTP/2 ignores frames for streams it
+/// reset lately, but by default remembers only 50 of them, for 1 s; a frame for one it forgot
+/// is a stream error it answers with a reset of its own, and past 1024 of those (over the
+/// connection's life) it closes the connection with ENHANCE_YOUR_CALM, failing every stream on
+/// it. The soak saw it on a busy 2-core machine: three streamed answers cut off mid-answer.
+/// Here a single-threaded client drops 100 streams at once and then sleeps, as a busy gateway
+/// does, so that llm-svc's next tokens for them arrive after they were forgotten.
+#[tokio::test(flavor = "current_thread")]
+async fn streams_cancelled_while_tokens_are_in_flight_leave_the_connection_alone() {
+    use vlm_proto::pb::llm_service_client::LlmServiceClient;
+    let stack = Stack::start(StackOptions::default()).await;
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", stack.llm_port))
+            .unwrap();
+    let ch = vlm_proto::internal_hop::endpoint(endpoint)
+        .connect()
+        .await
+        .expect("llm-svc answers");
+    let req = |max_new_tokens| pb::GenerateRequest {
+        prompt_token_ids: vec![10, 11, 12, 13],
+        max_new_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut long = LlmServiceClient::new(ch.clone())
+        .generate(req(2000))
+        .await
+        .expect("the long stream starts")
+        .into_inner();
+    assert!(long.message().await.expect("a first token").is_some());
+    for round in 0..30 {
+        let calls = (0..100).map(|_| {
+            let mut c = LlmServiceClient::new(ch.clone());
+            async move {
+                let mut answer = c.generate(req(200)).await?.into_inner();
+                answer.message().await.map(|_| answer)
+            }
+        });
+        let answers = futures::future::join_all(calls).await;
+        let failed = answers.iter().filter(|a| a.is_err()).count();
+        let first = answers.iter().find_map(|a| a.as_ref().err());
+        assert_eq!(failed, 0, "round {round}: calls failed, as {first:?}");
+        drop(answers);
+        // Busy: the connection task cannot send the resets while llm-svc streams on.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut tokens = 1;
+    loop {
+        match tokio::time::timeout(HANG, long.message())
+            .await
+            .expect("no hang")
+        {
+            Ok(Some(m)) if m.finish_reason == 0 => tokens += m.token_ids.len(),
+            Ok(Some(_)) | Ok(None) => break,
+            Err(e) => panic!("the long stream failed after {tokens} tokens: {e:?}"),
+        }
+    }
+    assert_eq!(tokens, 2000);
+}
