@@ -327,9 +327,19 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
     use crate::mrope::PromptPositions;
     use crate::sampler::SamplingParams;
     use crate::sequence::SequenceLimits;
+
+    /// A step's pick of `token`, with nothing else asked for.
+    fn pick(token: u32) -> Option<Pick> {
+        Some(Pick {
+            token,
+            logits: None,
+            logprob: None,
+        })
+    }
 
     fn seq(id: u64, prompt: usize) -> Sequence {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -382,13 +392,6 @@ mod tests {
         s.waiting.push_back(seq(0, 6));
         s.waiting.push_back(seq(1, 6));
         let plan = s.schedule(&mut pool);
-        let pick = |token| {
-            Some(Pick {
-                token,
-                logits: None,
-                logprob: None,
-            })
-        };
         // Sequence 0's mask was late: no pick; its prompt's last token is computed again.
         let done = s.update_from_output(&plan, vec![None, pick(9)], &mut pool, &[]);
         assert!(done.is_empty());
@@ -410,13 +413,6 @@ mod tests {
         s.waiting.push_back(seq(0, 6));
         s.waiting.push_back(seq(1, 6));
         let plan = s.schedule(&mut pool);
-        let pick = |token| {
-            Some(Pick {
-                token,
-                logits: None,
-                logprob: None,
-            })
-        };
         let left = s.update_from_output(&plan, vec![pick(NOT_FINITE), pick(9)], &mut pool, &[]);
         assert_eq!(left.len(), 1);
         assert_eq!((left[0].0.id, left[0].1), (0, Left::NoFiniteLogits));

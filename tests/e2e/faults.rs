@@ -551,46 +551,49 @@ async fn shared_memory_embeddings_answer_the_same_and_leave_no_segment_behind() 
     );
 }
 
-/// Calls cancelled as soon as they start (a client's deadline, a client gone) reach llm-svc as
-/// RST_STREAMs, often before its server has taken the stream. hyper's HTTP/2 server counts
-/// such streams per connection and, past its limit (20 by default, a guard against "rapid
-/// reset" floods), closes the connection with ENHANCE_YOUR_CALM: every other stream on it fails
-/// with RESOURCE_EXHAUSTED. The gateway multiplexes all its calls over one connection per
-/// replica, so a burst of cancellations must not cost the streams beside them.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_alone() {
-    use vlm_proto::pb::llm_service_client::LlmServiceClient;
-    let stack = Stack::start(StackOptions::default()).await;
+/// A channel to the stack's llm-svc as the gateway makes them (`internal_hop`).
+async fn gateway_like_channel(stack: &Stack) -> tonic::transport::Channel {
     let endpoint =
         tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", stack.llm_port))
             .unwrap();
-    let ch = vlm_proto::internal_hop::endpoint(endpoint)
+    vlm_proto::internal_hop::endpoint(endpoint)
         .connect()
         .await
-        .expect("llm-svc answers");
-    let req = |max_new_tokens| pb::GenerateRequest {
+        .expect("llm-svc answers")
+}
+
+/// A call generating `max_new_tokens` without stopping at eos.
+fn tokens_request(max_new_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
         prompt_token_ids: vec![10, 11, 12, 13],
         max_new_tokens,
         ignore_eos: true,
         ..Default::default()
-    };
+    }
+}
+
+/// A stream of `len` tokens on `ch`, its first token read: the bystander of a fault test.
+async fn long_stream(
+    ch: &tonic::transport::Channel,
+    len: u32,
+) -> tonic::Streaming<pb::GenerateResponse> {
+    use vlm_proto::pb::llm_service_client::LlmServiceClient;
     let mut long = LlmServiceClient::new(ch.clone())
-        .generate(req(400))
+        .generate(tokens_request(len))
         .await
         .expect("the long stream starts")
         .into_inner();
     assert!(long.message().await.expect("a first token").is_some());
-    // Each call is given a few hundred microseconds: its HEADERS go out, then its RST_STREAM.
-    for round in 0..20u64 {
-        let calls = (0..50u64).map(|i| {
-            let mut c = LlmServiceClient::new(ch.clone());
-            let wait = Duration::from_micros((round * 50 + i) % 700);
-            async move {
-                let _ = tokio::time::timeout(wait, c.generate(req(4))).await;
-            }
-        });
-        futures::future::join_all(calls).await;
-    }
+    long
+}
+
+/// Reads the rest of [`long_stream`]'s tokens; panics naming the error (and `stack`'s
+/// llm-svc HTTP/2 log lines) if the stream fails.
+async fn finish_long_stream(
+    stack: &Stack,
+    mut long: tonic::Streaming<pb::GenerateResponse>,
+    len: usize,
+) {
     let mut tokens = 1;
     loop {
         match tokio::time::timeout(HANG, long.message())
@@ -610,7 +613,33 @@ async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_a
             }
         }
     }
-    assert_eq!(tokens, 400);
+    assert_eq!(tokens, len);
+}
+
+/// Calls cancelled as soon as they start (a client's deadline, a client gone) reach llm-svc as
+/// RST_STREAMs, often before its server has taken the stream. hyper's HTTP/2 server counts
+/// such streams per connection and, past its limit (20 by default, a guard against "rapid
+/// reset" floods), closes the connection with ENHANCE_YOUR_CALM: every other stream on it fails
+/// with RESOURCE_EXHAUSTED. The gateway multiplexes all its calls over one connection per
+/// replica, so a burst of cancellations must not cost the streams beside them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_alone() {
+    use vlm_proto::pb::llm_service_client::LlmServiceClient;
+    let stack = Stack::start(StackOptions::default()).await;
+    let ch = gateway_like_channel(&stack).await;
+    let long = long_stream(&ch, 400).await;
+    // Each call is given a few hundred microseconds: its HEADERS go out, then its RST_STREAM.
+    for round in 0..20u64 {
+        let calls = (0..50u64).map(|i| {
+            let mut c = LlmServiceClient::new(ch.clone());
+            let wait = Duration::from_micros((round * 50 + i) % 700);
+            async move {
+                let _ = tokio::time::timeout(wait, c.generate(tokens_request(4))).await;
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+    finish_long_stream(&stack, long, 400).await;
 }
 
 /// A call the gateway cancels mid-stream still has frames on the wire: tokens llm-svc sent
@@ -625,30 +654,13 @@ async fn a_burst_of_cancelled_calls_leaves_the_other_streams_on_the_connection_a
 async fn streams_cancelled_while_tokens_are_in_flight_leave_the_connection_alone() {
     use vlm_proto::pb::llm_service_client::LlmServiceClient;
     let stack = Stack::start(StackOptions::default()).await;
-    let endpoint =
-        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", stack.llm_port))
-            .unwrap();
-    let ch = vlm_proto::internal_hop::endpoint(endpoint)
-        .connect()
-        .await
-        .expect("llm-svc answers");
-    let req = |max_new_tokens| pb::GenerateRequest {
-        prompt_token_ids: vec![10, 11, 12, 13],
-        max_new_tokens,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut long = LlmServiceClient::new(ch.clone())
-        .generate(req(2000))
-        .await
-        .expect("the long stream starts")
-        .into_inner();
-    assert!(long.message().await.expect("a first token").is_some());
+    let ch = gateway_like_channel(&stack).await;
+    let long = long_stream(&ch, 2000).await;
     for round in 0..30 {
         let calls = (0..100).map(|_| {
             let mut c = LlmServiceClient::new(ch.clone());
             async move {
-                let mut answer = c.generate(req(200)).await?.into_inner();
+                let mut answer = c.generate(tokens_request(200)).await?.into_inner();
                 answer.message().await.map(|_| answer)
             }
         });
@@ -660,16 +672,5 @@ async fn streams_cancelled_while_tokens_are_in_flight_leave_the_connection_alone
         // Busy: the connection task cannot send the resets while llm-svc streams on.
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut tokens = 1;
-    loop {
-        match tokio::time::timeout(HANG, long.message())
-            .await
-            .expect("no hang")
-        {
-            Ok(Some(m)) if m.finish_reason == 0 => tokens += m.token_ids.len(),
-            Ok(Some(_)) | Ok(None) => break,
-            Err(e) => panic!("the long stream failed after {tokens} tokens: {e:?}"),
-        }
-    }
-    assert_eq!(tokens, 2000);
+    finish_long_stream(&stack, long, 2000).await;
 }
