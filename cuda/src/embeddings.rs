@@ -191,6 +191,21 @@ impl Embeddings {
         }
     }
 
+    /// Index of the first value that is NaN or infinite, for embeddings on the host (rows on
+    /// a device are not read: they come from our own vision tower in this process). A sender's
+    /// NaN would reach every logit after it, so receivers refuse such rows up front.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        match self {
+            Embeddings::F32(t) => t.data().iter().position(|v| !v.is_finite()),
+            // f16's exponent all ones: an infinity or a NaN.
+            Embeddings::F16(t) => t
+                .bytes()
+                .chunks_exact(2)
+                .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+            Embeddings::Device(_) => None,
+        }
+    }
+
     /// What stands for the values in a hash (the prefix cache's image identity): their bytes
     /// as held on the host (f32 or f16, little-endian), or a device tensor's identity.
     pub fn content(&self) -> &[u8] {
@@ -275,6 +290,30 @@ mod tests {
         let err = HalfTensor::from_bytes(vec![3, 4], h.bytes().slice(1..)).unwrap_err();
         assert!(err.to_string().contains("holds 24 bytes"), "{err}");
         assert!(HalfTensor::from_bytes(vec![1 << 62, 8], Bytes::new()).is_err());
+    }
+
+    #[test]
+    fn the_first_nan_or_infinity_is_found_in_either_precision() {
+        let t = tensor(2, 3);
+        assert_eq!(Embeddings::F32(t.clone()).first_non_finite(), None);
+        assert_eq!(
+            Embeddings::F16(HalfTensor::from_f32(&t)).first_non_finite(),
+            None
+        );
+        for (at, bad) in [(4, f32::NAN), (1, f32::INFINITY), (5, f32::NEG_INFINITY)] {
+            let mut data = t.data().to_vec();
+            data[at] = bad;
+            let t = HostTensor::new(vec![2, 3], data).unwrap();
+            assert_eq!(Embeddings::F32(t.clone()).first_non_finite(), Some(at));
+            let h = Embeddings::F16(HalfTensor::from_f32(&t));
+            assert_eq!(h.first_non_finite(), Some(at), "{bad} in f16");
+        }
+        // 65504 is f16's largest finite value, not an infinity.
+        let max = HostTensor::new(vec![1, 2], vec![65504.0, -65504.0]).unwrap();
+        assert_eq!(
+            Embeddings::F16(HalfTensor::from_f32(&max)).first_non_finite(),
+            None
+        );
     }
 
     /// A received message's bytes may start at an odd address.

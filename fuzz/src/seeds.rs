@@ -296,6 +296,31 @@ fn grpc() -> Vec<(String, Vec<u8>)> {
                 },
             ),
         ),
+        // Found by the fuzzer (2026-11-28), a regression: a NaN among the DeepStack features
+        // made every logit NaN, and the engine failed a request validate had accepted.
+        (
+            "generate-image-nan".into(),
+            with_kind(
+                1,
+                pb::GenerateRequest {
+                    prompt_token_ids: vec![5, start, img, img, img, img, end, 6],
+                    images: vec![pb::ImageEmbeddings {
+                        embeddings: Some(tensor(4)),
+                        deepstack: (0..deepstack)
+                            .map(|i| {
+                                let mut v = vec![0.5; 4 * hidden];
+                                v[3 * hidden + i] = f32::NAN;
+                                vlm_proto::tensor::encode(&[4, hidden], &v, pb::Dtype::F16)
+                            })
+                            .collect(),
+                        grid_thw: vec![1, 4, 4],
+                        ..Default::default()
+                    }],
+                    max_new_tokens: 2,
+                    ..Default::default()
+                },
+            ),
+        ),
         (
             "chat-text".into(),
             with_kind(

@@ -95,6 +95,19 @@ pub(crate) fn check(
                 "image {k}: temporal grid {t}; images have 1 (video is not supported)"
             )));
         }
+        let features = std::iter::once(("embeddings", &img.embeds))
+            .chain(img.deepstack.iter().map(|d| ("DeepStack features", d)));
+        for (what, rows) in features {
+            if let Some(i) = rows.first_non_finite() {
+                return Err(Error::BadImage {
+                    index: k,
+                    message: format!(
+                        "{what} value {i} (row {}) is NaN or infinite",
+                        i / hidden.max(1)
+                    ),
+                });
+            }
+        }
     }
     let grids: Vec<(usize, usize)> = req
         .images

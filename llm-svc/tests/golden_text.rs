@@ -362,6 +362,75 @@ fn a_text_only_model_refuses_images() {
     );
 }
 
+/// Embeddings with a NaN or an infinity (a broken sender; llm-svc's port takes them off the
+/// wire) are the request's error, naming the image, the features and the value: left in, they
+/// would make every logit NaN and the request would fail later as the model's fault.
+#[test]
+fn image_features_that_are_not_finite_are_refused_by_name() {
+    let dir = fixture("tiny-qwen3-vl");
+    let weights = Weights::open(&dir).unwrap();
+    let engine = Engine::load(
+        &dir,
+        &weights,
+        CpuBackend::new(),
+        EngineConfig::default(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
+    let g = Golden::open(&dir).unwrap();
+    let case = g.manifest()["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["images"].as_array().is_some_and(|i| i.len() == 1))
+        .expect("a case with one image")
+        .clone();
+    let name = case["name"].as_str().unwrap();
+    let (_, prompt) = g.ints(&format!("case.{name}.prompt_ids")).unwrap();
+    let image = hf_image(&g, case["images"][0].as_str().unwrap());
+    let hidden = engine.config().text.hidden_size;
+    let planted = |mut image: ImageInput, deepstack: bool, at: usize, v: f32| {
+        let rows = if deepstack {
+            &mut image.deepstack[1]
+        } else {
+            &mut image.embeds
+        };
+        let mut t = rows.to_f32().unwrap().into_owned();
+        t.data_mut()[at] = v;
+        *rows = Embeddings::F16(vlm_compute::HalfTensor::from_f32(&t));
+        GenerateRequest {
+            prompt: prompt.iter().map(|&t| t as u32).collect(),
+            images: vec![image],
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 2,
+            ignore_eos: false,
+            return_logits: false,
+            constraint: None,
+        }
+    };
+    engine
+        .validate(&planted(image.clone(), false, 0, 1.0))
+        .unwrap();
+    let at = 2 * hidden + 5;
+    let err = engine
+        .validate(&planted(image.clone(), false, at, f32::NAN))
+        .unwrap_err();
+    let want = format!("images[0]: embeddings value {at} (row 2) is NaN or infinite");
+    assert!(err.to_string().contains(&want), "{err}");
+    assert_eq!(
+        tonic::Status::from(err).code(),
+        tonic::Code::InvalidArgument
+    );
+    let err = engine
+        .validate(&planted(image, true, 7, f32::INFINITY))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("images[0]: DeepStack features value 7 (row 0)"),
+        "{err}"
+    );
+}
+
 /// Our prompt positions against HF's `position_ids` where the fixture has them: `[3, L]` for
 /// Qwen3-VL (M-RoPE), `[L]` or `[1, L]` for a text-only model (1-D RoPE: ours must have all
 /// three streams equal to it). Without them, a text-only prompt's positions must count up.
