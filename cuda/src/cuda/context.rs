@@ -411,7 +411,7 @@ fn load_source(
     let module = ctx
         .load_module(Ptx::from_src(ptx))
         .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
-    for &k in src.kernels.iter().chain(src.per_rows.iter().flatten()) {
+    for k in src.all_kernels() {
         let f = module.load_function(k).map_err(|e| Error::KernelCompile {
             kernel: k.into(),
             log: e.to_string(),

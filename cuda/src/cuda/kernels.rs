@@ -27,8 +27,20 @@ pub(super) struct KernelSource {
     /// instructions (wgmma), which no other GPU has.
     pub(super) sm90a: bool,
     pub(super) kernels: &'static [&'static str],
+    /// Tables of kernel names the host indexes, loaded whole (a table that grows cannot
+    /// outgrow the load list).
+    pub(super) tables: &'static [&'static [&'static str]],
     /// Kernels compiled once per row count, 1..=GEMV_MAX_ROWS.
     pub(super) per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
+}
+
+impl KernelSource {
+    /// Every kernel the source's module is to hold: the list, the tables and the per-row ones.
+    pub(super) fn all_kernels(&self) -> impl Iterator<Item = &'static str> {
+        let tables = self.tables.iter().flat_map(|t| t.iter());
+        let per_rows = self.per_rows.iter().flatten();
+        self.kernels.iter().chain(tables).chain(per_rows).copied()
+    }
 }
 
 pub(super) const SOURCES: [KernelSource; 6] = [
@@ -37,6 +49,7 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         prelude: &[],
         source: kernel_file!("ops_f32.cu").1,
         kernels: &OPS_KERNELS,
+        tables: &[],
         per_rows: &[],
         sm90a: false,
     },
@@ -53,31 +66,8 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "dequant_w8_f16",
             "dequant_f8_f16",
             "fill_random_int",
-            INT_GEMM_KERNELS[0],
-            INT_GEMM_KERNELS[1],
-            INT_GEMM_KERNELS[2],
-            INT_GEMM_KERNELS[3],
-            INT_GEMM_KERNELS[4],
-            INT_GEMM_KERNELS[5],
-            INT_GEMM_KERNELS[6],
-            INT_GEMM_KERNELS[7],
-            INT_GEMM_KERNELS[8],
-            INT_GEMM_KERNELS[9],
-            INT_GEMM_KERNELS[10],
-            INT_GEMM_KERNELS[11],
-            INT_GEMM_KERNELS[12],
-            INT_GEMM_KERNELS[13],
-            INT_GEMM_KERNELS[14],
-            INT_GEMM_KERNELS[15],
-            INT_GEMM_KERNELS[16],
-            INT_GEMM_KERNELS[17],
-            INT_GEMM_KERNELS[18],
-            INT_GEMM_KERNELS[19],
-            INT_GEMM_KERNELS[20],
-            INT_GEMM_KERNELS[21],
-            INT_GEMM_KERNELS[22],
-            INT_GEMM_KERNELS[23],
         ],
+        tables: &[&INT_GEMM_KERNELS],
         per_rows: &GEMV_KERNELS,
         sm90a: false,
     },
@@ -106,6 +96,7 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "qkv_to_cache_f32",
             "gather_rows_f32",
         ],
+        tables: &[],
         per_rows: &[],
         sm90a: false,
     },
@@ -119,6 +110,7 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "sample_compact_f32",
             "sample_rows_f32",
         ],
+        tables: &[],
         per_rows: &[],
         sm90a: false,
     },
@@ -126,21 +118,8 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         file: "attention_f16.cu",
         prelude: &[],
         source: kernel_file!("attention_f16.cu").1,
-        kernels: &[
-            FLASH_KERNELS[0],
-            FLASH_KERNELS[1],
-            FLASH_KERNELS[2],
-            FLASH_KERNELS[3],
-            PAGED_FLASH_KERNELS[0],
-            PAGED_FLASH_KERNELS[1],
-            PAGED_FLASH_KERNELS[2],
-            PAGED_FLASH_KERNELS[3],
-            FLASH_WIDE_KERNELS[0],
-            FLASH_WIDE_KERNELS[1],
-            "pack_kv_f16",
-            ROPE_PACK_F32[0],
-            ROPE_PACK_F16[0],
-        ],
+        kernels: &["pack_kv_f16", ROPE_PACK_F32[0], ROPE_PACK_F16[0]],
+        tables: &[&FLASH_KERNELS, &PAGED_FLASH_KERNELS, &FLASH_WIDE_KERNELS],
         per_rows: &[],
         sm90a: false,
     },
@@ -148,13 +127,8 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         file: "attention_sm90.cu",
         prelude: &[kernel_file!("attention_f16.cu")],
         source: kernel_file!("attention_sm90.cu").1,
-        kernels: &[
-            FLASH_WGMMA_KERNELS[0],
-            FLASH_WGMMA_KERNELS[1],
-            ROPE_PACK_F32[1],
-            ROPE_PACK_F16[1],
-            ROPE_PACK16_TILED_ROWS,
-        ],
+        kernels: &[ROPE_PACK_F32[1], ROPE_PACK_F16[1], ROPE_PACK16_TILED_ROWS],
+        tables: &[&FLASH_WGMMA_KERNELS],
         per_rows: &[],
         sm90a: true,
     },
@@ -752,12 +726,7 @@ mod tests {
     #[test]
     fn every_plain_kernel_a_source_defines_is_loaded() {
         for src in SOURCES {
-            let listed: Vec<&str> = src
-                .kernels
-                .iter()
-                .chain(src.per_rows.iter().flatten())
-                .copied()
-                .collect();
+            let listed: Vec<&str> = src.all_kernels().collect();
             for piece in src.source.split("extern \"C\" __global__ void").skip(1) {
                 let mut rest = piece.trim_start();
                 if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
