@@ -42,11 +42,26 @@ const FIXTURES: [(&str, f32); 13] = [
     ("tiny-qwen3-gptq-v2", 3.0),
     // compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC: a scale per channel; FP8_BLOCK:
     // 128x128 blocks), against an f32 model of the weights transformers decompresses, with
-    // activations unquantized (the loader is weight-only for now). On CUDA the matrices are
-    // dequantized to f16 for now (2^-11 of each weight, as an f16 checkpoint's).
+    // activations unquantized (the loader is weight-only for now). On CUDA the GEMVs and the
+    // integer GEMM read the e4m3 bytes (the value exact, the scale f32 in the GEMVs and
+    // rounded to f16 in the GEMM: 2^-11 of each weight, as an f16 checkpoint's), prefill past
+    // 64 rows the matrix dequantized to f16.
     ("tiny-qwen3-ct-fp8-dynamic", 3.0),
     ("tiny-qwen3-ct-fp8-block", 3.0),
 ];
+
+/// The engine of the checkpoint in `dir` with `weights` on the CPU, configured by default.
+fn cpu_engine(dir: &Path, weights: &Weights) -> Engine {
+    let registry = prometheus::Registry::new();
+    Engine::load(
+        dir,
+        weights,
+        CpuBackend::new(),
+        EngineConfig::default(),
+        &registry,
+    )
+    .unwrap()
+}
 
 fn hf_image(g: &Golden, name: &str) -> ImageInput {
     let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
@@ -144,14 +159,7 @@ fn quantize_at_load_stays_near_the_bf16_model() {
         (QuantizeTo::Fp8, 3.0),
     ] {
         let weights = Weights::open(&dir).unwrap().quantize(Some(to)).unwrap();
-        let engine = Engine::load(
-            &dir,
-            &weights,
-            CpuBackend::new(),
-            EngineConfig::default(),
-            &prometheus::Registry::new(),
-        )
-        .unwrap();
+        let engine = cpu_engine(&dir, &weights);
         let (_, prompt) = g.ints("case.chat.prompt_ids").unwrap();
         let hf = g.tensor("case.chat.logits").unwrap();
         let vocab = hf.shape()[1];
@@ -312,16 +320,7 @@ fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
 #[test]
 fn a_text_only_model_refuses_images() {
     let dir = fixture("tiny-qwen3");
-    let weights = Weights::open(&dir).unwrap();
-    let backend = CpuBackend::new();
-    let engine = Engine::load(
-        &dir,
-        &weights,
-        backend,
-        EngineConfig::default(),
-        &prometheus::Registry::new(),
-    )
-    .unwrap();
+    let engine = cpu_engine(&dir, &Weights::open(&dir).unwrap());
     assert!(engine.config().vision.is_none());
     let vl = Golden::open(&fixture("tiny-qwen3-vl")).unwrap();
     let mut image = hf_image(
@@ -368,15 +367,7 @@ fn a_text_only_model_refuses_images() {
 #[test]
 fn image_features_that_are_not_finite_are_refused_by_name() {
     let dir = fixture("tiny-qwen3-vl");
-    let weights = Weights::open(&dir).unwrap();
-    let engine = Engine::load(
-        &dir,
-        &weights,
-        CpuBackend::new(),
-        EngineConfig::default(),
-        &prometheus::Registry::new(),
-    )
-    .unwrap();
+    let engine = cpu_engine(&dir, &Weights::open(&dir).unwrap());
     let g = Golden::open(&dir).unwrap();
     let case = g.manifest()["cases"]
         .as_array()
