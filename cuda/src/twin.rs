@@ -1295,7 +1295,9 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
     }
     // The last two rows (past the 11 of sample_settings' paths, where the cases have 13) have
     // no finite largest logit: NaN everywhere (what an overflowed activation leaves) and an
-    // infinity. Both must give NOT_FINITE and count nothing.
+    // infinity. Both must give NOT_FINITE and count nothing. Their logprobs are not compared
+    // (the device writes them, the CPU does not).
+    let mut params: Vec<_> = (0..rows).map(sample_settings).collect();
     let lost = rows.saturating_sub(2)..rows;
     for r in lost.clone() {
         let row = &mut logits.data_mut()[r * vocab..(r + 1) * vocab];
@@ -1304,10 +1306,6 @@ fn sample_case<B: Backend>(be: &B, rows: usize, vocab: usize) -> Result<(HostTen
         } else {
             row[3 % vocab] = f32::INFINITY;
         }
-    }
-    let mut params: Vec<_> = (0..rows).map(sample_settings).collect();
-    for r in lost.clone() {
-        // Logprobs of such a row are not compared (the device writes them, the CPU does not).
         params[r].logprobs = 0;
     }
     let mut slots = 0;
