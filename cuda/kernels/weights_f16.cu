@@ -878,22 +878,26 @@ FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // from shared memory or L1 at 128 bytes a lane apart (8-way bank conflicts): at 4 bits they
 // reached 26% of the copy bandwidth on an H100. Here a warp multiplies a 16-row tile of the
 // weights (A, dequantized in registers exactly as above: q - zero, whole numbers in f16) by
-// x's rows (B: 8 columns, ROWS of them real) with mma.sync, so the products cost an
-// instruction per 256 weights, and x is read once per 16 weight rows.
+// x's rows (B: 8 columns, a real row's two halves in 2 of them, below) with mma.sync, so the
+// products cost an instruction per 256 weights, and x is read once per 16 weight rows.
 //
 // A GEMV's dot products may sum k in any order so long as A and B agree. Lane (g, t) of a
 // warp (g = lane / 4, t = lane % 4) loads chunk 4b + t (16 bytes, COLS columns) of A rows g
 // and g + 8 for batch b (4 * COLS columns); the pairs its dequantization gives (IntPairs:
 // columns p and p + 4 of a word at 4 bits, p and p + 2 at 8) are its A fragment's k slots,
-// and B's lane (n = g, t) holds x[n] at the same columns. A batch lies in one scale group
-// (group a multiple of 4 * COLS), so the scale multiplies a batch's sums once.
+// and B's lane (n = g, t) holds column n of x's at the same columns. A batch lies in one scale
+// group (group a multiple of 4 * COLS), so the scale multiplies a batch's sums once.
 //
-// x enters the tensor cores as two f16 halves, hi = f16(x * 2^e) and lo = f16(x * 2^e - hi)
-// (two products, one accumulator): 22 of f32's 24 bits, with 2^e a power of two per row that
-// puts the row's largest |x| under 2^15 (no f16 overflow; the sums are scaled back by 2^-e,
-// exactly). Each block stages its ROWS rows that way in shared memory once (ROWS * k * 4
-// bytes, as the normed kernels' f32 rows), in the order the B fragments are read, 16-byte
-// units XOR-swizzled so that a warp's 8 lanes of a phase hit distinct banks.
+// x enters the tensor cores as two f16 halves, hi = f16(x * 2^e) and lo = f16(x * 2^e - hi):
+// 22 of f32's 24 bits, with 2^e a power of two per row that puts the row's largest |x| under
+// 2^15 (no f16 overflow; the sums are scaled back by 2^-e, exactly). They are B's columns 2r
+// and 2r + 1 for x row r (ROWS <= 4), so one mma multiplies both and C holds a row's two sums
+// side by side, added once a batch. (Against the halves as two mma into two accumulators, B
+// column r: H100, int_gemv 1, W4 2.145 -> 2.051 ms a step, gate/up 67% -> 74% of the copy
+// bandwidth, q/k/v 45% -> 49%; W8 unchanged.) Each block stages its ROWS rows that way in
+// shared memory once (ROWS * k * 4 bytes, as the normed kernels' f32 rows), in the order the
+// B fragments are read, 16-byte units XOR-swizzled so that the lanes of a phase hit distinct
+// banks.
 //
 // A block's IM_WARPS warps split one tile's batches (warp w takes w, w + IM_WARPS, ...) and sum
 // through shared memory; blocks take tiles tile, tile + grid, ... With SWIGLU a tile is 8 gate
@@ -902,17 +906,23 @@ FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // shared memory: the host falls back to int_gemv otherwise.
 #define IM_WARPS GEMV_WARPS
 // Batches a lane loads at once (two 16-byte loads each), the next step's prefetched. 4 was
-// slower (H100, int_gemv rows 1: W4 1129 vs 1305 GB/s, W8 1561 vs 1869).
+// slower (H100, int_gemv rows 1: W4 1129 vs 1305 GB/s, W8 1561 vs 1869). So was 1 with
+// __launch_bounds__ for 3 blocks an SM (80 registers, against 108 and 2 blocks): q/k/v gained
+// (W4 49% -> 53% of copy) but down lost (58% -> 41%), W4's step 2.05 -> 2.36 ms (2026-11-28).
 #define IM_STEP 2
 // x's 16-byte loads a thread has in flight while staging.
 #define IM_STAGE_LOADS 4
 
 // Staged x's 16-byte unit j (columns 4j .. 4j + 3 of the chunk, as f32; after the split, hi
-// and lo pairs) of row n, chunk ch, counted in units from the staging's start.
+// and lo pairs) of row n, chunk ch, counted in units from the staging's start. The XOR key
+// spreads a phase's reads over the banks: at 4 bits a phase is lanes g = 0, 1 (one row's hi
+// and lo units 2w, 2w + 1) of chunks t = 0..3, 8 distinct units once XORed by 2t; at 8 bits a
+// lane reads its half of a unit (8 bytes) and a phase is 16 lanes, rows 0 and 1 of chunks t =
+// 0..3, 8 distinct units by the key's row and chunk bits.
 template <int BITS>
 __device__ __forceinline__ int im_unit(int n, int k, int ch, int j) {
     constexpr int U = 32 / BITS;  // units a chunk
-    const int key = BITS == 4 ? (((n & 1) << 2) | (ch & 3)) : (((n & 1) << 1) | ((ch >> 1) & 1));
+    const int key = BITS == 4 ? ((ch & 3) << 1) : (((n & 1) << 1) | ((ch >> 1) & 1));
     return n * (k / 4) + ch * U + (j ^ key);
 }
 
@@ -1028,49 +1038,43 @@ __device__ __forceinline__ void mma_16816(float d[4], __half2 a0, __half2 a1, __
           "r"(b0), "r"(b1));
 }
 
-// acc (this lane's C fragment: rows g, g + 8 of the tile, x rows 2t, 2t + 1) += batch b's
-// products, the lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb.
-// The hi and lo halves of x go to two accumulators (two chains of dependent mma, not one).
+// acc[0] and acc[1] (weight rows g and g + 8 of the tile, x row t) += batch b's products, the
+// lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb. B's column n is
+// x row n / 2's hi (n even) or lo (n odd) half, so one mma takes both halves and the lane's C
+// fragment holds a row's hi and lo sums side by side (columns 2t, 2t + 1): half the mma and
+// half the shared-memory reads of a column a half.
 template <int FMT, int ROWS>
 __device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 la, uint4 lb,
-                                         __half2 za, __half2 zb, float acc[4]) {
+                                         __half2 za, __half2 zb, float acc[2]) {
     constexpr int BITS = fmt_bits(FMT);
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, ch = 4 * b + t;
+    const int r = g >> 1, lo_half = g & 1;
     const float2 sa = group_scale<FMT>(za), sb = group_scale<FMT>(zb);
     __half2 base_a, base16_a, base_b, base16_b;
     int_bases(sa.y, base_a, base16_a);
     int_bases(sb.y, base_b, base16_b);
     const unsigned wa[4] = {la.x, la.y, la.z, la.w}, wb[4] = {lb.x, lb.y, lb.z, lb.w};
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
         const IntPairs<FMT> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
         if (BITS == 4) {
-            uint4 hi = make_uint4(0, 0, 0, 0), lo = hi;
-            if (g < ROWS) {
-                const float4 h = st[im_unit<4>(g, k, ch, 2 * wi)];
-                const float4 l = st[im_unit<4>(g, k, ch, 2 * wi + 1)];
-                hi = *reinterpret_cast<const uint4*>(&h);
-                lo = *reinterpret_cast<const uint4*>(&l);
-            }
-            mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], hi.x, hi.y);
-            mma_16816(e, qa.v[0], qb.v[0], qa.v[1], qb.v[1], lo.x, lo.y);
-            mma_16816(d, qa.v[2], qb.v[2], qa.v[3], qb.v[3], hi.z, hi.w);
-            mma_16816(e, qa.v[2], qb.v[2], qa.v[3], qb.v[3], lo.z, lo.w);
-        } else {
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (g < ROWS) {
-                const float4 h = st[im_unit<8>(g, k, ch, wi)];
+            if (r < ROWS) {
+                const float4 h = st[im_unit<4>(r, k, ch, 2 * wi + lo_half)];
                 v = *reinterpret_cast<const uint4*>(&h);
             }
             mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.x, v.y);
-            mma_16816(e, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.z, v.w);
+            mma_16816(d, qa.v[2], qb.v[2], qa.v[3], qb.v[3], v.z, v.w);
+        } else {
+            uint2 v = make_uint2(0, 0);
+            if (r < ROWS)
+                v = reinterpret_cast<const uint2*>(st + im_unit<8>(r, k, ch, wi))[lo_half];
+            mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.x, v.y);
         }
     }
-    acc[0] = fmaf(sa.x, d[0] + e[0], acc[0]);
-    acc[1] = fmaf(sa.x, d[1] + e[1], acc[1]);
-    acc[2] = fmaf(sb.x, d[2] + e[2], acc[2]);
-    acc[3] = fmaf(sb.x, d[3] + e[3], acc[3]);
+    acc[0] = fmaf(sa.x, d[0] + d[1], acc[0]);
+    acc[1] = fmaf(sb.x, d[2] + d[3], acc[1]);
 }
 
 template <int FMT, bool NORM, bool SWIGLU, int ROWS>
@@ -1082,7 +1086,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                                              int k, const __half2* __restrict__ sz, int group) {
     constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, BATCH = 4 * COLS;
     float4* st = reinterpret_cast<float4*>(gemv_staged);
-    float4* part = st + (size_t)ROWS * k / 4;  // [2][IM_WARPS][WARP]
+    float4* part = st + (size_t)ROWS * k / 4;  // float2 [2][IM_WARPS][WARP]
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const int batches = k / BATCH, groups = k / group, row_words = k / (32 / BITS);
     const int steps = (batches + IM_WARPS - 1) / IM_WARPS;
@@ -1125,7 +1129,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
     float back[ROWS];
     im_stage<BITS, NORM, ROWS>(x, norm_w, eps, k, st, back);
     for (int turn = 0; tile < tiles; tile += gridDim.x, ++turn) {
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[2] = {0.0f, 0.0f};
         int na = ra, nb = rb;
         for (int s0 = 0; s0 < steps; s0 += IM_STEP) {
             uint4 ma[IM_STEP], mb[IM_STEP];
@@ -1152,40 +1156,33 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                 }
             }
         }
-        float4* pt = part + (turn & 1) * IM_WARPS * WARP;
-        pt[warp * WARP + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        float2* pt = reinterpret_cast<float2*>(part) + (turn & 1) * IM_WARPS * WARP;
+        pt[warp * WARP + lane] = make_float2(acc[0], acc[1]);
         __syncthreads();
-        if (warp == 0) {
-            float4 s = pt[lane];
+        if (warp == 0 && t < ROWS) {
+            float2 c = pt[lane];
 #pragma unroll
             for (int v = 1; v < IM_WARPS; ++v) {
-                const float4 o = pt[v * WARP + lane];
-                s.x += o.x;
-                s.y += o.y;
-                s.z += o.z;
-                s.w += o.w;
+                const float2 o = pt[v * WARP + lane];
+                c.x += o.x;
+                c.y += o.y;
             }
-            const float c[4] = {s.x, s.y, s.z, s.w};
+            const int n = t;
+            float f = back[0];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int n = 2 * t + h;
-                if (n >= ROWS) continue;
-                float f = back[0];
-#pragma unroll
-                for (int r = 1; r < ROWS; ++r)
-                    if (n == r) f = back[r];
-                const float lo = c[h] * f, hi = c[2 + h] * f;
-                if (SWIGLU) {
-                    const int j = tile * 8 + g;
-                    if (j < m) out[(size_t)n * m + j] = lo / (1.0f + expf(-lo)) * hi;
-                } else {
-                    float* o = out + (size_t)n * m;
-                    const int j0 = tile * 16 + g, j1 = j0 + 8;
-                    if (j0 < m)
-                        o[j0] = (accumulate ? o[j0] : 0.0f) + lo + (has_bias ? bias[j0] : 0.0f);
-                    if (j1 < m)
-                        o[j1] = (accumulate ? o[j1] : 0.0f) + hi + (has_bias ? bias[j1] : 0.0f);
-                }
+            for (int r = 1; r < ROWS; ++r)
+                if (n == r) f = back[r];
+            const float lo = c.x * f, hi = c.y * f;
+            if (SWIGLU) {
+                const int j = tile * 8 + g;
+                if (j < m) out[(size_t)n * m + j] = lo / (1.0f + expf(-lo)) * hi;
+            } else {
+                float* o = out + (size_t)n * m;
+                const int j0 = tile * 16 + g, j1 = j0 + 8;
+                if (j0 < m)
+                    o[j0] = (accumulate ? o[j0] : 0.0f) + lo + (has_bias ? bias[j0] : 0.0f);
+                if (j1 < m)
+                    o[j1] = (accumulate ? o[j1] : 0.0f) + hi + (has_bias ? bias[j1] : 0.0f);
             }
         }
         ra = na;

@@ -8,6 +8,7 @@
 # Run from the repository root on the GPU machine (gcc and a CUDA toolkit with CUPTI, found
 # under $CUDA_HOME or /usr/local/cuda). The environment passes through: VLM_KERNEL_DIR to time
 # kernels from disk, with VLM_UNCHECKED=1 to time a kernel made empty (what it costs a step).
+# BENCH_ARGS adds flags to vlm bench (e.g. "--quantize int4" for a quantized model's step).
 # CUPTI slows the process, not the GPU's timestamps: the step spans it prints match `vlm
 # bench`'s decode rows within ~1%.
 set -euo pipefail
@@ -30,5 +31,5 @@ trace=$out/decode-$context.csv
 LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-} CUDA_INJECTION64_PATH=$out/libktrace.so KTRACE_OUT=$trace \
   "$vlm" bench --device cuda --model deploy/models/qwen3-vl-8b --random-weights --warmup 1 \
   --repeats 3 --no-gateway --image-sides '' --ttft-image-sides '' --prefill-tokens '' \
-  --decode-contexts "$context" --decode-batches 1 | grep '^decode'
+  --decode-contexts "$context" --decode-batches 1 ${BENCH_ARGS:-} | grep '^decode'
 python3 "$here/decode_step.py" "$trace" | tee "$out/decode-$context.txt"

@@ -29,8 +29,8 @@ use crate::quant::{random_int_scale, IntMatrix, QuantizeTo, QUANTIZE_GROUP};
 use crate::{Error, Result};
 
 /// Shared memory the tensor-core integer GEMVs take past their staged rows: the warps' partial
-/// sums, two turns of GEMV_WARPS x 32 lanes x 4 floats.
-const MMA_PART_BYTES: usize = 2 * GEMV_WARPS as usize * 32 * 16;
+/// sums, two turns of GEMV_WARPS x 32 lanes x 2 floats.
+const MMA_PART_BYTES: usize = 2 * GEMV_WARPS as usize * 32 * 8;
 
 /// Whether the integer GEMVs may take the tensor cores (int_mma_gemv) where their shapes allow;
 /// `VLM_INT_GEMV=cuda` keeps every one on int_gemv (to compare, and to test that path).
