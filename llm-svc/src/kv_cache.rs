@@ -38,7 +38,7 @@ impl<B: Backend> PagedKv<B> {
     pub fn new(be: &B, cfg: &TextConfig, num_blocks: usize, block_size: usize) -> Result<Self> {
         let slots = num_blocks * block_size;
         let (heads, dim) = (cfg.num_key_value_heads, cfg.head_dim);
-        let layer = || be.zeros_cache(slots, heads, dim);
+        let layer = || be.zeros_cache(slots, heads, dim, vlm_compute::KvFormat::Native);
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for _ in 0..cfg.num_hidden_layers {
             k.push(layer()?);
