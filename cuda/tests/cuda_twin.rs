@@ -738,3 +738,21 @@ fn no_gpu_is_an_error_not_a_crash() {
         }
     }
 }
+
+/// `--kv-cache-dtype fp8` where no kernel takes the model's head dim, or with a scale that is no
+/// number, is refused before anything is allocated, naming the flag.
+#[test]
+fn an_fp8_cache_no_kernel_takes_is_refused() {
+    let Some(g) = test_gpu() else { return };
+    for (format, dim) in [
+        (FP8_KV, 512),
+        (KvFormat::Fp8 { scale: f32::NAN }, 128),
+        (KvFormat::Fp8 { scale: 0.0 }, 128),
+    ] {
+        let err = g.check_kv_format(format, 8, dim).unwrap_err().to_string();
+        assert!(err.contains("--kv-cache-dtype fp8"), "{err}");
+        assert!(g.zeros_cache(16, 8, dim, format).is_err());
+    }
+    assert!(g.check_kv_format(FP8_KV, 8, 128).is_ok());
+    assert!(g.check_kv_format(KvFormat::Native, 8, 512).is_ok());
+}
