@@ -139,6 +139,36 @@ fn stored_scale(attn: &WeightPrefix, name: &str, kv_heads: usize) -> Result<Opti
     Ok(Some(scale))
 }
 
+/// Logs the layers whose keys can leave e4m3's range at their scale. With a per-head RMSNorm
+/// (Qwen3's `k_norm`) a key element is at most `sqrt(head_dim) * max|k_norm.weight|` (the normed
+/// head has RMS 1 before the weight, and RoPE turns pairs without lengthening them), so the
+/// bound is known at load; past `448 * scale` such keys are clamped (never NaN). Values, and
+/// keys without a norm (Qwen2), have no such bound: docs/serving.md says where that matters.
+fn warn_of_saturating_keys(layers: &WeightPrefix, cfg: &TextConfig, stored: &[Option<(f32, f32)>]) {
+    if !cfg.qk_norm {
+        return;
+    }
+    let limit = vlm_compute::quant::fp8::E4M3_MAX;
+    for (i, scales) in stored.iter().enumerate() {
+        let name = "self_attn.k_norm.weight";
+        let Ok(w) = layers.pp(i).get(name, &[cfg.head_dim]) else {
+            continue;
+        };
+        let bound =
+            (cfg.head_dim as f32).sqrt() * w.data().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let scale = scales.map_or(DEFAULT_FP8_SCALE, |(k, _)| k);
+        if bound > limit * scale {
+            tracing::warn!(
+                layer = i,
+                key_bound = bound,
+                scale,
+                "--kv-cache-dtype fp8: this layer's keys can reach {bound:.0}, past e4m3's {:.0} at its scale; such keys are clamped",
+                limit * scale
+            );
+        }
+    }
+}
+
 /// How every layer's keys and values are stored for `dtype`: natively, or (FP8) e4m3 with the
 /// checkpoint's per-layer scales where it has them for every layer ([`SCALE_NAMES`]), else
 /// [`DEFAULT_FP8_SCALE`] throughout (a checkpoint with scales for some layers only is an
@@ -171,6 +201,7 @@ pub fn kv_formats(
         }
         stored.push(found);
     }
+    warn_of_saturating_keys(layers, cfg, &stored);
     let fp8 = |k, v| LayerKvFormat {
         k: KvFormat::Fp8 { scale: k },
         v: KvFormat::Fp8 { scale: v },
