@@ -71,6 +71,8 @@ pub struct BenchOptions {
     pub random_weights: Option<u64>,
     /// `--quantize`: the text decoder's matrices quantized at load.
     pub quantize: Option<vlm_compute::quant::QuantizeTo>,
+    /// `--kv-cache-dtype`: how the engine's KV cache stores keys and values.
+    pub kv_cache_dtype: llm_svc::KvCacheDtype,
 }
 
 /// One row of the report.
@@ -352,6 +354,7 @@ impl Shapes {
             ),
             // Every run repeats its prompt: cached blocks would make prefill look free.
             prefix_caching: false,
+            kv_cache_dtype: opts.kv_cache_dtype,
             ..llm_svc::EngineConfig::default()
         }
     }
@@ -467,7 +470,7 @@ impl<B: Backend + Clone> Bench<'_, B> {
 
     /// Bytes of KV cache one token of context takes.
     fn kv_bytes_per_token(&self) -> f64 {
-        llm_svc::PagedKv::<B>::bytes_per_token(&self.pipeline.engine.config().text) as f64
+        self.pipeline.engine.kv_bytes_per_token() as f64
     }
 
     /// ViT + mergers for a `side` x `side` image: with the outputs kept on the device, then

@@ -19,7 +19,7 @@ pub struct Footprint {
     pub embeddings: usize,
     /// The vision tower and its mergers (f16); 0 for a text-only checkpoint.
     pub vision: usize,
-    /// The KV cache for `kv_tokens` tokens (f16 keys and values).
+    /// The KV cache for `kv_tokens` tokens (f16 keys and values, or FP8 ones: one byte each).
     pub kv_cache: usize,
     pub kv_tokens: usize,
     /// Where an integer matrix is dequantized for the GEMMs of prefill and batches: as large
@@ -33,8 +33,13 @@ impl Footprint {
     }
 
     /// The checkpoint in `dir` (its own format, or `quantize`d at load) with a cache of
-    /// `kv_tokens`.
-    pub fn of(dir: &Path, quantize: Option<QuantizeTo>, kv_tokens: usize) -> anyhow::Result<Self> {
+    /// `kv_tokens` stored as `kv_dtype` says.
+    pub fn of(
+        dir: &Path,
+        quantize: Option<QuantizeTo>,
+        kv_tokens: usize,
+        kv_dtype: llm_svc::KvCacheDtype,
+    ) -> anyhow::Result<Self> {
         let cfg = llm_svc::ModelConfig::from_dir(dir)?;
         let t = &cfg.text;
         let (h, i) = (t.hidden_size, t.intermediate_size);
@@ -71,7 +76,7 @@ impl Footprint {
             decoder_format,
             embeddings: heads * t.vocab_size * h * 2,
             vision,
-            kv_cache: kv_tokens * llm_svc::PagedKv::<CudaBackend>::bytes_per_token(t),
+            kv_cache: kv_tokens * llm_svc::PagedKv::<CudaBackend>::bytes_per_token(t, kv_dtype),
             kv_tokens,
             dequant_scratch,
         })
@@ -122,6 +127,7 @@ fn vision_params(v: &vision_svc::VisionConfig) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use llm_svc::KvCacheDtype::{Auto, Fp8};
 
     fn fixture(name: &str) -> std::path::PathBuf {
         vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), name)
@@ -132,7 +138,7 @@ mod tests {
     #[test]
     fn the_estimate_matches_the_loaded_model() {
         let dir = fixture("tiny-qwen3");
-        let f = Footprint::of(&dir, None, 1024).unwrap();
+        let f = Footprint::of(&dir, None, 1024, Auto).unwrap();
         let engine = llm_svc::Engine::load(
             &dir,
             &vlm_compute::Weights::open(&dir).unwrap(),
@@ -148,20 +154,29 @@ mod tests {
         assert_eq!((f.vision, f.dequant_scratch), (0, 0), "text-only, f16");
         // 2 layers x 2 KV heads x 32 dims x K and V x f16.
         assert_eq!(f.kv_cache, 1024 * 2 * 2 * 32 * 2 * 2);
+        // FP8: one byte an element, the rest the same.
+        let fp8 = Footprint::of(&dir, None, 1024, Fp8).unwrap();
+        assert_eq!(
+            fp8,
+            Footprint {
+                kv_cache: f.kv_cache / 2,
+                ..f
+            }
+        );
     }
 
     #[test]
     fn four_bits_take_about_a_quarter_and_the_format_comes_from_the_checkpoint() {
-        let f16 = Footprint::of(&fixture("tiny-qwen3"), None, 0).unwrap();
-        let w4 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int4), 0).unwrap();
-        let awq = Footprint::of(&fixture("tiny-qwen3-awq"), None, 0).unwrap();
+        let f16 = Footprint::of(&fixture("tiny-qwen3"), None, 0, Auto).unwrap();
+        let w4 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int4), 0, Auto).unwrap();
+        let awq = Footprint::of(&fixture("tiny-qwen3-awq"), None, 0, Auto).unwrap();
         assert_eq!(w4, awq, "AWQ is 4-bit");
         assert_eq!(w4.decoder_format, "4-bit");
         // Half a byte a value and 4 bytes a 128 of them, against f16's 2 bytes: 0.2656.
         let ratio = w4.decoder_matrices as f64 / f16.decoder_matrices as f64;
         assert!((ratio - 0.265625).abs() < 1e-9, "{ratio}");
         assert!(w4.dequant_scratch > 0);
-        let vl = Footprint::of(&fixture("tiny-qwen3-vl"), None, 0).unwrap();
+        let vl = Footprint::of(&fixture("tiny-qwen3-vl"), None, 0, Auto).unwrap();
         assert!(vl.vision > 0);
     }
 
@@ -169,10 +184,10 @@ mod tests {
     /// integers' bytes), for an FP8 checkpoint and for --quantize fp8 alike.
     #[test]
     fn fp8_is_counted_as_the_bytes_it_is_held_as() {
-        let w8 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int8), 0).unwrap();
+        let w8 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int8), 0, Auto).unwrap();
         for f in [
-            Footprint::of(&fixture("tiny-qwen3-ct-fp8-dynamic"), None, 0).unwrap(),
-            Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Fp8), 0).unwrap(),
+            Footprint::of(&fixture("tiny-qwen3-ct-fp8-dynamic"), None, 0, Auto).unwrap(),
+            Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Fp8), 0, Auto).unwrap(),
         ] {
             assert_eq!(f.decoder_matrices, w8.decoder_matrices);
             assert_eq!(f.decoder_format, "FP8 e4m3");

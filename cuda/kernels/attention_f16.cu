@@ -296,6 +296,66 @@ extern "C" __global__ void rope_qkv16_pack_f16(const half* __restrict__ qkv,
     rope_qkv_pack(qkv, cos_t, sin_t, q, 1.0f, RowsKvDst{kp, vp, dp}, heads, d, dp);
 }
 
+// Keys and values of one sequence in an FP8 paged cache (--kv-cache-dtype fp8, paged_f16.cu's
+// layout of e4m3 bytes): each row's bytes loaded (8 at a time when rows are DP bytes, else one
+// by one) and written to the f16 tiles as their e4m3 values, exactly (f8_pair, times 2^8: at
+// most 448); the caller folds the scales into q and the output. Loaded through registers, not
+// cp.async: the copy into the next tile's buffers waits for its loads before this tile's math.
+struct PagedF8Kv {
+    const unsigned char* __restrict__ k;
+    const unsigned char* __restrict__ v;
+    const unsigned* __restrict__ blocks;
+    unsigned off;
+    int block_size, hkv, d;
+
+    __device__ size_t row(int j, int kvh) const {
+        unsigned slot = blocks[off + j / block_size] * (unsigned)block_size + (unsigned)(j % block_size);
+        return ((size_t)slot * hkv + kvh) * d;
+    }
+
+    // Eight e4m3 bytes as eight halves (their values).
+    static __device__ __forceinline__ uint4 halves8(uint2 b) {
+        const __half2 unit = __float2half2_rn(256.0f);
+        unsigned h[4];
+        const unsigned w[2] = {b.x, b.y};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __half2 p = __hmul2(f8_pair(__byte_perm(w[i / 2], 0, i % 2 ? 0x3424 : 0x1404)), unit);
+            h[i] = *reinterpret_cast<unsigned*>(&p);
+        }
+        return make_uint4(h[0], h[1], h[2], h[3]);
+    }
+
+    template <int DP>
+    __device__ void stage(half* Ks, half* Vs, int kt, int kv_end, int kvh) const {
+        constexpr int R = FaShared<DP>::row;
+        if (d == DP) {
+            constexpr int V8 = DP / 8;
+#pragma unroll
+            for (int idx = threadIdx.x; idx < FA_BK * V8; idx += FA_WARPS * WARP) {
+                int r = idx / V8, c = (idx % V8) * 8, j = kt + r;
+                uint4 kh = make_uint4(0, 0, 0, 0), vh = kh;
+                if (j < kv_end) {
+                    size_t at = row(j, kvh) + c;
+                    kh = halves8(__ldg(reinterpret_cast<const uint2*>(k + at)));
+                    vh = halves8(__ldg(reinterpret_cast<const uint2*>(v + at)));
+                }
+                *reinterpret_cast<uint4*>(Ks + r * R + c) = kh;
+                *reinterpret_cast<uint4*>(Vs + r * R + c) = vh;
+            }
+            return;
+        }
+        const __half unit = __float2half_rn(256.0f);
+        for (int idx = threadIdx.x; idx < FA_BK * DP; idx += blockDim.x) {
+            int r = idx / DP, c = idx % DP, j = kt + r;
+            bool in = j < kv_end && c < d;
+            size_t at = in ? row(j, kvh) + c : 0;
+            Ks[r * R + c] = in ? __hmul(__low2half(f8_pair((unsigned)k[at] << 8)), unit) : __float2half_rn(0.0f);
+            Vs[r * R + c] = in ? __hmul(__low2half(f8_pair((unsigned)v[at] << 8)), unit) : __float2half_rn(0.0f);
+        }
+    }
+};
+
 // Keys and values of one sequence in the paged f16 cache (paged_f16.cu's layout): already
 // f16, copied 16 bytes at a time when rows are DP halves (other head dims: element by element).
 struct PagedF16Kv {
@@ -444,10 +504,12 @@ __device__ __forceinline__ void tile_softmax(float (&s)[NS * 4], int kt, const i
 
 // Queries q0.. (up to FaShared<DP, MT>::q_rows, of nq) of head blockIdx.y; `kvs` stages their
 // keys and values.
+// `scale` multiplies Q K^T (an FP8 cache's key scale folded in), `v_scale` the output (an FP8
+// cache's value scale; 1 otherwise).
 template <int DP, int MT, typename Kv>
 __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, float* __restrict__ out,
                                 int q0, int nq, int hq, int hkv, int d, int kv_len, int causal,
-                                int first_slot, float scale) {
+                                int first_slot, float scale, float v_scale = 1.0f) {
     constexpr int R = FaShared<DP>::row;
     constexpr int BQ = FaShared<DP, MT>::q_rows;
     constexpr int KD = DP / 16;      // k-steps of Q Kᵀ
@@ -589,7 +651,7 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
             int i = qi[mt][hrow];
             if (i >= nq) continue;
             // No key at all (kv_len 0): zeros.
-            float inv = l_run[mt][hrow] > 0.0f ? 1.0f / l_run[mt][hrow] : 0.0f;
+            float inv = l_run[mt][hrow] > 0.0f ? v_scale / l_run[mt][hrow] : 0.0f;
             float* dst = out + ((size_t)i * hq + h) * d;
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
@@ -627,6 +689,23 @@ __device__ void flash_attention(const float* __restrict__ q, const Kv& kvs, floa
                             kv_len - n, scale);                                                 \
     }
 
+// paged_flash_attention_f8_d{DP}: the same over an FP8 cache (PagedF8Kv), its keys' scale in
+// Q's and its values' in the output's.
+#define PAGED_FA_F8_KERNEL(DP)                                                                     \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * 32, 1) paged_flash_attention_f8_d##DP(   \
+        const float* __restrict__ q, const unsigned char* __restrict__ kc,                       \
+        const unsigned char* __restrict__ vc, const unsigned* __restrict__ seqs,                \
+        const unsigned* __restrict__ blocks, float* __restrict__ out, int seq0, int hq, int hkv, \
+        int d, int block_size, float scale, float k_scale, float v_scale) {                     \
+        const unsigned* m = seqs + 4 * (seq0 + blockIdx.z);                                     \
+        const int row0 = m[0], n = m[1], kv_len = m[2];                                         \
+        if ((int)(blockIdx.x * FaShared<DP>::q_rows) >= n) return;                              \
+        PagedF8Kv kvs{kc, vc, blocks, m[3], block_size, hkv, d};                                \
+        flash_attention<DP, 1>(q + (size_t)row0 * hq * d, kvs, out + (size_t)row0 * hq * d,     \
+                               blockIdx.x * FaShared<DP>::q_rows, n, hq, hkv, d, kv_len, 1,    \
+                               kv_len - n, scale * k_scale, v_scale);                          \
+    }
+
 FA_KERNEL(flash_attention_d64, 64, 1)
 FA_KERNEL(flash_attention_d80, 80, 1)
 FA_KERNEL(flash_attention_d96, 96, 1)
@@ -637,3 +716,7 @@ PAGED_FA_KERNEL(64)
 PAGED_FA_KERNEL(80)
 PAGED_FA_KERNEL(96)
 PAGED_FA_KERNEL(128)
+PAGED_FA_F8_KERNEL(64)
+PAGED_FA_F8_KERNEL(80)
+PAGED_FA_F8_KERNEL(96)
+PAGED_FA_F8_KERNEL(128)

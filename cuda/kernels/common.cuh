@@ -52,3 +52,14 @@ __device__ __forceinline__ float random_uniform(unsigned long long key, unsigned
     float u = (float)(z >> 40) * (1.0f / 16777216.0f);
     return __fmul_rn(__fsub_rn(__fmul_rn(2.0f, u), 1.0f), bound);  // no FMA: match the CPU
 }
+
+// Two e4m3fn bytes, in the high byte of each half of t, as f16 values times 2^-8, exactly: the
+// byte moved into an f16's bits (sign to the top, the other seven bits one place below the f16
+// exponent's top bit); e4m3's exponent bias is 7 and f16's 15, and f16 holds every e4m3 value,
+// subnormals included. FP8 weights (weights_f16.cu) and the FP8 KV cache (paged_f16.cu,
+// attention_f16.cu) read their bytes through it.
+#include <cuda_fp16.h>
+__device__ __forceinline__ __half2 f8_pair(unsigned t) {
+    const unsigned h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+    return *reinterpret_cast<const __half2*>(&h);
+}

@@ -1,14 +1,31 @@
-// The paged KV cache (f16) and the kernels of a batched engine step that read or write it, plus
-// the step's per-row gathers. CPU twins in cuda/src/cpu.rs: write_kv, paged_attention,
-// gather_rows.
+// The paged KV cache (f16, or FP8 e4m3) and the kernels of a batched engine step that read or
+// write it, plus the step's per-row gathers. CPU twins in cuda/src/cpu.rs: write_kv,
+// paged_attention, gather_rows.
 //
-// Cache layout, per layer: [slots, hkv, d] f16, slot = block * block_size + offset. A step's
+// Cache layout, per layer: [slots, hkv, d] f16, slot = block * block_size + offset.
+// With --kv-cache-dtype fp8 (cuda/src/kv.rs) the same layout holds e4m3fn bytes of x / scale, a
+// scale per layer's keys and per layer's values; each kernel has an _f8 twin (the same template
+// on F8Cache) that stores through the hardware's rounding (nearest even, saturating at ±448:
+// never NaN) and reads through f8_pair (common.cuh), the scales folded into q and the output. A step's
 // sequences are described by `seqs` ([num_seqs * 4] u32: first query row, query count n, keys
 // in the cache counting this step's (kv_len), offset of its block list in `blocks`); query i
 // of a sequence sits at position kv_len - n + i and sees keys 0..=that. Every index comes from
 // device memory, so a recorded step (CUDA graph) replays with new tokens, slots and tables.
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+// The two cache formats, as the templates below take them: the element type, how a value is
+// stored (f16: rounded to nearest; FP8: times inv = 1 / scale, which the host computes as the CPU
+// does, then rounded by cvt.rn.satfinite, the CPU's f32_to_e4m3), and how E elements are loaded
+// (RawHalves, RawF8 below).
+__device__ __forceinline__ unsigned char f8_store(float x, float inv) {
+    return (unsigned char)__nv_cvt_float_to_fp8(x * inv, __NV_SATFINITE, __NV_E4M3);
+}
+// One stored byte's value (before the scale): f8_pair's f16 times 2^8, exactly.
+__device__ __forceinline__ float f8_value(unsigned char b) {
+    return __low2float(f8_pair((unsigned)b << 8)) * 256.0f;
+}
 
 // PD_WARPS (warps per decode block), PD_KEYS (keys whose loads a decode warp keeps in flight)
 // and PD_MIN_CHUNK (fewest keys a decode split takes: fewer, and merging costs more than it
@@ -19,8 +36,8 @@ __device__ __forceinline__ unsigned key_slot(const unsigned* __restrict__ blocks
     return blocks[off + j / block_size] * (unsigned)block_size + (unsigned)(j % block_size);
 }
 
-// cache[slots[r], :] = rows[r, :] as f16. One block per row; width = hkv * d. A slot outside the
-// cache writes nothing (the host never sends one).
+// cache[slots[r], :] = rows[r, :] as f16 (write_kv_f8: as e4m3 bytes of rows * inv). One block
+// per row; width = hkv * d. A slot outside the cache writes nothing (the host never sends one).
 extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsigned* __restrict__ slots,
                                         const float* __restrict__ rows, int width,
                                         unsigned num_slots) {
@@ -40,6 +57,26 @@ extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsign
     }
 }
 
+extern "C" __global__ void write_kv_f8(unsigned char* __restrict__ cache,
+                                       const unsigned* __restrict__ slots,
+                                       const float* __restrict__ rows, int width,
+                                       unsigned num_slots, float inv) {
+    unsigned slot = slots[blockIdx.x];
+    if (slot >= num_slots) return;
+    const float* src = rows + (size_t)blockIdx.x * width;
+    unsigned char* dst = cache + (size_t)slot * width;
+    if (width % 4 == 0) {
+        for (int c = threadIdx.x * 4; c < width; c += blockDim.x * 4) {
+            float4 x = *reinterpret_cast<const float4*>(src + c);
+            *reinterpret_cast<unsigned*>(dst + c) =
+                (unsigned)f8_store(x.x, inv) | (unsigned)f8_store(x.y, inv) << 8 |
+                (unsigned)f8_store(x.z, inv) << 16 | (unsigned)f8_store(x.w, inv) << 24;
+        }
+    } else {
+        for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = f8_store(src[c], inv);
+    }
+}
+
 // QK_WARPS, the warps of a qkv_to_cache block, is #defined by the host (shared_defines).
 #define QK_MAX_DIM 256
 
@@ -50,16 +87,21 @@ extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsign
 // takes row r's heads y * QK_WARPS .. + QK_WARPS, one warp per head (a decode step has one
 // row per sequence: one block per row left most of the GPU idle while a warp did 12 heads
 // in turn). A head's normed values go through shared memory, since rotate-half pairs dims i
-// and i + d/2. A slot outside the cache writes nothing.
-extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
-                                            const float* __restrict__ q_norm,
-                                            const float* __restrict__ k_norm, float eps,
-                                            const float* __restrict__ cos_t,
-                                            const float* __restrict__ sin_t,
-                                            const unsigned* __restrict__ slots,
-                                            float* __restrict__ q_out, __half* __restrict__ k_cache,
-                                            __half* __restrict__ v_cache, int hq, int hkv, int d,
-                                            unsigned num_slots) {
+// and i + d/2. A slot outside the cache writes nothing. qkv_to_cache_f32 writes an f16 cache,
+// qkv_to_cache_f8 an FP8 one (k and v times k_inv and v_inv, then rounded to e4m3).
+struct F16Cache;
+struct F8Cache;
+template <typename C>
+__device__ __forceinline__ void qkv_to_cache(const float* __restrict__ qkv,
+                                             const float* __restrict__ q_norm,
+                                             const float* __restrict__ k_norm, float eps,
+                                             const float* __restrict__ cos_t,
+                                             const float* __restrict__ sin_t,
+                                             const unsigned* __restrict__ slots,
+                                             float* __restrict__ q_out,
+                                             typename C::T* __restrict__ k_cache,
+                                             typename C::T* __restrict__ v_cache, int hq, int hkv,
+                                             int d, unsigned num_slots, float k_inv, float v_inv) {
     constexpr int PER = QK_MAX_DIM / WARP;  // dims a lane holds: i = lane + u * WARP
     __shared__ float buf[QK_WARPS][QK_MAX_DIM];
     const int r = blockIdx.x, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -95,10 +137,10 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
         for (int u = 0; u < PER; ++u) xv[u] = lane + u * WARP < d ? x[lane + u * WARP] : 0.0f;
         if (h >= hq + hkv) {
             if (cached) {
-                __half* dst = v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * d;
+                typename C::T* dst = v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * d;
 #pragma unroll
                 for (int u = 0; u < PER; ++u)
-                    if (lane + u * WARP < d) dst[lane + u * WARP] = __float2half_rn(xv[u]);
+                    if (lane + u * WARP < d) dst[lane + u * WARP] = C::store(xv[u], v_inv);
             }
             continue;
         }
@@ -124,7 +166,7 @@ extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
             if (is_q) {
                 q_out[((size_t)r * hq + h) * d + i] = o;
             } else if (cached) {
-                k_cache[((size_t)slot * hkv + (h - hq)) * d + i] = __float2half_rn(o);
+                k_cache[((size_t)slot * hkv + (h - hq)) * d + i] = C::store(o, k_inv);
             }
         }
         __syncwarp();
@@ -168,6 +210,92 @@ struct RawHalves {
     }
 };
 
+// E consecutive e4m3 bytes (E = 2, 4, 8 or 16) as loaded: RawHalves' twin for an FP8 cache, half
+// the bytes in flight for the same keys.
+template <int E>
+struct RawF8 {
+    static_assert(E == 2 || E == 4 || E == 8 || E == 16, "2 to 16 bytes");
+    unsigned w[(E + 3) / 4];
+
+    __device__ __forceinline__ void load(const unsigned char* __restrict__ p) {
+        if constexpr (E == 16) {
+            uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+            w[0] = v.x;
+            w[1] = v.y;
+            w[2] = v.z;
+            w[3] = v.w;
+        } else if constexpr (E == 8) {
+            uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+            w[0] = v.x;
+            w[1] = v.y;
+        } else if constexpr (E == 4) {
+            w[0] = __ldg(reinterpret_cast<const unsigned*>(p));
+        } else {
+            w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+        }
+    }
+
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < (E + 3) / 4; ++i) w[i] = 0u;
+    }
+
+    // Bytes 2i and 2i + 1 as floats times 2^-8 (f8_pair's; the host's scale carries the 2^8):
+    // each byte moved into the high byte of a half.
+    __device__ __forceinline__ float2 pair(int i) const {
+        return __half22float2(f8_pair(__byte_perm(w[i / 2], 0, i % 2 ? 0x3424 : 0x1404)));
+    }
+};
+
+// The cache formats: element type, how a value is stored, E elements' loads, and what their
+// pair() values are to be multiplied by besides the cache's scale (RawF8's 2^-8 undone).
+struct F16Cache {
+    using T = __half;
+    static constexpr bool FP8 = false;
+    static constexpr float UNIT = 1.0f;
+    template <int E>
+    using Raw = RawHalves<E>;
+    static __device__ __forceinline__ __half store(float x, float) { return __float2half_rn(x); }
+    static __device__ __forceinline__ float value(__half x) { return __half2float(x); }
+};
+struct F8Cache {
+    using T = unsigned char;
+    static constexpr bool FP8 = true;
+    static constexpr float UNIT = 256.0f;
+    template <int E>
+    using Raw = RawF8<E>;
+    static __device__ __forceinline__ unsigned char store(float x, float inv) {
+        return f8_store(x, inv);
+    }
+    static __device__ __forceinline__ float value(unsigned char b) { return f8_value(b); }
+};
+
+extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
+                                            const float* __restrict__ q_norm,
+                                            const float* __restrict__ k_norm, float eps,
+                                            const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t,
+                                            const unsigned* __restrict__ slots,
+                                            float* __restrict__ q_out, __half* __restrict__ k_cache,
+                                            __half* __restrict__ v_cache, int hq, int hkv, int d,
+                                            unsigned num_slots) {
+    qkv_to_cache<F16Cache>(qkv, q_norm, k_norm, eps, cos_t, sin_t, slots, q_out, k_cache, v_cache,
+                           hq, hkv, d, num_slots, 1.0f, 1.0f);
+}
+extern "C" __global__ void qkv_to_cache_f8(const float* __restrict__ qkv,
+                                           const float* __restrict__ q_norm,
+                                           const float* __restrict__ k_norm, float eps,
+                                           const float* __restrict__ cos_t,
+                                           const float* __restrict__ sin_t,
+                                           const unsigned* __restrict__ slots,
+                                           float* __restrict__ q_out,
+                                           unsigned char* __restrict__ k_cache,
+                                           unsigned char* __restrict__ v_cache, int hq, int hkv,
+                                           int d, unsigned num_slots, float k_inv, float v_inv) {
+    qkv_to_cache<F8Cache>(qkv, q_norm, k_norm, eps, cos_t, sin_t, slots, q_out, k_cache, v_cache,
+                          hq, hkv, d, num_slots, k_inv, v_inv);
+}
+
 // Sum over the 16 lanes of a half-warp (each half gets its own total).
 __device__ __forceinline__ float half_warp_sum(float v) {
     for (int o = WARP / 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -195,13 +323,16 @@ __device__ __forceinline__ float half_warp_sum(float v) {
 // zero between launches: that block sets it back), merges the splits into out [rows, hq, D]. A
 // second kernel for the merge cost a launch per layer, longer than the merge itself at batch 1.
 // With one split (large batches), the block writes out itself: no partials, fence or counter.
-template <int D, int GP>
-__device__ void paged_decode(const float* __restrict__ q, const __half* __restrict__ kc,
-                             const __half* __restrict__ vc, const unsigned* __restrict__ seqs,
+// An FP8 cache (C = F8Cache) loads E bytes a lane instead of E halves; its keys' scale is folded
+// into q and its values' into the output (both linear), so the loop is the f16 one.
+template <int D, int GP, typename C>
+__device__ void paged_decode(const float* __restrict__ q, const typename C::T* __restrict__ kc,
+                             const typename C::T* __restrict__ vc, const unsigned* __restrict__ seqs,
                              const unsigned* __restrict__ blocks, float* __restrict__ part_o,
                              float* __restrict__ part_ml, unsigned* __restrict__ done,
                              float* __restrict__ out, int hq, int hkv, int block_size,
-                             float scale) {
+                             float scale, float k_scale, float v_scale) {
+    using Raw = typename C::template Raw<D / (WARP / 2)>;
     constexpr int H = WARP / 2;      // lanes per key
     constexpr int E = D / H;         // dims per lane
     constexpr int KH = PD_KEYS / 2;  // keys per half-warp per step
@@ -221,7 +352,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     const int shift = __ffs(block_size) - 1;
     // Issues the loads of the keys at j0 .. (this half-warp's KH of them) into kr, vr; keys past
     // the split are zeros (weight 0, and 0 * whatever the registers held could be NaN).
-    auto issue = [&](int j0, RawHalves<E> (&kr)[KH], RawHalves<E> (&vr)[KH]) {
+    auto issue = [&](int j0, Raw (&kr)[KH], Raw (&vr)[KH]) {
 #pragma unroll
         for (int u = 0; u < KH; ++u) {
             int j = j0 + 2 * u + half;
@@ -242,7 +373,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
     // batch-1 decode at 512 keys 6.058 / 6.081 -> 6.032 / 6.032 ms a token, at 4096 6.475 /
     // 6.503 -> 6.430 / 6.417, batch 64 9.471 / 9.469 -> 9.273 / 9.297 ms a step).
     const int step = PD_WARPS * PD_KEYS;
-    RawHalves<E> ka[KH], va[KH], kb[KH], vb[KH];
+    Raw ka[KH], va[KH], kb[KH], vb[KH];
     int j0 = begin + warp * PD_KEYS;
     // Under programmatic dependent launch this kernel starts while qkv_to_cache runs, which
     // writes q and each sequence's newest key (kv_len - 1): only a first group of older keys
@@ -263,10 +394,11 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
             qr[g][e] = g < G ? q[((size_t)row * hq + kvh * G + g) * D + hl * E + e] * scale *
                                    1.4426950408889634f
                              : 0.0f;
+            if constexpr (C::FP8) qr[g][e] *= k_scale * C::UNIT;
         }
     }
     // The online softmax over the keys at j0 .., from their loaded rows.
-    auto consume = [&](int j0, const RawHalves<E> (&kr)[KH], const RawHalves<E> (&vr)[KH]) {
+    auto consume = [&](int j0, const Raw (&kr)[KH], const Raw (&vr)[KH]) {
         // Keys and values converted where they are used, not held as floats: registers for
         // the next group's loads in flight instead.
 #pragma unroll
@@ -343,7 +475,8 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
                 sm_l[warp][g] = l[g];
             }
 #pragma unroll
-            for (int e = 0; e < E; ++e) sm_o[warp][g][hl * E + e] = acc[g][e];
+            for (int e = 0; e < E; ++e)
+                sm_o[warp][g][hl * E + e] = C::FP8 ? acc[g][e] * (v_scale * C::UNIT) : acc[g][e];
         }
     }
     __syncthreads();
@@ -448,6 +581,7 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
 #else
 #define PD_MINB_D128_G4 4
 #endif
+// paged_decode_f8_d{D}_g{GP}: the same over an FP8 cache, with its keys' and values' scales.
 #define PD_KERNEL(D, GP, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
         paged_decode_d##D##_g##GP(                                                                \
@@ -457,8 +591,19 @@ __device__ void paged_decode(const float* __restrict__ q, const __half* __restri
             float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
             int hq, int hkv, int block_size, float scale) {                                       \
         grid_launch_dependents(); /* the o projection's GEMV may stage its weights meanwhile */   \
-        paged_decode<D, GP>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, hkv,         \
-                            block_size, scale);                                                   \
+        paged_decode<D, GP, F16Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq,    \
+                                      hkv, block_size, scale, 1.0f, 1.0f);                        \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
+        paged_decode_f8_d##D##_g##GP(                                                             \
+            const float* __restrict__ q, const unsigned char* __restrict__ kc,                    \
+            const unsigned char* __restrict__ vc, const unsigned* __restrict__ seqs,              \
+            const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
+            float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
+            int hq, int hkv, int block_size, float scale, float k_scale, float v_scale) {         \
+        grid_launch_dependents();                                                                 \
+        paged_decode<D, GP, F8Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq,     \
+                                     hkv, block_size, scale, k_scale, v_scale);                   \
     }
 
 PD_KERNEL(32, 1, 4)
@@ -480,14 +625,14 @@ PD_KERNEL(256, 4, 2)
 // Any head dim up to 256, any number of queries: one warp per (sequence, query, head), online
 // softmax over the sequence's keys; lanes hold dims lane, lane + 32, ... Sequence seq0 + z of
 // the grid (x: query, y: head). What runs where the tensor-core and split-K kernels do not
-// (few queries of a prefill chunk, odd head dims).
-extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
-                                                    const __half* __restrict__ kc,
-                                                    const __half* __restrict__ vc,
-                                                    const unsigned* __restrict__ seqs,
-                                                    const unsigned* __restrict__ blocks,
-                                                    float* __restrict__ out, int seq0, int hq,
-                                                    int hkv, int d, int block_size, float scale) {
+// (few queries of a prefill chunk, odd head dims). paged_attention_rows_f8: the same over an
+// FP8 cache, its keys' scale folded into q and its values' into the output.
+template <typename C>
+__device__ __forceinline__ void paged_attention_rows(
+    const float* __restrict__ q, const typename C::T* __restrict__ kc,
+    const typename C::T* __restrict__ vc, const unsigned* __restrict__ seqs,
+    const unsigned* __restrict__ blocks, float* __restrict__ out, int seq0, int hq, int hkv, int d,
+    int block_size, float scale, float k_scale, float v_scale) {
     const int s = seq0 + blockIdx.z, i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     const unsigned row0 = seqs[4 * s], n = seqs[4 * s + 1], kv_len = seqs[4 * s + 2],
                    off = seqs[4 * s + 3];
@@ -501,6 +646,7 @@ extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
     for (int r = 0; r < 8; ++r) {
         int c = lane + r * WARP;
         qr[r] = (r < per && c < d) ? qv[c] * scale : 0.0f;
+        if constexpr (C::FP8) qr[r] *= k_scale;
         acc[r] = 0.0f;
     }
     float m = NEG_INF, denom = 0.0f;
@@ -510,7 +656,7 @@ extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
             int c = lane + r * WARP;
-            if (r < per && c < d) dot += qr[r] * __half2float(kc[at + c]);
+            if (r < per && c < d) dot += qr[r] * C::value(kc[at + c]);
         }
         float score = warp_sum(dot);
         float m_new = fmaxf(m, score);
@@ -519,7 +665,7 @@ extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
             int c = lane + r * WARP;
-            if (r < per && c < d) acc[r] = acc[r] * corr + p * __half2float(vc[at + c]);
+            if (r < per && c < d) acc[r] = acc[r] * corr + p * C::value(vc[at + c]);
         }
         m = m_new;
     }
@@ -527,8 +673,30 @@ extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
         int c = lane + r * WARP;
-        if (r < per && c < d) o[c] = acc[r] / denom;
+        if (r < per && c < d) o[c] = C::FP8 ? acc[r] / denom * v_scale : acc[r] / denom;
     }
+}
+
+extern "C" __global__ void paged_attention_rows_f16(const float* __restrict__ q,
+                                                    const __half* __restrict__ kc,
+                                                    const __half* __restrict__ vc,
+                                                    const unsigned* __restrict__ seqs,
+                                                    const unsigned* __restrict__ blocks,
+                                                    float* __restrict__ out, int seq0, int hq,
+                                                    int hkv, int d, int block_size, float scale) {
+    paged_attention_rows<F16Cache>(q, kc, vc, seqs, blocks, out, seq0, hq, hkv, d, block_size,
+                                   scale, 1.0f, 1.0f);
+}
+extern "C" __global__ void paged_attention_rows_f8(const float* __restrict__ q,
+                                                   const unsigned char* __restrict__ kc,
+                                                   const unsigned char* __restrict__ vc,
+                                                   const unsigned* __restrict__ seqs,
+                                                   const unsigned* __restrict__ blocks,
+                                                   float* __restrict__ out, int seq0, int hq,
+                                                   int hkv, int d, int block_size, float scale,
+                                                   float k_scale, float v_scale) {
+    paged_attention_rows<F8Cache>(q, kc, vc, seqs, blocks, out, seq0, hq, hkv, d, block_size,
+                                  scale, k_scale, v_scale);
 }
 
 // out[i, :] = x[rows[i], :]: the rows whose logits a step needs. One block per output row.

@@ -619,11 +619,7 @@ __device__ __forceinline__ uint4 load_stream16(const unsigned* __restrict__ p) {
 #define FMT_F8 9
 __host__ __device__ constexpr int fmt_bits(int fmt) { return fmt == FMT_F8 ? 8 : fmt; }
 
-// Two e4m3 bytes, in the high byte of each half of t, as f16 values times 2^-8.
-__device__ __forceinline__ __half2 f8_pair(unsigned t) {
-    const unsigned h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
-    return *reinterpret_cast<const __half2*>(&h);
-}
+// f8_pair (common.cuh) reads two e4m3 bytes as f16 values times 2^-8.
 
 // A group's (scale, zero) as floats: the halves of its slot, or FP8's f32 scale and zero 0.
 template <int FMT>

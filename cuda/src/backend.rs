@@ -7,7 +7,7 @@
 
 use crate::handoff::DeviceRows;
 use crate::patches::PatchLayout;
-use crate::{Embeddings, HostTensor, Result};
+use crate::{Embeddings, HostTensor, KvFormat, Result};
 
 /// The tensor `rows` holds, if it is one of `B`'s (rows handed over by another kind of
 /// backend, or a stale deposit, cannot be read here).
@@ -289,13 +289,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Steps read them from buffers that stay put, which is what lets a step be recorded once
     /// and replayed.
     type Ids: Send + Sync;
-    /// One layer's keys (or values) in the paged KV cache, `[slots, kv_heads, head_dim]`:
-    /// f32 on the CPU, f16 on the GPU (half the bytes that attention reads per token).
+    /// One layer's keys (or values) in the paged KV cache, `[slots, kv_heads, head_dim]`, in
+    /// the [`KvFormat`] it was made with: natively f32 on the CPU, f16 on the GPU (half the
+    /// bytes that attention reads per token); or FP8 e4m3 bytes and a scale on either.
     type Cache: Send + Sync;
 
     /// Bytes per element of a [`Backend::Weight`]: what decoding reads per parameter.
     const WEIGHT_BYTES: usize;
-    /// Bytes per element of a [`Backend::Cache`].
+    /// Bytes per element of a [`Backend::Cache`] of [`KvFormat::Native`] (an FP8 one takes 1).
     const CACHE_BYTES: usize;
 
     /// Short name for logs and errors ("cpu", "cuda").
@@ -424,9 +425,31 @@ pub trait Backend: Send + Sync + 'static {
     fn write_ids_at(&self, dst: &mut Self::Ids, at: usize, values: &[u32]) -> Result<()>;
     /// The first `n` ids of `ids`.
     fn download_ids(&self, ids: &Self::Ids, n: usize) -> Result<Vec<u32>>;
-    /// A zeroed cache for one layer's keys or values: `[slots, heads, dim]`.
-    fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<Self::Cache>;
-    /// A cache's contents as f32. Only the twin tests call it (`twin.rs`: the start-up
+    /// A zeroed cache for one layer's keys or values: `[slots, heads, dim]`, stored as `format`
+    /// says. A format [`Backend::check_kv_format`] refuses is an error.
+    fn zeros_cache(
+        &self,
+        slots: usize,
+        heads: usize,
+        dim: usize,
+        format: KvFormat,
+    ) -> Result<Self::Cache>;
+    /// Whether every op that writes or reads the cache ([`Backend::qkv_to_cache`],
+    /// [`Backend::write_kv`], [`Backend::paged_attention`]) can take caches of `format` with
+    /// `heads` heads of `dim`: the engine asks before it allocates, so that a format the
+    /// kernels lack is refused at start, not met at the first step. By default only the
+    /// native format.
+    fn check_kv_format(&self, format: KvFormat, heads: usize, dim: usize) -> Result<()> {
+        let _ = (heads, dim);
+        match format {
+            KvFormat::Native => Ok(()),
+            KvFormat::Fp8 { .. } => Err(crate::Error::KvCacheDtype {
+                dtype: "fp8",
+                problem: format!("the {} backend has no FP8 KV cache", self.name()),
+            }),
+        }
+    }
+    /// A cache's contents as f32 (an FP8 cache's bytes times its scale). Only the twin tests call it (`twin.rs`: the start-up
     /// self-check and `cuda/tests/cuda_twin.rs`), to compare the caches `write_kv` fills;
     /// kept for them.
     fn download_cache(&self, cache: &Self::Cache) -> Result<HostTensor>;

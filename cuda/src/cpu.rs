@@ -5,7 +5,8 @@
 use rayon::prelude::*;
 
 use crate::backend::{AttnMask, Backend, GeluKind, PagedBatch, QkvToCache, SampleIo};
-use crate::{Error, HostTensor, Result};
+use crate::kv::{CpuCache, KvData};
+use crate::{Error, HostTensor, KvFormat, Result};
 
 /// Rows per rayon task for cheap elementwise/row ops: below this, threading costs more than it saves.
 const MIN_ROWS_PER_TASK: usize = 16;
@@ -115,8 +116,8 @@ fn check_rows(
 
 /// One KV head's rows in a cache `[slots, heads, d]` (keys and values alike).
 struct KvRows<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+    k: KvData<'a>,
+    v: KvData<'a>,
     heads: usize,
     head: usize,
     d: usize,
@@ -132,15 +133,11 @@ fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let row = |slot: usize| {
-        let at = (slot * kv.heads + kv.head) * kv.d;
-        at..at + kv.d
-    };
+    let row = |slot: usize| (slot * kv.heads + kv.head) * kv.d;
     scores.clear();
     let mut max = f32::NEG_INFINITY;
     for slot in keys.clone() {
-        let k = &kv.k[row(slot)];
-        let s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        let s = kv.k.dot(row(slot), q) * scale;
         max = max.max(s);
         scores.push(s);
     }
@@ -151,11 +148,7 @@ fn attend(
     }
     out.fill(0.0);
     for (slot, p) in keys.zip(scores.iter()) {
-        let v = &kv.v[row(slot)];
-        let p = p / denom;
-        for (o, x) in out.iter_mut().zip(v) {
-            *o += p * x;
-        }
+        kv.v.add_scaled(row(slot), p / denom, out);
     }
 }
 
@@ -164,7 +157,7 @@ impl Backend for CpuBackend {
     type Weight = HostTensor;
     type Graph = ();
     type Ids = Vec<u32>;
-    type Cache = HostTensor;
+    type Cache = CpuCache;
     const WEIGHT_BYTES: usize = 4;
     const CACHE_BYTES: usize = 4;
 
@@ -216,12 +209,24 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<HostTensor> {
-        Ok(HostTensor::zeros(vec![slots, heads, dim]))
+    fn zeros_cache(
+        &self,
+        slots: usize,
+        heads: usize,
+        dim: usize,
+        format: KvFormat,
+    ) -> Result<CpuCache> {
+        CpuCache::zeros(slots, heads, dim, format)
     }
 
-    fn download_cache(&self, cache: &HostTensor) -> Result<HostTensor> {
-        Ok(cache.clone())
+    /// Every format on any shape: FP8 is stored as bytes and read back through
+    /// [`crate::kv::fp8_load`].
+    fn check_kv_format(&self, format: KvFormat, _heads: usize, _dim: usize) -> Result<()> {
+        format.check().map(|_| ())
+    }
+
+    fn download_cache(&self, cache: &CpuCache) -> Result<HostTensor> {
+        Ok(cache.to_host())
     }
 
     fn sample_rows(&self, logits: &HostTensor, io: SampleIo<'_, Self>) -> Result<()> {
@@ -450,18 +455,10 @@ impl Backend for CpuBackend {
         &self,
         qkv: &HostTensor,
         how: &QkvToCache<Self>,
-        k_cache: &mut HostTensor,
-        v_cache: &mut HostTensor,
+        k_cache: &mut CpuCache,
+        v_cache: &mut CpuCache,
     ) -> Result<HostTensor> {
-        let [_, hkv, d] = *k_cache.shape() else {
-            return Err(Error::shape(
-                "qkv_to_cache",
-                format!(
-                    "the cache must be [slots, heads, d], got {:?}",
-                    k_cache.shape()
-                ),
-            ));
-        };
+        let [_, hkv, d] = k_cache.shape();
         let hq = how.q_heads;
         let n = qkv.rows();
         if qkv.cols() != (hq + 2 * hkv) * d
@@ -576,7 +573,7 @@ impl Backend for CpuBackend {
         }
         let group = hq / hkv;
         let scale = 1.0 / (d as f32).sqrt();
-        let (kd, vd) = (k.data(), v.data());
+        let (kd, vd) = (KvData::F32(k.data()), KvData::F32(v.data()));
         let mut out = HostTensor::zeros(vec![nq, hq * d]);
         // One task per (query, head): each writes its own d-wide slice of the output.
         out.data_mut().par_chunks_mut(d).enumerate().for_each_init(
@@ -675,20 +672,35 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn write_kv(&self, cache: &mut HostTensor, slots: &Vec<u32>, rows: &HostTensor) -> Result<()> {
-        let limit = cache.shape().first().copied().unwrap_or(0);
+    fn write_kv(&self, cache: &mut CpuCache, slots: &Vec<u32>, rows: &HostTensor) -> Result<()> {
+        let [limit, heads, dim] = cache.shape();
+        let width = heads * dim;
+        if rows.len() != slots.len() * width {
+            return Err(Error::shape(
+                "write_kv",
+                format!(
+                    "{} rows {:?} into a cache of {:?}",
+                    slots.len(),
+                    rows.shape(),
+                    cache.shape()
+                ),
+            ));
+        }
         let rows_at = slots
             .iter()
             .map(|&s| index_value("write_kv", s, limit))
             .collect::<Result<Vec<_>>>()?;
-        self.scatter_rows(cache, &rows_at, rows)
+        for (i, slot) in rows_at.into_iter().enumerate() {
+            cache.set_slot(slot, &rows.data()[i * width..(i + 1) * width]);
+        }
+        Ok(())
     }
 
     fn paged_attention(
         &self,
         q: &HostTensor,
-        k: &HostTensor,
-        v: &HostTensor,
+        k: &CpuCache,
+        v: &CpuCache,
         batch: &PagedBatch<Self>,
     ) -> Result<HostTensor> {
         let [rows, hq, d] = *q.shape() else {
@@ -697,12 +709,7 @@ impl Backend for CpuBackend {
                 format!("q must be [rows, heads, d], got {:?}", q.shape()),
             ));
         };
-        let [slots, hkv, dk] = *k.shape() else {
-            return Err(Error::shape(
-                "paged_attention",
-                format!("the cache must be [slots, heads, d], got {:?}", k.shape()),
-            ));
-        };
+        let [slots, hkv, dk] = k.shape();
         let bs = batch.block_size;
         if v.shape() != k.shape() || dk != d || hkv == 0 || hq % hkv != 0 || bs == 0 {
             return Err(Error::shape(
@@ -937,10 +944,10 @@ mod tests {
     #[test]
     fn row_updates_write_kv_scatter_and_add() {
         let b = CpuBackend;
-        let mut cache = b.zeros_cache(3, 2, 1).unwrap();
+        let mut cache = b.zeros_cache(3, 2, 1, KvFormat::Native).unwrap();
         b.write_kv(&mut cache, &vec![2, 0], &t(&[2, 2], &[1., 2., 3., 4.]))
             .unwrap();
-        assert_eq!(cache.data(), &[3., 4., 0., 0., 1., 2.]);
+        assert_eq!(cache.to_host().data(), &[3., 4., 0., 0., 1., 2.]);
         assert!(b
             .write_kv(&mut cache, &vec![3], &t(&[1, 2], &[0.; 2]))
             .is_err());
@@ -955,13 +962,51 @@ mod tests {
         );
     }
 
+    /// An FP8 cache keeps e4m3 bytes of `x / scale` (nearest even, clamped at ±448) and reads
+    /// back their values times the scale; a scale that is no number is refused.
+    #[test]
+    fn an_fp8_cache_stores_rounded_saturated_bytes() {
+        let b = CpuBackend;
+        let mut cache = b
+            .zeros_cache(2, 1, 4, KvFormat::Fp8 { scale: 0.5 })
+            .unwrap();
+        let row = [1.0, 0.53, -300.0, 5.0];
+        b.write_kv(&mut cache, &vec![1], &t(&[1, 4], &row)).unwrap();
+        // 0.53 / 0.5 = 1.06 -> 1.0; -600 -> -448; 10 -> 10 (exact).
+        assert_eq!(
+            cache.to_host().data(),
+            &[0., 0., 0., 0., 1.0, 0.5, -224.0, 5.0]
+        );
+        assert_eq!(cache.format(), KvFormat::Fp8 { scale: 0.5 });
+        for bad in [0.0, f32::NAN] {
+            let err = b
+                .zeros_cache(2, 1, 4, KvFormat::Fp8 { scale: bad })
+                .unwrap_err();
+            assert!(matches!(err, Error::KvCacheDtype { .. }), "{err}");
+        }
+        assert!(b
+            .check_kv_format(KvFormat::Fp8 { scale: 1.0 }, 8, 128)
+            .is_ok());
+    }
+
     #[test]
     fn paged_attention_reads_each_sequence_through_its_block_list() {
+        // Every value is an e4m3 one (times the scale): FP8 caches give the same answer.
+        for format in [
+            KvFormat::Native,
+            KvFormat::Fp8 { scale: 1.0 },
+            KvFormat::Fp8 { scale: 0.5 },
+        ] {
+            paged_attention_through_block_lists(format);
+        }
+    }
+
+    fn paged_attention_through_block_lists(format: KvFormat) {
         let b = CpuBackend;
         // Blocks of 2 slots; 4 blocks. The decoding sequence owns block [0] (one key), the
         // other blocks [3, 1] (three keys). Values tell which keys were read.
-        let mut k = b.zeros_cache(8, 1, 1).unwrap();
-        let mut v = b.zeros_cache(8, 1, 1).unwrap();
+        let mut k = b.zeros_cache(8, 1, 1, format).unwrap();
+        let mut v = b.zeros_cache(8, 1, 1, format).unwrap();
         // Keys all equal: attention averages the visible values.
         b.write_kv(&mut k, &(0..8).collect(), &t(&[8, 1], &[0.; 8]))
             .unwrap();

@@ -51,6 +51,13 @@ pub enum Error {
     Quantized { name: String, problem: String },
     #[error("{op}: {message}")]
     Shape { op: &'static str, message: String },
+    /// A KV cache format (`--kv-cache-dtype`) the backend, its kernels or the model's shapes
+    /// do not support, or a scale that cannot be one.
+    #[error("--kv-cache-dtype {dtype}: {problem}")]
+    KvCacheDtype {
+        dtype: &'static str,
+        problem: String,
+    },
     /// The GPU, its driver or a CUDA library failed or is missing.
     #[error("CUDA: {what}")]
     Cuda { what: String },

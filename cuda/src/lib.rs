@@ -18,6 +18,8 @@
 //!   `--quantize` of an f16/bf16 one.
 //! - [`sampling`]: the rule that picks each sequence's next token (greedy or a seeded draw
 //!   after penalties, temperature, top-k, top-p and min-p), shared by the CPU and the GPU.
+//! - [`kv`]: how the paged KV cache stores keys and values (`--kv-cache-dtype`: the backend's
+//!   own width, or FP8 e4m3 with a scale).
 //! - [`files`]: reading the JSON files of a checkpoint directory with errors that name the file
 //!   and the key.
 
@@ -30,6 +32,7 @@ mod error;
 pub mod files;
 pub mod golden;
 pub mod handoff;
+pub mod kv;
 pub mod nn;
 pub mod npy;
 pub mod patches;
@@ -50,5 +53,6 @@ pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};
 pub use device::{Device, OnDevice, OnDevices, MAX_GPUS};
 pub use embeddings::{Embeddings, HalfTensor};
 pub use error::{Error, Result};
+pub use kv::{KvCacheDtype, KvFormat};
 pub use tensor::HostTensor;
 pub use weights::{WeightDtype, WeightPrefix, Weights};

@@ -13,7 +13,20 @@
 //! meet an f16 weight are f16-exact, so both sides multiply the same values.
 
 use crate::quant::{fp8, QuantMatrix, QuantizeTo};
-use crate::{AttnMask, Backend, CpuBackend, Error, GeluKind, HostTensor, Result};
+use crate::{AttnMask, Backend, CpuBackend, Error, GeluKind, HostTensor, KvFormat, Result};
+
+/// The FP8 caches' scale in the twin cases: not a power of two (so the scale is multiplied, not
+/// only shifted), and with the cases' values (mostly within ±20) well inside e4m3's range
+/// after dividing by it.
+pub const FP8_KV: KvFormat = KvFormat::Fp8 { scale: 0.05 };
+
+/// " fp8 (scale s)" for an FP8 cache, nothing for a native one.
+fn kv_name(kv: KvFormat) -> String {
+    match kv {
+        KvFormat::Native => String::new(),
+        KvFormat::Fp8 { scale } => format!(" fp8 (scale {scale})"),
+    }
+}
 
 /// A case's weight matrix `[m, k]` from `input(shape, key)`: f16-exact, or quantized `int`
 /// (both backends then hold the same values: the CPU's dequantized, the device's packed).
@@ -161,7 +174,8 @@ pub enum Case {
     /// An engine step's attention over the paged cache: sequences of `(queries, keys)`, the
     /// first `decode` of them with one query (the GPU's split-K decode kernel), the rest
     /// prefill chunks (flash attention from 16 queries, the per-row kernel below). Blocks are
-    /// handed out shuffled, as a long-running cache hands them out.
+    /// handed out shuffled, as a long-running cache hands them out. `kv`: how the caches store
+    /// (FP8: every kernel's `_f8` twin).
     PagedAttention {
         seqs: Vec<(usize, usize)>,
         decode: usize,
@@ -169,22 +183,25 @@ pub enum Case {
         kv_heads: usize,
         dim: usize,
         block_size: usize,
+        kv: KvFormat,
     },
     /// A fused q/k/v projection's rows normed (Qwen3; not `normed`: Qwen2), rotated and
-    /// written into the caches.
+    /// written into the caches (stored as `kv` says).
     QkvToCache {
         tokens: usize,
         q_heads: usize,
         kv_heads: usize,
         dim: usize,
         normed: bool,
+        kv: KvFormat,
     },
-    /// Rows written into a cache at scattered slots read from the device.
+    /// Rows written into a cache (stored as `kv` says) at scattered slots read from the device.
     WriteKv {
         slots: usize,
         heads: usize,
         dim: usize,
         rows: usize,
+        kv: KvFormat,
     },
     /// Greedy picks ([`Backend::sample_rows`] at temperature 0) over `rows` rows of `n`
     /// logits; `tie` puts the same largest value at two places of the last row.
@@ -468,24 +485,32 @@ impl Case {
                 kv_heads,
                 dim,
                 block_size,
+                kv,
             } => format!(
-                "paged_attention {seqs:?} ({decode} decoding) h{q_heads}/{kv_heads} d{dim} blocks of {block_size}"
+                "paged_attention {seqs:?} ({decode} decoding) h{q_heads}/{kv_heads} d{dim} blocks of {block_size}{}",
+                kv_name(*kv)
             ),
             Case::WriteKv {
                 slots,
                 heads,
                 dim,
                 rows,
-            } => format!("write_kv {rows} rows into [{slots},{heads},{dim}]"),
+                kv,
+            } => format!(
+                "write_kv {rows} rows into [{slots},{heads},{dim}]{}",
+                kv_name(*kv)
+            ),
             Case::QkvToCache {
                 tokens,
                 q_heads,
                 kv_heads,
                 dim,
                 normed,
+                kv,
             } => format!(
-                "qkv_to_cache {tokens} tokens h{q_heads}/{kv_heads} d{dim}{}",
-                if *normed { "" } else { " (no q/k norm)" }
+                "qkv_to_cache {tokens} tokens h{q_heads}/{kv_heads} d{dim}{}{}",
+                if *normed { "" } else { " (no q/k norm)" },
+                kv_name(*kv)
             ),
             Case::ArgmaxRows { rows, n, tie } => {
                 format!("argmax_rows {rows} x {n} (tie {tie:?})")
@@ -513,7 +538,8 @@ impl Case {
     /// The allowed difference relative to the largest |CPU output|, and why.
     pub fn tolerance(&self) -> f32 {
         match self {
-            // Exact on every backend: gathers, copies, comparisons, integer hashing.
+            // Exact on every backend: gathers, copies, comparisons, integer hashing; FP8 cache
+            // writes too (the same reciprocal scale, the same nearest-even rounding).
             Case::WriteKv { .. }
             | Case::ArgmaxRows { .. }
             | Case::SampleRows { .. }
@@ -613,7 +639,16 @@ impl Case {
                 }
             }
             // Normed, rotated keys rounded to f16 in the cache (2^-11 relative).
-            Case::QkvToCache { .. } => 1e-3,
+            Case::QkvToCache {
+                kv: KvFormat::Native,
+                ..
+            } => 1e-3,
+            // Rounded to e4m3: the two sides' f32 keys differ in their last bits (summation
+            // order of the norm, FMA in the rotation), and one that lies that close to a
+            // rounding boundary of e4m3 takes the neighbouring value, one e4m3 step away: 2^-3
+            // of it at most (steps are 2^-3 of the binade's low end). At the 8B model's sizes
+            // (a million keys a case) that happens.
+            Case::QkvToCache { .. } => 0.125,
             // The cache holds f16-exact keys and values on both sides; prefill chunks of 16
             // queries and more also round Q and the probabilities to f16 (flash attention).
             Case::PagedAttention { seqs, decode, .. } => {
@@ -756,21 +791,26 @@ impl Case {
                 kv_heads,
                 dim,
                 block_size,
-            } => return paged_attention(be, seqs, decode, [q_heads, kv_heads, dim], block_size),
+                kv,
+            } => {
+                return paged_attention(be, seqs, decode, [q_heads, kv_heads, dim], block_size, kv)
+            }
             Case::QkvToCache {
                 tokens,
                 q_heads,
                 kv_heads,
                 dim,
                 normed,
-            } => return qkv_to_cache(be, tokens, q_heads, kv_heads, dim, normed),
+                kv,
+            } => return qkv_to_cache(be, [tokens, q_heads, kv_heads, dim], normed, kv),
             Case::WriteKv {
                 slots,
                 heads,
                 dim,
                 rows,
+                kv,
             } => {
-                let mut cache = be.zeros_cache(slots, heads, dim)?;
+                let mut cache = be.zeros_cache(slots, heads, dim, kv)?;
                 // Scattered, distinct slots.
                 let at: Vec<u32> = (0..rows).map(|i| ((i * 7 + 3) % slots) as u32).collect();
                 let values = be.upload(&f16_exact(input(&[rows, heads, dim], 26)))?;
@@ -997,16 +1037,14 @@ fn swiglu_outlier<B: Backend>(be: &B, n: usize) -> Result<B::Tensor> {
 /// [`Case::QkvToCache`]: the queries, then both caches.
 fn qkv_to_cache<B: Backend>(
     be: &B,
-    tokens: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    dim: usize,
+    [tokens, q_heads, kv_heads, dim]: [usize; 4],
     normed: bool,
+    kv: KvFormat,
 ) -> Result<HostTensor> {
     let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
     let slots = tokens * 3 + 5;
-    let mut k = be.zeros_cache(slots, kv_heads, dim)?;
-    let mut v = be.zeros_cache(slots, kv_heads, dim)?;
+    let mut k = be.zeros_cache(slots, kv_heads, dim, kv)?;
+    let mut v = be.zeros_cache(slots, kv_heads, dim, kv)?;
     let at: Vec<u32> = (0..tokens).map(|i| ((i * 3 + 2) % slots) as u32).collect();
     let (q_norm, k_norm) = (up(&[dim], 43)?, up(&[dim], 44)?);
     let qk_norm = normed.then_some(crate::QkNorm {
@@ -1095,6 +1133,7 @@ fn paged_attention<B: Backend>(
     decode: usize,
     [q_heads, kv_heads, dim]: [usize; 3],
     block_size: usize,
+    kv: KvFormat,
 ) -> Result<HostTensor> {
     let blocks_each: Vec<usize> = seqs.iter().map(|&(_, k)| k.div_ceil(block_size)).collect();
     let total_blocks: usize = blocks_each.iter().sum::<usize>() + 3;
@@ -1108,8 +1147,8 @@ fn paged_attention<B: Backend>(
     }
     let all_slots: Vec<u32> = (0..slots as u32).collect();
     let slots_ids = be.upload_ids(&all_slots)?;
-    let mut k = be.zeros_cache(slots, kv_heads, dim)?;
-    let mut v = be.zeros_cache(slots, kv_heads, dim)?;
+    let mut k = be.zeros_cache(slots, kv_heads, dim, kv)?;
+    let mut v = be.zeros_cache(slots, kv_heads, dim, kv)?;
     let fill = |key| be.upload(&f16_exact(input(&[slots, kv_heads, dim], key)));
     be.write_kv(&mut k, &slots_ids, &fill(40)?)?;
     be.write_kv(&mut v, &slots_ids, &fill(41)?)?;
@@ -1147,7 +1186,7 @@ fn record_and_replay<B: Backend>(be: &B) -> Result<HostTensor> {
     let mut slots = be.upload_ids(&[0, 0])?;
     let mut seqs = be.upload_ids(&[0; 8])?;
     let mut blocks = be.upload_ids(&[0; 8])?;
-    let mut cache = be.zeros_cache(8 * bs, heads, dim)?;
+    let mut cache = be.zeros_cache(8 * bs, heads, dim, KvFormat::Native)?;
     let mut out = be.zeros(&[2, heads * dim])?;
     let greedy = [crate::sampling::RowParams::default(); 2];
     let mut picks = crate::sampling::SampleBuffers::new(be, heads * dim, &greedy, &[], &[], &[])?;
@@ -1603,7 +1642,8 @@ pub fn self_check_cases() -> Vec<Case> {
     // Paged attention: decode-only batches with long contexts (split-K with many splits, one
     // split, a key count off the block grid), mixed batches whose prefill chunks take flash
     // attention (16+ queries, every padded head dim) or the per-row kernel, GQA groups of
-    // 1, 2, 4 and 8, the 8B shapes (32/8 heads of 128), blocks of 16.
+    // 1, 2, 4 and 8, the 8B shapes (32/8 heads of 128), blocks of 16; each over f16 caches and
+    // over FP8 ones (every kernel's `_f8` twin), as are the cache writes below.
     for (seqs, decode, q_heads, kv_heads, dim, block_size) in [
         (vec![(1, 4096), (1, 600)], 2, 32, 8, 128, 16),
         (vec![(1, 1); 6], 6, 32, 8, 128, 16),
@@ -1618,50 +1658,62 @@ pub fn self_check_cases() -> Vec<Case> {
         (vec![(1, 90), (1, 5)], 2, 4, 4, 128, 16),
         (vec![(1, 150), (1, 7), (1, 66)], 3, 12, 4, 64, 16),
     ] {
-        cases.push(PagedAttention {
-            seqs,
-            decode,
-            q_heads,
-            kv_heads,
-            dim,
-            block_size,
-        });
+        for kv in [KvFormat::Native, FP8_KV] {
+            cases.push(PagedAttention {
+                seqs: seqs.clone(),
+                decode,
+                q_heads,
+                kv_heads,
+                dim,
+                block_size,
+                kv,
+            });
+        }
+    }
+    for kv in [KvFormat::Native, FP8_KV] {
+        cases.extend([
+            QkvToCache {
+                tokens: 3,
+                q_heads: 32,
+                kv_heads: 8,
+                dim: 128,
+                normed: true,
+                kv,
+            },
+            QkvToCache {
+                tokens: 5,
+                q_heads: 4,
+                kv_heads: 2,
+                dim: 40,
+                normed: true,
+                kv,
+            },
+            // Qwen2.5-7B's heads: 28 q, 4 kv, 128 wide, no q/k norm.
+            QkvToCache {
+                tokens: 3,
+                q_heads: 28,
+                kv_heads: 4,
+                dim: 128,
+                normed: false,
+                kv,
+            },
+            WriteKv {
+                slots: 600,
+                heads: 8,
+                dim: 128,
+                rows: 37,
+                kv,
+            },
+            WriteKv {
+                slots: 50,
+                heads: 3,
+                dim: 5,
+                rows: 7,
+                kv,
+            },
+        ]);
     }
     cases.extend([
-        QkvToCache {
-            tokens: 3,
-            q_heads: 32,
-            kv_heads: 8,
-            dim: 128,
-            normed: true,
-        },
-        QkvToCache {
-            tokens: 5,
-            q_heads: 4,
-            kv_heads: 2,
-            dim: 40,
-            normed: true,
-        },
-        // Qwen2.5-7B's heads: 28 q, 4 kv, 128 wide, no q/k norm.
-        QkvToCache {
-            tokens: 3,
-            q_heads: 28,
-            kv_heads: 4,
-            dim: 128,
-            normed: false,
-        },
-        WriteKv {
-            slots: 600,
-            heads: 8,
-            dim: 128,
-            rows: 37,
-        },
-        WriteKv {
-            slots: 50,
-            heads: 3,
-            dim: 5,
-            rows: 7,
-        },
         ArgmaxRows {
             rows: 1,
             n: 151_936,

@@ -9,7 +9,8 @@
 
 use vlm_compute::cuda::test_gpu;
 use vlm_compute::quant::QuantizeTo;
-use vlm_compute::twin::{compare, Case, IntOp};
+use vlm_compute::twin::{compare, Case, IntOp, FP8_KV};
+use vlm_compute::KvFormat;
 use vlm_compute::{AttnMask, Backend, CpuBackend, CudaBackend, GeluKind, HostTensor};
 
 /// Runs every case, prints each outcome, and fails naming all that are outside tolerance.
@@ -417,6 +418,7 @@ fn paged_kv_cache_at_real_sizes() {
             kv_heads,
             dim,
             block_size,
+            kv: KvFormat::Native,
         },
     );
     let writes =
@@ -425,6 +427,7 @@ fn paged_kv_cache_at_real_sizes() {
             heads,
             dim,
             rows,
+            kv: KvFormat::Native,
         });
     // The fused q/k/v step of the 8B model at a prefill chunk, the tiny fixture's sizes, and
     // Qwen2.5-7B's heads (no q/k norm) at a prefill chunk.
@@ -440,9 +443,26 @@ fn paged_kv_cache_at_real_sizes() {
             kv_heads,
             dim,
             normed,
+            kv: KvFormat::Native,
         },
     );
-    check_all(&g, paged.into_iter().chain(writes).chain(qkv));
+    // Each again over FP8 caches (`--kv-cache-dtype fp8`): every kernel's `_f8` twin.
+    let fp8 = paged
+        .iter()
+        .chain(&writes)
+        .chain(&qkv)
+        .cloned()
+        .map(|mut case| {
+            if let Case::PagedAttention { kv, .. }
+            | Case::WriteKv { kv, .. }
+            | Case::QkvToCache { kv, .. } = &mut case
+            {
+                *kv = FP8_KV;
+            }
+            case
+        })
+        .collect::<Vec<_>>();
+    check_all(&g, paged.into_iter().chain(writes).chain(qkv).chain(fp8));
     // Greedy picks on the device: the 8B vocabulary at batch 1 and 128, a tie (the first
     // wins), short rows; the rows a step's logits come from.
     check_all(
@@ -717,4 +737,22 @@ fn no_gpu_is_an_error_not_a_crash() {
             );
         }
     }
+}
+
+/// `--kv-cache-dtype fp8` where no kernel takes the model's head dim, or with a scale that is no
+/// number, is refused before anything is allocated, naming the flag.
+#[test]
+fn an_fp8_cache_no_kernel_takes_is_refused() {
+    let Some(g) = test_gpu() else { return };
+    for (format, dim) in [
+        (FP8_KV, 512),
+        (KvFormat::Fp8 { scale: f32::NAN }, 128),
+        (KvFormat::Fp8 { scale: 0.0 }, 128),
+    ] {
+        let err = g.check_kv_format(format, 8, dim).unwrap_err().to_string();
+        assert!(err.contains("--kv-cache-dtype fp8"), "{err}");
+        assert!(g.zeros_cache(16, 8, dim, format).is_err());
+    }
+    assert!(g.check_kv_format(FP8_KV, 8, 128).is_ok());
+    assert!(g.check_kv_format(KvFormat::Native, 8, 512).is_ok());
 }

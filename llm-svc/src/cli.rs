@@ -14,6 +14,17 @@ pub struct EngineArgs {
     /// Size the KV cache in tokens instead (any device; default on the CPU: 1 GiB).
     #[arg(long, env = "VLM_KV_CACHE_TOKENS")]
     pub kv_cache_tokens: Option<usize>,
+    /// How the KV cache stores keys and values: auto (f16 on a GPU, f32 on the CPU) or fp8
+    /// (e4m3, one byte an element: twice the tokens in the same memory), scaled by the
+    /// checkpoint's k_scale/v_scale where it has them, else by 1.0, and saturated at ±448 times
+    /// the scale. See docs/serving.md for the drift measured and where FP8 is unsafe.
+    #[arg(
+        long,
+        env = "VLM_KV_CACHE_DTYPE",
+        default_value = "auto",
+        value_name = "auto|fp8"
+    )]
+    pub kv_cache_dtype: vlm_compute::KvCacheDtype,
     /// Most sequences in one engine step.
     #[arg(long, env = "VLM_MAX_BATCH_SEQS", default_value_t = 128)]
     pub max_batch_seqs: usize,
@@ -48,6 +59,7 @@ impl EngineArgs {
         EngineConfig {
             max_context,
             kv_cache,
+            kv_cache_dtype: self.kv_cache_dtype,
             max_batch_seqs: self.max_batch_seqs,
             max_batch_tokens: self.max_batch_tokens,
             prefix_caching: !self.no_prefix_caching,

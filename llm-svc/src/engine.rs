@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use tracing::Span;
-use vlm_compute::{Backend, Weights};
+use vlm_compute::{Backend, KvCacheDtype, Weights};
 
 use crate::grammar::{Grammar, Grammars};
-use crate::kv_cache::{BlockPool, PagedKv, PrefixStats};
+use crate::kv_cache::{kv_formats, BlockPool, PagedKv, PrefixStats};
 use crate::kv_events::{KvEventPublisher, KvEventsConfig, PendingEvents};
 use crate::kv_sizing::{kv_blocks, CacheBudget, KvCacheSize};
 use crate::metrics::EngineMetrics;
@@ -47,6 +47,9 @@ pub struct EngineConfig {
     /// cap it too).
     pub max_context: Option<usize>,
     pub kv_cache: KvCacheSize,
+    /// How the cache stores keys and values: the backend's own width, or FP8 e4m3 (one byte an
+    /// element: twice f16's tokens in the same memory) with the checkpoint's scales or 1.0.
+    pub kv_cache_dtype: KvCacheDtype,
     /// Tokens per cache block.
     pub block_size: usize,
     /// Most sequences in one step.
@@ -65,6 +68,7 @@ impl Default for EngineConfig {
         Self {
             max_context: None,
             kv_cache: KvCacheSize::Auto,
+            kv_cache_dtype: KvCacheDtype::Auto,
             block_size: 16,
             max_batch_seqs: 128,
             max_batch_tokens: 512,
@@ -82,6 +86,7 @@ struct Shared {
     /// What the model's weights and the KV cache take on the backend.
     weight_bytes: usize,
     kv_bytes: usize,
+    kv_per_token: usize,
     metrics: EngineMetrics,
     next_id: AtomicU64,
     /// Compiles requests' constraints; or why this checkpoint's vocabulary cannot have them.
@@ -121,29 +126,43 @@ impl Engine {
                 cfg.block_size, cfg.max_batch_seqs, cfg.max_batch_tokens
             )));
         }
-        let model = TextModel::new(model_cfg.clone(), weights, backend)?;
         let text = &model_cfg.text;
+        // The cache's format first: a format the backend's kernels lack, or scales that are no
+        // scales, are refused before the weights are loaded.
+        let layers = weights
+            .pp(model_cfg.architecture.decoder_prefix())
+            .pp("layers");
+        let (formats, scales) = kv_formats(cfg.kv_cache_dtype, &layers, text)?;
+        for f in &formats {
+            for format in [f.k, f.v] {
+                backend.check_kv_format(format, text.num_key_value_heads, text.head_dim)?;
+            }
+        }
+        let model = TextModel::new(model_cfg.clone(), weights, backend)?;
         let model_max = cfg.max_context.map_or(text.max_position_embeddings, |m| {
             m.min(text.max_position_embeddings)
         });
         let budget = CacheBudget {
             kv_cache: cfg.kv_cache,
+            kv_cache_dtype: cfg.kv_cache_dtype,
             block_size: cfg.block_size,
             max_batch_seqs: cfg.max_batch_seqs,
             max_batch_tokens: cfg.max_batch_tokens,
         };
         let blocks = kv_blocks(model.backend(), &model_cfg, &budget, model_max)?;
         let bs = cfg.block_size;
-        let kv = PagedKv::new(model.backend(), text, blocks, bs)?;
+        let kv = PagedKv::new(model.backend(), text, blocks, bs, &formats)?;
         let kv_tokens = (blocks - 1) * bs;
         let max_context = model_max.min(kv_tokens);
-        let per_token = PagedKv::<B>::bytes_per_token(text);
+        let per_token = PagedKv::<B>::bytes_per_token(text, cfg.kv_cache_dtype);
         tracing::info!(
             blocks = blocks - 1,
             block_size = bs,
             tokens = kv_tokens,
             gib = (kv_tokens * per_token) as f64 / (1u64 << 30) as f64,
             kib_per_token = per_token / 1024,
+            dtype = %cfg.kv_cache_dtype,
+            scales = ?scales,
             max_context,
             max_batch_seqs = cfg.max_batch_seqs,
             max_batch_tokens = cfg.max_batch_tokens,
@@ -170,6 +189,7 @@ impl Engine {
             kv_tokens,
             weight_bytes: model.weight_bytes(),
             kv_bytes: blocks * bs * per_token,
+            kv_per_token: per_token,
             metrics,
             next_id: AtomicU64::new(0),
             grammars,
@@ -233,6 +253,11 @@ impl Engine {
     /// Bytes the KV cache takes on the backend (every block, the spare one included).
     pub fn kv_cache_bytes(&self) -> usize {
         self.shared.kv_bytes
+    }
+
+    /// Bytes one cached token takes: keys and values of every layer, as the cache stores them.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.shared.kv_per_token
     }
 
     /// The grammar compiler of this model's vocabulary, or why there is none.

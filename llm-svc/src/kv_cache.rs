@@ -2,8 +2,9 @@
 //! sequences as they grow, and shared between sequences that begin with the same tokens.
 //!
 //! - [`PagedKv`]: the device memory, one key and one value cache per layer, each
-//!   `[blocks * block_size, kv_heads, head_dim]` (f16 on a GPU). Slot `b * block_size + o` is
-//!   offset `o` of block `b`.
+//!   `[blocks * block_size, kv_heads, head_dim]` (f16 on a GPU; with `--kv-cache-dtype fp8`,
+//!   e4m3 bytes and a scale per layer's keys and values, [`kv_formats`]). Slot
+//!   `b * block_size + o` is offset `o` of block `b`.
 //! - [`BlockPool`]: which blocks are free, which are referenced (and by how many sequences),
 //!   and the prefix cache: a full block is keyed by a hash of the previous block's hash, its
 //!   token ids and the identity of any image among them (vLLM's automatic prefix caching), so
@@ -15,9 +16,10 @@
 
 use std::collections::HashMap;
 
-use vlm_compute::Backend;
+use vlm_compute::kv::DEFAULT_FP8_SCALE;
+use vlm_compute::{Backend, KvCacheDtype, KvFormat, WeightPrefix};
 
-use crate::{Result, TextConfig};
+use crate::{Error, Result, TextConfig};
 
 /// The block naming rule is shared with the gateway, which routes by it.
 pub use vlm_proto::prefix::{block_hash, BlockHash};
@@ -34,15 +36,28 @@ pub struct PagedKv<B: Backend> {
 }
 
 impl<B: Backend> PagedKv<B> {
-    /// Allocates `num_blocks` blocks of `block_size` slots for every layer (zeroed).
-    pub fn new(be: &B, cfg: &TextConfig, num_blocks: usize, block_size: usize) -> Result<Self> {
+    /// Allocates `num_blocks` blocks of `block_size` slots for every layer (zeroed), layer
+    /// `i`'s keys and values stored as `formats[i]` says ([`kv_formats`]).
+    pub fn new(
+        be: &B,
+        cfg: &TextConfig,
+        num_blocks: usize,
+        block_size: usize,
+        formats: &[LayerKvFormat],
+    ) -> Result<Self> {
         let slots = num_blocks * block_size;
         let (heads, dim) = (cfg.num_key_value_heads, cfg.head_dim);
-        let layer = || be.zeros_cache(slots, heads, dim);
+        if formats.len() != cfg.num_hidden_layers {
+            return Err(Error::Config(format!(
+                "{} KV cache formats for {} layers",
+                formats.len(),
+                cfg.num_hidden_layers
+            )));
+        }
         let (mut k, mut v) = (Vec::new(), Vec::new());
-        for _ in 0..cfg.num_hidden_layers {
-            k.push(layer()?);
-            v.push(layer()?);
+        for f in formats {
+            k.push(be.zeros_cache(slots, heads, dim, f.k)?);
+            v.push(be.zeros_cache(slots, heads, dim, f.v)?);
         }
         Ok(Self {
             k,
@@ -53,9 +68,157 @@ impl<B: Backend> PagedKv<B> {
     }
 
     /// Memory one cached token takes: keys and values of every layer, at the backend's
-    /// cache width (f16 on a GPU, f32 on the CPU).
-    pub fn bytes_per_token(cfg: &TextConfig) -> usize {
-        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * B::CACHE_BYTES
+    /// cache width (f16 on a GPU, f32 on the CPU) or one byte an element for an FP8 cache.
+    pub fn bytes_per_token(cfg: &TextConfig, dtype: KvCacheDtype) -> usize {
+        let element = match dtype {
+            KvCacheDtype::Auto => KvFormat::Native,
+            KvCacheDtype::Fp8 => KvFormat::Fp8 {
+                scale: DEFAULT_FP8_SCALE,
+            },
+        }
+        .element_bytes(B::CACHE_BYTES);
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element
+    }
+}
+
+/// How one layer's keys and values are stored.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerKvFormat {
+    pub k: KvFormat,
+    pub v: KvFormat,
+}
+
+/// Where an FP8 cache's scales came from, for the start-up log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleSource {
+    /// Not an FP8 cache.
+    None,
+    /// Every layer's `k_scale` and `v_scale` (or their other spellings) from the checkpoint.
+    Checkpoint,
+    /// [`DEFAULT_FP8_SCALE`] for every layer (the checkpoint has none).
+    Default,
+}
+
+/// The names a checkpoint's per-layer KV cache scale goes by, under `self_attn.`, keys first
+/// and values second, as vLLM reads them (`maybe_remap_kv_scale_name`): its own and
+/// llm-compressor's current `k_scale`, ModelOpt's `k_proj.k_scale`, compressed-tensors' older
+/// `k_proj.output_scale`, and the deprecated `kv_scale` for both.
+const SCALE_NAMES: [(&str, &str); 4] = [
+    ("k_scale", "v_scale"),
+    ("k_proj.k_scale", "v_proj.v_scale"),
+    ("k_proj.output_scale", "v_proj.output_scale"),
+    ("kv_scale", "kv_scale"),
+];
+
+/// The scale stored under `name` in `attn` (a layer's `self_attn`), if there is one: a scalar,
+/// `[1]`, or one per KV head (`[kv_heads]`), of which the largest is taken (a larger scale
+/// never saturates where a smaller one would not; the heads with smaller ones lose a little
+/// precision). A scale that is no positive finite number is an error naming the tensor.
+fn stored_scale(attn: &WeightPrefix, name: &str, kv_heads: usize) -> Result<Option<f32>> {
+    // Random weights have no stored tensors (and `contains` is true for any name there).
+    let Ok(shape) = attn.shape_of(name) else {
+        return Ok(None);
+    };
+    let n: usize = shape.iter().product();
+    if shape.len() > 1 || !(n == 1 || n == kv_heads) {
+        return Err(Error::Config(format!(
+            "--kv-cache-dtype fp8: `{}` has shape {shape:?}; a KV cache scale is a scalar, [1] or one per KV head ([{kv_heads}])",
+            attn.name(name)
+        )));
+    }
+    let values = attn.get(name, &shape)?;
+    let scale = values.data().iter().copied().fold(f32::NAN, f32::max);
+    let format = KvFormat::Fp8 { scale };
+    if format.check().is_err() || values.data().iter().any(|v| !v.is_finite()) {
+        return Err(Error::Config(format!(
+            "--kv-cache-dtype fp8: `{}` holds {:?}; a KV cache scale must be a positive finite number",
+            attn.name(name),
+            values.data()
+        )));
+    }
+    Ok(Some(scale))
+}
+
+/// Logs the layers whose keys can leave e4m3's range at their scale. With a per-head RMSNorm
+/// (Qwen3's `k_norm`) a key element is at most `sqrt(head_dim) * max|k_norm.weight|` (the normed
+/// head has RMS 1 before the weight, and RoPE turns pairs without lengthening them), so the
+/// bound is known at load; past `448 * scale` such keys are clamped (never NaN). Values, and
+/// keys without a norm (Qwen2), have no such bound: docs/serving.md says where that matters.
+fn warn_of_saturating_keys(layers: &WeightPrefix, cfg: &TextConfig, stored: &[Option<(f32, f32)>]) {
+    if !cfg.qk_norm {
+        return;
+    }
+    let limit = vlm_compute::quant::fp8::E4M3_MAX;
+    for (i, scales) in stored.iter().enumerate() {
+        let name = "self_attn.k_norm.weight";
+        let Ok(w) = layers.pp(i).get(name, &[cfg.head_dim]) else {
+            continue;
+        };
+        let bound =
+            (cfg.head_dim as f32).sqrt() * w.data().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let scale = scales.map_or(DEFAULT_FP8_SCALE, |(k, _)| k);
+        if bound > limit * scale {
+            tracing::warn!(
+                layer = i,
+                key_bound = bound,
+                scale,
+                "--kv-cache-dtype fp8: this layer's keys can reach {bound:.0}, past e4m3's {:.0} at its scale; such keys are clamped",
+                limit * scale
+            );
+        }
+    }
+}
+
+/// How every layer's keys and values are stored for `dtype`: natively, or (FP8) e4m3 with the
+/// checkpoint's per-layer scales where it has them for every layer ([`SCALE_NAMES`]), else
+/// [`DEFAULT_FP8_SCALE`] throughout (a checkpoint with scales for some layers only is an
+/// error: it is damaged or of a layout this does not know).
+pub fn kv_formats(
+    dtype: KvCacheDtype,
+    layers: &WeightPrefix,
+    cfg: &TextConfig,
+) -> Result<(Vec<LayerKvFormat>, ScaleSource)> {
+    let native = LayerKvFormat {
+        k: KvFormat::Native,
+        v: KvFormat::Native,
+    };
+    if dtype == KvCacheDtype::Auto {
+        return Ok((vec![native; cfg.num_hidden_layers], ScaleSource::None));
+    }
+    let mut stored = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
+        let attn = layers.pp(i).pp("self_attn");
+        let mut found = None;
+        for (k, v) in SCALE_NAMES {
+            let pair = (
+                stored_scale(&attn, k, cfg.num_key_value_heads)?,
+                stored_scale(&attn, v, cfg.num_key_value_heads)?,
+            );
+            if let (Some(k), Some(v)) = pair {
+                found = Some((k, v));
+                break;
+            }
+        }
+        stored.push(found);
+    }
+    warn_of_saturating_keys(layers, cfg, &stored);
+    let fp8 = |k, v| LayerKvFormat {
+        k: KvFormat::Fp8 { scale: k },
+        v: KvFormat::Fp8 { scale: v },
+    };
+    match stored.iter().position(Option::is_none) {
+        None => Ok((
+            stored.into_iter().flatten().map(|(k, v)| fp8(k, v)).collect(),
+            ScaleSource::Checkpoint,
+        )),
+        Some(_) if stored.iter().all(Option::is_none) => Ok((
+            vec![fp8(DEFAULT_FP8_SCALE, DEFAULT_FP8_SCALE); cfg.num_hidden_layers],
+            ScaleSource::Default,
+        )),
+        Some(missing) => Err(Error::Config(format!(
+            "--kv-cache-dtype fp8: the checkpoint has KV cache scales for some layers but none for layer {missing} (`{}`)",
+            layers.pp(missing).pp("self_attn").name("k_scale")
+        ))),
     }
 }
 

@@ -25,6 +25,7 @@ pub enum KvCacheSize {
 /// What the cache's size depends on, of the engine's configuration.
 pub(crate) struct CacheBudget {
     pub kv_cache: KvCacheSize,
+    pub kv_cache_dtype: vlm_compute::KvCacheDtype,
     /// Tokens per block.
     pub block_size: usize,
     /// Most sequences and tokens in one step (what a step's activations and logits take).
@@ -40,7 +41,7 @@ pub(crate) fn kv_blocks<B: Backend>(
     max_context: usize,
 ) -> Result<usize> {
     let text = &cfg.text;
-    let per_token = PagedKv::<B>::bytes_per_token(text);
+    let per_token = PagedKv::<B>::bytes_per_token(text, ec.kv_cache_dtype);
     let bs = ec.block_size;
     // Never more than every sequence of a full batch at full length needs.
     let most = ec.max_batch_seqs.saturating_mul(max_context);
@@ -103,4 +104,33 @@ fn device_tokens(
         )));
     }
     Ok(left / per_token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vlm_compute::{CudaBackend, KvCacheDtype};
+
+    /// On an 80 GB GPU with 17 GB in use (8B weights), the same fraction holds twice the
+    /// tokens in an FP8 cache as in an f16 one: one byte an element instead of two.
+    #[test]
+    fn an_fp8_cache_fits_twice_the_tokens() {
+        let dir = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3");
+        let text = ModelConfig::from_dir(&dir).unwrap().text;
+        let ec = CacheBudget {
+            kv_cache: KvCacheSize::DeviceFraction(0.9),
+            kv_cache_dtype: KvCacheDtype::Auto,
+            block_size: 16,
+            max_batch_seqs: 128,
+            max_batch_tokens: 512,
+        };
+        let gb = 1usize << 30;
+        let mem = (63 * gb, 80 * gb);
+        let tokens = |dtype| {
+            let per = PagedKv::<CudaBackend>::bytes_per_token(&text, dtype);
+            device_tokens(&text, &ec, per, 0.9, mem).unwrap()
+        };
+        let (f16, fp8) = (tokens(KvCacheDtype::Auto), tokens(KvCacheDtype::Fp8));
+        assert!(fp8 == 2 * f16 || fp8 == 2 * f16 + 1, "{f16} vs {fp8}");
+    }
 }

@@ -51,3 +51,4 @@ pub use request::{
     Event, FinishReason, GenerateRequest, Generation, ImageInput, RequestStream, TokenEvent,
 };
 pub use sampler::{SamplerRow, SamplingParams, TokenLogprob, MAX_LOGIT_BIAS};
+pub use vlm_compute::KvCacheDtype;

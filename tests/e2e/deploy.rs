@@ -438,7 +438,10 @@ fn kubernetes_manifests_match_the_binaries() {
 #[test]
 fn jetson_env_states_the_kv_cache_llm_svc_allocates_at_8b() {
     let cfg = llm_svc::ModelConfig::from_dir(&deploy().join("models/qwen3-vl-8b")).unwrap();
-    let kib = llm_svc::PagedKv::<vlm_compute::CudaBackend>::bytes_per_token(&cfg.text) / 1024;
+    let kib = llm_svc::PagedKv::<vlm_compute::CudaBackend>::bytes_per_token(
+        &cfg.text,
+        llm_svc::KvCacheDtype::Auto,
+    ) / 1024;
     let knobs = std::fs::read_to_string(deploy().join("jetson.env")).unwrap();
     let stated = format!("KV cache {kib} KiB per token");
     assert!(

@@ -23,14 +23,17 @@ use super::kernels::{
     DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
     FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
     FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
-    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS, PAGED_FLASH_KERNELS, QKV_WARPS,
-    ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16, ROPE_PACK_F32, ROW_THREADS,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS, PAGED_FLASH_F8_KERNELS,
+    PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16, ROPE_PACK_F32,
+    ROW_THREADS,
 };
 use super::launch::arg;
 use super::lt::{Epilogue, LtOut, LtShape};
 use super::{CudaBackend, CudaCache, CudaIds, CudaTensor};
 use crate::backend::{layer_norm_rope_attention_op_by_op, rope_attention_segments_op_by_op};
-use crate::{AttentionWeights, AttnMask, Error, LayerNormParams, PagedBatch, QkvToCache, Result};
+use crate::{
+    AttentionWeights, AttnMask, Error, KvFormat, LayerNormParams, PagedBatch, QkvToCache, Result,
+};
 
 /// One flash attention launch's sizes (`CudaBackend::flash_packed`).
 #[derive(Clone, Copy)]
@@ -73,6 +76,30 @@ struct PagedArgs<'a> {
 }
 
 impl CudaBackend {
+    /// Every kernel that writes or reads the paged cache has an FP8 twin (`write_kv_f8`,
+    /// `qkv_to_cache_f8`, `paged_decode_f8_*`, `paged_attention_rows_f8`,
+    /// `paged_flash_attention_f8_*`) for the head dims the f16 ones take (up to 256): FP8 is
+    /// refused only for a scale that is no number, or a head dim no kernel takes.
+    pub(super) fn check_kv_format_impl(
+        &self,
+        format: KvFormat,
+        _heads: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let KvFormat::Fp8 { .. } = format.check()? else {
+            return Ok(());
+        };
+        if dim > MAX_HEAD_DIM || dim % 2 != 0 {
+            return Err(Error::KvCacheDtype {
+                dtype: "fp8",
+                problem: format!(
+                    "the CUDA kernels take head dims up to {MAX_HEAD_DIM} (even), this model's is {dim}"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     pub(super) fn qkv_to_cache_impl(
         &self,
         qkv: &CudaTensor,
@@ -85,6 +112,7 @@ impl CudaBackend {
         if qkv.cols() != (hq + 2 * hkv) * d
             || how.slots.len != n
             || v_cache.shape != k_cache.shape
+            || v_cache.fp8() != k_cache.fp8()
             || d > 256
             || d % 2 != 0
             || how.cos.shape != [n, d]
@@ -106,8 +134,14 @@ impl CudaBackend {
         if n == 0 {
             return Ok(q);
         }
-        let name = "qkv_to_cache_f32";
+        let fp8 = k_cache.fp8();
+        let name = if fp8 {
+            "qkv_to_cache_f8"
+        } else {
+            "qkv_to_cache_f32"
+        };
         let (hq_i, hkv_i, d_i, ns) = (hq as i32, hkv as i32, d as i32, slots as u32);
+        let (k_inv, v_inv) = (k_cache.format.inv_scale(), v_cache.format.inv_scale());
         {
             let stream = &self.inner.stream;
             let (qkv_p, _qkv) = qkv.buf.device_ptr(stream);
@@ -125,7 +159,7 @@ impl CudaBackend {
             let (q_p, _q) = q.buf.device_ptr(stream);
             let (kc_p, _kc) = k_cache.buf.device_ptr_mut(stream);
             let (vc_p, _vc) = v_cache.buf.device_ptr_mut(stream);
-            let mut args = [
+            let mut args = vec![
                 arg(&qkv_p),
                 arg(&qn_p),
                 arg(&kn_p),
@@ -141,15 +175,20 @@ impl CudaBackend {
                 arg(&d_i),
                 arg(&ns),
             ];
+            if fp8 {
+                args.extend([arg(&k_inv), arg(&v_inv)]);
+            }
             let heads = (hq + 2 * hkv) as u32;
             let cfg = LaunchConfig {
                 grid_dim: (n as u32, heads.div_ceil(QKV_WARPS), 1),
                 block_dim: (QKV_WARPS * 32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the arguments are qkv_to_cache_f32's, in its order (QK_WARPS warps, head
-            // dims up to QK_MAX_DIM); shapes checked; the kernel checks every slot against the
-            // cache, and reads what the kernel before it writes only after its grid_wait.
+            // SAFETY: the arguments are qkv_to_cache_f32's (f16 caches) or qkv_to_cache_f8's
+            // (FP8 caches, then their reciprocal scales), in their order (QK_WARPS warps, head
+            // dims up to QK_MAX_DIM); shapes checked, both caches of one format; the kernel
+            // checks every slot against the cache, and reads what the kernel before it writes
+            // only after its grid_wait.
             let launched =
                 unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
             self.launched(name, launched)?;
@@ -698,14 +737,20 @@ impl CudaBackend {
             return Ok(());
         }
         let (w, ns) = (width as i32, num_slots as u32);
-        let name = "write_kv_f16";
+        let fp8 = cache.fp8();
+        let inv = cache.format.inv_scale();
+        let name = if fp8 { "write_kv_f8" } else { "write_kv_f16" };
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&mut cache.buf)
             .arg(&slots.buf)
             .arg(&*rows.buf)
             .arg(&w)
             .arg(&ns);
-        // SAFETY: matches write_kv_f16, one block per row; the kernel checks every slot.
+        if fp8 {
+            l.arg(&inv);
+        }
+        // SAFETY: matches write_kv_f16 (an f16 cache) or write_kv_f8 (an FP8 cache, then its
+        // reciprocal scale), one block per row; the kernel checks every slot.
         self.launched(
             name,
             unsafe { l.launch(Self::row_config(slots.len)) }.map(|_| ()),
@@ -727,6 +772,7 @@ impl CudaBackend {
         };
         let [_, hkv, dk] = k.shape;
         if v.shape != k.shape
+            || v.fp8() != k.fp8()
             || dk != d
             || hkv == 0
             || hq % hkv != 0
@@ -748,7 +794,7 @@ impl CudaBackend {
         // decoding sequences only, one row each, writes every row: no memset then.
         let every_row_decodes = batch.decode_seqs == batch.num_seqs
             && rows == batch.num_seqs
-            && decode_kernel(d, group).is_some();
+            && decode_kernel(d, group, k.fp8()).is_some();
         let mut out = if every_row_decodes {
             self.alloc(vec![rows, hq * d])?
         } else {
@@ -765,7 +811,7 @@ impl CudaBackend {
         };
         let mut first_rest = 0;
         // Decoding sequences: split-K over their keys, every KV row read once per head group.
-        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group)) {
+        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group, k.fp8())) {
             self.paged_decode(&a, name, &out)?;
             first_rest = batch.decode_seqs;
         }
@@ -817,7 +863,8 @@ impl CudaBackend {
         // Written by the kernel, which leaves them at 0 again (Inner::counters).
         let (done_p, _done) = self.inner.counters.device_ptr(stream);
         let (out_p, _out) = out.buf.device_ptr(stream);
-        let mut args = [
+        let (k_scale, v_scale) = (k.format.scale(), v.format.scale());
+        let mut args = vec![
             arg(&q_p),
             arg(&k_p),
             arg(&v_p),
@@ -832,13 +879,16 @@ impl CudaBackend {
             arg(&bs_i),
             arg(&scale),
         ];
+        if k.fp8() {
+            args.extend([arg(&k_scale), arg(&v_scale)]);
+        }
         let cfg = LaunchConfig {
             grid_dim: (nd as u32, hkv as u32, splits as u32),
             block_dim: (DECODE_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments are paged_decode_d{d}_g{gp}'s, in its order: d is the
-        // instantiated head dim, the group fits gp, the partials hold nd * hq * splits rows,
+        // SAFETY: the arguments are paged_decode_d{d}_g{gp}'s (or paged_decode_f8_d{d}_g{gp}'s,
+        // over FP8 caches, then the caches' scales), in its order: d is the instantiated head dim, the group fits gp, the partials hold nd * hq * splits rows,
         // the counters nd * hkv; before its grid_wait the kernel reads only the step's
         // tables and keys older than the step's.
         let launched =
@@ -866,9 +916,14 @@ impl CudaBackend {
         // Prefill chunks: flash attention on tensor cores from 16 queries, else one warp per
         // (query, head). Both take the same arguments.
         let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
+        let fp8 = k.fp8();
         let (name, cfg) = match flash_dim {
             Some(at) if self.inner.flash && batch.max_queries >= FLASH_MIN_QUERIES => (
-                PAGED_FLASH_KERNELS[at],
+                if fp8 {
+                    PAGED_FLASH_F8_KERNELS[at]
+                } else {
+                    PAGED_FLASH_KERNELS[at]
+                },
                 LaunchConfig {
                     grid_dim: (
                         batch.max_queries.div_ceil(FLASH_QUERIES) as u32,
@@ -880,7 +935,11 @@ impl CudaBackend {
                 },
             ),
             _ => (
-                "paged_attention_rows_f16",
+                if fp8 {
+                    "paged_attention_rows_f8"
+                } else {
+                    "paged_attention_rows_f16"
+                },
                 LaunchConfig {
                     grid_dim: (batch.max_queries.max(1) as u32, hq as u32, rest as u32),
                     block_dim: (32, 1, 1),
@@ -901,10 +960,15 @@ impl CudaBackend {
             .arg(&d_i)
             .arg(&bs_i)
             .arg(&scale);
+        let (k_scale, v_scale) = (k.format.scale(), v.format.scale());
+        if fp8 {
+            l.arg(&k_scale).arg(&v_scale);
+        }
         // SAFETY: matches paged_flash_attention_d{dp} (64 queries of one head of one sequence
         // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
         // opted in at load) or paged_attention_rows_f16 (one warp per query, head and
-        // sequence; d <= MAX_HEAD_DIM).
+        // sequence; d <= MAX_HEAD_DIM); over FP8 caches their _f8 twins, which take the
+        // caches' scales after the same arguments.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 }

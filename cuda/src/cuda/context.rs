@@ -13,7 +13,7 @@ use super::error::cuda_err;
 use super::kernels::{
     flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, DEFAULT_SMEM, FLASH_DIMS,
     FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
-    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_KERNELS, SOURCES,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_F8_KERNELS, PAGED_FLASH_KERNELS, SOURCES,
 };
 use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS};
 use super::tensor::IntFormat;
@@ -428,7 +428,8 @@ fn opt_in_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
     FLASH_KERNELS
         .iter()
         .chain(&PAGED_FLASH_KERNELS)
-        .zip(FLASH_DIMS.iter().chain(&FLASH_DIMS))
+        .chain(&PAGED_FLASH_F8_KERNELS)
+        .zip(FLASH_DIMS.iter().chain(&FLASH_DIMS).chain(&FLASH_DIMS))
         .map(|(k, &dp)| (k, flash_smem_bytes(dp, FLASH_QUERIES)))
         .chain(
             FLASH_WIDE_KERNELS

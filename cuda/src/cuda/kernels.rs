@@ -77,26 +77,14 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         source: kernel_file!("paged_f16.cu").1,
         kernels: &[
             "write_kv_f16",
-            "paged_decode_d32_g1",
-            "paged_decode_d32_g2",
-            "paged_decode_d32_g4",
-            "paged_decode_d32_g8",
-            "paged_decode_d64_g1",
-            "paged_decode_d64_g2",
-            "paged_decode_d64_g4",
-            "paged_decode_d64_g8",
-            "paged_decode_d128_g1",
-            "paged_decode_d128_g2",
-            "paged_decode_d128_g4",
-            "paged_decode_d128_g8",
-            "paged_decode_d256_g1",
-            "paged_decode_d256_g2",
-            "paged_decode_d256_g4",
+            "write_kv_f8",
             "paged_attention_rows_f16",
+            "paged_attention_rows_f8",
             "qkv_to_cache_f32",
+            "qkv_to_cache_f8",
             "gather_rows_f32",
         ],
-        tables: &[],
+        tables: &[&DECODE_KERNELS, &DECODE_F8_KERNELS],
         per_rows: &[],
         sm90a: false,
     },
@@ -119,7 +107,12 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         prelude: &[],
         source: kernel_file!("attention_f16.cu").1,
         kernels: &["pack_kv_f16", ROPE_PACK_F32[0], ROPE_PACK_F16[0]],
-        tables: &[&FLASH_KERNELS, &PAGED_FLASH_KERNELS, &FLASH_WIDE_KERNELS],
+        tables: &[
+            &FLASH_KERNELS,
+            &PAGED_FLASH_KERNELS,
+            &PAGED_FLASH_F8_KERNELS,
+            &FLASH_WIDE_KERNELS,
+        ],
         per_rows: &[],
         sm90a: false,
     },
@@ -156,6 +149,13 @@ pub(super) const PAGED_FLASH_KERNELS: [&str; 4] = [
     "paged_flash_attention_d96",
     "paged_flash_attention_d128",
 ];
+/// The same over an FP8 cache (`--kv-cache-dtype fp8`).
+pub(super) const PAGED_FLASH_F8_KERNELS: [&str; 4] = [
+    "paged_flash_attention_f8_d64",
+    "paged_flash_attention_f8_d80",
+    "paged_flash_attention_f8_d96",
+    "paged_flash_attention_f8_d128",
+];
 /// Below this many queries (decode-like), the one-warp-per-query kernel wastes less.
 pub(super) const FLASH_MIN_QUERIES: usize = 16;
 /// Warps per decode block (PD_WARPS), keys whose loads a decode warp keeps in flight (PD_KEYS)
@@ -170,28 +170,73 @@ pub(super) const QKV_WARPS: u32 = 4;
 pub(super) const DECODE_MAX_SPLITS: usize = 64;
 /// Counters of finished decode splits (Inner::counters).
 pub(super) const COUNTERS: usize = 1 << 16;
-/// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head: the
-/// one compiled for the power of two at or above the group (paged_f16.cu instantiates head dims
-/// 32, 64, 128 and 256 with 1, 2, 4 and 8 heads, bar 256 with 8); `None` where there is none
-/// (then paged_attention_rows_f16 takes the decoding sequences too).
-pub(super) fn decode_kernel(d: usize, group: usize) -> Option<&'static str> {
-    Some(match (d, group.next_power_of_two()) {
-        (32, 1) => "paged_decode_d32_g1",
-        (32, 2) => "paged_decode_d32_g2",
-        (32, 4) => "paged_decode_d32_g4",
-        (32, 8) => "paged_decode_d32_g8",
-        (64, 1) => "paged_decode_d64_g1",
-        (64, 2) => "paged_decode_d64_g2",
-        (64, 4) => "paged_decode_d64_g4",
-        (64, 8) => "paged_decode_d64_g8",
-        (128, 1) => "paged_decode_d128_g1",
-        (128, 2) => "paged_decode_d128_g2",
-        (128, 4) => "paged_decode_d128_g4",
-        (128, 8) => "paged_decode_d128_g8",
-        (256, 1) => "paged_decode_d256_g1",
-        (256, 2) => "paged_decode_d256_g2",
-        (256, 4) => "paged_decode_d256_g4",
-        _ => return None,
+/// The (head dim, heads per KV head) paged_f16.cu instantiates its split-K decode kernel for:
+/// head dims 32, 64, 128 and 256 with 1, 2, 4 and 8 heads, bar 256 with 8.
+const DECODE_SHAPES: [(usize, usize); 15] = [
+    (32, 1),
+    (32, 2),
+    (32, 4),
+    (32, 8),
+    (64, 1),
+    (64, 2),
+    (64, 4),
+    (64, 8),
+    (128, 1),
+    (128, 2),
+    (128, 4),
+    (128, 8),
+    (256, 1),
+    (256, 2),
+    (256, 4),
+];
+/// `paged_decode_d{d}_g{gp}` for each of [`DECODE_SHAPES`], over an f16 cache.
+pub(super) const DECODE_KERNELS: [&str; 15] = [
+    "paged_decode_d32_g1",
+    "paged_decode_d32_g2",
+    "paged_decode_d32_g4",
+    "paged_decode_d32_g8",
+    "paged_decode_d64_g1",
+    "paged_decode_d64_g2",
+    "paged_decode_d64_g4",
+    "paged_decode_d64_g8",
+    "paged_decode_d128_g1",
+    "paged_decode_d128_g2",
+    "paged_decode_d128_g4",
+    "paged_decode_d128_g8",
+    "paged_decode_d256_g1",
+    "paged_decode_d256_g2",
+    "paged_decode_d256_g4",
+];
+/// `paged_decode_f8_d{d}_g{gp}`: the same over an FP8 cache.
+pub(super) const DECODE_F8_KERNELS: [&str; 15] = [
+    "paged_decode_f8_d32_g1",
+    "paged_decode_f8_d32_g2",
+    "paged_decode_f8_d32_g4",
+    "paged_decode_f8_d32_g8",
+    "paged_decode_f8_d64_g1",
+    "paged_decode_f8_d64_g2",
+    "paged_decode_f8_d64_g4",
+    "paged_decode_f8_d64_g8",
+    "paged_decode_f8_d128_g1",
+    "paged_decode_f8_d128_g2",
+    "paged_decode_f8_d128_g4",
+    "paged_decode_f8_d128_g8",
+    "paged_decode_f8_d256_g1",
+    "paged_decode_f8_d256_g2",
+    "paged_decode_f8_d256_g4",
+];
+/// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head, over
+/// an f16 cache or (`fp8`) an FP8 one: the one compiled for the power of two at or above the
+/// group ([`DECODE_SHAPES`]); `None` where there is none (then paged_attention_rows_f16 or _f8
+/// takes the decoding sequences too).
+pub(super) fn decode_kernel(d: usize, group: usize, fp8: bool) -> Option<&'static str> {
+    let at = DECODE_SHAPES
+        .iter()
+        .position(|&s| s == (d, group.next_power_of_two()))?;
+    Some(if fp8 {
+        DECODE_F8_KERNELS[at]
+    } else {
+        DECODE_KERNELS[at]
     })
 }
 
@@ -744,6 +789,19 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The decode kernel over an FP8 cache is the f16 one's `_f8` twin, for every shape either
+    /// is instantiated for.
+    #[test]
+    fn each_decode_kernel_has_an_fp8_twin() {
+        for (d, group) in [(32, 1), (64, 3), (128, 4), (128, 8), (256, 4)] {
+            let f16 = decode_kernel(d, group, false).unwrap();
+            let f8 = decode_kernel(d, group, true).unwrap();
+            assert_eq!(f8, f16.replace("paged_decode_", "paged_decode_f8_"));
+        }
+        assert_eq!(decode_kernel(256, 8, true), None);
+        assert_eq!(decode_kernel(80, 1, true), None);
     }
 
     /// The integer GEMM's table is indexed by format, n-tiles and output: each choice names the

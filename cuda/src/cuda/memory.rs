@@ -281,29 +281,41 @@ impl CudaBackend {
         slots: usize,
         heads: usize,
         dim: usize,
+        format: crate::KvFormat,
     ) -> Result<CudaCache> {
+        self.check_kv_format_impl(format, heads, dim)?;
+        let bytes =
+            slots * heads * dim * format.element_bytes(<Self as crate::Backend>::CACHE_BYTES);
         let buf = self
             .inner
             .stream
-            .alloc_zeros::<half::f16>((slots * heads * dim).max(1))
+            .alloc_zeros::<u8>(bytes.max(2))
             .map_err(|e| cuda_err("allocating the KV cache")(&e))?;
         Ok(CudaCache {
             shape: [slots, heads, dim],
+            format,
             buf,
         })
     }
 
     pub(super) fn download_cache_impl(&self, cache: &CudaCache) -> Result<HostTensor> {
-        let halves = self
+        let bytes = self
             .inner
             .stream
             .clone_dtoh(&cache.buf)
             .map_err(|e| cuda_err("download_cache")(&e))?;
         let n: usize = cache.shape.iter().product();
-        HostTensor::new(
-            cache.shape.to_vec(),
-            halves[..n].iter().map(|h| h.to_f32()).collect(),
-        )
+        let values = match cache.format {
+            crate::KvFormat::Native => bytes[..2 * n]
+                .chunks_exact(2)
+                .map(|h| half::f16::from_le_bytes([h[0], h[1]]).to_f32())
+                .collect(),
+            crate::KvFormat::Fp8 { scale } => bytes[..n]
+                .iter()
+                .map(|&b| crate::kv::fp8_load(b, scale))
+                .collect(),
+        };
+        HostTensor::new(cache.shape.to_vec(), values)
     }
 }
 

@@ -409,8 +409,18 @@ impl Backend for CudaBackend {
         self.download_ids_impl(ids, n)
     }
 
-    fn zeros_cache(&self, slots: usize, heads: usize, dim: usize) -> Result<CudaCache> {
-        self.zeros_cache_impl(slots, heads, dim)
+    fn zeros_cache(
+        &self,
+        slots: usize,
+        heads: usize,
+        dim: usize,
+        format: crate::KvFormat,
+    ) -> Result<CudaCache> {
+        self.zeros_cache_impl(slots, heads, dim, format)
+    }
+
+    fn check_kv_format(&self, format: crate::KvFormat, heads: usize, dim: usize) -> Result<()> {
+        self.check_kv_format_impl(format, heads, dim)
     }
 
     fn download_cache(&self, cache: &CudaCache) -> Result<HostTensor> {

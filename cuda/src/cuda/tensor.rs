@@ -112,10 +112,21 @@ pub struct CudaIds {
     pub(super) buf: CudaSlice<u32>,
 }
 
-/// One layer's keys or values of the paged KV cache, f16 `[slots, heads, dim]`.
+/// One layer's keys or values of the paged KV cache, `[slots, heads, dim]`: f16, or FP8 e4m3
+/// bytes and a scale, as `format` says. The kernels take the buffer as a pointer to their
+/// element type (`__half` or `unsigned char`), picked by the format.
 pub struct CudaCache {
     pub(super) shape: [usize; 3],
-    pub(super) buf: CudaSlice<half::f16>,
+    pub(super) format: crate::KvFormat,
+    /// `shape`'s elements at `format`'s width.
+    pub(super) buf: CudaSlice<u8>,
+}
+
+impl CudaCache {
+    /// Whether the elements are FP8 bytes (the kernels' `_f8` variants read and write them).
+    pub(super) fn fp8(&self) -> bool {
+        matches!(self.format, crate::KvFormat::Fp8 { .. })
+    }
 }
 
 impl CudaTensor {

@@ -41,6 +41,9 @@ pub struct BenchArgs {
     random_weights: bool,
     #[command(flatten)]
     weights: llm_svc::WeightArgs,
+    /// How the KV cache stores keys and values: auto (f16 on a GPU) or fp8 (e4m3).
+    #[arg(long, default_value = "auto", value_name = "auto|fp8")]
+    kv_cache_dtype: llm_svc::KvCacheDtype,
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     device: Device,
@@ -147,10 +150,11 @@ fn bench_on<B: Backend + Clone>(
         through_gateway: !args.no_gateway,
         random_weights: args.random_weights.then_some(0),
         quantize: args.weights.quantize,
+        kv_cache_dtype: args.kv_cache_dtype,
     };
     let rows = vlm_cli::bench::run(&args.model, open, &opts, copy)?;
     let config = format!(
-        "{}{}{}",
+        "{}{}{}{}",
         args.model.display(),
         if args.random_weights {
             " (random weights)"
@@ -160,6 +164,10 @@ fn bench_on<B: Backend + Clone>(
         match args.weights.quantize {
             Some(to) => format!(" --quantize {to}"),
             None => String::new(),
+        },
+        match args.kv_cache_dtype {
+            llm_svc::KvCacheDtype::Auto => String::new(),
+            dtype => format!(" --kv-cache-dtype {dtype}"),
         }
     );
     println!("device: {device}\n{}", vlm_cli::bench::table(&rows));

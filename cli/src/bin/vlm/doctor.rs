@@ -18,13 +18,27 @@ pub struct DoctorArgs {
     /// Tokens of KV cache to count with --model.
     #[arg(long, default_value_t = 8192, requires = "model")]
     kv_cache_tokens: usize,
+    /// How that KV cache stores keys and values with --model: auto (f16) or fp8 (e4m3, one
+    /// byte an element).
+    #[arg(
+        long,
+        default_value = "auto",
+        value_name = "auto|fp8",
+        requires = "model"
+    )]
+    kv_cache_dtype: llm_svc::KvCacheDtype,
     #[command(flatten)]
     weights: llm_svc::WeightArgs,
 }
 
 pub fn doctor(args: DoctorArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.model {
-        print_footprint(dir, args.weights.quantize, args.kv_cache_tokens)?;
+        print_footprint(
+            dir,
+            args.weights.quantize,
+            args.kv_cache_tokens,
+            args.kv_cache_dtype,
+        )?;
     }
     let archs = args
         .arch
@@ -57,8 +71,9 @@ fn print_footprint(
     dir: &std::path::Path,
     quantize: Option<vlm_compute::quant::QuantizeTo>,
     kv_tokens: usize,
+    kv_dtype: llm_svc::KvCacheDtype,
 ) -> anyhow::Result<()> {
-    let f = vlm_cli::footprint::Footprint::of(dir, quantize, kv_tokens)?;
+    let f = vlm_cli::footprint::Footprint::of(dir, quantize, kv_tokens, kv_dtype)?;
     let gb = |b: usize| format!("{:>7.2} GB", b as f64 / 1e9);
     println!("{} on the GPU:", dir.display());
     println!(
@@ -70,7 +85,15 @@ fn print_footprint(
     if f.vision > 0 {
         println!("  {} vision tower and mergers (f16)", gb(f.vision));
     }
-    println!("  {} KV cache, {} tokens", gb(f.kv_cache), f.kv_tokens);
+    println!(
+        "  {} KV cache, {} tokens ({})",
+        gb(f.kv_cache),
+        f.kv_tokens,
+        match kv_dtype {
+            llm_svc::KvCacheDtype::Auto => "f16",
+            llm_svc::KvCacheDtype::Fp8 => "FP8 e4m3",
+        }
+    );
     if f.dequant_scratch > 0 {
         println!(
             "  {} dequantization scratch (prefill and batches)",

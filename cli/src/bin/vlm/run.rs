@@ -57,6 +57,15 @@ pub struct RunArgs {
     weights_seed: u64,
     #[command(flatten)]
     weights: llm_svc::WeightArgs,
+    /// How the KV cache stores keys and values: auto (f16 on a GPU, f32 on the CPU) or fp8
+    /// (e4m3 with the checkpoint's scales or 1.0; see docs/serving.md).
+    #[arg(
+        long,
+        env = "VLM_KV_CACHE_DTYPE",
+        default_value = "auto",
+        value_name = "auto|fp8"
+    )]
+    kv_cache_dtype: llm_svc::KvCacheDtype,
     /// Cap on prompt + generated tokens (defaults to the model's max_position_embeddings, at
     /// most 32768: the KV cache `vlm run` allocates).
     #[arg(long)]
@@ -175,6 +184,7 @@ fn engine_config(args: &RunArgs) -> llm_svc::EngineConfig {
                 .unwrap_or(32768)
                 .next_multiple_of(defaults.block_size),
         ),
+        kv_cache_dtype: args.kv_cache_dtype,
         ..defaults
     }
 }
