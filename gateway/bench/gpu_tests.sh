@@ -11,7 +11,8 @@
 # small sizes and at the 8B and ViT sizes), golden_vision and golden_text (HF's outputs),
 # vision-svc's and llm-svc's batching (batched results equal each request run alone), the
 # gateway's stack (the three services give what `vlm run` gives), llm-svc's constrained (answers
-# under a JSON schema validate, with the device sampler applying the grammar's masks). `run` prints a line a program
+# under a JSON schema validate, with the device sampler applying the grammar's masks) and fp8_kv
+# (an FP8 KV cache against the f16 one, batched against alone). `run` prints a line a program
 # and its passed/failed counts, keeps each program's output in LOG_DIR (default DIR-logs) and
 # exits non-zero if any program failed. VLM_REQUIRE_GPU=0 runs them where there is no GPU
 # (every GPU test then says SKIPPED): a check of the bundle itself.
@@ -28,7 +29,7 @@ dir=${2%.tar.gz}
 
 # Test programs by crate: cargo's --test names (batching is both vision-svc's and llm-svc's).
 packages=(-p vlm-compute -p vision-svc -p llm-svc -p vlm-cli)
-tests=(--test cuda_twin --test golden_vision --test batching --test golden_text --test constrained --test stack)
+tests=(--test cuda_twin --test golden_vision --test batching --test golden_text --test constrained --test fp8_kv --test stack)
 
 case "$cmd" in
 build)
