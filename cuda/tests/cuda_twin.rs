@@ -612,6 +612,10 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "flash_attention_d128",
             "paged_flash_attention_d64",
             "paged_flash_attention_d128",
+            // The integer GEMM's block shapes (IG_BLOCKS, defined by the host).
+            "int_gemm_w4_r256_n8_f32",
+            "int_gemm_w8_r192_n8_f16",
+            "int_gemm_f8_r128_n1_f32",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {k}")),
