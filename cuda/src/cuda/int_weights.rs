@@ -78,6 +78,29 @@ fn int_gemm_forced_rows() -> Option<usize> {
     })
 }
 
+thread_local! {
+    /// Block rows forced on this thread's integer GEMMs by [`with_int_gemm_rows`] (before
+    /// `VLM_INT_GEMM_ROWS`).
+    static FORCED_ROWS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's integer GEMMs on blocks of `rows` weight rows (one of
+/// [`INT_GEMM_BLOCKS`]' rows, where its shared memory fits; `None`: each shape's own choice),
+/// as `VLM_INT_GEMM_ROWS` does for a whole process: how the twin cases
+/// ([`crate::twin::Case::IntGemm`]'s `block_rows`) reach every block shape on any GPU, whichever
+/// the GPU's SM count would pick. Launches are queued on the calling thread, so no other
+/// thread's GEMMs change.
+pub fn with_int_gemm_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED_ROWS.set(self.0);
+        }
+    }
+    let _restore = Restore(FORCED_ROWS.replace(rows));
+    f()
+}
+
 /// Floats of one block's partial sums under split k (context.rs holds one per SM): x's rows
 /// by the largest block's rows (the first of [`INT_GEMM_BLOCKS`]).
 pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLOCKS[0].rows();
@@ -617,10 +640,10 @@ impl CudaBackend {
 
     /// The grid [`Self::launch_int_gemm`] takes for `n` rows of x against an `m` x `k` weight
     /// of `bits` ([`int_gemm_grid`] on this GPU's SMs; the block rows forced by
-    /// `VLM_INT_GEMM_ROWS` where that shape fits), for shapes
+    /// [`with_int_gemm_rows`] or `VLM_INT_GEMM_ROWS` where that shape fits), for shapes
     /// [`Self::int_gemm_takes`] takes.
     fn int_gemm_launch_grid(&self, bits: u32, n: usize, m: usize, k: usize) -> Option<IntGemmGrid> {
-        let forced = int_gemm_forced_rows();
+        let forced = FORCED_ROWS.get().or_else(int_gemm_forced_rows);
         let grid = |only: Option<usize>| {
             int_gemm_grid(
                 m,
@@ -952,6 +975,51 @@ mod tests {
                     assert!(halves < smem, "{block:?} {n}");
                 }
             }
+        }
+    }
+
+    /// The startup self-check's integer GEMM cases split k and leave it whole on every block
+    /// shape they force, and split it where the GPU picks the shape, on an H100 and on Orin:
+    /// so every kernel shape and both ends of the kernel (the ordered adds of partial sums and
+    /// the direct stores) are checked at every start.
+    #[test]
+    fn self_check_splits_k_on_every_block_shape() {
+        use crate::twin::{Case, IntOp};
+        for (sms, smem) in [(132, H100_SMEM), (16, ORIN_SMEM)] {
+            // (forced rows, split) seen, and whether an unforced case split.
+            let mut seen = std::collections::BTreeSet::new();
+            for case in crate::twin::self_check_cases() {
+                let Case::IntGemm {
+                    n,
+                    k,
+                    m,
+                    op,
+                    block_rows,
+                    ..
+                } = case
+                else {
+                    continue;
+                };
+                let gemms = match op {
+                    IntOp::Linear | IntOp::AddLinear => vec![(m, k)],
+                    IntOp::Mlp => vec![(2 * m, k), (k, m)],
+                };
+                for (m, k) in gemms.into_iter().filter(|&(_, k)| k % INT_GEMM_K == 0) {
+                    for bits in [4, 8] {
+                        let g = grid(m, k, n, bits, sms, smem, block_rows).unwrap();
+                        assert_eq!(block_rows.unwrap_or(g.block.rows()), g.block.rows());
+                        seen.insert((block_rows, g.splits > 1));
+                    }
+                }
+            }
+            for rows in INT_GEMM_BLOCKS.map(|b| Some(b.rows())) {
+                assert!(seen.contains(&(rows, true)), "{rows:?} split, {sms} SMs");
+                assert!(seen.contains(&(rows, false)), "{rows:?} unsplit, {sms} SMs");
+            }
+            assert!(
+                seen.contains(&(None, true)),
+                "a split of the GPU's choice, {sms} SMs"
+            );
         }
     }
 }

@@ -61,7 +61,7 @@ use error::cuda_err;
 use launch::{same_shape, width_of};
 
 pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};
-pub use int_weights::IntGemmGrid;
+pub use int_weights::{with_int_gemm_rows, IntGemmGrid};
 pub use kernels::{compile_all_ptx, IntGemmBlock};
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 
