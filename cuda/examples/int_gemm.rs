@@ -2,12 +2,14 @@
 //! one op) for 8 to 64 rows: f16 weights on cuBLAS, W8, W4 and FP8 on the tensor-core integer
 //! GEMM (weights_f16.cu's int_mma_gemm), and the same dequantized into the f16 scratch for cuBLAS
 //! (the path before it, `VLM_INT_GEMM=dequant`, timed in a child process of this example, as
-//! the switch is read once a process). Per op: microseconds a call and the weights' GB/s
-//! against the device's copy bandwidth.
+//! the switch is read once a process). Per op: microseconds a call, the weights' GB/s against
+//! the device's copy bandwidth, and the integer GEMM's grid (block shape, blocks, k splits).
 //!
 //!     cargo run --release -p vlm-compute --example int_gemm [ROWS...]
 //!
 //! ROWS defaults to 8 16 32 64. The target: W4 at 64 rows at least as fast as f16.
+//! `VLM_INT_GEMM_ROWS=256` (or 192, 128) times every integer GEMM on that block shape instead
+//! of each shape's own choice, and `VLM_INT_GEMM_SPLITS=n` caps the k splits.
 
 use std::time::Instant;
 
@@ -96,8 +98,11 @@ fn main() -> vlm_compute::Result<()> {
                 let input: &CudaTensor = if k == h { &x } else { &xi };
                 let t = time(&g, |c| g.linear(input, &ws[s][c], None).map(drop))?;
                 let bytes = bytes_of(m, k);
+                let grid = g
+                    .int_gemm_grid_of(&ws[s][0], n)
+                    .map_or(String::new(), |grid| format!(", {grid}"));
                 println!(
-                    "  {op:>8} {m}x{k}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy, {:4.0} TFLOP/s",
+                    "  {op:>8} {m}x{k}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy, {:4.0} TFLOP/s{grid}",
                     t * 1e6,
                     bytes / t / 1e9,
                     100.0 * bytes / t / copy_bw,

@@ -1243,21 +1243,41 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // multiplies a pair where this takes one hmul2. W4's and W8's fragments are dequant_int's
 // values bit for bit.
 //
-// Tiles. A block (IG_WARPS = 8 warps) owns IG_ROWS = 256 weight rows: warp w rows 32w .. 32w +
-// 31 as two m16 tiles (MT = 2), against all n of x's rows as NT n8 tiles (NT = 1, 2, 4, 8: n up
-// to 8, 16, 32, 64), so each dequantized A fragment feeds NT mma and each B fragment MT.
-// Accumulators: MT * NT * 4 = 64 floats a lane at NT = 8. ptxas (sm_90, sm_87; no spills):
-// W4 70, 86, 110, 155 registers at NT = 1, 2, 4, 8 (f32 out, sm_90), W8 71, 87, 138, 165,
-// FP8 72, 95, 128, 157 (sm_87: 64, 72, 121, 153). A block's x stage is read from L2 once per
-// 256 weight rows: at 64 rows and W4 as many bytes as the weights' own; the B fragments are
-// read from shared memory once per warp (per 32 rows).
+// Blocks. A block owns ROWS = 32 RG weight rows in RG row groups of 32, each taken by KS warps
+// (RG * KS warps): warp w rows 32 (w % RG) .. + 31 of the block as two m16 tiles (MT = 2),
+// against all n of x's rows as NT n8 tiles (NT = 1, 2, 4, 8: n up to 8, 16, 32, 64), so each
+// dequantized A fragment feeds NT mma and each B fragment MT. With KS = 2 the two warps of a
+// row group each take half of every stage's columns (of a stage's 4 (chunk, x unit) steps,
+// warp w takes 2 (w / RG) and the one after), and the second's sums are added to the first's,
+// in that order, through shared memory once k is done. The host instantiates the shapes it
+// picks from (IG_BLOCKS, from INT_GEMM_BLOCKS in cuda/src/cuda/kernels.rs): 256 rows (RG 8,
+// KS 1: 8 warps), 192 (6, 2: 12 warps) and 128 (4, 2: 8 warps). Why split k inside the block
+// rather than take fewer warps: an SM's 4 sub-partitions each run the warps w % 4 of a block,
+// so 6 warps of whole stages (192 rows) would give two of them 2 warps, and the block would
+// take as long as one of 8; 12 warps of half stages put 3 on each, three quarters of the
+// 8-warp block's work. Accumulators: MT * NT * 4 = 64 floats a lane at NT = 8. ptxas,
+// registers at NT = 1, 2, 4, 8, f32 out (no spills; f16 out at most 168 on sm_90, at 192 rows,
+// W8, NT = 8, and 228 on sm_87):
+//   256 rows, sm_90: W4 70, 84, 112, 155; W8 71, 87, 138, 165; FP8 72, 95, 128, 156
+//             sm_87: W4 64, 80, 108, 146; W8 70, 82, 131, 161; FP8 64, 72, 120, 152
+//   192 rows, sm_90: W4 58, 88, 106, 148; W8 60, 96, 107, 152; FP8 64, 95, 99, 148
+//             sm_87: W4 56, 86, 107, 150; W8 60, 95, 105, 155; FP8 60, 92, 96, 150
+//   128 rows, sm_90: W4 56, 72, 99, 148; W8 78, 72, 106, 148; FP8 80, 78, 100, 148
+//             sm_87: W4 54, 73, 110, 240; W8 77, 72, 110, 240; FP8 79, 72, 110, 238
+// The 12-warp blocks are held to 168 registers by their launch bounds. At NT = 8 a block of 8
+// or 12 warps takes more than half an SM's registers: one block an SM there, whatever its
+// shared memory. A block's x stage is read from L2 once per block (at 64 rows, W4 and 256
+// rows as many bytes as the weights' own; at 128 rows twice that); the B fragments are read
+// from shared memory once per warp (per 32 rows and the warp's part of the columns).
 //
 // k goes by stages of IG_K = 128 columns, IG_STAGES deep in shared memory by cp.async (the
 // weights' rows, their (scale, zero) and x's rows of the stage), the next stages in flight
-// while one is multiplied. A stage's shared memory: weights 256 rows x 128 columns (16 KB at 4
-// bits, 32 at 8), x NT * 8 rows x 256 bytes (16 KB at NT = 8), (scale, zero) 256 rows x 4
-// groups x 4 bytes (4 KB): 36 KB at W4, 52 at W8 and FP8, times 3 stages: 108 and 156 KB
-// (Orin's 163 KB a block holds it; one block an SM).
+// while one is multiplied. A stage's shared memory: weights ROWS x 128 columns (64 bytes a row
+// at 4 bits, 128 at 8), x NT * 8 rows x 256 bytes (16 KB at NT = 8), (scale, zero) ROWS x 4
+// groups x 4 bytes; at NT = 8 and 256 rows 36 KB at W4, 52 at W8 and FP8, times 3 stages: 108
+// and 156 KB; at 192 rows 93 and 129 KB, at 128 rows 78 and 102 (Orin's 163 KB a block holds
+// each). The KS = 2 blocks add their halves' sums through the same memory once the stages are
+// done (ROWS * NT * 32 bytes: 48 KB at 192 rows and NT = 8).
 //
 // Fragments (as int_mma_gemv): lane (g, t) dequantizes its 16-byte chunk t (at 8 bits chunks
 // t and 4 + t) of weight rows g and g + 8 of an m16 tile; IntPairs gives the pairs (c, c + 4)
@@ -1269,30 +1289,31 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // the 8 lanes of a phase (rows g, g + 1; t = 0..3) hit distinct banks.
 //
 // Split-k. At m = 4096 the 256-row blocks are 16; the host splits k into S contiguous ranges
-// of stages (S blocks an m-block, adjacent block indices), so that the grid fills the SMs.
-// Each split writes its sums to a partial tile of its own (f32 [n][256], a workspace of at
-// most one tile an SM), counts in on the m-block's lock and waits until all S have; then
-// split s adds up the s-th part of the tile's elements over splits 0, 1, .. S - 1 in that
-// order and writes them (times alpha, plus the output with accumulate, plus the bias): the
-// result does not depend on which split finishes first, and the adds run on all S blocks at
-// once. The grid is at most one block an SM, so every split waited on is resident. Each split
-// counts in again once past the wait; the last resets the lock to 0, so one zeroed lock
-// buffer serves every launch of the stream. An f16 output (the next GEMM's operand) is
-// written once as well, its sum in f32.
+// of stages (S blocks an m-block, adjacent block indices), so that the grid fills the SMs
+// (int_gemm_grid in int_weights.rs picks the block shape and S together). Each split writes
+// its sums to a partial tile of its own (f32 [n][ROWS], a workspace of at most one 256-row
+// tile an SM), counts in on the m-block's lock and waits until all S have; then split s adds
+// up the s-th part of the tile's elements over splits 0, 1, .. S - 1 in that order and writes
+// them (times alpha, plus the output with accumulate, plus the bias): the result does not
+// depend on which split finishes first, and the adds run on all S blocks at once. The grid is
+// at most one block an SM, so every split waited on is resident. Each split counts in again
+// once past the wait; the last resets the lock to 0, so one zeroed lock buffer serves every
+// launch of the stream. An f16 output (the next GEMM's operand) is written once as well, its
+// sum in f32.
 //
 // Needs k a multiple of IG_K, group a multiple of the loads' columns and either a multiple of
 // 128 or a divisor of it (at most 4 groups a stage), n <= 64, and FP8's scales f16 normal
 // numbers: the host falls back to the dequantization otherwise.
 //
-// IG_WARPS, IG_K, IG_STAGES and IG_SZ_SLOTS (the (scale, zero) a row a stage) are #defined by
-// the host (cuda/src/cuda/kernels.rs), which sizes the shared memory from them.
-#define IG_ROWS (IG_WARPS * 32)
+// IG_K, IG_STAGES, IG_SZ_SLOTS (the (scale, zero) a row a stage) and IG_BLOCKS (the block
+// shapes) are #defined by the host (cuda/src/cuda/kernels.rs), which sizes the shared memory
+// from them.
 
-// Bytes of one stage's shared memory (the host computes the same: int_gemm_smem in
-// int_weights.rs).
-template <int BITS, int NT>
+// Bytes of one stage's shared memory for blocks of ROWS rows (the host computes the same:
+// int_gemm_smem in int_weights.rs).
+template <int BITS, int NT, int ROWS>
 __host__ __device__ constexpr int ig_stage_bytes() {
-    return IG_ROWS * IG_K * BITS / 8 + NT * 8 * IG_K * 2 + IG_ROWS * IG_SZ_SLOTS * 4;
+    return ROWS * IG_K * BITS / 8 + NT * 8 * IG_K * 2 + ROWS * IG_SZ_SLOTS * 4;
 }
 
 // 4 bytes global -> shared (cp.async's smallest copy, through L1).
@@ -1324,20 +1345,20 @@ __device__ __forceinline__ void store_out(__half* o, float v) { *o = __float2hal
 __device__ __forceinline__ float load_out(const float* o) { return __ldcg(o); }
 __device__ __forceinline__ float load_out(const __half* o) { return __half2float(*o); }
 
-// Stage `st` (columns st * IG_K ..) of the block's weight rows r0 .., their (scale, zero) and
-// x's rows into shared stage buffer `buf`, in the current cp.async group.
-template <int BITS, int NT>
+// Stage `st` (columns st * IG_K ..) of the block's ROWS weight rows r0 .., their (scale, zero)
+// and x's rows into shared stage buffer `buf`, in the current cp.async group.
+template <int BITS, int NT, int ROWS>
 __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __restrict__ w,
                                               const __half2* __restrict__ sz,
                                               const __half* __restrict__ x, int n, int m, int k,
                                               int group, int r0, int st) {
     constexpr int WU = IG_K * BITS / 128;  // 16-byte units of a weight row a stage
     uint4* ws = buf;
-    uint4* xs = ws + IG_ROWS * WU;
+    uint4* xs = ws + ROWS * WU;
     __half2* zs = reinterpret_cast<__half2*>(xs + NT * 8 * 16);
     const int k0 = st * IG_K, row_words = k / (32 / BITS), groups = k / group;
     const int sg = group >= IG_K ? 1 : IG_K / group;
-    for (int i = threadIdx.x; i < IG_ROWS * WU; i += blockDim.x) {
+    for (int i = threadIdx.x; i < ROWS * WU; i += blockDim.x) {
         const int r = i / WU, u = i % WU, row = min(r0 + r, m - 1);
         cp_async16(ws + r * WU + ig_wunit<BITS>(u, r),
                    w + (size_t)row * row_words + k0 / (32 / BITS) + u * 4);
@@ -1346,13 +1367,97 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
         const int r = i / 16, u = i % 16, row = min(r, n - 1);
         cp_async16(xs + r * 16 + ig_xunit<BITS>(u, r), x + (size_t)row * k + k0 + u * 8);
     }
-    for (int i = threadIdx.x; i < IG_ROWS * sg; i += blockDim.x) {
+    for (int i = threadIdx.x; i < ROWS * sg; i += blockDim.x) {
         const int r = i / sg, j = i % sg, row = min(r0 + r, m - 1);
         cp_async4(zs + r * IG_SZ_SLOTS + j, sz + (size_t)row * groups + k0 / group + j);
     }
 }
 
-template <int FMT, int NT, typename O>
+// One stage's products for the warp's 32 weight rows (wr, wr + 1, .. of the stage buffers ws,
+// xs, zs) and its part of the stage's columns: the (chunk c, x unit u) steps Q0 .. Q1 - 1 of
+// the stage's 4, step c * 16 / WU + u (4 bits: one chunk of 4 units; 8 bits: two of 2).
+template <int FMT, int NT, int Q0, int Q1>
+__device__ __forceinline__ void ig_mma_stage(float (&acc)[2][NT][4], const uint4* ws,
+                                             const uint4* xs, const __half2* zs, int wr, int g,
+                                             int t, int gcols) {
+    constexpr int BITS = fmt_bits(FMT), MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
+    constexpr int UN = 16 / WU;  // x units a chunk
+#pragma unroll
+    for (int c = 0; c < WU / 4; ++c) {  // the lane's chunks: 1 at 4 bits, 2 at 8
+        if (c * UN + UN <= Q0 || c * UN >= Q1) continue;  // none of the part's steps
+        const int ch = 4 * c + t, slot = ch * COLS / gcols;
+        uint4 la[MT], lb[MT];
+        __half2 sa[MT], sb[MT], ba[MT], b16a[MT], bb[MT], b16b[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int ra = wr + mt * 16 + g, rb = ra + 8;
+            la[mt] = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
+            lb[mt] = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
+            // FP8's f32 scale becomes an f16 here, once a row a chunk (the kernel's comment:
+            // what that rounds); W4's and W8's are f16 already. FP8's bases go unused (no
+            // zero point).
+            const float2 za = group_scale<FMT>(zs[ra * IG_SZ_SLOTS + slot]);
+            const float2 zb = group_scale<FMT>(zs[rb * IG_SZ_SLOTS + slot]);
+            sa[mt] = __float2half2_rn(za.x);
+            sb[mt] = __float2half2_rn(zb.x);
+            int_bases(za.y, ba[mt], b16a[mt]);
+            int_bases(zb.y, bb[mt], b16b[mt]);
+        }
+        // x units of the chunk: 4 at 4 bits (a word each), 2 at 8 (two words each); each gives
+        // two mma (halves h) per n-tile.
+#pragma unroll
+        for (int u = 0; u < UN; ++u) {
+            if (c * UN + u < Q0 || c * UN + u >= Q1) continue;
+            __half2 af[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const unsigned wa[4] = {la[mt].x, la[mt].y, la[mt].z, la[mt].w};
+                const unsigned wb[4] = {lb[mt].x, lb[mt].y, lb[mt].z, lb[mt].w};
+                if (BITS == 4) {
+                    const IntPairs<FMT> qa(wa[u], ba[mt], b16a[mt]);
+                    const IntPairs<FMT> qb(wb[u], bb[mt], b16b[mt]);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        af[mt][h][0] = __hmul2(qa.v[2 * h], sa[mt]);
+                        af[mt][h][1] = __hmul2(qb.v[2 * h], sb[mt]);
+                        af[mt][h][2] = __hmul2(qa.v[2 * h + 1], sa[mt]);
+                        af[mt][h][3] = __hmul2(qb.v[2 * h + 1], sb[mt]);
+                    }
+                } else {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const IntPairs<FMT> qa(wa[2 * u + h], ba[mt], b16a[mt]);
+                        const IntPairs<FMT> qb(wb[2 * u + h], bb[mt], b16b[mt]);
+                        af[mt][h][0] = __hmul2(qa.v[0], sa[mt]);
+                        af[mt][h][1] = __hmul2(qb.v[0], sb[mt]);
+                        af[mt][h][2] = __hmul2(qa.v[1], sa[mt]);
+                        af[mt][h][3] = __hmul2(qb.v[1], sb[mt]);
+                    }
+                }
+            }
+            const int xu = BITS == 4 ? 4 * t + u : 2 * ch + u;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int xr = nt * 8 + g;
+                const uint4 v = xs[xr * 16 + ig_xunit<BITS>(xu, xr)];
+                // 4 bits: columns (0, 4), (1, 5) then (2, 6), (3, 7) of the unit's 8;
+                // 8 bits: (0, 2), (1, 3) of each word's 4.
+                const unsigned p0 = BITS == 4 ? v.x : v.x, q0 = BITS == 4 ? v.z : v.y;
+                const unsigned p1 = BITS == 4 ? v.y : v.z, q1 = BITS == 4 ? v.w : v.w;
+                const unsigned b[2][2] = {{prmt(p0, q0, 0x5410), prmt(p0, q0, 0x7632)},
+                                          {prmt(p1, q1, 0x5410), prmt(p1, q1, 0x7632)}};
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        mma_16816(acc[mt][nt], af[mt][h][0], af[mt][h][1], af[mt][h][2],
+                                  af[mt][h][3], b[h][0], b[h][1]);
+            }
+        }
+    }
+}
+
+template <int FMT, int NT, int RG, int KS, typename O>
 __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n,
                                              const unsigned* __restrict__ w,
                                              const __half2* __restrict__ sz, int group,
@@ -1361,11 +1466,18 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                                              int m, int k, int splits,
                                              float* __restrict__ partials,
                                              int* __restrict__ locks) {
-    constexpr int BITS = fmt_bits(FMT), MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
-    constexpr int STAGE = ig_stage_bytes<BITS, NT>() / 16;  // in uint4
+    static_assert(KS == 1 || KS == 2, "a row group's warps take whole stages or halves");
+    constexpr int BITS = fmt_bits(FMT), MT = 2, WU = IG_K * BITS / 128, ROWS = RG * 32;
+    constexpr int STAGE = ig_stage_bytes<BITS, NT, ROWS>() / 16;  // in uint4
+    // The halves' sums (KS = 2) go through the stages' memory.
+    static_assert(KS == 1 || (KS - 1) * RG * MT * NT * 4 * WARP * 4 <= IG_STAGES * STAGE * 16,
+                  "the second halves' sums fit the stages' shared memory");
     uint4* smem = reinterpret_cast<uint4*>(gemv_staged);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
-    const int mb = blockIdx.x / splits, split = blockIdx.x % splits, r0 = mb * IG_ROWS;
+    // The warp's row group (its rows wr .. wr + 31 of the block) and part of each stage (the
+    // KS == 1 forms spare the 256-row block a division and 8 registers).
+    const int wr = (KS == 1 ? warp : warp % RG) * 32, part = KS == 1 ? 0 : warp / RG;
+    const int mb = blockIdx.x / splits, split = blockIdx.x % splits, r0 = mb * ROWS;
     const int stages = k / IG_K;
     const int s_begin = (int)((long long)split * stages / splits);
     const int s_end = (int)((long long)(split + 1) * stages / splits);
@@ -1375,7 +1487,8 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
 #pragma unroll
     for (int s = 0; s < IG_STAGES - 1; ++s) {
         if (s < count)
-            ig_load_stage<BITS, NT>(smem + s * STAGE, w, sz, x, n, m, k, group, r0, s_begin + s);
+            ig_load_stage<BITS, NT, ROWS>(smem + s * STAGE, w, sz, x, n, m, k, group, r0,
+                                          s_begin + s);
         cp_async_commit();
     }
     float acc[MT][NT][4];
@@ -1392,85 +1505,45 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
         // The buffer read an iteration ago is free (every warp passed the barrier above).
         const int next = it + IG_STAGES - 1;
         if (next < count)
-            ig_load_stage<BITS, NT>(smem + (next % IG_STAGES) * STAGE, w, sz, x, n, m, k, group,
-                                    r0, s_begin + next);
+            ig_load_stage<BITS, NT, ROWS>(smem + (next % IG_STAGES) * STAGE, w, sz, x, n, m, k,
+                                          group, r0, s_begin + next);
         cp_async_commit();
         const uint4* ws = smem + (it % IG_STAGES) * STAGE;
-        const uint4* xs = ws + IG_ROWS * WU;
+        const uint4* xs = ws + ROWS * WU;
         const __half2* zs = reinterpret_cast<const __half2*>(xs + NT * 8 * 16);
-#pragma unroll
-        for (int c = 0; c < WU / 4; ++c) {  // the lane's chunks: 1 at 4 bits, 2 at 8
-            const int ch = 4 * c + t, slot = ch * COLS / gcols;
-            uint4 la[MT], lb[MT];
-            __half2 sa[MT], sb[MT], ba[MT], b16a[MT], bb[MT], b16b[MT];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const int ra = warp * 32 + mt * 16 + g, rb = ra + 8;
-                la[mt] = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
-                lb[mt] = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
-                // FP8's f32 scale becomes an f16 here, once a row a chunk (the kernel's
-                // comment: what that rounds); W4's and W8's are f16 already. FP8's bases go
-                // unused (no zero point).
-                const float2 za = group_scale<FMT>(zs[ra * IG_SZ_SLOTS + slot]);
-                const float2 zb = group_scale<FMT>(zs[rb * IG_SZ_SLOTS + slot]);
-                sa[mt] = __float2half2_rn(za.x);
-                sb[mt] = __float2half2_rn(zb.x);
-                int_bases(za.y, ba[mt], b16a[mt]);
-                int_bases(zb.y, bb[mt], b16b[mt]);
-            }
-            // x units of the chunk: 4 at 4 bits (a word each), 2 at 8 (two words each); each
-            // gives two mma (halves h) per n-tile.
-#pragma unroll
-            for (int u = 0; u < 16 / WU; ++u) {
-                __half2 af[MT][2][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const unsigned wa[4] = {la[mt].x, la[mt].y, la[mt].z, la[mt].w};
-                    const unsigned wb[4] = {lb[mt].x, lb[mt].y, lb[mt].z, lb[mt].w};
-                    if (BITS == 4) {
-                        const IntPairs<FMT> qa(wa[u], ba[mt], b16a[mt]);
-                        const IntPairs<FMT> qb(wb[u], bb[mt], b16b[mt]);
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            af[mt][h][0] = __hmul2(qa.v[2 * h], sa[mt]);
-                            af[mt][h][1] = __hmul2(qb.v[2 * h], sb[mt]);
-                            af[mt][h][2] = __hmul2(qa.v[2 * h + 1], sa[mt]);
-                            af[mt][h][3] = __hmul2(qb.v[2 * h + 1], sb[mt]);
-                        }
-                    } else {
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const IntPairs<FMT> qa(wa[2 * u + h], ba[mt], b16a[mt]);
-                            const IntPairs<FMT> qb(wb[2 * u + h], bb[mt], b16b[mt]);
-                            af[mt][h][0] = __hmul2(qa.v[0], sa[mt]);
-                            af[mt][h][1] = __hmul2(qb.v[0], sb[mt]);
-                            af[mt][h][2] = __hmul2(qa.v[1], sa[mt]);
-                            af[mt][h][3] = __hmul2(qb.v[1], sb[mt]);
-                        }
-                    }
-                }
-                const int xu = BITS == 4 ? 4 * t + u : 2 * ch + u;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int xr = nt * 8 + g;
-                    const uint4 v = xs[xr * 16 + ig_xunit<BITS>(xu, xr)];
-                    // 4 bits: columns (0, 4), (1, 5) then (2, 6), (3, 7) of the unit's 8;
-                    // 8 bits: (0, 2), (1, 3) of each word's 4.
-                    const unsigned p0 = BITS == 4 ? v.x : v.x, q0 = BITS == 4 ? v.z : v.y;
-                    const unsigned p1 = BITS == 4 ? v.y : v.z, q1 = BITS == 4 ? v.w : v.w;
-                    const unsigned b[2][2] = {{prmt(p0, q0, 0x5410), prmt(p0, q0, 0x7632)},
-                                              {prmt(p1, q1, 0x5410), prmt(p1, q1, 0x7632)}};
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                            mma_16816(acc[mt][nt], af[mt][h][0], af[mt][h][1], af[mt][h][2],
-                                      af[mt][h][3], b[h][0], b[h][1]);
-                }
-            }
-        }
+        if (KS == 1)
+            ig_mma_stage<FMT, NT, 0, 4>(acc, ws, xs, zs, wr, g, t, gcols);
+        else if (part == 0)
+            ig_mma_stage<FMT, NT, 0, 2>(acc, ws, xs, zs, wr, g, t, gcols);
+        else
+            ig_mma_stage<FMT, NT, 2, 4>(acc, ws, xs, zs, wr, g, t, gcols);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (KS > 1) {
+        // The second half's sums added to the first's (in that order) through the stages'
+        // memory, free once every warp is past its last stage; a lane's floats are 32 apart.
+        float* second = gemv_staged + (warp % RG) * (MT * NT * 4 * WARP) + lane;
+        __syncthreads();
+        if (part == 1) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        second[((mt * NT + nt) * 4 + c) * WARP] = acc[mt][nt][c];
+        }
+        __syncthreads();
+        if (part == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        acc[mt][nt][c] += second[((mt * NT + nt) * 4 + c) * WARP];
+        }
+    }
 
     auto finish = [&](O* o, int j, float sum) {
         float v = alpha * sum;
@@ -1479,6 +1552,7 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
         store_out(o, v);
     };
     if (splits == 1) {
+        if (part > 0) return;  // its sums are in part 0's
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -1486,26 +1560,28 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int row = nt * 8 + 2 * t + (c & 1);
-                    const int j = r0 + warp * 32 + mt * 16 + g + 8 * (c >> 1);
+                    const int j = r0 + wr + mt * 16 + g + 8 * (c >> 1);
                     if (row < n && j < m) finish(out + (size_t)row * m + j, j, acc[mt][nt][c]);
                 }
         return;
     }
-    // Split k: this split's sums into its partial tile [n][IG_ROWS], then, once every split
-    // of the m-block has written its own (all are resident: the grid is at most one block an
+    // Split k: this split's sums into its partial tile [n][ROWS], then, once every split of
+    // the m-block has written its own (all are resident: the grid is at most one block an
     // SM), split s adds up the s-th of the tile's elements over splits 0, 1, .. in that order.
-    const int tile = n * IG_ROWS;
-    float* part = partials + (size_t)blockIdx.x * tile;
+    const int tile = n * ROWS;
+    float* mine = partials + (size_t)blockIdx.x * tile;
+    if (part == 0) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int row = nt * 8 + 2 * t + (c & 1);
-                const int col = warp * 32 + mt * 16 + g + 8 * (c >> 1);
-                if (row < n) __stcg(part + row * IG_ROWS + col, acc[mt][nt][c]);
-            }
+                for (int c = 0; c < 4; ++c) {
+                    const int row = nt * 8 + 2 * t + (c & 1);
+                    const int col = wr + mt * 16 + g + 8 * (c >> 1);
+                    if (row < n) __stcg(mine + row * ROWS + col, acc[mt][nt][c]);
+                }
+    }
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -1518,7 +1594,7 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
     const float* first = partials + (size_t)mb * splits * tile;
     const int e1 = (int)((long long)(split + 1) * tile / splits);
     for (int e = (int)((long long)split * tile / splits) + threadIdx.x; e < e1; e += blockDim.x) {
-        const int row = e / IG_ROWS, j = r0 + e % IG_ROWS;
+        const int row = e / ROWS, j = r0 + e % ROWS;
         if (j >= m) continue;
         float sum = 0.0f;
         for (int q = 0; q < splits; ++q) sum += __ldcg(first + (size_t)q * tile + e);
@@ -1529,19 +1605,23 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
     if (threadIdx.x == 0 && atomicAdd(locks + mb, 1) == 2 * splits - 1) atomicExch(locks + mb, 0);
 }
 
-#define INT_GEMM_KERNEL(FMT, NAME, NT, O, SUFFIX)                                                  \
-    extern "C" __global__ void __launch_bounds__(IG_WARPS * WARP, 1)                               \
-        int_gemm_##NAME##_n##NT##_##SUFFIX(                                                        \
-            const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                   \
-            const __half2* __restrict__ sz, int group, const float* __restrict__ bias,             \
-            int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,          \
-            int splits, float* __restrict__ partials, int* __restrict__ locks) {                   \
-        int_mma_gemm<FMT, NT, O>(x, n, w, sz, group, bias, has_bias, out, accumulate, alpha, m,    \
-                                 k, splits, partials, locks);                                      \
+// int_gemm_<format>_r<rows>_n<NT>_<f32|f16>: one kernel per format, block shape (IG_BLOCKS:
+// ROWS, RG, KS), n-tiles and output type.
+#define INT_GEMM_KERNEL(FMT, NAME, NT, ROWS, RG, KS, O, SUFFIX)                                 \
+    extern "C" __global__ void __launch_bounds__(RG * KS * WARP, 1)                              \
+        int_gemm_##NAME##_r##ROWS##_n##NT##_##SUFFIX(                                            \
+            const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                 \
+            const __half2* __restrict__ sz, int group, const float* __restrict__ bias,           \
+            int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,        \
+            int splits, float* __restrict__ partials, int* __restrict__ locks) {                 \
+        static_assert(ROWS == RG * 32, "32 rows a row group");                                  \
+        int_mma_gemm<FMT, NT, RG, KS, O>(x, n, w, sz, group, bias, has_bias, out, accumulate,    \
+                                         alpha, m, k, splits, partials, locks);                  \
     }
-#define INT_GEMM_KERNELS(FMT, NAME, NT)         \
-    INT_GEMM_KERNEL(FMT, NAME, NT, float, f32)  \
-    INT_GEMM_KERNEL(FMT, NAME, NT, __half, f16)
+#define INT_GEMM_BLOCK_KERNELS(FMT, NAME, NT, ROWS, RG, KS)   \
+    INT_GEMM_KERNEL(FMT, NAME, NT, ROWS, RG, KS, float, f32)  \
+    INT_GEMM_KERNEL(FMT, NAME, NT, ROWS, RG, KS, __half, f16)
+#define INT_GEMM_KERNELS(FMT, NAME, NT) IG_BLOCKS(INT_GEMM_BLOCK_KERNELS, FMT, NAME, NT)
 INT_GEMM_KERNELS(FMT_W4, w4, 1)
 INT_GEMM_KERNELS(FMT_W4, w4, 2)
 INT_GEMM_KERNELS(FMT_W4, w4, 4)

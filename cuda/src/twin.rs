@@ -99,6 +99,10 @@ pub enum Case {
         to: QuantizeTo,
         group: usize,
         op: IntOp,
+        /// The integer GEMM's blocks forced to this many weight rows (one of its block
+        /// shapes, [`crate::cuda::with_int_gemm_rows`]), so that every shape is checked
+        /// whichever this GPU would pick; `None`: the device's own choice. The CPU ignores it.
+        block_rows: Option<usize>,
     },
     /// The fused gate/up/SwiGLU of the text MLP (`normed`: of the input's RMSNorm).
     Swiglu {
@@ -444,9 +448,11 @@ impl Case {
                 to,
                 group,
                 op,
+                block_rows,
             } => format!(
-                "int_gemm {op:?} {n}x{k}->{m}{} group {group}",
-                int_name(Some(*to))
+                "int_gemm {op:?} {n}x{k}->{m}{} group {group}{}",
+                int_name(Some(*to)),
+                block_rows.map_or(String::new(), |r| format!(", blocks of {r} rows"))
             ),
             Case::LayerNormLinears { n, k, m } => format!("layer_norm_linears {n}x{k}->3x{m}"),
             Case::LayerNormMlp { n, k, hidden } => {
@@ -736,7 +742,10 @@ impl Case {
                 to,
                 group,
                 op,
-            } => int_gemm(be, n, k, m, to, group, op)?,
+                block_rows,
+            } => crate::cuda::with_int_gemm_rows(block_rows, || {
+                int_gemm(be, n, k, m, to, group, op)
+            })?,
             Case::SwigluOutlier { n } => swiglu_outlier(be, n)?,
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
@@ -1510,39 +1519,45 @@ pub fn self_check_cases() -> Vec<Case> {
     }
     // The tensor-core integer GEMM past 4 rows, small enough for the startup check: n-tiles 1,
     // 2, 8 (5, 16, 40 and 64 rows: tiles part empty), odd m (a block's last rows missing), k
-    // of 8 stages (two splits: their ordered adds), groups of 32 (4 a stage), 64 and 128, the
+    // of 16 stages (split: their ordered adds), groups of 32 (4 a stage), 64 and 128, the
     // MLP's f16 gate/up output; the group-128 ops of int_linears at 16 rows too. FP8 as W4 and
-    // W8 (blocks of 128 rows by the group's columns). Real sizes in cuda/tests/cuda_twin.rs
-    // (int_gemm_at_real_sizes).
+    // W8 (blocks of 128 rows by the group's columns). First with the block shape and k splits
+    // this GPU picks, then on each block shape (forced), split and not. Which split is
+    // `self_check_splits_k_on_every_block_shape` in int_weights.rs. Real sizes in
+    // cuda/tests/cuda_twin.rs (int_gemm_at_real_sizes).
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         cases.extend(Case::int_linears(16, 1024, 256, to));
+        let int_gemm = |n, k, m, group, op, block_rows| IntGemm {
+            n,
+            k,
+            m,
+            to,
+            group,
+            op,
+            block_rows,
+        };
         for (n, k, m, group) in [
             (5, 512, 301, 32),
             (16, 1024, 256, 128),
-            (40, 1024, 777, 32),
+            (40, 2048, 777, 32),
             (64, 1024, 1000, 64),
         ] {
             for op in [IntOp::Linear, IntOp::AddLinear] {
-                cases.push(IntGemm {
-                    n,
-                    k,
-                    m,
-                    to,
-                    group,
-                    op,
-                });
+                cases.push(int_gemm(n, k, m, group, op, None));
             }
         }
-        // The MLP: gate/up in f16 out (k of 8 stages: two splits), down (k = 256, one split)
-        // scaled by alpha and accumulating.
-        cases.push(IntGemm {
-            n: 24,
-            k: 1024,
-            m: 256,
-            to,
-            group: 32,
-            op: IntOp::Mlp,
-        });
+        // The MLP: gate/up in f16 out (k of 16 stages: split), down (k = 256, unsplit) scaled
+        // by alpha and accumulating.
+        cases.push(int_gemm(24, 2048, 256, 32, IntOp::Mlp, None));
+        // Each block shape: k split (16 stages) with accumulate and the bias, at 64 rows; then
+        // unsplit (4 stages and fewer) with the bias, at 33 rows, and the MLP at 9.
+        for rows in [256, 192, 128] {
+            cases.extend([
+                int_gemm(64, 2048, 300, 32, IntOp::AddLinear, Some(rows)),
+                int_gemm(33, 512, 200, 64, IntOp::Linear, Some(rows)),
+                int_gemm(9, 512, 384, 128, IntOp::Mlp, Some(rows)),
+            ]);
+        }
     }
     // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.
     for (n, k, m) in [(33, 1152, 200), (3, 64, 40)] {

@@ -207,7 +207,10 @@ fn int_gemm_at_real_sizes() {
     // The tensor-core integer GEMM (5..=64 rows; `VLM_INT_GEMM=dequant` runs the same cases on
     // the dequantization and cuBLAS): batched decode at 8B shapes, k split into several ranges
     // (4096 columns: up to 8 splits of 4 stages on an H100), groups of 32 and 128 (FP8: blocks
-    // of 128 rows by as many columns).
+    // of 128 rows by as many columns); the 8B model's MLP at 64 rows (on an H100 gate/up on
+    // 128 blocks of 192 rows, down on 32 of 128 split 4 ways); then q/k/v's shape on each
+    // block shape, forced (on an H100 k is split on each: 24 blocks of 256 rows x 5, 32 of 192
+    // x 4, 48 of 128 x 2).
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         check_all(
             &g,
@@ -215,23 +218,28 @@ fn int_gemm_at_real_sizes() {
                 .into_iter()
                 .flat_map(|(n, k, m)| Case::int_linears(n, k, m, to)),
         );
+        let int_gemm = |(n, k, m, group, op, block_rows)| Case::IntGemm {
+            n,
+            k,
+            m,
+            to,
+            group,
+            op,
+            block_rows,
+        };
         let cases = [
-            (64, 4096, 4096, 128, IntOp::AddLinear),
-            (40, 4096, 777, 32, IntOp::Linear),
-            (64, 12288, 4096, 32, IntOp::Linear),
-            (17, 4096, 6144, 128, IntOp::AddLinear),
-            (64, 4096, 1536, 128, IntOp::Mlp),
+            (64, 4096, 4096, 128, IntOp::AddLinear, None),
+            (40, 4096, 777, 32, IntOp::Linear, None),
+            (64, 12288, 4096, 32, IntOp::Linear, None),
+            (17, 4096, 6144, 128, IntOp::AddLinear, None),
+            (64, 4096, 1536, 128, IntOp::Mlp, None),
+            (64, 4096, 12288, 128, IntOp::Mlp, None),
         ];
+        check_all(&g, cases.map(int_gemm));
         check_all(
             &g,
-            cases.map(|(n, k, m, group, op)| Case::IntGemm {
-                n,
-                k,
-                m,
-                to,
-                group,
-                op,
-            }),
+            [256, 192, 128]
+                .map(|rows| int_gemm((64, 4096, 6144, 128, IntOp::AddLinear, Some(rows)))),
         );
     }
 }
@@ -632,6 +640,10 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
             "flash_attention_d128",
             "paged_flash_attention_d64",
             "paged_flash_attention_d128",
+            // The integer GEMM's block shapes (IG_BLOCKS, defined by the host).
+            "int_gemm_w4_r256_n8_f32",
+            "int_gemm_w8_r192_n8_f16",
+            "int_gemm_f8_r128_n1_f32",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {k}")),

@@ -66,7 +66,7 @@ pub(super) struct Inner {
     /// Where an integer weight is dequantized to f16 for a GEMM (int_weights.rs): as large as
     /// the largest integer weight uploaded.
     pub(super) dequant_scratch: std::sync::Mutex<Option<CudaSlice<half::f16>>>,
-    /// One lock per 256-row block of the integer GEMM (int_weights.rs, `launch_int_gemm`):
+    /// One lock per m-block of the integer GEMM (int_weights.rs, `launch_int_gemm`):
     /// how many of its k splits have written their partial sums. Each launch leaves them at 0
     /// again.
     pub(super) int_gemm_locks: CudaSlice<i32>,

@@ -17,8 +17,8 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 
 use super::error::cuda_err;
 use super::kernels::{
-    int_gemm_kernel, int_gemm_tiles, Gemv, GEMV_WARPS, INT_GEMM_K, INT_GEMM_MAX_ROWS,
-    INT_GEMM_STAGES, INT_GEMM_SZ_SLOTS, INT_GEMM_WARPS,
+    int_gemm_kernel, int_gemm_tiles, Gemv, IntGemmBlock, GEMV_WARPS, INT_GEMM_BLOCKS, INT_GEMM_K,
+    INT_GEMM_MAX_ROWS, INT_GEMM_STAGES, INT_GEMM_SZ_SLOTS,
 };
 use super::launch::arg;
 use super::linear::GemmOut;
@@ -47,8 +47,8 @@ fn tensor_core_gemm() -> bool {
     *ON.get_or_init(|| std::env::var("VLM_INT_GEMM").map_or(true, |v| v != "dequant"))
 }
 
-/// The integer GEMM's locks (context.rs): one per block of INT_GEMM_WARPS * 32 weight rows, so
-/// matrices up to 256K rows may split k (larger ones do not).
+/// The integer GEMM's locks (context.rs): one per m-block, so matrices up to 1024 blocks may
+/// split k (larger ones do not).
 pub(super) const INT_GEMM_LOCKS: usize = 1024;
 
 /// The most k splits an integer GEMM launch takes: `VLM_INT_GEMM_SPLITS=n` (at least 1) to
@@ -63,23 +63,155 @@ fn int_gemm_max_splits() -> usize {
     })
 }
 
-/// Weight rows one integer GEMM block owns.
-const INT_GEMM_BLOCK_ROWS: usize = INT_GEMM_WARPS * 32;
+/// The block rows every integer GEMM of the process takes, where that shape's shared memory
+/// fits: `VLM_INT_GEMM_ROWS=256`, `192` or `128` (one of [`INT_GEMM_BLOCKS`]; to time them
+/// against each other); else each shape gets [`int_gemm_grid`]'s choice. The k splits are
+/// chosen for the forced shape as for any.
+fn int_gemm_forced_rows() -> Option<usize> {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        let rows = std::env::var("VLM_INT_GEMM_ROWS").ok()?.parse().ok()?;
+        INT_GEMM_BLOCKS
+            .iter()
+            .any(|b| b.rows() == rows)
+            .then_some(rows)
+    })
+}
 
-/// Floats of one block's partial sums under split k (context.rs holds one per SM).
-pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLOCK_ROWS;
+thread_local! {
+    /// Block rows forced on this thread's integer GEMMs by [`with_int_gemm_rows`] (before
+    /// `VLM_INT_GEMM_ROWS`).
+    static FORCED_ROWS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's integer GEMMs on blocks of `rows` weight rows (one of
+/// [`INT_GEMM_BLOCKS`]' rows, where its shared memory fits; `None`: each shape's own choice),
+/// as `VLM_INT_GEMM_ROWS` does for a whole process: how the twin cases
+/// ([`crate::twin::Case::IntGemm`]'s `block_rows`) reach every block shape on any GPU, whichever
+/// the GPU's SM count would pick. Launches are queued on the calling thread, so no other
+/// thread's GEMMs change.
+pub fn with_int_gemm_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED_ROWS.set(self.0);
+        }
+    }
+    let _restore = Restore(FORCED_ROWS.replace(rows));
+    f()
+}
+
+/// Floats of one block's partial sums under split k (context.rs holds one per SM): x's rows
+/// by the largest block's rows (the first of [`INT_GEMM_BLOCKS`]).
+pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLOCKS[0].rows();
 
 /// Stages of k each split of the integer GEMM takes at least (fewer and the pipeline's fill
 /// and the ordered adds weigh more than the extra blocks give).
 const INT_GEMM_MIN_SPLIT_STAGES: usize = 4;
 
-/// Shared memory of the integer GEMM at `bits` for `rows` rows of x: int_mma_gemm's stages
-/// (weights_f16.cu, ig_stage_bytes).
-fn int_gemm_smem(bits: u32, rows: usize) -> usize {
-    let stage = INT_GEMM_BLOCK_ROWS * INT_GEMM_K * bits as usize / 8
-        + int_gemm_tiles(rows) * 8 * INT_GEMM_K * 2
-        + INT_GEMM_BLOCK_ROWS * INT_GEMM_SZ_SLOTS * 4;
-    INT_GEMM_STAGES * stage
+/// What splitting k costs a block beyond its stages, in stages of the same block: its partial
+/// tile written, the wait for the m-block's other splits, and its share of the tiles read back
+/// and added in order. Fitted to the H100 timings of 256-row blocks (W4, docs/results/
+/// h100-2026-11-27-630df54-int-gemm.txt): o (4 stages a split) and down (12) are 8 stages
+/// apart, 2.65 us a stage at 64 rows and 1.63 at 8, and o takes 5 to 5.5 stages' time more
+/// than its 4, a launch's few microseconds included.
+const INT_GEMM_SPLIT_COST: usize = 4;
+
+/// Shared memory of the integer GEMM at `bits` for `rows` rows of x on blocks of shape
+/// `block`: int_mma_gemm's stages (weights_f16.cu, ig_stage_bytes), which also hold the
+/// second halves' sums of a block of two warps a row group once k is done.
+fn int_gemm_smem(bits: u32, rows: usize, block: IntGemmBlock) -> usize {
+    let tiles = int_gemm_tiles(rows);
+    let stage = block.rows() * INT_GEMM_K * bits as usize / 8
+        + tiles * 8 * INT_GEMM_K * 2
+        + block.rows() * INT_GEMM_SZ_SLOTS * 4;
+    // A warp's accumulators: 2 m16 tiles x `tiles` n8 tiles x 4 floats a lane.
+    let halves = (block.k_parts - 1) * block.row_groups * 2 * tiles * 4 * 32 * 4;
+    (INT_GEMM_STAGES * stage).max(halves)
+}
+
+/// How an integer GEMM launch covers its weight: blocks of one shape of [`INT_GEMM_BLOCKS`],
+/// enough of them for the weight's rows, and the ranges of k stages each is split into (one
+/// block a range, adjacent in the grid).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IntGemmGrid {
+    pub block: IntGemmBlock,
+    /// Blocks of `block.rows()` weight rows (the last one's part empty where they do not
+    /// divide the rows).
+    pub blocks: usize,
+    /// k splits of each block (1: unsplit).
+    pub splits: usize,
+}
+
+impl IntGemmGrid {
+    /// Blocks launched.
+    pub fn grid(&self) -> usize {
+        self.blocks * self.splits
+    }
+}
+
+impl std::fmt::Display for IntGemmGrid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} blocks of {} rows ({} warps) x {} k splits = {}",
+            self.blocks,
+            self.block.rows(),
+            self.block.warps(),
+            self.splits,
+            self.grid()
+        )
+    }
+}
+
+/// The integer GEMM's grid for `m` weight rows of `stages` k stages on `sms` SMs: of the
+/// block shapes `fits` allows (their shared memory; a forced one) and their k splits, the one
+/// whose busiest SM has the least work, counted as its blocks' weight rows times stages (plus
+/// [`INT_GEMM_SPLIT_COST`] stages a split block); larger blocks, then fewer splits, on ties.
+/// k is split only up to one block an SM (the splits of an m-block wait for each other, so all
+/// must be resident; the partial sums hold one tile an SM), [`INT_GEMM_MIN_SPLIT_STAGES`] a
+/// split, `max_splits`, and m-blocks that have a lock. `None` where no shape fits.
+///
+/// At the 8B model's shapes on an H100 (132 SMs): gate/up's 24,576 rows as 128 blocks of 192
+/// (96 of 256 left 36 SMs idle), q/k/v's 6,144 as 32 of 192 split 4 ways, o's and down's 4,096
+/// as 32 of 128 split 4 ways (16 of 256 split 8 ways: the same stages an SM, twice the splits'
+/// cost).
+pub(super) fn int_gemm_grid(
+    m: usize,
+    stages: usize,
+    sms: usize,
+    max_splits: usize,
+    fits: impl Fn(IntGemmBlock) -> bool,
+) -> Option<IntGemmGrid> {
+    let sms = sms.max(1);
+    INT_GEMM_BLOCKS
+        .into_iter()
+        .enumerate()
+        .filter(|&(_, block)| fits(block))
+        .flat_map(|(rank, block)| {
+            let blocks = m.div_ceil(block.rows()).max(1);
+            let most = if blocks > INT_GEMM_LOCKS {
+                1
+            } else {
+                (sms / blocks)
+                    .min(stages / INT_GEMM_MIN_SPLIT_STAGES)
+                    .min(max_splits)
+                    .max(1)
+            };
+            (1..=most).map(move |splits| {
+                let grid = IntGemmGrid {
+                    block,
+                    blocks,
+                    splits,
+                };
+                let split_cost = if splits > 1 { INT_GEMM_SPLIT_COST } else { 0 };
+                let per_block = block.rows() * (stages.div_ceil(splits) + split_cost);
+                let busiest = grid.grid().div_ceil(sms) * per_block;
+                ((busiest, rank, splits), grid)
+            })
+        })
+        .min_by_key(|&(key, _)| key)
+        .map(|(_, grid)| grid)
 }
 
 /// Columns one 16-byte load of the integer GEMVs holds at `bits`.
@@ -501,7 +633,39 @@ impl CudaBackend {
             && group > 0
             && (group % INT_GEMM_K == 0
                 || (INT_GEMM_K % group == 0 && INT_GEMM_K / group <= INT_GEMM_SZ_SLOTS))
-            && int_gemm_smem(iw.format.bits(), n) <= self.inner.gemv_smem
+            && INT_GEMM_BLOCKS
+                .into_iter()
+                .any(|b| int_gemm_smem(iw.format.bits(), n, b) <= self.inner.gemv_smem)
+    }
+
+    /// The grid [`Self::launch_int_gemm`] takes for `n` rows of x against an `m` x `k` weight
+    /// of `bits` ([`int_gemm_grid`] on this GPU's SMs; the block rows forced by
+    /// [`with_int_gemm_rows`] or `VLM_INT_GEMM_ROWS` where that shape fits), for shapes
+    /// [`Self::int_gemm_takes`] takes.
+    fn int_gemm_launch_grid(&self, bits: u32, n: usize, m: usize, k: usize) -> Option<IntGemmGrid> {
+        let forced = FORCED_ROWS.get().or_else(int_gemm_forced_rows);
+        let grid = |only: Option<usize>| {
+            int_gemm_grid(
+                m,
+                k / INT_GEMM_K,
+                self.inner.sm_count,
+                int_gemm_max_splits(),
+                |b| {
+                    only.is_none_or(|rows| rows == b.rows())
+                        && int_gemm_smem(bits, n, b) <= self.inner.gemv_smem
+                },
+            )
+        };
+        grid(forced).or_else(|| grid(None))
+    }
+
+    /// How the tensor-core integer GEMM launches for `n` rows of x against `w`, or `None`
+    /// where it does not take them (an f16 weight, or a shape or row count it does not take:
+    /// those go to the dequantization and cuBLAS). For examples and timing notes.
+    pub fn int_gemm_grid_of(&self, w: &CudaWeight, n: usize) -> Option<IntGemmGrid> {
+        let (m, k) = (w.shape[0], w.shape[1]);
+        let iw = w.as_int().filter(|iw| self.int_gemm_takes(iw, n, k))?;
+        self.int_gemm_launch_grid(iw.format.bits(), n, m, k)
     }
 
     /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, `n` rows of x16
@@ -527,25 +691,21 @@ impl CudaBackend {
                 format!("{n} rows of {k} -> {m} columns"),
             ));
         }
-        let name = int_gemm_kernel(iw.format, n, O::F16);
-        let blocks = m.div_ceil(INT_GEMM_BLOCK_ROWS);
-        let stages = k / INT_GEMM_K;
-        // Split k until the grid fills the SMs, at most one block an SM (the splits of an
-        // m-block wait for each other: all must be resident; the partial sums hold one tile
-        // an SM) and INT_GEMM_MIN_SPLIT_STAGES a split.
-        let splits = if blocks > INT_GEMM_LOCKS {
-            1
-        } else {
-            (self.inner.sm_count / blocks)
-                .min(stages / INT_GEMM_MIN_SPLIT_STAGES)
-                .min(int_gemm_max_splits())
-                .max(1)
+        let bits = iw.format.bits();
+        // The block shape and k splits that fill the SMs best (int_gemm_grid), at most one
+        // block an SM where k is split.
+        let Some(grid) = self.int_gemm_launch_grid(bits, n, m, k) else {
+            return Err(Error::shape(
+                "integer GEMM",
+                format!("no block shape's shared memory fits {n} rows at {bits} bits"),
+            ));
         };
-        let smem = int_gemm_smem(iw.format.bits(), n);
+        let IntGemmGrid { block, splits, .. } = grid;
+        let name = int_gemm_kernel(iw.format, block, n, O::F16);
         let cfg = LaunchConfig {
-            grid_dim: ((blocks * splits) as u32, 1, 1),
-            block_dim: ((INT_GEMM_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
+            grid_dim: (grid.grid() as u32, 1, 1),
+            block_dim: ((block.warps() * 32) as u32, 1, 1),
+            shared_mem_bytes: int_gemm_smem(bits, n, block) as u32,
         };
         let stream = &self.inner.stream;
         let (nn, group, has_bias, acc) = (
@@ -587,11 +747,13 @@ impl CudaBackend {
             arg(&lp),
         ];
         // SAFETY: the arguments are INT_GEMM_KERNEL's, in order, with O the kernel's output
-        // type (the name picks f16 or f32); x16 holds n * k halves, out n * m of O, bias m
-        // floats (checked above), the words and scales m rows of k (upload); k and group are
-        // as int_mma_gemm needs and its shared memory was opted into (int_gemm_takes); the
-        // locks are at least `blocks` where splits > 1, all 0 between launches; with splits
-        // > 1 the grid is at most sm_count blocks, and the partials hold a tile for each.
+        // type (the name picks f16 or f32) and the block's threads its shape's; x16 holds n * k
+        // halves, out n * m of O, bias m floats (checked above), the words and scales m rows of
+        // k (upload); k and group are as int_mma_gemm needs (int_gemm_takes), and the shape's
+        // shared memory is within what was opted into (int_gemm_grid's `fits`); the locks are
+        // at least `blocks` where splits > 1 (int_gemm_grid), all 0 between launches; with
+        // splits > 1 the grid is at most sm_count blocks, and the partials hold a tile of the
+        // largest shape for each.
         let launched = unsafe { self.launch_args(name, cfg, &mut args, false) };
         self.launched(name, launched)
     }
@@ -599,7 +761,9 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kernels::{int_gemm_kernel, int_gemm_tiles, GEMV_STATIC_SMEM};
     use super::super::tensor::fp8_scale_fits_f16;
+    use super::*;
     use crate::quant::fp8::{e4m3_is_nan, E4M3};
     use half::f16;
 
@@ -678,5 +842,184 @@ mod tests {
             );
         }
         assert!(!fp8_scale_fits_f16(f32::NAN));
+    }
+
+    /// Shared memory a block may opt into on an H100 (227 KB) and on Orin (163 KB), less the
+    /// GEMVs' static part, as context.rs gives the integer GEMM (`gemv_smem`).
+    const H100_SMEM: usize = (227 << 10) - GEMV_STATIC_SMEM;
+    const ORIN_SMEM: usize = (163 << 10) - GEMV_STATIC_SMEM;
+
+    /// The grid of an `m` x `k` weight at `bits` for `n` rows of x on `sms` SMs with `smem`
+    /// bytes of shared memory a block, as launch_int_gemm picks it (no split cap), with block
+    /// rows `only` where given.
+    fn grid(
+        m: usize,
+        k: usize,
+        n: usize,
+        bits: u32,
+        sms: usize,
+        smem: usize,
+        only: Option<usize>,
+    ) -> Option<IntGemmGrid> {
+        int_gemm_grid(m, k / INT_GEMM_K, sms, usize::MAX, |b| {
+            only.is_none_or(|r| r == b.rows()) && int_gemm_smem(bits, n, b) <= smem
+        })
+    }
+
+    /// Qwen3-VL-8B's text projections (hidden 4096, intermediate 12288): q/k/v, o, gate/up
+    /// stacked, down, as (m, k).
+    const SHAPES_8B: [(usize, usize); 4] =
+        [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)];
+
+    /// Every grid covers the weight's rows with a block shape whose kernel exists and whose
+    /// shared memory fits, and splits k only where every split is resident (the grid at most
+    /// the SMs), each split has its stages, and the m-blocks have locks: at the 8B shapes for
+    /// 8 to 64 rows and at the twin tests' small ones, on an H100, an A100 and Orin.
+    #[test]
+    fn integer_gemm_grids_cover_the_rows_and_split_only_within_the_sms() {
+        let small = [
+            (301, 512),
+            (256, 1024),
+            (777, 2048),
+            (1000, 1024),
+            (300, 2048),
+            (200, 512),
+            (768, 512),
+            (512, 384),
+            (512, 2048),
+            (2048, 256),
+            (512, 4096),
+            (777, 4096),
+            (3072, 4096),
+            (4096, 1536),
+            (24576, 4096),
+            (1, 128),
+        ];
+        for (sms, smem) in [(132, H100_SMEM), (108, H100_SMEM), (16, ORIN_SMEM)] {
+            for &(m, k) in SHAPES_8B.iter().chain(&small) {
+                for n in [5, 8, 16, 17, 32, 33, 64] {
+                    for bits in [4, 8] {
+                        let g = grid(m, k, n, bits, sms, smem, None)
+                            .unwrap_or_else(|| panic!("{m}x{k}, {n} rows at {bits} bits"));
+                        let at = format!("{m}x{k}, {n} rows at {bits} bits on {sms} SMs: {g}");
+                        assert!(g.blocks * g.block.rows() >= m, "{at}");
+                        assert!((g.blocks - 1) * g.block.rows() < m.max(1), "{at}");
+                        assert!(int_gemm_smem(bits, n, g.block) <= smem, "{at}");
+                        let name = int_gemm_kernel(IntFormat::of_bits(bits), g.block, n, false);
+                        assert!(name.contains(&format!("_r{}_", g.block.rows())), "{at}");
+                        if g.splits > 1 {
+                            assert!(g.grid() <= sms, "{at}");
+                            assert!(g.blocks <= INT_GEMM_LOCKS, "{at}");
+                            assert!(
+                                k / INT_GEMM_K / g.splits >= INT_GEMM_MIN_SPLIT_STAGES,
+                                "{at}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// On an H100 the 8B shapes fill the SMs (the issue: 96 blocks of 256 rows left 36 of 132
+    /// SMs idle at gate/up), at every row count: gate/up 128 blocks of 192 rows, unsplit;
+    /// q/k/v 32 of 192 split 4 ways; o and down 32 of 128 split 4 ways. Orin (16 SMs) keeps
+    /// 256-row blocks for gate/up (6 full waves of them).
+    #[test]
+    fn integer_gemm_grids_fill_an_h100_at_the_8b_shapes() {
+        let (r256, r192, r128) = (INT_GEMM_BLOCKS[0], INT_GEMM_BLOCKS[1], INT_GEMM_BLOCKS[2]);
+        for n in [8, 16, 32, 64] {
+            for bits in [4, 8] {
+                let at = |m, k| grid(m, k, n, bits, 132, H100_SMEM, None).unwrap();
+                let gate_up = at(24576, 4096);
+                assert!(
+                    gate_up.grid() * 100 >= 95 * 132 && gate_up.grid() <= 132,
+                    "{gate_up}"
+                );
+                assert_eq!(
+                    (gate_up.block, gate_up.blocks, gate_up.splits),
+                    (r192, 128, 1)
+                );
+                let qkv = at(6144, 4096);
+                assert_eq!((qkv.block, qkv.blocks, qkv.splits), (r192, 32, 4));
+                for (m, k) in [(4096, 4096), (4096, 12288)] {
+                    let g = at(m, k);
+                    assert_eq!((g.block, g.blocks, g.splits), (r128, 32, 4), "{m}x{k}");
+                }
+                let orin = grid(24576, 4096, n, bits, 16, ORIN_SMEM, None).unwrap();
+                assert_eq!((orin.block, orin.blocks, orin.splits), (r256, 96, 1));
+            }
+        }
+    }
+
+    /// Each block shape's shared memory (its stages, and its second halves' sums where two
+    /// warps share a row group's stages) fits Orin's 163 KB a block at every row count and
+    /// width; the halves' sums fit the stages' memory (the kernel asserts the same); the
+    /// partial sums' tile holds every shape's; and a shape's warps are a multiple of 4 (each
+    /// of the SM's 4 sub-partitions gets as many) and at most 12 (the kernels' registers at
+    /// 64 rows, up to 168 a thread, allow no more).
+    #[test]
+    fn every_block_shape_fits_orin_and_the_partial_tile() {
+        for block in INT_GEMM_BLOCKS {
+            assert!(
+                block.rows() * INT_GEMM_MAX_ROWS <= INT_GEMM_PARTIAL_TILE,
+                "{block:?}"
+            );
+            assert!(block.warps() <= 12 && block.warps() % 4 == 0, "{block:?}");
+            for bits in [4, 8] {
+                for n in 1..=INT_GEMM_MAX_ROWS {
+                    let smem = int_gemm_smem(bits, n, block);
+                    assert!(smem <= ORIN_SMEM, "{block:?} {n}");
+                    let tiles = int_gemm_tiles(n);
+                    let halves = (block.k_parts - 1) * block.row_groups * tiles * 1024;
+                    assert!(halves < smem, "{block:?} {n}");
+                }
+            }
+        }
+    }
+
+    /// The startup self-check's integer GEMM cases split k and leave it whole on every block
+    /// shape they force, and split it where the GPU picks the shape, on an H100 and on Orin:
+    /// so every kernel shape and both ends of the kernel (the ordered adds of partial sums and
+    /// the direct stores) are checked at every start.
+    #[test]
+    fn self_check_splits_k_on_every_block_shape() {
+        use crate::twin::{Case, IntOp};
+        for (sms, smem) in [(132, H100_SMEM), (16, ORIN_SMEM)] {
+            // (forced rows, split) seen, and whether an unforced case split.
+            let mut seen = std::collections::BTreeSet::new();
+            for case in crate::twin::self_check_cases() {
+                let Case::IntGemm {
+                    n,
+                    k,
+                    m,
+                    op,
+                    block_rows,
+                    ..
+                } = case
+                else {
+                    continue;
+                };
+                let gemms = match op {
+                    IntOp::Linear | IntOp::AddLinear => vec![(m, k)],
+                    IntOp::Mlp => vec![(2 * m, k), (k, m)],
+                };
+                for (m, k) in gemms.into_iter().filter(|&(_, k)| k % INT_GEMM_K == 0) {
+                    for bits in [4, 8] {
+                        let g = grid(m, k, n, bits, sms, smem, block_rows).unwrap();
+                        assert_eq!(block_rows.unwrap_or(g.block.rows()), g.block.rows());
+                        seen.insert((block_rows, g.splits > 1));
+                    }
+                }
+            }
+            for rows in INT_GEMM_BLOCKS.map(|b| Some(b.rows())) {
+                assert!(seen.contains(&(rows, true)), "{rows:?} split, {sms} SMs");
+                assert!(seen.contains(&(rows, false)), "{rows:?} unsplit, {sms} SMs");
+            }
+            assert!(
+                seen.contains(&(None, true)),
+                "a split of the GPU's choice, {sms} SMs"
+            );
+        }
     }
 }

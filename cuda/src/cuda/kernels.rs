@@ -606,43 +606,131 @@ pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 32] = [
     ],
 ];
 
-/// The tensor-core integer GEMM's tiles (weights_f16.cu's int_mma_gemm, `IG_*` there): warps a
-/// block (32 weight rows each), columns a k stage, stages in shared memory at once, (scale,
-/// zero) slots a weight row a stage (so groups of at least IG_K / 4 columns), and x's rows.
-pub(super) const INT_GEMM_WARPS: usize = 8;
+/// The tensor-core integer GEMM's tiles (weights_f16.cu's int_mma_gemm, `IG_*` there): columns
+/// a k stage, stages in shared memory at once, (scale, zero) slots a weight row a stage (so
+/// groups of at least IG_K / 4 columns), and x's rows.
 pub(super) const INT_GEMM_K: usize = 128;
 pub(super) const INT_GEMM_STAGES: usize = 3;
 pub(super) const INT_GEMM_SZ_SLOTS: usize = 4;
 pub(super) const INT_GEMM_MAX_ROWS: usize = 64;
 
+/// A block shape of the tensor-core integer GEMM (int_mma_gemm's RG and KS): `row_groups` of
+/// 32 weight rows, each taken by `k_parts` warps (1: a warp multiplies whole k stages; 2: each
+/// of two multiplies half of every stage's columns, their sums added once k is done).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IntGemmBlock {
+    pub row_groups: usize,
+    pub k_parts: usize,
+}
+
+impl IntGemmBlock {
+    /// Weight rows a block owns.
+    pub const fn rows(self) -> usize {
+        32 * self.row_groups
+    }
+
+    /// Warps a block.
+    pub const fn warps(self) -> usize {
+        self.row_groups * self.k_parts
+    }
+}
+
+/// The block shapes the host picks from for each GEMM (`int_gemm_grid`, int_weights.rs),
+/// largest first, and weights_f16.cu instantiates (IG_BLOCKS): 256 rows of 8 warps, 192 of 12
+/// and 128 of 8 (two warps a row group: the SM's 4 sub-partitions get equal work; the kernel's
+/// comment says why that matters). 24,576 rows (the 8B MLP's gate/up) are 96 blocks of 256
+/// on an H100's 132 SMs, 128 of 192.
+pub(super) const INT_GEMM_BLOCKS: [IntGemmBlock; 3] = [
+    IntGemmBlock {
+        row_groups: 8,
+        k_parts: 1,
+    },
+    IntGemmBlock {
+        row_groups: 6,
+        k_parts: 2,
+    },
+    IntGemmBlock {
+        row_groups: 4,
+        k_parts: 2,
+    },
+];
+
 /// The tensor-core integer GEMMs for 5..=64 rows (weights_f16.cu's int_mma_gemm): W4, W8, then
-/// FP8 (in [`IntFormat`]'s order); n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then
-/// f16 output.
-pub(super) const INT_GEMM_KERNELS: [&str; 24] = [
-    "int_gemm_w4_n1_f32",
-    "int_gemm_w4_n1_f16",
-    "int_gemm_w4_n2_f32",
-    "int_gemm_w4_n2_f16",
-    "int_gemm_w4_n4_f32",
-    "int_gemm_w4_n4_f16",
-    "int_gemm_w4_n8_f32",
-    "int_gemm_w4_n8_f16",
-    "int_gemm_w8_n1_f32",
-    "int_gemm_w8_n1_f16",
-    "int_gemm_w8_n2_f32",
-    "int_gemm_w8_n2_f16",
-    "int_gemm_w8_n4_f32",
-    "int_gemm_w8_n4_f16",
-    "int_gemm_w8_n8_f32",
-    "int_gemm_w8_n8_f16",
-    "int_gemm_f8_n1_f32",
-    "int_gemm_f8_n1_f16",
-    "int_gemm_f8_n2_f32",
-    "int_gemm_f8_n2_f16",
-    "int_gemm_f8_n4_f32",
-    "int_gemm_f8_n4_f16",
-    "int_gemm_f8_n8_f32",
-    "int_gemm_f8_n8_f16",
+/// FP8 (in [`IntFormat`]'s order); for each the block shapes of [`INT_GEMM_BLOCKS`] in order;
+/// for each n-tiles 1, 2, 4, 8 (rows up to 8, 16, 32, 64); f32 then f16 output.
+pub(super) const INT_GEMM_KERNELS: [&str; 72] = [
+    "int_gemm_w4_r256_n1_f32",
+    "int_gemm_w4_r256_n1_f16",
+    "int_gemm_w4_r256_n2_f32",
+    "int_gemm_w4_r256_n2_f16",
+    "int_gemm_w4_r256_n4_f32",
+    "int_gemm_w4_r256_n4_f16",
+    "int_gemm_w4_r256_n8_f32",
+    "int_gemm_w4_r256_n8_f16",
+    "int_gemm_w4_r192_n1_f32",
+    "int_gemm_w4_r192_n1_f16",
+    "int_gemm_w4_r192_n2_f32",
+    "int_gemm_w4_r192_n2_f16",
+    "int_gemm_w4_r192_n4_f32",
+    "int_gemm_w4_r192_n4_f16",
+    "int_gemm_w4_r192_n8_f32",
+    "int_gemm_w4_r192_n8_f16",
+    "int_gemm_w4_r128_n1_f32",
+    "int_gemm_w4_r128_n1_f16",
+    "int_gemm_w4_r128_n2_f32",
+    "int_gemm_w4_r128_n2_f16",
+    "int_gemm_w4_r128_n4_f32",
+    "int_gemm_w4_r128_n4_f16",
+    "int_gemm_w4_r128_n8_f32",
+    "int_gemm_w4_r128_n8_f16",
+    "int_gemm_w8_r256_n1_f32",
+    "int_gemm_w8_r256_n1_f16",
+    "int_gemm_w8_r256_n2_f32",
+    "int_gemm_w8_r256_n2_f16",
+    "int_gemm_w8_r256_n4_f32",
+    "int_gemm_w8_r256_n4_f16",
+    "int_gemm_w8_r256_n8_f32",
+    "int_gemm_w8_r256_n8_f16",
+    "int_gemm_w8_r192_n1_f32",
+    "int_gemm_w8_r192_n1_f16",
+    "int_gemm_w8_r192_n2_f32",
+    "int_gemm_w8_r192_n2_f16",
+    "int_gemm_w8_r192_n4_f32",
+    "int_gemm_w8_r192_n4_f16",
+    "int_gemm_w8_r192_n8_f32",
+    "int_gemm_w8_r192_n8_f16",
+    "int_gemm_w8_r128_n1_f32",
+    "int_gemm_w8_r128_n1_f16",
+    "int_gemm_w8_r128_n2_f32",
+    "int_gemm_w8_r128_n2_f16",
+    "int_gemm_w8_r128_n4_f32",
+    "int_gemm_w8_r128_n4_f16",
+    "int_gemm_w8_r128_n8_f32",
+    "int_gemm_w8_r128_n8_f16",
+    "int_gemm_f8_r256_n1_f32",
+    "int_gemm_f8_r256_n1_f16",
+    "int_gemm_f8_r256_n2_f32",
+    "int_gemm_f8_r256_n2_f16",
+    "int_gemm_f8_r256_n4_f32",
+    "int_gemm_f8_r256_n4_f16",
+    "int_gemm_f8_r256_n8_f32",
+    "int_gemm_f8_r256_n8_f16",
+    "int_gemm_f8_r192_n1_f32",
+    "int_gemm_f8_r192_n1_f16",
+    "int_gemm_f8_r192_n2_f32",
+    "int_gemm_f8_r192_n2_f16",
+    "int_gemm_f8_r192_n4_f32",
+    "int_gemm_f8_r192_n4_f16",
+    "int_gemm_f8_r192_n8_f32",
+    "int_gemm_f8_r192_n8_f16",
+    "int_gemm_f8_r128_n1_f32",
+    "int_gemm_f8_r128_n1_f16",
+    "int_gemm_f8_r128_n2_f32",
+    "int_gemm_f8_r128_n2_f16",
+    "int_gemm_f8_r128_n4_f32",
+    "int_gemm_f8_r128_n4_f16",
+    "int_gemm_f8_r128_n8_f32",
+    "int_gemm_f8_r128_n8_f16",
 ];
 
 /// The integer GEMM's n8 tiles for `rows` (1..=64) rows of x: 1, 2, 4 or 8.
@@ -650,10 +738,37 @@ pub(super) fn int_gemm_tiles(rows: usize) -> usize {
     rows.div_ceil(8).next_power_of_two()
 }
 
-/// The integer GEMM kernel of `format` for `rows` (1..=64) rows, f16 output or f32.
-pub(super) fn int_gemm_kernel(format: IntFormat, rows: usize, f16_out: bool) -> &'static str {
+/// The integer GEMM kernel of `format` with blocks of shape `block` (one of
+/// [`INT_GEMM_BLOCKS`]) for `rows` (1..=64) rows, f16 output or f32.
+pub(super) fn int_gemm_kernel(
+    format: IntFormat,
+    block: IntGemmBlock,
+    rows: usize,
+    f16_out: bool,
+) -> &'static str {
+    let shape = INT_GEMM_BLOCKS
+        .iter()
+        .position(|&b| b == block)
+        .expect("one of INT_GEMM_BLOCKS");
     let tiles = int_gemm_tiles(rows).trailing_zeros() as usize;
-    INT_GEMM_KERNELS[8 * format as usize + 2 * tiles + f16_out as usize]
+    INT_GEMM_KERNELS[24 * format as usize + 8 * shape + 2 * tiles + f16_out as usize]
+}
+
+/// weights_f16.cu's IG_BLOCKS(X, ...): X(..., rows, row groups, k parts) for each of
+/// [`INT_GEMM_BLOCKS`], the kernels instantiated for each format and n-tiles.
+fn int_gemm_blocks_define() -> String {
+    let shapes: Vec<String> = INT_GEMM_BLOCKS
+        .iter()
+        .map(|b| {
+            format!(
+                "X(__VA_ARGS__, {}, {}, {})",
+                b.rows(),
+                b.row_groups,
+                b.k_parts
+            )
+        })
+        .collect();
+    format!("#define IG_BLOCKS(X, ...) {}\n", shapes.join(" "))
 }
 
 impl Gemv {
@@ -690,8 +805,9 @@ fn shared_defines() -> String {
          #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
          #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
          #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n\
-         #define IG_WARPS {INT_GEMM_WARPS}\n#define IG_K {INT_GEMM_K}\n\
-         #define IG_STAGES {INT_GEMM_STAGES}\n#define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n"
+         #define IG_K {INT_GEMM_K}\n#define IG_STAGES {INT_GEMM_STAGES}\n\
+         #define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n{}",
+        int_gemm_blocks_define()
     )
 }
 
@@ -804,29 +920,37 @@ mod tests {
         assert_eq!(decode_kernel(80, 1, true), None);
     }
 
-    /// The integer GEMM's table is indexed by format, n-tiles and output: each choice names the
-    /// kernel of its own format (FP8's are the last eight, after W4's and W8's).
+    /// The integer GEMM's table is indexed by format, block shape, n-tiles and output: each
+    /// choice names the kernel of its own format and block rows (FP8's are the last 24, after
+    /// W4's and W8's), and the shapes the kernels are instantiated for are the host's.
     #[test]
     fn each_format_picks_its_own_integer_gemm() {
         for (format, tag) in IntFormat::ALL.into_iter().zip(["w4", "w8", "f8"]) {
-            for (rows, tiles) in [
-                (1, 1),
-                (5, 1),
-                (8, 1),
-                (9, 2),
-                (16, 2),
-                (17, 4),
-                (33, 8),
-                (64, 8),
-            ] {
-                for (f16_out, out) in [(false, "f32"), (true, "f16")] {
-                    assert_eq!(
-                        int_gemm_kernel(format, rows, f16_out),
-                        format!("int_gemm_{tag}_n{tiles}_{out}"),
-                        "{format:?}, {rows} rows"
-                    );
+            for block in INT_GEMM_BLOCKS {
+                for (rows, tiles) in [
+                    (1, 1),
+                    (5, 1),
+                    (8, 1),
+                    (9, 2),
+                    (16, 2),
+                    (17, 4),
+                    (33, 8),
+                    (64, 8),
+                ] {
+                    for (f16_out, out) in [(false, "f32"), (true, "f16")] {
+                        assert_eq!(
+                            int_gemm_kernel(format, block, rows, f16_out),
+                            format!("int_gemm_{tag}_r{}_n{tiles}_{out}", block.rows()),
+                            "{format:?}, {block:?}, {rows} rows"
+                        );
+                    }
                 }
             }
         }
+        assert_eq!(
+            int_gemm_blocks_define(),
+            "#define IG_BLOCKS(X, ...) X(__VA_ARGS__, 256, 8, 1) X(__VA_ARGS__, 192, 6, 2) \
+             X(__VA_ARGS__, 128, 4, 2)\n"
+        );
     }
 }

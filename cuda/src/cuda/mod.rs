@@ -61,7 +61,8 @@ use error::cuda_err;
 use launch::{same_shape, width_of};
 
 pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};
-pub use kernels::compile_all_ptx;
+pub use int_weights::{with_int_gemm_rows, IntGemmGrid};
+pub use kernels::{compile_all_ptx, IntGemmBlock};
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 
 // One block, as a trait impl must be: an op longer than a few lines is a call of its body,
