@@ -1719,10 +1719,12 @@ pub fn self_check_cases() -> Vec<Case> {
                 rows: 37,
                 kv,
             },
+            // An odd head dim on the native cache; FP8's kernels take even ones (refused
+            // otherwise: check_kv_format), so its case is the next even one.
             WriteKv {
                 slots: 50,
                 heads: 3,
-                dim: 5,
+                dim: if kv == KvFormat::Native { 5 } else { 6 },
                 rows: 7,
                 kv,
             },
@@ -1798,6 +1800,28 @@ pub fn self_check<B: Backend>(device: &B, mut progress: impl FnMut(&Outcome)) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A case the CUDA backend refuses to run fails the whole startup self-check ("failed to
+    /// run"), so every FP8 cache case has a head dim the FP8 kernels take: even, at most 256
+    /// (CudaBackend::check_kv_format). One with head dim 5 once stopped every `--device cuda`
+    /// start; the CPU, which takes any dim, cannot catch that by running the cases.
+    #[test]
+    fn every_fp8_cache_case_of_the_self_check_has_a_head_dim_the_gpu_takes() {
+        let mut fp8 = 0;
+        for case in self_check_cases() {
+            let (dim, kv) = match case {
+                Case::WriteKv { dim, kv, .. }
+                | Case::QkvToCache { dim, kv, .. }
+                | Case::PagedAttention { dim, kv, .. } => (dim, kv),
+                _ => continue,
+            };
+            if let KvFormat::Fp8 { .. } = kv {
+                fp8 += 1;
+                assert!(dim % 2 == 0 && dim <= 256, "{}", case.name());
+            }
+        }
+        assert!(fp8 > 0, "the self-check has FP8 cache cases");
+    }
 
     #[test]
     fn the_cpu_passes_its_own_self_check_exactly() {

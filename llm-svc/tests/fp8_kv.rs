@@ -243,7 +243,9 @@ type Scale<N> = (N, Vec<f32>, Vec<usize>);
 /// its own shards and one more file), as vLLM and llm-compressor write them: `tensors` are
 /// (name, values as f32, shape).
 fn with_scales(tag: &str, tensors: &[Scale<String>]) -> PathBuf {
-    let src = fixture();
+    // Absolute, so the links below resolve from the temporary directory (the fixture's path is
+    // relative where the tests run from a checkout other than the one they were built in).
+    let src = std::fs::canonicalize(fixture()).unwrap();
     let dir = std::env::temp_dir().join(format!("vlm-fp8-kv-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
