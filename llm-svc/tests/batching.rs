@@ -13,15 +13,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use llm_svc::{
-    Engine, EngineConfig, Event, GenerateRequest, ImageInput, KvCacheSize, SamplerRow,
-    SamplingParams,
+    Engine, EngineConfig, Event, GenerateRequest, KvCacheSize, SamplerRow, SamplingParams,
 };
-use vlm_compute::golden::Golden;
-use vlm_compute::{Backend, CpuBackend, Embeddings, Weights};
+use vlm_compute::{Backend, CpuBackend, Weights};
 
-fn fixture() -> PathBuf {
-    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
+use common::fixture;
 
 /// The engine of the checkpoint in `dir`.
 fn engine_of<B: Backend>(dir: &Path, backend: B, cfg: EngineConfig) -> Engine {
@@ -50,32 +47,10 @@ fn engine(cfg: EngineConfig) -> Engine {
 /// Every golden case twice: greedy, and sampled with its own seed and filters; generating
 /// through eos for a while so decodes overlap.
 fn requests() -> Vec<GenerateRequest> {
-    let g = Golden::open(&fixture()).unwrap();
-    let cases = g.manifest()["cases"].as_array().unwrap().clone();
     let mut out = Vec::new();
-    for (i, case) in cases.iter().enumerate() {
-        let key = format!("case.{}", case["name"].as_str().unwrap());
-        let (_, prompt) = g.ints(&format!("{key}.prompt_ids")).unwrap();
-        let images: Vec<ImageInput> = case["images"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|n| {
-                let n = n.as_str().unwrap();
-                let (_, grid) = g.ints(&format!("image.{n}.grid_thw")).unwrap();
-                ImageInput {
-                    embeds: Embeddings::F32(g.tensor(&format!("image.{n}.embeds")).unwrap()),
-                    deepstack: (0..3)
-                        .map(|j| {
-                            Embeddings::F32(g.tensor(&format!("image.{n}.deepstack.{j}")).unwrap())
-                        })
-                        .collect(),
-                    grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
-                }
-            })
-            .collect();
+    for (i, (prompt, images)) in common::golden_inputs().into_iter().enumerate() {
         let base = GenerateRequest {
-            prompt: prompt.iter().map(|&t| t as u32).collect(),
+            prompt,
             images,
             sampling: SamplingParams::greedy(),
             max_new_tokens: 12 + 3 * i,

@@ -7,16 +7,13 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use llm_svc::{
-    Engine, EngineConfig, Event, GenerateRequest, ImageInput, KvCacheDtype, KvCacheSize,
-    SamplingParams,
+    Engine, EngineConfig, Event, GenerateRequest, KvCacheDtype, KvCacheSize, SamplingParams,
 };
 use safetensors::{tensor::TensorView, Dtype};
-use vlm_compute::golden::Golden;
-use vlm_compute::{Backend, CpuBackend, Embeddings, Weights};
+use vlm_compute::{Backend, CpuBackend, Weights};
 
-fn fixture() -> PathBuf {
-    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
-}
+mod common;
+use common::fixture;
 
 fn fp8() -> EngineConfig {
     EngineConfig {
@@ -33,32 +30,10 @@ fn engine_of<B: Backend>(dir: &Path, backend: B, cfg: EngineConfig) -> llm_svc::
 /// Every golden case, greedy with its logits, generating through eos so that the decodes run
 /// long; and each again sampled with a seed (`sampled`).
 fn requests(sampled: bool) -> Vec<GenerateRequest> {
-    let g = Golden::open(&fixture()).unwrap();
-    let cases = g.manifest()["cases"].as_array().unwrap().clone();
     let mut out = Vec::new();
-    for (i, case) in cases.iter().enumerate() {
-        let key = format!("case.{}", case["name"].as_str().unwrap());
-        let (_, prompt) = g.ints(&format!("{key}.prompt_ids")).unwrap();
-        let images: Vec<ImageInput> = case["images"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|n| {
-                let n = n.as_str().unwrap();
-                let (_, grid) = g.ints(&format!("image.{n}.grid_thw")).unwrap();
-                ImageInput {
-                    embeds: Embeddings::F32(g.tensor(&format!("image.{n}.embeds")).unwrap()),
-                    deepstack: (0..3)
-                        .map(|j| {
-                            Embeddings::F32(g.tensor(&format!("image.{n}.deepstack.{j}")).unwrap())
-                        })
-                        .collect(),
-                    grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
-                }
-            })
-            .collect();
+    for (i, (prompt, images)) in common::golden_inputs().into_iter().enumerate() {
         let base = GenerateRequest {
-            prompt: prompt.iter().map(|&t| t as u32).collect(),
+            prompt,
             images,
             sampling: SamplingParams::greedy(),
             max_new_tokens: 16 + 3 * i,

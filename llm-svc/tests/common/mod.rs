@@ -1,0 +1,43 @@
+//! What several of llm-svc's test programs read alike from the tiny Qwen3-VL fixture.
+
+use std::path::PathBuf;
+
+use llm_svc::ImageInput;
+use vlm_compute::golden::Golden;
+use vlm_compute::Embeddings;
+
+pub fn fixture() -> PathBuf {
+    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Each golden case's prompt tokens and images (their embeddings and DeepStack features as HF
+/// computed them), in the manifest's order.
+pub fn golden_inputs() -> Vec<(Vec<u32>, Vec<ImageInput>)> {
+    let g = Golden::open(&fixture()).unwrap();
+    let cases = g.manifest()["cases"].as_array().unwrap().clone();
+    cases
+        .iter()
+        .map(|case| {
+            let key = format!("case.{}", case["name"].as_str().unwrap());
+            let (_, prompt) = g.ints(&format!("{key}.prompt_ids")).unwrap();
+            let images = case["images"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| {
+                    let n = n.as_str().unwrap();
+                    let (_, grid) = g.ints(&format!("image.{n}.grid_thw")).unwrap();
+                    let features = |name: &str| Embeddings::F32(g.tensor(name).unwrap());
+                    ImageInput {
+                        embeds: features(&format!("image.{n}.embeds")),
+                        deepstack: (0..3)
+                            .map(|j| features(&format!("image.{n}.deepstack.{j}")))
+                            .collect(),
+                        grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
+                    }
+                })
+                .collect();
+            (prompt.iter().map(|&t| t as u32).collect(), images)
+        })
+        .collect()
+}
