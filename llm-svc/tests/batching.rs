@@ -18,7 +18,7 @@ use llm_svc::{
 use vlm_compute::{Backend, CpuBackend, Weights};
 
 mod common;
-use common::fixture;
+use common::{fixture, together};
 
 /// The engine of the checkpoint in `dir`.
 fn engine_of<B: Backend>(dir: &Path, backend: B, cfg: EngineConfig) -> Engine {
@@ -90,28 +90,6 @@ fn alone(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
                 .generate(r, |_| std::ops::ControlFlow::Continue(()))
                 .unwrap()
                 .tokens
-        })
-        .collect()
-}
-
-/// All requests submitted at once, then collected.
-fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
-    let streams: Vec<_> = reqs
-        .iter()
-        .map(|r| {
-            engine
-                .submit(r.clone(), None, tracing::Span::none())
-                .unwrap()
-        })
-        .collect();
-    streams
-        .into_iter()
-        .map(|mut s| loop {
-            match s.blocking_recv().expect("the stream ends with Finished") {
-                Event::Token { .. } => {}
-                Event::Finished(g) => break g.tokens,
-                Event::Failed(e) => panic!("a request failed: {e}"),
-            }
         })
         .collect()
 }

@@ -6,14 +6,12 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use llm_svc::{
-    Engine, EngineConfig, Event, GenerateRequest, KvCacheDtype, KvCacheSize, SamplingParams,
-};
+use llm_svc::{Engine, EngineConfig, GenerateRequest, KvCacheDtype, KvCacheSize, SamplingParams};
 use safetensors::{tensor::TensorView, Dtype};
 use vlm_compute::{Backend, CpuBackend, Weights};
 
 mod common;
-use common::fixture;
+use common::{fixture, together};
 
 fn fp8() -> EngineConfig {
     EngineConfig {
@@ -70,28 +68,6 @@ fn generate(e: &Engine, r: &GenerateRequest) -> (Vec<u32>, Vec<Vec<f32>>) {
         })
         .unwrap();
     (g.tokens, logits)
-}
-
-/// All requests submitted at once, then collected.
-fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
-    let streams: Vec<_> = reqs
-        .iter()
-        .map(|r| {
-            engine
-                .submit(r.clone(), None, tracing::Span::none())
-                .unwrap()
-        })
-        .collect();
-    streams
-        .into_iter()
-        .map(|mut s| loop {
-            match s.blocking_recv().expect("the stream ends with Finished") {
-                Event::Token { .. } => {}
-                Event::Finished(g) => break g.tokens,
-                Event::Failed(e) => panic!("a request failed: {e}"),
-            }
-        })
-        .collect()
 }
 
 /// The largest |a - b| over the steps both have, up to the first step whose tokens differ

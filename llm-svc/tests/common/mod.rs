@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use llm_svc::ImageInput;
+use llm_svc::{Engine, Event, GenerateRequest, ImageInput};
 use vlm_compute::golden::Golden;
 use vlm_compute::Embeddings;
 
@@ -38,6 +38,28 @@ pub fn golden_inputs() -> Vec<(Vec<u32>, Vec<ImageInput>)> {
                 })
                 .collect();
             (prompt.iter().map(|&t| t as u32).collect(), images)
+        })
+        .collect()
+}
+
+/// All requests submitted at once, then collected.
+pub fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
+    let streams: Vec<_> = reqs
+        .iter()
+        .map(|r| {
+            engine
+                .submit(r.clone(), None, tracing::Span::none())
+                .unwrap()
+        })
+        .collect();
+    streams
+        .into_iter()
+        .map(|mut s| loop {
+            match s.blocking_recv().expect("the stream ends with Finished") {
+                Event::Token { .. } => {}
+                Event::Finished(g) => break g.tokens,
+                Event::Failed(e) => panic!("a request failed: {e}"),
+            }
         })
         .collect()
 }
