@@ -268,6 +268,38 @@ pub fn quantize_fp8_in_blocks(w: &HostTensor, block: [usize; 2]) -> Fp8Matrix {
     }
 }
 
+/// Columns of an activation row that share one scale in the W8A8 GEMM (prefill and batches of
+/// FP8 weights on Hopper: cuBLASLt's `VEC128_32F`), as Qwen's FP8 checkpoints say
+/// (`activation_scheme: dynamic` with 128-column blocks) and vLLM and transformers compute.
+pub const ACT_GROUP: usize = 128;
+
+/// `x` `[n, k]` (k a multiple of [`ACT_GROUP`]) as the W8A8 GEMM quantizes its activations
+/// (weights_f16.cu's `quant_rows_f8`, bit for bit): per row and group of [`ACT_GROUP`]
+/// columns, `s = amax / 448` (1 where the group is all zeros) and bytes `e4m3(x / s)`, to
+/// nearest even, saturating (transformers' `act_quant` and vLLM's `per_token_group_quant_fp8`
+/// compute the same). Returns the bytes, row-major, and the scales `[k / ACT_GROUP, n]`:
+/// group-major, a group's scales for every row together, as cuBLASLt reads them.
+pub fn quantize_rows(x: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    assert_eq!(x.len(), n * k, "x is [n, k]");
+    assert_eq!(k % ACT_GROUP, 0, "k is whole groups");
+    let groups = k / ACT_GROUP;
+    let mut q = vec![0u8; n * k];
+    let mut scales = vec![0f32; groups * n];
+    for r in 0..n {
+        for g in 0..groups {
+            let at = r * k + g * ACT_GROUP;
+            let vals = &x[at..at + ACT_GROUP];
+            let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let s = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+            for (b, v) in q[at..at + ACT_GROUP].iter_mut().zip(vals) {
+                *b = f32_to_e4m3(v / s);
+            }
+            scales[g * n + r] = s;
+        }
+    }
+    (q, scales)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -544,5 +576,39 @@ mod tests {
             (zero.scales.clone(), zero.q.clone()),
             (vec![1.0], vec![0; 4])
         );
+    }
+
+    #[test]
+    fn activation_rows_quantize_per_group_of_128() {
+        // Two rows of two groups: row 0's first group has amax 56 (a power of two times 448:
+        // its scale 1/8 and every value exact), its second is all zeros (scale 1); row 1 holds
+        // random values whose largest maps to 448 exactly.
+        let (n, k) = (2, 256);
+        let mut x = vec![0f32; n * k];
+        for (i, v) in x[..128].iter_mut().enumerate() {
+            *v = E4M3[i % 126] / 8.0 * if i % 2 == 0 { 1.0 } else { -1.0 };
+        }
+        x[5] = -56.0;
+        let noise = crate::random::uniform_tensor(&[k], 4, 3.0);
+        x[k..].copy_from_slice(noise.data());
+        let (q, s) = quantize_rows(&x, n, k);
+        // Group-major scales: [group 0: rows 0, 1], [group 1: rows 0, 1].
+        assert_eq!((s[0], s[2]), (0.125, 1.0));
+        for (i, b) in q[..128].iter().enumerate() {
+            assert_eq!(E4M3[*b as usize] * s[0], x[i], "row 0 [{i}]");
+        }
+        assert!(q[128..256].iter().all(|&b| b == 0));
+        for g in 0..2 {
+            let (vals, bytes) = (&x[k + g * 128..][..128], &q[k + g * 128..][..128]);
+            let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let sc = s[g * n + 1];
+            assert_eq!(sc, amax / 448.0);
+            assert!(bytes.iter().any(|&b| E4M3[b as usize].abs() == 448.0));
+            for (v, b) in vals.iter().zip(bytes) {
+                // Half an e4m3 step: 1/16 of the value's binade, 2^-10 of the scale below 2^-6.
+                let slack = (v.abs() / 16.0).max(sc * 2f32.powi(-10)) * 1.0001;
+                assert!((E4M3[*b as usize] * sc - v).abs() <= slack, "{v} -> {b:#x}");
+            }
+        }
     }
 }
