@@ -8,6 +8,9 @@
 //!     cargo run --release -p vlm-compute --example int_gemm [ROWS...]
 //!
 //! ROWS defaults to 8 16 32 64. The target: W4 at 64 rows at least as fast as f16.
+//! Past 64 rows (prefill chunks: e.g. `int_gemm 64 512 4096`) the integer weights take the
+//! dequantization and cuBLAS, FP8 on an H100 the W8A8 GEMM (w8a8.rs); a third child process
+//! times FP8's W8A8 GEMM at every row count (`VLM_FP8_GEMM=w8a8`) where the GPU has it.
 //! `VLM_INT_GEMM_ROWS=256` (or 192, 128) times every integer GEMM on that block shape instead
 //! of each shape's own choice, and `VLM_INT_GEMM_SPLITS=n` caps the k splits.
 
@@ -30,13 +33,16 @@ fn main() -> vlm_compute::Result<()> {
         rows = vec![8, 16, 32, 64];
     }
     let dequant = std::env::var("VLM_INT_GEMM").is_ok_and(|v| v == "dequant");
+    let w8a8 = std::env::var("VLM_FP8_GEMM").is_ok_and(|v| v == "w8a8");
     let g = CudaBackend::new(0)?;
     let copy_bytes = 1usize << 30;
     let copy = g.time_copy(copy_bytes)?;
     let copy = g.time_copy(copy_bytes)?.min(copy);
     let copy_bw = 2.0 * copy_bytes as f64 / copy.as_secs_f64();
     let (h, inter, qkv) = (4096usize, 12288usize, 6144usize);
-    let formats: &[Option<QuantizeTo>] = if dequant {
+    let formats: &[Option<QuantizeTo>] = if w8a8 {
+        &[Some(QuantizeTo::Fp8)]
+    } else if dequant {
         &[
             Some(QuantizeTo::Int8),
             Some(QuantizeTo::Int4),
@@ -51,7 +57,9 @@ fn main() -> vlm_compute::Result<()> {
             Some(QuantizeTo::Fp8),
         ]
     };
-    let path = if dequant {
+    let path = if w8a8 {
+        "W8A8 cuBLASLt"
+    } else if dequant {
         "dequant+cuBLAS"
     } else {
         "int GEMM"
@@ -93,7 +101,13 @@ fn main() -> vlm_compute::Result<()> {
             let x = g.upload(&HostTensor::new(vec![n, h], vec![0.01; n * h])?)?;
             let xi = g.upload(&HostTensor::new(vec![n, inter], vec![0.01; n * inter])?)?;
             let norm = g.upload(&HostTensor::new(vec![h], vec![1.0; h])?)?;
-            println!("{name} rows {n}:");
+            // Past the integer GEMM's 64 rows the default path is another.
+            let past = match fmt {
+                Some(QuantizeTo::Fp8) if n > 64 && !dequant && g.has_w8a8() => " (W8A8 cuBLASLt)",
+                Some(_) if n > 64 && !w8a8 => " (dequant+cuBLAS)",
+                _ => "",
+            };
+            println!("{name} rows {n}{past}:");
             for (s, &(op, m, k)) in shapes.iter().enumerate() {
                 let input: &CudaTensor = if k == h { &x } else { &xi };
                 let t = time(&g, |c| g.linear(input, &ws[s][c], None).map(drop))?;
@@ -124,14 +138,20 @@ fn main() -> vlm_compute::Result<()> {
             );
         }
     }
-    if !dequant {
-        // The dequantized path, in a process of its own.
-        let status = std::process::Command::new(std::env::current_exe().expect("own path"))
-            .args(rows.iter().map(|r| r.to_string()))
-            .env("VLM_INT_GEMM", "dequant")
-            .status()
-            .expect("running the dequantized path");
-        assert!(status.success(), "the dequantized path failed: {status}");
+    if !dequant && !w8a8 {
+        // The dequantized path and FP8's W8A8 GEMM, each in a process of its own.
+        let mut children = vec![("VLM_INT_GEMM", "dequant")];
+        if g.has_w8a8() {
+            children.push(("VLM_FP8_GEMM", "w8a8"));
+        }
+        for (var, value) in children {
+            let status = std::process::Command::new(std::env::current_exe().expect("own path"))
+                .args(rows.iter().map(|r| r.to_string()))
+                .env(var, value)
+                .status()
+                .expect("running a child");
+            assert!(status.success(), "{var}={value} failed: {status}");
+        }
     }
     Ok(())
 }

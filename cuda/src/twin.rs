@@ -104,6 +104,18 @@ pub enum Case {
         /// whichever this GPU would pick; `None`: the device's own choice. The CPU ignores it.
         block_rows: Option<usize>,
     },
+    /// An FP8 weight in 128 x 128 blocks through op `op` (`Linear` or `AddLinear`) at `n`
+    /// rows: past 64 on an H100, the W8A8 GEMM (activations quantized to e4m3, cuBLASLt with
+    /// block scales); elsewhere the weight-only path. Its inputs and weights are e4m3 values
+    /// times powers of two with each 128-column group's largest at 448 times its power, so
+    /// quantizing them changes nothing: W8A8 must match the CPU's W8A16 up to the sums' order,
+    /// and a scale read from the wrong row, group or block cannot pass.
+    W8a8 {
+        n: usize,
+        k: usize,
+        m: usize,
+        op: IntOp,
+    },
     /// The fused gate/up/SwiGLU of the text MLP (`normed`: of the input's RMSNorm).
     Swiglu {
         n: usize,
@@ -441,6 +453,7 @@ impl Case {
                 if *normed { "rms_norm_" } else { "" },
                 int_name(*int)
             ),
+            Case::W8a8 { n, k, m, op } => format!("w8a8 {op:?} {n}x{k}->{m}"),
             Case::IntGemm {
                 n,
                 k,
@@ -575,6 +588,11 @@ impl Case {
             // group (weights_f16.cu, int_mma_gemm). The MLP rounds its gate/up product and
             // SwiGLU to f16 on the way as RmsNormMlp does.
             Case::IntGemm { .. } => 3e-3,
+            // The same products on every path, the sums in another order: cuBLASLt's FP8
+            // kernels scale each 128-column block's sum into f32, but within a block Hopper's
+            // FP8 tensor cores keep fewer accumulator bits than f32 (about 14, DeepSeek-V3's
+            // report), hence more than the f16 GEMMs' 1e-4.
+            Case::W8a8 { .. } => 1e-3,
             // Past 4 rows an integer weight reaches the tensor cores as f16 (2^-11 of each
             // weight; FP8's through the integer GEMM 2^-10), and a normed input rounded to f16
             // too.
@@ -746,6 +764,7 @@ impl Case {
             } => crate::cuda::with_int_gemm_rows(block_rows, || {
                 int_gemm(be, n, k, m, to, group, op)
             })?,
+            Case::W8a8 { n, k, m, op } => w8a8(be, n, k, m, op)?,
             Case::SwigluOutlier { n } => swiglu_outlier(be, n)?,
             Case::Rope { tokens, heads, dim } => be.rope(
                 &up(&[tokens, heads, dim], 17)?,
@@ -1021,6 +1040,62 @@ fn int_gemm<B: Backend>(
             be.rms_norm_mlp(&mut x, &up(&[k], 10)?, 1e-6, &gate_up, &down)?;
             Ok(x)
         }
+    }
+}
+
+/// [`Case::W8a8`]'s operands: x `[n, k]` whose every group of 128 columns is e4m3 values
+/// times 2^e with its largest 448 x 2^e (e from -9 to -6 by row and group: amax 0.9 to 7),
+/// and FP8 weights `[m, k]` of random e4m3 bytes with a power-of-two scale per 128 x 128 block
+/// (2^-10 to 2^-12): every value exact in f16 and unchanged by the activations' quantization.
+fn w8a8<B: Backend>(be: &B, n: usize, k: usize, m: usize, op: IntOp) -> Result<B::Tensor> {
+    let byte = |i: usize, key: u64| {
+        let b = (crate::random::bits(key, i as u64) >> 56) as u8;
+        if fp8::e4m3_is_nan(b) {
+            0
+        } else {
+            b
+        }
+    };
+    let x: Vec<f32> = (0..n * k)
+        .map(|i| {
+            let (r, c) = (i / k, i % k);
+            let pow = 2f32.powi(-6 - ((r + 3 * (c / fp8::ACT_GROUP)) % 4) as i32);
+            let v = if c % fp8::ACT_GROUP == r % fp8::ACT_GROUP {
+                if r % 2 == 0 {
+                    fp8::E4M3_MAX
+                } else {
+                    -fp8::E4M3_MAX
+                }
+            } else {
+                fp8::E4M3[byte(i, 90) as usize]
+            };
+            v * pow
+        })
+        .collect();
+    let grid = [m.div_ceil(128), k.div_ceil(128)];
+    let w = fp8::Fp8Matrix {
+        out: m,
+        inp: k,
+        block: [128, 128],
+        q: (0..m * k).map(|i| byte(i, 91)).collect(),
+        scales: (0..grid[0] * grid[1])
+            .map(|b| 2f32.powi(-10 - (b % 3) as i32))
+            .collect(),
+    };
+    let w = be.upload_quantized(&QuantMatrix::Fp8(w))?;
+    let x = be.upload(&HostTensor::new(vec![n, k], x)?)?;
+    let bias = be.upload(&input(&[m], 92))?;
+    match op {
+        IntOp::Linear => be.linear(&x, &w, Some(&bias)),
+        IntOp::AddLinear => {
+            let mut residual = be.upload(&input(&[n, m], 93))?;
+            be.add_linear(&mut residual, &x, &w, Some(&bias))?;
+            Ok(residual)
+        }
+        IntOp::Mlp => Err(Error::shape(
+            "twin case w8a8",
+            "the MLP's activations are computed, not e4m3-exact",
+        )),
     }
 }
 
@@ -1559,6 +1634,29 @@ pub fn self_check_cases() -> Vec<Case> {
             ]);
         }
     }
+    // FP8 weights' W8A8 GEMM (past 64 rows on an H100): k of 2 groups, of 5 (the block
+    // scales' rows padded to 8) and of 1; output columns a whole block, a partial last block
+    // (208 = 128 + 80) and two; the bias broadcast first, a residual accumulated.
+    cases.extend([
+        W8a8 {
+            n: 80,
+            k: 256,
+            m: 384,
+            op: IntOp::Linear,
+        },
+        W8a8 {
+            n: 96,
+            k: 640,
+            m: 208,
+            op: IntOp::AddLinear,
+        },
+        W8a8 {
+            n: 130,
+            k: 128,
+            m: 256,
+            op: IntOp::Linear,
+        },
+    ]);
     // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.
     for (n, k, m) in [(33, 1152, 200), (3, 64, 40)] {
         cases.extend([

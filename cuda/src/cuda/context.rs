@@ -73,6 +73,8 @@ pub(super) struct Inner {
     /// The integer GEMM's partial sums of split k: one tile (64 rows x 256 columns, f32) per
     /// block of a launch, at most one block an SM.
     pub(super) int_gemm_partials: CudaSlice<f32>,
+    /// Which FP8 GEMMs quantize their activations (w8a8.rs, an `Fp8Gemm` as u8).
+    pub(super) fp8_gemm: std::sync::atomic::AtomicU8,
 }
 
 /// An NVIDIA GPU; cheap to clone (all clones share the context, stream and kernels).
@@ -258,6 +260,7 @@ impl CudaBackend {
                 dequant_scratch: std::sync::Mutex::new(None),
                 int_gemm_locks,
                 int_gemm_partials,
+                fp8_gemm: (super::w8a8::Fp8Gemm::from_env() as u8).into(),
             }),
         })
     }

@@ -214,6 +214,25 @@ pub(super) fn int_gemm_grid(
         .map(|(_, grid)| grid)
 }
 
+/// Rows and columns of the weight blocks the W8A8 GEMM takes a scale of (cuBLASLt's
+/// `BLK128x128_32F`).
+pub(super) const W8A8_BLOCK: usize = 128;
+
+/// An FP8 matrix's block scales as [`IntWeight::block_scales`] holds them, where its blocks
+/// are [`W8A8_BLOCK`] square (else the W8A8 GEMM cannot take it).
+fn fp8_block_scales(m: &Fp8Matrix) -> Option<Vec<f32>> {
+    if m.block != [W8A8_BLOCK, W8A8_BLOCK] {
+        return None;
+    }
+    let [rows, cols] = m.grid();
+    let ld = cols.next_multiple_of(4);
+    let mut out = vec![0f32; rows * ld];
+    for (r, row) in out.chunks_mut(ld).enumerate() {
+        row[..cols].copy_from_slice(&m.scales[r * cols..(r + 1) * cols]);
+    }
+    Some(out)
+}
+
 /// Columns one 16-byte load of the integer GEMVs holds at `bits`.
 fn load_cols(bits: u32) -> usize {
     128 / bits as usize
@@ -286,11 +305,14 @@ impl CudaBackend {
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
         self.int_weight(
             vec![m.out, m.inp],
-            IntFormat::of_bits(m.bits),
-            m.group,
-            words,
-            sz,
-            true,
+            IntWeight {
+                format: IntFormat::of_bits(m.bits),
+                group: m.group,
+                words,
+                sz,
+                scales_fit_f16: true,
+                block_scales: None,
+            },
         )
     }
 
@@ -346,26 +368,29 @@ impl CudaBackend {
         let sz = stream
             .clone_htod(&sz)
             .map_err(|e| cuda_err("uploading an FP8 weight's scales")(&e))?;
+        let block_scales = match fp8_block_scales(m) {
+            Some(scales) => Some(
+                stream
+                    .clone_htod(&scales)
+                    .map_err(|e| cuda_err("uploading an FP8 weight's block scales")(&e))?,
+            ),
+            None => None,
+        };
         self.int_weight(
             vec![m.out, m.inp],
-            IntFormat::E4m3,
-            group,
-            words,
-            sz,
-            scales_fit_f16,
+            IntWeight {
+                format: IntFormat::E4m3,
+                group,
+                words,
+                sz,
+                scales_fit_f16,
+                block_scales,
+            },
         )
     }
 
     /// The weight, and the dequantization scratch grown to hold it.
-    fn int_weight(
-        &self,
-        shape: Vec<usize>,
-        format: IntFormat,
-        group: usize,
-        words: CudaSlice<u32>,
-        sz: CudaSlice<half::f16>,
-        scales_fit_f16: bool,
-    ) -> Result<CudaWeight> {
+    fn int_weight(&self, shape: Vec<usize>, w: IntWeight) -> Result<CudaWeight> {
         let n = shape[0] * shape[1];
         let mut scratch = self.inner.dequant_scratch.lock().expect("not poisoned");
         if scratch.as_ref().is_none_or(|s| s.len() < n) {
@@ -374,13 +399,7 @@ impl CudaBackend {
         }
         Ok(CudaWeight {
             shape,
-            data: WeightData::Int(Arc::new(IntWeight {
-                format,
-                group,
-                words,
-                sz,
-                scales_fit_f16,
-            })),
+            data: WeightData::Int(Arc::new(w)),
         })
     }
 
@@ -415,11 +434,14 @@ impl CudaBackend {
             .map_err(|e| cuda_err("uploading a quantized weight's scales")(&e))?;
         self.int_weight(
             shape.to_vec(),
-            IntFormat::of_bits(bits),
-            group,
-            words,
-            sz,
-            true,
+            IntWeight {
+                format: IntFormat::of_bits(bits),
+                group,
+                words,
+                sz,
+                scales_fit_f16: true,
+                block_scales: None,
+            },
         )
     }
 
@@ -450,7 +472,29 @@ impl CudaBackend {
             let words = self.concat(ints.iter().map(|w| &w.words))?;
             let sz = self.concat(ints.iter().map(|w| &w.sz))?;
             let fit = ints.iter().all(|w| w.scales_fit_f16);
-            return self.int_weight(vec![rows, cols], format, group, words, sz, fit);
+            // Block scales stack where every part has them and ends on a block's last row
+            // (each part's blocks start at its first row).
+            let blocks: Option<Vec<&CudaSlice<f32>>> = ints
+                .iter()
+                .zip(parts)
+                .map(|(w, p)| {
+                    w.block_scales
+                        .as_ref()
+                        .filter(|_| p.shape[0] % W8A8_BLOCK == 0)
+                })
+                .collect();
+            let block_scales = blocks.map(|b| self.concat(b.into_iter())).transpose()?;
+            return self.int_weight(
+                vec![rows, cols],
+                IntWeight {
+                    format,
+                    group,
+                    words,
+                    sz,
+                    scales_fit_f16: fit,
+                    block_scales,
+                },
+            );
         }
         let dense: Vec<CudaSlice<half::f16>> = parts
             .iter()

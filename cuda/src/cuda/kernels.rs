@@ -65,6 +65,7 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "dequant_w4_f16",
             "dequant_w8_f16",
             "dequant_f8_f16",
+            "quant_rows_f8",
             "fill_random_int",
         ],
         tables: &[&INT_GEMM_KERNELS],

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfi
 use super::error::cuda_err;
 use super::kernels::{Gemv, GEMV_MAX_ROWS, GEMV_SPLIT, GEMV_WARPS, STREAM_STAGED};
 use super::launch::{arg, width_of};
-use super::lt::{Epilogue, LtOperands, LtOut, LtShape};
+use super::lt::{Epilogue, LtGemm, LtOperands, LtOut, LtShape};
 use super::tensor::WeightData;
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
@@ -273,6 +273,9 @@ impl CudaBackend {
         alpha: f32,
     ) -> Result<()> {
         let (k, m) = (w.shape[1], w.shape[0]);
+        if let Some(iw) = self.w8a8_weight::<O>(w, n, accumulate)? {
+            return self.w8a8_gemm(x16, n, w, iw, out, accumulate, alpha);
+        }
         if let Some(iw) = self.int_gemm_weight(w, n) {
             return self.launch_int_gemm(x16, n, iw, m, k, None, out, accumulate, alpha);
         }
@@ -332,7 +335,11 @@ impl CudaBackend {
 
     /// Whether cuBLASLt has an algorithm for `shape` (asked once per shape).
     pub(super) fn lt_supports(&self, shape: &LtShape) -> Result<bool> {
-        Ok(self.inner.lt.algo(shape, self.inner.workspace.1)?.is_some())
+        Ok(self
+            .inner
+            .lt
+            .algo(LtGemm::F16(*shape), self.inner.workspace.1)?
+            .is_some())
     }
 
     /// `out (+)= x16 · wᵀ`, `shape.n` rows, then `shape.epilogue` with `bias`, on cuBLASLt
@@ -363,7 +370,11 @@ impl CudaBackend {
                 format!("{shape:?} with weight {:?}", w.shape),
             ));
         }
-        let Some(algo) = self.inner.lt.algo(shape, self.inner.workspace.1)? else {
+        let Some(algo) = self
+            .inner
+            .lt
+            .algo(LtGemm::F16(*shape), self.inner.workspace.1)?
+        else {
             return Err(Error::Cuda {
                 what: format!("cuBLASLt has no algorithm for {shape:?}"),
             });
@@ -379,6 +390,8 @@ impl CudaBackend {
             w: wp,
             bias: b,
             out: o,
+            w_scales: 0,
+            x_scales: 0,
         };
         // SAFETY: sizes and element types checked above; the guards keep the buffers alive
         // and ordered on this stream until the GEMM is queued (and the buffers' owners free
@@ -387,9 +400,10 @@ impl CudaBackend {
             self.inner.lt.matmul(
                 stream.cu_stream(),
                 self.inner.workspace,
-                shape,
+                &LtGemm::F16(*shape),
                 algo,
                 &operands,
+                1.0,
             )
         }?;
         self.op_done("cublaslt_gemm")
@@ -419,7 +433,8 @@ impl CudaBackend {
             out_kind: LtOut::F32 { accumulate: false },
             epilogue: Epilogue::Bias,
         };
-        if self.lt_supports(&shape)? {
+        // FP8 weights the W8A8 GEMM takes get the bias broadcast below, then that GEMM.
+        if self.w8a8_weight::<f32>(w, n, true)?.is_none() && self.lt_supports(&shape)? {
             return self.lt_gemm(&shape, x16, w, &b.buf, out);
         }
         let (cols, rows) = (m as i32, n as i32);

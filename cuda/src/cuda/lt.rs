@@ -45,15 +45,59 @@ pub(super) struct LtShape {
     pub epilogue: Epilogue,
 }
 
+/// An FP8 GEMM with block scales, the W8A8 path of FP8 weights on Hopper (sm_90, cuBLAS 12.9
+/// and later): `out [n, m] (+)= x [n, k] · w [m, k]ᵀ` (row-major) with x e4m3 and a scale per
+/// row and 128 columns (`VEC128_32F`), w e4m3 and a scale per 128 x 128 block
+/// (`BLK128x128_32F`); f32 accumulation, no epilogue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct Fp8Shape {
+    pub n: usize,
+    pub k: usize,
+    pub m: usize,
+    pub out_kind: LtOut,
+}
+
+/// A GEMM cuBLASLt is asked about: the algorithm cache's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum LtGemm {
+    F16(LtShape),
+    Fp8(Fp8Shape),
+}
+
+impl LtGemm {
+    fn out_kind(&self) -> LtOut {
+        match self {
+            LtGemm::F16(s) => s.out_kind,
+            LtGemm::Fp8(s) => s.out_kind,
+        }
+    }
+}
+
 /// The device addresses of one GEMM's operands (the caller keeps them alive and ordered on
 /// the stream). cuBLASLt's algorithms are picked for 256-byte aligned operands, as every
 /// allocation of this backend is; `matmul` checks.
 pub(super) struct LtOperands {
     pub x: CUdeviceptr,
     pub w: CUdeviceptr,
+    /// The epilogue's bias (0 where there is none: FP8).
     pub bias: CUdeviceptr,
     pub out: CUdeviceptr,
+    /// FP8's scales: w's block scales and x's row scales (0 for f16).
+    pub w_scales: CUdeviceptr,
+    pub x_scales: CUdeviceptr,
 }
+
+/// `CUBLASLT_MATMUL_DESC_A_SCALE_MODE` and `_B_SCALE_MODE` (cuBLAS 12.8) and the two scale
+/// modes cuBLAS 12.9 added for Hopper, by number: the bindings this crate builds against
+/// (cudarc's `cuda-12060`, so that Jetson's CUDA 12.6 loads them) predate them. The numbers are
+/// cuBLASLt's ABI (cublasLt.h: `cublasLtMatmulDescAttributes_t`, `cublasLtMatmulMatrixScale_t`).
+const A_SCALE_MODE: u32 = 31;
+const B_SCALE_MODE: u32 = 32;
+const SCALE_VEC128_32F: u32 = 4;
+const SCALE_BLK128X128_32F: u32 = 5;
+
+/// The first cuBLASLt with block-scaled FP8 (`cublasLtGetVersion`: 12.9.0).
+const FP8_BLOCK_SCALES_VERSION: usize = 120_900;
 
 /// The algorithm cuBLASLt's heuristic picked for a shape.
 #[derive(Clone, Copy)]
@@ -64,7 +108,9 @@ pub(super) struct Lt {
     handle: sys::cublasLtHandle_t,
     /// `None`: cuBLASLt has no algorithm for that shape (the caller takes another path).
     /// Cached: a heuristic query costs more host time than many of the GEMMs.
-    algos: Mutex<HashMap<LtShape, Option<LtAlgo>>>,
+    algos: Mutex<HashMap<LtGemm, Option<LtAlgo>>>,
+    /// The loaded cuBLASLt's version (`cublasLtGetVersion`, e.g. 130000 for 13.0.0).
+    version: usize,
 }
 
 // SAFETY: cuBLASLt handles may be used from several host threads at once (cuBLAS's thread
@@ -124,21 +170,62 @@ unsafe fn set_attr<T>(
     .map_err(lt_err("cuBLASLt descriptor"))
 }
 
+/// [`set_attr`] for an attribute the bindings do not name ([`A_SCALE_MODE`]), through the
+/// library's own `cublasLtMatmulDescSetAttribute`, which takes the attribute as a 32-bit enum.
+///
+/// # Safety
+/// `desc` is live and `T` is the attribute's type.
+unsafe fn set_attr_by_number<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: u32,
+    value: &T,
+) -> Result<()> {
+    type SetAttribute = unsafe extern "C" fn(
+        sys::cublasLtMatmulDesc_t,
+        u32,
+        *const c_void,
+        usize,
+    ) -> sys::cublasStatus_t;
+    let set: SetAttribute = *sys::culib()
+        .get::<SetAttribute>(b"cublasLtMatmulDescSetAttribute\0")
+        .map_err(|e| cuda_err("cuBLASLt descriptor")(&e))?;
+    set(
+        desc,
+        attr,
+        value as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
+    .result()
+    .map_err(lt_err("cuBLASLt descriptor"))
+}
+
 impl Lt {
     pub(super) fn new() -> Result<Self> {
         Ok(Self {
             handle: lt::create_handle().map_err(lt_err("creating a cuBLASLt handle"))?,
             algos: Mutex::new(HashMap::new()),
+            // SAFETY: the library is loaded (the handle was created); takes no arguments.
+            version: unsafe { sys::cublasLtGetVersion() },
         })
     }
 
-    /// The descriptors of `shape`'s GEMM.
-    fn describe(&self, shape: &LtShape) -> Result<Descriptors> {
+    /// Whether this cuBLASLt has FP8 GEMMs with block scales (12.9 and later; they run on
+    /// sm_90 only, which the caller checks).
+    pub(super) fn has_fp8_block_scales(&self) -> bool {
+        self.version >= FP8_BLOCK_SCALES_VERSION
+    }
+
+    /// The descriptors of `gemm`.
+    fn describe(&self, gemm: &LtGemm) -> Result<Descriptors> {
         use sys::cublasLtMatmulDescAttributes_t as A;
-        use sys::cudaDataType_t::{CUDA_R_16F, CUDA_R_32F};
-        let out_type = match shape.out_kind {
+        use sys::cudaDataType_t::{CUDA_R_16F, CUDA_R_32F, CUDA_R_8F_E4M3};
+        let out_type = match gemm.out_kind() {
             LtOut::F32 { .. } => CUDA_R_32F,
             LtOut::F16 => CUDA_R_16F,
+        };
+        let (n, k, m, in_type, epilogue) = match gemm {
+            LtGemm::F16(s) => (s.n, s.k, s.m, CUDA_R_16F, Some(s.epilogue)),
+            LtGemm::Fp8(s) => (s.n, s.k, s.m, CUDA_R_8F_E4M3, None),
         };
         let op = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
             .map_err(lt_err("cuBLASLt descriptor"))?;
@@ -147,26 +234,32 @@ impl Lt {
             layouts: Vec::with_capacity(3),
             pref: None,
         };
-        let epilogue = match shape.epilogue {
-            Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            Epilogue::GeluBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
-        };
         // SAFETY: `op` is live; the values have the attributes' types.
         unsafe {
             // Column-major, as cuBLAS sees row-major data: outᵀ [m, n] = wᵀ · xᵀ, with w
-            // [m, k] row-major read transposed.
+            // [m, k] row-major read transposed (FP8 takes only this form, "TN").
             set_attr(
                 op,
                 A::CUBLASLT_MATMUL_DESC_TRANSA,
                 &cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
             )?;
-            set_attr(op, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+            match epilogue {
+                Some(e) => {
+                    let e = match e {
+                        Epilogue::Bias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                        Epilogue::GeluBias => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+                    };
+                    set_attr(op, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &e)?;
+                }
+                // cuBLAS's A is w: a scale per 128 x 128 block; its B is x: one per row
+                // (x's, an output column of cuBLAS's) and 128 of k.
+                None => {
+                    set_attr_by_number(op, A_SCALE_MODE, &SCALE_BLK128X128_32F)?;
+                    set_attr_by_number(op, B_SCALE_MODE, &SCALE_VEC128_32F)?;
+                }
+            }
         }
-        for (ty, rows, cols) in [
-            (CUDA_R_16F, shape.k, shape.m),
-            (CUDA_R_16F, shape.k, shape.n),
-            (out_type, shape.m, shape.n),
-        ] {
+        for (ty, rows, cols) in [(in_type, k, m), (in_type, k, n), (out_type, m, n)] {
             let l = lt::create_matrix_layout(ty, rows as u64, cols as u64, rows as i64)
                 .map_err(lt_err("cuBLASLt layout"))?;
             d.layouts.push(l);
@@ -174,14 +267,14 @@ impl Lt {
         Ok(d)
     }
 
-    /// The algorithm for `shape` (asked of cuBLASLt's heuristic once per shape, for a
+    /// The algorithm for `gemm` (asked of cuBLASLt's heuristic once per shape, for a
     /// workspace of `workspace_bytes`); `None` where it has none.
-    pub(super) fn algo(&self, shape: &LtShape, workspace_bytes: usize) -> Result<Option<LtAlgo>> {
+    pub(super) fn algo(&self, gemm: LtGemm, workspace_bytes: usize) -> Result<Option<LtAlgo>> {
         let mut algos = self.algos.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(a) = algos.get(shape) {
+        if let Some(a) = algos.get(&gemm) {
             return Ok(*a);
         }
-        let mut d = self.describe(shape)?;
+        let mut d = self.describe(&gemm)?;
         let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
         d.pref = Some(pref);
         let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
@@ -202,41 +295,52 @@ impl Lt {
             Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
             Err(e) => return Err(lt_err("cuBLASLt heuristic")(e)),
         };
-        algos.insert(*shape, algo);
+        algos.insert(gemm, algo);
         Ok(algo)
     }
 
-    /// Enqueues `shape`'s GEMM with `algo` (from [`Lt::algo`] for the same shape) on
-    /// `stream`, using `workspace` (shared with cuBLAS: both only run on this one stream).
+    /// Enqueues `gemm` with `algo` (from [`Lt::algo`] for the same GEMM) on `stream`, the
+    /// product times `alpha`, using `workspace` (shared with cuBLAS: both only run on this one
+    /// stream).
     ///
     /// # Safety
-    /// The operands hold what `shape` says (x `n*k` and w `m*k` halves, out `n*m` of its kind,
-    /// bias `m` of the output's type) and stay valid until the stream has run the GEMM.
+    /// The operands hold what `gemm` says (f16: x `n*k` and w `m*k` halves, bias `m` of the
+    /// output's type; FP8: x `n*k` and w `m*k` bytes, their scales as [`Fp8Shape`] says; out
+    /// `n*m` of its kind) and stay valid until the stream has run the GEMM.
     pub(super) unsafe fn matmul(
         &self,
         stream: CUstream,
         workspace: (CUdeviceptr, usize),
-        shape: &LtShape,
+        gemm: &LtGemm,
         algo: LtAlgo,
         ops: &LtOperands,
+        alpha: f32,
     ) -> Result<()> {
-        if [ops.x, ops.w, ops.bias, ops.out, workspace.0]
-            .iter()
-            .any(|p| p % 256 != 0)
-        {
+        let ptrs = [
+            ops.x,
+            ops.w,
+            ops.bias,
+            ops.out,
+            ops.w_scales,
+            ops.x_scales,
+            workspace.0,
+        ];
+        if ptrs.iter().any(|p| p % 256 != 0) {
             return Err(Error::Cuda {
                 what: "cuBLASLt GEMM: an operand is not 256-byte aligned".into(),
             });
         }
-        let d = self.describe(shape)?;
-        set_attr(
-            d.op,
-            sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-            &ops.bias,
-        )?;
+        let d = self.describe(gemm)?;
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        match gemm {
+            LtGemm::F16(_) => set_attr(d.op, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ops.bias)?,
+            LtGemm::Fp8(_) => {
+                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ops.w_scales)?;
+                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &ops.x_scales)?;
+            }
+        }
         let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-        let alpha = 1.0f32;
-        let beta = match shape.out_kind {
+        let beta = match gemm.out_kind() {
             LtOut::F32 { accumulate: true } => 1.0f32,
             _ => 0.0,
         };

@@ -27,7 +27,8 @@
 //! - `launch.rs`: the helpers every op launches through, and per-op timing; `recording.rs`:
 //!   graph capture;
 //! - the ops by family, each body called from the one trait impl below: `linear.rs` (GEMVs
-//!   and GEMMs), `int_weights.rs` (quantized weights: upload, their GEMVs, f16 for GEMMs), `norm.rs`, `attention.rs`, `gather.rs`, `memory.rs`, `sampling.rs` (each
+//!   and GEMMs), `int_weights.rs` (quantized weights: upload, their GEMVs, f16 for GEMMs), `w8a8.rs`
+//!   (FP8 weights' W8A8 GEMM on Hopper), `norm.rs`, `attention.rs`, `gather.rs`, `memory.rs`, `sampling.rs` (each
 //!   row's next token);
 //! - [`doctor`]: `vlm doctor`'s checks.
 
@@ -49,6 +50,7 @@ mod recording;
 mod sampling;
 mod staging;
 mod tensor;
+mod w8a8;
 
 use std::sync::Arc;
 
@@ -64,6 +66,7 @@ pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBack
 pub use int_weights::{with_int_gemm_rows, IntGemmGrid};
 pub use kernels::{compile_all_ptx, IntGemmBlock};
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
+pub use w8a8::Fp8Gemm;
 
 // One block, as a trait impl must be: an op longer than a few lines is a call of its body,
 // `<op>_impl`, in its family's file.

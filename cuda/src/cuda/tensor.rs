@@ -72,6 +72,11 @@ pub(super) struct IntWeight {
     /// 2^-11 (an f16 normal number, or 0): W4's and W8's always (they are f16), FP8's where
     /// each scale times 2^8 is ([`fp8_scale_fits_f16`]). Else batches keep the dequantization.
     pub(super) scales_fit_f16: bool,
+    /// FP8 weights quantized in blocks of 128 x 128 (Qwen's FP8 checkpoints, `--quantize
+    /// fp8`): the block scales as the W8A8 GEMM (cuBLASLt's `BLK128x128_32F`) reads them, f32
+    /// `[ceil(m / 128), ld]`, a row's blocks along k together, `ld` = `ceil(k / 128)` rounded up
+    /// to 4 (16 bytes). `None` for every other weight.
+    pub(super) block_scales: Option<CudaSlice<f32>>,
 }
 
 /// Whether an FP8 weight's kernel scale (the checkpoint's times 2^8) rounds to an f16 normal
