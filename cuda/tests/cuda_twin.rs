@@ -201,6 +201,113 @@ fn every_e4m3_value_is_read_exactly() {
     }
 }
 
+/// FP8 weights' W8A8 GEMM at 8B shapes (prefill chunks and batches past 64 rows on an H100):
+/// e4m3-exact activations (quantizing them changes nothing, so it must equal the CPU's W8A16
+/// up to the sums' order: Case::W8a8), then random ones against the CPU fed the activations
+/// as the GPU quantizes them (`quant::fp8::quantize_rows`), with the drift from unquantized
+/// activations printed. On an H100 with cuBLAS 12.9+ (`VLM_REQUIRE_GPU=1`) W8A8 must be on.
+#[test]
+fn w8a8_at_real_sizes() {
+    use vlm_compute::quant::fp8::{quantize_fp8, quantize_rows, ACT_GROUP, E4M3};
+    use vlm_compute::twin::{f16_exact, Outcome};
+    let Some(g) = test_gpu() else { return };
+    eprintln!(
+        "{} (sm_{}{}): W8A8 {}",
+        g.device_name(),
+        g.compute_capability().0,
+        g.compute_capability().1,
+        if g.has_w8a8() {
+            "on"
+        } else {
+            "off: weight-only"
+        }
+    );
+    if std::env::var("VLM_REQUIRE_GPU").is_ok_and(|v| v == "1") && g.compute_capability() == (9, 0)
+    {
+        assert!(
+            g.has_w8a8(),
+            "an sm_90 GPU without W8A8: cuBLASLt older than 12.9?"
+        );
+    }
+    check_all(
+        &g,
+        [
+            (512, 4096, 6144, IntOp::Linear),
+            (300, 12288, 4096, IntOp::AddLinear),
+            (65, 4096, 24576, IntOp::Linear),
+        ]
+        .map(|(n, k, m, op)| Case::W8a8 { n, k, m, op }),
+    );
+    let cpu = CpuBackend::new();
+    for (n, k, m) in [(256, 4096, 4096), (100, 12288, 1024)] {
+        let key = (n * k + m) as u64;
+        let x = f16_exact(vlm_compute::random::uniform_tensor(&[n, k], key, 2.0));
+        let w = quantize_fp8(&vlm_compute::random::uniform_tensor(
+            &[m, k],
+            key + 1,
+            1.0 / (k as f32).sqrt(),
+        ));
+        let (q, scales) = quantize_rows(x.data(), n, k);
+        let as_quantized: Vec<f32> = q
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| E4M3[b as usize] * scales[(i % k / ACT_GROUP) * n + i / k])
+            .collect();
+        let as_quantized = HostTensor::new(vec![n, k], as_quantized).unwrap();
+        let cpu_w = cpu.upload_fp8_weight(&w).unwrap();
+        let run_cpu = |x: &HostTensor| {
+            cpu.download(&cpu.linear(&cpu.upload(x).unwrap(), &cpu_w, None).unwrap())
+                .unwrap()
+        };
+        let (want, unquantized) = (run_cpu(&as_quantized), run_cpu(&x));
+        let gpu_w = g.upload_fp8_weight(&w).unwrap();
+        let got = g
+            .download(&g.linear(&g.upload(&x).unwrap(), &gpu_w, None).unwrap())
+            .unwrap();
+        let name = format!("w8a8 random {n}x{k}->{m}");
+        let drift = Outcome::of(name.clone(), &unquantized, &got, 1.0);
+        eprintln!(
+            "{name}: against unquantized activations max diff {:.2e} ({:.2}% of the largest output)",
+            drift.max_diff,
+            100.0 * drift.max_diff / drift.limit
+        );
+        // Where W8A8 is off the GPU computed W8A16: the quantized model is then not its twin.
+        let reference = if g.has_w8a8() { &want } else { &unquantized };
+        let outcome = Outcome::of(name, reference, &got, 3e-3);
+        eprintln!("{outcome}");
+        assert!(outcome.passed(), "{outcome}");
+    }
+}
+
+/// The W8A8 GEMM's activation quantization (`quant_rows_f8`) against the CPU's, byte for byte
+/// and scale for scale: random rows, a group of zeros, values at f16's edges.
+#[test]
+fn w8a8_quantizes_activations_as_the_cpu_does() {
+    use vlm_compute::quant::fp8::quantize_rows;
+    use vlm_compute::twin::f16_exact;
+    let Some(g) = test_gpu() else { return };
+    let (n, k) = (37, 384);
+    let mut x = vlm_compute::random::uniform_tensor(&[n, k], 77, 3.0);
+    let data = x.data_mut();
+    data[5 * k + 128..5 * k + 256].fill(0.0);
+    data[7 * k + 3] = 60000.0;
+    data[8 * k + 200] = -1e-6;
+    for v in &mut data[9 * k..10 * k] {
+        *v *= 1e-4;
+    }
+    let x = f16_exact(x);
+    let (q, scales) = g.quantize_rows_fp8(&g.upload(&x).unwrap()).unwrap();
+    let (want_q, want_scales) = quantize_rows(x.data(), n, k);
+    assert_eq!(scales, want_scales);
+    let differ: Vec<usize> = (0..q.len()).filter(|&i| q[i] != want_q[i]).collect();
+    assert!(
+        differ.is_empty(),
+        "{} bytes differ, first at {:?}",
+        differ.len(),
+        differ.first()
+    );
+}
+
 #[test]
 fn int_gemm_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
