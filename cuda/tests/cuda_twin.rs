@@ -315,7 +315,7 @@ fn int_gemm_at_real_sizes() {
     // the dequantization and cuBLAS): batched decode at 8B shapes, k split into several ranges
     // (4096 columns: up to 8 splits of 4 stages on an H100), groups of 32 and 128 (FP8: blocks
     // of 128 rows by as many columns); the 8B model's MLP at 64 rows (on an H100 gate/up on
-    // 128 blocks of 192 rows, down on 32 of 128 split 4 ways); then q/k/v's shape on each
+    // 128 blocks of 192 rows, down on 16 of 256 split 8 ways); then q/k/v's shape on each
     // block shape, forced (on an H100 k is split on each: 24 blocks of 256 rows x 5, 32 of 192
     // x 4, 48 of 128 x 2).
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {

@@ -109,13 +109,36 @@ pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLO
 /// and the ordered adds weigh more than the extra blocks give).
 const INT_GEMM_MIN_SPLIT_STAGES: usize = 4;
 
-/// What splitting k costs a block beyond its stages, in stages of the same block: its partial
-/// tile written, the wait for the m-block's other splits, and its share of the tiles read back
-/// and added in order. Fitted to the H100 timings of 256-row blocks (W4, docs/results/
-/// h100-2026-11-27-630df54-int-gemm.txt): o (4 stages a split) and down (12) are 8 stages
-/// apart, 2.65 us a stage at 64 rows and 1.63 at 8, and o takes 5 to 5.5 stages' time more
-/// than its 4, a launch's few microseconds included.
+/// What a k stage of a block costs beyond its weight rows, in weight rows' time: the part of a
+/// stage that does not shrink with the block (the barrier, the wait for the stage's loads,
+/// the next stage's loads issued, latency that fewer rows a warp hide less). A stage of the
+/// 256-row block (8 warps of whole stages) counts 320, of the 192-row one (12 warps of half
+/// stages) 256 = 0.8 of it, of the 128-row one (8 warps of half stages) 192 = 0.6, where rows
+/// alone said 0.75 and 0.5. Fitted to the H100 timings of each 8B shape on two grids, its
+/// chosen one at ed7d3a8 (192 or 128 rows) and 256-row blocks (docs/results/
+/// h100-2026-11-28-ed7d3a8-int-gemm.txt, `...-int-gemm-256-row-blocks.txt`): a least-squares
+/// fit of time = u (stages a split x (rows + this) + split cost) + launch over the 8 grids of
+/// each format and row count gives 35 (W4) and 30 (W8) at 64 rows, 112 and 70 at 8 rows.
+/// With 64 and [`INT_GEMM_SPLIT_COST`] the fit is within 1.8 us at 8 rows and 3.8 at 64
+/// (2.66 us a 256-row stage at W4 and 64 rows, 1.47 at 8). FP8 is left out: its 256-row
+/// times in that run fit no stage count (o, 4 stages a split, within 4-9 us of down's 12) and
+/// are up to twice the same grids' at e69708a, where W4's and W8's agree within 4% (the test
+/// of the 8B grids below has the numbers).
+const INT_GEMM_STAGE_ROWS: usize = 64;
+
+/// What splitting k costs a block beyond its stages, in stages of the largest block (the first
+/// of [`INT_GEMM_BLOCKS`]) whatever the block's own rows: its partial tile written, the wait
+/// for the m-block's other splits, and its share of the tiles read back and added in order,
+/// which take about as long on a 128-row block as on a 256-row one. The same fit as
+/// [`INT_GEMM_STAGE_ROWS`]' gives 4.1 (W4) and 4.3 (W8) stages at 64 rows, 4.1 and 3.2 at 8.
+/// (Counted in the block's own stages, as before, 128-row blocks split 4 ways looked 25%
+/// cheaper than 256-row blocks split 8 ways on o and 12% on down, and were 3-12% slower.)
 const INT_GEMM_SPLIT_COST: usize = 4;
+
+/// What one k stage of `block` costs in [`int_gemm_grid`]'s count, in weight rows' time.
+fn int_gemm_stage_cost(block: IntGemmBlock) -> usize {
+    block.rows() + INT_GEMM_STAGE_ROWS
+}
 
 /// Shared memory of the integer GEMM at `bits` for `rows` rows of x on blocks of shape
 /// `block`: int_mma_gemm's stages (weights_f16.cu, ig_stage_bytes), which also hold the
@@ -166,16 +189,18 @@ impl std::fmt::Display for IntGemmGrid {
 
 /// The integer GEMM's grid for `m` weight rows of `stages` k stages on `sms` SMs: of the
 /// block shapes `fits` allows (their shared memory; a forced one) and their k splits, the one
-/// whose busiest SM has the least work, counted as its blocks' weight rows times stages (plus
-/// [`INT_GEMM_SPLIT_COST`] stages a split block); larger blocks, then fewer splits, on ties.
-/// k is split only up to one block an SM (the splits of an m-block wait for each other, so all
-/// must be resident; the partial sums hold one tile an SM), [`INT_GEMM_MIN_SPLIT_STAGES`] a
-/// split, `max_splits`, and m-blocks that have a lock. `None` where no shape fits.
+/// whose busiest SM has the least work, counted as its blocks' stages times the block's stage
+/// cost ([`int_gemm_stage_cost`]: its rows plus [`INT_GEMM_STAGE_ROWS`]), plus
+/// [`INT_GEMM_SPLIT_COST`] stages of the largest block for a split block; larger blocks, then
+/// fewer splits, on ties. k is split only up to one block an SM (the splits of an m-block wait
+/// for each other, so all must be resident; the partial sums hold one tile an SM),
+/// [`INT_GEMM_MIN_SPLIT_STAGES`] a split, `max_splits`, and m-blocks that have a lock. `None`
+/// where no shape fits.
 ///
-/// At the 8B model's shapes on an H100 (132 SMs): gate/up's 24,576 rows as 128 blocks of 192
-/// (96 of 256 left 36 SMs idle), q/k/v's 6,144 as 32 of 192 split 4 ways, o's and down's 4,096
-/// as 32 of 128 split 4 ways (16 of 256 split 8 ways: the same stages an SM, twice the splits'
-/// cost).
+/// At the 8B model's shapes on an H100 (132 SMs), at every row count and format: gate/up's
+/// 24,576 rows as 128 blocks of 192 (96 of 256 left 36 SMs idle), q/k/v's 6,144 as 32 of 192
+/// split 4 ways, o's and down's 4,096 as 16 of 256 split 8 ways (32 of 128 split 4 ways: half
+/// the stages' rows, but each stage 0.6 of a 256-row one's and the same split cost).
 pub(super) fn int_gemm_grid(
     m: usize,
     stages: usize,
@@ -204,8 +229,12 @@ pub(super) fn int_gemm_grid(
                     blocks,
                     splits,
                 };
-                let split_cost = if splits > 1 { INT_GEMM_SPLIT_COST } else { 0 };
-                let per_block = block.rows() * (stages.div_ceil(splits) + split_cost);
+                let split_cost = if splits > 1 {
+                    INT_GEMM_SPLIT_COST * int_gemm_stage_cost(INT_GEMM_BLOCKS[0])
+                } else {
+                    0
+                };
+                let per_block = stages.div_ceil(splits) * int_gemm_stage_cost(block) + split_cost;
                 let busiest = grid.grid().div_ceil(sms) * per_block;
                 ((busiest, rank, splits), grid)
             })
@@ -966,13 +995,13 @@ mod tests {
     }
 
     /// On an H100 the 8B shapes fill the SMs (the issue: 96 blocks of 256 rows left 36 of 132
-    /// SMs idle at gate/up), at every row count: gate/up 128 blocks of 192 rows, unsplit;
-    /// q/k/v 32 of 192 split 4 ways; o and down 32 of 128 split 4 ways. Orin (16 SMs) keeps
-    /// 256-row blocks for gate/up (6 full waves of them).
+    /// SMs idle at gate/up) with the same grids at every row count and width (which grids,
+    /// and the H100's timings that pick them: the next test); Orin (16 SMs) keeps 256-row
+    /// blocks for gate/up (6 full waves of them).
     #[test]
     fn integer_gemm_grids_fill_an_h100_at_the_8b_shapes() {
-        let (r256, r192, r128) = (INT_GEMM_BLOCKS[0], INT_GEMM_BLOCKS[1], INT_GEMM_BLOCKS[2]);
-        for n in [8, 16, 32, 64] {
+        let r256 = INT_GEMM_BLOCKS[0];
+        for n in [5, 8, 16, 17, 32, 33, 64] {
             for bits in [4, 8] {
                 let at = |m, k| grid(m, k, n, bits, 132, H100_SMEM, None).unwrap();
                 let gate_up = at(24576, 4096);
@@ -980,18 +1009,54 @@ mod tests {
                     gate_up.grid() * 100 >= 95 * 132 && gate_up.grid() <= 132,
                     "{gate_up}"
                 );
-                assert_eq!(
-                    (gate_up.block, gate_up.blocks, gate_up.splits),
-                    (r192, 128, 1)
-                );
-                let qkv = at(6144, 4096);
-                assert_eq!((qkv.block, qkv.blocks, qkv.splits), (r192, 32, 4));
-                for (m, k) in [(4096, 4096), (4096, 12288)] {
-                    let g = at(m, k);
-                    assert_eq!((g.block, g.blocks, g.splits), (r128, 32, 4), "{m}x{k}");
+                for (m, k) in SHAPES_8B {
+                    let at64 = grid(m, k, 64, 4, 132, H100_SMEM, None);
+                    assert_eq!(Some(at(m, k)), at64, "{m}x{k}, {n} rows at {bits} bits");
                 }
                 let orin = grid(24576, 4096, n, bits, 16, ORIN_SMEM, None).unwrap();
                 assert_eq!((orin.block, orin.blocks, orin.splits), (r256, 96, 1));
+            }
+        }
+    }
+
+    /// The 8B shapes' grids on an H100 at 8 and 64 rows are the faster of the two each was
+    /// timed on at ed7d3a8 (`cuda/examples/int_gemm 8 64`, microseconds: docs/results/
+    /// h100-2026-11-28-ed7d3a8-int-gemm.txt, that tree's choice: gate/up and q/k/v on 192-row
+    /// blocks, o and down on 128; `...-int-gemm-256-row-blocks.txt`, `VLM_INT_GEMM_ROWS=256`:
+    /// q/k/v 24 blocks split 5 ways, o and down 16 split 8 ways, gate/up 96 unsplit), for W4,
+    /// W8 and FP8, except FP8's o at both row counts and down at 8 rows (below).
+    #[test]
+    fn integer_gemm_grids_pick_the_h100s_faster_grid_at_the_8b_shapes() {
+        let (r256, r192) = (INT_GEMM_BLOCKS[0], INT_GEMM_BLOCKS[1]);
+        // (m, k, the grid: block, blocks, splits)
+        let expected = [
+            // q/k/v, 192 x 4 against 256 x 5: W4 18.54 / 19.67 us at 8 rows, 31.15 / 36.67 at
+            // 64; W8 20.20 / 22.28, 33.03 / 39.45; FP8 21.70 / 26.93, 34.33 / 41.51.
+            (6144, 4096, (r192, 32, 4)),
+            // o, 256 x 8 against 128 x 4: W4 14.82 / 16.61 at 8 rows, 25.44 / 26.25 at 64; W8
+            // 16.27 / 17.43, 26.92 / 27.76. FP8 was timed the other way, 33.74 / 17.67 and
+            // 49.43 / 28.82: the model's miss. That run's FP8 256-row times fit no stage
+            // count (o, 4 stages a split, takes within 4-9 us of down's 12; W8's o is 14-24 us
+            // under its down) and are up to twice the same grids' at e69708a (o 17.01 and
+            // 27.10 us, docs/results/h100-2026-11-28-e69708a-int-gemm.txt, the kernel before
+            // it took other block shapes), which beat 128 x 4 here; W4's and W8's 256-row
+            // times agree with e69708a's within 4%. To be timed again.
+            (4096, 4096, (r256, 16, 8)),
+            // gate/up, 192 x 1 (128 blocks) against 256 x 1 (96): W4 42.93 / 48.99, 71.84 /
+            // 90.03; W8 48.84 / 58.50, 77.88 / 99.49; FP8 51.20 / 75.87, 81.03 / 106.22.
+            (24576, 4096, (r192, 128, 1)),
+            // down, 256 x 8 against 128 x 4: W4 28.42 / 31.65, 47.01 / 51.58; W8 30.73 /
+            // 34.46, 50.53 / 55.91; FP8 at 64 rows 53.97 / 56.08. FP8 at 8 rows was timed the
+            // other way, 42.63 / 34.66 (32.58 for 256 x 8 at e69708a): as o.
+            (4096, 12288, (r256, 16, 8)),
+        ];
+        for format in IntFormat::ALL {
+            for n in [8, 64] {
+                for (m, k, want) in expected {
+                    let g = grid(m, k, n, format.bits(), 132, H100_SMEM, None).unwrap();
+                    let at = format!("{m}x{k}, {n} rows, {format:?}: {g}");
+                    assert_eq!((g.block, g.blocks, g.splits), want, "{at}");
+                }
             }
         }
     }
