@@ -261,6 +261,11 @@ fn w8a8_at_real_sizes() {
         };
         let (want, unquantized) = (run_cpu(&as_quantized), run_cpu(&x));
         let gpu_w = g.upload_fp8_weight(&w).unwrap();
+        assert_eq!(
+            g.w8a8_takes(&gpu_w, n).unwrap(),
+            g.has_w8a8(),
+            "{n}x{k}->{m}: W8A8 refused where the GPU has it (cuBLASLt's warning says why)"
+        );
         let got = g
             .download(&g.linear(&g.upload(&x).unwrap(), &gpu_w, None).unwrap())
             .unwrap();

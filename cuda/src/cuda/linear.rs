@@ -338,7 +338,7 @@ impl CudaBackend {
         Ok(self
             .inner
             .lt
-            .algo(LtGemm::F16(*shape), self.inner.workspace.1)?
+            .algo(LtGemm::F16(*shape), self.inner.workspace)?
             .is_some())
     }
 
@@ -373,7 +373,7 @@ impl CudaBackend {
         let Some(algo) = self
             .inner
             .lt
-            .algo(LtGemm::F16(*shape), self.inner.workspace.1)?
+            .algo(LtGemm::F16(*shape), self.inner.workspace)?
         else {
             return Err(Error::Cuda {
                 what: format!("cuBLASLt has no algorithm for {shape:?}"),

@@ -267,14 +267,30 @@ impl Lt {
         Ok(d)
     }
 
-    /// The algorithm for `gemm` (asked of cuBLASLt's heuristic once per shape, for a
-    /// workspace of `workspace_bytes`); `None` where it has none.
-    pub(super) fn algo(&self, gemm: LtGemm, workspace_bytes: usize) -> Result<Option<LtAlgo>> {
+    /// The algorithm for `gemm` (asked of cuBLASLt's heuristic once per shape, for
+    /// `workspace`: its address and bytes); `None` where it has none.
+    pub(super) fn algo(
+        &self,
+        gemm: LtGemm,
+        workspace: (CUdeviceptr, usize),
+    ) -> Result<Option<LtAlgo>> {
         let mut algos = self.algos.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(a) = algos.get(&gemm) {
             return Ok(*a);
         }
+        let workspace_bytes = workspace.1;
         let mut d = self.describe(&gemm)?;
+        if let LtGemm::Fp8(_) = gemm {
+            // The heuristic refuses block scale modes without scale pointers (INVALID_VALUE);
+            // it reads nothing through them, so any device address serves until `matmul` sets
+            // the real ones.
+            use sys::cublasLtMatmulDescAttributes_t as A;
+            // SAFETY: `d.op` is live; the attributes are device pointers.
+            unsafe {
+                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &workspace.0)?;
+                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &workspace.0)?;
+            }
+        }
         let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
         d.pref = Some(pref);
         let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
@@ -289,10 +305,20 @@ impl Lt {
             .map_err(lt_err("cuBLASLt preference"))?;
             lt::get_matmul_algo_heuristic(self.handle, d.op, wl, xl, ol, ol, pref)
         };
-        // "Not supported" is an answer (no algorithm), anything else an error.
+        // "Not supported" is an answer (no algorithm), anything else an error; for FP8 (a
+        // path with a weight-only fallback, on a feature new in cuBLAS 12.9) any refusal is
+        // an answer too, logged once a shape.
         let algo = match found {
             Ok(h) => Some(LtAlgo(h.algo)),
             Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
+            Err(e) if matches!(gemm, LtGemm::Fp8(_)) => {
+                tracing::warn!(
+                    ?gemm,
+                    version = self.version,
+                    "cuBLASLt refused the W8A8 GEMM ({e:?}); this shape runs weight-only"
+                );
+                None
+            }
             Err(e) => return Err(lt_err("cuBLASLt heuristic")(e)),
         };
         algos.insert(gemm, algo);

@@ -116,8 +116,15 @@ impl CudaBackend {
         Ok(self
             .inner
             .lt
-            .algo(gemm, self.inner.workspace.1)?
+            .algo(gemm, self.inner.workspace)?
             .map(|_| &**iw))
+    }
+
+    /// Whether `linear` of `n` rows by `w` takes the W8A8 GEMM here (for tests that must not
+    /// pass on the weight-only fallback).
+    #[doc(hidden)]
+    pub fn w8a8_takes(&self, w: &CudaWeight, n: usize) -> Result<bool> {
+        Ok(self.w8a8_weight::<f32>(w, n, false)?.is_some())
     }
 
     fn fp8_shape<O: GemmOut>(n: usize, k: usize, m: usize, accumulate: bool) -> Fp8Shape {
@@ -161,7 +168,7 @@ impl CudaBackend {
         let mut x_scales = self.alloc_slice::<f32>(n * k / ACT_GROUP)?;
         self.quantize_rows_into(x16, n, k, &mut x8, &mut x_scales)?;
         let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
-        let Some(algo) = self.inner.lt.algo(gemm, self.inner.workspace.1)? else {
+        let Some(algo) = self.inner.lt.algo(gemm, self.inner.workspace)? else {
             return Err(Error::Cuda {
                 what: format!("cuBLASLt has no algorithm for {gemm:?}"),
             });
