@@ -1770,6 +1770,9 @@ pub fn self_check_cases() -> Vec<Case> {
         // fourth head skipped); keys that end mid-way through a warp's group of loads.
         (vec![(1, 90), (1, 5)], 2, 4, 4, 128, 16),
         (vec![(1, 150), (1, 7), (1, 66)], 3, 12, 4, 64, 16),
+        // The kernel for 8 heads a KV head given 7 (Qwen2.5-7B's 28 of 4): over an FP8 cache
+        // it keeps 16 lanes a key where the ones above take 8 (paged_f16.cu's PD_KERNEL).
+        (vec![(1, 45), (1, 6)], 2, 28, 4, 128, 16),
     ] {
         for kv in [KvFormat::Native, FP8_KV] {
             cases.push(PagedAttention {

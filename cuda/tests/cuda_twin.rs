@@ -512,11 +512,15 @@ fn rope_and_attention_at_real_sizes() {
 fn paged_kv_cache_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // (sequences as (queries, keys), decoding, q heads, kv heads, head dim, block size): 8B
-    // decode at batch 1 (4096 and 513 keys), at batch 64 (600 keys each, one split), a mixed
-    // step of 32 decodes and two prefill chunks (a 512-token chunk after 1536 cached keys), the
-    // tiny fixture's sizes, the ViT-like 72 (padded to 80) through the per-row kernel.
+    // decode at batch 1 (4096, 2047 and 513 keys: every remainder of the 4 keys a warp takes at
+    // once), at batch 64 (600 keys each, one split), a mixed step of 32 decodes and two prefill
+    // chunks (a 512-token chunk after 1536 cached keys), the tiny fixture's sizes, the ViT-like
+    // 72 (padded to 80) through the per-row kernel; Qwen2.5-7B's heads (28 of 4 KV heads: the
+    // kernel for 8 heads a KV head, one skipped) and head dim 256, whose FP8 kernels keep 16
+    // lanes a key where the others take 8 (paged_f16.cu's PD_KERNEL).
     let paged = [
         (vec![(1, 4096)], 1, 32, 8, 128, 16),
+        (vec![(1, 2047)], 1, 32, 8, 128, 16),
         (vec![(1, 513)], 1, 32, 8, 128, 16),
         (vec![(1, 600); 64], 64, 32, 8, 128, 16),
         (
@@ -529,6 +533,8 @@ fn paged_kv_cache_at_real_sizes() {
         ),
         (vec![(1, 40), (1, 2), (33, 33)], 2, 4, 2, 32, 16),
         (vec![(1, 90), (9, 30)], 1, 16, 16, 72, 16),
+        (vec![(1, 1001), (1, 77), (1, 4)], 3, 28, 4, 128, 16),
+        (vec![(1, 530), (1, 9)], 2, 8, 4, 256, 16),
     ]
     .map(
         |(seqs, decode, q_heads, kv_heads, dim, block_size)| Case::PagedAttention {
