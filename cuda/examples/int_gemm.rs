@@ -9,13 +9,15 @@
 //!
 //! ROWS defaults to 8 16 32 64. The target: W4 at 64 rows at least as fast as f16.
 //! Past 64 rows (prefill chunks: e.g. `int_gemm 64 512 4096`) the integer weights take the
-//! dequantization and cuBLAS, FP8 on an H100 the W8A8 GEMM (w8a8.rs); a third child process
-//! times FP8's W8A8 GEMM at every row count (`VLM_FP8_GEMM=w8a8`) where the GPU has it.
+//! dequantization and cuBLAS. FP8 runs weight-only here (`VLM_FP8_GEMM=w8a16`, as on GPUs
+//! without FP8 tensor cores); a third child process times FP8 as served on an H100, on the
+//! W8A8 GEMM (w8a8.rs) at every row count.
 //! `VLM_INT_GEMM_ROWS=256` (or 192, 128) times every integer GEMM on that block shape instead
 //! of each shape's own choice, and `VLM_INT_GEMM_SPLITS=n` caps the k splits.
 
 use std::time::Instant;
 
+use vlm_compute::cuda::Fp8Gemm;
 use vlm_compute::quant::fp8::{e4m3_is_nan, Fp8Matrix};
 use vlm_compute::quant::QuantizeTo;
 use vlm_compute::{Backend, CudaBackend, CudaTensor, CudaWeight, HostTensor};
@@ -35,6 +37,9 @@ fn main() -> vlm_compute::Result<()> {
     let dequant = std::env::var("VLM_INT_GEMM").is_ok_and(|v| v == "dequant");
     let w8a8 = std::env::var("VLM_FP8_GEMM").is_ok_and(|v| v == "w8a8");
     let g = CudaBackend::new(0)?;
+    if !w8a8 {
+        g.set_fp8_gemm(Fp8Gemm::W8a16);
+    }
     let copy_bytes = 1usize << 30;
     let copy = g.time_copy(copy_bytes)?;
     let copy = g.time_copy(copy_bytes)?.min(copy);
@@ -101,11 +106,11 @@ fn main() -> vlm_compute::Result<()> {
             let x = g.upload(&HostTensor::new(vec![n, h], vec![0.01; n * h])?)?;
             let xi = g.upload(&HostTensor::new(vec![n, inter], vec![0.01; n * inter])?)?;
             let norm = g.upload(&HostTensor::new(vec![h], vec![1.0; h])?)?;
-            // Past the integer GEMM's 64 rows the default path is another.
-            let past = match fmt {
-                Some(QuantizeTo::Fp8) if n > 64 && !dequant && g.has_w8a8() => " (W8A8 cuBLASLt)",
-                Some(_) if n > 64 && !w8a8 => " (dequant+cuBLAS)",
-                _ => "",
+            // Past the integer GEMM's 64 rows the weight-only path is another.
+            let past = if fmt.is_some() && n > 64 && !w8a8 {
+                " (dequant+cuBLAS)"
+            } else {
+                ""
             };
             println!("{name} rows {n}{past}:");
             for (s, &(op, m, k)) in shapes.iter().enumerate() {

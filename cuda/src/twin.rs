@@ -104,9 +104,9 @@ pub enum Case {
         /// whichever this GPU would pick; `None`: the device's own choice. The CPU ignores it.
         block_rows: Option<usize>,
     },
-    /// An FP8 weight in 128 x 128 blocks through op `op` (`Linear` or `AddLinear`) at `n`
-    /// rows: past 64 on an H100, the W8A8 GEMM (activations quantized to e4m3, cuBLASLt with
-    /// block scales); elsewhere the weight-only path. Its inputs and weights are e4m3 values
+    /// An FP8 weight in 128 x 128 blocks through op `op` (`Linear` or `AddLinear`) at `n` (> 4)
+    /// rows: on an H100 the W8A8 GEMM (activations quantized to e4m3, cuBLASLt with block
+    /// scales; every other case runs FP8 weight-only); elsewhere the weight-only path. Its inputs and weights are e4m3 values
     /// times powers of two with each 128-column group's largest at 448 times its power, so
     /// quantizing them changes nothing: W8A8 must match the CPU's W8A16 up to the sums' order,
     /// and a scale read from the wrong row, group or block cannot pass.
@@ -687,6 +687,17 @@ impl Case {
 
     /// Runs the case on `be` and returns its output on the host.
     pub fn run<B: Backend>(&self, be: &B) -> Result<HostTensor> {
+        // FP8 weights' GEMMs: weight-only, as the CPU computes them, in every case but W8a8's
+        // (whose operands the activations' quantization leaves as they are).
+        use crate::cuda::{with_fp8_gemm, Fp8Gemm};
+        let mode = match self {
+            Case::W8a8 { .. } => Fp8Gemm::W8a8,
+            _ => Fp8Gemm::W8a16,
+        };
+        with_fp8_gemm(mode, || self.run_op(be))
+    }
+
+    fn run_op<B: Backend>(&self, be: &B) -> Result<HostTensor> {
         let up = |shape: &[usize], key: u64| be.upload(&input(shape, key));
         let out = match *self {
             Case::Add { rows, cols } => be.add(&up(&[rows, cols], 1)?, &up(&[rows, cols], 2)?)?,
@@ -1634,7 +1645,7 @@ pub fn self_check_cases() -> Vec<Case> {
             ]);
         }
     }
-    // FP8 weights' W8A8 GEMM (past 64 rows on an H100): k of 2 groups, of 5 (the block
+    // FP8 weights' W8A8 GEMM (an H100's, past 4 rows): k of 2 groups, of 5 (the block
     // scales' rows padded to 8) and of 1; output columns a whole block, a partial last block
     // (208 = 128 + 80) and two; the bias broadcast first, a residual accumulated.
     cases.extend([
@@ -1655,6 +1666,12 @@ pub fn self_check_cases() -> Vec<Case> {
             k: 128,
             m: 256,
             op: IntOp::Linear,
+        },
+        W8a8 {
+            n: 5,
+            k: 384,
+            m: 128,
+            op: IntOp::AddLinear,
         },
     ]);
     // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.
@@ -1770,8 +1787,7 @@ pub fn self_check_cases() -> Vec<Case> {
         // fourth head skipped); keys that end mid-way through a warp's group of loads.
         (vec![(1, 90), (1, 5)], 2, 4, 4, 128, 16),
         (vec![(1, 150), (1, 7), (1, 66)], 3, 12, 4, 64, 16),
-        // The kernel for 8 heads a KV head given 7 (Qwen2.5-7B's 28 of 4): over an FP8 cache
-        // it keeps 16 lanes a key where the ones above take 8 (paged_f16.cu's PD_KERNEL).
+        // The kernel for 8 heads a KV head given 7 (Qwen2.5-7B's 28 of 4), over f16 and FP8.
         (vec![(1, 45), (1, 6)], 2, 28, 4, 128, 16),
     ] {
         for kv in [KvFormat::Native, FP8_KV] {

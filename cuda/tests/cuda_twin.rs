@@ -156,6 +156,8 @@ fn int_weights_at_real_sizes() {
 fn every_e4m3_value_is_read_exactly() {
     use vlm_compute::quant::fp8::{e4m3_is_nan, Fp8Matrix};
     let Some(g) = test_gpu() else { return };
+    // The weight-only kernels (the W8A8 GEMM rounds x's scale: w8a8_at_real_sizes checks it).
+    g.set_fp8_gemm(vlm_compute::cuda::Fp8Gemm::W8a16);
     let cpu = CpuBackend::new();
     let cases = [
         (1, 64),
@@ -512,12 +514,10 @@ fn rope_and_attention_at_real_sizes() {
 fn paged_kv_cache_at_real_sizes() {
     let Some(g) = test_gpu() else { return };
     // (sequences as (queries, keys), decoding, q heads, kv heads, head dim, block size): 8B
-    // decode at batch 1 (4096, 2047 and 513 keys: every remainder of the 4 keys a warp takes at
-    // once), at batch 64 (600 keys each, one split), a mixed step of 32 decodes and two prefill
+    // decode at batch 1 (4096, 2047 and 513 keys), at batch 64 (600 keys each, one split), a mixed step of 32 decodes and two prefill
     // chunks (a 512-token chunk after 1536 cached keys), the tiny fixture's sizes, the ViT-like
     // 72 (padded to 80) through the per-row kernel; Qwen2.5-7B's heads (28 of 4 KV heads: the
-    // kernel for 8 heads a KV head, one skipped) and head dim 256, whose FP8 kernels keep 16
-    // lanes a key where the others take 8 (paged_f16.cu's PD_KERNEL).
+    // kernel for 8 heads a KV head, one skipped) and head dim 256.
     let paged = [
         (vec![(1, 4096)], 1, 32, 8, 128, 16),
         (vec![(1, 2047)], 1, 32, 8, 128, 16),

@@ -202,6 +202,8 @@ fn quantize_at_load_stays_near_the_bf16_model() {
 #[test]
 fn logits_on_cuda_match_hf() {
     if let Some(gpu) = vlm_compute::cuda::test_gpu() {
+        // FP8 weight-only, as the references compute (W8A8 has its test below).
+        gpu.set_fp8_gemm(vlm_compute::cuda::Fp8Gemm::W8a16);
         for (name, scale) in FIXTURES {
             eprintln!("{name}");
             check_engine(&fixture(name), gpu.clone(), scale * CUDA_LOGITS_TOL);
@@ -210,12 +212,15 @@ fn logits_on_cuda_match_hf() {
 }
 
 /// FP8_BLOCK (128 x 128 blocks) on CUDA with every GEMM past the GEMVs' 4 rows on the W8A8
-/// GEMM (`Fp8Gemm::W8a8`; by default only past 64 rows, which no fixture prompt reaches): the
+/// GEMM (the default on an H100; `logits_on_cuda_match_hf` runs it weight-only): the
 /// activations rounded to e4m3 with a scale per row and 128 columns (each value within 2^-4 of
 /// itself), which the reference does not do (activations unquantized), so the logits are held
-/// to what that rounding allows rather than to CUDA_LOGITS_TOL. Where the GPU has no W8A8
-/// (not sm_90, cuBLASLt before 12.9) this is the weight-only run again.
-const W8A8_LOGITS_TOL: f32 = 0.5;
+/// to what that rounding allows rather than to CUDA_LOGITS_TOL: at 8B shapes one W8A8 GEMM
+/// moved its outputs by up to 2.5% of the largest (cuda_twin's `w8a8_at_real_sizes`, H200),
+/// and on this fixture (logits up to ~31) the first steps moved by up to 0.98. 2.0 (6.5% of
+/// the largest logit) leaves 2x, still 15x below the O(30) of a wrong scale or block. Where
+/// the GPU has no W8A8 (not sm_90, cuBLASLt before 12.9) this is the weight-only run again.
+const W8A8_LOGITS_TOL: f32 = 2.0;
 
 #[test]
 fn fp8_block_with_w8a8_prefill_on_cuda_stays_near_hf() {

@@ -66,7 +66,7 @@ pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBack
 pub use int_weights::{with_int_gemm_rows, IntGemmGrid};
 pub use kernels::{compile_all_ptx, IntGemmBlock};
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
-pub use w8a8::Fp8Gemm;
+pub use w8a8::{with_fp8_gemm, Fp8Gemm};
 
 // One block, as a trait impl must be: an op longer than a few lines is a call of its body,
 // `<op>_impl`, in its family's file.

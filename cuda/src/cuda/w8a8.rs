@@ -1,22 +1,22 @@
-//! The W8A8 GEMM of FP8 weights on Hopper: prefill chunks and large batches quantize their
-//! activations to e4m3 too (a scale per row and 128 columns, `quant_rows_f8` in
-//! weights_f16.cu) and multiply on FP8 tensor cores through cuBLASLt, with the weights' 128 x
-//! 128 block scales (lt.rs, [`Fp8Shape`]): twice f16's tensor-core rate, and the weights read
-//! as stored. What Qwen's FP8 checkpoints ask for (`activation_scheme: dynamic`) and what
-//! transformers and vLLM run on such a GPU.
+//! The W8A8 GEMM of FP8 weights on Hopper: every GEMM of more rows than decode's GEMVs take
+//! (prefill chunks, batches of 5 and more) quantizes its activations to e4m3 too (a scale per
+//! row and 128 columns, `quant_rows_f8` in weights_f16.cu) and multiplies on FP8 tensor cores
+//! through cuBLASLt, with the weights' 128 x 128 block scales (lt.rs, [`Fp8Shape`]): twice
+//! f16's tensor-core rate, and the weights read as stored. What Qwen's FP8 checkpoints ask for
+//! (`activation_scheme: dynamic`) and what transformers and vLLM run on such a GPU. On an H200
+//! (docs/benchmarks.md) it beat the weight-only integer GEMM at 8 to 64 rows (one layer's MLP
+//! 73 against 85 us at 8 rows, 79 against 141 at 64) and f16 cuBLAS past that.
 //!
-//! Everywhere else an FP8 weight is read weight-only (W8A16: activations stay f16): decode's
-//! GEMVs, the integer GEMM up to 64 rows, and on GPUs without FP8 tensor cores (the Orin,
-//! sm_87) or a cuBLASLt older than 12.9 the dequantization into f16 for cuBLAS. The two differ
-//! by the activations' rounding to e4m3 (3 mantissa bits: each value within 2^-4 of itself).
-//!
-//! `VLM_FP8_GEMM` chooses ([`CudaBackend::set_fp8_gemm`] after start): `auto` (the default: W8A8 past the integer GEMM's 64 rows, where
-//! the alternative is the dequantization), `w8a8` (every FP8 GEMM past the GEMVs' 4 rows, to
-//! test and time it) or `w8a16` (never).
+//! Weight-only (W8A16: activations stay f16) are decode's GEMVs (1 to 4 rows), FP8 weights
+//! without 128 x 128 blocks (per-channel scales), GPUs without these kernels (the Orin, sm_87,
+//! has no FP8 tensor cores; a cuBLASLt older than 12.9) and `VLM_FP8_GEMM=w8a16`. The two
+//! differ by the activations' rounding to e4m3 (3 mantissa bits: each value within 2^-4 of
+//! itself; one GEMM's outputs moved by up to 2.5% of the largest at 8B shapes), so an FP8
+//! request's numerics depend on whether its step had more than 4 rows.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::kernels::{GEMV_MAX_ROWS, INT_GEMM_MAX_ROWS};
+use super::kernels::GEMV_MAX_ROWS;
 use super::linear::GemmOut;
 use super::lt::{Fp8Shape, LtGemm, LtOperands, LtOut};
 use super::tensor::{IntFormat, IntWeight, WeightData};
@@ -24,35 +24,55 @@ use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::quant::fp8::ACT_GROUP;
 use crate::{Error, Result};
 
-/// Which FP8 GEMMs quantize their activations: `VLM_FP8_GEMM` at start,
-/// [`CudaBackend::set_fp8_gemm`] after.
+/// Whether FP8 weights' GEMMs quantize their activations: `VLM_FP8_GEMM` at start,
+/// [`CudaBackend::set_fp8_gemm`] after, [`with_fp8_gemm`] for one thread's GEMMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fp8Gemm {
-    /// W8A8 past the integer GEMM's rows (the default).
-    Auto,
-    /// W8A8 past the GEMVs' rows.
+    /// W8A8 past the GEMVs' rows where the GPU has it (the default).
     W8a8,
     /// Never: weight-only everywhere.
     W8a16,
 }
 
 impl Fp8Gemm {
-    /// `VLM_FP8_GEMM`'s value (`auto` when unset or unknown, with a warning for the latter).
+    /// `VLM_FP8_GEMM`'s value: `w8a16`, else (unset, `w8a8`, or unknown, with a warning) W8A8.
     pub(super) fn from_env() -> Self {
         match std::env::var("VLM_FP8_GEMM").as_deref() {
-            Ok("w8a8") => Fp8Gemm::W8a8,
             Ok("w8a16") => Fp8Gemm::W8a16,
-            Ok("auto") | Err(_) => Fp8Gemm::Auto,
+            Ok("w8a8") | Err(_) => Fp8Gemm::W8a8,
             Ok(other) => {
-                tracing::warn!("VLM_FP8_GEMM={other} is not auto, w8a8 or w8a16: using auto");
-                Fp8Gemm::Auto
+                tracing::warn!("VLM_FP8_GEMM={other} is not w8a8 or w8a16: using w8a8");
+                Fp8Gemm::W8a8
             }
         }
     }
 
     fn from_u8(v: u8) -> Self {
-        [Fp8Gemm::Auto, Fp8Gemm::W8a8, Fp8Gemm::W8a16][v as usize % 3]
+        if v == Fp8Gemm::W8a16 as u8 {
+            Fp8Gemm::W8a16
+        } else {
+            Fp8Gemm::W8a8
+        }
     }
+}
+
+thread_local! {
+    /// The mode [`with_fp8_gemm`] forces on this thread's GEMMs (before the backend's).
+    static FORCED: std::cell::Cell<Option<Fp8Gemm>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's FP8 GEMMs in `mode`, whatever the backend's: how the twin
+/// cases check the weight-only GEMMs (which the CPU computes) and the W8A8 one each on one
+/// GPU. Launches are queued on the calling thread, so no other thread's GEMMs change.
+pub fn with_fp8_gemm<T>(mode: Fp8Gemm, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<Fp8Gemm>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED.set(self.0);
+        }
+    }
+    let _restore = Restore(FORCED.replace(Some(mode)));
+    f()
 }
 
 /// Threads of a `quant_rows_f8` block: 8 warps, a group of 128 columns each.
@@ -67,11 +87,13 @@ impl CudaBackend {
 
     /// Which FP8 GEMMs quantize their activations on this backend.
     pub fn fp8_gemm(&self) -> Fp8Gemm {
-        Fp8Gemm::from_u8(
-            self.inner
-                .fp8_gemm
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
+        FORCED.get().unwrap_or_else(|| {
+            Fp8Gemm::from_u8(
+                self.inner
+                    .fp8_gemm
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
     }
 
     /// Sets which FP8 GEMMs quantize their activations (for tests that check both paths on
@@ -97,14 +119,12 @@ impl CudaBackend {
             return Ok(None);
         };
         let (m, k) = (w.shape[0], w.shape[1]);
-        let past = match self.fp8_gemm() {
-            Fp8Gemm::W8a16 => return Ok(None),
-            Fp8Gemm::W8a8 => GEMV_MAX_ROWS,
-            Fp8Gemm::Auto => INT_GEMM_MAX_ROWS,
-        };
+        if self.fp8_gemm() == Fp8Gemm::W8a16 {
+            return Ok(None);
+        }
         if iw.format != IntFormat::E4m3
             || iw.block_scales.is_none()
-            || n <= past
+            || n <= GEMV_MAX_ROWS
             || k % ACT_GROUP != 0
             || m % 16 != 0
             || (O::F16 && accumulate)
