@@ -16,9 +16,11 @@
 //!   F8_E4M3, `weight_scale` `[out, 1]` (strategy channel), `[ceil(out / b0), ceil(in / b1)]`
 //!   (strategy block, `block_structure: [b0, b1]`) or `[1]` (strategy tensor).
 //!
-//! Weight-only for now: schemes that quantize activations dynamically (FP8_DYNAMIC per token,
-//! FP8_BLOCK per group of 128, FineGrainedFP8's `activation_scheme: dynamic`) run with
-//! activations unquantized, which is what the fixtures' references compute.
+//! Activations: schemes that quantize them dynamically (FP8_DYNAMIC per token, FP8_BLOCK per
+//! group of 128, FineGrainedFP8's `activation_scheme: dynamic`) run weight-only on the CPU and
+//! in decode's GEMVs, which is what the fixtures' references compute; on sm_90 every larger
+//! GEMM of a 128 x 128-block matrix quantizes them per row and [`ACT_GROUP`] columns
+//! ([`quantize_rows`]; cuda/src/cuda/w8a8.rs).
 
 use crate::{Error, HostTensor, Result, WeightPrefix};
 
