@@ -1040,7 +1040,10 @@ mod tests {
             // under its down) and are up to twice the same grids' at e69708a (o 17.01 and
             // 27.10 us, docs/results/h100-2026-11-28-e69708a-int-gemm.txt, the kernel before
             // it took other block shapes), which beat 128 x 4 here; W4's and W8's 256-row
-            // times agree with e69708a's within 4%. To be timed again.
+            // times agree with e69708a's within 4%. Timed again on an H200 at ca1a8ed
+            // (docs/results/h200-2026-11-28-ca1a8ed-int-gemm-grid-*.txt), 256 x 8 won for FP8
+            // too: o 15.94 / 17.28 at 8 rows, 26.36 / 28.09 at 64; down 31.91 / 34.57, 52.06 /
+            // 56.19.
             (4096, 4096, (r256, 16, 8)),
             // gate/up, 192 x 1 (128 blocks) against 256 x 1 (96): W4 42.93 / 48.99, 71.84 /
             // 90.03; W8 48.84 / 58.50, 77.88 / 99.49; FP8 51.20 / 75.87, 81.03 / 106.22.
