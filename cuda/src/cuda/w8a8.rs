@@ -85,7 +85,8 @@ impl CudaBackend {
         self.compute_capability() == (9, 0) && self.inner.lt.has_fp8_block_scales()
     }
 
-    /// Which FP8 GEMMs quantize their activations on this backend.
+    /// Whether FP8 GEMMs quantize their activations here: this thread's [`with_fp8_gemm`]
+    /// mode, else the backend's.
     pub fn fp8_gemm(&self) -> Fp8Gemm {
         FORCED.get().unwrap_or_else(|| {
             Fp8Gemm::from_u8(
@@ -96,8 +97,8 @@ impl CudaBackend {
         })
     }
 
-    /// Sets which FP8 GEMMs quantize their activations (for tests that check both paths on
-    /// one GPU; the default is `VLM_FP8_GEMM`'s). Weights already uploaded are unaffected: the
+    /// Sets whether FP8 GEMMs quantize their activations on this backend (for tests that check
+    /// both paths on one GPU; the default is `VLM_FP8_GEMM`'s). Weights already uploaded are unaffected: the
     /// choice is made at each GEMM.
     pub fn set_fp8_gemm(&self, mode: Fp8Gemm) {
         self.inner
@@ -107,8 +108,8 @@ impl CudaBackend {
 
     /// `w`'s FP8 weight where `n` rows of activations take the W8A8 GEMM into an `O` output
     /// (`accumulate`: added to it): a weight with 128 x 128 block scales, shapes cuBLASLt's
-    /// FP8 GEMM takes (k whole groups of 128, leading dims multiples of 16), rows past the
-    /// mode's threshold, and an algorithm for the shape.
+    /// FP8 GEMM takes (k whole groups of 128, leading dims multiples of 16), more rows than the
+    /// GEMVs take, W8A8 on ([`Self::fp8_gemm`]), and an algorithm for the shape.
     pub(super) fn w8a8_weight<'a, O: GemmOut>(
         &self,
         w: &'a CudaWeight,
