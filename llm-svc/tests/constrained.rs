@@ -7,17 +7,12 @@
 //! With a GPU (`on_cuda_*`) the same answers must validate: there the mask is applied by the
 //! device's sampler (`sampling_f32.cu`).
 
-use std::path::PathBuf;
+mod common;
 
-use llm_svc::{
-    Engine, EngineConfig, Event, FinishReason, GenerateRequest, KvCacheSize, SamplingParams,
-};
+use common::{fixture, together_finished};
+use llm_svc::{Engine, EngineConfig, FinishReason, GenerateRequest, KvCacheSize, SamplingParams};
 use vlm_compute::{Backend, CpuBackend, Weights};
 use vlm_proto::pb::{constraint::Grammar, Constraint};
-
-fn fixture() -> PathBuf {
-    vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn engine_on<B: Backend>(backend: B) -> Engine {
     let dir = fixture();
@@ -83,24 +78,6 @@ fn samplings() -> Vec<SamplingParams> {
     ]
 }
 
-/// Runs every request at once and returns each one's tokens and finish.
-fn together(e: &Engine, reqs: &[GenerateRequest]) -> Vec<(Vec<u32>, FinishReason)> {
-    let streams: Vec<_> = reqs
-        .iter()
-        .map(|r| e.submit(r.clone(), None, tracing::Span::none()).unwrap())
-        .collect();
-    streams
-        .into_iter()
-        .map(|mut s| loop {
-            match s.blocking_recv().expect("the stream ends with Finished") {
-                Event::Token { .. } => {}
-                Event::Finished(g) => break (g.tokens, g.finish),
-                Event::Failed(e) => panic!("failed: {e}"),
-            }
-        })
-        .collect()
-}
-
 /// Every answer that stopped (not cut) validates; returns how many stopped.
 fn check_answers(e: &Engine, max_new_tokens: usize) -> usize {
     let tok = tokenizer();
@@ -114,7 +91,7 @@ fn check_answers(e: &Engine, max_new_tokens: usize) -> usize {
         }
     }
     let only: Vec<GenerateRequest> = reqs.iter().map(|r| r.1.clone()).collect();
-    let answers = together(e, &only);
+    let answers = together_finished(e, &only);
     let mut stopped = 0;
     for ((schema, _), (tokens, finish)) in reqs.iter().zip(&answers) {
         // The eos token closes a complete answer; it is not part of the JSON.
@@ -157,9 +134,9 @@ fn a_batch_gives_each_request_its_tokens_alone() {
         .collect();
     let alone: Vec<_> = reqs
         .iter()
-        .map(|r| together(&e, std::slice::from_ref(r)).remove(0))
+        .map(|r| together_finished(&e, std::slice::from_ref(r)).remove(0))
         .collect();
-    assert_eq!(together(&e, &reqs), alone);
+    assert_eq!(together_finished(&e, &reqs), alone);
 }
 
 #[test]
@@ -167,7 +144,7 @@ fn an_answer_cut_by_its_budget_ends_with_length() {
     let e = engine_on(CpuBackend::new());
     // A string of at least 50 characters cannot end in 5 tokens.
     let s = serde_json::json!({"type": "string", "minLength": 50});
-    let out = together(&e, &[request(json_schema(&s), SamplingParams::greedy(), 5)]);
+    let out = together_finished(&e, &[request(json_schema(&s), SamplingParams::greedy(), 5)]);
     assert_eq!(out[0].1, FinishReason::Length);
     assert_eq!(out[0].0.len(), 5);
 }
@@ -202,7 +179,7 @@ NUM: /[1-9]/"#
     };
     let answers: [&dyn Fn(&str) -> bool; 2] = [&re_answer, &lark_answer];
     for sampling in samplings() {
-        let out = together(
+        let out = together_finished(
             &e,
             &[
                 request(regex.clone(), sampling.clone(), 32),
@@ -232,7 +209,7 @@ fn after_token_frees_what_comes_before_it() {
         grammar: Some(Grammar::Regex("[0-9]{3}".into())),
         after_token: Some(hash),
     };
-    let out = together(&e, &[request(constraint, sampling, 8)]);
+    let out = together_finished(&e, &[request(constraint, sampling, 8)]);
     let text = tok.decode(&out[0].0, true).unwrap();
     assert_eq!(out[0].1, FinishReason::Eos, "{text:?}");
     let digits = text.strip_prefix('#').unwrap_or_default();

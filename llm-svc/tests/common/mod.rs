@@ -1,8 +1,10 @@
-//! What several of llm-svc's test programs read alike from the tiny Qwen3-VL fixture.
+//! What several of llm-svc's test programs read alike from the tiny Qwen3-VL fixture, and how
+//! they run requests together. Each program uses part of it.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 
-use llm_svc::{Engine, Event, GenerateRequest, ImageInput};
+use llm_svc::{Engine, Event, FinishReason, GenerateRequest, ImageInput};
 use vlm_compute::golden::Golden;
 use vlm_compute::Embeddings;
 
@@ -42,8 +44,11 @@ pub fn golden_inputs() -> Vec<(Vec<u32>, Vec<ImageInput>)> {
         .collect()
 }
 
-/// All requests submitted at once, then collected.
-pub fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
+/// All requests submitted at once, then collected: each one's tokens and why it finished.
+pub fn together_finished(
+    engine: &Engine,
+    reqs: &[GenerateRequest],
+) -> Vec<(Vec<u32>, FinishReason)> {
     let streams: Vec<_> = reqs
         .iter()
         .map(|r| {
@@ -57,9 +62,17 @@ pub fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
         .map(|mut s| loop {
             match s.blocking_recv().expect("the stream ends with Finished") {
                 Event::Token { .. } => {}
-                Event::Finished(g) => break g.tokens,
+                Event::Finished(g) => break (g.tokens, g.finish),
                 Event::Failed(e) => panic!("a request failed: {e}"),
             }
         })
+        .collect()
+}
+
+/// All requests submitted at once, then collected: each one's tokens.
+pub fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
+    together_finished(engine, reqs)
+        .into_iter()
+        .map(|(tokens, _)| tokens)
         .collect()
 }
