@@ -273,8 +273,8 @@ impl CudaBackend {
         alpha: f32,
     ) -> Result<()> {
         let (k, m) = (w.shape[1], w.shape[0]);
-        if let Some(iw) = self.w8a8_weight::<O>(w, n, accumulate)? {
-            return self.w8a8_gemm(x16, n, w, iw, out, accumulate, alpha);
+        if let Some(taken) = self.w8a8_weight::<O>(w, n, accumulate)? {
+            return self.w8a8_gemm(x16, n, w, taken, out, accumulate, alpha);
         }
         if let Some(iw) = self.int_gemm_weight(w, n) {
             return self.launch_int_gemm(x16, n, iw, m, k, None, out, accumulate, alpha);

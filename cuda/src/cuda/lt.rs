@@ -186,9 +186,18 @@ unsafe fn set_attr_by_number<T>(
         *const c_void,
         usize,
     ) -> sys::cublasStatus_t;
-    let set: SetAttribute = *sys::culib()
-        .get::<SetAttribute>(b"cublasLtMatmulDescSetAttribute\0")
-        .map_err(|e| cuda_err("cuBLASLt descriptor")(&e))?;
+    // Looked up once: every W8A8 GEMM's descriptor sets two such attributes.
+    static SET: std::sync::OnceLock<std::result::Result<SetAttribute, String>> =
+        std::sync::OnceLock::new();
+    let set = SET
+        .get_or_init(|| {
+            sys::culib()
+                .get::<SetAttribute>(b"cublasLtMatmulDescSetAttribute\0")
+                .map(|f| *f)
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| cuda_err("cuBLASLt descriptor")(e))?;
     set(
         desc,
         attr,
@@ -215,8 +224,8 @@ impl Lt {
         self.version >= FP8_BLOCK_SCALES_VERSION
     }
 
-    /// The descriptors of `gemm`.
-    fn describe(&self, gemm: &LtGemm) -> Result<Descriptors> {
+    /// The descriptors of `gemm`; FP8's with `scales` (w's, x's) as its scale pointers.
+    fn describe(&self, gemm: &LtGemm, scales: (CUdeviceptr, CUdeviceptr)) -> Result<Descriptors> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         use sys::cudaDataType_t::{CUDA_R_16F, CUDA_R_32F, CUDA_R_8F_E4M3};
         let out_type = match gemm.out_kind() {
@@ -256,6 +265,8 @@ impl Lt {
                 None => {
                     set_attr_by_number(op, A_SCALE_MODE, &SCALE_BLK128X128_32F)?;
                     set_attr_by_number(op, B_SCALE_MODE, &SCALE_VEC128_32F)?;
+                    set_attr(op, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scales.0)?;
+                    set_attr(op, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scales.1)?;
                 }
             }
         }
@@ -279,18 +290,10 @@ impl Lt {
             return Ok(*a);
         }
         let workspace_bytes = workspace.1;
-        let mut d = self.describe(&gemm)?;
-        if let LtGemm::Fp8(_) = gemm {
-            // The heuristic refuses block scale modes without scale pointers (INVALID_VALUE);
-            // it reads nothing through them, so any device address serves until `matmul` sets
-            // the real ones.
-            use sys::cublasLtMatmulDescAttributes_t as A;
-            // SAFETY: `d.op` is live; the attributes are device pointers.
-            unsafe {
-                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &workspace.0)?;
-                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &workspace.0)?;
-            }
-        }
+        // The heuristic refuses block scale modes without scale pointers (INVALID_VALUE); it
+        // reads nothing through them, so any device address serves until `matmul` gives the
+        // real ones.
+        let mut d = self.describe(&gemm, (workspace.0, workspace.0))?;
         let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
         d.pref = Some(pref);
         let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
@@ -356,14 +359,13 @@ impl Lt {
                 what: "cuBLASLt GEMM: an operand is not 256-byte aligned".into(),
             });
         }
-        let d = self.describe(gemm)?;
-        use sys::cublasLtMatmulDescAttributes_t as A;
-        match gemm {
-            LtGemm::F16(_) => set_attr(d.op, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ops.bias)?,
-            LtGemm::Fp8(_) => {
-                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ops.w_scales)?;
-                set_attr(d.op, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &ops.x_scales)?;
-            }
+        let d = self.describe(gemm, (ops.w_scales, ops.x_scales))?;
+        if let LtGemm::F16(_) = gemm {
+            set_attr(
+                d.op,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &ops.bias,
+            )?;
         }
         let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
         let beta = match gemm.out_kind() {

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 
 use super::kernels::GEMV_MAX_ROWS;
 use super::linear::GemmOut;
-use super::lt::{Fp8Shape, LtGemm, LtOperands, LtOut};
+use super::lt::{Fp8Shape, LtAlgo, LtGemm, LtOperands, LtOut};
 use super::tensor::{IntFormat, IntWeight, WeightData};
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::quant::fp8::ACT_GROUP;
@@ -115,7 +115,7 @@ impl CudaBackend {
         w: &'a CudaWeight,
         n: usize,
         accumulate: bool,
-    ) -> Result<Option<&'a IntWeight>> {
+    ) -> Result<Option<(&'a IntWeight, LtAlgo)>> {
         let WeightData::Int(iw) = &w.data else {
             return Ok(None);
         };
@@ -138,7 +138,7 @@ impl CudaBackend {
             .inner
             .lt
             .algo(gemm, self.inner.workspace)?
-            .map(|_| &**iw))
+            .map(|algo| (&**iw, algo)))
     }
 
     /// Whether `linear` of `n` rows by `w` takes the W8A8 GEMM here (for tests that must not
@@ -157,7 +157,8 @@ impl CudaBackend {
         Fp8Shape { n, k, m, out_kind }
     }
 
-    /// `out (+)= alpha · x16 · wᵀ` on the W8A8 GEMM, for a weight [`Self::w8a8_weight`] gave:
+    /// `out (+)= alpha · x16 · wᵀ` on the W8A8 GEMM, for a weight and algorithm
+    /// [`Self::w8a8_weight`] gave:
     /// x16's `n` rows quantized ([`Self::quantize_rows_into`]), then cuBLASLt.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn w8a8_gemm<O: GemmOut>(
@@ -165,7 +166,7 @@ impl CudaBackend {
         x16: &CudaSlice<half::f16>,
         n: usize,
         w: &CudaWeight,
-        iw: &IntWeight,
+        (iw, algo): (&IntWeight, LtAlgo),
         out: &mut CudaSlice<O>,
         accumulate: bool,
         alpha: f32,
@@ -189,11 +190,6 @@ impl CudaBackend {
         let mut x_scales = self.alloc_slice::<f32>(n * k / ACT_GROUP)?;
         self.quantize_rows_into(x16, n, k, &mut x8, &mut x_scales)?;
         let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
-        let Some(algo) = self.inner.lt.algo(gemm, self.inner.workspace)? else {
-            return Err(Error::Cuda {
-                what: format!("cuBLASLt has no algorithm for {gemm:?}"),
-            });
-        };
         let stream = &self.inner.stream;
         let (x, _x_guard) = x8.device_ptr(stream);
         let (xs, _xs_guard) = x_scales.device_ptr(stream);
