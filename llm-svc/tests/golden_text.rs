@@ -18,7 +18,7 @@ fn fixture(name: &str) -> PathBuf {
 /// outputs (tests/fixtures/make_fixtures.py, make_text_fixtures.py), with the size of its
 /// logits relative to Qwen3-VL's, by which the CUDA tolerance scales: the text-only fixtures
 /// scale `lm_head` by 3 for clear top-1 margins, and their logits reach ~31 against ~13.
-const FIXTURES: [(&str, f32); 13] = [
+const FIXTURES: [(&str, f32); 15] = [
     ("tiny-qwen3-vl", 1.0),
     ("tiny-qwen3", 3.0),
     ("tiny-qwen2", 3.0),
@@ -42,12 +42,26 @@ const FIXTURES: [(&str, f32); 13] = [
     ("tiny-qwen3-gptq-v2", 3.0),
     // compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC: a scale per channel; FP8_BLOCK:
     // 128x128 blocks), against an f32 model of the weights transformers decompresses, with
-    // activations unquantized (the loader is weight-only for now). On CUDA the GEMVs and the
-    // integer GEMM read the e4m3 bytes (the value exact, the scale f32 in the GEMVs and
+    // activations unquantized. Run weight-only on CUDA (W8A8 has its own test below), the GEMVs
+    // and the integer GEMM read the e4m3 bytes (the value exact, the scale f32 in the GEMVs and
     // rounded to f16 in the GEMM: 2^-11 of each weight, as an f16 checkpoint's), prefill past
     // 64 rows the matrix dequantized to f16.
     ("tiny-qwen3-ct-fp8-dynamic", 3.0),
     ("tiny-qwen3-ct-fp8-block", 3.0),
+    // Qwen's own FP8 layout (weight_scale_inv per 128x128 block), made by transformers'
+    // FineGrainedFP8 quantizer on a GPU, against transformers dequantizing the directory:
+    // tiny-qwen3 with k/v (not whole blocks) left bf16 beside FP8 q/o/MLP, and a Qwen3-VL with
+    // every decoder Linear in FP8 and the vision tower unquantized, as Qwen's checkpoints are.
+    ("tiny-qwen3-fp8", 3.0),
+    ("tiny-qwen3-vl-fp8", 1.0),
+];
+
+/// The fixtures in 128x128-block FP8, whose prefill takes the W8A8 GEMM on an H100, with the
+/// bound on their logits there (W8A8_LOGITS_TOL says why).
+const FP8_BLOCK_FIXTURES: [(&str, f32); 3] = [
+    ("tiny-qwen3-ct-fp8-block", W8A8_LOGITS_TOL),
+    ("tiny-qwen3-fp8", W8A8_LOGITS_TOL),
+    ("tiny-qwen3-vl-fp8", W8A8_VL_LOGITS_TOL),
 ];
 
 /// The engine of the checkpoint in `dir` with `weights` on the CPU, configured by default.
@@ -211,23 +225,31 @@ fn logits_on_cuda_match_hf() {
     }
 }
 
-/// FP8_BLOCK (128 x 128 blocks) on CUDA with every GEMM past the GEMVs' 4 rows on the W8A8
+/// FP8 in 128 x 128 blocks on CUDA with every GEMM past the GEMVs' 4 rows on the W8A8
 /// GEMM (the default on an H100; `logits_on_cuda_match_hf` runs it weight-only): the
 /// activations rounded to e4m3 with a scale per row and 128 columns (each value within 2^-4 of
-/// itself), which the reference does not do (activations unquantized), so the logits are held
-/// to what that rounding allows rather than to CUDA_LOGITS_TOL: at 8B shapes one W8A8 GEMM
-/// moved its outputs by up to 2.5% of the largest (cuda_twin's `w8a8_at_real_sizes`, H200),
-/// and on this fixture (logits up to ~31) the first steps moved by up to 0.98. 2.0 (6.5% of
-/// the largest logit) leaves 2x, still 15x below the O(30) of a wrong scale or block. Where
-/// the GPU has no W8A8 (not sm_90, cuBLASLt before 12.9) this is the weight-only run again.
+/// itself), which the references do not do (transformers dequantizing: activations
+/// unquantized), so the logits are held to what that rounding allows rather than to
+/// CUDA_LOGITS_TOL. At 8B shapes one W8A8 GEMM moved its outputs by up to 2.5% of the largest
+/// (cuda_twin's `w8a8_at_real_sizes`, H200). On the text fixtures (logits up to ~31) the first
+/// steps moved by up to 0.98 (ct-fp8-block) and 0.88 (tiny-qwen3-fp8): 2.0 (6.5% of the largest
+/// logit) leaves 2x, still 15x below the O(30) of a wrong scale or block. On tiny-qwen3-vl-fp8
+/// (logits up to ~10) the cases with images moved by up to 0.66 and text alone by 0.011: image
+/// rows carry the vision tower's features, whose groups spread wider, so e4m3 loses more of
+/// them. 1.0 leaves 1.5x, 10x below a wrong scale's O(10). Where the GPU has no W8A8 (not sm_90,
+/// cuBLASLt before 12.9) this is the weight-only run again.
 const W8A8_LOGITS_TOL: f32 = 2.0;
+const W8A8_VL_LOGITS_TOL: f32 = 1.0;
 
 #[test]
 fn fp8_block_with_w8a8_prefill_on_cuda_stays_near_hf() {
     if let Some(gpu) = vlm_compute::cuda::test_gpu() {
         gpu.set_fp8_gemm(vlm_compute::cuda::Fp8Gemm::W8a8);
         eprintln!("W8A8 {}", if gpu.has_w8a8() { "on" } else { "off" });
-        check_engine(&fixture("tiny-qwen3-ct-fp8-block"), gpu, W8A8_LOGITS_TOL);
+        for (name, tol) in FP8_BLOCK_FIXTURES {
+            eprintln!("{name}");
+            check_engine(&fixture(name), gpu.clone(), tol);
+        }
     }
 }
 

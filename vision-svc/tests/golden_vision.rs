@@ -2,7 +2,7 @@
 //! (`tests/fixtures/make_fixtures.py`): preprocessing from the image files, and the tower
 //! (embeddings + DeepStack features) from HF's own pixel values, so each stage is checked alone.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use vision_svc::{preprocess, PatchValues, Patches, VisionEncoder};
 use vlm_compute::{golden::Golden, CpuBackend, HostTensor, Weights};
@@ -69,7 +69,17 @@ fn preprocessing_matches_hf_pixel_values() {
 fn vision_tower_matches_hf_embeddings_and_deepstack() {
     // f32 on both sides; only summation order differs (GEMM blocking, softmax, LayerNorm),
     // which moves O(1) activations by ~1e-6 per op over 4 blocks and 2 GEMMs after them.
-    check_tower(CpuBackend::new(), 1e-4);
+    check_tower(&fixture(), CpuBackend::new(), 1e-4);
+}
+
+/// Qwen's FP8 layout (`tests/fixtures/tiny-qwen3-vl-fp8`, made by transformers' FineGrainedFP8
+/// quantizer): the text decoder's matrices are e4m3 with block scales, the vision tower is left
+/// unquantized (`modules_to_not_convert`), and the tower reads its bf16 tensors from the same
+/// files as it does from a bf16 checkpoint.
+#[test]
+fn an_fp8_checkpoints_vision_tower_matches_hf() {
+    let dir = vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), "tiny-qwen3-vl-fp8");
+    check_tower(&dir, CpuBackend::new(), 1e-4);
 }
 
 /// The same check with the CUDA backend; skipped without a GPU. On the GPU machine:
@@ -81,15 +91,14 @@ fn vision_tower_on_cuda_matches_hf() {
     // outputs move by a few 1e-3. The outputs come back as f16 too (another 2^-11 relative).
     // 1e-2 stays far below the O(0.1-1) of a wrong op.
     if let Some(gpu) = vlm_compute::cuda::test_gpu() {
-        check_tower(gpu, 1e-2);
+        check_tower(&fixture(), gpu, 1e-2);
     }
 }
 
-fn check_tower<B: vlm_compute::Backend>(backend: B, tol: f32) {
-    let dir = fixture();
-    let g = Golden::open(&dir).unwrap();
-    let weights = Weights::open(&dir).unwrap();
-    let enc = VisionEncoder::load(&dir, &weights, backend).unwrap();
+fn check_tower<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
+    let g = Golden::open(dir).unwrap();
+    let weights = Weights::open(dir).unwrap();
+    let enc = VisionEncoder::load(dir, &weights, backend).unwrap();
     for name in image_names(&g) {
         let (_, grid) = g.ints(&format!("image.{name}.grid_thw")).unwrap();
         let patches = Patches {
