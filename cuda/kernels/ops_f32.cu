@@ -7,6 +7,7 @@
 // WARP, NEG_INF, warp_sum and random_uniform come from common.cuh.
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 // Sum over a block of up to 1024 threads; every thread gets the result.
 __device__ float block_sum(float v) {
@@ -109,8 +110,8 @@ extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
 // per row. A row of up to NORM_VEC float4s per thread (cols % 4 == 0: every text and ViT width)
 // is loaded once into registers, all of its loads in flight together: a decode step's rows are
 // single and latency-bound, and the loop of dependent scalar loads this replaced took ~15 us a
-// row on an H100. Other widths take the plain loops.
-#define NORM_VEC 8
+// row on an H100. Other widths take the plain loops. NORM_VEC is kernels.rs's (the host picks
+// rms_norm_f8 only for rows that fit).
 
 __device__ __forceinline__ bool norm_in_registers(int cols) {
     return cols % 4 == 0 && cols <= NORM_VEC * 4 * (int)blockDim.x;
@@ -328,6 +329,109 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
                                         __half* __restrict__ out, int cols, float eps) {
     rms_norm_row(x, w, out, cols, eps);
+}
+
+// ---- the W8A8 GEMM's activations ----
+// FP8 weights on sm_90 multiply on FP8 tensor cores (cuBLASLt with block scales, lt.rs and
+// w8a8.rs), so their activations are quantized too, as `activation_scheme: dynamic` declares:
+// per row and group of 128 columns, s = amax / 448 (1 for a group of zeros), each value rounded
+// to e4m3 as x / s (to nearest even, saturating), from the f16 value the unfused path stores, as
+// the CPU's quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly
+// rounded, as there). The bytes go row-major; scales[g * n + r] is row r's scale of group g: all
+// rows' scales of a group together, as cuBLASLt's VEC128_32F reads them. A warp quantizes one
+// group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands
+// quant_group_e4m3 its values in that layout.
+__device__ __forceinline__ void quant_group_e4m3(const float v[4], unsigned char* __restrict__ q4,
+                                                 float* __restrict__ scale) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = WARP / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    unsigned word = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        word |= (unsigned)__nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3)
+                << (8 * i);
+    *reinterpret_cast<unsigned*>(q4) = word;
+    if (threadIdx.x % WARP == 0) *scale = s;
+}
+
+// Four values rounded to f16 and read back: what the unfused path stores and then quantizes.
+__device__ __forceinline__ void round_to_f16(float2 lo, float2 hi, float v[4]) {
+    const float2 a = __half22float2(__floats2half2_rn(lo.x, lo.y));
+    const float2 b = __half22float2(__floats2half2_rn(hi.x, hi.y));
+    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+// x [n, k] f16 (k a multiple of 128) quantized: the input of a W8A8 GEMM no kernel before it
+// quantizes (the attention's output, before o_proj). One warp a group.
+extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned char* __restrict__ q,
+                                         float* __restrict__ scales, int n, int k) {
+    const int groups = k / 128;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
+    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    const size_t at = (size_t)r * k + g * 128 + lane * 4;
+    const uint2 raw = *reinterpret_cast<const uint2*>(x + at);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+    const float v[4] = {a.x, a.y, b.x, b.y};
+    quant_group_e4m3(v, q + at, scales + (size_t)g * n + r);
+}
+
+// rms_norm_f16 and quant_rows_f8 in one pass, for a W8A8 GEMM's operand (q/k/v, gate/up): the
+// norm is rms_norm_f16's from the row in registers, bit for bit, and never stored in f16. The
+// host launches it as rms_norm_f16 (one ROW_THREADS block a row) only where that kernel keeps
+// the row in registers and cols is whole groups of 128; then a warp's float4s of one chunk are
+// one group.
+extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float* __restrict__ w,
+                                       unsigned char* __restrict__ q, float* __restrict__ scales,
+                                       int rows, int cols, float eps) {
+    if (!norm_in_registers(cols) || cols % 128 != 0) __trap();
+    const int r = blockIdx.x;
+    float4 v[NORM_VEC];
+    load_row4(x + (size_t)r * cols, cols, v);
+    const float inv = rsqrtf(block_sum(sum_squares4(v)) / cols + eps);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll
+    for (int u = 0; u < NORM_VEC; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (4 * i < cols) {  // the same for a whole warp: cols is whole groups
+            const float4 g = w4[i];
+            float f[4];
+            round_to_f16(make_float2(g.x * (v[u].x * inv), g.y * (v[u].y * inv)),
+                         make_float2(g.z * (v[u].z * inv), g.w * (v[u].w * inv)), f);
+            quant_group_e4m3(f, q + (size_t)r * cols + 4 * i, scales + (size_t)(4 * i / 128) * rows + r);
+        }
+    }
+}
+
+// silu_mul_halves_f16 and quant_rows_f8 in one pass, for the down projection's W8A8 GEMM: y
+// [n, 2m] the gate/up GEMM's f16 output, m a multiple of 128; each product is
+// silu_mul_halves_f16's (times `scale`, rounded to f16), bit for bit, and never stored in f16.
+// One warp a group.
+extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
+                                              unsigned char* __restrict__ q,
+                                              float* __restrict__ scales, int m, int n,
+                                              float scale) {
+    const int groups = m / 128;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
+    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    const size_t j = (size_t)g * 128 + lane * 4;
+    const uint2 gv = *reinterpret_cast<const uint2*>(y + (size_t)r * 2 * m + j);
+    const uint2 uv = *reinterpret_cast<const uint2*>(y + (size_t)r * 2 * m + m + j);
+    float2 p[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(h ? &gv.y : &gv.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(h ? &uv.y : &uv.x));
+        p[h] = make_float2(a.x / (1.0f + expf(-a.x)) * b.x * scale,
+                           a.y / (1.0f + expf(-a.y)) * b.y * scale);
+    }
+    float f[4];
+    round_to_f16(p[0], p[1], f);
+    quant_group_e4m3(f, q + (size_t)r * m + j, scales + (size_t)g * n + r);
 }
 
 // Rotate-half RoPE. Grid: one block per token; threads cover heads x d/2 pairs.

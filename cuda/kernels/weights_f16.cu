@@ -1700,37 +1700,6 @@ extern "C" __global__ void dequant_f8_f16(const unsigned* __restrict__ w,
     dequant_int<FMT_F8>(w, sz, group, out, m, k);
 }
 
-// The W8A8 GEMM's activations (FP8 weights on sm_90: cuBLASLt with block scales, lt.rs): x [n, k]
-// f16, k a multiple of 128, per row and group of 128 columns scaled by s = amax / 448 (1 for a
-// group of zeros) and rounded to e4m3 (x / s, to nearest even, saturating), as the CPU's
-// quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly rounded, as
-// there). q gets the bytes, row-major; scales[g * n + r] the scale of row r's group g: all rows'
-// scales of a group together, as cuBLASLt's VEC128_32F reads them. One warp a group, four values
-// a lane.
-extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned char* __restrict__ q,
-                                         float* __restrict__ scales, int n, int k) {
-    const int groups = k / 128;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
-    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
-    const size_t at = (size_t)r * k + g * 128 + lane * 4;
-    const uint2 raw = *reinterpret_cast<const uint2*>(x + at);
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
-    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
-#pragma unroll
-    for (int o = WARP / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-    const float v[4] = {a.x, a.y, b.x, b.y};
-    unsigned word = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        word |= (unsigned)__nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3)
-                << (8 * i);
-    *reinterpret_cast<unsigned*>(q + at) = word;
-    if (lane == 0) scales[(size_t)g * n + r] = s;
-}
-
 // A random-weight model's integer matrix (cuda/src/quant.rs's random_int): value e (row-major)
 // is the top BITS bits of random_bits(key, e); n words of 32 / bits values.
 extern "C" __global__ void fill_random_int(unsigned* __restrict__ w, unsigned long long n,

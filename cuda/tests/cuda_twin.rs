@@ -315,6 +315,45 @@ fn w8a8_quantizes_activations_as_the_cpu_does() {
     );
 }
 
+/// The W8A8 GEMM's operands written by the norm and the SwiGLU that compute them
+/// (`rms_norm_f8`, `silu_mul_halves_f8`) are the bytes and scales of the two-kernel path
+/// (the f16 norm or SwiGLU, then `quant_rows_f8`, which the test above holds to the CPU),
+/// exactly: at 8B's widths (hidden 4096, intermediate 12288) and the tiny fixtures' (128,
+/// 384), with a row of zeros (scale 1), one past e4m3's range and one of tiny values.
+#[test]
+fn w8a8_fused_operands_equal_the_two_kernel_path() {
+    let Some(g) = test_gpu() else { return };
+    let plant = |x: &mut HostTensor, k: usize| {
+        let data = x.data_mut();
+        data[k..2 * k].fill(0.0);
+        data[2 * k + 3] = 3.0e4;
+        for v in &mut data[3 * k..4 * k] {
+            *v *= 1e-5;
+        }
+    };
+    for (n, k) in [(5, 128), (37, 384), (300, 4096)] {
+        let mut x = vlm_compute::random::uniform_tensor(&[n, k], 5, 4.0);
+        plant(&mut x, k);
+        let w = vlm_compute::random::uniform_tensor(&[k], 6, 1.5);
+        let [fused, two] = g
+            .rms_norm_fp8_fused_and_not(&g.upload(&x).unwrap(), &g.upload(&w).unwrap(), 1e-6)
+            .unwrap();
+        assert!(
+            fused == two,
+            "rms_norm_f8, {n} x {k}: differs from rms_norm_f16 + quant_rows_f8"
+        );
+    }
+    for (n, m) in [(5, 128), (37, 384), (300, 12288)] {
+        let mut y = vlm_compute::random::uniform_tensor(&[n, 2 * m], 7, 8.0);
+        plant(&mut y, 2 * m);
+        let [fused, two] = g.swiglu_fp8_fused_and_not(&g.upload(&y).unwrap()).unwrap();
+        assert!(
+            fused == two,
+            "silu_mul_halves_f8, {n} x {m}: differs from the two kernels"
+        );
+    }
+}
+
 #[test]
 fn int_gemm_at_real_sizes() {
     let Some(g) = test_gpu() else { return };

@@ -65,7 +65,6 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "dequant_w4_f16",
             "dequant_w8_f16",
             "dequant_f8_f16",
-            "quant_rows_f8",
             "fill_random_int",
         ],
         tables: &[&INT_GEMM_KERNELS],
@@ -365,7 +364,7 @@ pub(super) fn flash_smem_bytes(dp: usize, queries: usize) -> usize {
     (queries + 4 * 64) * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 17] = [
+const OPS_KERNELS: [&str; 20] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -383,9 +382,15 @@ const OPS_KERNELS: [&str; 17] = [
     "scatter_rows_f32",
     "broadcast_rows_f32",
     "fill_uniform_f32",
+    "quant_rows_f8",
+    "rms_norm_f8",
+    "silu_mul_halves_f8",
 ];
 /// Threads per block for row-wise kernels.
 pub(super) const ROW_THREADS: u32 = 256;
+/// RMSNorm keeps a row of up to this many float4s a thread in registers (`norm_in_registers` in
+/// ops_f32.cu; NORM_VEC there): up to 4 x ROW_THREADS x this columns.
+pub(super) const NORM_VEC: usize = 8;
 /// LayerNorm rows of up to this many float4s a lane (`cols % 4 == 0`, at most 4 x 32 x this
 /// columns: the ViT's 1152, and 1024) are normed by one warp each, in registers, ROW_THREADS /
 /// 32 rows a block; wider rows by a block each (LN_WARP_VEC, `layer_norm_by_warp` in
@@ -802,7 +807,8 @@ fn shared_defines() -> String {
          #define GEMV_SPLIT {GEMV_SPLIT}\n#define PD_WARPS {DECODE_WARPS}\n\
          #define PD_KEYS {DECODE_KEYS}\n#define PD_MIN_CHUNK {DECODE_MIN_CHUNK}\n\
          #define QK_WARPS {QKV_WARPS}\n#define PD_MAX_SPLITS {DECODE_MAX_SPLITS}\n\
-         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define PACK_ROWS {PACK_ROWS}\n\
+         #define LN_WARP_VEC {LAYER_NORM_WARP_VEC}\n#define NORM_VEC {NORM_VEC}\n\
+         #define PACK_ROWS {PACK_ROWS}\n\
          #define STREAM_STAGED {STREAM_STAGED}\n#define SAMPLE_WORDS {SAMPLE_WORDS}\n\
          #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
          #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n\

@@ -26,7 +26,7 @@ use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 /// a power of two, so both steps are exact, that moves f16's overflow from 65504 to ~1e6 (Qwen3
 /// models' massive activations reach ~5e4 in a few channels) and costs precision only below
 /// 1e-3, where the products are noise in the down projection's sums.
-const SWIGLU_F16_SCALE: f32 = 1.0 / 16.0;
+pub(super) const SWIGLU_F16_SCALE: f32 = 1.0 / 16.0;
 
 /// Blocks of a streamed GEMV an SM: two, so that the next kernel's blocks find room beside
 /// the running one's (cuda/bench/gemv_chain.cu measured one and two).
@@ -437,23 +437,36 @@ impl CudaBackend {
         if self.w8a8_weight::<f32>(w, n, true)?.is_none() && self.lt_supports(&shape)? {
             return self.lt_gemm(&shape, x16, w, &b.buf, out);
         }
+        self.broadcast_bias(b, n, out)?;
+        self.gemm_f16(x16, n, w, out, true)
+    }
+
+    /// `out [n, m]` filled with `b` in every row, for a GEMM to accumulate onto.
+    fn broadcast_bias(&self, b: &CudaTensor, n: usize, out: &mut CudaSlice<f32>) -> Result<()> {
+        let m = b.len();
+        if out.len() < n * m {
+            return Err(Error::shape(
+                "broadcast_bias",
+                format!("{n} rows of a bias of {m} into {}", out.len()),
+            ));
+        }
         let (cols, rows) = (m as i32, n as i32);
         let mut l = self
             .inner
             .stream
             .launch_builder(self.kernel("broadcast_rows_f32"));
         l.arg(&*b.buf).arg(&mut *out).arg(&cols).arg(&rows);
-        // SAFETY: matches broadcast_rows_f32: b holds m floats, out n * m.
+        // SAFETY: matches broadcast_rows_f32: b holds m floats, out n * m (checked).
         self.launched(
             "broadcast_rows_f32",
             unsafe { l.launch(LaunchConfig::for_num_elems((n * m) as u32)) }.map(|_| ()),
-        )?;
-        self.gemm_f16(x16, n, w, out, true)
+        )
     }
 
     /// [`Backend::rms_norm_mlp`] past the GEMVs' rows: the norm, the gate/up product and the
-    /// SwiGLU each written once in f16 as the next GEMM's operand, and the down projection
-    /// added into `x` by its GEMM (beta = 1).
+    /// SwiGLU each written once as the next GEMM's operand (f16, or e4m3 with its scales for
+    /// an FP8 weight on the W8A8 GEMM), and the down projection added into `x` by its GEMM
+    /// (beta = 1).
     ///
     /// [`Backend::rms_norm_mlp`]: crate::Backend::rms_norm_mlp
     pub(super) fn rms_norm_mlp_f16(
@@ -479,34 +492,60 @@ impl CudaBackend {
         if n == 0 || m == 0 {
             return Ok(());
         }
-        let h16 = self.rms_norm_f16(x, norm, eps)?;
         let mut y16 = self.alloc_f16(n * m2)?;
-        self.gemm_f16(&h16, n, gate_up, &mut y16, false)?;
+        // An FP8 gate/up on the W8A8 GEMM reads the norm quantized as it is computed.
+        let fused_norm = match self.w8a8_weight::<half::f16>(gate_up, n, false)? {
+            Some(taken) => self.rms_norm_fp8(x, norm, eps)?.map(|h8| (taken, h8)),
+            None => None,
+        };
+        if let Some((taken, h8)) = fused_norm {
+            self.w8a8_gemm_rows(&h8, gate_up, taken, &mut y16, false, 1.0)?;
+        } else {
+            let h16 = self.rms_norm_f16(x, norm, eps)?;
+            self.gemm_f16(&h16, n, gate_up, &mut y16, false)?;
+        }
+        // The SwiGLU's products are stored times SWIGLU_F16_SCALE, f16 or e4m3 (an FP8 down
+        // on the W8A8 GEMM): the GEMM's alpha undoes it exactly.
+        let alpha = 1.0 / SWIGLU_F16_SCALE;
+        if let Some(taken) = self.w8a8_weight::<f32>(down, n, true)? {
+            let g8 = self.swiglu_fp8(&y16, n, m, SWIGLU_F16_SCALE)?;
+            return self.w8a8_gemm_rows(&g8, down, taken, self.unshared(x)?, true, alpha);
+        }
+        let g16 = self.swiglu_f16(&y16, n, m)?;
+        self.gemm_f16_alpha(&g16, n, down, self.unshared(x)?, true, alpha)
+    }
+
+    /// silu(gate) ⊙ up of the gate/up GEMM's `n` rows `y16` (`[n, 2m]`), times
+    /// SWIGLU_F16_SCALE, in f16: the down GEMM's operand.
+    pub(super) fn swiglu_f16(
+        &self,
+        y16: &CudaSlice<half::f16>,
+        n: usize,
+        m: usize,
+    ) -> Result<CudaSlice<half::f16>> {
+        if y16.len() < 2 * n * m {
+            return Err(Error::shape(
+                "swiglu_f16",
+                format!("{} halves for {n} rows of 2 x {m}", y16.len()),
+            ));
+        }
         let mut g16 = self.alloc_f16(n * m)?;
         let name = "silu_mul_halves_f16";
         let (mm, nn) = (m as i32, n as i32);
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&y16)
+        l.arg(y16)
             .arg(&mut g16)
             .arg(&mm)
             .arg(&nn)
             .arg(&SWIGLU_F16_SCALE);
         let per = if m % 8 == 0 { 8 } else { 1 };
-        // SAFETY: matches silu_mul_halves_f16: y16 is [n, 2m] and g16 [n, m] halves; with
-        // m % 8 == 0 every row starts 16-byte aligned (allocations are 256-byte aligned).
+        // SAFETY: matches silu_mul_halves_f16: y16 is [n, 2m] (checked) and g16 [n, m] halves;
+        // with m % 8 == 0 every row starts 16-byte aligned (allocations are 256-byte aligned).
         self.launched(
             name,
             unsafe { l.launch(Self::fill_config((n * m / per) as u64)) }.map(|_| ()),
         )?;
-        // g16 holds the products times SWIGLU_F16_SCALE: the GEMM's alpha undoes it exactly.
-        self.gemm_f16_alpha(
-            &g16,
-            n,
-            down,
-            self.unshared(x)?,
-            true,
-            1.0 / SWIGLU_F16_SCALE,
-        )
+        Ok(g16)
     }
 
     /// Room for `len` halves, not initialized: every caller's kernel or GEMM writes all of it.
@@ -603,9 +642,23 @@ impl CudaBackend {
         if self.normed_gemv_fits(x) {
             self.gemv(x, Some((norm, eps)), w, b, out_buf, false)?;
         } else if x.rows() > 0 && m > 0 {
-            // Past the GEMV's rows: the norm written once as the GEMM's f16 operand.
-            let h16 = self.rms_norm_f16(x, norm, eps)?;
-            self.project_f16(&h16, x.rows(), w, b, out_buf)?;
+            let n = x.rows();
+            // Past the GEMV's rows: the norm written once as the GEMM's operand, quantized as
+            // it is computed where an FP8 weight takes the W8A8 GEMM (onto the bias, if any),
+            // else in f16.
+            let fused = match self.w8a8_weight::<f32>(w, n, b.is_some())? {
+                Some(taken) => self.rms_norm_fp8(x, norm, eps)?.map(|h8| (taken, h8)),
+                None => None,
+            };
+            if let Some((taken, h8)) = fused {
+                if let Some(b) = b {
+                    self.broadcast_bias(b, n, out_buf)?;
+                }
+                self.w8a8_gemm_rows(&h8, w, taken, out_buf, b.is_some(), 1.0)?;
+            } else {
+                let h16 = self.rms_norm_f16(x, norm, eps)?;
+                self.project_f16(&h16, n, w, b, out_buf)?;
+            }
         }
         Ok(out)
     }

@@ -1,6 +1,6 @@
 //! The W8A8 GEMM of FP8 weights on Hopper: every GEMM of more rows than decode's GEMVs take
 //! (prefill chunks, batches of 5 and more) quantizes its activations to e4m3 too (a scale per
-//! row and 128 columns, `quant_rows_f8` in weights_f16.cu) and multiplies on FP8 tensor cores
+//! row and 128 columns, `quant_rows_f8` in ops_f32.cu, or in the norm or SwiGLU that writes them) and multiplies on FP8 tensor cores
 //! through cuBLASLt, with the weights' 128 x 128 block scales (lt.rs, [`Fp8Shape`]): twice
 //! f16's tensor-core rate, and the weights read as stored. What Qwen's FP8 checkpoints ask for
 //! (`activation_scheme: dynamic`) and what transformers and vLLM run on such a GPU. On an H200
@@ -16,8 +16,9 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::kernels::GEMV_MAX_ROWS;
-use super::linear::GemmOut;
+use super::kernels::{GEMV_MAX_ROWS, NORM_VEC, ROW_THREADS};
+use super::launch::width_of;
+use super::linear::{GemmOut, SWIGLU_F16_SCALE};
 use super::lt::{Fp8Shape, LtAlgo, LtGemm, LtOperands, LtOut};
 use super::tensor::{IntFormat, IntWeight, WeightData};
 use super::{CudaBackend, CudaTensor, CudaWeight};
@@ -75,8 +76,31 @@ pub fn with_fp8_gemm<T>(mode: Fp8Gemm, f: impl FnOnce() -> T) -> T {
     f()
 }
 
-/// Threads of a `quant_rows_f8` block: 8 warps, a group of 128 columns each.
+/// Threads of a block of the kernels that quantize one group of 128 columns a warp
+/// (`quant_rows_f8`, `silu_mul_halves_f8`): 8 warps.
 const QUANT_THREADS: u32 = 256;
+
+/// Activations as the W8A8 GEMM reads them: `n` rows of `k` e4m3 bytes (row-major) and a scale
+/// per row and group of [`ACT_GROUP`] columns, group-major (`scales[g * n + r]`, cuBLASLt's
+/// VEC128_32F layout).
+pub(super) struct Fp8Rows {
+    q: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+    n: usize,
+    k: usize,
+}
+
+impl Fp8Rows {
+    /// The bytes and the scales, copied to the host (for the GPU tests).
+    fn to_host(&self, be: &CudaBackend) -> Result<(Vec<u8>, Vec<f32>)> {
+        let stream = &be.inner.stream;
+        let err = |e: cudarc::driver::DriverError| super::error::cuda_err("Fp8Rows::to_host")(&e);
+        Ok((
+            stream.clone_dtoh(&self.q).map_err(err)?,
+            stream.clone_dtoh(&self.scales).map_err(err)?,
+        ))
+    }
+}
 
 impl CudaBackend {
     /// Whether this GPU and cuBLASLt run FP8 GEMMs with block scales: sm_90 (H100, H200; the
@@ -158,56 +182,71 @@ impl CudaBackend {
     }
 
     /// `out (+)= alpha · x16 · wᵀ` on the W8A8 GEMM, for a weight and algorithm
-    /// [`Self::w8a8_weight`] gave:
-    /// x16's `n` rows quantized ([`Self::quantize_rows_into`]), then cuBLASLt.
+    /// [`Self::w8a8_weight`] gave: x16's `n` rows quantized ([`Self::quantize_rows`]), then
+    /// [`Self::w8a8_gemm_rows`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn w8a8_gemm<O: GemmOut>(
         &self,
         x16: &CudaSlice<half::f16>,
         n: usize,
         w: &CudaWeight,
+        taken: (&IntWeight, LtAlgo),
+        out: &mut CudaSlice<O>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> Result<()> {
+        let k = w.shape[1];
+        if x16.len() < n * k {
+            return Err(Error::shape(
+                "W8A8 GEMM",
+                format!("x {} halves, weight {:?}, {n} rows", x16.len(), w.shape),
+            ));
+        }
+        let x = self.quantize_rows(x16, n, k)?;
+        self.w8a8_gemm_rows(&x, w, taken, out, accumulate, alpha)
+    }
+
+    /// `out (+)= alpha · x · wᵀ` on cuBLASLt's block-scaled FP8 GEMM, `x` already quantized
+    /// (by [`Self::quantize_rows`], or by the norm or SwiGLU that wrote it:
+    /// [`Self::rms_norm_fp8`], [`Self::swiglu_fp8`]).
+    pub(super) fn w8a8_gemm_rows<O: GemmOut>(
+        &self,
+        x: &Fp8Rows,
+        w: &CudaWeight,
         (iw, algo): (&IntWeight, LtAlgo),
         out: &mut CudaSlice<O>,
         accumulate: bool,
         alpha: f32,
     ) -> Result<()> {
-        let (m, k) = (w.shape[0], w.shape[1]);
-        if x16.len() < n * k || out.len() < n * m {
+        let (m, k, n) = (w.shape[0], w.shape[1], x.n);
+        if x.k != k || out.len() < n * m {
             return Err(Error::shape(
                 "W8A8 GEMM",
-                format!(
-                    "x {} halves, out {}, weight {:?}, {n} rows",
-                    x16.len(),
-                    out.len(),
-                    w.shape
-                ),
+                format!("x {n} x {}, out {}, weight {:?}", x.k, out.len(), w.shape),
             ));
         }
         let Some(w_scales) = iw.block_scales.as_ref() else {
             return Err(Error::shape("W8A8 GEMM", "a weight without block scales"));
         };
-        let mut x8 = self.alloc_slice::<u8>(n * k)?;
-        let mut x_scales = self.alloc_slice::<f32>(n * k / ACT_GROUP)?;
-        self.quantize_rows_into(x16, n, k, &mut x8, &mut x_scales)?;
         let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
         let stream = &self.inner.stream;
-        let (x, _x_guard) = x8.device_ptr(stream);
-        let (xs, _xs_guard) = x_scales.device_ptr(stream);
+        let (xp, _x_guard) = x.q.device_ptr(stream);
+        let (xs, _xs_guard) = x.scales.device_ptr(stream);
         let (wp, _w_guard) = iw.words.device_ptr(stream);
         let (ws, _ws_guard) = w_scales.device_ptr(stream);
         let (o, _o_guard) = out.device_ptr_mut(stream);
         let operands = LtOperands {
-            x,
+            x: xp,
             w: wp,
             bias: 0,
             out: o,
             w_scales: ws,
             x_scales: xs,
         };
-        // SAFETY: x8 holds n*k e4m3 bytes and x_scales their n*k/128 scales (group-major),
-        // the weight's words its m*k bytes row-major and block_scales its blocks' scales as
-        // IntWeight says; out holds n*m of O (checked above). The guards keep them alive and
-        // ordered on this stream until the GEMM is queued.
+        // SAFETY: x.q holds n*k e4m3 bytes and x.scales their n*k/128 scales (group-major, as
+        // Fp8Rows is made), the weight's words its m*k bytes row-major and block_scales its
+        // blocks' scales as IntWeight says; out holds n*m of O (checked above). The guards
+        // keep them alive and ordered on this stream until the GEMM is queued.
         unsafe {
             self.inner.lt.matmul(
                 stream.cu_stream(),
@@ -221,31 +260,113 @@ impl CudaBackend {
         self.op_done("cublaslt_gemm_fp8")
     }
 
-    /// x16's `n` rows of `k` (a multiple of [`ACT_GROUP`]) as the W8A8 GEMM reads them: e4m3
-    /// bytes into `q` and a scale per row and group into `scales`, group-major
-    /// ([`crate::quant::fp8::quantize_rows`] is its CPU twin).
-    fn quantize_rows_into(
+    /// Room for `n` rows of `k` quantized activations.
+    fn alloc_fp8_rows(&self, n: usize, k: usize) -> Result<Fp8Rows> {
+        Ok(Fp8Rows {
+            q: self.alloc_slice::<u8>(n * k)?,
+            scales: self.alloc_slice::<f32>(n * k / ACT_GROUP)?,
+            n,
+            k,
+        })
+    }
+
+    /// One warp a group of [`ACT_GROUP`] columns, `groups` in all.
+    fn by_group_config(groups: usize) -> LaunchConfig {
+        let blocks = (groups as u64 * 32).div_ceil(QUANT_THREADS as u64);
+        LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (QUANT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// x16's `n` rows of `k` (a multiple of [`ACT_GROUP`]) as the W8A8 GEMM reads them
+    /// (`quant_rows_f8`; [`crate::quant::fp8::quantize_rows`] is its CPU twin).
+    pub(super) fn quantize_rows(
         &self,
         x16: &CudaSlice<half::f16>,
         n: usize,
         k: usize,
-        q: &mut CudaSlice<u8>,
-        scales: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let warps = (n * (k / ACT_GROUP)) as u64;
-        let blocks = (warps * 32).div_ceil(QUANT_THREADS as u64);
+    ) -> Result<Fp8Rows> {
+        let mut x = self.alloc_fp8_rows(n, k)?;
         let (nn, kk) = (n as i32, k as i32);
         let name = "quant_rows_f8";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(x16).arg(&mut *q).arg(&mut *scales).arg(&nn).arg(&kk);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (QUANT_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches quant_rows_f8: x16 holds n*k halves, q n*k bytes, scales n*k/128
-        // floats; k is a multiple of 128, so each warp's 8-byte loads stay in its row.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
+        l.arg(x16)
+            .arg(&mut x.q)
+            .arg(&mut x.scales)
+            .arg(&nn)
+            .arg(&kk);
+        let cfg = Self::by_group_config(n * k / ACT_GROUP);
+        // SAFETY: matches quant_rows_f8: x16 holds n*k halves (the caller checked), q n*k
+        // bytes, scales n*k/128 floats; k is whole groups, so each warp's loads stay in its row.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(x)
+    }
+
+    /// `rms_norm(x, w, eps)` as the W8A8 GEMM reads it, without the f16 copy in between
+    /// (`rms_norm_f8`: rms_norm_f16 then quant_rows_f8, bit for bit), for rows that
+    /// rms_norm_f16 keeps in registers; `None` for others, which take the two kernels.
+    pub(super) fn rms_norm_fp8(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+    ) -> Result<Option<Fp8Rows>> {
+        let (n, k) = (x.rows(), x.cols());
+        if k % ACT_GROUP != 0 || k > 4 * NORM_VEC * ROW_THREADS as usize {
+            return Ok(None);
+        }
+        width_of("rms_norm", x, w)?;
+        let mut out = self.alloc_fp8_rows(n, k)?;
+        let (nn, kk) = (n as i32, k as i32);
+        let name = "rms_norm_f8";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(&*w.buf)
+            .arg(&mut out.q)
+            .arg(&mut out.scales)
+            .arg(&nn)
+            .arg(&kk)
+            .arg(&eps);
+        // SAFETY: matches rms_norm_f8 (one ROW_THREADS block a row, as rms_norm_f16): x holds
+        // n*k floats and w k (checked), q n*k bytes and scales n*k/128; k is whole groups and
+        // at most NORM_VEC float4s a thread, which the kernel requires.
+        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
+        Ok(Some(out))
+    }
+
+    /// silu(gate) ⊙ up (times `scale`) of the gate/up GEMM's `n` rows `y16` (`[n, 2m]`, m
+    /// whole groups) as the W8A8 GEMM reads it, without the f16 copy in between
+    /// (`silu_mul_halves_f8`: silu_mul_halves_f16 then quant_rows_f8, bit for bit).
+    pub(super) fn swiglu_fp8(
+        &self,
+        y16: &CudaSlice<half::f16>,
+        n: usize,
+        m: usize,
+        scale: f32,
+    ) -> Result<Fp8Rows> {
+        if m % ACT_GROUP != 0 || y16.len() < 2 * n * m {
+            return Err(Error::shape(
+                "swiglu_fp8",
+                format!("{} halves for {n} rows of 2 x {m}", y16.len()),
+            ));
+        }
+        let mut out = self.alloc_fp8_rows(n, m)?;
+        let (mm, nn) = (m as i32, n as i32);
+        let name = "silu_mul_halves_f8";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(y16)
+            .arg(&mut out.q)
+            .arg(&mut out.scales)
+            .arg(&mm)
+            .arg(&nn)
+            .arg(&scale);
+        let cfg = Self::by_group_config(n * m / ACT_GROUP);
+        // SAFETY: matches silu_mul_halves_f8: y16 holds n*2m halves (checked), q n*m bytes,
+        // scales n*m/128 floats; m is whole groups, so each warp's loads stay in its row.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
     }
 
     /// `x` (f32 `[n, k]`, k a multiple of 128) rounded to f16 and quantized as the W8A8 GEMM
@@ -261,14 +382,40 @@ impl CudaBackend {
             ));
         }
         let x16 = self.to_f16(x)?;
-        let mut q = self.alloc_slice::<u8>(n * k)?;
-        let mut scales = self.alloc_slice::<f32>(n * k / ACT_GROUP)?;
-        self.quantize_rows_into(&x16, n, k, &mut q, &mut scales)?;
-        let stream = &self.inner.stream;
-        let err = |e: cudarc::driver::DriverError| super::error::cuda_err("quantize_rows_fp8")(&e);
-        Ok((
-            stream.clone_dtoh(&q).map_err(err)?,
-            stream.clone_dtoh(&scales).map_err(err)?,
-        ))
+        self.quantize_rows(&x16, n, k)?.to_host(self)
+    }
+
+    /// `rms_norm(x, w, eps)` quantized for the W8A8 GEMM in one kernel (`rms_norm_f8`) and
+    /// in two (`rms_norm_f16`, then `quant_rows_f8`): the bytes and scales of each. For the
+    /// GPU test that the fused kernel changes nothing.
+    #[doc(hidden)]
+    pub fn rms_norm_fp8_fused_and_not(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+    ) -> Result<[(Vec<u8>, Vec<f32>); 2]> {
+        let Some(fused) = self.rms_norm_fp8(x, w, eps)? else {
+            return Err(Error::shape(
+                "rms_norm_fp8",
+                format!("{} columns: not whole groups a block keeps", x.cols()),
+            ));
+        };
+        let h16 = self.rms_norm_f16(x, w, eps)?;
+        let two = self.quantize_rows(&h16, x.rows(), x.cols())?;
+        Ok([fused.to_host(self)?, two.to_host(self)?])
+    }
+
+    /// The same for the SwiGLU of `y` (`[n, 2m]`, gate then up, rounded to f16 first as the
+    /// gate/up GEMM writes it): `silu_mul_halves_f8` against `silu_mul_halves_f16` then
+    /// `quant_rows_f8`.
+    #[doc(hidden)]
+    pub fn swiglu_fp8_fused_and_not(&self, y: &CudaTensor) -> Result<[(Vec<u8>, Vec<f32>); 2]> {
+        let (n, m) = (y.rows(), y.cols() / 2);
+        let y16 = self.to_f16(y)?;
+        let fused = self.swiglu_fp8(&y16, n, m, SWIGLU_F16_SCALE)?;
+        let g16 = self.swiglu_f16(&y16, n, m)?;
+        let two = self.quantize_rows(&g16, n, m)?;
+        Ok([fused.to_host(self)?, two.to_host(self)?])
     }
 }
