@@ -332,7 +332,7 @@ pub enum QuantConfig {
     Awq { bits: u32, group: usize },
     /// GPTQ; `v2` when zeros are stored as they are (`checkpoint_format: gptq_v2`).
     Gptq { bits: u32, v2: bool },
-    /// FP8 e4m3 weights ([`fp8`]), weight-only for now.
+    /// FP8 e4m3 weights ([`fp8`]).
     Fp8 {
         layout: Fp8Layout,
         scales: Fp8Scales,
@@ -393,6 +393,18 @@ fn bits_of(path: &Path, key: &str, v: Option<&Value>, allowed: &[u64]) -> Result
             format!("is {bits}; supported are {allowed:?} bits"),
         ))
     }
+}
+
+/// What an FP8 checkpoint's dynamic activation scheme becomes here, said once at load: on an
+/// H100/H200 the GEMMs of its 128x128-block matrices past decode's 4 rows quantize their
+/// activations as it declares (W8A8, `cuda/src/cuda/w8a8.rs`); decode's GEMVs, per-channel
+/// scales, other GPUs and the CPU leave them unquantized (weight-only).
+fn log_fp8_activations() {
+    tracing::info!(
+        "FP8 checkpoint: weights are read as they are stored; activations are quantized at run \
+         time (W8A8) in an H100/H200's GEMMs of 128x128-block matrices past 4 rows \
+         (VLM_FP8_GEMM=w8a16 turns that off), and left unquantized elsewhere (weight-only)"
+    );
 }
 
 impl QuantConfig {
@@ -522,7 +534,7 @@ impl QuantConfig {
                         path,
                         &key("input_activations.dynamic"),
                         "is not true; static activation scales are not supported (dynamic ones \
-                         run weight-only)",
+                         are)",
                     ));
                 }
             }
@@ -579,16 +591,13 @@ impl QuantConfig {
             scheme = Some(this);
         }
         if scheme.is_some() {
-            tracing::info!(
-                "FP8 checkpoint: weights are read as they are stored; activations are not \
-                 quantized (weight-only)"
-            );
+            log_fp8_activations();
         }
         Ok(scheme.expect("config_groups is not empty"))
     }
 
     /// transformers' FineGrainedFP8 (`quant_method: fp8`), the layout of Qwen's FP8 releases:
-    /// `fmt: e4m3`, `activation_scheme: dynamic` (run weight-only for now), `weight_block_size`
+    /// `fmt: e4m3`, `activation_scheme: dynamic` (see [`log_fp8_activations`]), `weight_block_size`
     /// (absent or null: a scale per tensor), `scale_fmt: float`. Other keys are ignored
     /// (`modules_to_not_convert` needs no reading: those modules are stored unquantized).
     fn fine_grained_fp8(path: &Path, q: &Value) -> Result<Self> {
@@ -609,7 +618,7 @@ impl QuantConfig {
         only(
             "activation_scheme",
             &|v| v.eq_ignore_ascii_case("dynamic"),
-            "dynamic (run weight-only for now)",
+            "dynamic",
         )?;
         only(
             "scale_fmt",
@@ -620,10 +629,7 @@ impl QuantConfig {
             None => Fp8Scales::Tensor,
             b => Fp8Scales::Block(block_of(path, &field("weight_block_size"), b)?),
         };
-        tracing::info!(
-            "FP8 checkpoint: weights are read as they are stored; activations are not quantized \
-             (weight-only)"
-        );
+        log_fp8_activations();
         Ok(QuantConfig::Fp8 {
             layout: Fp8Layout::FineGrained,
             scales,
