@@ -401,7 +401,8 @@ extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float*
             float f[4];
             round_to_f16(make_float2(g.x * (v[u].x * inv), g.y * (v[u].y * inv)),
                          make_float2(g.z * (v[u].z * inv), g.w * (v[u].w * inv)), f);
-            quant_group_e4m3(f, q + (size_t)r * cols + 4 * i, scales + (size_t)(4 * i / 128) * rows + r);
+            quant_group_e4m3(f, q + (size_t)r * cols + 4 * i,
+                             scales + (size_t)(4 * i / 128) * rows + r);
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The W8A8 GEMM of FP8 weights on Hopper: every GEMM of more rows than decode's GEMVs take
 //! (prefill chunks, batches of 5 and more) quantizes its activations to e4m3 too (a scale per
-//! row and 128 columns, `quant_rows_f8` in ops_f32.cu, or in the norm or SwiGLU that writes them) and multiplies on FP8 tensor cores
-//! through cuBLASLt, with the weights' 128 x 128 block scales (lt.rs, [`Fp8Shape`]): twice
-//! f16's tensor-core rate, and the weights read as stored. What Qwen's FP8 checkpoints ask for
+//! row and 128 columns: `Fp8Rows`, written by the RMSNorm or SwiGLU that computes them, else
+//! by `quant_rows_f8`, all in ops_f32.cu) and multiplies on FP8 tensor cores through cuBLASLt,
+//! with the weights' 128 x 128 block scales (lt.rs, [`Fp8Shape`]): twice f16's tensor-core
+//! rate, and the weights read as stored. What Qwen's FP8 checkpoints ask for
 //! (`activation_scheme: dynamic`) and what transformers and vLLM run on such a GPU. On an H200
 //! (docs/benchmarks.md) it beat the weight-only integer GEMM at 8 to 64 rows (one layer's MLP
 //! 73 against 85 us at 8 rows, 79 against 141 at 64) and f16 cuBLAS past that.
@@ -195,14 +196,7 @@ impl CudaBackend {
         accumulate: bool,
         alpha: f32,
     ) -> Result<()> {
-        let k = w.shape[1];
-        if x16.len() < n * k {
-            return Err(Error::shape(
-                "W8A8 GEMM",
-                format!("x {} halves, weight {:?}, {n} rows", x16.len(), w.shape),
-            ));
-        }
-        let x = self.quantize_rows(x16, n, k)?;
+        let x = self.quantize_rows(x16, n, w.shape[1])?;
         self.w8a8_gemm_rows(&x, w, taken, out, accumulate, alpha)
     }
 
@@ -288,6 +282,12 @@ impl CudaBackend {
         n: usize,
         k: usize,
     ) -> Result<Fp8Rows> {
+        if k % ACT_GROUP != 0 || x16.len() < n * k {
+            return Err(Error::shape(
+                "quantize_rows",
+                format!("{} halves for {n} rows of {k}", x16.len()),
+            ));
+        }
         let mut x = self.alloc_fp8_rows(n, k)?;
         let (nn, kk) = (n as i32, k as i32);
         let name = "quant_rows_f8";
@@ -298,8 +298,8 @@ impl CudaBackend {
             .arg(&nn)
             .arg(&kk);
         let cfg = Self::by_group_config(n * k / ACT_GROUP);
-        // SAFETY: matches quant_rows_f8: x16 holds n*k halves (the caller checked), q n*k
-        // bytes, scales n*k/128 floats; k is whole groups, so each warp's loads stay in its row.
+        // SAFETY: matches quant_rows_f8: x16 holds n*k halves (checked), q n*k bytes, scales
+        // n*k/128 floats; k is whole groups, so each warp's loads stay in its row.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(x)
     }
@@ -374,15 +374,8 @@ impl CudaBackend {
     /// test against [`crate::quant::fp8::quantize_rows`].
     #[doc(hidden)]
     pub fn quantize_rows_fp8(&self, x: &CudaTensor) -> Result<(Vec<u8>, Vec<f32>)> {
-        let (n, k) = (x.rows(), x.cols());
-        if k % ACT_GROUP != 0 {
-            return Err(Error::shape(
-                "quantize_rows_fp8",
-                format!("{k} columns: not whole groups of {ACT_GROUP}"),
-            ));
-        }
         let x16 = self.to_f16(x)?;
-        self.quantize_rows(&x16, n, k)?.to_host(self)
+        self.quantize_rows(&x16, x.rows(), x.cols())?.to_host(self)
     }
 
     /// `rms_norm(x, w, eps)` quantized for the W8A8 GEMM in one kernel (`rms_norm_f8`) and
