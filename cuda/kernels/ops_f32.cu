@@ -338,22 +338,41 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
 // to e4m3 as x / s (to nearest even, saturating), from the f16 value the unfused path stores, as
 // the CPU's quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly
 // rounded, as there). The bytes go row-major; scales[g * n + r] is row r's scale of group g: all
-// rows' scales of a group together, as cuBLASLt's VEC128_32F reads them. A warp quantizes one
-// group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands
-// quant_group_e4m3 its values in that layout.
-__device__ __forceinline__ void quant_group_e4m3(const float v[4], unsigned char* __restrict__ q4,
-                                                 float* __restrict__ scale) {
+// rows' scales of a group together, as cuBLASLt's VEC128_32F reads them. A warp takes one
+// group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands its
+// values to quant_group_e4m3 (the GEMM's operand) or qdq_group_e4m3 (decode's GEMVs of the same
+// weights: each value as its byte times the scale, what the GEMM multiplies by, in f32) in that
+// layout.
+__device__ __forceinline__ float group_scale_e4m3(const float v[4]) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int o = WARP / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    return amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+}
+
+__device__ __forceinline__ unsigned e4m3_of(float v, float s) {
+    return (unsigned)__nv_cvt_float_to_fp8(__fdiv_rn(v, s), __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ void quant_group_e4m3(const float v[4], unsigned char* __restrict__ q4,
+                                                 float* __restrict__ scale) {
+    const float s = group_scale_e4m3(v);
     unsigned word = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        word |= (unsigned)__nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3)
-                << (8 * i);
+    for (int i = 0; i < 4; ++i) word |= e4m3_of(v[i], s) << (8 * i);
     *reinterpret_cast<unsigned*>(q4) = word;
     if (threadIdx.x % WARP == 0) *scale = s;
+}
+
+__device__ __forceinline__ void qdq_group_e4m3(const float v[4], float* __restrict__ out4) {
+    const float s = group_scale_e4m3(v);
+    float r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)e4m3_of(v[i], s), __NV_E4M3);
+        r[i] = __half2float(h) * s;
+    }
+    *reinterpret_cast<float4*>(out4) = make_float4(r[0], r[1], r[2], r[3]);
 }
 
 // Four values rounded to f16 and read back: what the unfused path stores and then quantizes.
@@ -362,6 +381,24 @@ __device__ __forceinline__ void round_to_f16(float2 lo, float2 hi, float v[4]) {
     const float2 b = __half22float2(__floats2half2_rn(hi.x, hi.y));
     v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
 }
+
+// Where a group's values go: the GEMM's operand (bytes and scales) or, for a GEMV, the values
+// rounded as the GEMM sees them ([rows, cols] f32). `c` is the group's first column.
+struct QuantStore {
+    unsigned char* q;
+    float* scales;
+    int rows, cols;
+    __device__ void operator()(const float f[4], int r, int c) const {
+        quant_group_e4m3(f, q + (size_t)r * cols + c, scales + (size_t)(c / 128) * rows + r);
+    }
+};
+struct QdqStore {
+    float* out;
+    int cols;
+    __device__ void operator()(const float f[4], int r, int c) const {
+        qdq_group_e4m3(f, out + (size_t)r * cols + c);
+    }
+};
 
 // x [n, k] f16 (k a multiple of 128) quantized: the input of a W8A8 GEMM no kernel before it
 // quantizes (the attention's output, before o_proj). One warp a group.
@@ -376,17 +413,38 @@ extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned 
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
     const float v[4] = {a.x, a.y, b.x, b.y};
-    quant_group_e4m3(v, q + at, scales + (size_t)g * n + r);
+    QuantStore{q, scales, n, k}(v, r, g * 128 + lane * 4);
 }
 
-// rms_norm_f16 and quant_rows_f8 in one pass, for a W8A8 GEMM's operand (q/k/v, gate/up): the
-// norm is rms_norm_f16's from the row in registers, bit for bit, and never stored in f16. The
-// host launches it as rms_norm_f16 (one ROW_THREADS block a row) only where that kernel keeps
-// the row in registers and cols is whole groups of 128; then a warp's float4s of one chunk are
-// one group.
-extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float* __restrict__ w,
-                                       unsigned char* __restrict__ q, float* __restrict__ scales,
-                                       int rows, int cols, float eps) {
+// x [n, k] f32 (k a multiple of 128) rounded to f16 and then as quant_rows_f8 rounds it, back in
+// f32: the rows of a decode GEMV (1-4 rows) of an FP8 weight whose larger GEMMs run W8A8, so a
+// request computes the same whatever its step's row count (up to summation order). One warp a
+// group.
+extern "C" __global__ void qdq_rows_f8(const float* __restrict__ x, float* __restrict__ out, int n,
+                                       int k) {
+    // Under programmatic launch (as the GEMVs around it): x is the kernel before's output; the
+    // GEMV after may start streaming its weights at once.
+    grid_wait();
+    grid_launch_dependents();
+    const int groups = k / 128;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
+    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    const int c = g * 128 + lane * 4;
+    const float4 v4 = *reinterpret_cast<const float4*>(x + (size_t)r * k + c);
+    float v[4];
+    round_to_f16(make_float2(v4.x, v4.y), make_float2(v4.z, v4.w), v);
+    QdqStore{out, k}(v, r, c);
+}
+
+// rms_norm_f16's norm from the row in registers, bit for bit, each group of 128 columns handed to
+// `store` rounded to f16 (never stored so). The host launches it as rms_norm_f16 (one ROW_THREADS
+// block a row) only where that kernel keeps the row in registers and cols is whole groups of
+// 128; then a warp's float4s of one chunk are one group.
+template <typename Store>
+__device__ __forceinline__ void rms_norm_groups(const float* __restrict__ x,
+                                                const float* __restrict__ w, int cols, float eps,
+                                                Store store) {
     if (!norm_in_registers(cols) || cols % 128 != 0) __trap();
     const int r = blockIdx.x;
     float4 v[NORM_VEC];
@@ -401,10 +459,24 @@ extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float*
             float f[4];
             round_to_f16(make_float2(g.x * (v[u].x * inv), g.y * (v[u].y * inv)),
                          make_float2(g.z * (v[u].z * inv), g.w * (v[u].w * inv)), f);
-            quant_group_e4m3(f, q + (size_t)r * cols + 4 * i,
-                             scales + (size_t)(4 * i / 128) * rows + r);
+            store(f, r, 4 * i);
         }
     }
+}
+
+// rms_norm_f16 and quant_rows_f8 in one pass, for a W8A8 GEMM's operand (q/k/v, gate/up).
+extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float* __restrict__ w,
+                                       unsigned char* __restrict__ q, float* __restrict__ scales,
+                                       int rows, int cols, float eps) {
+    rms_norm_groups(x, w, cols, eps, QuantStore{q, scales, rows, cols});
+}
+
+// rms_norm_f16 and qdq_rows_f8 in one pass, for a decode GEMV of such a weight.
+extern "C" __global__ void rms_norm_qdq_f8(const float* __restrict__ x, const float* __restrict__ w,
+                                           float* __restrict__ out, int cols, float eps) {
+    grid_wait();  // under programmatic launch, as qdq_rows_f8
+    grid_launch_dependents();
+    rms_norm_groups(x, w, cols, eps, QdqStore{out, cols});
 }
 
 // silu_mul_halves_f16 and quant_rows_f8 in one pass, for the down projection's W8A8 GEMM: y
@@ -432,7 +504,7 @@ extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
     }
     float f[4];
     round_to_f16(p[0], p[1], f);
-    quant_group_e4m3(f, q + (size_t)r * m + j, scales + (size_t)g * n + r);
+    QuantStore{q, scales, n, m}(f, r, (int)j);
 }
 
 // Rotate-half RoPE. Grid: one block per token; threads cover heads x d/2 pairs.

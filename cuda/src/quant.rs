@@ -397,13 +397,14 @@ fn bits_of(path: &Path, key: &str, v: Option<&Value>, allowed: &[u64]) -> Result
 
 /// What an FP8 checkpoint's dynamic activation scheme becomes here, said once at load: on an
 /// H100/H200 the GEMMs of its 128x128-block matrices past decode's 4 rows quantize their
-/// activations as it declares (W8A8, `cuda/src/cuda/w8a8.rs`); decode's GEMVs, per-channel
-/// scales, other GPUs and the CPU leave them unquantized (weight-only).
+/// activations as it declares (W8A8, `cuda/src/cuda/w8a8.rs`) and decode's GEMVs of them round
+/// theirs the same way; per-channel scales, other GPUs and the CPU leave them unquantized
+/// (weight-only).
 fn log_fp8_activations() {
     tracing::info!(
-        "FP8 checkpoint: weights are read as they are stored; activations are quantized at run \
-         time (W8A8) in an H100/H200's GEMMs of 128x128-block matrices past 4 rows \
-         (VLM_FP8_GEMM=w8a16 turns that off), and left unquantized elsewhere (weight-only)"
+        "FP8 checkpoint: weights are read as they are stored; on an H100/H200 the activations \
+         of 128x128-block matrices are quantized at run time as the checkpoint declares (W8A8; \
+         VLM_FP8_GEMM=w8a16 turns that off), elsewhere left unquantized (weight-only)"
     );
 }
 

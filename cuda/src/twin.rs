@@ -1647,7 +1647,8 @@ pub fn self_check_cases() -> Vec<Case> {
     }
     // FP8 weights' W8A8 GEMM (an H100's, past 4 rows): k of 2 groups, of 5 (the block
     // scales' rows padded to 8) and of 1; output columns a whole block, a partial last block
-    // (208 = 128 + 80) and two; the bias broadcast first, a residual accumulated.
+    // (208 = 128 + 80) and two; the bias broadcast first, a residual accumulated; then 3 rows
+    // and 1 (the GEMVs).
     cases.extend([
         W8a8 {
             n: 80,
@@ -1672,6 +1673,20 @@ pub fn self_check_cases() -> Vec<Case> {
             k: 384,
             m: 128,
             op: IntOp::AddLinear,
+        },
+        // Decode's GEMVs of the same weights, their rows rounded as the GEMM rounds its own
+        // (an identity on these e4m3-exact rows, unless a scale or group is misplaced).
+        W8a8 {
+            n: 3,
+            k: 384,
+            m: 128,
+            op: IntOp::AddLinear,
+        },
+        W8a8 {
+            n: 1,
+            k: 256,
+            m: 384,
+            op: IntOp::Linear,
         },
     ]);
     // The ViT block's fused halves: cuBLASLt epilogues past 4 rows, the GEMVs below.

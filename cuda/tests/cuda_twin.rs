@@ -354,6 +354,48 @@ fn w8a8_fused_operands_equal_the_two_kernel_path() {
     }
 }
 
+/// Decode's GEMVs of an FP8 weight whose larger GEMMs run W8A8 read their rows as the GEMM
+/// reads its own: each value rounded to f16, then to e4m3 with its row's and group's scale,
+/// times that scale. Plain rows against the CPU (`quantize_rows`, then each byte's value times
+/// its scale), and normed rows against the W8A8 GEMM's own operand (`rms_norm_f8`), exactly.
+#[test]
+fn w8a8_rounds_decode_gemv_rows_as_its_gemm_does() {
+    use vlm_compute::quant::fp8::{quantize_rows, ACT_GROUP, E4M3};
+    use vlm_compute::twin::f16_exact;
+    let Some(g) = test_gpu() else { return };
+    let dequant = |q: &[u8], scales: &[f32], n: usize, k: usize| -> Vec<f32> {
+        (0..n * k)
+            .map(|i| E4M3[q[i] as usize] * scales[(i % k / ACT_GROUP) * n + i / k])
+            .collect()
+    };
+    let (n, k) = (4, 384);
+    let mut x = vlm_compute::random::uniform_tensor(&[n, k], 41, 3.0);
+    let data = x.data_mut();
+    data[k..k + 128].fill(0.0);
+    data[2 * k + 5] = 3.0e4;
+    let x = f16_exact(x);
+    let got = g
+        .download(&g.w8a8_rounded_rows(&g.upload(&x).unwrap(), None).unwrap())
+        .unwrap();
+    let (q, scales) = quantize_rows(x.data(), n, k);
+    assert!(
+        got.data() == dequant(&q, &scales, n, k).as_slice(),
+        "qdq_rows_f8 differs from the CPU"
+    );
+    let (n, k) = (3, 4096);
+    let x = vlm_compute::random::uniform_tensor(&[n, k], 42, 4.0);
+    let w = vlm_compute::random::uniform_tensor(&[k], 43, 1.5);
+    let (x, w) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+    let got = g
+        .download(&g.w8a8_rounded_rows(&x, Some((&w, 1e-6))).unwrap())
+        .unwrap();
+    let [(q, scales), _] = g.rms_norm_fp8_fused_and_not(&x, &w, 1e-6).unwrap();
+    assert!(
+        got.data() == dequant(&q, &scales, n, k).as_slice(),
+        "rms_norm_qdq_f8 differs from rms_norm_f8's operand"
+    );
+}
+
 #[test]
 fn int_gemm_at_real_sizes() {
     let Some(g) = test_gpu() else { return };

@@ -226,14 +226,15 @@ fn logits_on_cuda_match_hf() {
 }
 
 /// FP8 in 128 x 128 blocks on CUDA with every GEMM past the GEMVs' 4 rows on the W8A8
-/// GEMM (the default on an H100; `logits_on_cuda_match_hf` runs it weight-only): the
-/// activations rounded to e4m3 with a scale per row and 128 columns (each value within 2^-4 of
-/// itself), which the references do not do (transformers dequantizing: activations
-/// unquantized), so the logits are held to what that rounding allows rather than to
-/// CUDA_LOGITS_TOL. At 8B shapes one W8A8 GEMM moved its outputs by up to 2.5% of the largest
-/// (cuda_twin's `w8a8_at_real_sizes`, H200). On the text fixtures (logits up to ~31) the first
-/// steps moved by up to 0.98 (ct-fp8-block) and 0.88 (tiny-qwen3-fp8): 2.0 (6.5% of the largest
-/// logit) leaves 2x, still 15x below the O(30) of a wrong scale or block. On tiny-qwen3-vl-fp8
+/// GEMM, and the GEMVs' rows rounded the same way (the default on an H100;
+/// `logits_on_cuda_match_hf` runs it weight-only): the activations rounded to e4m3 with a
+/// scale per row and 128 columns (each value within 2^-4 of itself), which the references do
+/// not do (transformers dequantizing: activations unquantized), so the logits are held to what
+/// that rounding allows rather than to CUDA_LOGITS_TOL. At 8B shapes one W8A8 GEMM moved its
+/// outputs by up to 2.5% of the largest (cuda_twin's `w8a8_at_real_sizes`, H200). On the text
+/// fixtures (logits up to ~31) the steps moved by up to 0.98 (ct-fp8-block) and 1.1
+/// (tiny-qwen3-fp8): 2.0 (6.5% of the largest logit) leaves 1.8x, still 15x below the O(30) of
+/// a wrong scale or block. On tiny-qwen3-vl-fp8
 /// (logits up to ~10) the cases with images moved by up to 0.66 and text alone by 0.011: image
 /// rows carry the vision tower's features, whose groups spread wider, so e4m3 loses more of
 /// them. 1.0 leaves 1.5x, 10x below a wrong scale's O(10). Where the GPU has no W8A8 (not sm_90,

@@ -364,7 +364,7 @@ pub(super) fn flash_smem_bytes(dp: usize, queries: usize) -> usize {
     (queries + 4 * 64) * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 20] = [
+const OPS_KERNELS: [&str; 22] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -385,6 +385,8 @@ const OPS_KERNELS: [&str; 20] = [
     "quant_rows_f8",
     "rms_norm_f8",
     "silu_mul_halves_f8",
+    "qdq_rows_f8",
+    "rms_norm_qdq_f8",
 ];
 /// Threads per block for row-wise kernels.
 pub(super) const ROW_THREADS: u32 = 256;
@@ -427,6 +429,17 @@ pub(super) enum Gemv {
     Normed,
     Swiglu,
     NormedSwiglu,
+}
+
+impl Gemv {
+    /// The same product of an input already normed.
+    pub(super) fn without_norm(self) -> Self {
+        match self {
+            Gemv::Normed => Gemv::Plain,
+            Gemv::NormedSwiglu => Gemv::Swiglu,
+            other => other,
+        }
+    }
 }
 
 pub(super) const GEMV_KERNELS: [[&str; GEMV_MAX_ROWS]; 32] = [

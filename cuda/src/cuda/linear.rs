@@ -136,6 +136,14 @@ impl CudaBackend {
         accumulate: bool,
         m: usize,
     ) -> Result<()> {
+        if let Some(iw) = self.on_w8a8(w) {
+            // An FP8 weight whose larger GEMMs quantize their activations: these rows are
+            // rounded as those GEMMs round theirs (the norm taken on the way), so a request's
+            // numbers do not depend on how many rows its step had.
+            let rounded = self.w8a8_rounded(x, norm)?;
+            let kind = kind.without_norm();
+            return self.launch_int_gemv(kind, &rounded, None, iw, bias, out, accumulate, m);
+        }
         let w = match &w.data {
             WeightData::F16(buf) => buf,
             WeightData::Int(iw) => {

@@ -8,17 +8,19 @@
 //! (docs/benchmarks.md) it beat the weight-only integer GEMM at 8 to 64 rows (one layer's MLP
 //! 73 against 85 us at 8 rows, 79 against 141 at 64) and f16 cuBLAS past that.
 //!
-//! Weight-only (W8A16: activations stay f16) are decode's GEMVs (1 to 4 rows), FP8 weights
+//! Decode's GEMVs (1 to 4 rows) of the same weights read the e4m3 bytes with their input rows
+//! rounded as the GEMM rounds its own (`w8a8_rounded`: to f16, to e4m3 with the group's scale,
+//! back to f32), so a request computes the same whether its step had 4 rows or more, up to
+//! summation order, as f16 weights do. Without that the two differed by the rounding itself
+//! (3 mantissa bits: each value within 2^-4 of itself; one GEMM's outputs moved by up to 2.5%
+//! of the largest at 8B shapes). Weight-only (W8A16: activations stay f16) are FP8 weights
 //! without 128 x 128 blocks (per-channel scales), GPUs without these kernels (the Orin, sm_87,
-//! has no FP8 tensor cores; a cuBLASLt older than 12.9) and `VLM_FP8_GEMM=w8a16`. The two
-//! differ by the activations' rounding to e4m3 (3 mantissa bits: each value within 2^-4 of
-//! itself; one GEMM's outputs moved by up to 2.5% of the largest at 8B shapes), so an FP8
-//! request's numerics depend on whether its step had more than 4 rows.
+//! has no FP8 tensor cores; a cuBLASLt older than 12.9) and `VLM_FP8_GEMM=w8a16`, GEMVs too.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::kernels::{GEMV_MAX_ROWS, NORM_VEC, ROW_THREADS};
-use super::launch::width_of;
+use super::launch::{arg, width_of};
 use super::linear::{GemmOut, SWIGLU_F16_SCALE};
 use super::lt::{Fp8Shape, LtAlgo, LtGemm, LtOperands, LtOut};
 use super::tensor::{IntFormat, IntWeight, WeightData};
@@ -132,38 +134,107 @@ impl CudaBackend {
     }
 
     /// `w`'s FP8 weight where `n` rows of activations take the W8A8 GEMM into an `O` output
-    /// (`accumulate`: added to it): a weight with 128 x 128 block scales, shapes cuBLASLt's
-    /// FP8 GEMM takes (k whole groups of 128, leading dims multiples of 16), more rows than the
-    /// GEMVs take, W8A8 on ([`Self::fp8_gemm`]), and an algorithm for the shape.
+    /// (`accumulate`: added to it): a weight [`Self::on_w8a8`] says is, more rows than the
+    /// GEMVs take, and an algorithm for the shape.
     pub(super) fn w8a8_weight<'a, O: GemmOut>(
         &self,
         w: &'a CudaWeight,
         n: usize,
         accumulate: bool,
     ) -> Result<Option<(&'a IntWeight, LtAlgo)>> {
-        let WeightData::Int(iw) = &w.data else {
+        let Some(iw) = self.on_w8a8(w) else {
             return Ok(None);
         };
+        if n <= GEMV_MAX_ROWS || (O::F16 && accumulate) {
+            return Ok(None);
+        }
         let (m, k) = (w.shape[0], w.shape[1]);
-        if self.fp8_gemm() == Fp8Gemm::W8a16 {
-            return Ok(None);
-        }
-        if iw.format != IntFormat::E4m3
-            || iw.block_scales.is_none()
-            || n <= GEMV_MAX_ROWS
-            || k % ACT_GROUP != 0
-            || m % 16 != 0
-            || (O::F16 && accumulate)
-            || !self.has_w8a8()
-        {
-            return Ok(None);
-        }
         let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
         Ok(self
             .inner
             .lt
             .algo(gemm, self.inner.workspace)?
-            .map(|algo| (&**iw, algo)))
+            .map(|algo| (iw, algo)))
+    }
+
+    /// `w`'s FP8 weight if its GEMMs past the GEMVs' rows run W8A8 here: 128 x 128 block scales,
+    /// shapes cuBLASLt's FP8 GEMM takes (k whole groups of 128, leading dims multiples of 16),
+    /// W8A8 on ([`Self::fp8_gemm`]) and a GPU that has it. Decode's GEMVs of such a weight read
+    /// their input rounded as the GEMM's ([`Self::w8a8_rounded`]).
+    pub(super) fn on_w8a8<'a>(&self, w: &'a CudaWeight) -> Option<&'a IntWeight> {
+        let WeightData::Int(iw) = &w.data else {
+            return None;
+        };
+        let (m, k) = (w.shape[0], w.shape[1]);
+        let on = iw.format == IntFormat::E4m3
+            && iw.block_scales.is_some()
+            && k % ACT_GROUP == 0
+            && m % 16 == 0
+            && self.fp8_gemm() == Fp8Gemm::W8a8
+            && self.has_w8a8();
+        on.then_some(&**iw)
+    }
+
+    /// `x`'s rows (after `norm`'s RMSNorm, if given) as the W8A8 GEMM sees them, in f32: each
+    /// value rounded to f16, then to e4m3 with its row's and group's scale, times that scale
+    /// (`qdq_rows_f8`, `rms_norm_qdq_f8`). What a decode GEMV of a weight [`Self::on_w8a8`]
+    /// takes reads, so that a request's numbers do not depend on whether its step had more
+    /// rows than the GEMVs take (up to summation order, as for f16 weights).
+    pub(super) fn w8a8_rounded(
+        &self,
+        x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+    ) -> Result<CudaTensor> {
+        let (n, k) = (x.rows(), x.cols());
+        if k % ACT_GROUP != 0 {
+            return Err(Error::shape(
+                "w8a8_rounded",
+                format!("{k} columns: not whole groups of {ACT_GROUP}"),
+            ));
+        }
+        let mut out = self.alloc(x.shape.clone())?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let out_buf = std::sync::Arc::get_mut(&mut out.buf).expect("fresh buffer");
+        let stream = &self.inner.stream;
+        let (nn, kk) = (n as i32, k as i32);
+        let (name, launched) = match norm {
+            Some((w, eps)) if k <= 4 * NORM_VEC * ROW_THREADS as usize => {
+                width_of("rms_norm", x, w)?;
+                let name = "rms_norm_qdq_f8";
+                let cfg = Self::row_config(n);
+                let (xp, _x) = x.buf.device_ptr(stream);
+                let (wp, _w) = w.buf.device_ptr(stream);
+                let (op, _o) = out_buf.device_ptr_mut(stream);
+                let mut args = [arg(&xp), arg(&wp), arg(&op), arg(&kk), arg(&eps)];
+                // SAFETY: rms_norm_qdq_f8's arguments in order (one ROW_THREADS block a row,
+                // as rms_norm_f16): x and out hold n*k floats, w k (checked); k is whole groups
+                // and at most NORM_VEC float4s a thread, which the kernel requires. It reads
+                // nothing before its grid_wait.
+                let launched =
+                    unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
+                (name, launched)
+            }
+            Some((w, eps)) => {
+                return self.w8a8_rounded(&crate::Backend::rms_norm(self, x, w, eps)?, None)
+            }
+            None => {
+                let name = "qdq_rows_f8";
+                let cfg = Self::by_group_config(n * k / ACT_GROUP);
+                let (xp, _x) = x.buf.device_ptr(stream);
+                let (op, _o) = out_buf.device_ptr_mut(stream);
+                let mut args = [arg(&xp), arg(&op), arg(&nn), arg(&kk)];
+                // SAFETY: qdq_rows_f8's arguments in order: x and out hold n*k floats; k is
+                // whole groups, so each warp's 16-byte loads stay in its row. It reads nothing
+                // before its grid_wait.
+                let launched =
+                    unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
+                (name, launched)
+            }
+        };
+        self.launched(name, launched)?;
+        Ok(out)
     }
 
     /// Whether `linear` of `n` rows by `w` takes the W8A8 GEMM here (for tests that must not
@@ -410,5 +481,16 @@ impl CudaBackend {
         let g16 = self.swiglu_f16(&y16, n, m)?;
         let two = self.quantize_rows(&g16, n, m)?;
         Ok([fused.to_host(self)?, two.to_host(self)?])
+    }
+
+    /// [`Self::w8a8_rounded`] of `x` (after `norm`, if given), for the GPU tests against the
+    /// CPU's [`crate::quant::fp8::quantize_rows`] and against the W8A8 GEMM's operand.
+    #[doc(hidden)]
+    pub fn w8a8_rounded_rows(
+        &self,
+        x: &CudaTensor,
+        norm: Option<(&CudaTensor, f32)>,
+    ) -> Result<CudaTensor> {
+        self.w8a8_rounded(x, norm)
     }
 }

@@ -17,10 +17,10 @@
 //!   (strategy block, `block_structure: [b0, b1]`) or `[1]` (strategy tensor).
 //!
 //! Activations: schemes that quantize them dynamically (FP8_DYNAMIC per token, FP8_BLOCK per
-//! group of 128, FineGrainedFP8's `activation_scheme: dynamic`) run weight-only on the CPU and
-//! in decode's GEMVs, which is what the fixtures' references compute; on sm_90 every larger
-//! GEMM of a 128 x 128-block matrix quantizes them per row and [`ACT_GROUP`] columns
-//! ([`quantize_rows`]; cuda/src/cuda/w8a8.rs).
+//! group of 128, FineGrainedFP8's `activation_scheme: dynamic`) run weight-only on the CPU,
+//! which is what the fixtures' references compute; on sm_90 every GEMM of a 128 x 128-block
+//! matrix quantizes them per row and [`ACT_GROUP`] columns ([`quantize_rows`];
+//! cuda/src/cuda/w8a8.rs), and decode's GEMVs of it round their rows the same way.
 
 use crate::{Error, HostTensor, Result, WeightPrefix};
 

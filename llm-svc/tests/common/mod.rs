@@ -2,7 +2,7 @@
 //! they run requests together. Each program uses part of it.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use llm_svc::{Engine, Event, FinishReason, GenerateRequest, ImageInput};
 use vlm_compute::golden::Golden;
@@ -15,7 +15,12 @@ pub fn fixture() -> PathBuf {
 /// Each golden case's prompt tokens and images (their embeddings and DeepStack features as HF
 /// computed them), in the manifest's order.
 pub fn golden_inputs() -> Vec<(Vec<u32>, Vec<ImageInput>)> {
-    let g = Golden::open(&fixture()).unwrap();
+    golden_inputs_of(&fixture())
+}
+
+/// The same for the fixture in `dir`.
+pub fn golden_inputs_of(dir: &Path) -> Vec<(Vec<u32>, Vec<ImageInput>)> {
+    let g = Golden::open(dir).unwrap();
     let cases = g.manifest()["cases"].as_array().unwrap().clone();
     cases
         .iter()
