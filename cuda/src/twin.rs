@@ -104,10 +104,11 @@ pub enum Case {
         /// whichever this GPU would pick; `None`: the device's own choice. The CPU ignores it.
         block_rows: Option<usize>,
     },
-    /// An FP8 weight in 128 x 128 blocks through op `op` (`Linear` or `AddLinear`) at `n` (> 4)
-    /// rows: on an H100 the W8A8 GEMM (activations quantized to e4m3, cuBLASLt with block
-    /// scales; every other case runs FP8 weight-only); elsewhere the weight-only path. Its inputs and weights are e4m3 values
-    /// times powers of two with each 128-column group's largest at 448 times its power, so
+    /// An FP8 weight in 128 x 128 blocks through op `op` (`Linear` or `AddLinear`) at `n` rows,
+    /// with FP8 on W8A8 (every other case runs FP8 weight-only): on an H100, past 4 rows the
+    /// W8A8 GEMM (activations quantized to e4m3, cuBLASLt with block scales), at 1-4 the GEMVs
+    /// with their rows rounded as that GEMM rounds its own; elsewhere the weight-only path. Its
+    /// inputs and weights are e4m3 values times powers of two with each 128-column group's largest at 448 times its power, so
     /// quantizing them changes nothing: W8A8 must match the CPU's W8A16 up to the sums' order,
     /// and a scale read from the wrong row, group or block cannot pass.
     W8a8 {

@@ -80,7 +80,7 @@ pub fn with_fp8_gemm<T>(mode: Fp8Gemm, f: impl FnOnce() -> T) -> T {
 }
 
 /// Threads of a block of the kernels that quantize one group of 128 columns a warp
-/// (`quant_rows_f8`, `silu_mul_halves_f8`): 8 warps.
+/// (`quant_rows_f8`, `silu_mul_halves_f8`, `qdq_rows_f8`): 8 warps.
 const QUANT_THREADS: u32 = 256;
 
 /// Activations as the W8A8 GEMM reads them: `n` rows of `k` e4m3 bytes (row-major) and a scale
