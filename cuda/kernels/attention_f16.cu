@@ -66,15 +66,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const half* p) 
                  : "r"(smem_addr(p)));
 }
 
-// d (16x8, f32) += a (16x16, f16, row-major) * b (16x8, f16, column-major).
-__device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 2^x with the hardware's approximation (2 ulp; flushes denormal results to 0): the softmax's
 // exponents are <= 0 and its weights need no more. exp2f without fast math wraps the same
 // instruction in range handling that the ALU pipe, the kernel's busiest, pays for every score.

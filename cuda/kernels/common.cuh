@@ -36,6 +36,18 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// mma.sync's fragment layouts (PTX ISA, m16n8k16), lane = 4 gid + tig: A row gid and gid + 8,
+// columns 2 tig, 2 tig + 1 and those + 8; B column gid, rows 2 tig, 2 tig + 1 and those + 8;
+// C row gid and gid + 8, columns 2 tig, 2 tig + 1.
+// d (16x8, f32) += a (16x16, f16, row-major) * b (16x8, f16, column-major).
+__device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Element i of a random-weight matrix with `key`: cuda/src/random.rs's SplitMix64 hash, so the
 // values equal the CPU's bit for bit.
 __device__ __forceinline__ unsigned long long random_bits(unsigned long long key,

@@ -256,8 +256,32 @@ struct RawF8 {
     }
 };
 
+// Two e4m3 bytes (bits 0-7 and 8-15 of t, or 16-23 and 24-31 with `upper`) as an f16 pair,
+// exactly, times F8X2_UNIT: sm_89 and later convert a pair in one instruction, the tensor-core
+// decode's busiest work over an FP8 cache; older GPUs (Orin) go through f8_pair (2^-8 times
+// the value, three instructions).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define F8X2_UNIT 1.0f
+__device__ __forceinline__ unsigned f8x2_halves(unsigned t, bool upper) {
+    unsigned h;
+    if (upper)
+        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(h) : "r"(t));
+    else
+        asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(h) : "r"(t));
+    return h;
+}
+#else
+#define F8X2_UNIT 256.0f
+__device__ __forceinline__ unsigned f8x2_halves(unsigned t, bool upper) {
+    const __half2 p = f8_pair(__byte_perm(t, 0, upper ? 0x3424 : 0x1404));
+    return *reinterpret_cast<const unsigned*>(&p);
+}
+#endif
+
 // The cache formats: element type, how a value is stored, E elements' loads, and what their
-// halves() are to be multiplied by besides the cache's scale (RawF8's 2^-8 undone).
+// halves() are to be multiplied by besides the cache's scale (RawF8's 2^-8 undone); for the
+// tensor-core decode, E loaded elements as f16 pairs (mma_halves), element b of two rows as
+// one pair (two_keys), and what those are to be multiplied by (MMA_UNIT).
 struct F16Cache {
     using T = __half;
     static constexpr bool FP8 = false;
@@ -266,6 +290,15 @@ struct F16Cache {
     using Raw = RawHalves<E>;
     static __device__ __forceinline__ __half store(float x, float) { return __float2half_rn(x); }
     static __device__ __forceinline__ float value(__half x) { return __half2float(x); }
+    static constexpr float MMA_UNIT = 1.0f;
+    template <int E>
+    static __device__ __forceinline__ RawHalves<E> mma_halves(const RawHalves<E>& x) { return x; }
+    // Element b of two loaded rows x and y as one f16 pair (x's low): the tensor-core decode's
+    // value fragments.
+    template <int E>
+    static __device__ __forceinline__ unsigned two_keys(const RawHalves<E>& x, const RawHalves<E>& y, int b) {
+        return __byte_perm(x.w[b / 2], y.w[b / 2], b % 2 ? 0x7632 : 0x5410);
+    }
 };
 struct F8Cache {
     using T = unsigned char;
@@ -277,6 +310,20 @@ struct F8Cache {
         return f8_store(x, inv);
     }
     static __device__ __forceinline__ float value(unsigned char b) { return f8_value(b); }
+    static constexpr float MMA_UNIT = F8X2_UNIT;
+    template <int E>
+    static __device__ __forceinline__ RawHalves<E> mma_halves(const RawF8<E>& x) {
+        RawHalves<E> h;
+#pragma unroll
+        for (int i = 0; i < E / 2; ++i) h.w[i] = f8x2_halves(x.w[i / 2], i % 2);
+        return h;
+    }
+    // Byte b of each row side by side (x's first), then as a pair.
+    template <int E>
+    static __device__ __forceinline__ unsigned two_keys(const RawF8<E>& x, const RawF8<E>& y, int b) {
+        const int c = b % 4;
+        return f8x2_halves(__byte_perm(x.w[b / 4], y.w[b / 4], ((4 + c) << 4) | c), false);
+    }
 };
 
 extern "C" __global__ void qkv_to_cache_f32(const float* __restrict__ qkv,
@@ -310,6 +357,108 @@ __device__ __forceinline__ float half_warp_sum(float v) {
     for (int o = WARP / 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 }
+
+// The end of both decode kernels: each warp's softmax over its keys (max in natural log, sum,
+// unnormalized output, per head, in shared memory) merged into the block's, then written out
+// (one split) or as the split's partials, the last block of a (sequence, KV head) to finish
+// merging the splits.
+template <int D, int GP>
+__device__ void paged_decode_finish(const float (&sm_m)[PD_WARPS][GP], const float (&sm_l)[PD_WARPS][GP],
+                                    const float (&sm_o)[PD_WARPS][GP][D], int s, int kvh, int split,
+                                    int splits, int active, int G, unsigned row, int hq, int hkv,
+                                    float* __restrict__ part_o, float* __restrict__ part_ml,
+                                    unsigned* __restrict__ done, float* __restrict__ out) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    __syncthreads();
+    // One thread per (head, dim) of the block's G heads.
+    for (int t = threadIdx.x; t < (split < active ? G * D : 0); t += blockDim.x) {
+        int g = t / D, c = t % D;
+        float mb = NEG_INF;
+        for (int w = 0; w < PD_WARPS; ++w) mb = fmaxf(mb, sm_m[w][g]);
+        // A warp (or the whole split) that saw no key has max -inf and weighs nothing.
+        float lb = 0.0f, o = 0.0f;
+        for (int w = 0; w < PD_WARPS; ++w) {
+            if (sm_m[w][g] == NEG_INF) continue;
+            float f = expf(sm_m[w][g] - mb);
+            lb += sm_l[w][g] * f;
+            o += sm_o[w][g][c] * f;
+        }
+        if (splits == 1) {
+            // The whole sequence in one block (batched decode): its output, no partials.
+            out[((size_t)row * hq + kvh * G + g) * D + c] = lb > 0.0f ? o / lb : 0.0f;
+            continue;
+        }
+        size_t part = ((size_t)s * hq + kvh * G + g) * splits + split;
+        part_o[part * D + c] = o;
+        if (c == 0) {
+            part_ml[part * 2] = mb;
+            part_ml[part * 2 + 1] = lb;
+        }
+    }
+    if (splits == 1) return;
+
+    // Make this block's partials visible, then count it in; the last one merges.
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        unsigned* counter = done + (size_t)s * hkv + kvh;
+        last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // out = Σ_i part_o_i w_i, w_i = e^(m_i - M) / Σ_i l_i e^(m_i - M), M = max_i m_i, per head
+    // and dim. The partials are read through L2 (__ldcg): other blocks wrote them, so L1 may
+    // hold stale lines. The weights first, a warp per head and a lane per split (two, past 32
+    // splits); then each thread keeps its outputs' loads of several splits in flight (a thread
+    // walking the splits one load after another took 33 us at 22 splits).
+    static_assert(PD_MAX_SPLITS <= 2 * WARP, "at most two splits a lane");
+    __shared__ float sm_w[GP][PD_MAX_SPLITS];
+    for (int g = warp; g < G; g += PD_WARPS) {
+        const size_t base = ((size_t)s * hq + kvh * G + g) * splits;
+        float mi[2], li[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = lane + h * WARP;
+            mi[h] = i < active ? __ldcg(part_ml + (base + i) * 2) : NEG_INF;
+            li[h] = i < active ? __ldcg(part_ml + (base + i) * 2 + 1) : 0.0f;
+        }
+        float mx = fmaxf(mi[0], mi[1]);
+        for (int o = WARP / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+        float w[2], sum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            w[h] = mi[h] == NEG_INF ? 0.0f : expf(mi[h] - mx);
+            sum += li[h] * w[h];
+        }
+        const float total = warp_sum(sum);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            if (lane + h * WARP < active) sm_w[g][lane + h * WARP] = w[h] / total;
+    }
+    __syncthreads();
+    constexpr int OUTS = (GP * D + PD_WARPS * WARP - 1) / (PD_WARPS * WARP);
+    float o[OUTS];
+#pragma unroll
+    for (int u = 0; u < OUTS; ++u) o[u] = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < active; ++i) {
+#pragma unroll
+        for (int u = 0; u < OUTS; ++u) {
+            int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
+            size_t part = ((size_t)s * hq + kvh * G + g) * splits + i;
+            if (g < G) o[u] += __ldcg(part_o + part * D + t % D) * sm_w[g][i];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < OUTS; ++u) {
+        int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
+        if (g < G) out[((size_t)row * hq + kvh * G + g) * D + t % D] = o[u];
+    }
+}
+
 
 // Split-K decode attention over the paged cache (seeds 000/001, flash-decoding). Block
 // (s, kvh, split) takes sequence s's one query for the G = hq / hkv query heads that share KV
@@ -499,94 +648,226 @@ __device__ void paged_decode(const float* __restrict__ q, const typename C::T* _
                 sm_o[warp][g][hl * E + e] = C::FP8 ? acc[g][e] * (v_scale * C::UNIT) : acc[g][e];
         }
     }
-    __syncthreads();
-    // One thread per (head, dim) of the block's G heads.
-    for (int t = threadIdx.x; t < (split < active ? G * D : 0); t += blockDim.x) {
-        int g = t / D, c = t % D;
-        float mb = NEG_INF;
-        for (int w = 0; w < PD_WARPS; ++w) mb = fmaxf(mb, sm_m[w][g]);
-        // A warp (or the whole split) that saw no key has max -inf and weighs nothing.
-        float lb = 0.0f, o = 0.0f;
-        for (int w = 0; w < PD_WARPS; ++w) {
-            if (sm_m[w][g] == NEG_INF) continue;
-            float f = expf(sm_m[w][g] - mb);
-            lb += sm_l[w][g] * f;
-            o += sm_o[w][g][c] * f;
-        }
-        if (splits == 1) {
-            // The whole sequence in one block (batched decode): its output, no partials.
-            out[((size_t)row * hq + kvh * G + g) * D + c] = lb > 0.0f ? o / lb : 0.0f;
-            continue;
-        }
-        size_t part = ((size_t)s * hq + kvh * G + g) * splits + split;
-        part_o[part * D + c] = o;
-        if (c == 0) {
-            part_ml[part * 2] = mb;
-            part_ml[part * 2 + 1] = lb;
-        }
-    }
-    if (splits == 1) return;
+    paged_decode_finish<D, GP>(sm_m, sm_l, sm_o, s, kvh, split, splits, active, G, row, hq, hkv,
+                               part_o, part_ml, done, out);
+}
 
-    // Make this block's partials visible, then count it in; the last one merges.
-    __threadfence();
-    __syncthreads();
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        unsigned* counter = done + (size_t)s * hkv + kvh;
-        last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
-        if (last) *counter = 0;
+// An 8 x 8 matrix of halves in mma's fragment layout (lane 4 r + c holds row r, columns 2c and
+// 2c + 1), transposed across the warp: the lane then holds the transpose's row r.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// f32 pairs as the f16 pair nearest them (lo) and the f16 pair nearest what that leaves (hi
+// and lo together carry 22 of the 24 bits): the tensor cores multiply f16, and the decode
+// kernel's scores and weights are to stay as close to f32 as the per-lane kernel's.
+__device__ __forceinline__ void split_halves(float a, float b, unsigned& hi, unsigned& lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 back = __half22float2(h);
+    const __half2 l = __floats2half2_rn(a - back.x, b - back.y);
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
+// Decode attention on the tensor cores (mma.sync m16n8k16, f16 operands, f32 sums): the
+// per-lane kernel above issued ~170 instructions a key at 4 heads a KV head (the dot products
+// and weighted sums as scalar FMAs, shuffle trees), which at batch 64 and 4096 keys made the
+// step's attention issue-bound at well under the memory's bandwidth, and kept an FP8 cache
+// (half the bytes) from being any faster. Same grid, splits and merge (paged_decode_finish).
+//
+// A warp takes 16 keys at a time, every PD_WARPS-th such tile of the split, and computes with
+// the keys as mma's 16 rows and the G <= 8 query heads as its 8 columns:
+// - scores S^T (16 keys x 8 heads) = K (16 x D) Q^T, in D / 16 steps. Any order of the dims
+//   gives the same sums, so each lane loads one contiguous quarter of a key row (dims
+//   [KE tig, KE tig + KE), KE = D / 4; rows gid and gid + 8 of the tile) and step kk takes
+//   its words 2 kk and 2 kk + 1: the A fragment straight from the loads, q's B fragment
+//   (head gid) the same dims of q. q goes in as two f16 parts (hi + lo: f32 to 2^-22).
+// - the online softmax per head over the tile's 16 keys (a lane holds heads 2 tig, 2 tig + 1
+//   of keys gid and gid + 8; the max across the 8 gids by 3 shuffles), base 2 as above.
+// - output O^T (D x 8 heads) += V^T (D x 16 keys) P^T, D / 16 row tiles. The weights' C
+//   fragment, transposed in registers (movmatrix), is the B fragment (keys gid, heads 2 tig
+//   -> keys 2 tig, head gid), again as hi + lo halves. Row r of tile i stands for dim
+//   VE gid + 2 i (r = gid) or + 2 i + 1 (r = gid + 8), VE = D / 8, so a lane loads one
+//   contiguous eighth of its four keys' value rows (2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9)
+//   and builds each A register from two of them with one byte permute (FP8: and a conversion,
+//   f8x2_halves).
+// The loads of the warp's next tile go out as soon as the current tile's registers are read
+// (K after the scores, V after the output), so a warp keeps 8 KiB in flight (f16, D = 128).
+template <int D, int GP, typename C>
+__device__ void paged_decode_mma(const float* __restrict__ q, const typename C::T* __restrict__ kc,
+                                 const typename C::T* __restrict__ vc, const unsigned* __restrict__ seqs,
+                                 const unsigned* __restrict__ blocks, float* __restrict__ part_o,
+                                 float* __restrict__ part_ml, unsigned* __restrict__ done,
+                                 float* __restrict__ out, int hq, int hkv, int block_size,
+                                 float scale, float k_scale, float v_scale) {
+    static_assert(D % 16 == 0 && D <= 128 && GP <= 8, "d a multiple of 16 up to 128, <= 8 heads");
+    constexpr int TILE = 16;
+    constexpr int KS = D / 16;            // score steps, and output row tiles
+    constexpr int KE = D / 4;             // dims of a key row a lane loads
+    constexpr int KC = KE < 16 ? KE : 16; // ... in loads of KC elements
+    constexpr int VE = D / 8;             // dims of a value row a lane loads
+    using KRaw = typename C::template Raw<KC>;
+    using VRaw = typename C::template Raw<VE>;
+    const int s = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int gid = lane / 4, tig = lane % 4;
+    const int G = hq / hkv;
+    const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
+    int chunk = ((int)kv_len + splits - 1) / splits;
+    chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
+    const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
+    const int active = min(splits, ((int)kv_len + chunk - 1) / chunk);
+    const bool pow2 = (block_size & (block_size - 1)) == 0;
+    const int shift = __ffs(block_size) - 1;
+    // Key j's row in the cache (its KV head's), or null past the split.
+    auto key_row = [&](const typename C::T* __restrict__ cache, int j) -> const typename C::T* {
+        if (j >= end) return nullptr;
+        const int blk = pow2 ? (j >> shift) : j / block_size;
+        const unsigned slot = blocks[off + blk] * (unsigned)block_size + (unsigned)(j - blk * block_size);
+        return cache + ((size_t)slot * hkv + kvh) * D;
+    };
+    // Keys rows past the split load as zeros (their weight is 0, and 0 times what the
+    // registers held could be NaN).
+    auto issue_k = [&](int j0, KRaw (&kr)[2][KE / KC]) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const typename C::T* p = key_row(kc, j0 + gid + 8 * r);
+#pragma unroll
+            for (int c = 0; c < KE / KC; ++c) {
+                if (p) kr[r][c].load(p + KE * tig + KC * c);
+                else kr[r][c].zero();
+            }
+        }
+    };
+    auto issue_v = [&](int j0, VRaw (&vr)[4]) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const typename C::T* p = key_row(vc, j0 + 2 * tig + (u % 2) + 8 * (u / 2));
+            if (p) vr[u].load(p + VE * gid);
+            else vr[u].zero();
+        }
+    };
+    const int step = PD_WARPS * TILE;
+    KRaw kr[2][KE / KC];
+    VRaw vr[4];
+    int j0 = begin + warp * TILE;
+    // Under programmatic dependent launch only tiles older than the step's newest key go out
+    // before the wait (qkv_to_cache writes that key).
+    const bool early = j0 + TILE < (int)kv_len;
+    if (early) {
+        issue_k(j0, kr);
+        issue_v(j0, vr);
     }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    // out = Σ_i part_o_i w_i, w_i = e^(m_i - M) / Σ_i l_i e^(m_i - M), M = max_i m_i, per head
-    // and dim. The partials are read through L2 (__ldcg): other blocks wrote them, so L1 may
-    // hold stale lines. The weights first, a warp per head and a lane per split (two, past 32
-    // splits); then each thread keeps its outputs' loads of several splits in flight (a thread
-    // walking the splits one load after another took 33 us at 22 splits).
-    static_assert(PD_MAX_SPLITS <= 2 * WARP, "at most two splits a lane");
-    __shared__ float sm_w[GP][PD_MAX_SPLITS];
-    for (int g = warp; g < G; g += PD_WARPS) {
-        const size_t base = ((size_t)s * hq + kvh * G + g) * splits;
-        float mi[2], li[2];
+    grid_wait();
+    if (!early) {
+        issue_k(j0, kr);
+        issue_v(j0, vr);
+    }
+    // q of head gid (zero past G), this lane's quarter of the dims, scaled for base 2; an FP8
+    // cache's key scale (and MMA_UNIT) multiplies the scores instead, to keep q's halves in
+    // f16's range whatever the scale.
+    unsigned qh[KE / 2], ql[KE / 2];
+    {
+        const float f = scale * 1.4426950408889634f;
+        const float* qp = q + ((size_t)row * hq + kvh * G + gid) * D + KE * tig;
+#pragma unroll
+        for (int w = 0; w < KE / 2; ++w) {
+            const float2 x = gid < G ? *reinterpret_cast<const float2*>(qp + 2 * w) : make_float2(0.0f, 0.0f);
+            split_halves(x.x * f, x.y * f, qh[w], ql[w]);
+        }
+    }
+    const float score_unit = C::FP8 ? k_scale * C::MMA_UNIT : 1.0f;
+    float o[KS][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < KS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+    for (; j0 < end; j0 += step) {
+        // Scores: keys gid and gid + 8 (rows), heads 2 tig and 2 tig + 1 (columns).
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        {
+            RawHalves<KC> kh[2][KE / KC];
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int c = 0; c < KE / KC; ++c) kh[r][c] = C::mma_halves(kr[r][c]);
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                constexpr int PW = KC / 2;  // words a load holds
+                const unsigned a[4] = {kh[0][(2 * kk) / PW].w[(2 * kk) % PW], kh[1][(2 * kk) / PW].w[(2 * kk) % PW],
+                                       kh[0][(2 * kk + 1) / PW].w[(2 * kk + 1) % PW],
+                                       kh[1][(2 * kk + 1) / PW].w[(2 * kk + 1) % PW]};
+                mma_16816(sc, a, qh[2 * kk], qh[2 * kk + 1]);
+                mma_16816(sc, a, ql[2 * kk], ql[2 * kk + 1]);
+            }
+        }
+        issue_k(j0 + step, kr);
+        const bool in0 = j0 + gid < end, in1 = j0 + gid + 8 < end;
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float s0 = in0 ? sc[e] * score_unit : NEG_INF;
+            const float s1 = in1 ? sc[2 + e] * score_unit : NEG_INF;
+            float mx = fmaxf(s0, s1);
+#pragma unroll
+            for (int x = 4; x < WARP; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, x));
+            const float m_new = fmaxf(m[e], mx);
+            // A head that saw no key yet keeps its state.
+            const float corr = m_new == NEG_INF ? 1.0f : exp2f(m[e] - m_new);
+            p[e] = s0 == NEG_INF ? 0.0f : exp2f(s0 - m_new);
+            p[2 + e] = s1 == NEG_INF ? 0.0f : exp2f(s1 - m_new);
+            l[e] = l[e] * corr + p[e] + p[2 + e];
+            m[e] = m_new;
+#pragma unroll
+            for (int i = 0; i < KS; ++i) {
+                o[i][e] *= corr;
+                o[i][2 + e] *= corr;
+            }
+        }
+        // The weights as B fragments: hi and lo halves, keys 0-7 (b0) and 8-15 (b1).
+        unsigned ph[2], pl[2];
+        split_halves(p[0], p[1], ph[0], pl[0]);
+        split_halves(p[2], p[3], ph[1], pl[1]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int i = lane + h * WARP;
-            mi[h] = i < active ? __ldcg(part_ml + (base + i) * 2) : NEG_INF;
-            li[h] = i < active ? __ldcg(part_ml + (base + i) * 2 + 1) : 0.0f;
+            ph[h] = movmatrix_trans(ph[h]);
+            pl[h] = movmatrix_trans(pl[h]);
         }
-        float mx = fmaxf(mi[0], mi[1]);
-        for (int o = WARP / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-        float w[2], sum = 0.0f;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            w[h] = mi[h] == NEG_INF ? 0.0f : expf(mi[h] - mx);
-            sum += li[h] * w[h];
+        for (int i = 0; i < KS; ++i) {
+            const unsigned a[4] = {C::two_keys(vr[0], vr[1], 2 * i), C::two_keys(vr[0], vr[1], 2 * i + 1),
+                                   C::two_keys(vr[2], vr[3], 2 * i), C::two_keys(vr[2], vr[3], 2 * i + 1)};
+            mma_16816(o[i], a, ph[0], ph[1]);
+            mma_16816(o[i], a, pl[0], pl[1]);
         }
-        const float total = warp_sum(sum);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            if (lane + h * WARP < active) sm_w[g][lane + h * WARP] = w[h] / total;
+        issue_v(j0 + step, vr);
     }
-    __syncthreads();
-    constexpr int OUTS = (GP * D + PD_WARPS * WARP - 1) / (PD_WARPS * WARP);
-    float o[OUTS];
+    // Each lane summed its own keys' weights: the totals across the 8 gids.
 #pragma unroll
-    for (int u = 0; u < OUTS; ++u) o[u] = 0.0f;
-#pragma unroll 8
-    for (int i = 0; i < active; ++i) {
+    for (int e = 0; e < 2; ++e)
 #pragma unroll
-        for (int u = 0; u < OUTS; ++u) {
-            int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
-            size_t part = ((size_t)s * hq + kvh * G + g) * splits + i;
-            if (g < G) o[u] += __ldcg(part_o + part * D + t % D) * sm_w[g][i];
+        for (int x = 4; x < WARP; x <<= 1) l[e] += __shfl_xor_sync(0xffffffff, l[e], x);
+
+    __shared__ float sm_m[PD_WARPS][GP], sm_l[PD_WARPS][GP];
+    __shared__ float sm_o[PD_WARPS][GP][D];
+    const float unit = C::FP8 ? v_scale * C::MMA_UNIT : 1.0f;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int h = 2 * tig + e;
+        if (h >= G) continue;
+        if (gid == 0) {
+            sm_m[warp][h] = m[e] == NEG_INF ? NEG_INF : m[e] * 0.6931471805599453f;
+            sm_l[warp][h] = l[e];
+        }
+#pragma unroll
+        for (int i = 0; i < KS; ++i) {
+            sm_o[warp][h][VE * gid + 2 * i] = o[i][e] * unit;
+            sm_o[warp][h][VE * gid + 2 * i + 1] = o[i][2 + e] * unit;
         }
     }
-#pragma unroll
-    for (int u = 0; u < OUTS; ++u) {
-        int t = threadIdx.x + u * PD_WARPS * WARP, g = t / D;
-        if (g < G) out[((size_t)row * hq + kvh * G + g) * D + t % D] = o[u];
-    }
+    paged_decode_finish<D, GP>(sm_m, sm_l, sm_o, s, kvh, split, splits, active, G, row, hq, hkv,
+                               part_o, part_ml, done, out);
 }
 
 // paged_decode_d{D}_g{GP}, with at most 65536 / (128 MINB) registers a thread so that
@@ -641,6 +922,45 @@ PD_KERNEL(128, 8, 2)
 PD_KERNEL(256, 1, 4)
 PD_KERNEL(256, 2, 2)
 PD_KERNEL(256, 4, 2)
+
+// paged_decode_mma_d{D}_g{GP} and paged_decode_mma_f8_d{D}_g{GP}: the tensor-core decode,
+// where the host picks it (head dims 32, 64 and 128, 2 to 8 heads a KV head), MINB and MINB_F8
+// blocks an SM. At d 128 the f16 kernel needs more than 3 blocks' registers (170: it spilled),
+// the FP8 one (its loads half the bytes) fits; 2 blocks of 4 warps still keep 64 KiB of loads in
+// flight an SM.
+#define PD_MMA_KERNEL(D, GP, MINB, MINB_F8)                                                       \
+    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
+        paged_decode_mma_d##D##_g##GP(                                                            \
+            const float* __restrict__ q, const __half* __restrict__ kc,                           \
+            const __half* __restrict__ vc, const unsigned* __restrict__ seqs,                     \
+            const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
+            float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
+            int hq, int hkv, int block_size, float scale) {                                       \
+        grid_launch_dependents();                                                                 \
+        paged_decode_mma<D, GP, F16Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out,    \
+                                          hq, hkv, block_size, scale, 1.0f, 1.0f);                \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB_F8)                        \
+        paged_decode_mma_f8_d##D##_g##GP(                                                         \
+            const float* __restrict__ q, const unsigned char* __restrict__ kc,                    \
+            const unsigned char* __restrict__ vc, const unsigned* __restrict__ seqs,              \
+            const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
+            float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
+            int hq, int hkv, int block_size, float scale, float k_scale, float v_scale) {         \
+        grid_launch_dependents();                                                                 \
+        paged_decode_mma<D, GP, F8Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, \
+                                         hkv, block_size, scale, k_scale, v_scale);               \
+    }
+
+PD_MMA_KERNEL(32, 2, 4, 4)
+PD_MMA_KERNEL(32, 4, 4, 4)
+PD_MMA_KERNEL(32, 8, 4, 4)
+PD_MMA_KERNEL(64, 2, 4, 4)
+PD_MMA_KERNEL(64, 4, 4, 4)
+PD_MMA_KERNEL(64, 8, 4, 4)
+PD_MMA_KERNEL(128, 2, 2, 3)
+PD_MMA_KERNEL(128, 4, 2, 3)
+PD_MMA_KERNEL(128, 8, 2, 3)
 
 // Any head dim up to 256, any number of queries: one warp per (sequence, query, head), online
 // softmax over the sequence's keys; lanes hold dims lane, lane + 32, ... Sequence seq0 + z of

@@ -7,7 +7,7 @@
 //!
 //! Tolerances are `Case::tolerance`'s, stated there with their reasons.
 
-use vlm_compute::cuda::test_gpu;
+use vlm_compute::cuda::{test_gpu, with_decode_attention, DecodeAttention};
 use vlm_compute::quant::QuantizeTo;
 use vlm_compute::twin::{compare, Case, IntOp, FP8_KV};
 use vlm_compute::KvFormat;
@@ -669,7 +669,17 @@ fn paged_kv_cache_at_real_sizes() {
             case
         })
         .collect::<Vec<_>>();
+    // Decode takes the tensor-core kernel where one is compiled for the shape (head dims 64
+    // and 128, 2 to 8 heads a KV head); the per-lane kernel, which `VLM_DECODE_ATTENTION=lanes`
+    // picks for every shape, again over the same cases.
+    let lanes: Vec<Case> = paged
+        .iter()
+        .chain(&fp8)
+        .filter(|c| matches!(c, Case::PagedAttention { .. }))
+        .cloned()
+        .collect();
     check_all(&g, paged.into_iter().chain(writes).chain(qkv).chain(fp8));
+    with_decode_attention(DecodeAttention::PerLane, || check_all(&g, lanes));
     // Greedy picks on the device: the 8B vocabulary at batch 1 and 128, a tie (the first
     // wins), short rows; the rows a step's logits come from.
     check_all(

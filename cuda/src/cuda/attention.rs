@@ -18,10 +18,10 @@ use cudarc::driver::{
 use half::f16;
 
 use super::kernels::{
-    decode_kernel, flash_smem_bytes, flash_wgmma_grid, flash_wgmma_partial_floats,
-    flash_wgmma_smem_bytes, pack_rows_smem_bytes, COUNTERS, DECODE_MAX_SPLITS, DECODE_MIN_CHUNK,
-    DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES,
-    FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
+    decode_kernel, decode_splits, flash_smem_bytes, flash_wgmma_grid, flash_wgmma_partial_floats,
+    flash_wgmma_smem_bytes, pack_rows_smem_bytes, DecodeAttention, COUNTERS, DECODE_WARPS,
+    DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WGMMA_DP,
+    FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
     FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS, PAGED_FLASH_F8_KERNELS,
     PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16, ROPE_PACK_F32,
@@ -792,9 +792,9 @@ impl CudaBackend {
         let group = hq / hkv;
         // Rows of no sequence (none in practice) stay zero, as the reference says. A step of
         // decoding sequences only, one row each, writes every row: no memset then.
-        let every_row_decodes = batch.decode_seqs == batch.num_seqs
-            && rows == batch.num_seqs
-            && decode_kernel(d, group, k.fp8()).is_some();
+        let decode_name = decode_kernel(d, group, k.fp8(), DecodeAttention::current());
+        let every_row_decodes =
+            batch.decode_seqs == batch.num_seqs && rows == batch.num_seqs && decode_name.is_some();
         let mut out = if every_row_decodes {
             self.alloc(vec![rows, hq * d])?
         } else {
@@ -811,7 +811,7 @@ impl CudaBackend {
         };
         let mut first_rest = 0;
         // Decoding sequences: split-K over their keys, every KV row read once per head group.
-        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_kernel(d, group, k.fp8())) {
+        if let (true, Some(name)) = (batch.decode_seqs > 0, decode_name) {
             self.paged_decode(&a, name, &out)?;
             first_rest = batch.decode_seqs;
         }
@@ -838,13 +838,14 @@ impl CudaBackend {
         let (hq_i, hkv_i, bs_i) = (hq as i32, hkv as i32, batch.block_size as i32);
         let stream = &self.inner.stream;
         let nd = batch.decode_seqs;
-        // Up to four blocks an SM, no split shorter than DECODE_MIN_CHUNK keys: at batch 1
-        // a long context's splits stay short enough for a few round trips each (attention
-        // at 4096 keys is latency, not bandwidth); 64 sequences and more take one split.
-        let want = 4 * self.inner.sm_count / (nd * hkv);
-        let splits = want
-            .min(batch.max_keys.div_ceil(DECODE_MIN_CHUNK))
-            .clamp(1, DECODE_MAX_SPLITS);
+        let slots = self.inner.sm_count
+            * self
+                .inner
+                .decode_blocks_per_sm
+                .get(name)
+                .copied()
+                .unwrap_or(1);
+        let splits = decode_splits(nd * hkv, slots, batch.max_keys);
         if nd * hkv > COUNTERS {
             return Err(Error::shape(
                 "paged_attention",

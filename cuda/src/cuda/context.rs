@@ -16,6 +16,9 @@ use super::kernels::{
     FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_F8_KERNELS, PAGED_FLASH_KERNELS, SOURCES,
 };
 use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS};
+use super::kernels::{
+    DECODE_F8_KERNELS, DECODE_KERNELS, DECODE_MMA_F8_KERNELS, DECODE_MMA_KERNELS, DECODE_WARPS,
+};
 use super::tensor::IntFormat;
 use super::{lt, staging};
 use crate::{Error, Result};
@@ -53,6 +56,9 @@ pub(super) struct Inner {
     /// splits have finished (the last merges them). Each launch leaves them at 0 again, and
     /// launches on this backend's one stream run one after another.
     pub(super) counters: CudaSlice<u32>,
+    /// Blocks of each decode attention kernel an SM holds at once (the driver's occupancy,
+    /// from its registers and shared memory): how many splits fill the GPU.
+    pub(super) decode_blocks_per_sm: HashMap<&'static str, usize>,
     /// Whether decode's kernels go out under programmatic dependent launch (the streamed
     /// GEMVs of weights_f16.cu, the q/k step, decode attention; [`programmatic_capable`],
     /// unless `VLM_PDL=0`), and the two counters the streamed GEMVs hand rows out with (each
@@ -222,6 +228,7 @@ impl CudaBackend {
         let counters = stream
             .alloc_zeros::<u32>(COUNTERS)
             .map_err(|e| cuda_err("allocating completion counters")(&e))?;
+        let decode_blocks_per_sm = decode_occupancy(&kernels)?;
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         let sm_count = ctx.attribute(SMS).map_err(|e| cuda_err("SM count")(&e))? as usize;
         let gemv_ticket = stream
@@ -253,6 +260,7 @@ impl CudaBackend {
                 staging: staging::Staging::new(),
                 gemv_smem,
                 counters,
+                decode_blocks_per_sm,
                 programmatic: programmatic.into(),
                 gemv_ticket,
                 recording: std::sync::Mutex::new(None),
@@ -469,6 +477,26 @@ fn opt_in_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
 /// them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past the
 /// default 48), less what they declare statically. Returns the bytes they may use: that, or
 /// the default's share where the GPU refused.
+/// Blocks an SM holds of each decode attention kernel (of DECODE_WARPS warps, static shared
+/// memory only).
+fn decode_occupancy(
+    kernels: &HashMap<&'static str, CudaFunction>,
+) -> Result<HashMap<&'static str, usize>> {
+    DECODE_KERNELS
+        .iter()
+        .chain(&DECODE_F8_KERNELS)
+        .chain(&DECODE_MMA_KERNELS)
+        .chain(&DECODE_MMA_F8_KERNELS)
+        .filter_map(|&name| Some((name, kernels.get(name)?)))
+        .map(|(name, f)| {
+            let blocks = f
+                .occupancy_max_active_blocks_per_multiprocessor(DECODE_WARPS * 32, 0, None)
+                .map_err(|e| cuda_err("decode attention's occupancy")(&e))?;
+            Ok((name, blocks.max(1) as usize))
+        })
+        .collect()
+}
+
 fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>) -> Result<usize> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;

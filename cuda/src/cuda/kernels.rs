@@ -84,7 +84,12 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             "qkv_to_cache_f8",
             "gather_rows_f32",
         ],
-        tables: &[&DECODE_KERNELS, &DECODE_F8_KERNELS],
+        tables: &[
+            &DECODE_KERNELS,
+            &DECODE_F8_KERNELS,
+            &DECODE_MMA_KERNELS,
+            &DECODE_MMA_F8_KERNELS,
+        ],
         per_rows: &[],
         sm90a: false,
     },
@@ -225,14 +230,136 @@ pub(super) const DECODE_F8_KERNELS: [&str; 15] = [
     "paged_decode_f8_d256_g2",
     "paged_decode_f8_d256_g4",
 ];
+/// The (head dim, heads per KV head) paged_f16.cu instantiates its tensor-core decode kernel
+/// (`paged_decode_mma`) for: the head dims of Qwen3-VL and Qwen2.5 (128) and smaller ones
+/// (the test fixtures' 32), with 2 to 8 heads a KV head (mma's 8 columns). One head a KV head
+/// would leave 7 of the 8 idle: the per-lane kernel takes it, and head dim 256.
+const DECODE_MMA_SHAPES: [(usize, usize); 9] = [
+    (32, 2),
+    (32, 4),
+    (32, 8),
+    (64, 2),
+    (64, 4),
+    (64, 8),
+    (128, 2),
+    (128, 4),
+    (128, 8),
+];
+/// `paged_decode_mma_d{d}_g{gp}` for each of [`DECODE_MMA_SHAPES`], over an f16 cache.
+pub(super) const DECODE_MMA_KERNELS: [&str; 9] = [
+    "paged_decode_mma_d32_g2",
+    "paged_decode_mma_d32_g4",
+    "paged_decode_mma_d32_g8",
+    "paged_decode_mma_d64_g2",
+    "paged_decode_mma_d64_g4",
+    "paged_decode_mma_d64_g8",
+    "paged_decode_mma_d128_g2",
+    "paged_decode_mma_d128_g4",
+    "paged_decode_mma_d128_g8",
+];
+/// `paged_decode_mma_f8_d{d}_g{gp}`: the same over an FP8 cache.
+pub(super) const DECODE_MMA_F8_KERNELS: [&str; 9] = [
+    "paged_decode_mma_f8_d32_g2",
+    "paged_decode_mma_f8_d32_g4",
+    "paged_decode_mma_f8_d32_g8",
+    "paged_decode_mma_f8_d64_g2",
+    "paged_decode_mma_f8_d64_g4",
+    "paged_decode_mma_f8_d64_g8",
+    "paged_decode_mma_f8_d128_g2",
+    "paged_decode_mma_f8_d128_g4",
+    "paged_decode_mma_f8_d128_g8",
+];
+
+/// How many splits decode attention cuts each (sequence, KV head)'s keys into, for `pairs` of
+/// them, `slots` blocks the GPU runs at once (SMs times the kernel's blocks an SM) and at most
+/// `max_keys` keys: no split shorter than DECODE_MIN_CHUNK keys, at most DECODE_MAX_SPLITS,
+/// and otherwise the count that finishes soonest, each block taking 1 / splits of the keys and
+/// the launch ceil(pairs splits / slots) waves of blocks, 1% added per split for its partial
+/// sums and merge. At batch 1 that spreads a long context over the whole GPU (attention at
+/// 4096 keys is latency, not bandwidth: short splits, few round trips each); at 64 sequences
+/// of 8 KV heads, 512 blocks in 396 slots took two waves for 1.3 waves of work (FP8 cache,
+/// 3 blocks an SM: 3 splits, 4 waves, are 1.33); at 128 sequences, one split.
+pub(super) fn decode_splits(pairs: usize, slots: usize, max_keys: usize) -> usize {
+    let most = max_keys
+        .div_ceil(DECODE_MIN_CHUNK)
+        .clamp(1, DECODE_MAX_SPLITS);
+    let cost = |splits: usize| {
+        let waves = (pairs * splits).div_ceil(slots.max(1));
+        waves as f64 / splits as f64 * (1.0 + 0.01 * splits as f64)
+    };
+    (1..=most)
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+        .unwrap_or(1)
+}
+
+/// Which kernel decode attention takes where both are compiled: `VLM_DECODE_ATTENTION` at
+/// start, [`with_decode_attention`] for one thread's launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeAttention {
+    /// The tensor cores (`paged_decode_mma`) where the shape has one (the default).
+    TensorCores,
+    /// The per-lane kernel (`paged_decode`) everywhere: to compare, and to test it.
+    PerLane,
+}
+
+thread_local! {
+    /// The kernel [`with_decode_attention`] forces on this thread's launches.
+    static FORCED_DECODE: std::cell::Cell<Option<DecodeAttention>> = const { std::cell::Cell::new(None) };
+}
+
+impl DecodeAttention {
+    /// This thread's choice: forced, else `VLM_DECODE_ATTENTION` (`lanes` for the per-lane
+    /// kernel; unset, `mma` or anything else, with a warning, the tensor cores).
+    pub(super) fn current() -> Self {
+        static FROM_ENV: std::sync::OnceLock<DecodeAttention> = std::sync::OnceLock::new();
+        FORCED_DECODE.get().unwrap_or_else(|| {
+            *FROM_ENV.get_or_init(|| match std::env::var("VLM_DECODE_ATTENTION").as_deref() {
+                Ok("lanes") => DecodeAttention::PerLane,
+                Ok("mma") | Err(_) => DecodeAttention::TensorCores,
+                Ok(other) => {
+                    tracing::warn!("VLM_DECODE_ATTENTION={other} is not mma or lanes: using mma");
+                    DecodeAttention::TensorCores
+                }
+            })
+        })
+    }
+}
+
+/// Runs `f` with this thread's decode attention on `kernel`: how the twin cases check both
+/// kernels on one GPU.
+pub fn with_decode_attention<T>(kernel: DecodeAttention, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<DecodeAttention>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORCED_DECODE.set(self.0);
+        }
+    }
+    let _restore = Restore(FORCED_DECODE.replace(Some(kernel)));
+    f()
+}
+
 /// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head, over
-/// an f16 cache or (`fp8`) an FP8 one: the one compiled for the power of two at or above the
-/// group ([`DECODE_SHAPES`]); `None` where there is none (then paged_attention_rows_f16 or _f8
-/// takes the decoding sequences too).
-pub(super) fn decode_kernel(d: usize, group: usize, fp8: bool) -> Option<&'static str> {
-    let at = DECODE_SHAPES
-        .iter()
-        .position(|&s| s == (d, group.next_power_of_two()))?;
+/// an f16 cache or (`fp8`) an FP8 one: the tensor-core one where `kernel` says so and one is
+/// compiled for the shape ([`DECODE_MMA_SHAPES`]), else the per-lane one compiled for the
+/// power of two at or above the group ([`DECODE_SHAPES`]); `None` where there is neither
+/// (then paged_attention_rows_f16 or _f8 takes the decoding sequences too).
+pub(super) fn decode_kernel(
+    d: usize,
+    group: usize,
+    fp8: bool,
+    kernel: DecodeAttention,
+) -> Option<&'static str> {
+    let shape = (d, group.next_power_of_two());
+    if let (DecodeAttention::TensorCores, Some(at)) =
+        (kernel, DECODE_MMA_SHAPES.iter().position(|&s| s == shape))
+    {
+        return Some(if fp8 {
+            DECODE_MMA_F8_KERNELS[at]
+        } else {
+            DECODE_MMA_KERNELS[at]
+        });
+    }
+    let at = DECODE_SHAPES.iter().position(|&s| s == shape)?;
     Some(if fp8 {
         DECODE_F8_KERNELS[at]
     } else {
@@ -931,13 +1058,66 @@ mod tests {
     /// is instantiated for.
     #[test]
     fn each_decode_kernel_has_an_fp8_twin() {
-        for (d, group) in [(32, 1), (64, 3), (128, 4), (128, 8), (256, 4)] {
-            let f16 = decode_kernel(d, group, false).unwrap();
-            let f8 = decode_kernel(d, group, true).unwrap();
-            assert_eq!(f8, f16.replace("paged_decode_", "paged_decode_f8_"));
+        use DecodeAttention::{PerLane, TensorCores};
+        for kernel in [TensorCores, PerLane] {
+            for (d, group) in [(32, 1), (64, 3), (128, 4), (128, 8), (256, 4)] {
+                let f16 = decode_kernel(d, group, false, kernel).unwrap();
+                let f8 = decode_kernel(d, group, true, kernel).unwrap();
+                let twin = if f16.starts_with("paged_decode_mma_") {
+                    f16.replace("paged_decode_mma_", "paged_decode_mma_f8_")
+                } else {
+                    f16.replace("paged_decode_", "paged_decode_f8_")
+                };
+                assert_eq!(f8, twin);
+            }
+            assert_eq!(decode_kernel(256, 8, true, kernel), None);
+            assert_eq!(decode_kernel(80, 1, true, kernel), None);
         }
-        assert_eq!(decode_kernel(256, 8, true), None);
-        assert_eq!(decode_kernel(80, 1, true), None);
+        // The tensor cores where a shape has their kernel and it is asked for, else the
+        // per-lane kernel.
+        assert_eq!(
+            decode_kernel(128, 4, false, TensorCores),
+            Some("paged_decode_mma_d128_g4")
+        );
+        assert_eq!(
+            decode_kernel(64, 3, true, TensorCores),
+            Some("paged_decode_mma_f8_d64_g4")
+        );
+        assert_eq!(
+            decode_kernel(128, 4, false, PerLane),
+            Some("paged_decode_d128_g4")
+        );
+        assert_eq!(
+            decode_kernel(128, 1, false, TensorCores),
+            Some("paged_decode_d128_g1")
+        );
+        assert_eq!(
+            decode_kernel(256, 4, false, TensorCores),
+            Some("paged_decode_d256_g4")
+        );
+    }
+
+    /// Decode's splits: the per-lane kernel's choices before this rule (at batch 1 as many as
+    /// 4 blocks an SM allow, 64 sequences one split) where whole waves allow them, and fewer
+    /// waves' worth of imbalance where they do not.
+    #[test]
+    fn decode_splits_fill_the_gpu_in_whole_waves() {
+        // An H200's 132 SMs; 8 KV heads (the 8B model).
+        let (h200, heads) = (132, 8);
+        // Batch 1 at 4096 keys: 4 blocks an SM, the 64 splits the old rule took; 2 blocks an
+        // SM (the f16 tensor-core kernel), one wave of 33 instead of two of 64.
+        assert_eq!(decode_splits(heads, 4 * h200, 4096), 64);
+        assert_eq!(decode_splits(heads, 2 * h200, 4096), 33);
+        // Batch 1 at 512 keys: no split under 32 keys.
+        assert_eq!(decode_splits(heads, 4 * h200, 512), 16);
+        // Batch 64 at 4096 keys: one split where 512 blocks fill whole waves (4 an SM: one
+        // wave; 2 an SM: two), three at 3 an SM.
+        assert_eq!(decode_splits(64 * heads, 4 * h200, 4096), 1);
+        assert_eq!(decode_splits(64 * heads, 2 * h200, 4096), 1);
+        assert_eq!(decode_splits(64 * heads, 3 * h200, 4096), 3);
+        // Batch 128 at 512 keys: one split; a single key: one.
+        assert_eq!(decode_splits(128 * heads, 2 * h200, 512), 1);
+        assert_eq!(decode_splits(heads, 4 * h200, 1), 1);
     }
 
     /// The integer GEMM's table is indexed by format, block shape, n-tiles and output: each
