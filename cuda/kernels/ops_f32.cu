@@ -337,8 +337,9 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
 // per row and group of 128 columns, s = amax / 448 (1 for a group of zeros), each value rounded
 // to e4m3 as x / s (to nearest even, saturating), from the f16 value the unfused path stores, as
 // the CPU's quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly
-// rounded, as there). The bytes go row-major; scales[g * n + r] is row r's scale of group g: all
-// rows' scales of a group together, as cuBLASLt's VEC128_32F reads them. A warp takes one
+// rounded, as there). The bytes go row-major; scales[g * ld + r] is row r's scale of group g: all
+// rows' scales of a group together, as cuBLASLt's VEC128_32F reads them (ld: the rows padded to
+// what the GEMM takes, w8a8.rs's W8A8_ROWS). A warp takes one
 // group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands its
 // values to quant_group_e4m3 (the GEMM's operand) or qdq_group_e4m3 (decode's GEMVs of the same
 // weights: each value as its byte times the scale, what the GEMM multiplies by, in f32) in that
@@ -387,9 +388,9 @@ __device__ __forceinline__ void round_to_f16(float2 lo, float2 hi, float v[4]) {
 struct QuantStore {
     unsigned char* q;
     float* scales;
-    int rows, cols;
+    int ld, cols;
     __device__ void operator()(const float f[4], int r, int c) const {
-        quant_group_e4m3(f, q + (size_t)r * cols + c, scales + (size_t)(c / 128) * rows + r);
+        quant_group_e4m3(f, q + (size_t)r * cols + c, scales + (size_t)(c / 128) * ld + r);
     }
 };
 struct QdqStore {
@@ -403,7 +404,7 @@ struct QdqStore {
 // x [n, k] f16 (k a multiple of 128) quantized: the input of a W8A8 GEMM no kernel before it
 // quantizes (the attention's output, before o_proj). One warp a group.
 extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned char* __restrict__ q,
-                                         float* __restrict__ scales, int n, int k) {
+                                         float* __restrict__ scales, int n, int k, int ld) {
     const int groups = k / 128;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
@@ -413,7 +414,7 @@ extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned 
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
     const float v[4] = {a.x, a.y, b.x, b.y};
-    QuantStore{q, scales, n, k}(v, r, g * 128 + lane * 4);
+    QuantStore{q, scales, ld, k}(v, r, g * 128 + lane * 4);
 }
 
 // x [n, k] f32 (k a multiple of 128) rounded to f16 and then as quant_rows_f8 rounds it, back in
@@ -467,8 +468,8 @@ __device__ __forceinline__ void rms_norm_groups(const float* __restrict__ x,
 // rms_norm_f16 and quant_rows_f8 in one pass, for a W8A8 GEMM's operand (q/k/v, gate/up).
 extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float* __restrict__ w,
                                        unsigned char* __restrict__ q, float* __restrict__ scales,
-                                       int rows, int cols, float eps) {
-    rms_norm_groups(x, w, cols, eps, QuantStore{q, scales, rows, cols});
+                                       int ld, int cols, float eps) {
+    rms_norm_groups(x, w, cols, eps, QuantStore{q, scales, ld, cols});
 }
 
 // rms_norm_f16 and qdq_rows_f8 in one pass, for a decode GEMV of such a weight.
@@ -486,7 +487,7 @@ extern "C" __global__ void rms_norm_qdq_f8(const float* __restrict__ x, const fl
 extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
                                               unsigned char* __restrict__ q,
                                               float* __restrict__ scales, int m, int n,
-                                              float scale) {
+                                              float scale, int ld) {
     const int groups = m / 128;
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
@@ -504,7 +505,7 @@ extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
     }
     float f[4];
     round_to_f16(p[0], p[1], f);
-    QuantStore{q, scales, n, m}(f, r, (int)j);
+    QuantStore{q, scales, ld, m}(f, r, (int)j);
 }
 
 // Rotate-half RoPE. Grid: one block per token; threads cover heads x d/2 pairs.

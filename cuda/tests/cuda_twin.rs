@@ -237,11 +237,22 @@ fn w8a8_at_real_sizes() {
             (512, 4096, 6144, IntOp::Linear),
             (300, 12288, 4096, IntOp::AddLinear),
             (65, 4096, 24576, IntOp::Linear),
+            // Row counts the GEMM pads (w8a8.rs's W8A8_ROWS), into a new output and added to
+            // one.
+            (61, 4096, 6144, IntOp::Linear),
+            (303, 12288, 4096, IntOp::AddLinear),
         ]
         .map(|(n, k, m, op)| Case::W8a8 { n, k, m, op }),
     );
     let cpu = CpuBackend::new();
-    for (n, k, m) in [(256, 4096, 4096), (100, 12288, 1024)] {
+    // 639 and 61 rows: a mixed step's and a batch's counts that cuBLASLt has no algorithm for
+    // unpadded (they took the weight-only path before W8A8_ROWS).
+    for (n, k, m) in [
+        (256, 4096, 4096),
+        (100, 12288, 1024),
+        (639, 4096, 1024),
+        (61, 4096, 4096),
+    ] {
         let key = (n * k + m) as u64;
         let x = f16_exact(vlm_compute::random::uniform_tensor(&[n, k], key, 2.0));
         let w = quantize_fp8(&vlm_compute::random::uniform_tensor(

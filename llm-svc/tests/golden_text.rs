@@ -352,7 +352,24 @@ fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
                 },
             )
             .unwrap();
-        assert_eq!(on_device.tokens, out.tokens, "{name}: argmax on the device");
+        // The second run finds its prompt in the prefix cache and prefills only the rest: other
+        // GEMM shapes, so other summation orders (W8A8's FP8 tensor cores keep fewer bits of
+        // their sums, and a nudged activation can round to the neighbouring e4m3 value), and a
+        // step whose top two logits are as close as the tolerance may pick either. Tokens are
+        // compared up to the first such step of the first run.
+        let settled = logits
+            .iter()
+            .position(|l| {
+                let mut sorted = l.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                sorted[0] - sorted[1] <= 2.0 * tol
+            })
+            .unwrap_or(logits.len());
+        assert_eq!(
+            on_device.tokens[..settled.min(on_device.tokens.len())],
+            out.tokens[..settled.min(out.tokens.len())],
+            "{name}: argmax on the device"
+        );
         if tol == CPU_LOGITS_TOL {
             let tokens: Vec<i64> = out.tokens.iter().map(|&t| t as i64).collect();
             assert_eq!(tokens, hf_tokens, "{name}: greedy tokens");

@@ -87,21 +87,38 @@ const QUANT_THREADS: u32 = 256;
 /// per row and group of [`ACT_GROUP`] columns, group-major (`scales[g * n + r]`, cuBLASLt's
 /// VEC128_32F layout).
 pub(super) struct Fp8Rows {
+    /// `ld` rows of `k` bytes, the first `n` written.
     q: CudaSlice<u8>,
+    /// `k / 128` groups of `ld` scales, the first `n` of each written.
     scales: CudaSlice<f32>,
     n: usize,
     k: usize,
+    /// The rows the GEMM takes: `n` rounded up to [`W8A8_ROWS`].
+    ld: usize,
 }
 
+/// The W8A8 GEMM runs on a multiple of this many rows: cuBLASLt has no block-scaled FP8
+/// algorithm for other counts (on an H200, cuBLAS 12.9: 100 and 640 rows ran W8A8, 639 found
+/// none and took the weight-only path at 1.65x the time of 640 for the MLP; 100 suggests
+/// 16-byte rows of scales, 4 floats; 16 is a margin). The rows past `n` are padding, their
+/// products thrown away: a step of any size runs W8A8, so a request's numbers do not depend
+/// on how many rows its step had.
+pub(super) const W8A8_ROWS: usize = 16;
+
 impl Fp8Rows {
-    /// The bytes and the scales, copied to the host (for the GPU tests).
+    /// The bytes and the scales of the `n` rows, copied to the host (for the GPU tests).
     fn to_host(&self, be: &CudaBackend) -> Result<(Vec<u8>, Vec<f32>)> {
         let stream = &be.inner.stream;
         let err = |e: cudarc::driver::DriverError| super::error::cuda_err("Fp8Rows::to_host")(&e);
-        Ok((
-            stream.clone_dtoh(&self.q).map_err(err)?,
-            stream.clone_dtoh(&self.scales).map_err(err)?,
-        ))
+        let (n, k, ld) = (self.n, self.k, self.ld);
+        let q = stream.clone_dtoh(&self.q.slice(..n * k)).map_err(err)?;
+        let padded = stream.clone_dtoh(&self.scales).map_err(err)?;
+        let scales = padded
+            .chunks(ld)
+            .flat_map(|group| &group[..n])
+            .copied()
+            .collect();
+        Ok((q, scales))
     }
 }
 
@@ -149,7 +166,8 @@ impl CudaBackend {
             return Ok(None);
         }
         let (m, k) = (w.shape[0], w.shape[1]);
-        let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
+        let rows = n.next_multiple_of(W8A8_ROWS);
+        let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(rows, k, m, accumulate));
         Ok(self
             .inner
             .lt
@@ -273,7 +291,10 @@ impl CudaBackend {
 
     /// `out (+)= alpha · x · wᵀ` on cuBLASLt's block-scaled FP8 GEMM, `x` already quantized
     /// (by [`Self::quantize_rows`], or by the norm or SwiGLU that wrote it:
-    /// [`Self::rms_norm_fp8`], [`Self::swiglu_fp8`]).
+    /// [`Self::rms_norm_fp8`], [`Self::swiglu_fp8`]). The GEMM runs on x's padded rows; where
+    /// they are more than `out`'s, into a scratch of as many rows, `out`'s copied in first if
+    /// it accumulates and the real rows copied back after (a few microseconds a GEMM, against
+    /// the weight-only path's 1.65x).
     pub(super) fn w8a8_gemm_rows<O: GemmOut>(
         &self,
         x: &Fp8Rows,
@@ -283,17 +304,46 @@ impl CudaBackend {
         accumulate: bool,
         alpha: f32,
     ) -> Result<()> {
-        let (m, k, n) = (w.shape[0], w.shape[1], x.n);
+        let (m, k, n, rows) = (w.shape[0], w.shape[1], x.n, x.ld);
         if x.k != k || out.len() < n * m {
             return Err(Error::shape(
                 "W8A8 GEMM",
                 format!("x {n} x {}, out {}, weight {:?}", x.k, out.len(), w.shape),
             ));
         }
+        let stream = &self.inner.stream;
+        let copy_err =
+            |e: cudarc::driver::DriverError| super::error::cuda_err("W8A8 GEMM's padded rows")(&e);
+        if rows > n {
+            let mut padded = self.alloc_slice::<O>(rows * m)?;
+            if accumulate {
+                stream
+                    .memcpy_dtod(&out.slice(..n * m), &mut padded.slice_mut(..n * m))
+                    .map_err(copy_err)?;
+            }
+            self.w8a8_gemm_all_rows(x, w, (iw, algo), &mut padded, accumulate, alpha)?;
+            return stream
+                .memcpy_dtod(&padded.slice(..n * m), &mut out.slice_mut(..n * m))
+                .map_err(copy_err);
+        }
+        self.w8a8_gemm_all_rows(x, w, (iw, algo), out, accumulate, alpha)
+    }
+
+    /// [`Self::w8a8_gemm_rows`] into an `out` of x's padded rows.
+    fn w8a8_gemm_all_rows<O: GemmOut>(
+        &self,
+        x: &Fp8Rows,
+        w: &CudaWeight,
+        (iw, algo): (&IntWeight, LtAlgo),
+        out: &mut CudaSlice<O>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> Result<()> {
+        let (m, k, rows) = (w.shape[0], w.shape[1], x.ld);
         let Some(w_scales) = iw.block_scales.as_ref() else {
             return Err(Error::shape("W8A8 GEMM", "a weight without block scales"));
         };
-        let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
+        let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(rows, k, m, accumulate));
         let stream = &self.inner.stream;
         let (xp, _x_guard) = x.q.device_ptr(stream);
         let (xs, _xs_guard) = x.scales.device_ptr(stream);
@@ -308,10 +358,12 @@ impl CudaBackend {
             w_scales: ws,
             x_scales: xs,
         };
-        // SAFETY: x.q holds n*k e4m3 bytes and x.scales their n*k/128 scales (group-major, as
-        // Fp8Rows is made), the weight's words its m*k bytes row-major and block_scales its
-        // blocks' scales as IntWeight says; out holds n*m of O (checked above). The guards
-        // keep them alive and ordered on this stream until the GEMM is queued.
+        // SAFETY: x.q holds rows*k e4m3 bytes and x.scales their rows*k/128 scales (group-major,
+        // as Fp8Rows is made; past x.n whatever the pool held, which only padding outputs
+        // read), the weight's words its m*k bytes row-major and block_scales its blocks'
+        // scales as IntWeight says; out holds rows*m of O (w8a8_gemm_rows's scratch where the
+        // caller's is shorter). The guards keep them alive and ordered on this stream until
+        // the GEMM is queued.
         unsafe {
             self.inner.lt.matmul(
                 stream.cu_stream(),
@@ -325,13 +377,15 @@ impl CudaBackend {
         self.op_done("cublaslt_gemm_fp8")
     }
 
-    /// Room for `n` rows of `k` quantized activations.
+    /// Room for `n` rows of `k` quantized activations, padded to [`W8A8_ROWS`].
     fn alloc_fp8_rows(&self, n: usize, k: usize) -> Result<Fp8Rows> {
+        let ld = n.next_multiple_of(W8A8_ROWS);
         Ok(Fp8Rows {
-            q: self.alloc_slice::<u8>(n * k)?,
-            scales: self.alloc_slice::<f32>(n * k / ACT_GROUP)?,
+            q: self.alloc_slice::<u8>(ld * k)?,
+            scales: self.alloc_slice::<f32>(ld * k / ACT_GROUP)?,
             n,
             k,
+            ld,
         })
     }
 
@@ -360,17 +414,18 @@ impl CudaBackend {
             ));
         }
         let mut x = self.alloc_fp8_rows(n, k)?;
-        let (nn, kk) = (n as i32, k as i32);
+        let (nn, kk, ld) = (n as i32, k as i32, x.ld as i32);
         let name = "quant_rows_f8";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(x16)
             .arg(&mut x.q)
             .arg(&mut x.scales)
             .arg(&nn)
-            .arg(&kk);
+            .arg(&kk)
+            .arg(&ld);
         let cfg = Self::by_group_config(n * k / ACT_GROUP);
-        // SAFETY: matches quant_rows_f8: x16 holds n*k halves (checked), q n*k bytes, scales
-        // n*k/128 floats; k is whole groups, so each warp's loads stay in its row.
+        // SAFETY: matches quant_rows_f8: x16 holds n*k halves (checked), q ld*k bytes, scales
+        // ld*k/128 floats (ld >= n); k is whole groups, so each warp's loads stay in its row.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(x)
     }
@@ -390,19 +445,20 @@ impl CudaBackend {
         }
         width_of("rms_norm", x, w)?;
         let mut out = self.alloc_fp8_rows(n, k)?;
-        let (nn, kk) = (n as i32, k as i32);
+        let (ld, kk) = (out.ld as i32, k as i32);
         let name = "rms_norm_f8";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(&*x.buf)
             .arg(&*w.buf)
             .arg(&mut out.q)
             .arg(&mut out.scales)
-            .arg(&nn)
+            .arg(&ld)
             .arg(&kk)
             .arg(&eps);
-        // SAFETY: matches rms_norm_f8 (one ROW_THREADS block a row, as rms_norm_f16): x holds
-        // n*k floats and w k (checked), q n*k bytes and scales n*k/128; k is whole groups and
-        // at most NORM_VEC float4s a thread, which the kernel requires.
+        // SAFETY: matches rms_norm_f8 (one ROW_THREADS block a row, as rms_norm_f16, n of
+        // them): x holds n*k floats and w k (checked), q ld*k bytes and scales ld*k/128 (ld >=
+        // n); k is whole groups and at most NORM_VEC float4s a thread, which the kernel
+        // requires.
         self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
         Ok(Some(out))
     }
@@ -424,7 +480,7 @@ impl CudaBackend {
             ));
         }
         let mut out = self.alloc_fp8_rows(n, m)?;
-        let (mm, nn) = (m as i32, n as i32);
+        let (mm, nn, ld) = (m as i32, n as i32, out.ld as i32);
         let name = "silu_mul_halves_f8";
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
         l.arg(y16)
@@ -432,10 +488,12 @@ impl CudaBackend {
             .arg(&mut out.scales)
             .arg(&mm)
             .arg(&nn)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&ld);
         let cfg = Self::by_group_config(n * m / ACT_GROUP);
-        // SAFETY: matches silu_mul_halves_f8: y16 holds n*2m halves (checked), q n*m bytes,
-        // scales n*m/128 floats; m is whole groups, so each warp's loads stay in its row.
+        // SAFETY: matches silu_mul_halves_f8: y16 holds n*2m halves (checked), q ld*m bytes,
+        // scales ld*m/128 floats (ld >= n); m is whole groups, so each warp's loads stay in its
+        // row.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
         Ok(out)
     }
