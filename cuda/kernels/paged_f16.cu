@@ -882,30 +882,33 @@ __device__ void paged_decode_mma(const float* __restrict__ q, const typename C::
 #else
 #define PD_MINB_D128_G4 4
 #endif
-// paged_decode_f8_d{D}_g{GP}: the same over an FP8 cache, with its keys' and values' scales.
-#define PD_KERNEL(D, GP, MINB)                                                                    \
+// FN##_d{D}_g{GP} over an f16 cache and FN##_f8_d{D}_g{GP} over an FP8 one (with its keys' and
+// values' scales), MINB and MINB_F8 blocks an SM, for FN = paged_decode (PD_KERNEL, the same
+// bound for both) and paged_decode_mma (PD_MMA_KERNEL, below).
+#define PD_KERNELS(FN, D, GP, MINB, MINB_F8)                                                      \
     extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
-        paged_decode_d##D##_g##GP(                                                                \
+        FN##_d##D##_g##GP(                                                                        \
             const float* __restrict__ q, const __half* __restrict__ kc,                           \
             const __half* __restrict__ vc, const unsigned* __restrict__ seqs,                     \
             const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
             float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
             int hq, int hkv, int block_size, float scale) {                                       \
         grid_launch_dependents(); /* the o projection's GEMV may stage its weights meanwhile */   \
-        paged_decode<D, GP, F16Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq,    \
-                                      hkv, block_size, scale, 1.0f, 1.0f);                        \
+        FN<D, GP, F16Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, hkv,         \
+                            block_size, scale, 1.0f, 1.0f);                                       \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
-        paged_decode_f8_d##D##_g##GP(                                                             \
+    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB_F8)                        \
+        FN##_f8_d##D##_g##GP(                                                                     \
             const float* __restrict__ q, const unsigned char* __restrict__ kc,                    \
             const unsigned char* __restrict__ vc, const unsigned* __restrict__ seqs,              \
             const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
             float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
             int hq, int hkv, int block_size, float scale, float k_scale, float v_scale) {         \
         grid_launch_dependents();                                                                 \
-        paged_decode<D, GP, F8Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq,     \
-                                     hkv, block_size, scale, k_scale, v_scale);                   \
+        FN<D, GP, F8Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, hkv,          \
+                           block_size, scale, k_scale, v_scale);                                  \
     }
+#define PD_KERNEL(D, GP, MINB) PD_KERNELS(paged_decode, D, GP, MINB, MINB)
 
 PD_KERNEL(32, 1, 4)
 PD_KERNEL(32, 2, 4)
@@ -928,29 +931,7 @@ PD_KERNEL(256, 4, 2)
 // blocks an SM. At d 128 the f16 kernel needs more than 3 blocks' registers (170: it spilled),
 // the FP8 one (its loads half the bytes) fits; 2 blocks of 4 warps still keep 64 KiB of loads in
 // flight an SM.
-#define PD_MMA_KERNEL(D, GP, MINB, MINB_F8)                                                       \
-    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB)                           \
-        paged_decode_mma_d##D##_g##GP(                                                            \
-            const float* __restrict__ q, const __half* __restrict__ kc,                           \
-            const __half* __restrict__ vc, const unsigned* __restrict__ seqs,                     \
-            const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
-            float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
-            int hq, int hkv, int block_size, float scale) {                                       \
-        grid_launch_dependents();                                                                 \
-        paged_decode_mma<D, GP, F16Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out,    \
-                                          hq, hkv, block_size, scale, 1.0f, 1.0f);                \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(PD_WARPS * WARP, MINB_F8)                        \
-        paged_decode_mma_f8_d##D##_g##GP(                                                         \
-            const float* __restrict__ q, const unsigned char* __restrict__ kc,                    \
-            const unsigned char* __restrict__ vc, const unsigned* __restrict__ seqs,              \
-            const unsigned* __restrict__ blocks, float* __restrict__ part_o,                      \
-            float* __restrict__ part_ml, unsigned* __restrict__ done, float* __restrict__ out,    \
-            int hq, int hkv, int block_size, float scale, float k_scale, float v_scale) {         \
-        grid_launch_dependents();                                                                 \
-        paged_decode_mma<D, GP, F8Cache>(q, kc, vc, seqs, blocks, part_o, part_ml, done, out, hq, \
-                                         hkv, block_size, scale, k_scale, v_scale);               \
-    }
+#define PD_MMA_KERNEL(D, GP, MINB, MINB_F8) PD_KERNELS(paged_decode_mma, D, GP, MINB, MINB_F8)
 
 PD_MMA_KERNEL(32, 2, 4, 4)
 PD_MMA_KERNEL(32, 4, 4, 4)

@@ -473,10 +473,6 @@ fn opt_in_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
     })
 }
 
-/// The normed GEMVs (f16 and integer), and every streamed one, stage their input rows in shared memory: lets
-/// them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past the
-/// default 48), less what they declare statically. Returns the bytes they may use: that, or
-/// the default's share where the GPU refused.
 /// Blocks an SM holds of each decode attention kernel (of DECODE_WARPS warps, static shared
 /// memory only).
 fn decode_occupancy(
@@ -497,6 +493,10 @@ fn decode_occupancy(
         .collect()
 }
 
+/// The normed GEMVs (f16 and integer), and every streamed one, stage their input rows in shared memory: lets
+/// them have what the GPU gives one block (4 rows of 4,096 floats need 64 KB, past the
+/// default 48), less what they declare statically. Returns the bytes they may use: that, or
+/// the default's share where the GPU refused.
 fn opt_in_gemv(ctx: &CudaContext, kernels: &HashMap<&'static str, CudaFunction>) -> Result<usize> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
     use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;

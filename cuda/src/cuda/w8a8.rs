@@ -84,7 +84,7 @@ pub fn with_fp8_gemm<T>(mode: Fp8Gemm, f: impl FnOnce() -> T) -> T {
 const QUANT_THREADS: u32 = 256;
 
 /// Activations as the W8A8 GEMM reads them: `n` rows of `k` e4m3 bytes (row-major) and a scale
-/// per row and group of [`ACT_GROUP`] columns, group-major (`scales[g * n + r]`, cuBLASLt's
+/// per row and group of [`ACT_GROUP`] columns, group-major (`scales[g * ld + r]`, cuBLASLt's
 /// VEC128_32F layout).
 pub(super) struct Fp8Rows {
     /// `ld` rows of `k` bytes, the first `n` written.
@@ -98,7 +98,7 @@ pub(super) struct Fp8Rows {
 }
 
 /// The W8A8 GEMM runs on a multiple of this many rows: cuBLASLt has no block-scaled FP8
-/// algorithm for other counts (on an H200, cuBLAS 12.9: 100 and 640 rows ran W8A8, 639 found
+/// algorithm for other counts (on an H200 with CUDA 13: 100 and 640 rows ran W8A8, 639 found
 /// none and took the weight-only path at 1.65x the time of 640 for the MLP; 100 suggests
 /// 16-byte rows of scales, 4 floats; 16 is a margin). The rows past `n` are padding, their
 /// products thrown away: a step of any size runs W8A8, so a request's numbers do not depend
