@@ -91,14 +91,7 @@ thread_local! {
 /// the GPU's SM count would pick. Launches are queued on the calling thread, so no other
 /// thread's GEMMs change.
 pub fn with_int_gemm_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<usize>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            FORCED_ROWS.set(self.0);
-        }
-    }
-    let _restore = Restore(FORCED_ROWS.replace(rows));
-    f()
+    super::launch::with_forced(&FORCED_ROWS, rows, f)
 }
 
 /// Floats of one block's partial sums under split k (context.rs holds one per SM): x's rows

@@ -328,14 +328,7 @@ impl DecodeAttention {
 /// Runs `f` with this thread's decode attention on `kernel`: how the twin cases check both
 /// kernels on one GPU.
 pub fn with_decode_attention<T>(kernel: DecodeAttention, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<DecodeAttention>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            FORCED_DECODE.set(self.0);
-        }
-    }
-    let _restore = Restore(FORCED_DECODE.replace(Some(kernel)));
-    f()
+    super::launch::with_forced(&FORCED_DECODE, Some(kernel), f)
 }
 
 /// The paged split-K decode kernel for head dim `d` and `group` query heads per KV head, over

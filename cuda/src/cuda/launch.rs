@@ -253,3 +253,53 @@ pub(super) fn width_of(op: &'static str, x: &CudaTensor, w: &CudaTensor) -> Resu
 pub(super) fn arg<T>(v: &T) -> *mut std::ffi::c_void {
     v as *const T as *mut std::ffi::c_void
 }
+
+/// Runs `f` with this thread's `cell` set to `value`, then back to what it held, even if `f`
+/// panics: how `with_fp8_gemm`, `with_int_gemm_rows` and `with_decode_attention` force a
+/// choice on one thread's launches (queued on the calling thread, so no other thread's change).
+pub(super) fn with_forced<V: Copy + 'static, T>(
+    cell: &'static std::thread::LocalKey<std::cell::Cell<Option<V>>>,
+    value: Option<V>,
+    f: impl FnOnce() -> T,
+) -> T {
+    struct Restore<V: Copy + 'static> {
+        cell: &'static std::thread::LocalKey<std::cell::Cell<Option<V>>>,
+        before: Option<V>,
+    }
+    impl<V: Copy + 'static> Drop for Restore<V> {
+        fn drop(&mut self) {
+            self.cell.set(self.before);
+        }
+    }
+    let _restore = Restore {
+        cell,
+        before: cell.replace(value),
+    };
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_forced;
+    use std::cell::Cell;
+
+    thread_local! {
+        static FORCED: Cell<Option<u8>> = const { Cell::new(None) };
+    }
+
+    /// Nested settings see the innermost; each is undone on the way out, a panic too.
+    #[test]
+    fn a_forced_value_holds_inside_and_is_undone_after() {
+        with_forced(&FORCED, Some(1), || {
+            assert_eq!(FORCED.get(), Some(1));
+            with_forced(&FORCED, Some(2), || assert_eq!(FORCED.get(), Some(2)));
+            assert_eq!(FORCED.get(), Some(1));
+            let panicked = std::panic::catch_unwind(|| {
+                with_forced(&FORCED, None, || panic!("inside"));
+            });
+            assert!(panicked.is_err());
+            assert_eq!(FORCED.get(), Some(1));
+        });
+        assert_eq!(FORCED.get(), None);
+    }
+}

@@ -69,14 +69,7 @@ thread_local! {
 /// cases check the weight-only GEMMs (which the CPU computes) and the W8A8 one each on one
 /// GPU. Launches are queued on the calling thread, so no other thread's GEMMs change.
 pub fn with_fp8_gemm<T>(mode: Fp8Gemm, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<Fp8Gemm>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            FORCED.set(self.0);
-        }
-    }
-    let _restore = Restore(FORCED.replace(Some(mode)));
-    f()
+    super::launch::with_forced(&FORCED, Some(mode), f)
 }
 
 /// Threads of a block of the kernels that quantize one group of 128 columns a warp
