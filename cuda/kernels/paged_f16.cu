@@ -358,6 +358,37 @@ __device__ __forceinline__ float half_warp_sum(float v) {
     return v;
 }
 
+// What both decode kernels' blocks know of their share of the keys: sequence s's query row,
+// keys (counting this step's) and block list, and split `split`'s keys [begin, end) of chunks
+// rounded up to PD_MIN_CHUNK. Splits past the keys (the grid is sized for the longest sequence
+// a recorded step may see) only count themselves in; the merge reads the first `active`.
+struct DecodeSplit {
+    const unsigned* __restrict__ blocks;
+    unsigned row, kv_len, off;
+    int begin, end, active, block_size, shift;
+    bool pow2;
+
+    __device__ DecodeSplit(const unsigned* __restrict__ seqs, const unsigned* __restrict__ blocks,
+                           int s, int split, int splits, int block_size)
+        : blocks(blocks), row(seqs[4 * s]), kv_len(seqs[4 * s + 2]), off(seqs[4 * s + 3]),
+          block_size(block_size) {
+        int chunk = ((int)kv_len + splits - 1) / splits;
+        chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
+        begin = split * chunk;
+        end = min((int)kv_len, begin + chunk);
+        active = min(splits, ((int)kv_len + chunk - 1) / chunk);
+        // Block sizes are powers of two in practice: a shift, not a division, per key.
+        pow2 = (block_size & (block_size - 1)) == 0;
+        shift = __ffs(block_size) - 1;
+    }
+
+    // Key j's slot in the cache.
+    __device__ __forceinline__ unsigned slot(int j) const {
+        const int blk = pow2 ? (j >> shift) : j / block_size;
+        return blocks[off + blk] * (unsigned)block_size + (unsigned)(j - blk * block_size);
+    }
+};
+
 // The end of both decode kernels: each warp's softmax over its keys (max in natural log, sum,
 // unnormalized output, per head, in shared memory) merged into the block's, then written out
 // (one split) or as the split's partials, the last block of a (sequence, KV head) to finish
@@ -498,16 +529,9 @@ __device__ void paged_decode(const float* __restrict__ q, const typename C::T* _
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int half = lane / H, hl = lane % H;
     const int G = hq / hkv;
-    const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
-    int chunk = ((int)kv_len + splits - 1) / splits;
-    chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
-    const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
-    // Splits past the keys (the grid is sized for the longest sequence a recorded step may
-    // see) only count themselves in; the merge reads the first `active`.
-    const int active = min(splits, ((int)kv_len + chunk - 1) / chunk);
-    // Block sizes are powers of two in practice: a shift, not a division, per key.
-    const bool pow2 = (block_size & (block_size - 1)) == 0;
-    const int shift = __ffs(block_size) - 1;
+    const DecodeSplit sp(seqs, blocks, s, split, splits, block_size);
+    const unsigned row = sp.row, kv_len = sp.kv_len;
+    const int begin = sp.begin, end = sp.end, active = sp.active;
     // Issues the loads of the keys at j0 .. (this half-warp's KH of them) into kr, vr; keys past
     // the split are zeros (weight 0, and 0 * whatever the registers held could be NaN).
     auto issue = [&](int j0, Raw (&kr)[KH], Raw (&vr)[KH]) {
@@ -515,9 +539,7 @@ __device__ void paged_decode(const float* __restrict__ q, const typename C::T* _
         for (int u = 0; u < KH; ++u) {
             int j = j0 + 2 * u + half;
             if (j < end) {
-                int blk = pow2 ? (j >> shift) : j / block_size;
-                unsigned slot = blocks[off + blk] * (unsigned)block_size + (unsigned)(j - blk * block_size);
-                size_t at = ((size_t)slot * hkv + kvh) * D + hl * E;
+                size_t at = ((size_t)sp.slot(j) * hkv + kvh) * D + hl * E;
                 kr[u].load(kc + at);
                 vr[u].load(vc + at);
             } else {
@@ -714,19 +736,12 @@ __device__ void paged_decode_mma(const float* __restrict__ q, const typename C::
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int gid = lane / 4, tig = lane % 4;
     const int G = hq / hkv;
-    const unsigned row = seqs[4 * s], kv_len = seqs[4 * s + 2], off = seqs[4 * s + 3];
-    int chunk = ((int)kv_len + splits - 1) / splits;
-    chunk = (chunk + PD_MIN_CHUNK - 1) / PD_MIN_CHUNK * PD_MIN_CHUNK;
-    const int begin = split * chunk, end = min((int)kv_len, begin + chunk);
-    const int active = min(splits, ((int)kv_len + chunk - 1) / chunk);
-    const bool pow2 = (block_size & (block_size - 1)) == 0;
-    const int shift = __ffs(block_size) - 1;
+    const DecodeSplit sp(seqs, blocks, s, split, splits, block_size);
+    const unsigned row = sp.row, kv_len = sp.kv_len;
+    const int begin = sp.begin, end = sp.end, active = sp.active;
     // Key j's row in the cache (its KV head's), or null past the split.
     auto key_row = [&](const typename C::T* __restrict__ cache, int j) -> const typename C::T* {
-        if (j >= end) return nullptr;
-        const int blk = pow2 ? (j >> shift) : j / block_size;
-        const unsigned slot = blocks[off + blk] * (unsigned)block_size + (unsigned)(j - blk * block_size);
-        return cache + ((size_t)slot * hkv + kvh) * D;
+        return j < end ? cache + ((size_t)sp.slot(j) * hkv + kvh) * D : nullptr;
     };
     // Keys rows past the split load as zeros (their weight is 0, and 0 times what the
     // registers held could be NaN).
