@@ -4,6 +4,8 @@
 //! (`tiny-qwen3`: Qwen3ForCausalLM, `tiny-qwen2`: Qwen2ForCausalLM, `tiny-qwen3-outliers`:
 //! Qwen3ForCausalLM with planted massive activations), whose cases have no images.
 
+mod common;
+
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
@@ -322,9 +324,7 @@ fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
             largest = hf.iter().fold(largest, |m, v| m.max(v.abs()));
             // Greedy tokens must be HF's, except where HF's top two are closer than the
             // tolerance allows us to tell apart; after such a step the sequences may diverge.
-            let mut sorted = hf.to_vec();
-            sorted.sort_by(|a, b| b.total_cmp(a));
-            if sorted[0] - sorted[1] <= 2.0 * tol {
+            if common::top_two_gap(hf) <= 2.0 * tol {
                 eprintln!(
                     "{name}: step {step} is a near tie in HF's logits; tokens compared up to here"
                 );
@@ -359,11 +359,7 @@ fn check_engine<B: vlm_compute::Backend>(dir: &Path, backend: B, tol: f32) {
         // compared up to the first such step of the first run.
         let settled = logits
             .iter()
-            .position(|l| {
-                let mut sorted = l.clone();
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                sorted[0] - sorted[1] <= 2.0 * tol
-            })
+            .position(|l| common::top_two_gap(l) <= 2.0 * tol)
             .unwrap_or(logits.len());
         assert_eq!(
             on_device.tokens[..settled.min(on_device.tokens.len())],

@@ -81,3 +81,19 @@ pub fn together(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<u32>> {
         .map(|(tokens, _)| tokens)
         .collect()
 }
+
+/// The gap between the two largest logits (0 where the largest appears twice): how near a
+/// greedy pick is to a tie, the point past which two computations that differ only in
+/// rounding may pick differently.
+pub fn top_two_gap(logits: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v.total_cmp(&first).is_gt() {
+            second = first;
+            first = v;
+        } else if v.total_cmp(&second).is_gt() {
+            second = v;
+        }
+    }
+    first - second
+}
