@@ -270,22 +270,32 @@ pub(super) const DECODE_MMA_F8_KERNELS: [&str; 9] = [
     "paged_decode_mma_f8_d128_g8",
 ];
 
+/// What a decode block costs besides its keys, as a share of one sequence's keys: its start
+/// (the sequence's row, the block table, then the first keys: round trips to memory before any
+/// math) and its end (the merge of its warps, and of the splits). A share, not a count of keys,
+/// because a recorded step's splits are chosen once for any length it replays (its `max_keys`
+/// is the longest context) while each block's keys are its sequence's divided by the splits.
+/// An eighth, about 64 keys at 512: at 512 keys, 128 sequences and 3 blocks an SM, 1% chose 5
+/// splits (3 waves' blocks in 13 waves of a fifth of the keys) where the kernel had run one
+/// split 13% faster at 2 blocks an SM (f16 cache, H200, 2026-11-28).
+const DECODE_BLOCK_SHARE: f64 = 0.125;
+
 /// How many splits decode attention cuts each (sequence, KV head)'s keys into, for `pairs` of
 /// them, `slots` blocks the GPU runs at once (SMs times the kernel's blocks an SM) and at most
 /// `max_keys` keys: no split shorter than DECODE_MIN_CHUNK keys, at most DECODE_MAX_SPLITS,
-/// and otherwise the count that finishes soonest, each block taking 1 / splits of the keys and
-/// the launch ceil(pairs splits / slots) waves of blocks, 1% added per split for its partial
-/// sums and merge. At batch 1 that spreads a long context over the whole GPU (attention at
-/// 4096 keys is latency, not bandwidth: short splits, few round trips each); at 64 sequences
-/// of 8 KV heads, 512 blocks in 396 slots took two waves for 1.3 waves of work (FP8 cache,
-/// 3 blocks an SM: 3 splits, 4 waves, are 1.33); at 128 sequences, one split.
+/// and otherwise the count that finishes soonest: ceil(pairs splits / slots) waves of blocks,
+/// each taking 1 / splits of the keys plus DECODE_BLOCK_SHARE. At batch 1 that spreads a long
+/// context over the whole GPU (attention at 4096 keys is latency, not bandwidth: short splits,
+/// few round trips each); at 64 sequences of 8 KV heads, 512 blocks in 396 slots would take
+/// two waves for 1.3 waves of work (3 blocks an SM: 3 splits, 4 waves of a third of the keys);
+/// at 128 sequences, one split.
 pub(super) fn decode_splits(pairs: usize, slots: usize, max_keys: usize) -> usize {
     let most = max_keys
         .div_ceil(DECODE_MIN_CHUNK)
         .clamp(1, DECODE_MAX_SPLITS);
     let cost = |splits: usize| {
         let waves = (pairs * splits).div_ceil(slots.max(1));
-        waves as f64 / splits as f64 * (1.0 + 0.01 * splits as f64)
+        waves as f64 * (1.0 / splits as f64 + DECODE_BLOCK_SHARE)
     };
     (1..=most)
         .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
@@ -1090,15 +1100,14 @@ mod tests {
         );
     }
 
-    /// Decode's splits: the per-lane kernel's choices before this rule (at batch 1 as many as
-    /// 4 blocks an SM allow, 64 sequences one split) where whole waves allow them, and fewer
-    /// waves' worth of imbalance where they do not.
+    /// Decode's splits: at batch 1 as many as fill one wave, at 64 sequences one split where
+    /// whole waves allow it and fewer waves' worth of imbalance where they do not, at 128 one.
     #[test]
     fn decode_splits_fill_the_gpu_in_whole_waves() {
         // An H200's 132 SMs; 8 KV heads (the 8B model).
         let (h200, heads) = (132, 8);
-        // Batch 1 at 4096 keys: 4 blocks an SM, the 64 splits the old rule took; 2 blocks an
-        // SM (the f16 tensor-core kernel), one wave of 33 instead of two of 64.
+        // Batch 1 at 4096 keys: 4 blocks an SM, 64 splits; 2 blocks an SM, one wave of 33
+        // instead of two of 64.
         assert_eq!(decode_splits(heads, 4 * h200, 4096), 64);
         assert_eq!(decode_splits(heads, 2 * h200, 4096), 33);
         // Batch 1 at 512 keys: no split under 32 keys.
@@ -1108,8 +1117,14 @@ mod tests {
         assert_eq!(decode_splits(64 * heads, 4 * h200, 4096), 1);
         assert_eq!(decode_splits(64 * heads, 2 * h200, 4096), 1);
         assert_eq!(decode_splits(64 * heads, 3 * h200, 4096), 3);
-        // Batch 128 at 512 keys: one split; a single key: one.
-        assert_eq!(decode_splits(128 * heads, 2 * h200, 512), 1);
+        // Batch 128: one split at 2, 3 or 4 blocks an SM (at 3, 3 waves of all the keys, not 13
+        // of a fifth), whatever the longest context a recorded step allows.
+        for per_sm in 2..=4 {
+            for max_keys in [512, 4096, 262_144] {
+                assert_eq!(decode_splits(128 * heads, per_sm * h200, max_keys), 1);
+            }
+        }
+        // A single key: one.
         assert_eq!(decode_splits(heads, 4 * h200, 1), 1);
     }
 
