@@ -35,6 +35,7 @@ pub mod handoff;
 pub mod kv;
 pub mod nn;
 pub mod npy;
+pub mod owner_thread;
 pub mod patches;
 pub mod quant;
 pub mod random;

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use tracing::Span;
+use vlm_compute::owner_thread::OwnerThread;
 use vlm_compute::{Backend, KvCacheDtype, Weights};
 
 use crate::grammar::{Grammar, Grammars};
@@ -102,11 +103,16 @@ pub struct CheckedRequest {
     grammar: Option<Grammar>,
 }
 
-/// A handle on the engine loop: cheap to clone, safe to use from any thread.
+/// A handle on the engine loop: cheap to clone, safe to use from any thread. The loop ends
+/// when the last clone drops, and that drop waits for it to free the model, the cache and the
+/// recorded steps ([`OwnerThread`]).
 #[derive(Clone)]
 pub struct Engine {
     tx: Sender<Sequence>,
     shared: Arc<Shared>,
+    /// After `tx`: fields drop in order, so the last clone's channel is closed before its
+    /// drop waits for the loop.
+    _thread: Arc<OwnerThread>,
 }
 
 impl Engine {
@@ -207,28 +213,30 @@ impl Engine {
         });
         let text = text.clone();
         let loop_shared = shared.clone();
-        std::thread::Builder::new()
-            .name("llm-engine".into())
-            .spawn(move || {
-                // Built here: recorded steps (CUDA graphs) stay on the thread that made them.
-                let steps = StepRunner::new(&text, bs, max_context, cfg.max_batch_seqs);
-                EngineLoop {
-                    model,
-                    kv,
-                    pool,
-                    sched,
-                    steps,
-                    shared: loop_shared,
-                    reported: Reported::default(),
-                    kv_events: kv_events.map(|publisher| KvEventsOut {
-                        publisher,
-                        pending: PendingEvents::default(),
-                    }),
-                }
-                .run(rx)
-            })
-            .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
-        Ok(Self { tx, shared })
+        let thread = OwnerThread::spawn("llm-engine", move || {
+            // Built here: recorded steps (CUDA graphs) stay on the thread that made them.
+            let steps = StepRunner::new(&text, bs, max_context, cfg.max_batch_seqs);
+            EngineLoop {
+                model,
+                kv,
+                pool,
+                sched,
+                steps,
+                shared: loop_shared,
+                reported: Reported::default(),
+                kv_events: kv_events.map(|publisher| KvEventsOut {
+                    publisher,
+                    pending: PendingEvents::default(),
+                }),
+            }
+            .run(rx)
+        })
+        .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            tx,
+            shared,
+            _thread: Arc::new(thread),
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tracing::{info_span, Span};
+use vlm_compute::owner_thread::OwnerThread;
 use vlm_compute::Backend;
 
 use crate::metrics::VisionMetrics;
@@ -43,9 +44,12 @@ struct Caller {
     _permit: OwnedSemaphorePermit,
 }
 
-/// A handle on the encoder loop; the loop ends when the handle is dropped.
+/// A handle on the encoder loop; the loop ends when the handle is dropped, and the drop waits
+/// for it to let go of the encoder ([`OwnerThread`]).
 pub struct Batcher {
     queue: Sender<QueuedImage>,
+    /// After `queue`: fields drop in order, so the channel is closed before the drop waits.
+    _thread: OwnerThread,
 }
 
 impl Batcher {
@@ -57,10 +61,13 @@ impl Batcher {
         metrics: VisionMetrics,
     ) -> std::io::Result<Self> {
         let (queue, waiting) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("vision-encoder".into())
-            .spawn(move || run(&encoder, waiting, max_batch_patches.max(1), &metrics))?;
-        Ok(Self { queue })
+        let thread = OwnerThread::spawn("vision-encoder", move || {
+            run(&encoder, waiting, max_batch_patches.max(1), &metrics)
+        })?;
+        Ok(Self {
+            queue,
+            _thread: thread,
+        })
     }
 
     /// Queues `patches` for the next pass and waits for its output. `span` is the request's;
