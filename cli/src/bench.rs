@@ -452,15 +452,17 @@ struct Bench<'a, B: Backend> {
 impl<B: Backend + Clone> Bench<'_, B> {
     /// The text decoder's parameters (a prefill token's FLOPs are twice these).
     fn params(&self) -> f64 {
-        text_params(&self.pipeline.engine.config().text) as f64
+        text_params(self.pipeline.engine.config()) as f64
     }
 
     /// Bytes a decoded token reads of the weights, as stored: the decoder layers' matrices
     /// at `int_bits` with an f16 scale and zero per 128 (`--quantize`'s group, and the usual
-    /// one of checkpoints), the rest (`lm_head`, norms) in the backend's format.
+    /// one of checkpoints), the rest (`lm_head`, norms, one embedding row: [`decode_params`])
+    /// in the backend's format.
     fn weight_bytes(&self) -> f64 {
-        let c = &self.pipeline.engine.config().text;
-        let all = text_params(c) as f64;
+        let cfg = self.pipeline.engine.config();
+        let c = &cfg.text;
+        let all = decode_params(cfg) as f64;
         let Some(bits) = self.int_bits else {
             return all * B::WEIGHT_BYTES as f64;
         };
@@ -1366,12 +1368,29 @@ fn to_grpc(request: &ChatRequest) -> vlm_proto::pb::ChatRequest {
     }
 }
 
-/// Parameters of the text decoder (what decoding reads per token), lm_head included.
-pub fn text_params(c: &llm_svc::TextConfig) -> usize {
+/// Parameters of the text decoder: its layers, the embedding table and `lm_head` (one table
+/// where they are tied), the final norm.
+pub fn text_params(cfg: &llm_svc::ModelConfig) -> usize {
+    let c = &cfg.text;
     let d = c.head_dim;
+    let tables = if cfg.tie_word_embeddings { 1 } else { 2 };
     c.num_hidden_layers * (decoder_layer_matrix_params(c) + 2 * d + 2 * c.hidden_size)
-        + 2 * c.vocab_size * c.hidden_size
+        + tables * c.vocab_size * c.hidden_size
         + c.hidden_size
+}
+
+/// Parameters a decoded token reads: all of [`text_params`] but the embedding table, of which
+/// it reads one row (a tied `lm_head` is the table, read whole). Until 2026-11-28 the bench
+/// counted the table too (1.24 GB a token at 8B shapes), which put batch-1 decode's share of
+/// the copy bandwidth 8% (f16) to 25% (W4) above what the GPU did.
+pub fn decode_params(cfg: &llm_svc::ModelConfig) -> usize {
+    let c = &cfg.text;
+    let unread = if cfg.tie_word_embeddings {
+        0
+    } else {
+        c.vocab_size * c.hidden_size
+    };
+    text_params(cfg) - unread + c.hidden_size
 }
 
 /// Multiply-adds x 2 of the ViT and its mergers for `n` patches.
@@ -1535,6 +1554,27 @@ fn greedy_request(prompt: Vec<u32>, max_new_tokens: usize) -> GenerateRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A decoded token of the 8B model reads its layers and `lm_head`, not its embedding table
+    /// (151,936 x 4,096): 7.6 billion parameters of 8.2; a tied head is read once, whole.
+    #[test]
+    fn a_decoded_token_reads_every_weight_but_the_embedding_table() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/models/qwen3-vl-8b");
+        let mut cfg = llm_svc::ModelConfig::from_dir(&dir).unwrap();
+        let (table, hidden) = (
+            cfg.text.vocab_size * cfg.text.hidden_size,
+            cfg.text.hidden_size,
+        );
+        assert_eq!(table, 151_936 * 4_096);
+        assert_eq!(decode_params(&cfg), text_params(&cfg) - table + hidden);
+        let billions = decode_params(&cfg) as f64 / 1e9;
+        assert!((7.5..7.7).contains(&billions), "{billions} billion");
+        let untied = text_params(&cfg);
+        cfg.tie_word_embeddings = true;
+        assert_eq!(text_params(&cfg), untied - table);
+        assert_eq!(decode_params(&cfg), text_params(&cfg) + hidden);
+    }
 
     #[test]
     fn memory_rows_carry_their_bytes_and_rates_their_rate() {
