@@ -75,3 +75,15 @@ __device__ __forceinline__ __half2 f8_pair(unsigned t) {
     const unsigned h = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
     return *reinterpret_cast<const __half2*>(&h);
 }
+
+// f32 pairs as the f16 pair nearest them (hi) and the f16 pair nearest what that leaves (lo;
+// together they carry 22 of the 24 bits): how an f32 operand enters an f16 mma.sync and stays
+// near f32, the integer GEMVs' x (weights_f16.cu) and decode attention's q and softmax weights
+// (paged_f16.cu).
+__device__ __forceinline__ void split_halves(float a, float b, unsigned& hi, unsigned& lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 back = __half22float2(h);
+    const __half2 l = __floats2half2_rn(a - back.x, b - back.y);
+    hi = *reinterpret_cast<const unsigned*>(&h);
+    lo = *reinterpret_cast<const unsigned*>(&l);
+}

@@ -682,17 +682,6 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
     return y;
 }
 
-// f32 pairs as the f16 pair nearest them (lo) and the f16 pair nearest what that leaves (hi
-// and lo together carry 22 of the 24 bits): the tensor cores multiply f16, and the decode
-// kernel's scores and weights are to stay as close to f32 as the per-lane kernel's.
-__device__ __forceinline__ void split_halves(float a, float b, unsigned& hi, unsigned& lo) {
-    const __half2 h = __floats2half2_rn(a, b);
-    const float2 back = __half22float2(h);
-    const __half2 l = __floats2half2_rn(a - back.x, b - back.y);
-    hi = *reinterpret_cast<const unsigned*>(&h);
-    lo = *reinterpret_cast<const unsigned*>(&l);
-}
-
 // Decode attention on the tensor cores (mma.sync m16n8k16, f16 operands, f32 sums): the
 // per-lane kernel above issued ~170 instructions a key at 4 heads a KV head (the dot products
 // and weighted sums as scalar FMAs, shuffle trees), which at batch 64 and 4096 keys made the

@@ -923,14 +923,6 @@ __device__ __forceinline__ int im_unit(int n, int k, int ch, int j) {
     return n * (k / 4) + ch * U + (j ^ key);
 }
 
-__device__ __forceinline__ void im_split(float a, float b, unsigned& hi, unsigned& lo) {
-    const __half2 h = __floats2half2_rn(a, b);
-    const float2 f = __half22float2(h);
-    const __half2 l = __floats2half2_rn(a - f.x, b - f.y);
-    hi = *reinterpret_cast<const unsigned*>(&h);
-    lo = *reinterpret_cast<const unsigned*>(&l);
-}
-
 // Stages x (with NORM times norm_w) as above into st; scale[r] = 2^e of row r, back[r] what
 // row r's sums are multiplied by at the end (2^-e, with NORM times 1 / rms). Every thread of
 // the block must call it (barriers).
@@ -1006,18 +998,18 @@ __device__ __forceinline__ void im_stage(const float* __restrict__ x,
             const int u0 = im_unit<BITS>(n, k, ch, 2 * wi), u1 = im_unit<BITS>(n, k, ch, 2 * wi + 1);
             const float4 a = st[u0], b = st[u1];
             uint4 hi, lo;
-            im_split(a.x * s, b.x * s, hi.x, lo.x);
-            im_split(a.y * s, b.y * s, hi.y, lo.y);
-            im_split(a.z * s, b.z * s, hi.z, lo.z);
-            im_split(a.w * s, b.w * s, hi.w, lo.w);
+            split_halves(a.x * s, b.x * s, hi.x, lo.x);
+            split_halves(a.y * s, b.y * s, hi.y, lo.y);
+            split_halves(a.z * s, b.z * s, hi.z, lo.z);
+            split_halves(a.w * s, b.w * s, hi.w, lo.w);
             st[u0] = *reinterpret_cast<const float4*>(&hi);
             st[u1] = *reinterpret_cast<const float4*>(&lo);
         } else {
             const int u = im_unit<BITS>(n, k, ch, wi);
             const float4 a = st[u];
             uint4 v;
-            im_split(a.x * s, a.z * s, v.x, v.z);
-            im_split(a.y * s, a.w * s, v.y, v.w);
+            split_halves(a.x * s, a.z * s, v.x, v.z);
+            split_halves(a.y * s, a.w * s, v.y, v.w);
             st[u] = *reinterpret_cast<const float4*>(&v);
         }
     }
