@@ -18,14 +18,14 @@ use cudarc::driver::{
 use half::f16;
 
 use super::kernels::{
-    decode_kernel, decode_splits, flash_smem_bytes, flash_wgmma_grid, flash_wgmma_partial_floats,
-    flash_wgmma_smem_bytes, pack_rows_smem_bytes, DecodeAttention, COUNTERS, DECODE_WARPS,
-    DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WGMMA_DP,
-    FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
-    FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
-    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS, PAGED_FLASH_F8_KERNELS,
-    PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16, ROPE_PACK_F32,
-    ROW_THREADS,
+    decode_kernel, decode_max_splits, decode_splits, flash_smem_bytes, flash_wgmma_grid,
+    flash_wgmma_partial_floats, flash_wgmma_smem_bytes, pack_rows_smem_bytes, DecodeAttention,
+    COUNTERS, DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES,
+    FLASH_QUERIES, FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D,
+    FLASH_WGMMA_QUERIES, FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
+    FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS,
+    PAGED_FLASH_F8_KERNELS, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16,
+    ROPE_PACK_F32, ROW_THREADS,
 };
 use super::launch::arg;
 use super::lt::{Epilogue, LtOut, LtShape};
@@ -845,7 +845,7 @@ impl CudaBackend {
                 .get(name)
                 .copied()
                 .unwrap_or(1);
-        let splits = decode_splits(nd * hkv, slots, batch.max_keys);
+        let splits = decode_splits(nd * hkv, slots, batch.max_keys).min(decode_max_splits());
         if nd * hkv > COUNTERS {
             return Err(Error::shape(
                 "paged_attention",

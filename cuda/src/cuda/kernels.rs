@@ -302,6 +302,18 @@ pub(super) fn decode_splits(pairs: usize, slots: usize, max_keys: usize) -> usiz
         .unwrap_or(1)
 }
 
+/// The most splits decode attention takes: `VLM_DECODE_SPLITS=n` (at least 1), to time the
+/// split counts [`decode_splits`] did not choose; unset, no cap.
+pub(super) fn decode_max_splits() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("VLM_DECODE_SPLITS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(usize::MAX, |n: usize| n.max(1))
+    })
+}
+
 /// Which kernel decode attention takes where both are compiled: `VLM_DECODE_ATTENTION` at
 /// start, [`with_decode_attention`] for one thread's launches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
