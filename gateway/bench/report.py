@@ -168,20 +168,59 @@ QUANT_ROWS = ["decode: batch 1 at context 512", "decode: batch 64 at context 512
               "prefill: 4096 text tokens"]
 
 
-def quant_table(ours, ours_int, llama_f16, llama_quant):
-    """Weight formats side by side: ours in f16 and under --quantize int8/int4, llama.cpp's f16
-    GGUF and its llama-quantize'd Q8_0/Q4_K_M/Q4_0, in tok/s (llama-bench has no batch of 64)."""
-    columns = [("vlm f16", ours)] + [(f"vlm {q}", rs) for q, rs in ours_int]
-    columns += [("llama.cpp f16", llama_f16)] + [(f"llama.cpp {q}", rs) for q, rs in llama_quant]
-    lines = ["| tok/s | " + " | ".join(c for c, _ in columns) + " |",
+def quant_columns(ours, ours_int, llama_f16, llama_quant):
+    """The weight formats' columns, (system, format, rows): ours in f16 and under --quantize
+    int8/int4, llama.cpp's f16 GGUF and its llama-quantize'd Q8_0/Q4_K_M/Q4_0."""
+    return ([("vlm", "f16", ours)] + [("vlm", q, rs) for q, rs in ours_int]
+            + [("llama.cpp", "f16", llama_f16)] + [("llama.cpp", q, rs) for q, rs in llama_quant])
+
+
+def throughput(rows, name):
+    m = [r for r in rows if r["name"] == name]
+    return m[0]["throughput"] if m else None
+
+
+def quant_table(columns):
+    """Weight formats side by side in tok/s (llama-bench has no batch of 64)."""
+    lines = ["| tok/s | " + " | ".join(f"{s} {q}" for s, q, _ in columns) + " |",
              "|---" * (1 + len(columns)) + "|"]
     for name in QUANT_ROWS:
-        cells = []
-        for _, rs in columns:
-            m = [r for r in rs if r["name"] == name]
-            cells.append(f"{m[0]['throughput']:,.0f}" if m else "-")
+        cells = [throughput(rs, name) for _, _, rs in columns]
+        cells = [f"{v:,.0f}" if v else "-" for v in cells]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def bits_of(fmt):
+    """A format's bits a weight, to group the plot's bars: f16 16, int8 and Q8_0 8, the rest 4."""
+    return 16 if fmt == "f16" else 8 if "8" in fmt else 4
+
+
+def plot_formats(plt, columns, path):
+    """Each format's tok/s, ours beside llama.cpp's, grouped by bits a weight: one panel for
+    decode at batch 1 (bytes a token) and one for prefill (the GEMMs)."""
+    names = [n for n in QUANT_ROWS if "batch 64" not in n]
+    fig, axes = plt.subplots(1, len(names), figsize=(11, 3.8))
+    colors = {"vlm": "tab:blue", "llama.cpp": "tab:orange"}
+    for ax, name in zip(axes, names):
+        bars = sorted(((bits_of(q), s != "vlm", s, q, throughput(rs, name))
+                       for s, q, rs in columns if throughput(rs, name)), key=lambda b: b[:2])
+        xs, x, last = [], 0.0, None
+        for bits, *_ in bars:
+            x += 1.0 if last in (None, bits) else 1.6
+            xs.append(x)
+            last = bits
+        ax.bar(xs, [b[4] for b in bars], color=[colors[b[2]] for b in bars])
+        for xi, (_, _, s, q, v) in zip(xs, bars):
+            ax.text(xi, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([q for *_, q, _ in bars], fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("tokens/s")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0].legend(handles, list(colors), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -281,10 +320,11 @@ def main():
     pairs = lambda args: [tuple(x.split("=", 1)) for x in args]
     ours_int = [(q, opt(p)) for q, p in pairs(a.quant) if os.path.exists(p)]
     llama_quant = [(q, llama_rows(p)) for q, p in pairs(a.llama_quant) if os.path.exists(p)]
+    formats = []
     if ours_int or llama_quant:
         llama_f16 = [r for r in rows if r.get("system") == "llama.cpp"]
-        table += ("\n## Weight formats\n\n"
-                  + quant_table(ours, ours_int, llama_f16, llama_quant))
+        formats = quant_columns(ours, ours_int, llama_f16, llama_quant)
+        table += "\n## Weight formats\n\n" + quant_table(formats)
     open(os.path.join(a.out, "table.md"), "w").write(table)
     print(table)
 
@@ -312,6 +352,8 @@ def main():
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, "load.png"), dpi=120)
+    if formats:
+        plot_formats(plt, formats, os.path.join(a.out, "formats.png"))
     if not plot:
         return
     names = sorted({n for n, _, _ in plot}, key=[r["name"] for r in ours].index)
