@@ -31,8 +31,13 @@
 #           the sampled part's rates)                              ~2 min
 #   server  llama-server with as many slots as the largest level, the same text-only sampled
 #           workload over HTTP                                     ~2.5 min
+#   quant   llama-quantize Q8_0 / Q4_0 / Q4_K_M 26 / 24 / 83 s, llama-bench ~5 s each, vlm bench
+#           --quantize int8 and int4 ~0.5 min each (H200, 2026-11-28)     ~2.5 min
 #   report  seconds
-# About 10 minutes on a fresh machine, 5.5 with the build in WORK; each part's log is in OUT_DIR.
+# About 12.5 minutes on a fresh machine (the build took 5.5 min on an H200 beside other work),
+# 8 with the build in WORK; each part's log is in OUT_DIR. Where one command may run 10
+# minutes, run the parts in two commands on the same machine, WORK kept between them (e.g.
+# STEPS="hf llama ours load", then STEPS="sampled json server quant report").
 set -euo pipefail
 vlm=$(realpath "$1")
 out=$(realpath -m "$2")
