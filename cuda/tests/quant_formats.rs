@@ -342,6 +342,91 @@ fn quantize_is_refused_on_a_quantized_checkpoint() {
     assert!(e.contains("quantized already"), "{e}");
 }
 
+/// `--quantize-lm-head` quantizes an lm_head stored bf16 beside a quantized decoder (Qwen's
+/// FP8 layout here; 128 columns, one group) to 8 bits, within half a step of its scale of each
+/// value, and is refused for one the checkpoint stores quantized already.
+#[test]
+fn quantize_lm_head_takes_a_bf16_head_and_refuses_a_quantized_one() {
+    let head: Vec<f32> = (0..2 * 128)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+        .collect();
+    let bf16: Vec<u8> = head
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect();
+    let proj = (
+        "m.proj.weight",
+        Dtype::F8_E4M3,
+        vec![2, 128],
+        vec![0x38u8; 256],
+    );
+    let scale = (
+        "m.proj.weight_scale_inv",
+        Dtype::F32,
+        vec![1, 1],
+        scale_bytes(Dtype::F32, &[1.0]),
+    );
+    let config = fine_grained_config(serde_json::json!({}));
+    let dir = write_checkpoint(
+        "head-bf16",
+        &config,
+        &[
+            proj.clone(),
+            scale.clone(),
+            ("lm_head.weight", Dtype::BF16, vec![2, 128], bf16),
+        ],
+    );
+    let cpu = CpuBackend::new();
+    let weights = Weights::open(&dir).unwrap().quantize_lm_head(true);
+    let got = weights.pp("lm_head").load_matrix(&cpu, 2, 128).unwrap();
+    for (row, want) in got.data().chunks(128).zip(head.chunks(128)) {
+        // Symmetric 8 bits: the largest value over 127 a step.
+        let step = want.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+        let worst = row
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst > 0.0 && worst <= step / 2.0 + 1e-3 * step,
+            "{worst} vs step {step}"
+        );
+    }
+    let quantized_head = write_checkpoint(
+        "head-fp8",
+        &config,
+        &[
+            proj,
+            scale,
+            (
+                "lm_head.weight",
+                Dtype::F8_E4M3,
+                vec![2, 128],
+                vec![0x38u8; 256],
+            ),
+            (
+                "lm_head.weight_scale_inv",
+                Dtype::F32,
+                vec![1, 1],
+                scale_bytes(Dtype::F32, &[1.0]),
+            ),
+        ],
+    );
+    let weights = Weights::open(&quantized_head)
+        .unwrap()
+        .quantize_lm_head(true);
+    let e = weights
+        .pp("lm_head")
+        .load_matrix(&cpu, 2, 128)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("lm_head") && e.contains("quantized already"),
+        "{e}"
+    );
+}
+
 #[test]
 fn configs_of_the_fixtures_parse_as_their_formats() {
     for (name, want) in [

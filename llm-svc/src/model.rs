@@ -194,11 +194,25 @@ impl<B: Backend> TextModel<B> {
             .collect::<Result<Vec<_>>>()?;
         let norm = w.load(be, "norm.weight", &[h])?;
         // Tied checkpoints (the small Qwen3-VL, Qwen3 and Qwen2.5 sizes) store no lm_head.
-        let tied_head = cfg.tie_word_embeddings && !weights.contains("lm_head.weight");
+        let head = weights.pp("lm_head");
+        let stored =
+            head.contains("weight") || weights.quant_config().is_some_and(|q| q.holds(&head));
+        let tied_head = cfg.tie_word_embeddings && !stored;
+        // By the config, as `vlm doctor` tells (a tied checkpoint's head is the table).
+        if cfg.tie_word_embeddings && weights.quantizing_lm_head() {
+            return Err(vlm_compute::Error::Quantized {
+                name: head.name("weight"),
+                problem: "--quantize-lm-head asked of a checkpoint that ties lm_head to its \
+                          embedding table (tie_word_embeddings), which stays f16"
+                    .into(),
+            }
+            .into());
+        }
         let lm_head = if tied_head {
             embed_tokens.clone()
         } else {
-            weights.pp("lm_head").load_weight(be, "weight", &[v, h])?
+            // In whatever format the checkpoint stores it, or 8-bit under --quantize-lm-head.
+            head.load_matrix(be, v, h)?
         };
         Ok(Self {
             backend,

@@ -175,31 +175,9 @@ fn quantize_at_load_stays_near_the_bf16_model() {
         (QuantizeTo::Fp8, 3.0),
     ] {
         let weights = Weights::open(&dir).unwrap().quantize(Some(to)).unwrap();
-        let engine = cpu_engine(&dir, &weights);
-        let (_, prompt) = g.ints("case.chat.prompt_ids").unwrap();
+        let first = first_logits(&dir, &weights, &g);
         let hf = g.tensor("case.chat.logits").unwrap();
-        let vocab = hf.shape()[1];
-        let req = GenerateRequest {
-            prompt: prompt.iter().map(|&t| t as u32).collect(),
-            images: vec![],
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: 1,
-            ignore_eos: true,
-            return_logits: true,
-            constraint: None,
-        };
-        let mut first = Vec::new();
-        engine
-            .generate(&req, |ev| {
-                first = ev.logits.expect("asked for").to_vec();
-                ControlFlow::Break(())
-            })
-            .unwrap();
-        let diff = first
-            .iter()
-            .zip(&hf.data()[..vocab])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let diff = max_diff(&first, &hf.data()[..first.len()]);
         eprintln!("{to}: first step's logits within {diff:.3} of the bf16 model's");
         assert!(diff > 0.0, "{to}: nothing was quantized");
         assert!(diff < bound, "{to}: logits moved by {diff}");
@@ -211,6 +189,87 @@ fn quantize_at_load_stays_near_the_bf16_model() {
         diffs[0],
         diffs[1]
     );
+}
+
+/// The logits of the first token the CPU engine of `weights` generates for the fixture's
+/// text-only `chat` case.
+fn first_logits(dir: &Path, weights: &Weights, g: &Golden) -> Vec<f32> {
+    let engine = cpu_engine(dir, weights);
+    let (_, prompt) = g.ints("case.chat.prompt_ids").unwrap();
+    let req = GenerateRequest {
+        prompt: prompt.iter().map(|&t| t as u32).collect(),
+        images: vec![],
+        sampling: SamplingParams::greedy(),
+        max_new_tokens: 1,
+        ignore_eos: true,
+        return_logits: true,
+        constraint: None,
+    };
+    let mut first = Vec::new();
+    engine
+        .generate(&req, |ev| {
+            first = ev.logits.expect("asked for").to_vec();
+            ControlFlow::Break(())
+        })
+        .unwrap();
+    first
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// `--quantize-lm-head` (lm_head in 8 bits, groups of 128) of the bf16 tiny-qwen3 and of the
+/// AWQ one (a quantized checkpoint whose tool left lm_head bf16): the first step's logits (up
+/// to ~34) stay within 0.5 of the same checkpoint's without it (a wrong scale or zero moves
+/// them by O(30); the decoder's own --quantize int8 moves them by 0.32). Refused, naming
+/// lm_head, where its rows are not whole groups (tiny-qwen3-vl's 64) and where it is the
+/// embedding table (a tied checkpoint).
+#[test]
+fn quantize_lm_head_stays_near_the_checkpoint_or_is_refused() {
+    for name in ["tiny-qwen3", "tiny-qwen3-awq"] {
+        let dir = fixture(name);
+        let g = Golden::open(&dir).unwrap();
+        let plain = first_logits(&dir, &Weights::open(&dir).unwrap(), &g);
+        let head8 = Weights::open(&dir).unwrap().quantize_lm_head(true);
+        let diff = max_diff(&first_logits(&dir, &head8, &g), &plain);
+        eprintln!("{name}: --quantize-lm-head moved the first logits by {diff:.4}");
+        assert!(diff > 0.0, "{name}: lm_head was not quantized");
+        assert!(diff < 0.5, "{name}: logits moved by {diff}");
+    }
+    let refused = |dir: &Path, weights: Weights| {
+        let registry = prometheus::Registry::new();
+        let cfg = EngineConfig::default();
+        match Engine::load(dir, &weights, CpuBackend::new(), cfg, &registry) {
+            Ok(_) => panic!("{}: --quantize-lm-head was not refused", dir.display()),
+            Err(e) => e.to_string(),
+        }
+    };
+    let vl = fixture("tiny-qwen3-vl");
+    let e = refused(&vl, Weights::open(&vl).unwrap().quantize_lm_head(true));
+    assert!(
+        e.contains("lm_head") && e.contains("whole groups of 128"),
+        "{e}"
+    );
+    // tiny-qwen3's config, tied: random weights of it, no lm_head stored.
+    let tied = std::env::temp_dir().join(format!("vlm-tied-head-{}", std::process::id()));
+    std::fs::create_dir_all(&tied).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("tiny-qwen3").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    config["tie_word_embeddings"] = true.into();
+    std::fs::write(tied.join("config.json"), config.to_string()).unwrap();
+    let e = refused(&tied, Weights::random(&tied, 1).quantize_lm_head(true));
+    assert!(
+        e.contains("lm_head") && e.contains("tie_word_embeddings"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&tied).unwrap();
 }
 
 /// The same checks with the CUDA backend, every fixture; skipped without a GPU. On the GPU
