@@ -255,6 +255,21 @@ fn fp8_block_scales(m: &Fp8Matrix) -> Option<Vec<f32>> {
     Some(out)
 }
 
+/// Integer weights of this many rows or more (a vocabulary: `lm_head` under
+/// `--quantize-lm-head`) are never dequantized for the GEMMs of more rows than the integer GEMM
+/// takes: an f16 copy would take the memory the quantization saved (1.24 GB at 8B) and
+/// dequantizing it every step more time than the integer GEMM [`INT_GEMM_MAX_ROWS`] rows of x
+/// at a time. No decoder matrix of the models served has as many rows (the most, the 32B's
+/// gate/up, 51,200).
+pub(super) const CHUNKED_MIN_ROWS: usize = 65_536;
+
+/// Whether `iw` (`shape` `[m, k]`) takes the integer GEMM in chunks of rows of x instead of
+/// the dequantization scratch: [`CHUNKED_MIN_ROWS`] rows or more, in a shape the integer GEMM
+/// takes.
+pub(super) fn chunked_int_gemm(be: &CudaBackend, iw: &IntWeight, shape: &[usize]) -> bool {
+    shape[0] >= CHUNKED_MIN_ROWS && be.int_gemm_takes(iw, INT_GEMM_MAX_ROWS, shape[1])
+}
+
 /// Columns one 16-byte load of the integer GEMVs holds at `bits`.
 fn load_cols(bits: u32) -> usize {
     128 / bits as usize
@@ -411,11 +426,12 @@ impl CudaBackend {
         )
     }
 
-    /// The weight, and the dequantization scratch grown to hold it.
+    /// The weight, and the dequantization scratch grown to hold it (but for a weight whose
+    /// GEMMs take the integer GEMM a chunk of rows at a time: [`chunked_int_gemm`]).
     fn int_weight(&self, shape: Vec<usize>, w: IntWeight) -> Result<CudaWeight> {
         let n = shape[0] * shape[1];
         let mut scratch = self.inner.dequant_scratch.lock().expect("not poisoned");
-        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+        if !chunked_int_gemm(self, &w, &shape) && scratch.as_ref().is_none_or(|s| s.len() < n) {
             *scratch = None;
             *scratch = Some(self.alloc_f16(n)?);
         }
@@ -598,7 +614,17 @@ impl CudaBackend {
             WeightData::F16(b) => Ok(DenseF16::Own(b)),
             WeightData::Int(iw) => {
                 let mut scratch = self.inner.dequant_scratch.lock().expect("not poisoned");
-                let buf = scratch.as_mut().expect("sized at upload");
+                // A weight that took no scratch at upload (chunked_int_gemm) never comes here;
+                // checked, since the dequantization writes all of it.
+                let Some(buf) = scratch
+                    .as_mut()
+                    .filter(|s| s.len() >= w.shape[0] * w.shape[1])
+                else {
+                    return Err(Error::shape(
+                        "dequantizing an integer weight",
+                        format!("{:?}: larger than the dequantization scratch", w.shape),
+                    ));
+                };
                 self.dequantize_into(iw, &w.shape, buf)?;
                 Ok(DenseF16::Scratch(scratch))
             }
@@ -751,10 +777,30 @@ impl CudaBackend {
         accumulate: bool,
         alpha: f32,
     ) -> Result<()> {
-        if x16.len() < n * k || out.len() < n * m || bias.is_some_and(|b| b.len() < m) {
+        self.launch_int_gemm_rows(x16, 0..n, iw, m, k, bias, out, accumulate, alpha)
+    }
+
+    /// [`Self::launch_int_gemm`] of x16's rows `rows` into the same rows of `out` (at most
+    /// INT_GEMM_MAX_ROWS of them).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_int_gemm_rows<O: GemmOut>(
+        &self,
+        x16: &CudaSlice<half::f16>,
+        rows: std::ops::Range<usize>,
+        iw: &IntWeight,
+        m: usize,
+        k: usize,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<O>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> Result<()> {
+        let (r0, n) = (rows.start, rows.len());
+        if x16.len() < rows.end * k || out.len() < rows.end * m || bias.is_some_and(|b| b.len() < m)
+        {
             return Err(Error::shape(
                 "integer GEMM",
-                format!("{n} rows of {k} -> {m} columns"),
+                format!("rows {rows:?} of {k} -> {m} columns"),
             ));
         }
         let bits = iw.format.bits();
@@ -781,7 +827,8 @@ impl CudaBackend {
             accumulate as i32,
         );
         let (mm, kk, ss) = (m as i32, k as i32, splits as i32);
-        let (xp, _x) = x16.device_ptr(stream);
+        let (x0, _x) = x16.device_ptr(stream);
+        let xp = x0 + (r0 * k * std::mem::size_of::<half::f16>()) as u64;
         let (wp, _w) = iw.words.device_ptr(stream);
         let (sp, _s) = iw.sz.device_ptr(stream);
         // No bias: the kernel never reads it; given the scales' address.
@@ -792,7 +839,8 @@ impl CudaBackend {
             }
             None => (sp, None),
         };
-        let (op, _o) = out.device_ptr_mut(stream);
+        let (o0, _o) = out.device_ptr_mut(stream);
+        let op = o0 + (r0 * m * std::mem::size_of::<O>()) as u64;
         let (lp, _l) = self.inner.int_gemm_locks.device_ptr(stream);
         let (pp, _p) = self.inner.int_gemm_partials.device_ptr(stream);
         let mut args = [
@@ -813,8 +861,9 @@ impl CudaBackend {
             arg(&lp),
         ];
         // SAFETY: the arguments are INT_GEMM_KERNEL's, in order, with O the kernel's output
-        // type (the name picks f16 or f32) and the block's threads its shape's; x16 holds n * k
-        // halves, out n * m of O, bias m floats (checked above), the words and scales m rows of
+        // type (the name picks f16 or f32) and the block's threads its shape's; x16 holds
+        // rows.end * k halves and out rows.end * m of O, so n rows from row r0 of each, bias m
+        // floats (checked above), the words and scales m rows of
         // k (upload); k and group are as int_mma_gemm needs (int_gemm_takes), and the shape's
         // shared memory is within what was opted into (int_gemm_grid's `fits`); the locks are
         // at least `blocks` where splits > 1 (int_gemm_grid), all 0 between launches; with
