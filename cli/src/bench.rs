@@ -69,8 +69,8 @@ pub struct BenchOptions {
     pub through_gateway: bool,
     /// Random weights from this seed instead of the checkpoint's.
     pub random_weights: Option<u64>,
-    /// `--quantize`: the text decoder's matrices quantized at load.
-    pub quantize: Option<vlm_compute::quant::QuantizeTo>,
+    /// `--quantize` and `--quantize-lm-head`: matrices quantized at load.
+    pub weights: llm_svc::WeightArgs,
     /// `--kv-cache-dtype`: how the engine's KV cache stores keys and values.
     pub kv_cache_dtype: llm_svc::KvCacheDtype,
 }
@@ -178,7 +178,7 @@ pub fn run<B: Backend + Clone>(
     };
     let backend = open()?;
     let base_memory = backend.memory_in_use();
-    let weights = Weights::open_or_random(dir, opts.random_weights)?.quantize(opts.quantize)?;
+    let weights = opts.weights.open(dir, opts.random_weights)?;
     let shapes = Shapes::new(dir, opts)?;
     let pipeline = Pipeline::with_weights(dir, &weights, backend.clone(), shapes.engine(opts))?;
     // A vocabulary llguidance cannot read has no structured outputs: their rows are left out.
@@ -207,7 +207,8 @@ pub fn run<B: Backend + Clone>(
         pipeline: &pipeline,
         bandwidth: out[0].throughput(),
         flop_rate: out[1].throughput(),
-        int_bits: stored_int_bits(weights.quant_config(), opts.quantize),
+        int_bits: stored_int_bits(weights.quant_config(), opts.weights.quantize),
+        lm_head_int8: weights.quantizing_lm_head(),
     };
     // What serving holds, by kind: the text decoder's weights as stored (their format says
     // the bytes) and the KV cache; then all the device has in use (both models' weights, the
@@ -447,6 +448,8 @@ struct Bench<'a, B: Backend> {
     /// Bits a decoder-layer weight takes where the checkpoint or `--quantize` made them
     /// integers (`None`: the backend's own weight format).
     int_bits: Option<u32>,
+    /// `--quantize-lm-head`: `lm_head` in 8 bits.
+    lm_head_int8: bool,
 }
 
 impl<B: Backend + Clone> Bench<'_, B> {
@@ -457,17 +460,22 @@ impl<B: Backend + Clone> Bench<'_, B> {
 
     /// Bytes a decoded token reads of the weights, as stored: the decoder layers' matrices
     /// at `int_bits` with an f16 scale and zero per 128 (`--quantize`'s group, and the usual
-    /// one of checkpoints), the rest (`lm_head`, norms, one embedding row: [`decode_params`])
-    /// in the backend's format.
+    /// one of checkpoints), `lm_head` likewise at 8 bits under `--quantize-lm-head`, the rest
+    /// (`lm_head` otherwise, norms, one embedding row: [`decode_params`]) in the backend's
+    /// format.
     fn weight_bytes(&self) -> f64 {
         let cfg = self.pipeline.engine.config();
         let c = &cfg.text;
-        let all = decode_params(cfg) as f64;
-        let Some(bits) = self.int_bits else {
-            return all * B::WEIGHT_BYTES as f64;
-        };
         let layers = c.num_hidden_layers * decoder_layer_matrix_params(c);
-        int_bytes(layers, bits) as f64 + (all - layers as f64) * B::WEIGHT_BYTES as f64
+        let head = c.vocab_size * c.hidden_size;
+        let stored = |params: usize, bits: Option<u32>| match bits {
+            Some(b) => int_bytes(params, b),
+            None => params * B::WEIGHT_BYTES,
+        };
+        let rest = decode_params(cfg) - layers - head;
+        (stored(layers, self.int_bits)
+            + stored(head, self.lm_head_int8.then_some(8))
+            + rest * B::WEIGHT_BYTES) as f64
     }
 
     /// Bytes of KV cache one token of context takes.
@@ -1088,11 +1096,14 @@ fn print_op_times<B: Backend>(be: &B, what: &str) -> anyhow::Result<()> {
 /// A row for the device memory in use above `base`, when the backend can tell.
 /// The text decoder's weights (named by their format) and its KV cache, in bytes.
 fn held_rows(engine: &llm_svc::Engine, weights: &Weights) -> Vec<Measurement> {
-    let format = match (weights.quant_config(), weights.quantizing()) {
+    let mut format = match (weights.quant_config(), weights.quantizing()) {
         (Some(q), _) => format!("{}-bit {q}", q.bits()),
         (None, Some(to)) => format!("--quantize {to}"),
         (None, None) => "the backend's format".into(),
     };
+    if weights.quantizing_lm_head() {
+        format += ", --quantize-lm-head";
+    }
     vec![
         Measurement::amount(
             format!("memory: text decoder weights ({format})"),
@@ -1265,7 +1276,7 @@ fn through_gateway<B: Backend + Clone>(
 fn stack_config(dir: &Path, opts: &BenchOptions, hop: Hop) -> StackConfig {
     let mut cfg = StackConfig::loopback(dir.to_path_buf());
     cfg.random_weights = opts.random_weights;
-    cfg.quantize = opts.quantize;
+    cfg.weights = opts.weights;
     cfg.model_name = "bench".into();
     cfg.max_concurrent = 1;
     cfg.vision_max_concurrent = 1;

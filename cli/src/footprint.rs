@@ -15,8 +15,11 @@ pub struct Footprint {
     /// The text decoder's projections, as stored, and what that format is.
     pub decoder_matrices: usize,
     pub decoder_format: String,
-    /// Embedding table and `lm_head` (f16; a tied head once).
+    /// Embedding table and `lm_head` (f16; a tied head once; the table alone under
+    /// `--quantize-lm-head`).
     pub embeddings: usize,
+    /// `lm_head` in 8 bits under `--quantize-lm-head`, else 0.
+    pub lm_head_int8: usize,
     /// The vision tower and its mergers (f16); 0 for a text-only checkpoint.
     pub vision: usize,
     /// The KV cache for `kv_tokens` tokens (f16 keys and values, or FP8 ones: one byte each).
@@ -29,17 +32,23 @@ pub struct Footprint {
 
 impl Footprint {
     pub fn total(&self) -> usize {
-        self.decoder_matrices + self.embeddings + self.vision + self.kv_cache + self.dequant_scratch
+        self.decoder_matrices
+            + self.embeddings
+            + self.lm_head_int8
+            + self.vision
+            + self.kv_cache
+            + self.dequant_scratch
     }
 
-    /// The checkpoint in `dir` (its own format, or `quantize`d at load) with a cache of
-    /// `kv_tokens` stored as `kv_dtype` says.
+    /// The checkpoint in `dir` (its own format, or quantized at load as `weights` says) with a
+    /// cache of `kv_tokens` stored as `kv_dtype` says.
     pub fn of(
         dir: &Path,
-        quantize: Option<QuantizeTo>,
+        weights: llm_svc::WeightArgs,
         kv_tokens: usize,
         kv_dtype: llm_svc::KvCacheDtype,
     ) -> anyhow::Result<Self> {
+        let quantize = weights.quantize;
         let cfg = llm_svc::ModelConfig::from_dir(dir)?;
         let t = &cfg.text;
         let (h, i) = (t.hidden_size, t.intermediate_size);
@@ -66,7 +75,18 @@ impl Footprint {
                 }
                 None => (matrices * 2, "f16".into(), 0),
             };
-        let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
+        if weights.quantize_lm_head && cfg.tie_word_embeddings {
+            anyhow::bail!(
+                "--quantize-lm-head asked of a checkpoint whose lm_head is its embedding table \
+                 (tie_word_embeddings), which stays f16"
+            );
+        }
+        let table = t.vocab_size * h;
+        let (f16_head, lm_head_int8) = match (cfg.tie_word_embeddings, weights.quantize_lm_head) {
+            (true, _) => (0, 0),
+            (false, false) => (table * 2, 0),
+            (false, true) => (0, int_bytes(table, 8)),
+        };
         let vision = match vision_svc::VisionConfig::from_dir(dir) {
             Ok(v) if cfg.vision.is_some() => 2 * vision_params(&v),
             _ => 0,
@@ -74,7 +94,8 @@ impl Footprint {
         Ok(Self {
             decoder_matrices,
             decoder_format,
-            embeddings: heads * t.vocab_size * h * 2,
+            embeddings: table * 2 + f16_head,
+            lm_head_int8,
             vision,
             kv_cache: kv_tokens * llm_svc::PagedKv::<CudaBackend>::bytes_per_token(t, kv_dtype),
             kv_tokens,
@@ -133,12 +154,25 @@ mod tests {
         vlm_compute::golden::fixture(env!("CARGO_MANIFEST_DIR"), name)
     }
 
+    /// The checkpoint as stored.
+    fn as_stored() -> llm_svc::WeightArgs {
+        Default::default()
+    }
+
+    /// `--quantize to`.
+    fn to(to: QuantizeTo) -> llm_svc::WeightArgs {
+        llm_svc::WeightArgs {
+            quantize: Some(to),
+            ..Default::default()
+        }
+    }
+
     /// The estimate's decoder and embeddings equal what the loaded model holds, counted by the
     /// CPU backend (f32, so twice f16's bytes), for the f16 fixture.
     #[test]
     fn the_estimate_matches_the_loaded_model() {
         let dir = fixture("tiny-qwen3");
-        let f = Footprint::of(&dir, None, 1024, Auto).unwrap();
+        let f = Footprint::of(&dir, as_stored(), 1024, Auto).unwrap();
         let engine = llm_svc::Engine::load(
             &dir,
             &vlm_compute::Weights::open(&dir).unwrap(),
@@ -155,7 +189,7 @@ mod tests {
         // 2 layers x 2 KV heads x 32 dims x K and V x f16.
         assert_eq!(f.kv_cache, 1024 * 2 * 2 * 32 * 2 * 2);
         // FP8: one byte an element, the rest the same.
-        let fp8 = Footprint::of(&dir, None, 1024, Fp8).unwrap();
+        let fp8 = Footprint::of(&dir, as_stored(), 1024, Fp8).unwrap();
         assert_eq!(
             fp8,
             Footprint {
@@ -167,27 +201,65 @@ mod tests {
 
     #[test]
     fn four_bits_take_about_a_quarter_and_the_format_comes_from_the_checkpoint() {
-        let f16 = Footprint::of(&fixture("tiny-qwen3"), None, 0, Auto).unwrap();
-        let w4 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int4), 0, Auto).unwrap();
-        let awq = Footprint::of(&fixture("tiny-qwen3-awq"), None, 0, Auto).unwrap();
+        let f16 = Footprint::of(&fixture("tiny-qwen3"), as_stored(), 0, Auto).unwrap();
+        let w4 = Footprint::of(&fixture("tiny-qwen3"), to(QuantizeTo::Int4), 0, Auto).unwrap();
+        let awq = Footprint::of(&fixture("tiny-qwen3-awq"), as_stored(), 0, Auto).unwrap();
         assert_eq!(w4, awq, "AWQ is 4-bit");
         assert_eq!(w4.decoder_format, "4-bit");
         // Half a byte a value and 4 bytes a 128 of them, against f16's 2 bytes: 0.2656.
         let ratio = w4.decoder_matrices as f64 / f16.decoder_matrices as f64;
         assert!((ratio - 0.265625).abs() < 1e-9, "{ratio}");
         assert!(w4.dequant_scratch > 0);
-        let vl = Footprint::of(&fixture("tiny-qwen3-vl"), None, 0, Auto).unwrap();
+        let vl = Footprint::of(&fixture("tiny-qwen3-vl"), as_stored(), 0, Auto).unwrap();
         assert!(vl.vision > 0);
+    }
+
+    /// `--quantize-lm-head`: lm_head at 8 bits with a scale per 128 (the table stays f16 with
+    /// the embeddings), with the decoder as stored; refused for a tied config, as the loader
+    /// refuses it.
+    #[test]
+    fn an_8_bit_lm_head_is_counted_apart_and_refused_when_tied() {
+        let dir = fixture("tiny-qwen3");
+        let head8 = |quantize| llm_svc::WeightArgs {
+            quantize,
+            quantize_lm_head: true,
+        };
+        let f16 = Footprint::of(&dir, as_stored(), 0, Auto).unwrap();
+        let f = Footprint::of(&dir, head8(None), 0, Auto).unwrap();
+        let table = 414 * 128;
+        assert_eq!((f16.embeddings, f16.lm_head_int8), (2 * table * 2, 0));
+        assert_eq!(
+            (f.embeddings, f.lm_head_int8),
+            (table * 2, table + table / 128 * 4)
+        );
+        assert_eq!(f.decoder_matrices, f16.decoder_matrices);
+        let w4 = Footprint::of(&dir, head8(Some(QuantizeTo::Int4)), 0, Auto).unwrap();
+        assert_eq!(
+            (w4.decoder_format.as_str(), w4.lm_head_int8),
+            ("4-bit", f.lm_head_int8)
+        );
+        let tied = std::env::temp_dir().join(format!("vlm-footprint-tied-{}", std::process::id()));
+        std::fs::create_dir_all(&tied).unwrap();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        config["tie_word_embeddings"] = true.into();
+        std::fs::write(tied.join("config.json"), config.to_string()).unwrap();
+        let e = Footprint::of(&tied, head8(None), 0, Auto)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tie_word_embeddings"), "{e}");
+        std::fs::remove_dir_all(&tied).unwrap();
     }
 
     /// FP8 matrices are held as their e4m3 bytes and an f32 scale per row and 128 columns (8-bit
     /// integers' bytes), for an FP8 checkpoint and for --quantize fp8 alike.
     #[test]
     fn fp8_is_counted_as_the_bytes_it_is_held_as() {
-        let w8 = Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Int8), 0, Auto).unwrap();
+        let w8 = Footprint::of(&fixture("tiny-qwen3"), to(QuantizeTo::Int8), 0, Auto).unwrap();
         for f in [
-            Footprint::of(&fixture("tiny-qwen3-ct-fp8-dynamic"), None, 0, Auto).unwrap(),
-            Footprint::of(&fixture("tiny-qwen3"), Some(QuantizeTo::Fp8), 0, Auto).unwrap(),
+            Footprint::of(&fixture("tiny-qwen3-ct-fp8-dynamic"), as_stored(), 0, Auto).unwrap(),
+            Footprint::of(&fixture("tiny-qwen3"), to(QuantizeTo::Fp8), 0, Auto).unwrap(),
         ] {
             assert_eq!(f.decoder_matrices, w8.decoder_matrices);
             assert_eq!(f.decoder_format, "FP8 e4m3");

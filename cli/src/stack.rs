@@ -58,8 +58,8 @@ pub struct StackConfig {
     pub model: PathBuf,
     /// Random weights from this seed instead of the checkpoint's.
     pub random_weights: Option<u64>,
-    /// `--quantize`: the text decoder's matrices quantized at load.
-    pub quantize: Option<vlm_compute::quant::QuantizeTo>,
+    /// `--quantize` and `--quantize-lm-head`: matrices quantized at load.
+    pub weights: llm_svc::WeightArgs,
     /// Name served in `/v1/models` and responses.
     pub model_name: String,
     /// Where the public gRPC API (vlm.v1.Gateway) listens; port 0 for any free port.
@@ -113,7 +113,7 @@ impl StackConfig {
         Self {
             model,
             random_weights: None,
-            quantize: None,
+            weights: Default::default(),
             model_name,
             grpc_addr: any_port,
             http_addr: any_port,
@@ -275,7 +275,7 @@ impl LocalStack {
                 llm_svc::server::ServeConfig {
                     model: cfg.model.clone(),
                     random_weights: cfg.random_weights,
-                    quantize: cfg.quantize,
+                    weights: cfg.weights,
                     max_concurrent: cfg.max_concurrent,
                     engine,
                     registry,

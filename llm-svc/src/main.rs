@@ -81,7 +81,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             let cfg = ServeConfig {
                 model: args.model,
                 random_weights: args.random_weights.then_some(0),
-                quantize: args.weights.quantize,
+                weights: args.weights,
                 max_concurrent: args.max_concurrent,
                 engine: args.engine.config(args.max_context, args.device.is_gpu()),
                 registry: start.registry,

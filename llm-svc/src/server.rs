@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{field::Empty, info_span, Instrument};
-use vlm_compute::{handoff, Backend, Embeddings, HalfTensor, HostTensor, OnDevice, Weights};
+use vlm_compute::{handoff, Backend, Embeddings, HalfTensor, HostTensor, OnDevice};
 use vlm_proto::pb::llm_service_server::{LlmService, LlmServiceServer};
 use vlm_proto::pb::{self, FinishReason as PbFinish, GenerateResponse, Usage};
 use vlm_proto::{headers, shm, telemetry, tensor};
@@ -34,8 +34,8 @@ pub struct ServeConfig {
     /// Random weights of the model's config from this seed instead of its checkpoint (for
     /// benchmarks and smoke tests of sizes whose weights are not at hand).
     pub random_weights: Option<u64>,
-    /// `--quantize`: the decoder's f16/bf16 matrices quantized at load.
-    pub quantize: Option<vlm_compute::quant::QuantizeTo>,
+    /// `--quantize` and `--quantize-lm-head`: matrices quantized at load.
+    pub weights: crate::cli::WeightArgs,
     /// Requests in the engine at once (running or queued); more get RESOURCE_EXHAUSTED.
     pub max_concurrent: usize,
     /// Context, KV cache size, batch limits, prefix caching.
@@ -332,13 +332,13 @@ pub async fn serve<B: Backend>(
     let ServeConfig {
         model,
         random_weights,
-        quantize,
+        weights: weight_args,
         engine: engine_cfg,
         registry,
         ..
     } = cfg;
     let load = vlm_proto::load_model(engine, what, move || -> Result<_, Error> {
-        let weights = Weights::open_or_random(&model, random_weights)?.quantize(quantize)?;
+        let weights = weight_args.open(&model, random_weights)?;
         let e = Engine::load(&model, &weights, backend()?, engine_cfg, &registry)?;
         weights.finish();
         Ok(e)
@@ -393,7 +393,7 @@ mod tests {
 
     /// A server of the checkpoint in `dir` on the CPU, one request at a time, no shared memory.
     fn one_place_server(dir: &std::path::Path) -> LlmServer {
-        let weights = Weights::open(dir).unwrap();
+        let weights = vlm_compute::Weights::open(dir).unwrap();
         let engine = Engine::load(
             dir,
             &weights,

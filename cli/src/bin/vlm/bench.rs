@@ -149,12 +149,12 @@ fn bench_on<B: Backend + Clone>(
         ttft_text_tokens: args.ttft_text_tokens,
         through_gateway: !args.no_gateway,
         random_weights: args.random_weights.then_some(0),
-        quantize: args.weights.quantize,
+        weights: args.weights,
         kv_cache_dtype: args.kv_cache_dtype,
     };
     let rows = vlm_cli::bench::run(&args.model, open, &opts, copy)?;
     let config = format!(
-        "{}{}{}{}",
+        "{}{}{}{}{}",
         args.model.display(),
         if args.random_weights {
             " (random weights)"
@@ -164,6 +164,11 @@ fn bench_on<B: Backend + Clone>(
         match args.weights.quantize {
             Some(to) => format!(" --quantize {to}"),
             None => String::new(),
+        },
+        if args.weights.quantize_lm_head {
+            " --quantize-lm-head"
+        } else {
+            ""
         },
         match args.kv_cache_dtype {
             llm_svc::KvCacheDtype::Auto => String::new(),

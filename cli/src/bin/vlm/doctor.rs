@@ -33,12 +33,7 @@ pub struct DoctorArgs {
 
 pub fn doctor(args: DoctorArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.model {
-        print_footprint(
-            dir,
-            args.weights.quantize,
-            args.kv_cache_tokens,
-            args.kv_cache_dtype,
-        )?;
+        print_footprint(dir, args.weights, args.kv_cache_tokens, args.kv_cache_dtype)?;
     }
     let archs = args
         .arch
@@ -69,11 +64,11 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<()> {
 /// What the model in `dir` takes on the GPU, a line per kind.
 fn print_footprint(
     dir: &std::path::Path,
-    quantize: Option<vlm_compute::quant::QuantizeTo>,
+    weights: llm_svc::WeightArgs,
     kv_tokens: usize,
     kv_dtype: llm_svc::KvCacheDtype,
 ) -> anyhow::Result<()> {
-    let f = vlm_cli::footprint::Footprint::of(dir, quantize, kv_tokens, kv_dtype)?;
+    let f = vlm_cli::footprint::Footprint::of(dir, weights, kv_tokens, kv_dtype)?;
     let gb = |b: usize| format!("{:>7.2} GB", b as f64 / 1e9);
     println!("{} on the GPU:", dir.display());
     println!(
@@ -81,7 +76,12 @@ fn print_footprint(
         gb(f.decoder_matrices),
         f.decoder_format
     );
-    println!("  {} embeddings and lm_head (f16)", gb(f.embeddings));
+    if f.lm_head_int8 > 0 {
+        println!("  {} embeddings (f16)", gb(f.embeddings));
+        println!("  {} lm_head (8-bit)", gb(f.lm_head_int8));
+    } else {
+        println!("  {} embeddings and lm_head (f16)", gb(f.embeddings));
+    }
     if f.vision > 0 {
         println!("  {} vision tower and mergers (f16)", gb(f.vision));
     }

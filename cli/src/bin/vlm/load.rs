@@ -334,7 +334,7 @@ fn start_local_stack(
     };
     let mut cfg = StackConfig::loopback(dir.clone());
     cfg.random_weights = args.random_weights.then_some(0);
-    cfg.quantize = args.weights.quantize;
+    cfg.weights = args.weights;
     cfg.max_concurrent = max_concurrent;
     cfg.vision_max_concurrent = args.vision_max_concurrent;
     cfg.engine = args.engine.config(args.max_context, devices[0].is_gpu());

@@ -101,6 +101,7 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
         vlm_compute::Weights::open(&args.model)
     }
     .and_then(|w| w.quantize(args.weights.quantize))
+    .map(|w| w.quantize_lm_head(args.weights.quantize_lm_head))
     .map_err(vlm_cli::Error::from)
     .and_then(|weights| Pipeline::with_weights(&args.model, &weights, backend, engine))
     .with_context(|| format!("cannot load the model in {}", args.model.display()))?;

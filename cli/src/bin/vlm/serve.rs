@@ -98,7 +98,7 @@ pub async fn serve(
         ""
     };
     cfg.random_weights = args.random_weights.then_some(0);
-    cfg.quantize = args.weights.quantize;
+    cfg.weights = args.weights;
     cfg.grpc_addr = (args.host, args.grpc_port).into();
     cfg.http_addr = (args.host, args.http_port).into();
     cfg.max_concurrent = args.max_concurrent;
