@@ -760,30 +760,13 @@ impl CudaBackend {
         self.int_gemm_launch_grid(iw.format.bits(), n, m, k)
     }
 
-    /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, `n` rows of x16
-    /// (already f16), `m` output columns, k = x16's columns: for shapes
-    /// [`Self::int_gemm_takes`] takes. k may be split over several blocks of the same rows
-    /// (their partial sums added in a fixed order: the result does not depend on timing).
+    /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, for x16's rows
+    /// `rows` (already f16; at most INT_GEMM_MAX_ROWS of them) into the same rows of `out`, `m`
+    /// output columns, k = x16's columns: for shapes [`Self::int_gemm_takes`] takes. k may be
+    /// split over several blocks of the same rows (their partial sums added in a fixed order:
+    /// the result does not depend on timing).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_int_gemm<O: GemmOut>(
-        &self,
-        x16: &CudaSlice<half::f16>,
-        n: usize,
-        iw: &IntWeight,
-        m: usize,
-        k: usize,
-        bias: Option<&CudaSlice<f32>>,
-        out: &mut CudaSlice<O>,
-        accumulate: bool,
-        alpha: f32,
-    ) -> Result<()> {
-        self.launch_int_gemm_rows(x16, 0..n, iw, m, k, bias, out, accumulate, alpha)
-    }
-
-    /// [`Self::launch_int_gemm`] of x16's rows `rows` into the same rows of `out` (at most
-    /// INT_GEMM_MAX_ROWS of them).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn launch_int_gemm_rows<O: GemmOut>(
         &self,
         x16: &CudaSlice<half::f16>,
         rows: std::ops::Range<usize>,

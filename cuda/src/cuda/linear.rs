@@ -288,14 +288,14 @@ impl CudaBackend {
             return self.w8a8_gemm(x16, n, w, taken, out, accumulate, alpha);
         }
         if let Some(iw) = self.int_gemm_weight(w, n) {
-            return self.launch_int_gemm(x16, n, iw, m, k, None, out, accumulate, alpha);
+            return self.launch_int_gemm(x16, 0..n, iw, m, k, None, out, accumulate, alpha);
         }
         if let Some(iw) = self.chunked_int_gemm_weight(w, n) {
             // A vocabulary-sized weight has no dequantization scratch (int_weight): the integer
             // GEMM, INT_GEMM_MAX_ROWS rows of x at a time.
             for r0 in (0..n).step_by(INT_GEMM_MAX_ROWS) {
                 let rows = r0..n.min(r0 + INT_GEMM_MAX_ROWS);
-                self.launch_int_gemm_rows(x16, rows, iw, m, k, None, out, accumulate, alpha)?;
+                self.launch_int_gemm(x16, rows, iw, m, k, None, out, accumulate, alpha)?;
             }
             return Ok(());
         }
@@ -462,7 +462,7 @@ impl CudaBackend {
         };
         let (m, k) = (w.shape[0], w.shape[1]);
         if let Some(iw) = self.int_gemm_weight(w, n) {
-            return self.launch_int_gemm(x16, n, iw, m, k, Some(&*b.buf), out, false, 1.0);
+            return self.launch_int_gemm(x16, 0..n, iw, m, k, Some(&*b.buf), out, false, 1.0);
         }
         let shape = LtShape {
             n,
@@ -729,7 +729,17 @@ impl CudaBackend {
         if let Some(iw) = self.int_gemm_weight(w, n) {
             let a16 = self.to_f16(a)?;
             let out = self.unshared(x)?;
-            return self.launch_int_gemm(&a16, n, iw, m, a.cols(), Some(&*b.buf), out, true, 1.0);
+            return self.launch_int_gemm(
+                &a16,
+                0..n,
+                iw,
+                m,
+                a.cols(),
+                Some(&*b.buf),
+                out,
+                true,
+                1.0,
+            );
         }
         let shape = LtShape {
             n,
