@@ -255,7 +255,8 @@ fn quantize_lm_head_stays_near_the_checkpoint_or_is_refused() {
         e.contains("lm_head") && e.contains("whole groups of 128"),
         "{e}"
     );
-    // tiny-qwen3's config, tied: random weights of it, no lm_head stored.
+    // tiny-qwen3's config, tied, with random weights of it: refused by the config, as vlm
+    // doctor refuses it (random weights answer for every name, an lm_head too).
     let tied = std::env::temp_dir().join(format!("vlm-tied-head-{}", std::process::id()));
     std::fs::create_dir_all(&tied).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(
