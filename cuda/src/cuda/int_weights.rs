@@ -761,10 +761,11 @@ impl CudaBackend {
     }
 
     /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, for x16's rows
-    /// `rows` (already f16; at most INT_GEMM_MAX_ROWS of them) into the same rows of `out`, `m`
-    /// output columns, k = x16's columns: for shapes [`Self::int_gemm_takes`] takes. k may be
-    /// split over several blocks of the same rows (their partial sums added in a fixed order:
-    /// the result does not depend on timing).
+    /// `rows` (already f16) into the same rows of `out`, `m` output columns, k = x16's
+    /// columns: for shapes [`Self::int_gemm_takes`] takes. Past INT_GEMM_MAX_ROWS rows (only a
+    /// vocabulary-sized weight comes here with more: `int_gemm_weight`) it runs that many at a
+    /// time. k may be split over several blocks of the same rows (their partial sums added in
+    /// a fixed order: the result does not depend on timing).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_int_gemm<O: GemmOut>(
         &self,
@@ -778,6 +779,13 @@ impl CudaBackend {
         accumulate: bool,
         alpha: f32,
     ) -> Result<()> {
+        if rows.len() > INT_GEMM_MAX_ROWS {
+            for r0 in rows.clone().step_by(INT_GEMM_MAX_ROWS) {
+                let chunk = r0..rows.end.min(r0 + INT_GEMM_MAX_ROWS);
+                self.launch_int_gemm(x16, chunk, iw, m, k, bias, out, accumulate, alpha)?;
+            }
+            return Ok(());
+        }
         let (r0, n) = (rows.start, rows.len());
         if x16.len() < rows.end * k || out.len() < rows.end * m || bias.is_some_and(|b| b.len() < m)
         {

@@ -290,15 +290,6 @@ impl CudaBackend {
         if let Some(iw) = self.int_gemm_weight(w, n) {
             return self.launch_int_gemm(x16, 0..n, iw, m, k, None, out, accumulate, alpha);
         }
-        if let Some(iw) = self.chunked_int_gemm_weight(w, n) {
-            // A vocabulary-sized weight has no dequantization scratch (int_weight): the integer
-            // GEMM, INT_GEMM_MAX_ROWS rows of x at a time.
-            for r0 in (0..n).step_by(INT_GEMM_MAX_ROWS) {
-                let rows = r0..n.min(r0 + INT_GEMM_MAX_ROWS);
-                self.launch_int_gemm(x16, rows, iw, m, k, None, out, accumulate, alpha)?;
-            }
-            return Ok(());
-        }
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
         // read transposed from its row-major [m, k] storage. f16 in, f32 accumulation.
         {
@@ -341,29 +332,18 @@ impl CudaBackend {
     }
 
     /// `w`'s integer weight where the tensor-core integer GEMM takes it for `n` rows (the
-    /// packed weights read once, not dequantized for cuBLAS).
+    /// packed weights read once, not dequantized for cuBLAS). A vocabulary-sized weight has no
+    /// dequantization scratch ([`chunked_int_gemm`]): past INT_GEMM_MAX_ROWS it too takes the
+    /// integer GEMM, that many rows of x at a time ([`Self::launch_int_gemm`]).
     pub(super) fn int_gemm_weight<'a>(
         &self,
         w: &'a CudaWeight,
         n: usize,
     ) -> Option<&'a super::tensor::IntWeight> {
         match &w.data {
-            WeightData::Int(iw) if self.int_gemm_takes(iw, n, w.shape[1]) => Some(iw),
-            _ => None,
-        }
-    }
-
-    /// `w`'s integer weight where it has no dequantization scratch (rows past
-    /// [`super::int_weights::CHUNKED_MIN_ROWS`]) and `n` rows are more than the integer GEMM
-    /// takes at once.
-    pub(super) fn chunked_int_gemm_weight<'a>(
-        &self,
-        w: &'a CudaWeight,
-        n: usize,
-    ) -> Option<&'a super::tensor::IntWeight> {
-        match &w.data {
             WeightData::Int(iw)
-                if n > INT_GEMM_MAX_ROWS && chunked_int_gemm(self, iw, &w.shape) =>
+                if self.int_gemm_takes(iw, n, w.shape[1])
+                    || (n > INT_GEMM_MAX_ROWS && chunked_int_gemm(self, iw, &w.shape)) =>
             {
                 Some(iw)
             }
