@@ -1605,7 +1605,7 @@ pub fn self_check_cases() -> Vec<Case> {
         }
     }
     // The tensor-core integer GEMM past 4 rows, small enough for the startup check: n-tiles 1,
-    // 2, 8 (5, 16, 40 and 64 rows: tiles part empty), odd m (a block's last rows missing), k
+    // 2, 8 (5, 16, 40 and 64 rows: tiles part empty; 80 in two passes), odd m (a block's last rows missing), k
     // of 16 stages (split: their ordered adds), groups of 32 (4 a stage), 64 and 128, the
     // MLP's f16 gate/up output; the group-128 ops of int_linears at 16 rows too. FP8 as W4 and
     // W8 (blocks of 128 rows by the group's columns). First with the block shape and k splits
@@ -1623,11 +1623,13 @@ pub fn self_check_cases() -> Vec<Case> {
             op,
             block_rows,
         };
+        // 80 rows: two passes of the GEMM (64, then 16).
         for (n, k, m, group) in [
             (5, 512, 301, 32),
             (16, 1024, 256, 128),
             (40, 2048, 777, 32),
             (64, 1024, 1000, 64),
+            (80, 512, 301, 32),
         ] {
             for op in [IntOp::Linear, IntOp::AddLinear] {
                 cases.push(int_gemm(n, k, m, group, op, None));

@@ -114,9 +114,9 @@ fn int_weights_at_real_sizes() {
     // W4 and W8 (group 128) and FP8 (128x128 blocks): the CPU multiplies the dequantized f32
     // values, the GPU's GEMVs the packed ones (exact q - zero or e4m3 value, the scale once a
     // load), so they differ in summation order only; past 4 rows the integer GEMM forms f16
-    // weights (FP8's scale rounded to f16 first), past 64 the GEMM reads the matrix dequantized
-    // to f16. (rows, in, out): 8B
-    // q/k/v, o, gate/up (as two halves), down, a batch and a prefill chunk.
+    // weights (FP8's scale rounded to f16 first) in passes of 64 rows up to 128 (the second
+    // pass here of 33 rows), past that the GEMM reads the matrix dequantized to f16. (rows, in,
+    // out): 8B q/k/v, o, gate/up (as two halves), down, batches and a prefill chunk.
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         check_all(
             &g,
@@ -127,6 +127,7 @@ fn int_weights_at_real_sizes() {
                 (4, 12288, 4096),
                 (3, 12288, 4096),
                 (64, 4096, 6144),
+                (97, 4096, 6144),
                 (512, 12288, 4096),
             ]
             .into_iter()

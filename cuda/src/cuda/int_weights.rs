@@ -47,6 +47,21 @@ fn tensor_core_gemm() -> bool {
     *ON.get_or_init(|| std::env::var("VLM_INT_GEMM").map_or(true, |v| v != "dequant"))
 }
 
+/// The passes of INT_GEMM_MAX_ROWS rows a batch may take through the integer GEMM before it
+/// goes to the dequantization and cuBLAS instead (a vocabulary-sized weight, which has no
+/// scratch, takes as many as it needs): each pass reads the packed weights once, where the
+/// dequantization writes and reads them in f16 every step. `VLM_INT_GEMM_PASSES=n` (at least
+/// 1) to time it.
+pub(super) fn int_gemm_max_passes() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("VLM_INT_GEMM_PASSES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(2, |n: usize| n.max(1))
+    })
+}
+
 /// The integer GEMM's locks (context.rs): one per m-block, so matrices up to 1024 blocks may
 /// split k (larger ones do not).
 pub(super) const INT_GEMM_LOCKS: usize = 1024;

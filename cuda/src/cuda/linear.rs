@@ -14,7 +14,7 @@ use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::error::cuda_err;
-use super::int_weights::chunked_int_gemm;
+use super::int_weights::{chunked_int_gemm, int_gemm_max_passes};
 use super::kernels::{
     Gemv, GEMV_MAX_ROWS, GEMV_SPLIT, GEMV_WARPS, INT_GEMM_MAX_ROWS, STREAM_STAGED,
 };
@@ -332,9 +332,10 @@ impl CudaBackend {
     }
 
     /// `w`'s integer weight where the tensor-core integer GEMM takes it for `n` rows (the
-    /// packed weights read once, not dequantized for cuBLAS). A vocabulary-sized weight has no
-    /// dequantization scratch ([`chunked_int_gemm`]): past INT_GEMM_MAX_ROWS it too takes the
-    /// integer GEMM, that many rows of x at a time ([`Self::launch_int_gemm`]).
+    /// packed weights read once, not dequantized for cuBLAS), INT_GEMM_MAX_ROWS rows of x a
+    /// pass ([`Self::launch_int_gemm`]): up to [`int_gemm_max_passes`] passes, or any number
+    /// for a vocabulary-sized weight, which has no dequantization scratch
+    /// ([`chunked_int_gemm`]).
     pub(super) fn int_gemm_weight<'a>(
         &self,
         w: &'a CudaWeight,
@@ -342,8 +343,9 @@ impl CudaBackend {
     ) -> Option<&'a super::tensor::IntWeight> {
         match &w.data {
             WeightData::Int(iw)
-                if self.int_gemm_takes(iw, n, w.shape[1])
-                    || (n > INT_GEMM_MAX_ROWS && chunked_int_gemm(self, iw, &w.shape)) =>
+                if self.int_gemm_takes(iw, n.min(INT_GEMM_MAX_ROWS), w.shape[1])
+                    && (n <= int_gemm_max_passes() * INT_GEMM_MAX_ROWS
+                        || chunked_int_gemm(self, iw, &w.shape)) =>
             {
                 Some(iw)
             }
