@@ -777,10 +777,10 @@ impl CudaBackend {
 
     /// `out (+)= alpha * x16 · iwᵀ (+ bias)` by the tensor-core integer GEMM, for x16's rows
     /// `rows` (already f16) into the same rows of `out`, `m` output columns, k = x16's
-    /// columns: for shapes [`Self::int_gemm_takes`] takes. Past INT_GEMM_MAX_ROWS rows (only a
-    /// vocabulary-sized weight comes here with more: `int_gemm_weight`) it runs that many at a
-    /// time. k may be split over several blocks of the same rows (their partial sums added in
-    /// a fixed order: the result does not depend on timing).
+    /// columns: for shapes [`Self::int_gemm_takes`] takes. Past INT_GEMM_MAX_ROWS rows it runs
+    /// that many at a time (how many passes a weight may take: `int_gemm_weight`). k may be
+    /// split over several blocks of the same rows (their partial sums added in a fixed order:
+    /// the result does not depend on timing).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_int_gemm<O: GemmOut>(
         &self,
