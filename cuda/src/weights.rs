@@ -334,6 +334,11 @@ impl Weights {
         self.random_seed.is_some() || self.entries.contains_key(name)
     }
 
+    /// Whether these are [`Weights::random`] ones, which answer for every name.
+    pub fn is_random(&self) -> bool {
+        self.random_seed.is_some()
+    }
+
     /// The entry of tensor `name` with its bytes, checked to hold `shape` of its dtype.
     fn entry(&self, name: &str, shape: &[usize]) -> Result<(&Entry, &[u8])> {
         let e = self.entries.get(name).ok_or_else(|| Error::MissingTensor {

@@ -195,8 +195,14 @@ impl<B: Backend> TextModel<B> {
         let norm = w.load(be, "norm.weight", &[h])?;
         // Tied checkpoints (the small Qwen3-VL, Qwen3 and Qwen2.5 sizes) store no lm_head.
         let head = weights.pp("lm_head");
-        let stored =
-            head.contains("weight") || weights.quant_config().is_some_and(|q| q.holds(&head));
+        // Random weights answer for every name: they stand for a checkpoint that stores
+        // lm_head exactly when its config does not tie it (so a tied size benched with them
+        // holds and reads one table, as it would served).
+        let stored = if weights.is_random() {
+            !cfg.tie_word_embeddings
+        } else {
+            head.contains("weight") || weights.quant_config().is_some_and(|q| q.holds(&head))
+        };
         let tied_head = cfg.tie_word_embeddings && !stored;
         // By the config, as `vlm doctor` tells (a tied checkpoint's head is the table).
         if cfg.tie_word_embeddings && weights.quantizing_lm_head() {

@@ -256,7 +256,7 @@ fn quantize_lm_head_stays_near_the_checkpoint_or_is_refused() {
         "{e}"
     );
     // tiny-qwen3's config, tied, with random weights of it: refused by the config, as vlm
-    // doctor refuses it (random weights answer for every name, an lm_head too).
+    // doctor refuses it.
     let tied = std::env::temp_dir().join(format!("vlm-tied-head-{}", std::process::id()));
     std::fs::create_dir_all(&tied).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(
@@ -270,6 +270,22 @@ fn quantize_lm_head_stays_near_the_checkpoint_or_is_refused() {
         e.contains("lm_head") && e.contains("tie_word_embeddings"),
         "{e}"
     );
+    // Without the option the tied config's random weights share the table as a tied
+    // checkpoint does: one vocabulary-sized matrix fewer held than the untied config's.
+    let bytes = |dir: &Path| {
+        let registry = prometheus::Registry::new();
+        let weights = Weights::random(dir, 1);
+        let cfg = EngineConfig::default();
+        Engine::load(dir, &weights, CpuBackend::new(), cfg, &registry)
+            .unwrap()
+            .weight_bytes()
+    };
+    let (vocab, hidden) = (
+        config["vocab_size"].as_u64().unwrap() as usize,
+        config["hidden_size"].as_u64().unwrap() as usize,
+    );
+    let f32_table = vocab * hidden * std::mem::size_of::<f32>();
+    assert_eq!(bytes(&fixture("tiny-qwen3")) - bytes(&tied), f32_table);
     std::fs::remove_dir_all(&tied).unwrap();
 }
 
