@@ -95,16 +95,13 @@ fn run_on<B: Backend + Clone>(args: RunArgs, backend: B) -> anyhow::Result<()> {
     // A missing or incomplete directory is named before any weights are opened.
     gateway::checkpoint::check_model_dir(&args.model)
         .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
-    let pipeline = if args.random_weights {
-        Ok(vlm_compute::Weights::random(&args.model, args.weights_seed))
-    } else {
-        vlm_compute::Weights::open(&args.model)
-    }
-    .and_then(|w| w.quantize(args.weights.quantize))
-    .map(|w| w.quantize_lm_head(args.weights.quantize_lm_head))
-    .map_err(vlm_cli::Error::from)
-    .and_then(|weights| Pipeline::with_weights(&args.model, &weights, backend, engine))
-    .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
+    let seed = args.random_weights.then_some(args.weights_seed);
+    let pipeline = args
+        .weights
+        .open(&args.model, seed)
+        .map_err(vlm_cli::Error::from)
+        .and_then(|weights| Pipeline::with_weights(&args.model, &weights, backend, engine))
+        .with_context(|| format!("cannot load the model in {}", args.model.display()))?;
     let vocab = pipeline.engine.config().text.vocab_size;
     let mut logits: Vec<f32> = Vec::new();
     let mut printed = String::new();
