@@ -17,8 +17,8 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 
 use super::error::cuda_err;
 use super::kernels::{
-    int_gemm_kernel, int_gemm_tiles, Gemv, IntGemmBlock, GEMV_WARPS, INT_GEMM_BLOCKS, INT_GEMM_K,
-    INT_GEMM_MAX_ROWS, INT_GEMM_STAGES, INT_GEMM_SZ_SLOTS,
+    count_from_env, int_gemm_kernel, int_gemm_tiles, Gemv, IntGemmBlock, GEMV_WARPS,
+    INT_GEMM_BLOCKS, INT_GEMM_K, INT_GEMM_MAX_ROWS, INT_GEMM_STAGES, INT_GEMM_SZ_SLOTS,
 };
 use super::launch::arg;
 use super::linear::GemmOut;
@@ -54,12 +54,7 @@ fn tensor_core_gemm() -> bool {
 /// 1) to time it.
 pub(super) fn int_gemm_max_passes() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("VLM_INT_GEMM_PASSES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(2, |n: usize| n.max(1))
-    })
+    *MAX.get_or_init(|| count_from_env("VLM_INT_GEMM_PASSES").unwrap_or(2))
 }
 
 /// The integer GEMM's locks (context.rs): one per m-block, so matrices up to 1024 blocks may
@@ -70,12 +65,7 @@ pub(super) const INT_GEMM_LOCKS: usize = 1024;
 /// tune; more splits fill more SMs but write and read more partial sums.
 fn int_gemm_max_splits() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("VLM_INT_GEMM_SPLITS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(usize::MAX, |n: usize| n.max(1))
-    })
+    *MAX.get_or_init(|| count_from_env("VLM_INT_GEMM_SPLITS").unwrap_or(usize::MAX))
 }
 
 /// The block rows every integer GEMM of the process takes, where that shape's shared memory

@@ -302,16 +302,19 @@ pub(super) fn decode_splits(pairs: usize, slots: usize, max_keys: usize) -> usiz
         .unwrap_or(1)
 }
 
+/// A count the variable `var` sets to time a rule's choices against the ones it did not make
+/// (read at each call: callers keep it in a `OnceLock`), at least 1; `None` where unset or
+/// not a number.
+pub(super) fn count_from_env(var: &str) -> Option<usize> {
+    let n: usize = std::env::var(var).ok()?.parse().ok()?;
+    Some(n.max(1))
+}
+
 /// The most splits decode attention takes: `VLM_DECODE_SPLITS=n` (at least 1), to time the
 /// split counts [`decode_splits`] did not choose; unset, no cap.
 pub(super) fn decode_max_splits() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("VLM_DECODE_SPLITS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(usize::MAX, |n: usize| n.max(1))
-    })
+    *MAX.get_or_init(|| count_from_env("VLM_DECODE_SPLITS").unwrap_or(usize::MAX))
 }
 
 /// Which kernel decode attention takes where both are compiled: `VLM_DECODE_ATTENTION` at
