@@ -75,11 +75,10 @@ impl Footprint {
                 }
                 None => (matrices * 2, "f16".into(), 0),
             };
-        if weights.quantize_lm_head && cfg.tie_word_embeddings {
-            anyhow::bail!(
-                "--quantize-lm-head asked of a checkpoint whose lm_head is its embedding table \
-                 (tie_word_embeddings), which stays f16"
-            );
+        if let Some(why) = cfg.lm_head_quantize_refusal() {
+            if weights.quantize_lm_head {
+                anyhow::bail!("{why}");
+            }
         }
         let table = t.vocab_size * h;
         let (f16_head, lm_head_int8) = match (cfg.tie_word_embeddings, weights.quantize_lm_head) {

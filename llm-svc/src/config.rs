@@ -297,6 +297,15 @@ fn default_act() -> String {
 }
 
 impl ModelConfig {
+    /// Why `--quantize-lm-head` cannot be taken by this model, if it cannot: the loader and
+    /// `vlm doctor`'s footprint refuse it in these words, by the config alone.
+    pub fn lm_head_quantize_refusal(&self) -> Option<&'static str> {
+        self.tie_word_embeddings.then_some(
+            "--quantize-lm-head asked of a checkpoint that ties lm_head to its embedding table \
+             (tie_word_embeddings), which stays f16",
+        )
+    }
+
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let v = files::read_json(&path)?;

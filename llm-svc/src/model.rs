@@ -205,14 +205,14 @@ impl<B: Backend> TextModel<B> {
         };
         let tied_head = cfg.tie_word_embeddings && !stored;
         // By the config, as `vlm doctor` tells (a tied checkpoint's head is the table).
-        if cfg.tie_word_embeddings && weights.quantizing_lm_head() {
-            return Err(vlm_compute::Error::Quantized {
-                name: head.name("weight"),
-                problem: "--quantize-lm-head asked of a checkpoint that ties lm_head to its \
-                          embedding table (tie_word_embeddings), which stays f16"
-                    .into(),
+        if let Some(why) = cfg.lm_head_quantize_refusal() {
+            if weights.quantizing_lm_head() {
+                return Err(vlm_compute::Error::Quantized {
+                    name: head.name("weight"),
+                    problem: why.into(),
+                }
+                .into());
             }
-            .into());
         }
         let lm_head = if tied_head {
             embed_tokens.clone()
