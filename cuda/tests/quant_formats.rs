@@ -137,6 +137,14 @@ fn fine_grained_config(extra: serde_json::Value) -> serde_json::Value {
     serde_json::json!({"model_type": "qwen3", "quantization_config": q})
 }
 
+/// Why `prefix`'s `[out, inp]` matrix does not load on the CPU (it must not).
+fn load_error(weights: &Weights, prefix: &str, out: usize, inp: usize) -> String {
+    match weights.pp(prefix).load_matrix(&CpuBackend::new(), out, inp) {
+        Ok(_) => panic!("{prefix}: loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
 fn scale_bytes(dtype: Dtype, vals: &[f32]) -> Vec<u8> {
     match dtype {
         Dtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -221,14 +229,8 @@ fn fp8_checkpoints_that_disagree_with_themselves_are_refused() {
             ("m.weight_scale_inv", Dtype::F32, vec![1, 2], scale.clone()),
         ],
     );
-    let cpu = CpuBackend::new();
     let weights = Weights::open(&dir).unwrap();
-    let e = weights
-        .pp("m")
-        .load_matrix(&cpu, 3, 4)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = load_error(&weights, "m", 3, 4);
     assert!(
         e.contains("`m.weight_scale_inv`")
             && e.contains("[1, 2]")
@@ -253,12 +255,7 @@ fn fp8_checkpoints_that_disagree_with_themselves_are_refused() {
         ],
     );
     let weights = Weights::open(&dir).unwrap();
-    let e = weights
-        .pp("m")
-        .load_matrix(&cpu, 3, 4)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = load_error(&weights, "m", 3, 4);
     assert!(e.contains("`m.weight`") && e.contains("NaN"), "{e}");
     // An FP8 tensor without a scale cannot be read as a plain weight.
     let e = weights.get("m.weight", &[3, 4]).unwrap_err().to_string();
@@ -415,12 +412,7 @@ fn quantize_lm_head_takes_a_bf16_head_and_refuses_a_quantized_one() {
     let weights = Weights::open(&quantized_head)
         .unwrap()
         .quantize_lm_head(true);
-    let e = weights
-        .pp("lm_head")
-        .load_matrix(&cpu, 2, 128)
-        .err()
-        .unwrap()
-        .to_string();
+    let e = load_error(&weights, "lm_head", 2, 128);
     assert!(
         e.contains("lm_head") && e.contains("quantized already"),
         "{e}"
