@@ -639,7 +639,8 @@ fn paged_kv_cache_at_real_sizes() {
     // decode at batch 1 (4096, 2047 and 513 keys), at batch 64 (600 keys each, one split), a mixed step of 32 decodes and two prefill
     // chunks (a 512-token chunk after 1536 cached keys), the tiny fixture's sizes, the ViT-like
     // 72 (padded to 80) through the per-row kernel; Qwen2.5-7B's heads (28 of 4 KV heads: the
-    // kernel for 8 heads a KV head, one skipped) and head dim 256.
+    // kernel for 8 heads a KV head, one skipped) and head dim 256; blocks of 32 slots, which
+    // the flash kernel's staging divides by at run time (16, the engine's, is compiled in).
     let paged = [
         (vec![(1, 4096)], 1, 32, 8, 128, 16),
         (vec![(1, 2047)], 1, 32, 8, 128, 16),
@@ -657,6 +658,7 @@ fn paged_kv_cache_at_real_sizes() {
         (vec![(1, 90), (9, 30)], 1, 16, 16, 72, 16),
         (vec![(1, 1001), (1, 77), (1, 4)], 3, 28, 4, 128, 16),
         (vec![(1, 530), (1, 9)], 2, 8, 4, 256, 16),
+        (vec![(1, 300), (200, 333)], 1, 32, 8, 128, 32),
     ]
     .map(
         |(seqs, decode, q_heads, kv_heads, dim, block_size)| Case::PagedAttention {
