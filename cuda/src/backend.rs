@@ -312,6 +312,16 @@ pub trait Backend: Send + Sync + 'static {
     fn device_memory(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Gives the device memory that freed buffers left cached back to the driver, keeping at
+    /// least `keep` bytes cached, and returns the bytes given back. A GPU's allocator keeps
+    /// what the largest step so far freed (so that the next step maps nothing); the engine
+    /// calls this when it goes idle, so that one large request (a big image, a long prompt)
+    /// does not hold its peak for the life of the server. Host memory is given back as it is
+    /// freed: nothing to do by default.
+    fn release_cached_memory(&self, keep: usize) -> Result<usize> {
+        let _ = keep;
+        Ok(0)
+    }
     /// Times one copy of `bytes` bytes within the backend's own memory (the bandwidth limit
     /// `vlm bench` measures decode against; it moves 2 x `bytes`, read and write). Host
     /// memory here; a GPU times a device-to-device copy.

@@ -1020,3 +1020,24 @@ fn an_fp8_cache_no_kernel_takes_is_refused() {
     assert!(g.check_kv_format(FP8_KV, 8, 128).is_ok());
     assert!(g.check_kv_format(KvFormat::Native, 8, 512).is_ok());
 }
+
+/// What an op's output freed stays cached in the device's pool (so the next step maps
+/// nothing); `release_cached_memory` gives it back, all of it beyond `keep`, and never what a
+/// live buffer holds.
+#[test]
+fn cached_device_memory_is_given_back() {
+    let Some(g) = test_gpu() else { return };
+    let mib = 1usize << 20;
+    g.release_cached_memory(0).unwrap();
+    let live = g.zeros(&[64 * mib / 4]).unwrap();
+    drop(g.zeros(&[512 * mib / 4]).unwrap());
+    // Keeping 128 MiB of the freed 512 gives back at least the other 384.
+    let given = g.release_cached_memory(128 * mib).unwrap();
+    assert!(given >= 384 * mib, "gave back {} MiB", given / mib);
+    let given = g.release_cached_memory(0).unwrap();
+    assert!(given >= 128 * mib, "gave back {} MiB", given / mib);
+    // Nothing left to give: the live buffer's 64 MiB are not cached memory.
+    assert_eq!(g.release_cached_memory(0).unwrap(), 0);
+    let back = g.download(&live).unwrap();
+    assert!(back.data().iter().all(|&v| v == 0.0));
+}

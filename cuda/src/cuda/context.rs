@@ -353,6 +353,46 @@ fn keep_freed_device_memory(ctx: &CudaContext) {
     }
 }
 
+/// Trims the device's default pool (where every op's output is allocated; see
+/// [`keep_freed_device_memory`]) to `keep` bytes of cached memory beyond what its live
+/// buffers hold, and returns the bytes it gave back.
+pub(super) fn trim_device_pool(stream: &Arc<CudaStream>, keep: usize) -> Result<usize> {
+    use cudarc::driver::sys;
+    let err = |what| move |e: cudarc::driver::DriverError| cuda_err(what)(&e);
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let attribute = |pool, which| -> Result<u64> {
+        let mut bytes = 0u64;
+        // SAFETY: the pool is the device's default; both attributes read are u64s.
+        unsafe {
+            sys::cuMemPoolGetAttribute(pool, which, (&mut bytes) as *mut u64 as *mut _)
+                .result()
+                .map_err(err("reading the device pool's size"))?;
+        }
+        Ok(bytes)
+    };
+    use sys::CUmemPool_attribute::{
+        CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT as RESERVED, CU_MEMPOOL_ATTR_USED_MEM_CURRENT as USED,
+    };
+    // SAFETY: the stream's context is current on this thread (bound by cudarc); the pool
+    // handle is the device's default.
+    unsafe {
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context")(&e))?;
+        sys::cuDeviceGetDefaultMemPool(&mut pool, stream.context().cu_device())
+            .result()
+            .map_err(err("finding the device pool"))?;
+        // The pool's reserve counts the buffers alive (the weights among them) as well.
+        let before = attribute(pool, RESERVED)?;
+        let in_use = attribute(pool, USED)?;
+        sys::cuMemPoolTrimTo(pool, (in_use as usize).saturating_add(keep))
+            .result()
+            .map_err(err("trimming the device pool"))?;
+        Ok(before.saturating_sub(attribute(pool, RESERVED)?) as usize)
+    }
+}
+
 /// The backend's stream and its side stream (which allocates a recorded step's buffers).
 /// Our own stream, not the legacy default one, which cannot be captured into a graph.
 /// Every op of this backend runs on it, so cudarc's cross-stream event tracking (which

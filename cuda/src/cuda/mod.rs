@@ -121,6 +121,11 @@ impl Backend for CudaBackend {
         cudarc::driver::result::mem_get_info().ok()
     }
 
+    fn release_cached_memory(&self, keep: usize) -> Result<usize> {
+        self.synchronize()?;
+        context::trim_device_pool(&self.inner.stream, keep)
+    }
+
     fn copy(&self, dst: &mut CudaTensor, src: &CudaTensor) -> Result<()> {
         self.copy_impl(dst, src)
     }
