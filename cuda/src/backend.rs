@@ -40,6 +40,30 @@ pub enum AttnMask {
     Causal { first_query_slot: usize },
 }
 
+/// Device memory a service keeps cached while it is idle, for the next request's first steps
+/// ([`release_idle_memory`]). With 256 MiB, 8B W4 with an 8k-token cache held 9,581 MiB after
+/// a 1344 px image and a 4,782-token prompt (H200): the cache's 256 MiB over the 9,325 after
+/// start; with 128, 9,549.
+pub const IDLE_CACHED_BYTES: usize = 128 << 20;
+
+/// What a service's loop calls when it has nothing left to do: the device's allocator gives
+/// back what it cached beyond [`IDLE_CACHED_BYTES`] ([`Backend::release_cached_memory`]).
+/// After a large request (a 1344 px image, a long prompt) the process would otherwise hold
+/// that request's peak until it stops, which a Jetson shares with its system.
+pub fn release_idle_memory<B: Backend>(be: &B, service: &str) {
+    match be.release_cached_memory(IDLE_CACHED_BYTES) {
+        Ok(0) => {}
+        Ok(bytes) => tracing::debug!(
+            service,
+            mib = bytes >> 20,
+            "idle: gave cached device memory back to the driver"
+        ),
+        Err(e) => {
+            tracing::warn!(service, error = %e, "idle: could not trim the device's memory pool")
+        }
+    }
+}
+
 /// Index of the largest value; the first one on ties, as `torch.argmax`.
 pub fn argmax(values: &[f32]) -> u32 {
     let mut best = 0;

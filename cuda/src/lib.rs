@@ -46,8 +46,8 @@ pub mod twin;
 mod weights;
 
 pub use backend::{
-    argmax, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams, OpTime, PagedBatch,
-    Projection, QkNorm, QkvToCache, SampleIo,
+    argmax, release_idle_memory, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams,
+    OpTime, PagedBatch, Projection, QkNorm, QkvToCache, SampleIo, IDLE_CACHED_BYTES,
 };
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};

@@ -467,11 +467,6 @@ impl std::fmt::Display for StepTotals {
 }
 
 /// The loop's state; lives on the engine thread.
-/// Device memory the allocator keeps cached while the engine is idle, for the next request's
-/// first steps. With 256 MiB, 8B W4 with an 8k-token cache held 9,581 MiB after a 1344 px
-/// image and a 4,782-token prompt (H200), the cache's 256 MiB over the 9,325 after start.
-const IDLE_CACHED_BYTES: usize = 128 << 20;
-
 struct EngineLoop<B: Backend> {
     model: TextModel<B>,
     kv: PagedKv<B>,
@@ -502,7 +497,7 @@ impl<B: Backend> EngineLoop<B> {
         loop {
             if self.sched.is_idle() {
                 self.report();
-                self.release_idle_memory();
+                vlm_compute::release_idle_memory(self.model.backend(), "llm");
                 if !open {
                     break;
                 }
@@ -751,25 +746,6 @@ impl<B: Backend> EngineLoop<B> {
     }
 
     /// Gauges to the present, counters up to date, and a summary line every 10 s of work.
-    /// Gives what the device's allocator cached beyond [`IDLE_CACHED_BYTES`] back to the
-    /// driver: after a large request (a 1344 px image, a long prompt) the server would
-    /// otherwise hold that request's peak until it stops, which a Jetson shares with its
-    /// system. Kept: what ordinary steps allocate, so the next request maps nothing new.
-    fn release_idle_memory(&self) {
-        match self
-            .model
-            .backend()
-            .release_cached_memory(IDLE_CACHED_BYTES)
-        {
-            Ok(0) => {}
-            Ok(bytes) => tracing::debug!(
-                mib = bytes >> 20,
-                "idle: gave cached device memory back to the driver"
-            ),
-            Err(e) => tracing::warn!(error = %e, "idle: could not trim the device's memory pool"),
-        }
-    }
-
     fn report(&mut self) {
         let m = &self.shared.metrics;
         m.kv_blocks_in_use.set(self.pool.num_in_use() as i64);
