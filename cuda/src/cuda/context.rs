@@ -373,8 +373,8 @@ pub(super) fn trim_device_pool(stream: &Arc<CudaStream>, keep: usize) -> Result<
     use sys::CUmemPool_attribute::{
         CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT as RESERVED, CU_MEMPOOL_ATTR_USED_MEM_CURRENT as USED,
     };
-    // SAFETY: the stream's context is current on this thread (bound by cudarc); the pool
-    // handle is the device's default.
+    // SAFETY: the stream's context is bound to this thread first; the pool handle is the
+    // device's default, which lives as long as the context.
     unsafe {
         stream
             .context()
