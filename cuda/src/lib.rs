@@ -47,7 +47,7 @@ mod weights;
 
 pub use backend::{
     argmax, release_idle_memory, AttentionWeights, AttnMask, Backend, GeluKind, LayerNormParams,
-    OpTime, PagedBatch, Projection, QkNorm, QkvToCache, SampleIo, IDLE_CACHED_BYTES,
+    OpTime, PagedBatch, Projection, QkNorm, QkvToCache, SampleIo,
 };
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaCache, CudaIds, CudaTensor, CudaWeight};

@@ -332,18 +332,25 @@ fn require_libraries() -> Result<()> {
     Ok(())
 }
 
+/// The device's default memory pool, where every op's output is allocated.
+fn device_pool(
+    ctx: &CudaContext,
+) -> std::result::Result<cudarc::driver::sys::CUmemoryPool, cudarc::driver::DriverError> {
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: the device handle is the live context's.
+    unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()? };
+    Ok(pool)
+}
+
 /// Keeps memory freed into the device's pool there (the default gives it back at every
 /// synchronization, and each step's op outputs would then be mapped afresh: tens of
 /// microseconds per allocation, more than many of the kernels take).
 fn keep_freed_device_memory(ctx: &CudaContext) {
     use cudarc::driver::sys;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let mut keep = u64::MAX;
-    // SAFETY: the context is current (just created); the pool handle is the device's
-    // default, the attribute a u64.
-    unsafe {
-        let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
-        if got == sys::CUresult::CUDA_SUCCESS {
+    if let Ok(pool) = device_pool(ctx) {
+        // SAFETY: the pool handle is the device's default, the attribute a u64.
+        unsafe {
             sys::cuMemPoolSetAttribute(
                 pool,
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -359,7 +366,6 @@ fn keep_freed_device_memory(ctx: &CudaContext) {
 pub(super) fn trim_device_pool(stream: &Arc<CudaStream>, keep: usize) -> Result<usize> {
     use cudarc::driver::sys;
     let err = |what| move |e: cudarc::driver::DriverError| cuda_err(what)(&e);
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let attribute = |pool, which| -> Result<u64> {
         let mut bytes = 0u64;
         // SAFETY: the pool is the device's default; both attributes read are u64s.
@@ -380,9 +386,7 @@ pub(super) fn trim_device_pool(stream: &Arc<CudaStream>, keep: usize) -> Result<
             .context()
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context")(&e))?;
-        sys::cuDeviceGetDefaultMemPool(&mut pool, stream.context().cu_device())
-            .result()
-            .map_err(err("finding the device pool"))?;
+        let pool = device_pool(stream.context()).map_err(err("finding the device pool"))?;
         // The pool's reserve counts the buffers alive (the weights among them) as well.
         let before = attribute(pool, RESERVED)?;
         let in_use = attribute(pool, USED)?;
