@@ -31,12 +31,6 @@ const F16: Lanes = Lanes {
     low: 0x0001_0001_0001_0001,
     high: 0x8000_8000_8000_8000,
 };
-const F32: Lanes = Lanes {
-    bytes: 4,
-    exponent: 0x7f80_0000_7f80_0000,
-    low: 0x0000_0001_0000_0001,
-    high: 0x8000_0000_8000_0000,
-};
 
 /// Index of the first value (little-endian, `lanes` wide) whose exponent bits are all ones:
 /// an infinity or a NaN. Eight bytes at a time, a block without a branch a value (a 448 px
@@ -64,6 +58,23 @@ fn first_exponent_all_ones(bytes: &[u8], lanes: &Lanes) -> Option<usize> {
         if hit != 0 || tail.chunks_exact(lanes.bytes).any(lane) {
             let at = block.chunks_exact(lanes.bytes).position(lane)?;
             return Some(k * BLOCK / lanes.bytes + at);
+        }
+    }
+    None
+}
+
+/// Index of the first f32 value past f16's range: NaN, an infinity or |v| > 65504. With the
+/// sign cleared, an f32's bits order as its magnitude does, and NaNs and infinities order above
+/// every finite value, so one unsigned comparison a value covers all three. Blocks of 512 are
+/// tested without a branch a value (the loop vectorizes), then the block that has one is
+/// searched value by value.
+fn first_f32_beyond_f16(values: &[f32]) -> Option<usize> {
+    const F16_MAX_BITS: u32 = 0x477f_e000; // 65504.0f32
+    let beyond = |v: &f32| (v.to_bits() & 0x7fff_ffff) > F16_MAX_BITS;
+    const BLOCK: usize = 512;
+    for (k, block) in values.chunks(BLOCK).enumerate() {
+        if block.iter().fold(false, |acc, v| acc | beyond(v)) {
+            return block.iter().position(beyond).map(|at| k * BLOCK + at);
         }
     }
     None
@@ -243,12 +254,15 @@ impl Embeddings {
         }
     }
 
-    /// Index of the first value that is NaN or infinite, for embeddings on the host (rows on
-    /// a device are not read: they come from our own vision tower in this process). A sender's
-    /// NaN would reach every logit after it, so receivers refuse such rows up front.
-    pub fn first_non_finite(&self) -> Option<usize> {
+    /// Index of the first value f16 cannot hold (NaN, an infinity, or a magnitude past f16's
+    /// 65504), for embeddings on the host (rows on a device are not read: they come from our own
+    /// vision tower in this process). A GPU holds the rows in f16, where such a value is an
+    /// infinity or a NaN; and even the f32 CPU path squares the rows in RMSNorm, so a sender's
+    /// 1e38 overflows there. Either way it would reach every logit after it, so receivers
+    /// refuse such rows up front.
+    pub fn first_beyond_f16(&self) -> Option<usize> {
         match self {
-            Embeddings::F32(t) => first_exponent_all_ones(bytemuck::cast_slice(t.data()), &F32),
+            Embeddings::F32(t) => first_f32_beyond_f16(t.data()),
             Embeddings::F16(t) => first_exponent_all_ones(t.bytes(), &F16),
             Embeddings::Device(_) => None,
         }
@@ -341,44 +355,52 @@ mod tests {
     }
 
     #[test]
-    fn the_first_nan_or_infinity_is_found_in_either_precision() {
+    fn the_first_value_f16_cannot_hold_is_found_in_either_precision() {
         let t = tensor(2, 3);
-        assert_eq!(Embeddings::F32(t.clone()).first_non_finite(), None);
+        assert_eq!(Embeddings::F32(t.clone()).first_beyond_f16(), None);
         assert_eq!(
-            Embeddings::F16(HalfTensor::from_f32(&t)).first_non_finite(),
+            Embeddings::F16(HalfTensor::from_f32(&t)).first_beyond_f16(),
             None
         );
         for (at, bad) in [(4, f32::NAN), (1, f32::INFINITY), (5, f32::NEG_INFINITY)] {
             let mut data = t.data().to_vec();
             data[at] = bad;
             let t = HostTensor::new(vec![2, 3], data).unwrap();
-            assert_eq!(Embeddings::F32(t.clone()).first_non_finite(), Some(at));
+            assert_eq!(Embeddings::F32(t.clone()).first_beyond_f16(), Some(at));
             let h = Embeddings::F16(HalfTensor::from_f32(&t));
-            assert_eq!(h.first_non_finite(), Some(at), "{bad} in f16");
+            assert_eq!(h.first_beyond_f16(), Some(at), "{bad} in f16");
         }
         // Past the first block, in a block's 8-byte words and in its tail, at odd addresses.
         for (len, at) in [(3, 2), (700, 699), (700, 300), (1030, 1027), (9, 8)] {
             let mut data = vec![0.25f32; len];
             data[at] = f32::NAN;
             let t = HostTensor::new(vec![1, len], data).unwrap();
-            assert_eq!(Embeddings::F32(t.clone()).first_non_finite(), Some(at));
+            assert_eq!(Embeddings::F32(t.clone()).first_beyond_f16(), Some(at));
             let h = HalfTensor::from_f32(&t);
             let mut shifted = vec![0u8; h.bytes().len() + 1];
             shifted[1..].copy_from_slice(h.bytes());
             let odd =
                 HalfTensor::from_bytes(vec![1, len], Bytes::from(shifted).slice(1..)).unwrap();
             assert_eq!(
-                Embeddings::F16(odd).first_non_finite(),
+                Embeddings::F16(odd).first_beyond_f16(),
                 Some(at),
                 "{len} {at}"
             );
         }
-        // 65504 is f16's largest finite value, not an infinity.
+        // 65504 is f16's largest finite value, not an infinity; in f32, what lies past it is
+        // refused too (what bf16 on the wire can hold, up to 3.4e38, is widened to f32).
         let max = HostTensor::new(vec![1, 2], vec![65504.0, -65504.0]).unwrap();
+        assert_eq!(Embeddings::F32(max.clone()).first_beyond_f16(), None);
         assert_eq!(
-            Embeddings::F16(HalfTensor::from_f32(&max)).first_non_finite(),
+            Embeddings::F16(HalfTensor::from_f32(&max)).first_beyond_f16(),
             None
         );
+        for (at, big) in [(0, 65505.0f32), (1, -65520.0), (700, -1.7e38), (1029, 1e6)] {
+            let mut data = vec![-65504.0f32; 1030];
+            data[at] = big;
+            let t = HostTensor::new(vec![1, 1030], data).unwrap();
+            assert_eq!(Embeddings::F32(t).first_beyond_f16(), Some(at), "{big}");
+        }
     }
 
     /// A received message's bytes may start at an odd address.

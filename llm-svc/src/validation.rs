@@ -98,11 +98,11 @@ pub(crate) fn check(
         let features = std::iter::once(("embeddings", &img.embeds))
             .chain(img.deepstack.iter().map(|d| ("DeepStack features", d)));
         for (what, rows) in features {
-            if let Some(i) = rows.first_non_finite() {
+            if let Some(i) = rows.first_beyond_f16() {
                 return Err(Error::BadImage {
                     index: k,
                     message: format!(
-                        "{what} value {i} (row {}) is NaN or infinite",
+                        "{what} value {i} (row {}) is NaN, infinite or past f16's range (|v| > 65504)",
                         i / hidden.max(1)
                     ),
                 });

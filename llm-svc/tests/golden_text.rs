@@ -495,11 +495,12 @@ fn a_text_only_model_refuses_images() {
     );
 }
 
-/// Embeddings with a NaN or an infinity (a broken sender; llm-svc's port takes them off the
-/// wire) are the request's error, naming the image, the features and the value: left in, they
-/// would make every logit NaN and the request would fail later as the model's fault.
+/// Embeddings with a NaN, an infinity or a value past f16's range (a broken sender; llm-svc's
+/// port takes them off the wire) are the request's error, naming the image, the features and
+/// the value: left in, they would make every logit NaN and the request would fail later as the
+/// model's fault.
 #[test]
-fn image_features_that_are_not_finite_are_refused_by_name() {
+fn image_features_f16_cannot_hold_are_refused_by_name() {
     let dir = fixture("tiny-qwen3-vl");
     let engine = cpu_engine(&dir, &Weights::open(&dir).unwrap());
     let g = Golden::open(&dir).unwrap();
@@ -514,7 +515,8 @@ fn image_features_that_are_not_finite_are_refused_by_name() {
     let (_, prompt) = g.ints(&format!("case.{name}.prompt_ids")).unwrap();
     let image = hf_image(&g, case["images"][0].as_str().unwrap());
     let hidden = engine.config().text.hidden_size;
-    let planted = |mut image: ImageInput, deepstack: bool, at: usize, v: f32| {
+    // `wide`: the rows arrive as f32 (as f32 or bf16 on the wire), else as f16.
+    let planted = |mut image: ImageInput, deepstack: bool, wide: bool, at: usize, v: f32| {
         let rows = if deepstack {
             &mut image.deepstack[1]
         } else {
@@ -522,7 +524,11 @@ fn image_features_that_are_not_finite_are_refused_by_name() {
         };
         let mut t = rows.to_f32().unwrap().into_owned();
         t.data_mut()[at] = v;
-        *rows = Embeddings::F16(vlm_compute::HalfTensor::from_f32(&t));
+        *rows = if wide {
+            Embeddings::F32(t)
+        } else {
+            Embeddings::F16(vlm_compute::HalfTensor::from_f32(&t))
+        };
         GenerateRequest {
             prompt: prompt.iter().map(|&t| t as u32).collect(),
             images: vec![image],
@@ -534,20 +540,29 @@ fn image_features_that_are_not_finite_are_refused_by_name() {
         }
     };
     engine
-        .validate(&planted(image.clone(), false, 0, 1.0))
+        .validate(&planted(image.clone(), false, false, 0, 1.0))
+        .unwrap();
+    engine
+        .validate(&planted(image.clone(), false, true, 0, 65504.0))
         .unwrap();
     let at = 2 * hidden + 5;
     let err = engine
-        .validate(&planted(image.clone(), false, at, f32::NAN))
+        .validate(&planted(image.clone(), false, false, at, f32::NAN))
         .unwrap_err();
-    let want = format!("images[0]: embeddings value {at} (row 2) is NaN or infinite");
+    let want = format!("images[0]: embeddings value {at} (row 2) is NaN, infinite or past f16's");
     assert!(err.to_string().contains(&want), "{err}");
     assert_eq!(
         tonic::Status::from(err).code(),
         tonic::Code::InvalidArgument
     );
+    // Finite in f32 (bf16's -1.7e38 on the wire, found by the gRPC fuzz target), but the
+    // RMSNorm's sum of squares would overflow: refused as well.
     let err = engine
-        .validate(&planted(image, true, 7, f32::INFINITY))
+        .validate(&planted(image.clone(), false, true, at, -1.7e38))
+        .unwrap_err();
+    assert!(err.to_string().contains(&want), "{err}");
+    let err = engine
+        .validate(&planted(image, true, false, 7, f32::INFINITY))
         .unwrap_err();
     assert!(
         err.to_string()
