@@ -25,8 +25,9 @@ pub struct Footprint {
     /// The KV cache for `kv_tokens` tokens (f16 keys and values, or FP8 ones: one byte each).
     pub kv_cache: usize,
     pub kv_tokens: usize,
-    /// Where an integer matrix is dequantized for the GEMMs of prefill and batches: as large
-    /// as the largest one in f16.
+    /// Where an integer matrix is dequantized for the GEMMs of prefill and batches: the
+    /// largest chunk of rows any matrix is dequantized in, in f16 (at most 64 MiB; a matrix
+    /// that fits is dequantized whole).
     pub dequant_scratch: usize,
 }
 
@@ -51,7 +52,7 @@ impl Footprint {
         let quantize = weights.quantize;
         let cfg = llm_svc::ModelConfig::from_dir(dir)?;
         let t = &cfg.text;
-        let (h, i) = (t.hidden_size, t.intermediate_size);
+        let h = t.hidden_size;
         let matrices = t.num_hidden_layers * decoder_layer_matrix_params(t);
         // The checkpoint's own format (config.json alone; no weights need be there), else
         // --quantize.
@@ -71,7 +72,11 @@ impl Footprint {
                     } else {
                         format!("{b}-bit")
                     };
-                    (int_bytes(matrices, b), format, 2 * i * h * 2)
+                    (
+                        int_bytes(matrices, b),
+                        format,
+                        2 * dequant_scratch_halves(t),
+                    )
                 }
                 None => (matrices * 2, "f16".into(), 0),
             };
@@ -101,6 +106,19 @@ impl Footprint {
             dequant_scratch,
         })
     }
+}
+
+/// The halves of the GPU's dequantization scratch for `c`'s decoder: the largest chunk of rows
+/// it dequantizes any of its matrices in (q/k/v and gate/up are stacked, as the GPU holds
+/// them).
+fn dequant_scratch_halves(c: &llm_svc::TextConfig) -> usize {
+    let (h, i, d) = (c.hidden_size, c.intermediate_size, c.head_dim);
+    let qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * d;
+    [[qkv, h], [h, c.num_attention_heads * d], [2 * i, h], [h, i]]
+        .iter()
+        .map(|&[m, k]| vlm_compute::cuda::dequant_chunk_rows(m, k) * k)
+        .max()
+        .unwrap_or(0)
 }
 
 /// The projections' parameters in one decoder layer (q/k/v, o, gate/up, down): what
@@ -208,7 +226,12 @@ mod tests {
         // Half a byte a value and 4 bytes a 128 of them, against f16's 2 bytes: 0.2656.
         let ratio = w4.decoder_matrices as f64 / f16.decoder_matrices as f64;
         assert!((ratio - 0.265625).abs() < 1e-9, "{ratio}");
-        assert!(w4.dequant_scratch > 0);
+        // The tiny model's largest matrix, gate/up [2 x 384, 128], dequantized whole; at 8B
+        // sizes gate/up [24576, 4096] in 3 chunks of 8,192 rows: 64 MiB, not 201 MB.
+        assert_eq!(w4.dequant_scratch, 2 * 384 * 128 * 2);
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/models/qwen3-vl-8b");
+        let w4_8b = Footprint::of(&dir, to(QuantizeTo::Int4), 0, Auto).unwrap();
+        assert_eq!(w4_8b.dequant_scratch, 64 << 20);
         let vl = Footprint::of(&fixture("tiny-qwen3-vl"), as_stored(), 0, Auto).unwrap();
         assert!(vl.vision > 0);
     }

@@ -115,8 +115,9 @@ fn int_weights_at_real_sizes() {
     // values, the GPU's GEMVs the packed ones (exact q - zero or e4m3 value, the scale once a
     // load), so they differ in summation order only; past 4 rows the integer GEMM forms f16
     // weights (FP8's scale rounded to f16 first) in passes of 64 rows up to 128 (the second
-    // pass here of 33 rows), past that the GEMM reads the matrix dequantized to f16. (rows, in,
-    // out): 8B q/k/v, o, gate/up (as two halves), down, batches and a prefill chunk.
+    // pass here of 33 rows), past that the GEMM reads the matrix dequantized to f16 (gate/up's
+    // halves and down in two chunks of rows each: 64 MiB of scratch at most). (rows, in, out):
+    // 8B q/k/v, o, gate/up (as two halves), down, batches and a prefill chunk.
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         check_all(
             &g,

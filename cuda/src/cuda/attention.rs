@@ -446,7 +446,7 @@ impl CudaBackend {
             && x.shape.len() == 2
             && k == cols
             && qkv.b.is_none_or(|b| b.len() == m3)
-            && (qkv.b.is_none() || self.lt_supports(&qkv_shape)?);
+            && (qkv.b.is_none() || self.lt_takes(&qkv_shape, qkv.w)?);
         let (true, Some(dims)) = (fused, dims) else {
             return layer_norm_rope_attention_op_by_op(self, x, norm, attn, rope, lens);
         };
@@ -469,7 +469,7 @@ impl CudaBackend {
         };
         let proj_fits = proj.w.shape == [cols, proj_shape.k]
             && proj.b.is_none_or(|b| b.len() == cols)
-            && (proj.b.is_none() || self.lt_supports(&proj_shape)?);
+            && (proj.b.is_none() || self.lt_takes(&proj_shape, proj.w)?);
         if self.wgmma_attends(dims) && proj_fits {
             // The attention written in f16, the projection's operand: its GEMM adds it into x
             // (the bias in cuBLASLt's epilogue), with no f32 copy and cast between them.

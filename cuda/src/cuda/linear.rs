@@ -291,24 +291,28 @@ impl CudaBackend {
             return self.launch_int_gemm(x16, 0..n, iw, m, k, None, out, accumulate, alpha);
         }
         // Row-major out[n, m] = x[n, k] · w[m, k]ᵀ is column-major outᵀ[m, n] = w · xᵀ, with w
-        // read transposed from its row-major [m, k] storage. f16 in, f32 accumulation.
-        {
-            let beta = if accumulate { 1.0f32 } else { 0.0 };
-            let stream = &self.inner.stream;
-            let dense = self.dense_f16(w)?;
+        // read transposed from its row-major [m, k] storage. f16 in, f32 accumulation. A
+        // chunk of w's rows is a block of outᵀ's rows: the same GEMM from out + rows.start,
+        // leading dimension m.
+        let beta = if accumulate { 1.0f32 } else { 0.0 };
+        let stream = &self.inner.stream;
+        let (xp, _x_guard) = x16.device_ptr(stream);
+        let (op, _o_guard) = out.device_ptr_mut(stream);
+        self.with_dense_f16(w, |rows, dense| {
             let (wp, _w_guard) = dense.device_ptr(stream);
-            let (xp, _x_guard) = x16.device_ptr(stream);
-            let (op, _o_guard) = out.device_ptr_mut(stream);
+            let chunk_out = op + (rows.start * std::mem::size_of::<O>()) as u64;
             use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
-            // SAFETY: w holds m*k f16, x16 n*k f16, out n*m of O, as the leading dimensions
-            // say; the guards keep the buffers alive and ordered on this stream until the call
-            // is queued. With f32 compute, alpha and beta are f32 whatever the output type.
+            // SAFETY: dense holds rows.len() * k f16 (w's rows), x16 n*k f16, out n*m of O, as
+            // the leading dimensions say (the chunk's output starts rows.start elements into
+            // out's first row); the guards keep the buffers alive and ordered on this stream
+            // until the call is queued. With f32 compute, alpha and beta are f32 whatever the
+            // output type.
             unsafe {
                 cudarc::cublas::result::gemm_ex(
                     *self.inner.blas.handle(),
                     cublasOperation_t::CUBLAS_OP_T,
                     cublasOperation_t::CUBLAS_OP_N,
-                    m as i32,
+                    rows.len() as i32,
                     n as i32,
                     k as i32,
                     (&alpha) as *const f32 as *const _,
@@ -319,15 +323,15 @@ impl CudaBackend {
                     cudaDataType_t::CUDA_R_16F,
                     k as i32,
                     (&beta) as *const f32 as *const _,
-                    op as *mut _,
+                    chunk_out as *mut _,
                     O::TYPE,
                     m as i32,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
-            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16, f32 accumulation)")(&e))?;
-        }
+            .map_err(|e| cuda_err("cuBLAS GemmEx (f16 x f16, f32 accumulation)")(&e))
+        })?;
         self.op_done("cublas_gemm_f16")
     }
 
@@ -353,17 +357,20 @@ impl CudaBackend {
         }
     }
 
-    /// Whether cuBLASLt has an algorithm for `shape` (asked once per shape).
-    pub(super) fn lt_supports(&self, shape: &LtShape) -> Result<bool> {
-        Ok(self
-            .inner
-            .lt
-            .algo(LtGemm::F16(*shape), self.inner.workspace)?
-            .is_some())
+    /// Whether [`Self::lt_gemm`] takes `w` in `shape`: cuBLASLt has an algorithm for it (asked
+    /// once per shape), and `w` is f16 in one piece (an integer weight dequantized in chunks
+    /// takes a plain GEMM a chunk at a time instead, its bias added apart).
+    pub(super) fn lt_takes(&self, shape: &LtShape, w: &CudaWeight) -> Result<bool> {
+        Ok(self.dense_whole(w)
+            && self
+                .inner
+                .lt
+                .algo(LtGemm::F16(*shape), self.inner.workspace)?
+                .is_some())
     }
 
     /// `out (+)= x16 · wᵀ`, `shape.n` rows, then `shape.epilogue` with `bias`, on cuBLASLt
-    /// (for a shape [`Self::lt_supports`]; others are an error). `O` and `Bias` are the
+    /// (where [`Self::lt_takes`] says so; others are an error). `O` and `Bias` are the
     /// output's element type (f32 or f16, as `shape.out_kind` says).
     pub(super) fn lt_gemm<O: DeviceRepr, Bias: DeviceRepr>(
         &self,
@@ -399,33 +406,40 @@ impl CudaBackend {
                 what: format!("cuBLASLt has no algorithm for {shape:?}"),
             });
         };
+        if !self.dense_whole(w) {
+            return Err(Error::shape(
+                "cuBLASLt GEMM",
+                format!("{:?}: dequantized in chunks (lt_takes says no)", w.shape),
+            ));
+        }
         let stream = &self.inner.stream;
         let (x, _x_guard) = x16.device_ptr(stream);
-        let dense = self.dense_f16(w)?;
-        let (wp, _w_guard) = dense.device_ptr(stream);
         let (b, _b_guard) = bias.device_ptr(stream);
         let (o, _o_guard) = out.device_ptr_mut(stream);
-        let operands = LtOperands {
-            x,
-            w: wp,
-            bias: b,
-            out: o,
-            w_scales: 0,
-            x_scales: 0,
-        };
-        // SAFETY: sizes and element types checked above; the guards keep the buffers alive
-        // and ordered on this stream until the GEMM is queued (and the buffers' owners free
-        // them stream-ordered, after it).
-        unsafe {
-            self.inner.lt.matmul(
-                stream.cu_stream(),
-                self.inner.workspace,
-                &LtGemm::F16(*shape),
-                algo,
-                &operands,
-                1.0,
-            )
-        }?;
+        self.with_dense_f16(w, |_all_rows, dense| {
+            let (wp, _w_guard) = dense.device_ptr(stream);
+            let operands = LtOperands {
+                x,
+                w: wp,
+                bias: b,
+                out: o,
+                w_scales: 0,
+                x_scales: 0,
+            };
+            // SAFETY: sizes and element types checked above, w in one piece; the guards keep
+            // the buffers alive and ordered on this stream until the GEMM is queued (and the
+            // buffers' owners free them stream-ordered, after it).
+            unsafe {
+                self.inner.lt.matmul(
+                    stream.cu_stream(),
+                    self.inner.workspace,
+                    &LtGemm::F16(*shape),
+                    algo,
+                    &operands,
+                    1.0,
+                )
+            }
+        })?;
         self.op_done("cublaslt_gemm")
     }
 
@@ -454,7 +468,7 @@ impl CudaBackend {
             epilogue: Epilogue::Bias,
         };
         // FP8 weights the W8A8 GEMM takes get the bias broadcast below, then that GEMM.
-        if self.w8a8_weight::<f32>(w, n, true)?.is_none() && self.lt_supports(&shape)? {
+        if self.w8a8_weight::<f32>(w, n, true)?.is_none() && self.lt_takes(&shape, w)? {
             return self.lt_gemm(&shape, x16, w, &b.buf, out);
         }
         self.broadcast_bias(b, n, out)?;
@@ -730,7 +744,7 @@ impl CudaBackend {
             out_kind: LtOut::F32 { accumulate: true },
             epilogue: Epilogue::Bias,
         };
-        if !self.lt_supports(&shape)? {
+        if !self.lt_takes(&shape, w)? {
             *x = self.add(x, &self.linear(a, w, Some(b))?)?;
             return Ok(());
         }
@@ -800,7 +814,7 @@ impl CudaBackend {
         if let (true, Some(b_up), Some(b_down)) =
             (n > GEMV_MAX_ROWS && act == GeluKind::Tanh, up.b, down.b)
         {
-            if self.lt_supports(&up_shape)? && self.lt_supports(&down_shape)? {
+            if self.lt_takes(&up_shape, up.w)? && self.lt_takes(&down_shape, down.w)? {
                 let h16 = self.layer_norm_f16(x, norm)?;
                 // An f16 output takes an f16 bias.
                 let b_up16 = self.to_f16(b_up)?;
