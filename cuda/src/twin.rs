@@ -104,6 +104,18 @@ pub enum Case {
         /// whichever this GPU would pick; `None`: the device's own choice. The CPU ignores it.
         block_rows: Option<usize>,
     },
+    /// An integer weight (`to`, groups of 128) through op `op` at `n` rows past the integer
+    /// GEMM's (its passes of 64), so dequantized for cuBLAS, `chunk_rows` weight rows at a time
+    /// ([`crate::cuda::with_dequant_chunk_rows`]): the chunks an 8B model's gate/up and down
+    /// take, at a size the startup check can afford. The CPU ignores the chunks.
+    DequantGemm {
+        n: usize,
+        k: usize,
+        m: usize,
+        to: QuantizeTo,
+        op: IntOp,
+        chunk_rows: usize,
+    },
     /// An FP8 weight in 128 x 128 blocks through op `op` (`Linear` or `AddLinear`) at `n` rows,
     /// with FP8 on W8A8 (every other case runs FP8 weight-only): on an H100, past 4 rows the
     /// W8A8 GEMM (activations quantized to e4m3, cuBLASLt with block scales), at 1-4 the GEMVs
@@ -468,6 +480,17 @@ impl Case {
                 int_name(Some(*to)),
                 block_rows.map_or(String::new(), |r| format!(", blocks of {r} rows"))
             ),
+            Case::DequantGemm {
+                n,
+                k,
+                m,
+                to,
+                op,
+                chunk_rows,
+            } => format!(
+                "dequantized gemm {op:?} {n}x{k}->{m}{}, chunks of {chunk_rows} rows",
+                int_name(Some(*to))
+            ),
             Case::LayerNormLinears { n, k, m } => format!("layer_norm_linears {n}x{k}->3x{m}"),
             Case::LayerNormMlp { n, k, hidden } => {
                 format!("layer_norm_mlp {n}x{k}->{hidden}->{k}")
@@ -588,7 +611,7 @@ impl Case {
             // f32 scale is rounded to f16 first: another 2^-11 at most, one factor per row and
             // group (weights_f16.cu, int_mma_gemm). The MLP rounds its gate/up product and
             // SwiGLU to f16 on the way as RmsNormMlp does.
-            Case::IntGemm { .. } => 3e-3,
+            Case::IntGemm { .. } | Case::DequantGemm { .. } => 3e-3,
             // The same products on every path, the sums in another order: cuBLASLt's FP8
             // kernels scale each 128-column block's sum into f32, but within a block Hopper's
             // FP8 tensor cores keep fewer accumulator bits than f32 (about 14, DeepSeek-V3's
@@ -775,6 +798,16 @@ impl Case {
                 block_rows,
             } => crate::cuda::with_int_gemm_rows(block_rows, || {
                 int_gemm(be, n, k, m, to, group, op)
+            })?,
+            Case::DequantGemm {
+                n,
+                k,
+                m,
+                to,
+                op,
+                chunk_rows,
+            } => crate::cuda::with_dequant_chunk_rows(Some(chunk_rows), || {
+                int_gemm(be, n, k, m, to, 128, op)
             })?,
             Case::W8a8 { n, k, m, op } => w8a8(be, n, k, m, op)?,
             Case::SwigluOutlier { n } => swiglu_outlier(be, n)?,
@@ -1646,6 +1679,21 @@ pub fn self_check_cases() -> Vec<Case> {
                 int_gemm(33, 512, 200, 64, IntOp::Linear, Some(rows)),
                 int_gemm(9, 512, 384, 128, IntOp::Mlp, Some(rows)),
             ]);
+        }
+    }
+    // Past the integer GEMM's 128 rows (two passes of 64) W4 and W8 weights are dequantized
+    // for cuBLAS a chunk of rows at a time: here 160 rows of 384 (two whole, a short last), the
+    // bias added apart; the MLP's gate/up [768, 256] in 5 and down [256, 384] in 2.
+    for to in [QuantizeTo::Int4, QuantizeTo::Int8] {
+        for op in [IntOp::Linear, IntOp::AddLinear, IntOp::Mlp] {
+            cases.push(DequantGemm {
+                n: 136,
+                k: 256,
+                m: 384,
+                to,
+                op,
+                chunk_rows: 160,
+            });
         }
     }
     // FP8 weights' W8A8 GEMM (an H100's, past 4 rows): k of 2 groups, of 5 (the block

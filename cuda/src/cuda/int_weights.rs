@@ -100,6 +100,26 @@ pub fn with_int_gemm_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
     super::launch::with_forced(&FORCED_ROWS, rows, f)
 }
 
+thread_local! {
+    /// Weight rows forced on this thread's chunks of dequantization by
+    /// [`with_dequant_chunk_rows`].
+    static FORCED_CHUNK_ROWS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's dequantizations for cuBLAS in chunks of at most `rows` weight
+/// rows (never more than [`dequant_chunk_rows`] gives, which sized the scratch; `None`: that),
+/// so that a twin case of a few hundred rows goes through several chunks as an 8B model's
+/// gate/up does.
+pub fn with_dequant_chunk_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
+    super::launch::with_forced(&FORCED_CHUNK_ROWS, rows, f)
+}
+
+/// The rows of an `[m, k]` weight this thread dequantizes at a time.
+fn chunk_rows(m: usize, k: usize) -> usize {
+    let own = dequant_chunk_rows(m, k);
+    FORCED_CHUNK_ROWS.get().map_or(own, |r| r.clamp(1, own))
+}
+
 /// Floats of one block's partial sums under split k (context.rs holds one per SM): x's rows
 /// by the largest block's rows (the first of [`INT_GEMM_BLOCKS`]).
 pub(super) const INT_GEMM_PARTIAL_TILE: usize = INT_GEMM_MAX_ROWS * INT_GEMM_BLOCKS[0].rows();
@@ -635,15 +655,16 @@ impl CudaBackend {
     pub(super) fn dense_whole(&self, w: &CudaWeight) -> bool {
         match &w.data {
             WeightData::F16(_) => true,
-            WeightData::Int(_) => dequant_chunk_rows(w.shape[0], w.shape[1]) >= w.shape[0],
+            WeightData::Int(_) => chunk_rows(w.shape[0], w.shape[1]) >= w.shape[0],
         }
     }
 
     /// `gemm(rows, matrix)` over `w` as f16, `matrix` being rows `rows` of it (`[rows.len(),
     /// k]`, row-major): an f16 weight's own buffer in one call, an integer weight dequantized
-    /// into the scratch [`dequant_chunk_rows`] rows a call. The scratch stays locked until every
-    /// chunk is queued; launches on the one stream run in order, so a chunk's dequantization
-    /// cannot overwrite it before the previous chunk's GEMM has read it.
+    /// into the scratch [`dequant_chunk_rows`] rows a call (or [`with_dequant_chunk_rows`]'s).
+    /// The scratch stays locked until every chunk is queued; launches on the one stream run in
+    /// order, so a chunk's dequantization cannot overwrite it before the previous chunk's GEMM
+    /// has read it.
     pub(super) fn with_dense_f16(
         &self,
         w: &CudaWeight,
@@ -663,7 +684,7 @@ impl CudaBackend {
                 format!("{:?}: no dequantization scratch was sized for it", w.shape),
             ));
         };
-        let chunk = dequant_chunk_rows(m, k);
+        let chunk = chunk_rows(m, k);
         for start in (0..m).step_by(chunk) {
             let rows = start..(start + chunk).min(m);
             self.dequantize_into(iw, &w.shape, rows.clone(), buf)?;
