@@ -90,6 +90,45 @@ struct WgmmaRS<80> {
     }
 };
 
+template <>
+struct WgmmaSS<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a,
+                                               unsigned long long b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+              "+f"(d[30]), "+f"(d[31])
+            : "l"(a), "l"(b), "r"(accumulate));
+    }
+};
+
+template <>
+struct WgmmaRS<128> {
+    static __device__ __forceinline__ void run(float (&d)[64], const unsigned (&a)[4],
+                                               unsigned long long b) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+              "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+              "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    }
+};
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -682,4 +721,173 @@ extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
                                      float4* __restrict__ partials) {
     flash_attention_wgmma(q, kt, vt, out, nq, hq, hkv, d, kv_len, whole, counters,
                           FwPartials{partials});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill chunks over the paged f16 cache on wgmma, head dim 128 (every Qwen3 text decoder's):
+// paged_flash_attention_d128 (attention_f16.cu, mma.sync) with the same arguments and result,
+// for sm_90a. Why: ncu put that kernel at 184 TFLOP/s (747 us a layer at 4096 tokens, 28% of
+// FP8 prefill), latency-bound, with every K and V fragment passing through registers; here the
+// tensor cores read Q and K (S = Q Kᵀ) and V (O += P V) from shared memory, P from S's registers.
+//
+// A block: PW_WG warpgroups of 64 query rows of one head (the block's queries the heaviest first:
+// causal blocks late in the chunk see the most keys), tiles of PW_BK keys in PW_STAGES buffers.
+// Keys come through the block table, so they cannot be bulk-copied as whole tiles (TiledKvDst):
+// each thread copies its one key row of a tile, four 16-byte chunks of K and of V, with
+// cp.async into wgmma's no-swizzle layout (as the ViT kernel's, FW_* above, with PW_D dims). A
+// warp's 8 lanes of one chunk write one 128-byte core (no bank conflict) and its lanes 8 apart
+// read neighbouring chunks of a row (whole 32-byte sectors). One block-wide barrier a tile: the
+// tile's copies are complete and visible to wgmma, and the buffers the next copy reuses are
+// done with. Softmax as flash_attention's (tile_softmax, lazy rescaling, sums in registers).
+#define PW_WG 2
+#define PW_BK 64
+#define PW_D 128
+#define PW_STAGES 3
+
+struct PwShared {
+    static constexpr int threads = PW_WG * 128;
+    static constexpr int q_rows = 64 * PW_WG;
+    static constexpr int q_tile = q_rows * PW_D;  // halves
+    static constexpr int kv_tile = PW_BK * PW_D;  // halves, K or V
+    static constexpr int bytes = (q_tile + 2 * PW_STAGES * kv_tile) * 2;
+};
+static_assert(PW_BK == 8 * PwShared::threads / 32, "a warp's lanes stage one 8-key row block");
+
+// Half offset of (row r, dims c8 * 8..) in a K-major tile of PW_D dims (Q, K) and of (key r,
+// dims c8 * 8..) in the MN-major V tile.
+__device__ __forceinline__ int pw_k_at(int r, int c8) { return ((r / 8) * (PW_D / 8) + c8) * 64 + (r % 8) * 8; }
+__device__ __forceinline__ int pw_v_at(int r, int c8) { return (c8 * (PW_BK / 8) + r / 8) * 64 + (r % 8) * 8; }
+
+extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attention_wgmma_d128(
+    const float* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
+    const unsigned* __restrict__ seqs, const unsigned* __restrict__ blocks,
+    float* __restrict__ out, int seq0, int hq, int hkv, int d, int block_size, float scale) {
+    using Sh = PwShared;
+    constexpr int NS = PW_BK / 8;  // 8-key column groups of S
+    constexpr int NO = PW_D / 8;   // 8-dim column groups of O
+    const unsigned* m = seqs + 4 * (seq0 + blockIdx.z);
+    const int row0 = m[0], n = m[1], kv_len = m[2];
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * Sh::q_rows;
+    if (q0 >= n) return;
+    const PagedRows rows{blocks, m[3], block_size, hkv, PW_D};
+    const int h = blockIdx.y, kvh = h / (hq / hkv), first_slot = kv_len - n;
+    q += (size_t)row0 * hq * PW_D;
+    out += (size_t)row0 * hq * PW_D;
+    const int kv_end = min(kv_len, first_slot + min(q0 + Sh::q_rows, n));
+    const int tiles = (kv_end + PW_BK - 1) / PW_BK;
+
+    extern __shared__ __align__(128) unsigned char pw_smem[];
+    half* Qs = reinterpret_cast<half*>(pw_smem);
+    auto k_buf = [&](int i) { return Qs + Sh::q_tile + (i % PW_STAGES) * 2 * Sh::kv_tile; };
+    auto v_buf = [&](int i) { return k_buf(i) + Sh::kv_tile; };
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+    // Tile `it`'s key row 8 warp + lane % 8 (this thread's), chunks lane / 8 + 4u: zeros past
+    // the keys (P is 0 there, and 0 times what an unwritten buffer holds could be NaN).
+    auto stage = [&](int it) {
+        const int r = 8 * warp + lane % 8, j = it * PW_BK + r;
+        const bool in = j < kv_end;
+        const size_t at = !in ? 0 : block_size == 16 ? rows.row<16>(j, kvh) : rows.row(j, kvh);
+        half* Ks = k_buf(it);
+        half* Vs = v_buf(it);
+#pragma unroll
+        for (int u = 0; u < PW_D / 32; ++u) {
+            const int c8 = lane / 8 + 4 * u;
+            half* ks = Ks + pw_k_at(r, c8);
+            half* vs = Vs + pw_v_at(r, c8);
+            if (in) {
+                cp_async16(ks, kc + at + c8 * 8);
+                cp_async16(vs, vc + at + c8 * 8);
+            } else {
+                *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    for (int i = 0; i < PW_STAGES - 1; ++i) {
+        if (i < tiles) stage(i);
+        cp_async_commit();
+    }
+
+    // The block's queries as f16, scaled by 1/sqrt(d) log2 e (the softmax is exp2), zeros past
+    // n: 8 dims a thread at a time, the 8 rows of a core from 8 neighbouring lanes.
+    const float qscale = scale * 1.4426950408889634f;
+    for (int idx = threadIdx.x; idx < Sh::q_rows * (PW_D / 8); idx += Sh::threads) {
+        const int r = idx % 8 + 8 * (idx / (8 * (PW_D / 8))), c8 = idx / 8 % (PW_D / 8);
+        const int i = q0 + r;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (i < n) {
+            const float4* src = reinterpret_cast<const float4*>(q + ((size_t)i * hq + h) * PW_D + c8 * 8);
+            const float4 a = src[0], b = src[1];
+            v = make_uint4(pack_half2(a.x * qscale, a.y * qscale), pack_half2(a.z * qscale, a.w * qscale),
+                           pack_half2(b.x * qscale, b.y * qscale), pack_half2(b.z * qscale, b.w * qscale));
+        }
+        *reinterpret_cast<uint4*>(Qs + pw_k_at(r, c8)) = v;
+    }
+    // This warpgroup's 64 rows of Q.
+    const half* q_wg = Qs + (warp / 4) * 8 * (PW_D / 8) * 64;
+
+    float o[NO * 4], m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < NO * 4; ++i) o[i] = 0.0f;
+    // The two query rows this thread holds (wgmma's accumulators: warp % 4 takes 16 of the
+    // warpgroup's rows) and the keys each may see.
+    const int qrow = q0 + (warp / 4) * 64 + (warp % 4) * 16 + g;
+    const int visible[2] = {min(kv_len, first_slot + qrow + 1), min(kv_len, first_slot + qrow + 9)};
+
+    for (int it = 0; it < tiles; ++it) {
+        cp_async_wait<PW_STAGES - 2>();  // this thread's copies of tile it are done
+        fence_proxy_async();               // ... and, with Q's stores, visible to wgmma
+        __syncthreads();                   // everyone's; and tile it - 1's buffers are free
+        if (it + PW_STAGES - 1 < tiles) stage(it + PW_STAGES - 1);
+        cp_async_commit();
+
+        // S (64 x PW_BK a warpgroup) = Q Kᵀ.
+        float s[NS * 4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < PW_D / 16; ++kk)
+            WgmmaSS<PW_BK>::run(s, wg_desc(q_wg + kk * 128, 128, PW_D * 16),
+                                wg_desc(k_buf(it) + kk * 128, 128, PW_D * 16), kk > 0);
+        wg_commit();
+        wg_wait_all();
+        wg_hold(s);
+
+        float corr[2];
+        unsigned p[PW_BK / 16][4];
+        tile_softmax<NS, true>(s, it * PW_BK, visible, t, m_run, l_run, corr, p);
+        if (__any_sync(0xffffffff, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+            for (int c = 0; c < NO; ++c) {
+                o[4 * c + 0] *= corr[0];
+                o[4 * c + 1] *= corr[0];
+                o[4 * c + 2] *= corr[1];
+                o[4 * c + 3] *= corr[1];
+            }
+        }
+
+        // O (64 x PW_D a warpgroup) += P (64 x PW_BK) V (PW_BK x PW_D).
+        wg_hold(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < PW_BK / 16; ++kk)
+            WgmmaRS<PW_D>::run(o, p[kk], wg_desc(v_buf(it) + kk * 128, 128, PW_BK * 16));
+        wg_commit();
+        wg_wait_all();
+        wg_hold(o);
+    }
+    cp_async_wait<0>();  // no copy left in flight at exit (none is issued past the last tile)
+
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+        const int i = qrow + 8 * hrow;
+        if (i >= n) continue;
+        // No key at all: zeros.
+        const float inv = l_run[hrow] > 0.0f ? 1.0f / l_run[hrow] : 0.0f;
+        float* dst = out + ((size_t)i * hq + h) * PW_D;
+#pragma unroll
+        for (int c = 0; c < NO; ++c)
+            *reinterpret_cast<float2*>(dst + c * 8 + 2 * t) =
+                make_float2(o[4 * c + 2 * hrow] * inv, o[4 * c + 2 * hrow + 1] * inv);
+    }
 }

@@ -7,7 +7,9 @@
 //!
 //! Tolerances are `Case::tolerance`'s, stated there with their reasons.
 
-use vlm_compute::cuda::{test_gpu, with_decode_attention, DecodeAttention};
+use vlm_compute::cuda::{
+    test_gpu, with_decode_attention, with_prefill_attention, DecodeAttention, PrefillAttention,
+};
 use vlm_compute::quant::QuantizeTo;
 use vlm_compute::twin::{compare, Case, IntOp, FP8_KV};
 use vlm_compute::KvFormat;
@@ -631,6 +633,43 @@ fn rope_and_attention_at_real_sizes() {
             dim: 72,
         });
     check_all(&g, rope.into_iter().chain(attention).chain(fused));
+}
+
+/// Prefill chunks' attention on Hopper's wgmma (`VLM_PREFILL_ATTENTION=wgmma`, an H100's; any
+/// other GPU runs the mma.sync kernel here again): 8B heads (32 of 8 KV heads, dim 128) and
+/// Qwen2.5-7B's (28 of 4) over the f16 cache. A chunk after 1536 cached keys beside decodes and a
+/// fresh prompt whose last block is partial; 1000 queries (the last of 8 blocks of 128 part
+/// empty) and 2048 (a whole prefill); 17 queries, a block of mostly empty rows; blocks of 32
+/// slots (the staging's run-time division).
+#[test]
+fn paged_prefill_attention_on_wgmma() {
+    let Some(g) = test_gpu() else { return };
+    let cases = [
+        (
+            [vec![(1, 700); 4], vec![(512, 2048), (100, 100)]].concat(),
+            4,
+            32,
+            8,
+            16,
+        ),
+        (vec![(1000, 1000)], 0, 32, 8, 16),
+        (vec![(2048, 2048)], 0, 32, 8, 16),
+        (vec![(17, 17), (130, 400)], 0, 32, 8, 16),
+        (vec![(300, 300)], 0, 28, 4, 16),
+        (vec![(200, 333)], 0, 32, 8, 32),
+    ]
+    .map(
+        |(seqs, decode, q_heads, kv_heads, block_size)| Case::PagedAttention {
+            seqs,
+            decode,
+            q_heads,
+            kv_heads,
+            dim: 128,
+            block_size,
+            kv: KvFormat::Native,
+        },
+    );
+    with_prefill_attention(PrefillAttention::Wgmma, || check_all(&g, cases));
 }
 
 #[test]

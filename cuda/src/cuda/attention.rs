@@ -19,13 +19,15 @@ use half::f16;
 
 use super::kernels::{
     decode_kernel, decode_max_splits, decode_splits, flash_smem_bytes, flash_wgmma_grid,
-    flash_wgmma_partial_floats, flash_wgmma_smem_bytes, pack_rows_smem_bytes, DecodeAttention,
-    COUNTERS, DECODE_WARPS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES,
-    FLASH_QUERIES, FLASH_WGMMA_DP, FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D,
-    FLASH_WGMMA_QUERIES, FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
-    FLASH_WIDE_MIN_WAVES, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS,
-    PAGED_FLASH_F8_KERNELS, PAGED_FLASH_KERNELS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16,
-    ROPE_PACK_F32, ROW_THREADS,
+    flash_wgmma_partial_floats, flash_wgmma_smem_bytes, pack_rows_smem_bytes,
+    paged_flash_wgmma_smem_bytes, DecodeAttention, PrefillAttention, COUNTERS, DECODE_WARPS,
+    DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_MIN_QUERIES, FLASH_QUERIES, FLASH_WGMMA_DP,
+    FLASH_WGMMA_KERNELS, FLASH_WGMMA_KEYS, FLASH_WGMMA_MAX_D, FLASH_WGMMA_QUERIES,
+    FLASH_WGMMA_THREADS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_MIN_WAVES,
+    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, MAX_HEAD_DIM, PACK_ROWS, PAGED_FLASH_F8_KERNELS,
+    PAGED_FLASH_KERNELS, PAGED_FLASH_WGMMA_D, PAGED_FLASH_WGMMA_KERNEL, PAGED_FLASH_WGMMA_QUERIES,
+    PAGED_FLASH_WGMMA_THREADS, QKV_WARPS, ROPE_PACK16_TILED_ROWS, ROPE_PACK_F16, ROPE_PACK_F32,
+    ROW_THREADS,
 };
 use super::launch::arg;
 use super::lt::{Epilogue, LtOut, LtShape};
@@ -918,7 +920,23 @@ impl CudaBackend {
         // (query, head). Both take the same arguments.
         let flash_dim = FLASH_DIMS.iter().position(|&dp| dp >= d);
         let fp8 = k.fp8();
+        let wgmma = self.inner.paged_wgmma_flash
+            && PrefillAttention::current() == PrefillAttention::Wgmma
+            && !fp8
+            && d == PAGED_FLASH_WGMMA_D;
         let (name, cfg) = match flash_dim {
+            Some(_) if wgmma && batch.max_queries >= FLASH_MIN_QUERIES => (
+                PAGED_FLASH_WGMMA_KERNEL,
+                LaunchConfig {
+                    grid_dim: (
+                        batch.max_queries.div_ceil(PAGED_FLASH_WGMMA_QUERIES) as u32,
+                        hq as u32,
+                        rest as u32,
+                    ),
+                    block_dim: (PAGED_FLASH_WGMMA_THREADS, 1, 1),
+                    shared_mem_bytes: paged_flash_wgmma_smem_bytes() as u32,
+                },
+            ),
             Some(at) if self.inner.flash && batch.max_queries >= FLASH_MIN_QUERIES => (
                 if fp8 {
                     PAGED_FLASH_F8_KERNELS[at]
@@ -967,7 +985,8 @@ impl CudaBackend {
         }
         // SAFETY: matches paged_flash_attention_d{dp} (64 queries of one head of one sequence
         // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
-        // opted in at load) or paged_attention_rows_f16 (one warp per query, head and
+        // opted in at load), paged_flash_attention_wgmma_d128 (the same arguments, 128 queries
+        // per 8-warp block, d == 128, an f16 cache) or paged_attention_rows_f16 (one warp per query, head and
         // sequence; d <= MAX_HEAD_DIM); over FP8 caches their _f8 twins, which take the
         // caches' scales after the same arguments.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))

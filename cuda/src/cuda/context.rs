@@ -11,9 +11,10 @@ use cudarc::nvrtc::Ptx;
 use super::compile::{self, compile_ptx};
 use super::error::cuda_err;
 use super::kernels::{
-    flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, COUNTERS, DEFAULT_SMEM, FLASH_DIMS,
-    FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS, FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS,
-    FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_F8_KERNELS, PAGED_FLASH_KERNELS, SOURCES,
+    flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, paged_flash_wgmma_smem_bytes,
+    COUNTERS, DEFAULT_SMEM, FLASH_DIMS, FLASH_KERNELS, FLASH_QUERIES, FLASH_WGMMA_KERNELS,
+    FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_F8_KERNELS,
+    PAGED_FLASH_KERNELS, PAGED_FLASH_WGMMA_KERNEL, SOURCES,
 };
 use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS};
 use super::kernels::{
@@ -37,6 +38,8 @@ pub(super) struct Inner {
     pub(super) flash: bool,
     /// Whether the wgmma flash kernel (sm_90) is loaded and could be given its shared memory.
     pub(super) wgmma_flash: bool,
+    /// Whether the prefill chunks' wgmma kernel is loaded (sm_90) with its shared memory.
+    pub(super) paged_wgmma_flash: bool,
     /// Multiprocessors: how many blocks it takes to fill the GPU.
     pub(super) sm_count: usize,
     /// cuBLAS's workspace (set on the handle), kept alive with it; cuBLASLt's GEMMs use it
@@ -222,6 +225,7 @@ impl CudaBackend {
         let flash = opt_in_flash(&kernels);
         // The same for Hopper's wgmma flash kernel, where it was compiled (sm_90).
         let wgmma_flash = flash && opt_in_wgmma_flash(&kernels);
+        let paged_wgmma_flash = wgmma_flash && opt_in_paged_wgmma_flash(&kernels);
         let gemv_smem = opt_in_gemv(&ctx, &kernels)?;
         let (blas, workspace, workspace_ptr) = cublas(&stream)?;
         let lt = lt::Lt::new()?;
@@ -252,6 +256,7 @@ impl CudaBackend {
                 compute_capability: cc,
                 flash,
                 wgmma_flash,
+                paged_wgmma_flash,
                 sm_count,
                 _blas_workspace: workspace,
                 workspace: (workspace_ptr, CUBLAS_WORKSPACE_BYTES),
@@ -514,6 +519,18 @@ fn opt_in_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
             }
             set.is_ok()
         })
+    })
+}
+
+/// The same for the prefill chunks' wgmma kernel over the paged cache.
+fn opt_in_paged_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
+    kernels.get(PAGED_FLASH_WGMMA_KERNEL).is_some_and(|k| {
+        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+        let set = k.set_attribute(MAX_SMEM, paged_flash_wgmma_smem_bytes() as i32);
+        if let Err(e) = &set {
+            tracing::warn!(kernel = PAGED_FLASH_WGMMA_KERNEL, error = %e, "wgmma prefill attention unavailable; using mma.sync");
+        }
+        set.is_ok()
     })
 }
 

@@ -125,7 +125,12 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         file: "attention_sm90.cu",
         prelude: &[kernel_file!("attention_f16.cu")],
         source: kernel_file!("attention_sm90.cu").1,
-        kernels: &[ROPE_PACK_F32[1], ROPE_PACK_F16[1], ROPE_PACK16_TILED_ROWS],
+        kernels: &[
+            ROPE_PACK_F32[1],
+            ROPE_PACK_F16[1],
+            ROPE_PACK16_TILED_ROWS,
+            PAGED_FLASH_WGMMA_KERNEL,
+        ],
         tables: &[&FLASH_WGMMA_KERNELS],
         per_rows: &[],
         sm90a: true,
@@ -315,6 +320,63 @@ pub(super) fn count_from_env(var: &str) -> Option<usize> {
 pub(super) fn decode_max_splits() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| count_from_env("VLM_DECODE_SPLITS").unwrap_or(usize::MAX))
+}
+
+/// Prefill chunks' attention over the paged f16 cache on Hopper's wgmma, head dim
+/// [`PAGED_FLASH_WGMMA_D`] (attention_sm90.cu): [`PAGED_FLASH_WGMMA_QUERIES`] queries of one
+/// head a block of [`PAGED_FLASH_WGMMA_THREADS`] threads, the same arguments as
+/// paged_flash_attention_d128. Taken only where [`PrefillAttention::current`] says so.
+pub(super) const PAGED_FLASH_WGMMA_KERNEL: &str = "paged_flash_attention_wgmma_d128";
+pub(super) const PAGED_FLASH_WGMMA_D: usize = 128;
+pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 128;
+pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 256;
+
+/// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`] (PwShared): the block's queries and 3
+/// stages of a K and a V tile of 64 keys, all 128 dims of f16.
+pub(super) fn paged_flash_wgmma_smem_bytes() -> usize {
+    const STAGES: usize = 3;
+    (PAGED_FLASH_WGMMA_QUERIES + 2 * STAGES * 64) * PAGED_FLASH_WGMMA_D * 2
+}
+
+/// Which kernel prefill chunks' attention takes on a GPU with both: `VLM_PREFILL_ATTENTION`
+/// at start, [`with_prefill_attention`] for one thread's launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillAttention {
+    /// mma.sync (`paged_flash_attention_d*`), on every GPU: the default.
+    MmaSync,
+    /// wgmma ([`PAGED_FLASH_WGMMA_KERNEL`]) where it is compiled (sm_90) and takes the shape
+    /// (head dim 128, an f16 cache); elsewhere mma.sync. Opt-in until it has been timed
+    /// against mma.sync on an H100.
+    Wgmma,
+}
+
+thread_local! {
+    /// The kernel [`with_prefill_attention`] forces on this thread's launches.
+    static FORCED_PREFILL: std::cell::Cell<Option<PrefillAttention>> = const { std::cell::Cell::new(None) };
+}
+
+impl PrefillAttention {
+    /// This thread's choice: forced, else `VLM_PREFILL_ATTENTION` (`wgmma`; unset, `mma` or
+    /// anything else, with a warning, mma.sync).
+    pub(super) fn current() -> Self {
+        static FROM_ENV: std::sync::OnceLock<PrefillAttention> = std::sync::OnceLock::new();
+        FORCED_PREFILL.get().unwrap_or_else(|| {
+            *FROM_ENV.get_or_init(|| match std::env::var("VLM_PREFILL_ATTENTION").as_deref() {
+                Ok("wgmma") => PrefillAttention::Wgmma,
+                Ok("mma") | Err(_) => PrefillAttention::MmaSync,
+                Ok(other) => {
+                    tracing::warn!("VLM_PREFILL_ATTENTION={other} is not mma or wgmma: using mma");
+                    PrefillAttention::MmaSync
+                }
+            })
+        })
+    }
+}
+
+/// Runs `f` with this thread's prefill attention on `kernel`: how the twin cases check both
+/// kernels on one GPU.
+pub fn with_prefill_attention<T>(kernel: PrefillAttention, f: impl FnOnce() -> T) -> T {
+    super::launch::with_forced(&FORCED_PREFILL, Some(kernel), f)
 }
 
 /// Which kernel decode attention takes where both are compiled: `VLM_DECODE_ATTENTION` at

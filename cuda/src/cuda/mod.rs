@@ -67,7 +67,10 @@ pub use int_weights::{
     dequant_chunk_rows, with_dequant_chunk_rows, with_int_gemm_rows, IntGemmGrid,
     DEQUANT_SCRATCH_HALVES,
 };
-pub use kernels::{compile_all_ptx, with_decode_attention, DecodeAttention, IntGemmBlock};
+pub use kernels::{
+    compile_all_ptx, with_decode_attention, with_prefill_attention, DecodeAttention, IntGemmBlock,
+    PrefillAttention,
+};
 pub use tensor::{CudaCache, CudaIds, CudaStepGraph, CudaTensor, CudaWeight};
 pub use w8a8::{with_fp8_gemm, Fp8Gemm};
 
