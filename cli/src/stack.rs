@@ -262,6 +262,8 @@ impl LocalStack {
                         registry: registry.clone(),
                         tls: None,
                         embedding_cache_bytes: cfg.embedding_cache_bytes,
+                        // The engine beside it trims the process's device pool when it idles.
+                        trim_idle_memory: false,
                     },
                     open,
                     vision,

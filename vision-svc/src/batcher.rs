@@ -6,7 +6,9 @@
 //!   loop: every queued image up to the patch budget (callers that left are skipped)
 //!     ─▶ VisionModel::forward_batch, once ─▶ each caller its own output (oneshot)
 //! ```
-//! While a pass runs, new images queue for the next one. Images are taken in arrival order and
+//! While a pass runs, new images queue for the next one. A loop that is alone on its device
+//! gives the device memory its allocator cached back once it has been idle a while (a large
+//! image's peak would otherwise stay held for the life of the process). Images are taken in arrival order and
 //! never overtake each other, so a large image is not starved by a stream of small ones; an
 //! image over the budget on its own runs alone. Each image gets one `vision_encode` span,
 //! under its request's span, covering the pass it ran in and recording how many images and
@@ -14,9 +16,10 @@
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tracing::{info_span, Span};
@@ -54,15 +57,25 @@ pub struct Batcher {
 
 impl Batcher {
     /// Starts the loop on a thread of its own, running `encoder`'s model over at most
-    /// `max_batch_patches` patches per pass (an image with more runs alone).
+    /// `max_batch_patches` patches per pass (an image with more runs alone). `idle_trim`: once
+    /// no image has come for that long, the device's cached memory is given back
+    /// ([`vlm_compute::release_idle_memory`]); `None` where another loop owns that (an llm-svc
+    /// engine in the same process, whose device pool this is too).
     pub fn start<B: Backend>(
         encoder: Arc<VisionEncoder<B>>,
         max_batch_patches: usize,
+        idle_trim: Option<Duration>,
         metrics: VisionMetrics,
     ) -> std::io::Result<Self> {
         let (queue, waiting) = std::sync::mpsc::channel();
         let thread = OwnerThread::spawn("vision-encoder", move || {
-            run(&encoder, waiting, max_batch_patches.max(1), &metrics)
+            run(
+                &encoder,
+                waiting,
+                max_batch_patches.max(1),
+                idle_trim,
+                &metrics,
+            )
         })?;
         Ok(Self {
             queue,
@@ -102,19 +115,35 @@ impl Batcher {
 }
 
 /// The loop: wait for an image, gather what else has queued, run one pass, repeat; ends when
-/// the [`Batcher`] is dropped.
+/// the [`Batcher`] is dropped. With `idle_trim`, a wait that lasts that long trims the device's
+/// memory pool once, then goes on waiting.
 fn run<B: Backend>(
     encoder: &VisionEncoder<B>,
     incoming: Receiver<QueuedImage>,
     max_batch_patches: usize,
+    idle_trim: Option<Duration>,
     metrics: &VisionMetrics,
 ) {
     let mut queue = VecDeque::new();
+    // Whether a pass has run since the last trim: an idle loop trims once, not every period.
+    let mut worked = false;
     loop {
         if queue.is_empty() {
-            match incoming.recv() {
-                Ok(image) => queue.push_back(image),
-                Err(_) => return,
+            let next = match idle_trim.filter(|_| worked) {
+                Some(after) => match incoming.recv_timeout(after) {
+                    Ok(image) => Some(image),
+                    Err(RecvTimeoutError::Timeout) => {
+                        vlm_compute::release_idle_memory(encoder.model.backend(), "vision");
+                        worked = false;
+                        incoming.recv().ok()
+                    }
+                    Err(RecvTimeoutError::Disconnected) => None,
+                },
+                None => incoming.recv().ok(),
+            };
+            match next {
+                Some(image) => queue.push_back(image),
+                None => return,
             }
         }
         queue.extend(incoming.try_iter());
@@ -126,6 +155,7 @@ fn run<B: Backend>(
         );
         if !batch.is_empty() {
             run_pass(encoder, batch, metrics);
+            worked = true;
         }
     }
 }

@@ -84,6 +84,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 registry: start.registry,
                 tls: start.tls,
                 embedding_cache_bytes: args.embedding_cache_bytes,
+                // Alone in its process: its idle loop gives cached memory back.
+                trim_idle_memory: true,
             };
             args.device.run(Serve {
                 cfg,

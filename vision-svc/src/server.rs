@@ -54,7 +54,18 @@ pub struct ServeConfig {
     /// Bytes of packed embeddings kept for images sent again (0: no cache); see
     /// [`cache::DEFAULT_BUDGET_BYTES`].
     pub embedding_cache_bytes: usize,
+    /// Give the device memory the allocator cached back once the encoder has been idle for
+    /// [`IDLE_TRIM_AFTER`]: true for a vision-svc process of its own; false where an llm-svc
+    /// engine shares the process (`vlm serve`), since the device's memory pool is the whole
+    /// process's and the engine trims it when it idles (a trim while it runs would make its
+    /// next steps map memory afresh).
+    pub trim_idle_memory: bool,
 }
+
+/// How long the encoder waits for an image before it gives cached device memory back (with
+/// [`ServeConfig::trim_idle_memory`]): long enough that a steady stream of images never trims
+/// between passes; what a trim gives back then costs the next pass's first allocations.
+pub const IDLE_TRIM_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub struct VisionServer<B: Backend> {
     loaded: Arc<OnceLock<LoadedEncoder<B>>>,
@@ -510,12 +521,13 @@ pub async fn serve<B: Backend>(
     tracing::info!(addr = %listener.local_addr()?, model = %cfg.model.display(), "vision-svc listening");
     let (model, random_weights) = (cfg.model.clone(), cfg.random_weights);
     let max_batch_patches = cfg.max_batch_patches;
+    let idle_trim = cfg.trim_idle_memory.then_some(IDLE_TRIM_AFTER);
     let what = format!("the vision model from {}", cfg.model.display());
     let load = vlm_proto::load_model(loaded, what, move || -> anyhow::Result<_> {
         let weights = Weights::open_or_random(&model, random_weights)?;
         let encoder = Arc::new(VisionEncoder::load(&model, &weights, backend()?)?);
         weights.finish();
-        let batcher = Batcher::start(encoder.clone(), max_batch_patches, metrics)
+        let batcher = Batcher::start(encoder.clone(), max_batch_patches, idle_trim, metrics)
             .map_err(|e| anyhow::anyhow!("cannot start the vision encoder thread: {e}"))?;
         Ok(LoadedEncoder::new(encoder, batcher))
     });
@@ -531,14 +543,27 @@ mod tests {
 
     /// A loaded server on the tiny fixture with one place and a cache of `cache_bytes`.
     fn server(cache_bytes: usize) -> VisionServer<vlm_compute::CpuBackend> {
+        server_trimming(cache_bytes, None)
+    }
+
+    /// [`server`] whose encoder trims the device's memory after `idle_trim` without images.
+    fn server_trimming(
+        cache_bytes: usize,
+        idle_trim: Option<std::time::Duration>,
+    ) -> VisionServer<vlm_compute::CpuBackend> {
         let dir = vlm_compute::golden::tiny_fixture(env!("CARGO_MANIFEST_DIR"));
         let weights = Weights::open(&dir).unwrap();
         let encoder =
             Arc::new(VisionEncoder::load(&dir, &weights, vlm_compute::CpuBackend::new()).unwrap());
         let registry = prometheus::Registry::new();
         let metrics = VisionMetrics::new(&registry);
-        let batcher =
-            Batcher::start(encoder.clone(), DEFAULT_MAX_BATCH_PATCHES, metrics.clone()).unwrap();
+        let batcher = Batcher::start(
+            encoder.clone(),
+            DEFAULT_MAX_BATCH_PATCHES,
+            idle_trim,
+            metrics.clone(),
+        )
+        .unwrap();
         let loaded = Arc::new(OnceLock::new());
         let _ = loaded.set(LoadedEncoder::new(encoder, batcher));
         VisionServer {
@@ -578,6 +603,20 @@ mod tests {
         drop(full);
         let out = encode(png).await.unwrap().into_inner();
         assert!(out.embeddings.is_some());
+    }
+
+    /// An encoder that has idled past its trim (the CPU's pool has nothing to give back, so
+    /// this checks the loop: it trims once, waits on, and serves the next image as before).
+    #[tokio::test]
+    async fn the_encoder_serves_on_after_trimming_while_idle() {
+        let server = server_trimming(0, Some(std::time::Duration::from_millis(5)));
+        let image = png(40, 4);
+        let first = server.encode(request(&image, Dtype::F32)).await.unwrap();
+        for _ in 0..2 {
+            tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+            let again = server.encode(request(&image, Dtype::F32)).await.unwrap();
+            assert_eq!(again.into_inner(), first.get_ref().clone());
+        }
     }
 
     /// An Encode request for `image`, embeddings as `dtype`, in the message.

@@ -269,6 +269,7 @@ async fn concurrent_requests_are_batched_and_each_gets_what_its_image_gives_alon
         tls: None,
         // Every request runs the encoder: the test is of batching, not of the cache.
         embedding_cache_bytes: 0,
+        trim_idle_memory: true,
     };
     let server = tokio::spawn(serve(
         cfg,
