@@ -360,16 +360,19 @@ impl PrefillAttention {
     /// anything else, with a warning, mma.sync).
     pub(super) fn current() -> Self {
         static FROM_ENV: std::sync::OnceLock<PrefillAttention> = std::sync::OnceLock::new();
-        FORCED_PREFILL.get().unwrap_or_else(|| {
-            *FROM_ENV.get_or_init(|| match std::env::var("VLM_PREFILL_ATTENTION").as_deref() {
-                Ok("wgmma") => PrefillAttention::Wgmma,
-                Ok("mma") | Err(_) => PrefillAttention::MmaSync,
-                Ok(other) => {
-                    tracing::warn!("VLM_PREFILL_ATTENTION={other} is not mma or wgmma: using mma");
-                    PrefillAttention::MmaSync
-                }
-            })
-        })
+        let parse = |v: &str| match v {
+            "wgmma" => Some(PrefillAttention::Wgmma),
+            "mma" => Some(PrefillAttention::MmaSync),
+            _ => None,
+        };
+        super::launch::forced_or_env(
+            &FORCED_PREFILL,
+            &FROM_ENV,
+            "VLM_PREFILL_ATTENTION",
+            parse,
+            PrefillAttention::MmaSync,
+            "mma or wgmma",
+        )
     }
 }
 
@@ -399,16 +402,19 @@ impl DecodeAttention {
     /// kernel; unset, `mma` or anything else, with a warning, the tensor cores).
     pub(super) fn current() -> Self {
         static FROM_ENV: std::sync::OnceLock<DecodeAttention> = std::sync::OnceLock::new();
-        FORCED_DECODE.get().unwrap_or_else(|| {
-            *FROM_ENV.get_or_init(|| match std::env::var("VLM_DECODE_ATTENTION").as_deref() {
-                Ok("lanes") => DecodeAttention::PerLane,
-                Ok("mma") | Err(_) => DecodeAttention::TensorCores,
-                Ok(other) => {
-                    tracing::warn!("VLM_DECODE_ATTENTION={other} is not mma or lanes: using mma");
-                    DecodeAttention::TensorCores
-                }
-            })
-        })
+        let parse = |v: &str| match v {
+            "lanes" => Some(DecodeAttention::PerLane),
+            "mma" => Some(DecodeAttention::TensorCores),
+            _ => None,
+        };
+        super::launch::forced_or_env(
+            &FORCED_DECODE,
+            &FROM_ENV,
+            "VLM_DECODE_ATTENTION",
+            parse,
+            DecodeAttention::TensorCores,
+            "mma or lanes",
+        )
     }
 }
 

@@ -278,9 +278,31 @@ pub(super) fn with_forced<V: Copy + 'static, T>(
     f()
 }
 
+/// A kernel choice: this thread's forced one ([`with_forced`] on `forced`), else `var`'s value
+/// read once into `from_env` and parsed by `parse` (`None` for a value it does not know:
+/// `default`, with a warning naming `known`), else `default`.
+pub(super) fn forced_or_env<V: Copy + Send + Sync + 'static>(
+    forced: &'static std::thread::LocalKey<std::cell::Cell<Option<V>>>,
+    from_env: &'static std::sync::OnceLock<V>,
+    var: &str,
+    parse: fn(&str) -> Option<V>,
+    default: V,
+    known: &str,
+) -> V {
+    forced.get().unwrap_or_else(|| {
+        *from_env.get_or_init(|| match std::env::var(var) {
+            Err(_) => default,
+            Ok(v) => parse(&v).unwrap_or_else(|| {
+                tracing::warn!("{var}={v} is not {known}: using the default");
+                default
+            }),
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    use super::with_forced;
+    use super::{forced_or_env, with_forced};
     use std::cell::Cell;
 
     thread_local! {
@@ -301,5 +323,21 @@ mod tests {
             assert_eq!(FORCED.get(), Some(1));
         });
         assert_eq!(FORCED.get(), None);
+    }
+
+    /// With the variable unset, the default; a forced value over it on its thread only.
+    #[test]
+    fn a_choice_is_the_forced_one_else_the_variables_else_the_default() {
+        static FROM_ENV: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+        let choice = || {
+            let parse = |v: &str| v.parse::<u8>().ok();
+            forced_or_env(&FORCED, &FROM_ENV, "VLM_TEST_NEVER_SET", parse, 7, "a u8")
+        };
+        assert_eq!(choice(), 7);
+        with_forced(&FORCED, Some(3), || {
+            assert_eq!(choice(), 3);
+            assert_eq!(std::thread::spawn(choice).join().unwrap(), 7);
+        });
+        assert_eq!(choice(), 7);
     }
 }
