@@ -80,14 +80,11 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// Row r of a K/V tile from global k / v (16 bytes a thread at a time, asynchronously), or zeros
-// for a row past the keys.
-template <int DP>
-__device__ __forceinline__ void stage_chunk(half* Ks, half* Vs, int r, int c, const half* k,
-                                            const half* v, bool in) {
-    constexpr int R = FaShared<DP>::row;
-    half* ks = Ks + r * R + c;
-    half* vs = Vs + r * R + c;
+// 16 bytes of a key's K and V from global k / v into shared ks / vs (asynchronously), or zeros
+// for a key past the end (P is 0 there, and 0 times what an unwritten buffer holds could be
+// NaN).
+__device__ __forceinline__ void copy_kv16(half* ks, half* vs, const half* k, const half* v,
+                                          bool in) {
     if (in) {
         cp_async16(ks, k);
         cp_async16(vs, v);
@@ -95,6 +92,14 @@ __device__ __forceinline__ void stage_chunk(half* Ks, half* Vs, int r, int c, co
         *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
         *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
     }
+}
+
+// Row r of a K/V tile (padded rows of FaShared<DP>::row halves), dims c..c + 7.
+template <int DP>
+__device__ __forceinline__ void stage_chunk(half* Ks, half* Vs, int r, int c, const half* k,
+                                            const half* v, bool in) {
+    constexpr int R = FaShared<DP>::row;
+    copy_kv16(Ks + r * R + c, Vs + r * R + c, k, v, in);
 }
 
 // Keys and values packed by pack_kv_f16 or rope_qkv_pack_f16: f16 [kv_len, hkv, DP], head

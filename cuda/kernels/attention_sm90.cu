@@ -782,26 +782,18 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
     auto v_buf = [&](int i) { return k_buf(i) + Sh::kv_tile; };
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-    // Tile `it`'s key row 8 warp + lane % 8 (this thread's), chunks lane / 8 + 4u: zeros past
-    // the keys (P is 0 there, and 0 times what an unwritten buffer holds could be NaN).
+    // Tile `it`'s key row 8 warp + lane % 8 (this thread's), chunks lane / 8 + 4u; zeros past
+    // the keys. One block-table lookup a tile a thread: its run-time division costs nothing
+    // beside the tile's eight copies.
     auto stage = [&](int it) {
         const int r = 8 * warp + lane % 8, j = it * PW_BK + r;
         const bool in = j < kv_end;
-        const size_t at = !in ? 0 : block_size == 16 ? rows.row<16>(j, kvh) : rows.row(j, kvh);
-        half* Ks = k_buf(it);
-        half* Vs = v_buf(it);
+        const size_t at = in ? rows.row(j, kvh) : 0;
 #pragma unroll
         for (int u = 0; u < PW_D / 32; ++u) {
             const int c8 = lane / 8 + 4 * u;
-            half* ks = Ks + pw_k_at(r, c8);
-            half* vs = Vs + pw_v_at(r, c8);
-            if (in) {
-                cp_async16(ks, kc + at + c8 * 8);
-                cp_async16(vs, vc + at + c8 * 8);
-            } else {
-                *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
-                *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
-            }
+            copy_kv16(k_buf(it) + pw_k_at(r, c8), v_buf(it) + pw_v_at(r, c8), kc + at + c8 * 8,
+                      vc + at + c8 * 8, in);
         }
     };
     for (int i = 0; i < PW_STAGES - 1; ++i) {

@@ -390,7 +390,7 @@ pub(super) fn trim_device_pool(stream: &Arc<CudaStream>, keep: usize) -> Result<
         stream
             .context()
             .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context")(&e))?;
+            .map_err(err("binding the context"))?;
         let pool = device_pool(stream.context()).map_err(err("finding the device pool"))?;
         // The pool's reserve counts the buffers alive (the weights among them) as well.
         let before = attribute(pool, RESERVED)?;
