@@ -331,10 +331,10 @@ pub(super) const PAGED_FLASH_WGMMA_D: usize = 128;
 pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 128;
 pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 256;
 
-/// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`] (PwShared): the block's queries and 3
+/// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`] (PwShared): the block's queries and 4
 /// stages of a K and a V tile of 64 keys, all 128 dims of f16.
 pub(super) fn paged_flash_wgmma_smem_bytes() -> usize {
-    const STAGES: usize = 3;
+    const STAGES: usize = 4;
     (PAGED_FLASH_WGMMA_QUERIES + 2 * STAGES * 64) * PAGED_FLASH_WGMMA_D * 2
 }
 
