@@ -635,14 +635,15 @@ fn rope_and_attention_at_real_sizes() {
     check_all(&g, rope.into_iter().chain(attention).chain(fused));
 }
 
-/// Prefill chunks' attention on Hopper's wgmma (`VLM_PREFILL_ATTENTION=wgmma`, an H100's; any
-/// other GPU runs the mma.sync kernel here again): 8B heads (32 of 8 KV heads, dim 128) and
+/// Prefill chunks' attention on both kernels: Hopper's wgmma (an H100's default; any other GPU
+/// runs mma.sync in its place) and mma.sync (`VLM_PREFILL_ATTENTION=mma`, what a Jetson Orin
+/// runs, forced here on an H100 too): 8B heads (32 of 8 KV heads, dim 128) and
 /// Qwen2.5-7B's (28 of 4) over the f16 cache. A chunk after 1536 cached keys beside decodes and a
 /// fresh prompt whose last block is partial; 1000 queries (the last of 8 blocks of 128 part
 /// empty) and 2048 (a whole prefill); 17 queries, a block of mostly empty rows; blocks of 32
 /// slots (the staging's run-time division).
 #[test]
-fn paged_prefill_attention_on_wgmma() {
+fn paged_prefill_attention_on_both_kernels() {
     let Some(g) = test_gpu() else { return };
     let cases = [
         (
@@ -669,7 +670,10 @@ fn paged_prefill_attention_on_wgmma() {
             kv: KvFormat::Native,
         },
     );
-    with_prefill_attention(PrefillAttention::Wgmma, || check_all(&g, cases));
+    for kernel in [PrefillAttention::Wgmma, PrefillAttention::MmaSync] {
+        eprintln!("prefill attention: {kernel:?}");
+        with_prefill_attention(kernel, || check_all(&g, cases.clone()));
+    }
 }
 
 #[test]
