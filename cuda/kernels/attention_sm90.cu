@@ -133,10 +133,8 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wg_wait_all() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// Waits until at most N of this warpgroup's committed wgmma groups are still running.
+// Waits until at most N of this warpgroup's committed wgmma groups are still running (0: all
+// done).
 template <int N>
 __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
@@ -624,7 +622,7 @@ __device__ __forceinline__ void fw_attend(const half* __restrict__ q, const half
             WgmmaSS<FW_BK>::run(s, wg_desc(q_wg + kk * 128, 128, FW_DP * 16),
                                 wg_desc(k_buf(n) + kk * 128, 128, FW_DP * 16), kk > 0);
         wg_commit();
-        wg_wait_all();
+        wg_wait<0>();
         wg_hold(s);
 
         float corr[2];
@@ -649,7 +647,7 @@ __device__ __forceinline__ void fw_attend(const half* __restrict__ q, const half
         for (int kk = 0; kk < FW_BK / 16; ++kk)
             WgmmaRS<FW_DV>::run(o, p[kk], wg_desc(v_buf(n) + kk * 128, 128, FW_BK * 16));
         wg_commit();
-        wg_wait_all();
+        wg_wait<0>();
         wg_hold(o);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + n % FW_STAGES);
