@@ -8,16 +8,15 @@
 //! ```
 //! While a pass runs, new images queue for the next one. A loop that is alone on its device
 //! gives the device memory its allocator cached back once it has been idle a while (a large
-//! image's peak would otherwise stay held for the life of the process). Images are taken in arrival order and
-//! never overtake each other, so a large image is not starved by a stream of small ones; an
-//! image over the budget on its own runs alone. Each image gets one `vision_encode` span,
-//! under its request's span, covering the pass it ran in and recording how many images and
-//! patches that pass held.
+//! image's peak would otherwise stay held for the life of the process). Images are taken in
+//! arrival order and never overtake each other, so a large image is not starved by a stream of
+//! small ones; an image over the budget on its own runs alone. Each image gets one
+//! `vision_encode` span, under its request's span, covering the pass it ran in and recording
+//! how many images and patches that pass held.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::mpsc::RecvTimeoutError;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -938,7 +938,7 @@ mod tests {
     /// Chunks fit the scratch, are as few as can, and cover every row once.
     #[test]
     fn dequantization_chunks_fit_the_scratch_and_cover_the_rows() {
-        // 8B: q/k/v, o and head-sized ones whole; gate/up in 3, down in 2; 32B's gate/up in 7.
+        // 8B: q/k/v, o and head-sized ones whole; gate/up in 3, down in 2; 32B's gate/up in 8.
         for (m, k, chunks) in [
             (6144, 4096, 1),
             (4096, 4096, 1),
