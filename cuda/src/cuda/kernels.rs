@@ -332,10 +332,11 @@ pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 128;
 pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 256;
 
 /// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`] (PwShared): the block's queries and 4
-/// stages of a K and a V tile of 64 keys, all 128 dims of f16.
+/// stages of a K and a V tile of 64 keys, all 128 dims of f16, and 1024 bytes to align them to
+/// the 128-byte swizzle's 1024-byte atoms.
 pub(super) fn paged_flash_wgmma_smem_bytes() -> usize {
     const STAGES: usize = 4;
-    (PAGED_FLASH_WGMMA_QUERIES + 2 * STAGES * 64) * PAGED_FLASH_WGMMA_D * 2
+    (PAGED_FLASH_WGMMA_QUERIES + 2 * STAGES * 64) * PAGED_FLASH_WGMMA_D * 2 + 1024
 }
 
 /// Which kernel prefill chunks' attention takes on a GPU with both: `VLM_PREFILL_ATTENTION`
