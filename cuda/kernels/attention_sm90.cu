@@ -757,8 +757,10 @@ extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
 // the most cycles stalled on long scoreboards, and 63% of shared-memory wavefronts excess
 // (wgmma reading 16-byte rows of cores 128 bytes apart). The 128-byte swizzle, where a core
 // matrix's 8 rows are one 1024-byte atom, took the whole 4096-token f16 prefill from 32.7k
-// to 34.5k tok/s (2026-11-29, same call).
-#define PW_WG 2
+// to 34.5k tok/s (2026-11-29, same call). Three warpgroups, 192 queries a block (three warps a
+// scheduler, and each K/V tile copied serves 1.5x the rows; the first 8 warps copy a tile):
+// FP8-weight prefill 45.8k -> 47.2k tok/s (same call, 2026-11-29), f16 ~1%.
+#define PW_WG 3
 #define PW_BK 64
 #define PW_D 128
 #define PW_STAGES 4
@@ -770,7 +772,7 @@ struct PwShared {
     static constexpr int kv_tile = PW_BK * PW_D;  // halves, K or V
     static constexpr int bytes = (q_tile + 2 * PW_STAGES * kv_tile) * 2 + 1024;  // + alignment
 };
-static_assert(PW_BK == 8 * PwShared::threads / 32, "a warp's lanes stage one 8-key row block");
+static_assert(PW_BK <= 8 * PwShared::threads / 32, "a warp's lanes stage one 8-key row block");
 
 // Half offset of (row r, dims c8 * 8..) in a tile of ROWS rows of PW_D dims in wgmma's 128-byte
 // swizzle (every tile 1024-byte aligned): two regions of 64 dims, each ROWS rows of 128 bytes,
@@ -814,6 +816,7 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
     // the keys. One block-table lookup a tile a thread: its run-time division costs nothing
     // beside the tile's eight copies.
     auto stage = [&](int it) {
+        if (warp >= PW_BK / 8) return;  // the first PW_BK / 8 warps stage a tile
         const int r = 8 * warp + lane % 8, j = it * PW_BK + r;
         const bool in = j < kv_end;
         const size_t at = in ? rows.row(j, kvh) : 0;

@@ -328,8 +328,8 @@ pub(super) fn decode_max_splits() -> usize {
 /// paged_flash_attention_d128. Taken only where [`PrefillAttention::current`] says so.
 pub(super) const PAGED_FLASH_WGMMA_KERNEL: &str = "paged_flash_attention_wgmma_d128";
 pub(super) const PAGED_FLASH_WGMMA_D: usize = 128;
-pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 128;
-pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 256;
+pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 192;
+pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 384;
 
 /// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`] (PwShared): the block's queries and 4
 /// stages of a K and a V tile of 64 keys, all 128 dims of f16, and 1024 bytes to align them to
