@@ -744,12 +744,13 @@ extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
 // A block: PW_WG warpgroups of 64 query rows of one head (the block's queries the heaviest first:
 // causal blocks late in the chunk see the most keys), tiles of PW_BK keys in PW_STAGES buffers.
 // Keys come through the block table, so they cannot be bulk-copied as whole tiles (TiledKvDst):
-// each thread copies its one key row of a tile, four 16-byte chunks of K and of V, with
-// cp.async into wgmma's 128-byte swizzled layout (pw_sw_at). A warp's 8 lanes of one chunk
-// write 8 rows' chunks at 8 different bank groups (no conflict) and its lanes 8 apart read
-// neighbouring chunks of a row (whole 32-byte sectors). One block-wide barrier a tile: the
-// tile's copies are complete and visible to wgmma, and the buffers the next copy reuses are
-// done with. Softmax as flash_attention's (tile_softmax, lazy rescaling, sums in registers).
+// each thread of the first PW_BK / 8 warps copies its one key row of a tile, four 16-byte
+// chunks of K and of V, with cp.async into wgmma's 128-byte swizzled layout (pw_sw_at). A
+// warp's 8 lanes of one chunk write 8 rows' chunks at 8 different bank groups (no conflict)
+// and its lanes 8 apart read neighbouring chunks of a row (whole 32-byte sectors). One
+// block-wide barrier a tile: the tile's copies are complete and visible to wgmma, and the
+// buffers the next copy reuses are done with. Softmax as flash_attention's (tile_softmax, lazy
+// rescaling, sums in registers).
 //
 // Measured (ncu, H200, the 8B's 4096-token prefill, a layer): 699 us against mma.sync's 743
 // (757 before a tile's copies were issued after its wgmmas rather than before them), with Q, K
@@ -782,7 +783,8 @@ template <int ROWS>
 __device__ __forceinline__ int pw_sw_at(int r, int c8) {
     return (c8 / 8) * (ROWS * 64) + r * 64 + ((c8 % 8) ^ (r % 8)) * 8;
 }
-__device__ __forceinline__ unsigned long long wg_desc_sw128(const void* p, unsigned lbo, unsigned sbo) {
+__device__ __forceinline__ unsigned long long wg_desc_sw128(const void* p, unsigned lbo,
+                                                            unsigned sbo) {
     return wg_desc(p, lbo, sbo) | (1ull << 62);
 }
 
@@ -823,8 +825,9 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
 #pragma unroll
         for (int u = 0; u < PW_D / 32; ++u) {
             const int c8 = lane / 8 + 4 * u;
-            copy_kv16(k_buf(it) + pw_sw_at<PW_BK>(r, c8), v_buf(it) + pw_sw_at<PW_BK>(r, c8), kc + at + c8 * 8,
-                      vc + at + c8 * 8, in);
+            const int at_tile = pw_sw_at<PW_BK>(r, c8);
+            copy_kv16(k_buf(it) + at_tile, v_buf(it) + at_tile, kc + at + c8 * 8, vc + at + c8 * 8,
+                      in);
         }
     };
     for (int i = 0; i < PW_STAGES - 2; ++i) {
@@ -875,13 +878,15 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < PW_D / 16; ++kk)
-            WgmmaSS<PW_BK>::run(s, wg_desc_sw128(q_wg + (kk / 4) * Sh::q_rows * 64 + (kk % 4) * 16, 16, 1024),
-                                wg_desc_sw128(k_buf(it) + (kk / 4) * PW_BK * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
+            WgmmaSS<PW_BK>::run(
+                s, wg_desc_sw128(q_wg + (kk / 4) * Sh::q_rows * 64 + (kk % 4) * 16, 16, 1024),
+                wg_desc_sw128(k_buf(it) + (kk / 4) * PW_BK * 64 + (kk % 4) * 16, 16, 1024), kk > 0);
         wg_commit();
         if (it > 0) {
 #pragma unroll
             for (int kk = 0; kk < PW_BK / 16; ++kk)
-                WgmmaRS<PW_D>::run(o, p[kk], wg_desc_sw128(v_buf(it - 1) + kk * 16 * 64, PW_BK * 128, 1024));
+                WgmmaRS<PW_D>::run(
+                    o, p[kk], wg_desc_sw128(v_buf(it - 1) + kk * 16 * 64, PW_BK * 128, 1024));
         }
         wg_commit();   // (empty for the first tile: the wait below still waits for S)
         if (it + PW_STAGES - 2 < tiles) stage(it + PW_STAGES - 2);
@@ -914,7 +919,8 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < PW_BK / 16; ++kk)
-            WgmmaRS<PW_D>::run(o, p[kk], wg_desc_sw128(v_buf(tiles - 1) + kk * 16 * 64, PW_BK * 128, 1024));
+            WgmmaRS<PW_D>::run(
+                o, p[kk], wg_desc_sw128(v_buf(tiles - 1) + kk * 16 * 64, PW_BK * 128, 1024));
         wg_commit();
         wg_wait<0>();
         wg_hold(o);

@@ -137,7 +137,8 @@ __device__ __forceinline__ void qkv_to_cache_d128(
     for (int h = blockIdx.y * QK_WARPS + warp; h < hq + 2 * hkv; h += gridDim.y * QK_WARPS) {
         const float4 x = row[(size_t)h * WARP + lane];
         if (h >= hq + hkv) {
-            if (cached) store4<C>(v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * D + 4 * lane, x, v_inv);
+            if (cached)
+                store4<C>(v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * D + 4 * lane, x, v_inv);
             continue;
         }
         const bool is_q = h < hq;
@@ -151,8 +152,9 @@ __device__ __forceinline__ void qkv_to_cache_d128(
         p.y = __shfl_xor_sync(0xffffffffu, n.y, WARP / 2);
         p.z = __shfl_xor_sync(0xffffffffu, n.z, WARP / 2);
         p.w = __shfl_xor_sync(0xffffffffu, n.w, WARP / 2);
-        const float4 o = make_float4(n.x * c.x + sign * (p.x * s.x), n.y * c.y + sign * (p.y * s.y),
-                                     n.z * c.z + sign * (p.z * s.z), n.w * c.w + sign * (p.w * s.w));
+        const float4 o =
+            make_float4(n.x * c.x + sign * (p.x * s.x), n.y * c.y + sign * (p.y * s.y),
+                        n.z * c.z + sign * (p.z * s.z), n.w * c.w + sign * (p.w * s.w));
         if (is_q)
             reinterpret_cast<float4*>(q_out + ((size_t)r * hq + h) * D)[lane] = o;
         else if (cached)
