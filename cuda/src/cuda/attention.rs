@@ -985,10 +985,11 @@ impl CudaBackend {
         }
         // SAFETY: matches paged_flash_attention_d{dp} (64 queries of one head of one sequence
         // per 4-warp block, blocks past a sequence's queries return; d <= dp; shared memory
-        // opted in at load), paged_flash_attention_wgmma_d128 (the same arguments, 128 queries
-        // per 8-warp block, d == 128, an f16 cache) or paged_attention_rows_f16 (one warp per
-        // query, head and sequence; d <= MAX_HEAD_DIM); over FP8 caches their _f8 twins, which
-        // take the caches' scales after the same arguments.
+        // opted in at load), paged_flash_attention_wgmma_d128 (the same arguments,
+        // PAGED_FLASH_WGMMA_QUERIES queries a block of PAGED_FLASH_WGMMA_THREADS, d == 128, an
+        // f16 cache) or paged_attention_rows_f16 (one warp per query, head and sequence; d <=
+        // MAX_HEAD_DIM); over FP8 caches their _f8 twins, which take the caches' scales after
+        // the same arguments.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))
     }
 }
