@@ -761,17 +761,15 @@ extern "C" __global__ void __launch_bounds__(FW_WARPGROUPS * 128, 1)
 // to 34.5k tok/s (2026-11-29, same call). Three warpgroups, 192 queries a block (three warps a
 // scheduler, and each K/V tile copied serves 1.5x the rows; the first 8 warps copy a tile):
 // FP8-weight prefill 45.8k -> 47.2k tok/s (same call, 2026-11-29), f16 ~1%.
-#define PW_WG 3
-#define PW_BK 64
+// PW_WG, PW_BK and PW_STAGES are #defined by the host (kernels.rs, PAGED_FLASH_WGMMA_*), which
+// sizes the block and its shared memory from them.
 #define PW_D 128
-#define PW_STAGES 4
 
 struct PwShared {
     static constexpr int threads = PW_WG * 128;
     static constexpr int q_rows = 64 * PW_WG;
     static constexpr int q_tile = q_rows * PW_D;  // halves
     static constexpr int kv_tile = PW_BK * PW_D;  // halves, K or V
-    static constexpr int bytes = (q_tile + 2 * PW_STAGES * kv_tile) * 2 + 1024;  // + alignment
 };
 static_assert(PW_BK <= 8 * PwShared::threads / 32, "a warp's lanes stage one 8-key row block");
 
@@ -807,7 +805,8 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
     const int tiles = (kv_end + PW_BK - 1) / PW_BK;
 
     // The swizzle's 8-row atoms must start 1024-byte aligned, and dynamic shared memory is
-    // promised only 16: the host asks for 1024 bytes more (PwShared::bytes) to round up into.
+    // promised only 16: the host asks for 1024 bytes more (paged_flash_wgmma_smem_bytes) to
+    // round up into.
     extern __shared__ __align__(128) unsigned char pw_smem[];
     half* Qs = reinterpret_cast<half*>(pw_smem + ((0u - smem_addr(pw_smem)) & 1023u));
     auto k_buf = [&](int i) { return Qs + Sh::q_tile + (i % PW_STAGES) * 2 * Sh::kv_tile; };

@@ -328,15 +328,22 @@ pub(super) fn decode_max_splits() -> usize {
 /// paged_flash_attention_d128. Taken only where [`PrefillAttention::current`] says so.
 pub(super) const PAGED_FLASH_WGMMA_KERNEL: &str = "paged_flash_attention_wgmma_d128";
 pub(super) const PAGED_FLASH_WGMMA_D: usize = 128;
-pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 192;
-pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 384;
+/// Its block's warpgroups (PW_WG), 64 queries each; keys a tile (PW_BK); K/V tile buffers
+/// (PW_STAGES). The kernel reads them from [`shared_defines`].
+const PAGED_FLASH_WGMMA_WARPGROUPS: usize = 3;
+const PAGED_FLASH_WGMMA_KEYS: usize = 64;
+const PAGED_FLASH_WGMMA_STAGES: usize = 4;
+pub(super) const PAGED_FLASH_WGMMA_QUERIES: usize = 64 * PAGED_FLASH_WGMMA_WARPGROUPS;
+pub(super) const PAGED_FLASH_WGMMA_THREADS: u32 = 128 * PAGED_FLASH_WGMMA_WARPGROUPS as u32;
 
-/// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`] (PwShared): the block's queries and 4
-/// stages of a K and a V tile of 64 keys, all 128 dims of f16, and 1024 bytes to align them to
-/// the 128-byte swizzle's 1024-byte atoms.
+/// Dynamic shared memory of [`PAGED_FLASH_WGMMA_KERNEL`]: the block's queries and the stages
+/// of a K and a V tile, all 128 dims of f16, and 1024 bytes to align them to the 128-byte
+/// swizzle's 1024-byte atoms.
 pub(super) fn paged_flash_wgmma_smem_bytes() -> usize {
-    const STAGES: usize = 4;
-    (PAGED_FLASH_WGMMA_QUERIES + 2 * STAGES * 64) * PAGED_FLASH_WGMMA_D * 2 + 1024
+    (PAGED_FLASH_WGMMA_QUERIES + 2 * PAGED_FLASH_WGMMA_STAGES * PAGED_FLASH_WGMMA_KEYS)
+        * PAGED_FLASH_WGMMA_D
+        * 2
+        + 1024
 }
 
 /// Which kernel prefill chunks' attention takes on a GPU with both: `VLM_PREFILL_ATTENTION`
@@ -1041,7 +1048,9 @@ fn shared_defines() -> String {
          #define LOGPROB_COLS {LOGPROB_COLS}\n#define MAX_TOP_LOGPROBS {MAX_TOP_LOGPROBS}\n\
          #define SAMPLE_LIST {SAMPLE_LIST}\n#define SAMPLE_BINS {SAMPLE_BINS}\n\
          #define IG_K {INT_GEMM_K}\n#define IG_STAGES {INT_GEMM_STAGES}\n\
-         #define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n{}",
+         #define IG_SZ_SLOTS {INT_GEMM_SZ_SLOTS}\n\
+         #define PW_WG {PAGED_FLASH_WGMMA_WARPGROUPS}\n#define PW_BK {PAGED_FLASH_WGMMA_KEYS}\n\
+         #define PW_STAGES {PAGED_FLASH_WGMMA_STAGES}\n{}",
         int_gemm_blocks_define()
     )
 }
