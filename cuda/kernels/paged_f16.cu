@@ -36,6 +36,19 @@ __device__ __forceinline__ unsigned key_slot(const unsigned* __restrict__ blocks
     return blocks[off + j / block_size] * (unsigned)block_size + (unsigned)(j % block_size);
 }
 
+// Four values into a cache as one store, at dst (4-aligned): f16 (8 bytes; inv unused) or e4m3
+// bytes of x * inv (4 bytes), as F16Cache::store and F8Cache::store round each.
+__device__ __forceinline__ void store4(__half* __restrict__ dst, float4 x, float) {
+    const __half2 a = __floats2half2_rn(x.x, x.y), b = __floats2half2_rn(x.z, x.w);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(*reinterpret_cast<const unsigned*>(&a),
+                                                *reinterpret_cast<const unsigned*>(&b));
+}
+__device__ __forceinline__ void store4(unsigned char* __restrict__ dst, float4 x, float inv) {
+    *reinterpret_cast<unsigned*>(dst) =
+        (unsigned)f8_store(x.x, inv) | (unsigned)f8_store(x.y, inv) << 8 |
+        (unsigned)f8_store(x.z, inv) << 16 | (unsigned)f8_store(x.w, inv) << 24;
+}
+
 // cache[slots[r], :] = rows[r, :] as f16 (write_kv_f8: as e4m3 bytes of rows * inv). One block
 // per row; width = hkv * d. A slot outside the cache writes nothing (the host never sends one).
 extern "C" __global__ void write_kv_f16(__half* __restrict__ cache, const unsigned* __restrict__ slots,
@@ -66,12 +79,8 @@ extern "C" __global__ void write_kv_f8(unsigned char* __restrict__ cache,
     const float* src = rows + (size_t)blockIdx.x * width;
     unsigned char* dst = cache + (size_t)slot * width;
     if (width % 4 == 0) {
-        for (int c = threadIdx.x * 4; c < width; c += blockDim.x * 4) {
-            float4 x = *reinterpret_cast<const float4*>(src + c);
-            *reinterpret_cast<unsigned*>(dst + c) =
-                (unsigned)f8_store(x.x, inv) | (unsigned)f8_store(x.y, inv) << 8 |
-                (unsigned)f8_store(x.z, inv) << 16 | (unsigned)f8_store(x.w, inv) << 24;
-        }
+        for (int c = threadIdx.x * 4; c < width; c += blockDim.x * 4)
+            store4(dst + c, *reinterpret_cast<const float4*>(src + c), inv);
     } else {
         for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = f8_store(src[c], inv);
     }
@@ -91,20 +100,6 @@ extern "C" __global__ void write_kv_f8(unsigned char* __restrict__ cache,
 // qkv_to_cache_f8 an FP8 one (k and v times k_inv and v_inv, then rounded to e4m3).
 struct F16Cache;
 struct F8Cache;
-
-// Four of a cache's values as one store (8 bytes of f16, 4 of e4m3) at dst, 4-aligned.
-template <typename C>
-__device__ __forceinline__ void store4(typename C::T* __restrict__ dst, float4 v, float inv) {
-    if constexpr (C::FP8) {
-        *reinterpret_cast<unsigned*>(dst) =
-            (unsigned)C::store(v.x, inv) | (unsigned)C::store(v.y, inv) << 8 |
-            (unsigned)C::store(v.z, inv) << 16 | (unsigned)C::store(v.w, inv) << 24;
-    } else {
-        const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
-        *reinterpret_cast<uint2*>(dst) = make_uint2(*reinterpret_cast<const unsigned*>(&a),
-                                                    *reinterpret_cast<const unsigned*>(&b));
-    }
-}
 
 // qkv_to_cache (below) for head dim 128, every Qwen3's and Qwen2.5's: lane l holds dims 4l ..
 // 4l + 3 as one float4, so rotate-half's partner (dim i + 64 or i - 64) is lane l ^ 16's, one
@@ -138,7 +133,7 @@ __device__ __forceinline__ void qkv_to_cache_d128(
         const float4 x = row[(size_t)h * WARP + lane];
         if (h >= hq + hkv) {
             if (cached)
-                store4<C>(v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * D + 4 * lane, x, v_inv);
+                store4(v_cache + ((size_t)slot * hkv + (h - hq - hkv)) * D + 4 * lane, x, v_inv);
             continue;
         }
         const bool is_q = h < hq;
@@ -158,7 +153,7 @@ __device__ __forceinline__ void qkv_to_cache_d128(
         if (is_q)
             reinterpret_cast<float4*>(q_out + ((size_t)r * hq + h) * D)[lane] = o;
         else if (cached)
-            store4<C>(k_cache + ((size_t)slot * hkv + (h - hq)) * D + 4 * lane, o, k_inv);
+            store4(k_cache + ((size_t)slot * hkv + (h - hq)) * D + 4 * lane, o, k_inv);
     }
 }
 
