@@ -639,8 +639,8 @@ fn rope_and_attention_at_real_sizes() {
 /// runs mma.sync in its place) and mma.sync (`VLM_PREFILL_ATTENTION=mma`, what a Jetson Orin
 /// runs, forced here on an H100 too): 8B heads (32 of 8 KV heads, dim 128) and
 /// Qwen2.5-7B's (28 of 4) over the f16 cache. A chunk after 1536 cached keys beside decodes and a
-/// fresh prompt whose last block is partial; 1000 queries (the last of 8 blocks of 128 part
-/// empty) and 2048 (a whole prefill); 17 queries, a block of mostly empty rows; blocks of 32
+/// fresh prompt whose last block is partial; 1000 queries (each kernel's last block part
+/// empty: 64 and 192 queries a block) and 2048 (a whole prefill); 17 queries, a block of mostly empty rows; blocks of 32
 /// slots (the staging's run-time division).
 #[test]
 fn paged_prefill_attention_on_both_kernels() {

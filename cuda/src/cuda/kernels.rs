@@ -354,8 +354,9 @@ pub enum PrefillAttention {
     /// runs (Jetson Orin's sm_87 included), and an H100's FP8 caches and other head dims.
     MmaSync,
     /// wgmma ([`PAGED_FLASH_WGMMA_KERNEL`]) where it is compiled (sm_90) and takes the shape
-    /// (head dim 128, an f16 cache); elsewhere mma.sync. The default: on an H200 it takes a
-    /// layer of the 8B's 4096-token prefill in 699 us against mma.sync's 743.
+    /// (head dim 128, an f16 cache); elsewhere mma.sync. The default: on an H200 it took a
+    /// layer of the 8B's 4096-token prefill in 699 us against mma.sync's 743, before its
+    /// swizzle and third warpgroup made that prefill 12% faster again (docs/benchmarks.md).
     Wgmma,
 }
 
