@@ -331,7 +331,8 @@ fn w8a8_quantizes_activations_as_the_cpu_does() {
 }
 
 /// The W8A8 GEMM's operands written by the norm and the SwiGLU that compute them
-/// (`rms_norm_f8`, `silu_mul_halves_f8`) are the bytes and scales of the two-kernel path
+/// (`rms_norm_f8`, `silu_mul_halves_f8`), and o_proj's quantized from f32 in one pass
+/// (`quant_rows_f32_f8`), are the bytes and scales of the two-kernel path
 /// (the f16 norm or SwiGLU, then `quant_rows_f8`, which the test above holds to the CPU),
 /// exactly: at 8B's widths (hidden 4096, intermediate 12288) and the tiny fixtures' (128,
 /// 384), with a row of zeros (scale 1), one past e4m3's range and one of tiny values.
@@ -365,6 +366,19 @@ fn w8a8_fused_operands_equal_the_two_kernel_path() {
         assert!(
             fused == two,
             "silu_mul_halves_f8, {n} x {m}: differs from the two kernels"
+        );
+    }
+    // o_proj's f32 input quantized in one pass (`quant_rows_f32_f8`) against cast_f32_to_f16
+    // then quant_rows_f8: values not f16-exact, so the rounding to f16 is compared too.
+    for (n, k) in [(5, 128), (37, 384), (300, 4096)] {
+        let mut x = vlm_compute::random::uniform_tensor(&[n, k], 8, 4.0);
+        plant(&mut x, k);
+        let [fused, two] = g
+            .quantize_rows_f32_fused_and_not(&g.upload(&x).unwrap())
+            .unwrap();
+        assert!(
+            fused == two,
+            "quant_rows_f32_f8, {n} x {k}: differs from cast_f32_to_f16 + quant_rows_f8"
         );
     }
 }

@@ -587,7 +587,7 @@ pub(super) fn flash_smem_bytes(dp: usize, queries: usize) -> usize {
     (queries + 4 * 64) * 2 * (dp + 8)
 }
 
-const OPS_KERNELS: [&str; 22] = [
+const OPS_KERNELS: [&str; 23] = [
     "add_f32",
     "gelu_tanh_f32",
     "gelu_erf_f32",
@@ -606,6 +606,7 @@ const OPS_KERNELS: [&str; 22] = [
     "broadcast_rows_f32",
     "fill_uniform_f32",
     "quant_rows_f8",
+    "quant_rows_f32_f8",
     "rms_norm_f8",
     "silu_mul_halves_f8",
     "qdq_rows_f8",

@@ -23,6 +23,7 @@ use super::lt::{Epilogue, LtGemm, LtOperands, LtOut, LtShape};
 use super::tensor::WeightData;
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
+use crate::quant::fp8::ACT_GROUP;
 use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 
 /// What the batched text MLP stores its SwiGLU products at in f16 (and its down GEMM undoes):
@@ -257,6 +258,13 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
+        // An FP8 weight on the W8A8 GEMM reads x quantized straight from f32.
+        if x.cols() % ACT_GROUP == 0 {
+            if let Some(taken) = self.w8a8_weight::<f32>(w, x.rows(), accumulate)? {
+                let x8 = self.quantize_rows_f32(x)?;
+                return self.w8a8_gemm_rows(&x8, w, taken, out, accumulate, 1.0);
+            }
+        }
         self.gemm_f16(&self.to_f16(x)?, x.rows(), w, out, accumulate)
     }
 

@@ -423,6 +423,35 @@ impl CudaBackend {
         Ok(x)
     }
 
+    /// x's f32 rows rounded to f16 and quantized as [`Self::quantize_rows`] quantizes them, in
+    /// one pass (`quant_rows_f32_f8`): what a GEMM of f32 rows (o_proj's, the attention's
+    /// output) on the W8A8 GEMM reads, without the f16 copy (`cast_f32_to_f16`) in between.
+    pub(super) fn quantize_rows_f32(&self, x: &CudaTensor) -> Result<Fp8Rows> {
+        let (n, k) = (x.rows(), x.cols());
+        if k % ACT_GROUP != 0 {
+            return Err(Error::shape(
+                "quantize_rows_f32",
+                format!("{k} columns: not whole groups of {ACT_GROUP}"),
+            ));
+        }
+        let mut out = self.alloc_fp8_rows(n, k)?;
+        let (nn, kk, ld) = (n as i32, k as i32, out.ld as i32);
+        let name = "quant_rows_f32_f8";
+        let mut l = self.inner.stream.launch_builder(self.kernel(name));
+        l.arg(&*x.buf)
+            .arg(&mut out.q)
+            .arg(&mut out.scales)
+            .arg(&nn)
+            .arg(&kk)
+            .arg(&ld);
+        let cfg = Self::by_group_config(n * k / ACT_GROUP);
+        // SAFETY: matches quant_rows_f32_f8: x holds n*k floats (its shape), q ld*k bytes,
+        // scales ld*k/128 floats (ld >= n); k is whole groups, so each warp's loads stay in
+        // its row.
+        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        Ok(out)
+    }
+
     /// `rms_norm(x, w, eps)` as the W8A8 GEMM reads it, without the f16 copy in between
     /// (`rms_norm_f8`: rms_norm_f16 then quant_rows_f8, bit for bit), for rows that
     /// rms_norm_f16 keeps in registers; `None` for others, which take the two kernels.
@@ -518,6 +547,18 @@ impl CudaBackend {
         };
         let h16 = self.rms_norm_f16(x, w, eps)?;
         let two = self.quantize_rows(&h16, x.rows(), x.cols())?;
+        Ok([fused.to_host(self)?, two.to_host(self)?])
+    }
+
+    /// x's rows quantized from f32 in one kernel (`quant_rows_f32_f8`) and in two
+    /// (`cast_f32_to_f16`, then `quant_rows_f8`): the bytes and scales of each.
+    #[doc(hidden)]
+    pub fn quantize_rows_f32_fused_and_not(
+        &self,
+        x: &CudaTensor,
+    ) -> Result<[(Vec<u8>, Vec<f32>); 2]> {
+        let fused = self.quantize_rows_f32(x)?;
+        let two = self.quantize_rows(&self.to_f16(x)?, x.rows(), x.cols())?;
         Ok([fused.to_host(self)?, two.to_host(self)?])
     }
 
