@@ -23,7 +23,6 @@ use super::lt::{Epilogue, LtGemm, LtOperands, LtOut, LtShape};
 use super::tensor::WeightData;
 use super::{CudaBackend, CudaTensor, CudaWeight};
 use crate::backend::{layer_norm_linears_op_by_op, layer_norm_mlp_op_by_op};
-use crate::quant::fp8::ACT_GROUP;
 use crate::{Backend, Error, GeluKind, LayerNormParams, Projection, Result};
 
 /// What the batched text MLP stores its SwiGLU products at in f16 (and its down GEMM undoes):
@@ -259,13 +258,11 @@ impl CudaBackend {
         accumulate: bool,
     ) -> Result<()> {
         // An FP8 weight on the W8A8 GEMM reads x quantized straight from f32.
-        if x.cols() % ACT_GROUP == 0 {
-            if let Some(taken) = self.w8a8_weight::<f32>(w, x.rows(), accumulate)? {
-                let x8 = self.quantize_rows_f32(x)?;
-                return self.w8a8_gemm_rows(&x8, w, taken, out, accumulate, 1.0);
-            }
+        if let Some(taken) = self.w8a8_weight::<f32>(w, x.rows(), accumulate)? {
+            let x8 = self.quantize_rows_f32(x)?;
+            return self.w8a8_gemm_rows(&x8, w, taken, out, accumulate, 1.0);
         }
-        self.gemm_f16(&self.to_f16(x)?, x.rows(), w, out, accumulate)
+        self.gemm_f16_not_w8a8(&self.to_f16(x)?, x.rows(), w, out, accumulate, 1.0)
     }
 
     /// [`Self::gemm`] of `x16`, `n` rows already rounded to f16, into f32 or (the operand of
@@ -291,10 +288,24 @@ impl CudaBackend {
         accumulate: bool,
         alpha: f32,
     ) -> Result<()> {
-        let (k, m) = (w.shape[1], w.shape[0]);
         if let Some(taken) = self.w8a8_weight::<O>(w, n, accumulate)? {
             return self.w8a8_gemm(x16, n, w, taken, out, accumulate, alpha);
         }
+        self.gemm_f16_not_w8a8(x16, n, w, out, accumulate, alpha)
+    }
+
+    /// [`Self::gemm_f16_alpha`] of a weight [`Self::w8a8_weight`] has said no to: the integer
+    /// GEMM, or cuBLAS on f16 (dequantized in chunks if `w` is packed).
+    fn gemm_f16_not_w8a8<O: GemmOut>(
+        &self,
+        x16: &CudaSlice<half::f16>,
+        n: usize,
+        w: &CudaWeight,
+        out: &mut CudaSlice<O>,
+        accumulate: bool,
+        alpha: f32,
+    ) -> Result<()> {
+        let (k, m) = (w.shape[1], w.shape[0]);
         if let Some(iw) = self.int_gemm_weight(w, n) {
             return self.launch_int_gemm(x16, 0..n, iw, m, k, None, out, accumulate, alpha);
         }
