@@ -68,6 +68,17 @@ extern "C" __global__ void silu_mul_halves_f32(const float* __restrict__ y, floa
     out[i] = g / (1.0f + expf(-g)) * y[(size_t)r * 2 * m + m + j];
 }
 
+// silu(g) * u * scale for the SwiGLU kernels whose products are rounded to f16 (and maybe then to
+// e4m3) at once: the exponential and the division approximate (ex2.approx and rcp.approx, a few
+// ulp of f32, and up to ~1e-5 relative at |g| near 80, all below f16's 2^-11 rounding), since
+// expf and the IEEE division were most of what those kernels issued, and they were issue-bound
+// (81% of issue slots at 2 TB/s, ncu on an H200). Every such kernel computes it here, so the
+// fused and unfused paths agree bit for bit. f32 outputs (the kernels above, the GEMVs) keep
+// expf and the IEEE division.
+__device__ __forceinline__ float silu_mul_f16_bound(float g, float u, float scale) {
+    return __fdividef(g, 1.0f + __expf(-g)) * u * scale;
+}
+
 // The same in f16, for the GEMMs on either side: y is the gate/up GEMM's f16 output and out
 // the down projection's operand, times `scale`; the math is f32. The host passes a power of two
 // below 1 (SWIGLU_F16_SCALE) and multiplies the down GEMM by its inverse: Qwen3's massive
@@ -95,13 +106,13 @@ extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 float2 a = __half22float2(g2[p]), b = __half22float2(u2[p]);
-                o2[p] = __floats2half2_rn(a.x / (1.0f + expf(-a.x)) * b.x * scale,
-                                          a.y / (1.0f + expf(-a.y)) * b.y * scale);
+                o2[p] = __floats2half2_rn(silu_mul_f16_bound(a.x, b.x, scale),
+                                          silu_mul_f16_bound(a.y, b.y, scale));
             }
             *reinterpret_cast<uint4*>(o) = ov;
         } else {
             float a = __half2float(gate[0]);
-            o[0] = __float2half_rn(a / (1.0f + expf(-a)) * __half2float(up[0]) * scale);
+            o[0] = __float2half_rn(silu_mul_f16_bound(a, __half2float(up[0]), scale));
         }
     }
 }
@@ -335,43 +346,48 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
 // FP8 weights on sm_90 multiply on FP8 tensor cores (cuBLASLt with block scales, lt.rs and
 // w8a8.rs), so their activations are quantized too, as `activation_scheme: dynamic` declares:
 // per row and group of 128 columns, s = amax / 448 (1 for a group of zeros), each value rounded
-// to e4m3 as x / s (to nearest even, saturating), from the f16 value the unfused path stores, as
-// the CPU's quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly
-// rounded, as there). The bytes go row-major; scales[g * ld + r] is row r's scale of group g: all
+// to e4m3 as x times 1 / s (to nearest even, saturating), from the f16 value the unfused path
+// stores, as the CPU's quant::fp8::quantize_rows does bit for bit (amax / 448, 1 / s and the
+// product each correctly rounded, as there: one division a group, not one a value, which made
+// these kernels issue-bound). The bytes go row-major; scales[g * ld + r] is row r's scale of group g: all
 // rows' scales of a group together, as cuBLASLt's VEC128_32F reads them (ld: the rows padded to
 // what the GEMM takes, w8a8.rs's W8A8_ROWS). A warp takes one
 // group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands its
 // values to quant_group_e4m3 (the GEMM's operand) or qdq_group_e4m3 (decode's GEMVs of the same
 // weights: each value as its byte times the scale, what the GEMM multiplies by, in f32) in that
 // layout.
-__device__ __forceinline__ float group_scale_e4m3(const float v[4]) {
+// The group's scale s and its reciprocal.
+__device__ __forceinline__ float2 group_scale_e4m3(const float v[4]) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int o = WARP / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    return amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    const float s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    return make_float2(s, __frcp_rn(s));
 }
 
-__device__ __forceinline__ unsigned e4m3_of(float v, float s) {
-    return (unsigned)__nv_cvt_float_to_fp8(__fdiv_rn(v, s), __NV_SATFINITE, __NV_E4M3);
+// The four values' e4m3 bytes, value i in byte i, each v[i] * inv rounded to nearest even and
+// saturating (two conversions of a pair each).
+__device__ __forceinline__ unsigned e4m3x4(const float v[4], float inv) {
+    const unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
+    const unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
+    return lo | hi << 16;
 }
 
 __device__ __forceinline__ void quant_group_e4m3(const float v[4], unsigned char* __restrict__ q4,
                                                  float* __restrict__ scale) {
-    const float s = group_scale_e4m3(v);
-    unsigned word = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) word |= e4m3_of(v[i], s) << (8 * i);
-    *reinterpret_cast<unsigned*>(q4) = word;
-    if (threadIdx.x % WARP == 0) *scale = s;
+    const float2 s = group_scale_e4m3(v);
+    *reinterpret_cast<unsigned*>(q4) = e4m3x4(v, s.y);
+    if (threadIdx.x % WARP == 0) *scale = s.x;
 }
 
 __device__ __forceinline__ void qdq_group_e4m3(const float v[4], float* __restrict__ out4) {
-    const float s = group_scale_e4m3(v);
+    const float2 s = group_scale_e4m3(v);
+    const unsigned bytes = e4m3x4(v, s.y);
     float r[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const __half h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)e4m3_of(v[i], s), __NV_E4M3);
-        r[i] = __half2float(h) * s;
+        const __half h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(bytes >> (8 * i) & 0xff), __NV_E4M3);
+        r[i] = __half2float(h) * s.x;
     }
     *reinterpret_cast<float4*>(out4) = make_float4(r[0], r[1], r[2], r[3]);
 }
@@ -401,14 +417,33 @@ struct QdqStore {
     }
 };
 
+// The row and group of 128 columns this warp takes (one warp a group, `groups` groups a row), or
+// false for a warp past the last (whole warps: blockDim is a multiple of WARP). In 32 bits where
+// the grid allows (under 2^31 groups: any real step), since a 64-bit division is a software
+// routine of some 70 instructions, a quarter of what these kernels issue for a group.
+__device__ __forceinline__ bool group_of_warp(int n, int groups, int& r, int& g) {
+    const long long total = (long long)n * groups;
+    if (total < (1ll << 31)) {
+        const unsigned warp = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+        if (warp >= (unsigned)total) return false;
+        r = (int)(warp / (unsigned)groups);
+        g = (int)(warp - (unsigned)r * groups);
+        return true;
+    }
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (warp >= total) return false;
+    r = (int)(warp / groups);
+    g = (int)(warp - (long long)r * groups);
+    return true;
+}
+
 // x [n, k] f16 (k a multiple of 128) quantized: the input of a W8A8 GEMM no kernel before it
 // quantizes (the attention's output, before o_proj). One warp a group.
 extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned char* __restrict__ q,
                                          float* __restrict__ scales, int n, int k, int ld) {
-    const int groups = k / 128;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
-    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    int r, g;
+    if (!group_of_warp(n, k / 128, r, g)) return;
+    const int lane = threadIdx.x % WARP;
     const size_t at = (size_t)r * k + g * 128 + lane * 4;
     const uint2 raw = *reinterpret_cast<const uint2*>(x + at);
     const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
@@ -423,10 +458,9 @@ extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned 
 // is cast_f32_to_f16's. One warp a group.
 extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsigned char* __restrict__ q,
                                              float* __restrict__ scales, int n, int k, int ld) {
-    const int groups = k / 128;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
-    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    int r, g;
+    if (!group_of_warp(n, k / 128, r, g)) return;
+    const int lane = threadIdx.x % WARP;
     const int c = g * 128 + lane * 4;
     const float4 v4 = *reinterpret_cast<const float4*>(x + (size_t)r * k + c);
     float v[4];
@@ -444,10 +478,9 @@ extern "C" __global__ void qdq_rows_f8(const float* __restrict__ x, float* __res
     // GEMV after may start streaming its weights at once.
     grid_wait();
     grid_launch_dependents();
-    const int groups = k / 128;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
-    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    int r, g;
+    if (!group_of_warp(n, k / 128, r, g)) return;
+    const int lane = threadIdx.x % WARP;
     const int c = g * 128 + lane * 4;
     const float4 v4 = *reinterpret_cast<const float4*>(x + (size_t)r * k + c);
     float v[4];
@@ -505,10 +538,9 @@ extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
                                               unsigned char* __restrict__ q,
                                               float* __restrict__ scales, int m, int n,
                                               float scale, int ld) {
-    const int groups = m / 128;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    if (warp >= (long long)n * groups) return;  // whole warps: blockDim is a multiple of WARP
-    const int r = (int)(warp / groups), g = (int)(warp % groups), lane = threadIdx.x % WARP;
+    int r, g;
+    if (!group_of_warp(n, m / 128, r, g)) return;
+    const int lane = threadIdx.x % WARP;
     const size_t j = (size_t)g * 128 + lane * 4;
     const uint2 gv = *reinterpret_cast<const uint2*>(y + (size_t)r * 2 * m + j);
     const uint2 uv = *reinterpret_cast<const uint2*>(y + (size_t)r * 2 * m + m + j);
@@ -517,8 +549,7 @@ extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
     for (int h = 0; h < 2; ++h) {
         const float2 a = __half22float2(*reinterpret_cast<const __half2*>(h ? &gv.y : &gv.x));
         const float2 b = __half22float2(*reinterpret_cast<const __half2*>(h ? &uv.y : &uv.x));
-        p[h] = make_float2(a.x / (1.0f + expf(-a.x)) * b.x * scale,
-                           a.y / (1.0f + expf(-a.y)) * b.y * scale);
+        p[h] = make_float2(silu_mul_f16_bound(a.x, b.x, scale), silu_mul_f16_bound(a.y, b.y, scale));
     }
     float f[4];
     round_to_f16(p[0], p[1], f);
