@@ -289,30 +289,12 @@ impl Lt {
         if let Some(a) = algos.get(&gemm) {
             return Ok(*a);
         }
-        let workspace_bytes = workspace.1;
-        // The heuristic refuses block scale modes without scale pointers (INVALID_VALUE); it
-        // reads nothing through them, so any device address serves until `matmul` gives the
-        // real ones.
-        let mut d = self.describe(&gemm, (workspace.0, workspace.0))?;
-        let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
-        d.pref = Some(pref);
-        let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-        // SAFETY: every descriptor is live (in `d`); the attribute is a usize.
-        let found = unsafe {
-            lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&workspace_bytes) as *const usize as *const c_void,
-                std::mem::size_of::<usize>(),
-            )
-            .map_err(lt_err("cuBLASLt preference"))?;
-            lt::get_matmul_algo_heuristic(self.handle, d.op, wl, xl, ol, ol, pref)
-        };
+        let found = self.heuristic(&gemm, workspace, 1)?;
         // "Not supported" is an answer (no algorithm), anything else an error; for FP8 (a
         // path with a weight-only fallback, on a feature new in cuBLAS 12.9) any refusal is
         // an answer too, logged once a shape.
         let algo = match found {
-            Ok(h) => Some(LtAlgo(h.algo)),
+            Ok(h) => Some(LtAlgo(h[0].algo)),
             Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => None,
             Err(e) if matches!(gemm, LtGemm::Fp8(_)) => {
                 tracing::warn!(
@@ -326,6 +308,75 @@ impl Lt {
         };
         algos.insert(gemm, algo);
         Ok(algo)
+    }
+
+    /// Up to `count` algorithms cuBLASLt's heuristic offers for `gemm`, its choice first (for
+    /// timing them against each other: w8a8.rs's `w8a8_algo_times`). Empty where it has none.
+    pub(super) fn candidates(
+        &self,
+        gemm: &LtGemm,
+        workspace: (CUdeviceptr, usize),
+        count: usize,
+    ) -> Result<Vec<LtAlgo>> {
+        match self.heuristic(gemm, workspace, count)? {
+            Ok(found) => Ok(found.iter().map(|h| LtAlgo(h.algo)).collect()),
+            Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => Ok(vec![]),
+            Err(e) => Err(lt_err("cuBLASLt heuristic")(e)),
+        }
+    }
+
+    /// The heuristic's best `count` (at least one) for `gemm` with `workspace` (its address and
+    /// bytes): the outer error a descriptor's, the inner the heuristic's answer
+    /// (`NOT_SUPPORTED` where it found none).
+    fn heuristic(
+        &self,
+        gemm: &LtGemm,
+        workspace: (CUdeviceptr, usize),
+        count: usize,
+    ) -> Result<std::result::Result<Vec<sys::cublasLtMatmulHeuristicResult_t>, lt::CublasError>>
+    {
+        let workspace_bytes = workspace.1;
+        // The heuristic refuses block scale modes without scale pointers (INVALID_VALUE); it
+        // reads nothing through them, so any device address serves until `matmul` gives the
+        // real ones.
+        let mut d = self.describe(gemm, (workspace.0, workspace.0))?;
+        let pref = lt::create_matmul_pref().map_err(lt_err("cuBLASLt preference"))?;
+        d.pref = Some(pref);
+        let (wl, xl, ol) = (d.layouts[0], d.layouts[1], d.layouts[2]);
+        let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> = Vec::with_capacity(count);
+        let mut returned = 0i32;
+        // SAFETY: every descriptor is live (in `d`); the attribute is a usize; `found` has room
+        // for `count` results, of which cuBLASLt writes `returned`.
+        let status = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace_bytes) as *const usize as *const c_void,
+                std::mem::size_of::<usize>(),
+            )
+            .map_err(lt_err("cuBLASLt preference"))?;
+            let status = sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                d.op,
+                wl,
+                xl,
+                ol,
+                ol,
+                pref,
+                count.max(1) as i32,
+                found.as_mut_ptr(),
+                &mut returned,
+            );
+            found.set_len(returned.max(0) as usize);
+            status
+        };
+        Ok(match status {
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS if !found.is_empty() => Ok(found),
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Err(lt::CublasError(
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+            )),
+            e => Err(lt::CublasError(e)),
+        })
     }
 
     /// Enqueues `gemm` with `algo` (from [`Lt::algo`] for the same GEMM) on `stream`, the

@@ -370,6 +370,96 @@ impl CudaBackend {
         self.op_done("cublaslt_gemm_fp8")
     }
 
+    /// Microseconds a call of each algorithm cuBLASLt's heuristic offers (up to `count`, its
+    /// choice first) for the W8A8 GEMM of `n` rows (a multiple of [`W8A8_ROWS`]) by an
+    /// `m x k` FP8 weight into f16 (`out_f16`) or f32 (added to, with `accumulate`): `reps`
+    /// calls each on zeroed operands, after two. For the example `lt_fp8_algos`, which asks
+    /// whether the heuristic's choice is the fastest for prefill's shapes.
+    #[doc(hidden)]
+    pub fn w8a8_algo_times(
+        &self,
+        (n, k, m): (usize, usize, usize),
+        out_f16: bool,
+        accumulate: bool,
+        count: usize,
+        reps: usize,
+    ) -> Result<Vec<f64>> {
+        if out_f16 {
+            self.w8a8_algo_times_into::<half::f16>((n, k, m), false, count, reps)
+        } else {
+            self.w8a8_algo_times_into::<f32>((n, k, m), accumulate, count, reps)
+        }
+    }
+
+    fn w8a8_algo_times_into<O: GemmOut + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        (n, k, m): (usize, usize, usize),
+        accumulate: bool,
+        count: usize,
+        reps: usize,
+    ) -> Result<Vec<f64>> {
+        if n % W8A8_ROWS != 0 || k % ACT_GROUP != 0 || m % 16 != 0 || !self.has_w8a8() {
+            return Err(Error::shape(
+                "w8a8_algo_times",
+                format!("{n} x {k} by {m} rows on this GPU"),
+            ));
+        }
+        let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(n, k, m, accumulate));
+        let algos = self
+            .inner
+            .lt
+            .candidates(&gemm, self.inner.workspace, count)?;
+        let stream = &self.inner.stream;
+        let err = |e: cudarc::driver::DriverError| super::error::cuda_err("w8a8_algo_times")(&e);
+        let x = stream.alloc_zeros::<u8>(n * k).map_err(err)?;
+        let xs = stream.alloc_zeros::<f32>(n * k / ACT_GROUP).map_err(err)?;
+        let w = stream.alloc_zeros::<u8>(m * k).map_err(err)?;
+        let ws = stream
+            .alloc_zeros::<f32>(m.div_ceil(128) * k.div_ceil(128))
+            .map_err(err)?;
+        let mut out = stream.alloc_zeros::<O>(n * m).map_err(err)?;
+        let (xp, _x) = x.device_ptr(stream);
+        let (xsp, _xs) = xs.device_ptr(stream);
+        let (wp, _w) = w.device_ptr(stream);
+        let (wsp, _ws) = ws.device_ptr(stream);
+        let (o, _o) = out.device_ptr_mut(stream);
+        let operands = LtOperands {
+            x: xp,
+            w: wp,
+            bias: 0,
+            out: o,
+            w_scales: wsp,
+            x_scales: xsp,
+        };
+        let mut times = Vec::with_capacity(algos.len());
+        for algo in algos {
+            let run = || {
+                // SAFETY: the operands are as large as the shape says (allocated above, alive
+                // until this function returns, after the synchronization below).
+                unsafe {
+                    self.inner.lt.matmul(
+                        stream.cu_stream(),
+                        self.inner.workspace,
+                        &gemm,
+                        algo,
+                        &operands,
+                        1.0,
+                    )
+                }
+            };
+            run()?;
+            run()?;
+            self.synchronize()?;
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                run()?;
+            }
+            self.synchronize()?;
+            times.push(start.elapsed().as_secs_f64() * 1e6 / reps.max(1) as f64);
+        }
+        Ok(times)
+    }
+
     /// Room for `n` rows of `k` quantized activations, padded to [`W8A8_ROWS`].
     fn alloc_fp8_rows(&self, n: usize, k: usize) -> Result<Fp8Rows> {
         let ld = n.next_multiple_of(W8A8_ROWS);
