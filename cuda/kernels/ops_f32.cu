@@ -346,17 +346,16 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
 // FP8 weights on sm_90 multiply on FP8 tensor cores (cuBLASLt with block scales, lt.rs and
 // w8a8.rs), so their activations are quantized too, as `activation_scheme: dynamic` declares:
 // per row and group of 128 columns, s = amax / 448 (1 for a group of zeros), each value rounded
-// to e4m3 as x times 1 / s (to nearest even, saturating), from the f16 value the unfused path
-// stores, as the CPU's quant::fp8::quantize_rows does bit for bit (amax / 448, 1 / s and the
-// product each correctly rounded, as there: one division a group, not one a value, which made
-// these kernels issue-bound). The bytes go row-major; scales[g * ld + r] is row r's scale of group g: all
+// to e4m3 as x / s (to nearest even, saturating), from the f16 value the unfused path stores, as
+// the CPU's quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly
+// rounded, as there; the division by div_by_scale, from one reciprocal a group). The bytes go row-major; scales[g * ld + r] is row r's scale of group g: all
 // rows' scales of a group together, as cuBLASLt's VEC128_32F reads them (ld: the rows padded to
 // what the GEMM takes, w8a8.rs's W8A8_ROWS). A warp takes one
 // group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands its
 // values to quant_group_e4m3 (the GEMM's operand) or qdq_group_e4m3 (decode's GEMVs of the same
 // weights: each value as its byte times the scale, what the GEMM multiplies by, in f32) in that
 // layout.
-// The group's scale s and its reciprocal.
+// The group's scale s and its reciprocal (for div_by_scale).
 __device__ __forceinline__ float2 group_scale_e4m3(const float v[4]) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
@@ -365,24 +364,40 @@ __device__ __forceinline__ float2 group_scale_e4m3(const float v[4]) {
     return make_float2(s, __frcp_rn(s));
 }
 
-// The four values' e4m3 bytes, value i in byte i, each v[i] * inv rounded to nearest even and
+// v / s rounded to nearest, bit for bit as __fdiv_rn(v, s), from inv = 1 / s rounded to nearest:
+// q = v * inv is within 2 ulp of v / s; one correction by the exact remainder (an FMA) makes it
+// faithful, and a second rounds it correctly (Markstein's theorem: a faithful quotient, the
+// correctly rounded reciprocal and an exact remainder). Five FMA-pipe instructions where
+// __fdiv_rn takes about nine and a branch, which made these kernels issue-bound. It holds while
+// nothing under- or overflows: v is an f16 value and s = amax / 448 of f16 values (so
+// s >= 2^-24 / 448); quant::fp8's test the_gpus_division_by_a_scale_is_the_division checks it on
+// the CPU (every pair of f16 value and group maximum passed it once). The sign is v's, so that
+// -0 stays -0 as in the division.
+__device__ __forceinline__ float div_by_scale(float v, float s, float inv) {
+    float q = v * inv;
+    q = fmaf(fmaf(-q, s, v), inv, q);
+    return copysignf(fmaf(fmaf(-q, s, v), inv, q), v);
+}
+
+// The four values' e4m3 bytes, value i in byte i, each v[i] / s rounded to nearest even and
 // saturating (two conversions of a pair each).
-__device__ __forceinline__ unsigned e4m3x4(const float v[4], float inv) {
-    const unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv, v[1] * inv), __NV_SATFINITE, __NV_E4M3);
-    const unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv, v[3] * inv), __NV_SATFINITE, __NV_E4M3);
-    return lo | hi << 16;
+__device__ __forceinline__ unsigned e4m3x4(const float v[4], float2 s) {
+    const float2 lo = make_float2(div_by_scale(v[0], s.x, s.y), div_by_scale(v[1], s.x, s.y));
+    const float2 hi = make_float2(div_by_scale(v[2], s.x, s.y), div_by_scale(v[3], s.x, s.y));
+    return (unsigned)__nv_cvt_float2_to_fp8x2(lo, __NV_SATFINITE, __NV_E4M3) |
+           (unsigned)__nv_cvt_float2_to_fp8x2(hi, __NV_SATFINITE, __NV_E4M3) << 16;
 }
 
 __device__ __forceinline__ void quant_group_e4m3(const float v[4], unsigned char* __restrict__ q4,
                                                  float* __restrict__ scale) {
     const float2 s = group_scale_e4m3(v);
-    *reinterpret_cast<unsigned*>(q4) = e4m3x4(v, s.y);
+    *reinterpret_cast<unsigned*>(q4) = e4m3x4(v, s);
     if (threadIdx.x % WARP == 0) *scale = s.x;
 }
 
 __device__ __forceinline__ void qdq_group_e4m3(const float v[4], float* __restrict__ out4) {
     const float2 s = group_scale_e4m3(v);
-    const unsigned bytes = e4m3x4(v, s.y);
+    const unsigned bytes = e4m3x4(v, s);
     float r[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
