@@ -348,13 +348,14 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
 // per row and group of 128 columns, s = amax / 448 (1 for a group of zeros), each value rounded
 // to e4m3 as x / s (to nearest even, saturating), from the f16 value the unfused path stores, as
 // the CPU's quant::fp8::quantize_rows does bit for bit (the division and amax / 448 correctly
-// rounded, as there; the division by div_by_scale, from one reciprocal a group). The bytes go row-major; scales[g * ld + r] is row r's scale of group g: all
-// rows' scales of a group together, as cuBLASLt's VEC128_32F reads them (ld: the rows padded to
-// what the GEMM takes, w8a8.rs's W8A8_ROWS). A warp takes one
-// group, four values a lane (lane l holds columns 4l..4l+3 of it): every kernel below hands its
-// values to quant_group_e4m3 (the GEMM's operand) or qdq_group_e4m3 (decode's GEMVs of the same
-// weights: each value as its byte times the scale, what the GEMM multiplies by, in f32) in that
-// layout.
+// rounded, as there; the division by div_by_scale below, from one reciprocal a group). The
+// bytes go row-major; scales[g * ld + r] is row r's scale of group g: all rows' scales of a
+// group together, as cuBLASLt's VEC128_32F reads them (ld: the rows padded to what the GEMM
+// takes, w8a8.rs's W8A8_ROWS). A warp takes one group, four values a lane (lane l holds columns
+// 4l..4l+3 of it): every kernel below hands its values to quant_group_e4m3 (the GEMM's operand)
+// or qdq_group_e4m3 (decode's GEMVs of the same weights: each value as its byte times the
+// scale, what the GEMM multiplies by, in f32) in that layout.
+
 // The group's scale s and its reciprocal (for div_by_scale).
 __device__ __forceinline__ float2 group_scale_e4m3(const float v[4]) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
@@ -401,7 +402,8 @@ __device__ __forceinline__ void qdq_group_e4m3(const float v[4], float* __restri
     float r[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const __half h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)(bytes >> (8 * i) & 0xff), __NV_E4M3);
+        const auto byte = (__nv_fp8_storage_t)((bytes >> (8 * i)) & 0xff);
+        const __half h = __nv_cvt_fp8_to_halfraw(byte, __NV_E4M3);
         r[i] = __half2float(h) * s.x;
     }
     *reinterpret_cast<float4*>(out4) = make_float4(r[0], r[1], r[2], r[3]);
