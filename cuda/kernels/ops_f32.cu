@@ -469,12 +469,11 @@ extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned 
     QuantStore{q, scales, ld, k}(v, r, g * 128 + lane * 4);
 }
 
-// quant_rows_f8 of x [n, k] f32 rounded to f16, in one pass: o_proj's input (the attention's f32
-// output), which cast_f32_to_f16 and then quant_rows_f8 took two passes over (at 4096 tokens
-// ~100 MB a layer read and written for nothing). The same bytes and scales: the rounding to f16
-// is cast_f32_to_f16's. One warp a group.
-extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsigned char* __restrict__ q,
-                                             float* __restrict__ scales, int n, int k, int ld) {
+// Row r's group g of x [n, k] f32 (k a multiple of 128) rounded to f16 as cast_f32_to_f16 rounds
+// it, handed to `store`; one warp a group.
+template <typename Store>
+__device__ __forceinline__ void f32_rows_groups(const float* __restrict__ x, int n, int k,
+                                                Store store) {
     int r, g;
     if (!group_of_warp(n, k / 128, r, g)) return;
     const int lane = threadIdx.x % WARP;
@@ -482,27 +481,27 @@ extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsign
     const float4 v4 = *reinterpret_cast<const float4*>(x + (size_t)r * k + c);
     float v[4];
     round_to_f16(make_float2(v4.x, v4.y), make_float2(v4.z, v4.w), v);
-    QuantStore{q, scales, ld, k}(v, r, c);
+    store(v, r, c);
 }
 
-// x [n, k] f32 (k a multiple of 128) rounded to f16 and then as quant_rows_f8 rounds it, back in
-// f32: the rows of a decode GEMV (1-4 rows) of an FP8 weight whose larger GEMMs run W8A8, so a
-// request computes the same whatever its step's row count (up to summation order). One warp a
-// group.
+// quant_rows_f8 of x [n, k] f32 rounded to f16, in one pass: o_proj's input (the attention's f32
+// output), which cast_f32_to_f16 and then quant_rows_f8 took two passes over (at 4096 tokens
+// ~100 MB a layer read and written for nothing). The same bytes and scales.
+extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsigned char* __restrict__ q,
+                                             float* __restrict__ scales, int n, int k, int ld) {
+    f32_rows_groups(x, n, k, QuantStore{q, scales, ld, k});
+}
+
+// x [n, k] f32 rounded to f16 and then as quant_rows_f8 rounds it, back in f32: the rows of a
+// decode GEMV (1-4 rows) of an FP8 weight whose larger GEMMs run W8A8, so a request computes the
+// same whatever its step's row count (up to summation order).
 extern "C" __global__ void qdq_rows_f8(const float* __restrict__ x, float* __restrict__ out, int n,
                                        int k) {
     // Under programmatic launch (as the GEMVs around it): x is the kernel before's output; the
     // GEMV after may start streaming its weights at once.
     grid_wait();
     grid_launch_dependents();
-    int r, g;
-    if (!group_of_warp(n, k / 128, r, g)) return;
-    const int lane = threadIdx.x % WARP;
-    const int c = g * 128 + lane * 4;
-    const float4 v4 = *reinterpret_cast<const float4*>(x + (size_t)r * k + c);
-    float v[4];
-    round_to_f16(make_float2(v4.x, v4.y), make_float2(v4.z, v4.w), v);
-    QdqStore{out, k}(v, r, c);
+    f32_rows_groups(x, n, k, QdqStore{out, k});
 }
 
 // rms_norm_f16's norm from the row in registers, bit for bit, each group of 128 columns handed to

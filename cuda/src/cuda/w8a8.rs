@@ -496,21 +496,33 @@ impl CudaBackend {
                 format!("{} halves for {n} rows of {k}", x16.len()),
             ));
         }
-        let mut x = self.alloc_fp8_rows(n, k)?;
-        let (nn, kk, ld) = (n as i32, k as i32, x.ld as i32);
-        let name = "quant_rows_f8";
+        self.quant_rows_by("quant_rows_f8", x16, n, k)
+    }
+
+    /// `n` rows of `k` (whole groups) of `x` quantized by `name`: `quant_rows_f8` (x f16) or
+    /// `quant_rows_f32_f8` (x f32, rounded to f16 first), one warp a group.
+    fn quant_rows_by<T: cudarc::driver::DeviceRepr>(
+        &self,
+        name: &'static str,
+        x: &CudaSlice<T>,
+        n: usize,
+        k: usize,
+    ) -> Result<Fp8Rows> {
+        let mut out = self.alloc_fp8_rows(n, k)?;
+        let (nn, kk, ld) = (n as i32, k as i32, out.ld as i32);
         let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(x16)
-            .arg(&mut x.q)
-            .arg(&mut x.scales)
+        l.arg(x)
+            .arg(&mut out.q)
+            .arg(&mut out.scales)
             .arg(&nn)
             .arg(&kk)
             .arg(&ld);
         let cfg = Self::by_group_config(n * k / ACT_GROUP);
-        // SAFETY: matches quant_rows_f8: x16 holds n*k halves (checked), q ld*k bytes, scales
-        // ld*k/128 floats (ld >= n); k is whole groups, so each warp's loads stay in its row.
+        // SAFETY: matches quant_rows_f8 and quant_rows_f32_f8 (the callers pass each its input
+        // type): x holds n*k values (the callers check), q ld*k bytes, scales ld*k/128 floats
+        // (ld >= n); k is whole groups, so each warp's loads stay in its row.
         self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(x)
+        Ok(out)
     }
 
     /// x's f32 rows rounded to f16 and quantized as [`Self::quantize_rows`] quantizes them, in
@@ -524,22 +536,7 @@ impl CudaBackend {
                 format!("{k} columns: not whole groups of {ACT_GROUP}"),
             ));
         }
-        let mut out = self.alloc_fp8_rows(n, k)?;
-        let (nn, kk, ld) = (n as i32, k as i32, out.ld as i32);
-        let name = "quant_rows_f32_f8";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&mut out.q)
-            .arg(&mut out.scales)
-            .arg(&nn)
-            .arg(&kk)
-            .arg(&ld);
-        let cfg = Self::by_group_config(n * k / ACT_GROUP);
-        // SAFETY: matches quant_rows_f32_f8: x holds n*k floats (its shape), q ld*k bytes,
-        // scales ld*k/128 floats (ld >= n); k is whole groups, so each warp's loads stay in
-        // its row.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
-        Ok(out)
+        self.quant_rows_by("quant_rows_f32_f8", &*x.buf, n, k)
     }
 
     /// `rms_norm(x, w, eps)` as the W8A8 GEMM reads it, without the f16 copy in between
