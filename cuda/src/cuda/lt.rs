@@ -335,7 +335,7 @@ impl Lt {
         count: usize,
     ) -> Result<std::result::Result<Vec<sys::cublasLtMatmulHeuristicResult_t>, lt::CublasError>>
     {
-        let workspace_bytes = workspace.1;
+        let (workspace_bytes, count) = (workspace.1, count.max(1));
         // The heuristic refuses block scale modes without scale pointers (INVALID_VALUE); it
         // reads nothing through them, so any device address serves until `matmul` gives the
         // real ones.
@@ -363,11 +363,11 @@ impl Lt {
                 ol,
                 ol,
                 pref,
-                count.max(1) as i32,
+                count as i32,
                 found.as_mut_ptr(),
                 &mut returned,
             );
-            found.set_len(returned.max(0) as usize);
+            found.set_len((returned.max(0) as usize).min(count));
             status
         };
         Ok(match status {
