@@ -266,6 +266,12 @@ pub(super) fn int_gemm_grid(
 /// `BLK128x128_32F`).
 pub(super) const W8A8_BLOCK: usize = 128;
 
+/// Floats a row of blocks takes in [`IntWeight::block_scales`]: its `blocks` scales, padded to
+/// 4 (16 bytes, as cuBLASLt reads them).
+pub(super) fn block_scales_ld(blocks: usize) -> usize {
+    blocks.next_multiple_of(4)
+}
+
 /// An FP8 matrix's block scales as [`IntWeight::block_scales`] holds them, where its blocks
 /// are [`W8A8_BLOCK`] square (else the W8A8 GEMM cannot take it).
 fn fp8_block_scales(m: &Fp8Matrix) -> Option<Vec<f32>> {
@@ -273,7 +279,7 @@ fn fp8_block_scales(m: &Fp8Matrix) -> Option<Vec<f32>> {
         return None;
     }
     let [rows, cols] = m.grid();
-    let ld = cols.next_multiple_of(4);
+    let ld = block_scales_ld(cols);
     let mut out = vec![0f32; rows * ld];
     for (r, row) in out.chunks_mut(ld).enumerate() {
         row[..cols].copy_from_slice(&m.scales[r * cols..(r + 1) * cols]);

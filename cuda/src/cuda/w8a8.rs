@@ -19,6 +19,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use super::int_weights::{block_scales_ld, W8A8_BLOCK};
 use super::kernels::{GEMV_MAX_ROWS, NORM_VEC, ROW_THREADS};
 use super::launch::{arg, width_of};
 use super::linear::{GemmOut, SWIGLU_F16_SCALE};
@@ -337,10 +338,46 @@ impl CudaBackend {
             return Err(Error::shape("W8A8 GEMM", "a weight without block scales"));
         };
         let gemm = LtGemm::Fp8(Self::fp8_shape::<O>(rows, k, m, accumulate));
+        // SAFETY: x.q holds rows*k e4m3 bytes and x.scales their rows*k/128 scales (group-major,
+        // as Fp8Rows is made; past x.n whatever the pool held, which only padding outputs
+        // read), the weight's words its m*k bytes row-major and block_scales its blocks'
+        // scales as IntWeight says; out holds rows*m of O (w8a8_gemm_rows's scratch where the
+        // caller's is shorter).
+        unsafe {
+            self.enqueue_w8a8(
+                &gemm,
+                algo,
+                (&x.q, &x.scales),
+                (&iw.words, w_scales),
+                out,
+                alpha,
+            )
+        }?;
+        self.op_done("cublaslt_gemm_fp8")
+    }
+
+    /// Enqueues the W8A8 GEMM `gemm` with `algo` (from [`super::lt::Lt::algo`] or
+    /// [`super::lt::Lt::candidates`] for it), the product times `alpha`: x's e4m3 bytes and
+    /// their scales, the weight's e4m3 bytes (in words of any type) and its block scales, into
+    /// `out`.
+    ///
+    /// # Safety
+    /// The buffers hold what `gemm`'s shape (n, k, m) says: x n*k bytes and n*k/128 scales
+    /// group-major, the weight m*k bytes row-major and its block scales as
+    /// [`IntWeight::block_scales`] lays them out, out n*m of O.
+    unsafe fn enqueue_w8a8<W: cudarc::driver::DeviceRepr, O: cudarc::driver::DeviceRepr>(
+        &self,
+        gemm: &LtGemm,
+        algo: LtAlgo,
+        (x, x_scales): (&CudaSlice<u8>, &CudaSlice<f32>),
+        (w, w_scales): (&CudaSlice<W>, &CudaSlice<f32>),
+        out: &mut CudaSlice<O>,
+        alpha: f32,
+    ) -> Result<()> {
         let stream = &self.inner.stream;
-        let (xp, _x_guard) = x.q.device_ptr(stream);
-        let (xs, _xs_guard) = x.scales.device_ptr(stream);
-        let (wp, _w_guard) = iw.words.device_ptr(stream);
+        let (xp, _x_guard) = x.device_ptr(stream);
+        let (xs, _xs_guard) = x_scales.device_ptr(stream);
+        let (wp, _w_guard) = w.device_ptr(stream);
         let (ws, _ws_guard) = w_scales.device_ptr(stream);
         let (o, _o_guard) = out.device_ptr_mut(stream);
         let operands = LtOperands {
@@ -351,23 +388,18 @@ impl CudaBackend {
             w_scales: ws,
             x_scales: xs,
         };
-        // SAFETY: x.q holds rows*k e4m3 bytes and x.scales their rows*k/128 scales (group-major,
-        // as Fp8Rows is made; past x.n whatever the pool held, which only padding outputs
-        // read), the weight's words its m*k bytes row-major and block_scales its blocks'
-        // scales as IntWeight says; out holds rows*m of O (w8a8_gemm_rows's scratch where the
-        // caller's is shorter). The guards keep them alive and ordered on this stream until
-        // the GEMM is queued.
+        // SAFETY: the buffers are as the caller promises; the guards keep them alive and ordered
+        // on this stream until the GEMM is queued.
         unsafe {
             self.inner.lt.matmul(
                 stream.cu_stream(),
                 self.inner.workspace,
-                &gemm,
+                gemm,
                 algo,
                 &operands,
                 alpha,
             )
-        }?;
-        self.op_done("cublaslt_gemm_fp8")
+        }
     }
 
     /// Microseconds a call of each algorithm cuBLASLt's heuristic offers (up to `count`, its
@@ -415,37 +447,15 @@ impl CudaBackend {
         let xs = stream.alloc_zeros::<f32>(n * k / ACT_GROUP).map_err(err)?;
         let w = stream.alloc_zeros::<u8>(m * k).map_err(err)?;
         let ws = stream
-            .alloc_zeros::<f32>(m.div_ceil(128) * k.div_ceil(128))
+            .alloc_zeros::<f32>(m.div_ceil(W8A8_BLOCK) * block_scales_ld(k / W8A8_BLOCK))
             .map_err(err)?;
         let mut out = stream.alloc_zeros::<O>(n * m).map_err(err)?;
-        let (xp, _x) = x.device_ptr(stream);
-        let (xsp, _xs) = xs.device_ptr(stream);
-        let (wp, _w) = w.device_ptr(stream);
-        let (wsp, _ws) = ws.device_ptr(stream);
-        let (o, _o) = out.device_ptr_mut(stream);
-        let operands = LtOperands {
-            x: xp,
-            w: wp,
-            bias: 0,
-            out: o,
-            w_scales: wsp,
-            x_scales: xsp,
-        };
         let mut times = Vec::with_capacity(algos.len());
         for algo in algos {
-            let run = || {
-                // SAFETY: the operands are as large as the shape says (allocated above, alive
-                // until this function returns, after the synchronization below).
-                unsafe {
-                    self.inner.lt.matmul(
-                        stream.cu_stream(),
-                        self.inner.workspace,
-                        &gemm,
-                        algo,
-                        &operands,
-                        1.0,
-                    )
-                }
+            let mut run = || {
+                // SAFETY: each buffer is allocated above at the size the shape says, the
+                // weight's block scales at IntWeight's padded row length.
+                unsafe { self.enqueue_w8a8(&gemm, algo, (&x, &xs), (&w, &ws), &mut out, 1.0) }
             };
             run()?;
             run()?;
