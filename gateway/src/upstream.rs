@@ -73,6 +73,12 @@ struct Replica {
     /// False while ejected: its connection or health check failed, and it has not answered
     /// SERVING since. Ejected replicas are tried only when no admitted one is left.
     admitted: AtomicBool,
+    /// Whether it has ever answered SERVING. Until then a failed health check is a service
+    /// still loading its model (the gateway usually starts first), said at info, not a
+    /// replica lost, said as a warning.
+    served: AtomicBool,
+    /// Whether the gateway has warned that it never answered ([`STARTUP_PATIENCE`]).
+    slow_start_warned: AtomicBool,
     /// When it was last ejected.
     ejected_at: Mutex<Option<Instant>>,
     /// Calls the gateway has in flight there, and their prompts' KV blocks (llm-svc).
@@ -178,6 +184,8 @@ fn replica(
         target,
         channel,
         admitted: AtomicBool::new(true),
+        served: AtomicBool::new(false),
+        slow_start_warned: AtomicBool::new(false),
         ejected_at: Mutex::new(None),
         in_flight: AtomicUsize::new(0),
         active_blocks: AtomicUsize::new(0),
@@ -299,7 +307,8 @@ impl Upstreams {
                     match (serving, r.admitted.load(Ordering::Relaxed)) {
                         (false, true) => eject(service, r),
                         (true, false) => readmit(service, r),
-                        _ => {}
+                        (true, true) => first_served(service, r),
+                        (false, false) => still_not_serving(service, r),
                     }
                 });
                 futures::future::join_all(probes).await;
@@ -522,7 +531,38 @@ impl Shared {
 fn eject(service: &str, r: &Replica) {
     if r.admitted.swap(false, Ordering::Relaxed) {
         *r.ejected_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-        tracing::warn!(service, addr = %r.addr, "replica ejected until it answers its health check");
+        if r.served.load(Ordering::Relaxed) {
+            tracing::warn!(service, addr = %r.addr, "replica ejected until it answers its health check");
+        } else {
+            tracing::info!(service, addr = %r.addr, "replica not serving yet (loading its model?): waiting for its health check");
+        }
+    }
+}
+
+/// How long a replica that has never answered SERVING is waited for before the gateway warns
+/// that it may be misaddressed: longer than an 8B model takes to load from a slow disk.
+const STARTUP_PATIENCE: Duration = Duration::from_secs(180);
+
+/// A failed health check of an ejected replica: warns once if it has never answered and has
+/// been waited for longer than [`STARTUP_PATIENCE`].
+fn still_not_serving(service: &str, r: &Replica) {
+    let waited = r
+        .ejected_at
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .map_or(Duration::ZERO, |t| t.elapsed());
+    if !r.served.load(Ordering::Relaxed)
+        && waited > STARTUP_PATIENCE
+        && !r.slow_start_warned.swap(true, Ordering::Relaxed)
+    {
+        tracing::warn!(service, addr = %r.addr, waited_s = waited.as_secs(), "replica has never answered its health check: is the address right, and did the service start?");
+    }
+}
+
+/// Notes that `r` answered SERVING, saying so the first time.
+fn first_served(service: &str, r: &Replica) {
+    if !r.served.swap(true, Ordering::Relaxed) {
+        tracing::info!(service, addr = %r.addr, "replica serving");
     }
 }
 
@@ -543,7 +583,11 @@ fn readmit(service: &str, r: &Replica) {
         r.record.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
     r.admitted.store(true, Ordering::Relaxed);
-    tracing::info!(service, addr = %r.addr, out_ms = out_for.as_millis() as u64, "replica answers again: re-admitted");
+    if r.served.swap(true, Ordering::Relaxed) {
+        tracing::info!(service, addr = %r.addr, out_ms = out_for.as_millis() as u64, "replica answers again: re-admitted");
+    } else {
+        tracing::info!(service, addr = %r.addr, waited_ms = out_for.as_millis() as u64, "replica serving");
+    }
 }
 
 #[cfg(test)]
@@ -624,6 +668,77 @@ mod tests {
             .map(|_| order(&u, RouteKey::Prompt(&[1, 2]), None)[0].clone())
             .collect();
         assert!(firsts.contains(&"a:1".to_string()), "{firsts:?}");
+    }
+
+    /// What the health checks log, captured: a replica that has never answered is waited for
+    /// (info, and one warning past STARTUP_PATIENCE), one that had answered and fails is a
+    /// warning.
+    #[test]
+    fn a_replica_still_starting_is_waited_for_and_a_lost_one_warned_of() {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let logged = || String::from_utf8(std::mem::take(&mut *lines.0.lock().unwrap())).unwrap();
+        tracing::subscriber::with_default(subscriber, || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let _in_runtime = rt.enter();
+            let u = llm(&["a:1"]);
+            let a = u.find("a:1").unwrap();
+            // Starting: the first failed check waits, the first answer says it serves.
+            eject("llm-svc", &a);
+            let starting = logged();
+            assert!(
+                starting.contains(" INFO ") && starting.contains("not serving yet"),
+                "{starting}"
+            );
+            readmit("llm-svc", &a);
+            let ready = logged();
+            assert!(ready.contains("replica serving"), "{ready}");
+            // Served, then lost: a warning; back again: re-admitted.
+            eject("llm-svc", &a);
+            let lost = logged();
+            assert!(
+                lost.contains(" WARN ") && lost.contains("ejected"),
+                "{lost}"
+            );
+            readmit("llm-svc", &a);
+            assert!(logged().contains("re-admitted"));
+            // Never answering: one warning once past the patience.
+            let u = llm(&["c:1"]);
+            let c = u.find("c:1").unwrap();
+            eject("llm-svc", &c);
+            still_not_serving("llm-svc", &c);
+            assert!(!logged().contains(" WARN "), "too soon");
+            *c.ejected_at.lock().unwrap() = Some(Instant::now() - 2 * STARTUP_PATIENCE);
+            still_not_serving("llm-svc", &c);
+            still_not_serving("llm-svc", &c);
+            let slow = logged();
+            assert_eq!(slow.matches(" WARN ").count(), 1, "{slow}");
+            assert!(slow.contains("never answered"), "{slow}");
+            // Admitted from the start and answering: said once.
+            let u = llm(&["b:1"]);
+            let b = u.find("b:1").unwrap();
+            first_served("llm-svc", &b);
+            first_served("llm-svc", &b);
+            assert_eq!(logged().matches("replica serving").count(), 1);
+        });
     }
 
     #[test]
