@@ -546,11 +546,7 @@ const STARTUP_PATIENCE: Duration = Duration::from_secs(180);
 /// A failed health check of an ejected replica: warns once if it has never answered and has
 /// been waited for longer than [`STARTUP_PATIENCE`].
 fn still_not_serving(service: &str, r: &Replica) {
-    let waited = r
-        .ejected_at
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .map_or(Duration::ZERO, |t| t.elapsed());
+    let waited = out_for(r, false);
     if !r.served.load(Ordering::Relaxed)
         && waited > STARTUP_PATIENCE
         && !r.slow_start_warned.swap(true, Ordering::Relaxed)
@@ -571,14 +567,19 @@ fn first_served(service: &str, r: &Replica) {
 /// a shorter ejection (a health answer slowed by load) keeps it.
 const RESTART_AFTER: Duration = Duration::from_secs(2);
 
+/// How long `r` has been ejected (zero if it is not), forgetting when if `clear`.
+fn out_for(r: &Replica, clear: bool) -> Duration {
+    let mut at = r.ejected_at.lock().unwrap_or_else(|e| e.into_inner());
+    let since = at.map_or(Duration::ZERO, |t| t.elapsed());
+    if clear {
+        *at = None;
+    }
+    since
+}
+
 /// Re-admits `r`, which answered SERVING.
 fn readmit(service: &str, r: &Replica) {
-    let out_for = r
-        .ejected_at
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-        .map_or(Duration::ZERO, |t| t.elapsed());
+    let out_for = out_for(r, true);
     if out_for > RESTART_AFTER {
         r.record.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
