@@ -546,11 +546,11 @@ const STARTUP_PATIENCE: Duration = Duration::from_secs(180);
 /// A failed health check of an ejected replica: warns once if it has never answered and has
 /// been waited for longer than [`STARTUP_PATIENCE`].
 fn still_not_serving(service: &str, r: &Replica) {
+    if r.served.load(Ordering::Relaxed) || r.slow_start_warned.load(Ordering::Relaxed) {
+        return;
+    }
     let waited = out_for(r, false);
-    if !r.served.load(Ordering::Relaxed)
-        && waited > STARTUP_PATIENCE
-        && !r.slow_start_warned.swap(true, Ordering::Relaxed)
-    {
+    if waited > STARTUP_PATIENCE && !r.slow_start_warned.swap(true, Ordering::Relaxed) {
         tracing::warn!(service, addr = %r.addr, waited_s = waited.as_secs(), "replica has never answered its health check: is the address right, and did the service start?");
     }
 }
