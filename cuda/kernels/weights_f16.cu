@@ -1027,38 +1027,78 @@ __device__ __forceinline__ void mma_16816(float d[4], __half2 a0, __half2 a1, __
           "r"(b0), "r"(b1));
 }
 
+// The f16 constants of int_bases straight from a (scale, zero) slot: the zero is a whole number
+// below 256, so 1024 + zero and -(64 + zero) are exact in f16 and need no f32 round trip.
+__device__ __forceinline__ void int_bases_of(__half2 slot, __half2& base, __half2& base16) {
+    const __half2 zero = __high2half2(slot);
+    base = __hadd2(zero, __float2half2_rn(1024.0f));
+    base16 = __hneg2(__hadd2(zero, __float2half2_rn(64.0f)));
+}
+
+// 16 and 8 bytes of shared memory at a 32-bit shared address.
+__device__ __forceinline__ uint4 lds16(unsigned a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint2 lds8(unsigned a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+
+// Where this lane's B fragments of batch 0 start in the staging (a shared address; batch b's
+// are im_batch_bytes further on), and the XOR key of its units. The lane reads x row
+// r = min(g / 2, ROWS - 1), chunk 4b + t; by im_unit, unit j of it is at r k/4 + (4b + t) U
+// + (j ^ key) with a key that does not depend on b. At W4 the lane's units are j = 2 wi + lo_half
+// and key 2t, so (2 wi + lo_half) ^ 2t = 2 (wi ^ t) + lo_half; at W8 unit wi ^ key, of which the
+// lane takes half lo_half. Lanes past ROWS read row ROWS - 1: their B columns feed C columns
+// 2t, 2t + 1 with t >= ROWS, which no lane writes, so they need no zeros.
+template <int BITS, int ROWS>
+__device__ __forceinline__ unsigned im_lane_x(unsigned st, int k, int& key) {
+    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3;
+    const int r = min(g >> 1, ROWS - 1), lo_half = g & 1;
+    const unsigned chunk = 16u * (unsigned)(r * (k / 4) + t * (32 / BITS));  // its unit 0, no XOR
+    if (BITS == 4) {
+        key = t;
+        return st + chunk + 16u * lo_half;
+    }
+    key = ((r & 1) << 1) | ((t >> 1) & 1);
+    return st + chunk + 8u * lo_half;
+}
+template <int BITS>
+__host__ __device__ constexpr unsigned im_batch_bytes() {
+    return 4u * (32 / BITS) * 16u;  // 4 chunks of 32 / BITS units
+}
+
 // acc[0] and acc[1] (weight rows g and g + 8 of the tile, x row t) += batch b's products, the
-// lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb. B's column n is
-// x row n / 2's hi (n even) or lo (n odd) half, so one mma takes both halves and the lane's C
-// fragment holds a row's hi and lo sums side by side (columns 2t, 2t + 1): half the mma and
-// half the shared-memory reads of a column a half.
+// lane's chunk of A rows g and g + 8 in la and lb, their (scale, zero) za, zb; x's fragments
+// from `xb` (im_lane_x's address, key). B's column n is x row n / 2's hi (n even) or lo (n odd)
+// half, so one mma takes both halves and the lane's C fragment holds a row's hi and lo sums
+// side by side (columns 2t, 2t + 1): half the mma and half the shared-memory reads of a column
+// a half.
 template <int FMT, int ROWS>
-__device__ __forceinline__ void im_batch(const float4* st, int k, int b, uint4 la, uint4 lb,
+__device__ __forceinline__ void im_batch(unsigned xb, int key, int b, uint4 la, uint4 lb,
                                          __half2 za, __half2 zb, float acc[2]) {
     constexpr int BITS = fmt_bits(FMT);
-    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, ch = 4 * b + t;
-    const int r = g >> 1, lo_half = g & 1;
     const float2 sa = group_scale<FMT>(za), sb = group_scale<FMT>(zb);
     __half2 base_a, base16_a, base_b, base16_b;
-    int_bases(sa.y, base_a, base16_a);
-    int_bases(sb.y, base_b, base16_b);
+    int_bases_of(za, base_a, base16_a);
+    int_bases_of(zb, base_b, base16_b);
     const unsigned wa[4] = {la.x, la.y, la.z, la.w}, wb[4] = {lb.x, lb.y, lb.z, lb.w};
+    const unsigned xa = xb + (unsigned)b * im_batch_bytes<BITS>();
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
         const IntPairs<FMT> qa(wa[wi], base_a, base16_a), qb(wb[wi], base_b, base16_b);
         if (BITS == 4) {
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (r < ROWS) {
-                const float4 h = st[im_unit<4>(r, k, ch, 2 * wi + lo_half)];
-                v = *reinterpret_cast<const uint4*>(&h);
-            }
+            const uint4 v = lds16(xa + ((unsigned)(wi ^ key) << 5));
             mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.x, v.y);
             mma_16816(d, qa.v[2], qb.v[2], qa.v[3], qb.v[3], v.z, v.w);
         } else {
-            uint2 v = make_uint2(0, 0);
-            if (r < ROWS)
-                v = reinterpret_cast<const uint2*>(st + im_unit<8>(r, k, ch, wi))[lo_half];
+            const uint2 v = lds8(xa + ((unsigned)(wi ^ key) << 4));
             mma_16816(d, qa.v[0], qb.v[0], qa.v[1], qb.v[1], v.x, v.y);
         }
     }
@@ -1117,6 +1157,8 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
     grid_launch_dependents();
     float back[ROWS];
     im_stage<BITS, NORM, ROWS>(x, norm_w, eps, k, st, back);
+    int key;
+    const unsigned xb = im_lane_x<BITS, ROWS>(smem_addr(st), k, key);
     for (int turn = 0; tile < tiles; tile += gridDim.x, ++turn) {
         float acc[2] = {0.0f, 0.0f};
         int na = ra, nb = rb;
@@ -1133,7 +1175,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
 #pragma unroll
             for (int u = 0; u < IM_STEP; ++u) {
                 const int b = warp + (s0 + u) * IM_WARPS;
-                if (b < batches) im_batch<FMT, ROWS>(st, k, b, la[u], lb[u], za[u], zb[u], acc);
+                if (b < batches) im_batch<FMT, ROWS>(xb, key, b, la[u], lb[u], za[u], zb[u], acc);
             }
             if (more || next) {
 #pragma unroll
