@@ -549,7 +549,7 @@ fn still_not_serving(service: &str, r: &Replica) {
     if r.served.load(Ordering::Relaxed) || r.slow_start_warned.load(Ordering::Relaxed) {
         return;
     }
-    let waited = out_for(r, false);
+    let waited = time_ejected(r, false);
     if waited > STARTUP_PATIENCE && !r.slow_start_warned.swap(true, Ordering::Relaxed) {
         tracing::warn!(service, addr = %r.addr, waited_s = waited.as_secs(), "replica has never answered its health check: is the address right, and did the service start?");
     }
@@ -568,7 +568,7 @@ fn first_served(service: &str, r: &Replica) {
 const RESTART_AFTER: Duration = Duration::from_secs(2);
 
 /// How long `r` has been ejected (zero if it is not), forgetting when if `clear`.
-fn out_for(r: &Replica, clear: bool) -> Duration {
+fn time_ejected(r: &Replica, clear: bool) -> Duration {
     let mut at = r.ejected_at.lock().unwrap_or_else(|e| e.into_inner());
     let since = at.map_or(Duration::ZERO, |t| t.elapsed());
     if clear {
@@ -579,7 +579,7 @@ fn out_for(r: &Replica, clear: bool) -> Duration {
 
 /// Re-admits `r`, which answered SERVING.
 fn readmit(service: &str, r: &Replica) {
-    let out_for = out_for(r, true);
+    let out_for = time_ejected(r, true);
     if out_for > RESTART_AFTER {
         r.record.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
