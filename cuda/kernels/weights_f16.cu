@@ -906,7 +906,13 @@ FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // slower (H100, int_gemv rows 1: W4 1129 vs 1305 GB/s, W8 1561 vs 1869). So was 1 with
 // __launch_bounds__ for 3 blocks an SM (80 registers, against 108 and 2 blocks): q/k/v gained
 // (W4 49% -> 53% of copy) but down lost (58% -> 41%), W4's step 2.05 -> 2.36 ms (2026-11-28).
-#define IM_STEP 2
+// With the leaner batch (im_lane_x, 2026-11-29, H200) 4 pays at 8 bits and one row: int_gemv 1,
+// W8 2.784 -> 2.578 ms a step (W4 1.820 -> 1.838, so 4 bits keep 2); 118-123 registers, still
+// two blocks an SM. More rows keep 2 (more registers a batch: past 128 at 4).
+template <int BITS, int ROWS>
+__host__ __device__ constexpr int im_step() {
+    return BITS == 8 && ROWS == 1 ? 4 : 2;
+}
 // x's 16-byte loads a thread has in flight while staging.
 #define IM_STAGE_LOADS 4
 
@@ -1114,6 +1120,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                                              float* __restrict__ out, int accumulate, int m,
                                              int k, const __half2* __restrict__ sz, int group) {
     constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, BATCH = 4 * COLS;
+    constexpr int IM_STEP = im_step<BITS, ROWS>();
     float4* st = reinterpret_cast<float4*>(gemv_staged);
     float4* part = st + (size_t)ROWS * k / 4;  // float2 [2][IM_WARPS][WARP]
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
