@@ -908,7 +908,10 @@ FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // (W4 49% -> 53% of copy) but down lost (58% -> 41%), W4's step 2.05 -> 2.36 ms (2026-11-28).
 // With the leaner batch (im_lane_x, 2026-11-29, H200) 4 pays at 8 bits and one row: int_gemv 1,
 // W8 2.784 -> 2.578 ms a step (W4 1.820 -> 1.838, so 4 bits keep 2); 118-123 registers, still
-// two blocks an SM. More rows keep 2 (more registers a batch: past 128 at 4).
+// two blocks an SM. More rows keep 2 (more registers a batch: past 128 at 4). W4 at 4 held to
+// 128 registers by __launch_bounds__ (two blocks an SM, no spills) tied too (1.811 ms against
+// 1.825), as did two accumulators a batch, halving the mma chain (1.816): W4's GEMVs are held
+// by neither their chains nor the bytes in flight, but by ~4-5 us a kernel past its bytes.
 template <int BITS, int ROWS>
 __host__ __device__ constexpr int im_step() {
     return BITS == 8 && ROWS == 1 ? 4 : 2;
