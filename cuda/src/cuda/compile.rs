@@ -1,15 +1,22 @@
-//! Run-time kernel compilation: CUDA sources embedded in the binary, compiled by NVRTC for the
-//! GPU that is present, cached on disk so a second start does not recompile.
+//! Run-time kernel compilation: CUDA sources embedded in the binary, compiled by NVRTC to machine
+//! code (CUBIN) for the GPU that is present, cached on disk so a second start does not recompile.
 //!
+//! - Why CUBIN and not PTX: the driver compiles PTX again at every start unless its own cache
+//!   (`~/.nv/ComputeCache`) kept the result, and that cache is not ours: it is lost with a fresh
+//!   container or machine, and the compose files' kernel-cache volume does not hold it. On an
+//!   H200 (2026-11-29) `vlm run` with the PTX cached and the driver's cache off took 63 s, from
+//!   cached CUBINs 3 s; an Orin's CPU compiles slower still. A cached CUBIN loads as is.
 //! - Headers: NVRTC needs the CUDA include directory; it is found from `CUDA_HOME`, then
 //!   `CUDA_PATH`, then `/usr/local/cuda`, and a missing one is an error naming those variables.
-//! - Cache: `<dir>/<name>-sm<arch>-nvrtc<major>.<minor>-<source hash>.ptx`, where `<dir>` is
+//! - Cache: `<dir>/<name>-sm<arch>-nvrtc<major>.<minor>-<source hash>.cubin`, where `<dir>` is
 //!   `VLM_KERNEL_CACHE`, else `$XDG_CACHE_HOME/vlm/kernels`, else `~/.cache/vlm/kernels`.
 //!   Writes go through a temporary file and a rename, so concurrent starts never read half a file.
+//! - PTX is still what CI checks without a GPU ([`compile_ptx`], assembled by ptxas for spills).
 
+use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
-use cudarc::nvrtc::CompileOptions;
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, CompileOptions};
 
 use crate::{Error, Result};
 
@@ -76,7 +83,7 @@ pub fn cache_path(
     nvrtc_version: (i32, i32),
 ) -> PathBuf {
     dir.join(format!(
-        "{name}-sm{}{}-nvrtc{}.{}-{:016x}.ptx",
+        "{name}-sm{}{}-nvrtc{}.{}-{:016x}.cubin",
         arch.0,
         arch.1,
         nvrtc_version.0,
@@ -85,30 +92,36 @@ pub fn cache_path(
     ))
 }
 
-/// Returns the cached PTX at `path`, or runs `compile`, stores its result there and returns it.
-/// A cache that cannot be written is not an error: the kernels still run, just compiled again
-/// next time.
+/// Whether `bytes` can be a CUBIN: an ELF file (a cache entry cut short or overwritten is
+/// compiled again, not handed to the driver).
+fn is_cubin(bytes: &[u8]) -> bool {
+    bytes.len() > 64 && bytes.starts_with(b"\x7fELF")
+}
+
+/// Returns the cached CUBIN at `path`, or runs `compile`, stores its result there and returns
+/// it, with whether it came from the cache. A cache that cannot be written is not an error: the
+/// kernels still run, just compiled again next time.
 pub fn cached_or_compile(
     path: &Path,
-    compile: impl FnOnce() -> Result<String>,
-) -> Result<(String, bool)> {
-    if let Ok(ptx) = std::fs::read_to_string(path) {
-        if ptx.contains(".entry") {
-            return Ok((ptx, true));
+    compile: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<(Vec<u8>, bool)> {
+    if let Ok(cubin) = std::fs::read(path) {
+        if is_cubin(&cubin) {
+            return Ok((cubin, true));
         }
     }
-    let ptx = compile()?;
+    let cubin = compile()?;
     if let Some(dir) = path.parent() {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let written = std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(&tmp, &ptx))
+            .and_then(|()| std::fs::write(&tmp, &cubin))
             .and_then(|()| std::fs::rename(&tmp, path));
         if let Err(e) = written {
             tracing::warn!(path = %path.display(), error = %e, "cannot write the kernel cache; kernels will be recompiled next start");
             let _ = std::fs::remove_file(&tmp);
         }
     }
-    Ok((ptx, false))
+    Ok((cubin, false))
 }
 
 /// Compiles one kernel file to PTX for compute capability `cc` with NVRTC, for that exact chip
@@ -145,6 +158,70 @@ pub(super) fn compile_ptx(
                 other => other.to_string(),
             },
         })
+}
+
+/// Compiles one kernel file to a CUBIN for `sm_{cc}` with NVRTC (`sm_90a` when `arch_specific`,
+/// as [`compile_ptx`]'s `compute_90a`): NVRTC runs ptxas itself, so the driver loads the result
+/// without compiling it again.
+pub(super) fn compile_cubin(
+    file: &str,
+    source: &str,
+    cc: (i32, i32),
+    arch_specific: bool,
+) -> Result<Vec<u8>> {
+    let arch = format!(
+        "sm_{}{}{}",
+        cc.0,
+        cc.1,
+        if arch_specific { "a" } else { "" }
+    );
+    let failed = |log: String| Error::KernelCompile {
+        kernel: format!("{file} for {arch}"),
+        log,
+    };
+    let mut opts = vec![format!("--gpu-architecture={arch}")];
+    if source.contains("#include") {
+        opts.push(format!("--include-path={}", cuda_include_dir()?.display()));
+    }
+    let (src, name) = match (CString::new(source), CString::new(file)) {
+        (Ok(src), Ok(name)) => (src, name),
+        _ => return Err(failed("the source or its name holds a NUL byte".into())),
+    };
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| failed(e.to_string()))?;
+    // Destroys the program on every path out.
+    struct Program(nvrtc_sys::nvrtcProgram);
+    impl Drop for Program {
+        fn drop(&mut self) {
+            // SAFETY: created by create_program above and destroyed only here.
+            let _ = unsafe { nvrtc::destroy_program(self.0) };
+        }
+    }
+    let prog = Program(prog);
+    // SAFETY: `prog` is a live program (above); `src` and `name` outlive it.
+    unsafe {
+        if let Err(e) = nvrtc::compile_program(prog.0, &opts) {
+            let log = nvrtc::get_program_log(prog.0)
+                .map(|l| {
+                    let bytes: Vec<u8> = l
+                        .iter()
+                        .take_while(|&&c| c != 0)
+                        .map(|&c| c as u8)
+                        .collect();
+                    String::from_utf8_lossy(&bytes).into_owned()
+                })
+                .unwrap_or_default();
+            return Err(failed(format!("{e}: {log}")));
+        }
+        let mut size = 0usize;
+        nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size)
+            .result()
+            .map_err(|e| failed(e.to_string()))?;
+        let mut cubin = vec![0u8; size];
+        nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast())
+            .result()
+            .map_err(|e| failed(e.to_string()))?;
+        Ok(cubin)
+    }
 }
 
 #[cfg(test)]
@@ -199,17 +276,38 @@ mod tests {
     }
 
     #[test]
+    fn nvrtc_writes_cubins_for_h100_and_orin_and_names_the_file_it_cannot_compile() {
+        if !super::super::nvrtc_available() {
+            super::super::skip_test(&"libnvrtc not found");
+            return;
+        }
+        let src = r#"extern "C" __global__ void add_one(float* x) { x[threadIdx.x] += 1.0f; }"#;
+        for (cc, exact) in [((9, 0), false), ((9, 0), true), ((8, 7), false)] {
+            let cubin = compile_cubin("add.cu", src, cc, exact).unwrap();
+            assert!(is_cubin(&cubin), "{cc:?}");
+            // The kernel's name is in the ELF's symbol table, where the driver looks it up.
+            assert!(cubin.windows(7).any(|w| w == b"add_one"), "{cc:?}");
+        }
+        let err = compile_cubin("broken.cu", "not CUDA at all", (9, 0), false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("broken.cu for sm_90"), "{err}");
+    }
+
+    #[test]
     fn second_call_reads_the_cache_instead_of_compiling() {
-        let path = tmp("cache").join("sub/ops.ptx");
-        let (ptx, hit) =
-            cached_or_compile(&path, || Ok(".visible .entry add_f32()".into())).unwrap();
-        assert!(!hit && ptx.contains("add_f32"));
+        let path = tmp("cache").join("sub/ops.cubin");
+        let elf = |tag: u8| [b"\x7fELF".as_slice(), &[tag; 96]].concat();
+        let (cubin, hit) = cached_or_compile(&path, || Ok(elf(1))).unwrap();
+        assert!(!hit && cubin == elf(1));
         let (again, hit) = cached_or_compile(&path, || panic!("must not recompile")).unwrap();
         assert!(hit);
-        assert_eq!(again, ptx);
-        // A corrupt cache entry is recompiled, not trusted.
-        std::fs::write(&path, "garbage").unwrap();
-        let (_, hit) = cached_or_compile(&path, || Ok(".entry x".into())).unwrap();
-        assert!(!hit);
+        assert_eq!(again, cubin);
+        // A corrupt or cut-short cache entry is recompiled, not trusted.
+        for bad in [b"garbage".to_vec(), elf(1)[..32].to_vec()] {
+            std::fs::write(&path, bad).unwrap();
+            let (fresh, hit) = cached_or_compile(&path, || Ok(elf(2))).unwrap();
+            assert!(!hit && fresh == elf(2));
+        }
     }
 }

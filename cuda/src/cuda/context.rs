@@ -8,7 +8,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nvrtc::Ptx;
 
-use super::compile::{self, compile_ptx};
+use super::compile::{self, compile_cubin};
 use super::error::cuda_err;
 use super::kernels::{
     flash_smem_bytes, flash_wgmma_smem_bytes, kernel_source, paged_flash_wgmma_smem_bytes,
@@ -455,21 +455,21 @@ fn load_source(
     let stem = src.file.trim_end_matches(".cu");
     let source = kernel_source(src)?;
     let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
-    let (ptx, cached) = compile::cached_or_compile(&path, || {
-        // NVRTC takes seconds; show that something is happening (hidden off a
-        // terminal).
+    let (cubin, cached) = compile::cached_or_compile(&path, || {
+        // NVRTC takes seconds to a minute a file; show that something is happening (hidden off
+        // a terminal).
         let spinner = indicatif::ProgressBar::new_spinner().with_message(format!(
             "compiling {} for sm_{}{} (cached afterwards)",
             src.file, cc.0, cc.1
         ));
         spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-        let ptx = compile_ptx(src.file, &source, cc, src.sm90a);
+        let cubin = compile_cubin(src.file, &source, cc, src.sm90a);
         spinner.finish_and_clear();
-        ptx
+        cubin
     })?;
     tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
     let module = ctx
-        .load_module(Ptx::from_src(ptx))
+        .load_module(Ptx::from_binary(cubin))
         .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
     for k in src.all_kernels() {
         let f = module.load_function(k).map_err(|e| Error::KernelCompile {
