@@ -30,19 +30,21 @@ def steps_of(kernels):
     return steps
 
 
+# A layer's GEMVs in order, whatever their kernels (f16, integer, FP8; normed or not).
+ROLES = ("q/k/v", "o", "gate/up", "down")
+
+
 def labels(step):
-    """Each kernel's name, the GEMVs prefixed with the projection they are."""
-    out, plain_seen, n = [], 0, len(step)
-    for i, (_, _, name) in enumerate(step):
-        if name.startswith("rms_norm_gemv"):
-            name = ("lm_head " if i >= n - 3 else "q/k/v ") + name
-        elif name.startswith("gemv_f16w"):
-            name = ("o " if plain_seen % 2 == 0 else "down ") + name
-            plain_seen += 1
-        elif "swiglu" in name:
-            name = "gate/up " + name
-        out.append(name)
-    return out
+    """Each kernel's name, the GEMVs prefixed with the projection they are: the step's last GEMV
+    is lm_head, the ones before it each layer's four in order (where they come in fours)."""
+    gemvs = [i for i, (_, _, name) in enumerate(step) if "gemv" in name]
+    role = {}
+    if gemvs:
+        role[gemvs[-1]] = "lm_head"
+        if (len(gemvs) - 1) % len(ROLES) == 0:
+            for j, i in enumerate(gemvs[:-1]):
+                role[i] = ROLES[j % len(ROLES)]
+    return [f"{role[i]} {name}" if i in role else name for i, (_, _, name) in enumerate(step)]
 
 
 def main(path):
