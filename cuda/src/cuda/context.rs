@@ -468,9 +468,19 @@ fn load_source(
         cubin
     })?;
     tracing::info!(device = %device_name, sm = format!("{}.{}", cc.0, cc.1), file = src.file, cached, cache = %path.display(), "CUDA kernels ready");
+    // A cached file the driver refuses is named, so that it can be deleted (and compiled again).
+    let what = if cached {
+        format!(
+            "loading {} from the kernel cache {}",
+            src.file,
+            path.display()
+        )
+    } else {
+        format!("loading {}", src.file)
+    };
     let module = ctx
         .load_module(Ptx::from_binary(cubin))
-        .map_err(|e| cuda_err(&format!("loading {}", src.file))(&e))?;
+        .map_err(|e| cuda_err(&what)(&e))?;
     for k in src.all_kernels() {
         let f = module.load_function(k).map_err(|e| Error::KernelCompile {
             kernel: k.into(),
