@@ -16,7 +16,7 @@
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 
-use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, CompileOptions};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use crate::{Error, Result};
 
@@ -134,30 +134,8 @@ pub(super) fn compile_ptx(
     cc: (i32, i32),
     arch_specific: bool,
 ) -> Result<String> {
-    let suffix = if arch_specific { "a" } else { "" };
-    let arch: &'static str =
-        Box::leak(format!("compute_{}{}{suffix}", cc.0, cc.1).into_boxed_str());
-    let include_paths = if source.contains("#include") {
-        vec![cuda_include_dir()?.display().to_string()]
-    } else {
-        Vec::new()
-    };
-    let opts = CompileOptions {
-        arch: Some(arch),
-        include_paths,
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-        .map(|p| p.to_src())
-        .map_err(|e| Error::KernelCompile {
-            kernel: format!("{file} for {arch}"),
-            log: match e {
-                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                    log.to_string_lossy().into_owned()
-                }
-                other => other.to_string(),
-            },
-        })
+    let ptx = nvrtc_compile(file, source, "compute", cc, arch_specific, Emit::Ptx)?;
+    Ok(String::from_utf8_lossy(&ptx).into_owned())
 }
 
 /// Compiles one kernel file to a CUBIN for `sm_{cc}` with NVRTC (`sm_90a` when `arch_specific`,
@@ -169,8 +147,29 @@ pub(super) fn compile_cubin(
     cc: (i32, i32),
     arch_specific: bool,
 ) -> Result<Vec<u8>> {
+    nvrtc_compile(file, source, "sm", cc, arch_specific, Emit::Cubin)
+}
+
+/// What [`nvrtc_compile`] hands back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Emit {
+    Ptx,
+    Cubin,
+}
+
+/// One kernel file through NVRTC for `{kind}_{cc}` (`compute_90`, `sm_87`; an `a` after it
+/// when `arch_specific`), the CUDA headers on the include path where the file includes any;
+/// an error names the file and the architecture and carries NVRTC's log.
+fn nvrtc_compile(
+    file: &str,
+    source: &str,
+    kind: &str,
+    cc: (i32, i32),
+    arch_specific: bool,
+    emit: Emit,
+) -> Result<Vec<u8>> {
     let arch = format!(
-        "sm_{}{}{}",
+        "{kind}_{}{}{}",
         cc.0,
         cc.1,
         if arch_specific { "a" } else { "" }
@@ -197,20 +196,24 @@ pub(super) fn compile_cubin(
         }
     }
     let prog = Program(prog);
+    // NVRTC's text (the log, PTX) ends at its NUL.
+    let text = |chars: Vec<std::ffi::c_char>| -> Vec<u8> {
+        chars
+            .into_iter()
+            .take_while(|&c| c != 0)
+            .map(|c| c as u8)
+            .collect()
+    };
     // SAFETY: `prog` is a live program (above); `src` and `name` outlive it.
     unsafe {
         if let Err(e) = nvrtc::compile_program(prog.0, &opts) {
-            let log = nvrtc::get_program_log(prog.0)
-                .map(|l| {
-                    let bytes: Vec<u8> = l
-                        .iter()
-                        .take_while(|&&c| c != 0)
-                        .map(|&c| c as u8)
-                        .collect();
-                    String::from_utf8_lossy(&bytes).into_owned()
-                })
-                .unwrap_or_default();
-            return Err(failed(format!("{e}: {log}")));
+            let log = nvrtc::get_program_log(prog.0).map(text).unwrap_or_default();
+            return Err(failed(format!("{e}: {}", String::from_utf8_lossy(&log))));
+        }
+        if emit == Emit::Ptx {
+            return nvrtc::get_ptx(prog.0)
+                .map(text)
+                .map_err(|e| failed(e.to_string()));
         }
         let mut size = 0usize;
         nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size)
@@ -276,7 +279,7 @@ mod tests {
     }
 
     #[test]
-    fn nvrtc_writes_cubins_for_h100_and_orin_and_names_the_file_it_cannot_compile() {
+    fn nvrtc_writes_cubins_and_ptx_for_h100_and_orin_and_names_the_file_it_cannot_compile() {
         if !super::super::nvrtc_available() {
             super::super::skip_test(&"libnvrtc not found");
             return;
@@ -288,10 +291,20 @@ mod tests {
             // The kernel's name is in the ELF's symbol table, where the driver looks it up.
             assert!(cubin.windows(7).any(|w| w == b"add_one"), "{cc:?}");
         }
+        // The PTX of the same file, through the same NVRTC call.
+        let ptx = compile_ptx("add.cu", src, (9, 0), false).unwrap();
+        assert!(
+            ptx.contains(".entry add_one") && ptx.contains(".target sm_90"),
+            "{ptx}"
+        );
         let err = compile_cubin("broken.cu", "not CUDA at all", (9, 0), false)
             .unwrap_err()
             .to_string();
         assert!(err.contains("broken.cu for sm_90"), "{err}");
+        let err = compile_ptx("broken.cu", "not CUDA at all", (8, 7), false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("broken.cu for compute_87"), "{err}");
     }
 
     #[test]
