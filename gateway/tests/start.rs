@@ -1,5 +1,6 @@
-//! The `gateway` binary refuses a start it cannot serve, naming what was wrong, before it
-//! binds a port. (The served behaviour is tested end to end in `tests/e2e`, which starts this
+//! The `gateway` binary refuses a start it cannot serve, naming what was wrong. It binds its
+//! listeners first, so the cases give it ports of its own (`127.0.0.1:0`): on the defaults, a
+//! port another process holds would be the error instead. (The served behaviour is tested end to end in `tests/e2e`, which starts this
 //! same binary; cargo builds a package's binaries only for its own integration tests, so this
 //! file is also what puts `target/debug/gateway` there for them.)
 
@@ -43,6 +44,10 @@ fn a_missing_model_directory_is_named() {
         "/no/such/checkpoint",
         "--llm-addr",
         "http://127.0.0.1:1",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--grpc-listen",
+        "127.0.0.1:0",
     ]);
     refused(&out, "/no/such/checkpoint");
 }
