@@ -1390,31 +1390,85 @@ __device__ __forceinline__ void store_out(__half* o, float v) { *o = __float2hal
 __device__ __forceinline__ float load_out(const float* o) { return __ldcg(o); }
 __device__ __forceinline__ float load_out(const __half* o) { return __half2float(*o); }
 
+// Where a block's stages read their (scale, zero) pairs: `slots` a row a stage (IG_K / group,
+// or 1 for a group of IG_K columns or more), from group `first` of each row on for the stage
+// being loaded. Stages are loaded in order, one after the other, so the next stage's first
+// group is counted on (no division a stage: a runtime divisor costs some 20 instructions).
+struct IgGroups {
+    int slots, first, stages_a_group, stage_in_group;
+    __device__ __forceinline__ IgGroups(int group, int stage) {
+        if (group >= IG_K) {
+            slots = 1;
+            stages_a_group = group / IG_K;
+            first = stage / stages_a_group;
+            stage_in_group = stage % stages_a_group;
+        } else {
+            slots = IG_K / group;
+            stages_a_group = 1;
+            first = stage * slots;
+            stage_in_group = 0;
+        }
+    }
+    __device__ __forceinline__ void next() {
+        if (slots > 1) {
+            first += slots;
+        } else if (++stage_in_group == stages_a_group) {
+            stage_in_group = 0;
+            ++first;
+        }
+    }
+};
+
 // Stage `st` (columns st * IG_K ..) of the block's ROWS weight rows r0 .., their (scale, zero)
-// and x's rows into shared stage buffer `buf`, in the current cp.async group.
-template <int BITS, int NT, int ROWS>
+// (groups as `zg` says) and x's rows into shared stage buffer `buf`, in the current cp.async
+// group. THREADS (the block's) is a constant, so each thread's share of the copies is known
+// at compile time (the loops unroll, their indices are shifts), and each copy's address is an
+// unsigned 32-bit element offset scaled onto its base in one instruction. With blockDim.x, a
+// runtime group and 64-bit signed offsets this was ~300 of a warp's ~600 instructions a stage
+// at W4 and 64 rows: as many as its 64 mma's own. The offsets fit: the largest matrix, a
+// vocabulary's head, is 151,936 x 1,024 words at 8 bits.
+template <int BITS, int NT, int ROWS, int THREADS>
 __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __restrict__ w,
                                               const __half2* __restrict__ sz,
                                               const __half* __restrict__ x, int n, int m, int k,
-                                              int group, int r0, int st) {
+                                              int groups, const IgGroups& zg, int r0, int st) {
     constexpr int WU = IG_K * BITS / 128;  // 16-byte units of a weight row a stage
+    constexpr int W_UNITS = ROWS * WU, X_UNITS = NT * 8 * 16, Z_UNITS = ROWS * IG_SZ_SLOTS;
     uint4* ws = buf;
-    uint4* xs = ws + ROWS * WU;
-    __half2* zs = reinterpret_cast<__half2*>(xs + NT * 8 * 16);
-    const int k0 = st * IG_K, row_words = k / (32 / BITS), groups = k / group;
-    const int sg = group >= IG_K ? 1 : IG_K / group;
-    for (int i = threadIdx.x; i < ROWS * WU; i += blockDim.x) {
-        const int r = i / WU, u = i % WU, row = min(r0 + r, m - 1);
-        cp_async16(ws + r * WU + ig_wunit<BITS>(u, r),
-                   w + (size_t)row * row_words + k0 / (32 / BITS) + u * 4);
+    uint4* xs = ws + W_UNITS;
+    __half2* zs = reinterpret_cast<__half2*>(xs + X_UNITS);
+    // The thread index passes through an empty asm, so that each copy's offsets are computed
+    // here, a few instructions each, rather than kept in registers across the k loop: kept,
+    // they took up to 20 more and the 12-warp blocks (held to 168) spilled at 8 bits.
+    int tid = threadIdx.x;
+    asm volatile("" : "+r"(tid));
+    const unsigned row_words = k / (32 / BITS), k0 = st * IG_K;
+#pragma unroll
+    for (int j = 0; j < (W_UNITS + THREADS - 1) / THREADS; ++j) {
+        const int i = tid + j * THREADS;
+        if (W_UNITS % THREADS == 0 || i < W_UNITS) {
+            const int r = i / WU, u = i % WU;
+            const unsigned row = min(r0 + r, m - 1);
+            cp_async16(ws + r * WU + ig_wunit<BITS>(u, r),
+                       w + (row * row_words + k0 / (32 / BITS) + u * 4));
+        }
     }
-    for (int i = threadIdx.x; i < NT * 8 * 16; i += blockDim.x) {
-        const int r = i / 16, u = i % 16, row = min(r, n - 1);
-        cp_async16(xs + r * 16 + ig_xunit<BITS>(u, r), x + (size_t)row * k + k0 + u * 8);
+#pragma unroll
+    for (int j = 0; j < (X_UNITS + THREADS - 1) / THREADS; ++j) {
+        const int i = tid + j * THREADS;
+        if (X_UNITS % THREADS == 0 || i < X_UNITS) {
+            const int r = i / 16, u = i % 16;
+            const unsigned row = min(r, n - 1);
+            cp_async16(xs + r * 16 + ig_xunit<BITS>(u, r), x + (row * (unsigned)k + k0 + u * 8));
+        }
     }
-    for (int i = threadIdx.x; i < ROWS * sg; i += blockDim.x) {
-        const int r = i / sg, j = i % sg, row = min(r0 + r, m - 1);
-        cp_async4(zs + r * IG_SZ_SLOTS + j, sz + (size_t)row * groups + k0 / group + j);
+#pragma unroll
+    for (int j = 0; j < (Z_UNITS + THREADS - 1) / THREADS; ++j) {
+        const int i = tid + j * THREADS;
+        const int r = i / IG_SZ_SLOTS, s = i % IG_SZ_SLOTS;
+        const unsigned row = min(r0 + r, m - 1);
+        if ((Z_UNITS % THREADS == 0 || i < Z_UNITS) && s < zg.slots)
+            cp_async4(zs + r * IG_SZ_SLOTS + s, sz + (row * (unsigned)groups + zg.first + s));
     }
 }
 
@@ -1424,13 +1478,13 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
 template <int FMT, int NT, int Q0, int Q1>
 __device__ __forceinline__ void ig_mma_stage(float (&acc)[2][NT][4], const uint4* ws,
                                              const uint4* xs, const __half2* zs, int wr, int g,
-                                             int t, int gcols) {
+                                             int t, int gshift) {
     constexpr int BITS = fmt_bits(FMT), MT = 2, WU = IG_K * BITS / 128, COLS = 128 / BITS;
     constexpr int UN = 16 / WU;  // x units a chunk
 #pragma unroll
     for (int c = 0; c < WU / 4; ++c) {  // the lane's chunks: 1 at 4 bits, 2 at 8
         if (c * UN + UN <= Q0 || c * UN >= Q1) continue;  // none of the part's steps
-        const int ch = 4 * c + t, slot = ch * COLS / gcols;
+        const int ch = 4 * c + t, slot = (ch * COLS) >> gshift;
         uint4 la[MT], lb[MT];
         __half2 sa[MT], sb[MT], ba[MT], b16a[MT], bb[MT], b16b[MT];
 #pragma unroll
@@ -1439,14 +1493,14 @@ __device__ __forceinline__ void ig_mma_stage(float (&acc)[2][NT][4], const uint4
             la[mt] = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
             lb[mt] = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
             // FP8's f32 scale becomes an f16 here, once a row a chunk (the kernel's comment:
-            // what that rounds); W4's and W8's are f16 already. FP8's bases go unused (no
-            // zero point).
-            const float2 za = group_scale<FMT>(zs[ra * IG_SZ_SLOTS + slot]);
-            const float2 zb = group_scale<FMT>(zs[rb * IG_SZ_SLOTS + slot]);
-            sa[mt] = __float2half2_rn(za.x);
-            sb[mt] = __float2half2_rn(zb.x);
-            int_bases(za.y, ba[mt], b16a[mt]);
-            int_bases(zb.y, bb[mt], b16b[mt]);
+            // what that rounds); W4's and W8's are f16 already, and their bases are taken in
+            // f16 (int_bases_of: the same values as int_bases' f32 round trip). FP8's bases go
+            // unused (no zero point).
+            const __half2 za = zs[ra * IG_SZ_SLOTS + slot], zb = zs[rb * IG_SZ_SLOTS + slot];
+            sa[mt] = FMT == FMT_F8 ? __float2half2_rn(group_scale<FMT>(za).x) : __low2half2(za);
+            sb[mt] = FMT == FMT_F8 ? __float2half2_rn(group_scale<FMT>(zb).x) : __low2half2(zb);
+            int_bases_of(za, ba[mt], b16a[mt]);
+            int_bases_of(zb, bb[mt], b16b[mt]);
         }
         // x units of the chunk: 4 at 4 bits (a word each), 2 at 8 (two words each); each gives
         // two mma (halves h) per n-tile.
@@ -1526,14 +1580,21 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
     const int stages = k / IG_K;
     const int s_begin = (int)((long long)split * stages / splits);
     const int s_end = (int)((long long)(split + 1) * stages / splits);
-    const int count = s_end - s_begin, gcols = min(group, IG_K);
+    constexpr int THREADS = RG * KS * WARP;
+    const int count = s_end - s_begin, groups = k / group;
+    // A stage's groups' scale slot of column c is c >> gshift: group is a power of two from
+    // the loads' columns up when below IG_K (int_gemm_takes).
+    const int gshift = __ffs(min(group, IG_K)) - 1;
+    IgGroups zg(group, s_begin);
     grid_wait();
     grid_launch_dependents();
 #pragma unroll
     for (int s = 0; s < IG_STAGES - 1; ++s) {
-        if (s < count)
-            ig_load_stage<BITS, NT, ROWS>(smem + s * STAGE, w, sz, x, n, m, k, group, r0,
-                                          s_begin + s);
+        if (s < count) {
+            ig_load_stage<BITS, NT, ROWS, THREADS>(smem + s * STAGE, w, sz, x, n, m, k, groups,
+                                                   zg, r0, s_begin + s);
+            zg.next();
+        }
         cp_async_commit();
     }
     float acc[MT][NT][4];
@@ -1549,19 +1610,21 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
         __syncthreads();
         // The buffer read an iteration ago is free (every warp passed the barrier above).
         const int next = it + IG_STAGES - 1;
-        if (next < count)
-            ig_load_stage<BITS, NT, ROWS>(smem + (next % IG_STAGES) * STAGE, w, sz, x, n, m, k,
-                                          group, r0, s_begin + next);
+        if (next < count) {
+            ig_load_stage<BITS, NT, ROWS, THREADS>(smem + (next % IG_STAGES) * STAGE, w, sz, x,
+                                                   n, m, k, groups, zg, r0, s_begin + next);
+            zg.next();
+        }
         cp_async_commit();
         const uint4* ws = smem + (it % IG_STAGES) * STAGE;
         const uint4* xs = ws + ROWS * WU;
         const __half2* zs = reinterpret_cast<const __half2*>(xs + NT * 8 * 16);
         if (KS == 1)
-            ig_mma_stage<FMT, NT, 0, 4>(acc, ws, xs, zs, wr, g, t, gcols);
+            ig_mma_stage<FMT, NT, 0, 4>(acc, ws, xs, zs, wr, g, t, gshift);
         else if (part == 0)
-            ig_mma_stage<FMT, NT, 0, 2>(acc, ws, xs, zs, wr, g, t, gcols);
+            ig_mma_stage<FMT, NT, 0, 2>(acc, ws, xs, zs, wr, g, t, gshift);
         else
-            ig_mma_stage<FMT, NT, 2, 4>(acc, ws, xs, zs, wr, g, t, gcols);
+            ig_mma_stage<FMT, NT, 2, 4>(acc, ws, xs, zs, wr, g, t, gshift);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if (KS > 1) {

@@ -1639,9 +1639,9 @@ pub fn self_check_cases() -> Vec<Case> {
     }
     // The tensor-core integer GEMM past 4 rows, small enough for the startup check: n-tiles 1, 2,
     // 8 (5, 16, 40 and 64 rows: tiles part empty; 80 in two passes), odd m (a block's last rows
-    // missing), k of 16 stages (split: their ordered adds), groups of 32 (4 a stage), 64 and 128,
-    // the MLP's f16 gate/up output; the group-128 ops of int_linears at 16 rows too. FP8 as W4 and
-    // W8 (blocks of 128 rows by the group's columns). First with the block shape and k splits this
+    // missing), k of 16 stages (split: their ordered adds), groups of 32 (4 a stage), 64, 128,
+    // 256 and a whole row, the MLP's f16 gate/up output; the group-128 ops of int_linears at 16
+    // rows too. FP8 as W4 and W8 (blocks of 128 rows by the group's columns). First with the block shape and k splits this
     // GPU picks, then on each block shape (forced), split and not. Which split is
     // `self_check_splits_k_on_every_block_shape` in int_weights.rs. Real sizes in
     // cuda/tests/cuda_twin.rs (int_gemm_at_real_sizes).
@@ -1663,6 +1663,10 @@ pub fn self_check_cases() -> Vec<Case> {
             (40, 2048, 777, 32),
             (64, 1024, 1000, 64),
             (80, 512, 301, 32),
+            // Groups of two stages and of a whole row (channel-wise), k split: a split's first
+            // group is counted from its first stage, and on from there.
+            (24, 1024, 300, 256),
+            (12, 1536, 200, 1536),
         ] {
             for op in [IntOp::Linear, IntOp::AddLinear] {
                 cases.push(int_gemm(n, k, m, group, op, None));
