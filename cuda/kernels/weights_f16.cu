@@ -1301,14 +1301,14 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // so 6 warps of whole stages (192 rows) would give two of them 2 warps, and the block would
 // take as long as one of 8; 12 warps of half stages put 3 on each, three quarters of the
 // 8-warp block's work. Accumulators: MT * NT * 4 = 64 floats a lane at NT = 8. ptxas,
-// registers at NT = 1, 2, 4, 8, f32 out (no spills; f16 out at most 168 on sm_90, at 192 rows,
-// W8, NT = 8, and 228 on sm_87):
-//   256 rows, sm_90: W4 70, 84, 112, 155; W8 71, 87, 138, 165; FP8 72, 95, 128, 156
-//             sm_87: W4 64, 80, 108, 146; W8 70, 82, 131, 161; FP8 64, 72, 120, 152
-//   192 rows, sm_90: W4 58, 88, 106, 148; W8 60, 96, 107, 152; FP8 64, 95, 99, 148
-//             sm_87: W4 56, 86, 107, 150; W8 60, 95, 105, 155; FP8 60, 92, 96, 150
-//   128 rows, sm_90: W4 56, 72, 99, 148; W8 78, 72, 106, 148; FP8 80, 78, 100, 148
-//             sm_87: W4 54, 73, 110, 240; W8 77, 72, 110, 240; FP8 79, 72, 110, 238
+// registers at NT = 1, 2, 4, 8, f32 out (no spills, no stack; f16 out at most 176 on sm_90, at
+// 256 rows, W4, NT = 8, and 234 on sm_87):
+//   256 rows, sm_90: W4 88, 104, 122, 176; W8 95, 95, 143, 166; FP8 91, 95, 128, 164
+//             sm_87: W4 80, 96, 120, 164; W8 80, 96, 133, 158; FP8 80, 89, 128, 162
+//   192 rows, sm_90: W4 74, 94, 111, 149; W8 78, 106, 122, 160; FP8 72, 96, 111, 155
+//             sm_87: W4 64, 90, 108, 151; W8 71, 93, 114, 168; FP8 64, 94, 104, 153
+//   128 rows, sm_90: W4 76, 88, 110, 155; W8 86, 92, 124, 166; FP8 92, 96, 123, 159
+//             sm_87: W4 74, 78, 109, 242; W8 85, 88, 117, 215; FP8 79, 82, 108, 242
 // The 12-warp blocks are held to 168 registers by their launch bounds. At NT = 8 a block of 8
 // or 12 warps takes more than half an SM's registers: one block an SM there, whatever its
 // shared memory. A block's x stage is read from L2 once per block (at 64 rows, W4 and 256
