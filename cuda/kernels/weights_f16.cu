@@ -1439,7 +1439,8 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
     __half2* zs = reinterpret_cast<__half2*>(xs + X_UNITS);
     // The thread index passes through an empty asm, so that each copy's offsets are computed
     // here, a few instructions each, rather than kept in registers across the k loop: kept,
-    // they took up to 20 more and the 12-warp blocks (held to 168) spilled at 8 bits.
+    // they took up to 20 more, and the 12-warp blocks (held to 168) needed a stack frame of
+    // local memory at 8 bits.
     int tid = threadIdx.x;
     asm volatile("" : "+r"(tid));
     const unsigned row_words = k / (32 / BITS), k0 = st * IG_K;

@@ -1641,10 +1641,10 @@ pub fn self_check_cases() -> Vec<Case> {
     // 8 (5, 16, 40 and 64 rows: tiles part empty; 80 in two passes), odd m (a block's last rows
     // missing), k of 16 stages (split: their ordered adds), groups of 32 (4 a stage), 64, 128,
     // 256 and a whole row, the MLP's f16 gate/up output; the group-128 ops of int_linears at 16
-    // rows too. FP8 as W4 and W8 (blocks of 128 rows by the group's columns). First with the block shape and k splits this
-    // GPU picks, then on each block shape (forced), split and not. Which split is
-    // `self_check_splits_k_on_every_block_shape` in int_weights.rs. Real sizes in
-    // cuda/tests/cuda_twin.rs (int_gemm_at_real_sizes).
+    // rows too. FP8 as W4 and W8 (blocks of 128 rows by the group's columns). First with the
+    // block shape and k splits this GPU picks, then on each block shape (forced), split and
+    // not. Which split is `self_check_splits_k_on_every_block_shape` in int_weights.rs. Real
+    // sizes in cuda/tests/cuda_twin.rs (int_gemm_at_real_sizes).
     for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
         cases.extend(Case::int_linears(16, 1024, 256, to));
         let int_gemm = |n, k, m, group, op, block_rows| IntGemm {
