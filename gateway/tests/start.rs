@@ -1,8 +1,9 @@
 //! The `gateway` binary refuses a start it cannot serve, naming what was wrong. It binds its
 //! listeners first, so the cases give it ports of its own (`127.0.0.1:0`): on the defaults, a
-//! port another process holds would be the error instead. (The served behaviour is tested end to end in `tests/e2e`, which starts this
-//! same binary; cargo builds a package's binaries only for its own integration tests, so this
-//! file is also what puts `target/debug/gateway` there for them.)
+//! port another process holds would be the error instead. (The served behaviour is tested end
+//! to end in `tests/e2e`, which starts this same binary; cargo builds a package's binaries only
+//! for its own integration tests, so this file is also what puts `target/debug/gateway` there
+//! for them.)
 
 use std::process::{Command, Output};
 
