@@ -912,9 +912,17 @@ FOR_INT_ROWS(INT_SWIGLU_KERNEL, rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // 128 registers by __launch_bounds__ (two blocks an SM, no spills) tied too (1.811 ms against
 // 1.825), as did two accumulators a batch, halving the mma chain (1.816): W4's GEMVs are held
 // by neither their chains nor the bytes in flight, but by ~4-5 us a kernel past its bytes.
-template <int BITS, int ROWS>
+// FP8's one-row kernels take 2: 4 never paid there (244.0 -> 244.8 tok/s at batch 1), and
+// with int_mma_gemv's branch-free step their normed kernel spills at 4 within two blocks an
+// SM; FP8 at batch 1 went 245.6 -> 264.7 tok/s with both changes (H200, 2026-11-30). So does
+// everything on sm_87, where W8's one-row kernels spill at 4.
+template <int FMT, int ROWS>
 __host__ __device__ constexpr int im_step() {
-    return BITS == 8 && ROWS == 1 ? 4 : 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    return 2;
+#else
+    return FMT == FMT_W8 && ROWS == 1 ? 4 : 2;
+#endif
 }
 // x's 16-byte loads a thread has in flight while staging.
 #define IM_STAGE_LOADS 4
@@ -1123,14 +1131,28 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                                              float* __restrict__ out, int accumulate, int m,
                                              int k, const __half2* __restrict__ sz, int group) {
     constexpr int BITS = fmt_bits(FMT), COLS = 128 / BITS, BATCH = 4 * COLS;
-    constexpr int IM_STEP = im_step<BITS, ROWS>();
+    constexpr int IM_STEP = im_step<FMT, ROWS>();
     float4* st = reinterpret_cast<float4*>(gemv_staged);
     float4* part = st + (size_t)ROWS * k / 4;  // float2 [2][IM_WARPS][WARP]
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
     const int batches = k / BATCH, groups = k / group, row_words = k / (32 / BITS);
     const int steps = (batches + IM_WARPS - 1) / IM_WARPS;
     const int tiles = SWIGLU ? (m + 7) / 8 : (m + 15) / 16;
-    auto rows_of = [&](int tile, int& ra, int& rb) {
+    // Batch b's scale group, b * BATCH / group, is umulhi(2b, gmul): group is a whole number d
+    // of batches, and gmul = ceil(2^31 / d) is exact for b * d < 2^31 (d = 1 included, which
+    // ceil(2^32 / d) would not fit). A division a load cost ~25 instructions.
+    const unsigned per_group = (unsigned)(group / BATCH);
+    const unsigned gmul = (0x80000000u + per_group - 1) / per_group;
+    // A tile's rows for this lane: its chunk t of weight rows ra and rb (words), and their
+    // (scale, zero) rows. Loads then add 32-bit offsets, one multiply-add an address.
+    struct Rows {
+        const unsigned* a;
+        const unsigned* b;
+        const __half2* za;
+        const __half2* zb;
+    };
+    auto rows_of = [&](int tile) {
+        int ra, rb;
         if (SWIGLU) {
             ra = min(tile * 8 + g, m - 1);
             rb = m + ra;
@@ -1138,31 +1160,31 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
             ra = min(tile * 16 + g, m - 1);
             rb = min(tile * 16 + 8 + g, m - 1);
         }
+        return Rows{w + (size_t)ra * row_words + 4 * t, w + (size_t)rb * row_words + 4 * t,
+                    sz + (size_t)ra * groups, sz + (size_t)rb * groups};
     };
-    // A step's loads: the lane's chunks of rows ra and rb, and their batches' (scale, zero),
-    // which go out with the chunks (loaded where used, each batch waited out a DRAM latency).
-    auto loads = [&](int ra, int rb, int s0, uint4 la[IM_STEP], uint4 lb[IM_STEP],
+    // A step's loads: the lane's chunks of batches warp + (s0 + u) IM_WARPS, and their
+    // (scale, zero), which go out with the chunks. A batch past the row's last (k not a whole
+    // number of steps) reads the last one and is multiplied with a zero slot, so it adds 0 to
+    // the sums: no branch around each batch, and the compiler may interleave a step's batches.
+    // The slot is zeroed where it is used: zeroed here, the write would wait for its load.
+    auto loads = [&](const Rows& r, int s0, uint4 la[IM_STEP], uint4 lb[IM_STEP],
                      __half2 za[IM_STEP], __half2 zb[IM_STEP]) {
 #pragma unroll
         for (int u = 0; u < IM_STEP; ++u) {
-            const int b = warp + (s0 + u) * IM_WARPS, ch = 4 * b + t, gi = b * BATCH / group;
-            la[u] = lb[u] = make_uint4(0, 0, 0, 0);
-            za[u] = zb[u] = __floats2half2_rn(0.0f, 0.0f);
-            if (b < batches) {
-                la[u] = load_stream16(w + (size_t)ra * row_words + ch * 4);
-                lb[u] = load_stream16(w + (size_t)rb * row_words + ch * 4);
-                za[u] = __ldg(sz + (size_t)ra * groups + gi);
-                zb[u] = __ldg(sz + (size_t)rb * groups + gi);
-            }
+            const int b = warp + (s0 + u) * IM_WARPS;
+            const unsigned bc = (unsigned)min(b, batches - 1), gi = __umulhi(bc << 1, gmul);
+            la[u] = load_stream16(r.a + 16u * bc);
+            lb[u] = load_stream16(r.b + 16u * bc);
+            za[u] = __ldg(r.za + gi);
+            zb[u] = __ldg(r.zb + gi);
         }
     };
-    int tile = blockIdx.x, ra = 0, rb = 0;
+    int tile = blockIdx.x;
+    Rows rows = rows_of(tile);
     uint4 la[IM_STEP], lb[IM_STEP];
     __half2 za[IM_STEP], zb[IM_STEP];
-    if (tile < tiles) {
-        rows_of(tile, ra, rb);
-        loads(ra, rb, 0, la, lb, za, zb);
-    }
+    if (tile < tiles) loads(rows, 0, la, lb, za, zb);
     grid_wait();
     grid_launch_dependents();
     float back[ROWS];
@@ -1171,21 +1193,23 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
     const unsigned xb = im_lane_x<BITS, ROWS>(smem_addr(st), k, key);
     for (int turn = 0; tile < tiles; tile += gridDim.x, ++turn) {
         float acc[2] = {0.0f, 0.0f};
-        int na = ra, nb = rb;
+        Rows next_rows = rows;
         for (int s0 = 0; s0 < steps; s0 += IM_STEP) {
             uint4 ma[IM_STEP], mb[IM_STEP];
             __half2 ya[IM_STEP], yb[IM_STEP];
             const bool more = s0 + IM_STEP < steps, next = !more && tile + gridDim.x < tiles;
             if (more) {
-                loads(ra, rb, s0 + IM_STEP, ma, mb, ya, yb);
+                loads(rows, s0 + IM_STEP, ma, mb, ya, yb);
             } else if (next) {
-                rows_of(tile + gridDim.x, na, nb);
-                loads(na, nb, 0, ma, mb, ya, yb);
+                next_rows = rows_of(tile + gridDim.x);
+                loads(next_rows, 0, ma, mb, ya, yb);
             }
 #pragma unroll
             for (int u = 0; u < IM_STEP; ++u) {
                 const int b = warp + (s0 + u) * IM_WARPS;
-                if (b < batches) im_batch<FMT, ROWS>(xb, key, b, la[u], lb[u], za[u], zb[u], acc);
+                const __half2 none = __floats2half2_rn(0.0f, 0.0f);
+                im_batch<FMT, ROWS>(xb, key, min(b, batches - 1), la[u], lb[u],
+                                    b < batches ? za[u] : none, b < batches ? zb[u] : none, acc);
             }
             if (more || next) {
 #pragma unroll
@@ -1226,13 +1250,14 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                     o[j1] = (accumulate ? o[j1] : 0.0f) + hi + (has_bias ? bias[j1] : 0.0f);
             }
         }
-        ra = na;
-        rb = nb;
+        rows = next_rows;
     }
 }
 
+// Two blocks an SM (128 registers): the loop lets ptxas interleave a step's batches, which
+// without the bound took up to 155 registers (one block an SM).
 #define INT_MMA_GEMV_KERNEL(NAME, FMT, NORM, ROWS)                                                \
-    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+    extern "C" __global__ void __launch_bounds__(IM_WARPS * WARP, 2) NAME##_r##ROWS(              \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ w, const float* __restrict__ bias, int has_bias,             \
         float* __restrict__ out, int accumulate, int m, int k, const __half2* __restrict__ sz,    \
@@ -1241,7 +1266,7 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
                                               m, k, sz, group);                                   \
     }
 #define INT_MMA_SWIGLU_KERNEL(NAME, FMT, NORM, ROWS)                                              \
-    extern "C" __global__ void NAME##_r##ROWS(                                                    \
+    extern "C" __global__ void __launch_bounds__(IM_WARPS * WARP, 2) NAME##_r##ROWS(              \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
         const unsigned* __restrict__ gate_up, float* __restrict__ out, int m, int k,              \
         const __half2* __restrict__ sz, int group) {                                              \
