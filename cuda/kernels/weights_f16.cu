@@ -1254,8 +1254,9 @@ __device__ __forceinline__ void int_mma_gemv(const float* __restrict__ x,
     }
 }
 
-// Two blocks an SM (128 registers): the loop lets ptxas interleave a step's batches, which
-// without the bound took up to 155 registers (one block an SM).
+// Two blocks an SM (128 registers): without the bound the branch-free loop, whose batches
+// ptxas may interleave, took up to 155 registers (one block an SM). Within it, the plain W4 and
+// FP8 one-row kernels interleave a step's mma chains and the normed ones keep them in order.
 #define INT_MMA_GEMV_KERNEL(NAME, FMT, NORM, ROWS)                                                \
     extern "C" __global__ void __launch_bounds__(IM_WARPS * WARP, 2) NAME##_r##ROWS(              \
         const float* __restrict__ x, const float* __restrict__ norm_w, float eps,                 \
