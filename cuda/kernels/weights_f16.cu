@@ -1380,11 +1380,21 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // shapes) are #defined by the host (cuda/src/cuda/kernels.rs), which sizes the shared memory
 // from them.
 
-// Bytes of one stage's shared memory for blocks of ROWS rows (the host computes the same:
-// int_gemm_smem in int_weights.rs).
+// One stage's shared memory for blocks of ROWS rows, in order: the rows' weights
+// (ig_w_units 16-byte units), x's NT * 8 rows (ig_x_units), and the rows' IG_SZ_SLOTS
+// (scale, zero) slots of 4 bytes. The host computes the same bytes: int_gemm_smem in
+// int_weights.rs. (Functions, not a struct's constants: NVRTC emits those as globals.)
+template <int BITS, int ROWS>
+__host__ __device__ constexpr int ig_w_units() {
+    return ROWS * IG_K * BITS / 128;
+}
+template <int NT>
+__host__ __device__ constexpr int ig_x_units() {
+    return NT * 8 * IG_K * 2 / 16;
+}
 template <int BITS, int NT, int ROWS>
 __host__ __device__ constexpr int ig_stage_bytes() {
-    return ROWS * IG_K * BITS / 8 + NT * 8 * IG_K * 2 + ROWS * IG_SZ_SLOTS * 4;
+    return 16 * (ig_w_units<BITS, ROWS>() + ig_x_units<NT>()) + 4 * ROWS * IG_SZ_SLOTS;
 }
 
 // 4 bytes global -> shared (cp.async's smallest copy, through L1).
@@ -1459,7 +1469,8 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
                                               const __half* __restrict__ x, int n, int m, int k,
                                               int groups, const IgGroups& zg, int r0, int st) {
     constexpr int WU = IG_K * BITS / 128;  // 16-byte units of a weight row a stage
-    constexpr int W_UNITS = ROWS * WU, X_UNITS = NT * 8 * 16, Z_UNITS = ROWS * IG_SZ_SLOTS;
+    constexpr int W_UNITS = ig_w_units<BITS, ROWS>(), X_UNITS = ig_x_units<NT>();
+    constexpr int Z_UNITS = ROWS * IG_SZ_SLOTS;
     uint4* ws = buf;
     uint4* xs = ws + W_UNITS;
     __half2* zs = reinterpret_cast<__half2*>(xs + X_UNITS);
@@ -1593,7 +1604,7 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                                              float* __restrict__ partials,
                                              int* __restrict__ locks) {
     static_assert(KS == 1 || KS == 2, "a row group's warps take whole stages or halves");
-    constexpr int BITS = fmt_bits(FMT), MT = 2, WU = IG_K * BITS / 128, ROWS = RG * 32;
+    constexpr int BITS = fmt_bits(FMT), MT = 2, ROWS = RG * 32;
     constexpr int STAGE = ig_stage_bytes<BITS, NT, ROWS>() / 16;  // in uint4
     // The halves' sums (KS = 2) go through the stages' memory.
     static_assert(KS == 1 || (KS - 1) * RG * MT * NT * 4 * WARP * 4 <= IG_STAGES * STAGE * 16,
@@ -1644,8 +1655,8 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
         }
         cp_async_commit();
         const uint4* ws = smem + (it % IG_STAGES) * STAGE;
-        const uint4* xs = ws + ROWS * WU;
-        const __half2* zs = reinterpret_cast<const __half2*>(xs + NT * 8 * 16);
+        const uint4* xs = ws + ig_w_units<BITS, ROWS>();
+        const __half2* zs = reinterpret_cast<const __half2*>(xs + ig_x_units<NT>());
         if (KS == 1)
             ig_mma_stage<FMT, NT, 0, 4>(acc, ws, xs, zs, wr, g, t, gshift);
         else if (part == 0)
