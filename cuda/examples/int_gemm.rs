@@ -1,13 +1,15 @@
 //! Batched decode's projections at 8B shapes (q/k/v, o, gate/up, down, and the text MLP as
 //! one op) for 8 to 64 rows: f16 weights on cuBLAS, W8, W4 and FP8 on the tensor-core integer
-//! GEMM (weights_f16.cu's int_mma_gemm), and the same dequantized into the f16 scratch for cuBLAS
+//! GEMM (weights_f16.cu's int_wgmma_gemm on an H100/H200, each op also timed on its
+//! int_mma_gemm, the kernel other GPUs run; int_mma_gemm elsewhere), and the same dequantized into the f16 scratch for cuBLAS
 //! (the path before it, `VLM_INT_GEMM=dequant`, timed in a child process of this example, as
 //! the switch is read once a process). Per op: microseconds a call, the weights' GB/s against
 //! the device's copy bandwidth, and the integer GEMM's grid (block shape, blocks, k splits).
 //!
 //!     cargo run --release -p vlm-compute --example int_gemm [ROWS...]
 //!
-//! ROWS defaults to 8 16 32 64. The target: W4 at 64 rows at least as fast as f16.
+//! ROWS defaults to 8 16 32 64; format names among the arguments (`f16`, `w8`, `w4`, `fp8`)
+//! time only those, in this process. The target: W4 at 64 rows at least as fast as f16.
 //! Past 64 rows (prefill chunks: e.g. `int_gemm 64 512 4096`) the integer weights take the
 //! dequantization and cuBLAS. FP8 runs weight-only here (`VLM_FP8_GEMM=w8a16`, as on GPUs
 //! without FP8 tensor cores); a third child process times FP8 as served on an H100, on the
@@ -27,10 +29,12 @@ use vlm_compute::{Backend, CudaBackend, CudaTensor, CudaWeight, HostTensor};
 const COPIES: usize = 8;
 
 fn main() -> vlm_compute::Result<()> {
-    let mut rows: Vec<usize> = std::env::args()
+    // Numbers are row counts; words pick formats (f16, w8, w4, fp8: only those, no children).
+    let (words, numbers): (Vec<String>, Vec<String>) = std::env::args()
         .skip(1)
-        .map(|a| a.parse().expect("rows"))
-        .collect();
+        .partition(|a| a.parse::<usize>().is_err());
+    let mut rows: Vec<usize> = numbers.iter().map(|a| a.parse().expect("rows")).collect();
+    let picked = |name: &str| words.is_empty() || words.iter().any(|w| w == name);
     if rows.is_empty() {
         rows = vec![8, 16, 32, 64];
     }
@@ -69,7 +73,13 @@ fn main() -> vlm_compute::Result<()> {
     } else {
         "int GEMM"
     };
-    for &fmt in formats {
+    let tag = |fmt: Option<QuantizeTo>| match fmt {
+        None => "f16",
+        Some(QuantizeTo::Int8) => "w8",
+        Some(QuantizeTo::Int4) => "w4",
+        Some(QuantizeTo::Fp8) => "fp8",
+    };
+    for &fmt in formats.iter().filter(|&&f| picked(tag(f))) {
         let make = |m: usize, k: usize, key: u64| -> vlm_compute::Result<CudaWeight> {
             match fmt {
                 None => g.random_weight(&[m, k], key, 0.02),
@@ -120,8 +130,11 @@ fn main() -> vlm_compute::Result<()> {
                 let grid = g
                     .int_gemm_grid_of(&ws[s][0], n)
                     .map_or(String::new(), |grid| format!(", {grid}"));
+                let mma = on_mma(&g, grid.is_empty(), n, || {
+                    time(&g, |c| g.linear(input, &ws[s][c], None).map(drop))
+                })?;
                 println!(
-                    "  {op:>8} {m}x{k}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy, {:4.0} TFLOP/s{grid}",
+                    "  {op:>8} {m}x{k}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy, {:4.0} TFLOP/s{grid}{mma}",
                     t * 1e6,
                     bytes / t / 1e9,
                     100.0 * bytes / t / copy_bw,
@@ -134,8 +147,14 @@ fn main() -> vlm_compute::Result<()> {
                 g.rms_norm_mlp(&mut resid, &norm, 1e-6, &ws[2][c], &ws[3][c])
             })?;
             let bytes = bytes_of(2 * inter, h) + bytes_of(h, inter);
+            let gemm = g.int_gemm_grid_of(&ws[2][0], n).is_some();
+            let mma = on_mma(&g, !gemm, n, || {
+                time(&g, |c| {
+                    g.rms_norm_mlp(&mut resid, &norm, 1e-6, &ws[2][c], &ws[3][c])
+                })
+            })?;
             println!(
-                "  {:>8} {h}->{inter}->{h}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy",
+                "  {:>8} {h}->{inter}->{h}: {:8.2} us, {:5.0} GB/s = {:3.0}% of copy{mma}",
                 "mlp",
                 t * 1e6,
                 bytes / t / 1e9,
@@ -143,7 +162,7 @@ fn main() -> vlm_compute::Result<()> {
             );
         }
     }
-    if !dequant && !w8a8 {
+    if !dequant && !w8a8 && words.is_empty() {
         // The dequantized path and FP8's W8A8 GEMM, each in a process of its own.
         let mut children = vec![("VLM_INT_GEMM", "dequant")];
         if g.has_w8a8() {
@@ -159,6 +178,22 @@ fn main() -> vlm_compute::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Where the integer GEMM ran on wgmma (an H100/H200, 17 rows or more) for the op just timed
+/// at `rows` rows (not `skip`: it took the GEMM), the same op's time on mma.sync (the kernel
+/// every other GPU runs), as ", mma.sync N us"; else nothing.
+fn on_mma(
+    g: &CudaBackend,
+    skip: bool,
+    rows: usize,
+    timed: impl FnOnce() -> vlm_compute::Result<f64>,
+) -> vlm_compute::Result<String> {
+    if skip || !g.int_gemm_on_wgmma(rows) {
+        return Ok(String::new());
+    }
+    let t = vlm_compute::cuda::with_int_gemm_on_mma(true, timed)?;
+    Ok(format!(", mma.sync {:.2} us", t * 1e6))
 }
 
 /// An FP8 matrix of pseudo-random e4m3 bytes (no NaN) and 128x128 block scales of about a

@@ -1,10 +1,10 @@
 // Flash attention on Hopper's warpgroup MMA (wgmma), for the ViT. sm_90a only: NVRTC compiles
-// this file after common.cuh and attention_f16.cu (whose helpers, tile_softmax and the RoPE
-// pack it shares) for compute_90a on an H100/H200; every other GPU (Jetson Orin's sm_87
-// included) keeps attention_f16.cu's mma.sync kernels. Same computation as flash_attention
-// there: Q pre-scaled by 1/sqrt(d) log2(e), an online softmax per row in f32 with exp2, P
-// rounded to f16, f32 sums. CPU twin: `attention` in cuda/src/cpu.rs, through
-// `rope_attention_segments` and `layer_norm_rope_attention`.
+// this file after common.cuh, wgmma.cuh (the wgmma primitives) and attention_f16.cu (whose
+// helpers, tile_softmax and the RoPE pack it shares) for compute_90a on an H100/H200; every
+// other GPU (Jetson Orin's sm_87 included) keeps attention_f16.cu's mma.sync kernels. Same
+// computation as flash_attention there: Q pre-scaled by 1/sqrt(d) log2(e), an online softmax
+// per row in f32 with exp2, P rounded to f16, f32 sums. CPU twin: `attention` in
+// cuda/src/cpu.rs, through `rope_attention_segments` and `layer_norm_rope_attention`.
 //
 // Why: with mma.sync every K and V fragment passes through registers (ldmatrix) for each
 // product; here a warpgroup (4 warps) takes 64 query rows and the tensor cores read Q and K
@@ -128,42 +128,6 @@ struct WgmmaRS<128> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
     }
 };
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// Waits until at most N of this warpgroup's committed wgmma groups are still running (0: all
-// done).
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving reads or writes of accumulators across a wgmma fence or wait.
-template <int N>
-__device__ __forceinline__ void wg_hold(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-// The same for registers a wgmma reads as its A operand, which must not change until it ends.
-template <int M, int N>
-__device__ __forceinline__ void wg_hold_u(unsigned (&r)[M][N]) {
-#pragma unroll
-    for (int i = 0; i < M; ++i)
-#pragma unroll
-        for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
-// Shared memory written through the generic proxy (cp.async, stores) made visible to wgmma's
-// reads (the async proxy).
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// A shared-memory matrix descriptor, no swizzle: start address, leading and stride byte offsets
-// (each in 16-byte units).
-__device__ __forceinline__ unsigned long long wg_desc(const void* p, unsigned lbo, unsigned sbo) {
-    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) |
-           ((unsigned long long)(lbo >> 4) << 16) | ((unsigned long long)(sbo >> 4) << 32);
-}
 
 __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(b)), "r"(count) : "memory");

@@ -1457,19 +1457,20 @@ struct IgGroups {
 
 // Stage `st` (columns st * IG_K ..) of the block's ROWS weight rows r0 .., their (scale, zero)
 // (groups as `zg` says) and x's rows into shared stage buffer `buf`, in the current cp.async
-// group. THREADS (the block's) is a constant, so each thread's share of the copies is known
-// at compile time (the loops unroll, their indices are shifts), and each copy's address is an
-// unsigned 32-bit element offset scaled onto its base in one instruction. With blockDim.x, a
+// group (x's rows only with X: the wgmma GEMM stages them itself). THREADS (the block's) is
+// a constant, so each thread's share of the copies is known at compile time (the loops
+// unroll, their indices are shifts), and each copy's address is an unsigned 32-bit element
+// offset scaled onto its base in one instruction. With blockDim.x, a
 // runtime group and 64-bit signed offsets this was ~300 of a warp's ~600 instructions a stage
 // at W4 and 64 rows: as many as its 64 mma's own. The offsets fit: the largest matrix, a
 // vocabulary's head, is 151,936 x 1,024 words at 8 bits.
-template <int BITS, int NT, int ROWS, int THREADS>
+template <int BITS, int NT, int ROWS, int THREADS, bool X = true>
 __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __restrict__ w,
                                               const __half2* __restrict__ sz,
                                               const __half* __restrict__ x, int n, int m, int k,
                                               int groups, const IgGroups& zg, int r0, int st) {
     constexpr int WU = IG_K * BITS / 128;  // 16-byte units of a weight row a stage
-    constexpr int W_UNITS = ig_w_units<BITS, ROWS>(), X_UNITS = ig_x_units<NT>();
+    constexpr int W_UNITS = ig_w_units<BITS, ROWS>(), X_UNITS = X ? ig_x_units<NT>() : 0;
     constexpr int Z_UNITS = ROWS * IG_SZ_SLOTS;
     uint4* ws = buf;
     uint4* xs = ws + W_UNITS;
@@ -1510,6 +1511,46 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
     }
 }
 
+// A lane's part of one m16 tile of weight rows for one 16-byte chunk `ch` of a stage (lane
+// (g, t): rows ra = g and g + 8 of the tile; its chunk t at 4 bits, 4c + t at 8) and the
+// chunk's (scale, zero) slot, from the stage's shared memory, and the A fragments of its k16
+// steps (8 at 4 bits, 4 at 8): the weights dequantized in registers, exactly dequant_int's
+// f16 values at 4 and 8 bits ((q - zero) is exact in f16, then one rounding of the product).
+template <int FMT>
+struct IgChunk {
+    static constexpr int BITS = fmt_bits(FMT), WU = IG_K * BITS / 128;
+    uint4 la, lb;
+    __half2 sa, sb, ba, b16a, bb, b16b;
+    IgChunk() = default;
+    __device__ __forceinline__ IgChunk(const uint4* ws, const __half2* zs, int ra, int ch,
+                                       int slot) {
+        const int rb = ra + 8;
+        la = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
+        lb = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
+        // FP8's f32 scale becomes an f16 here, once a row a chunk (the kernel's comment: what
+        // that rounds); W4's and W8's are f16 already, and their bases are taken in f16
+        // (int_bases_of: the same values as int_bases' f32 round trip). FP8's bases go unused
+        // (no zero point).
+        const __half2 za = zs[ra * IG_SZ_SLOTS + slot], zb = zs[rb * IG_SZ_SLOTS + slot];
+        sa = FMT == FMT_F8 ? __float2half2_rn(group_scale<FMT>(za).x) : __low2half2(za);
+        sb = FMT == FMT_F8 ? __float2half2_rn(group_scale<FMT>(zb).x) : __low2half2(zb);
+        int_bases_of(za, ba, b16a);
+        int_bases_of(zb, bb, b16b);
+    }
+    // The A fragment (mma.sync m16n8k16: rows g, g + 8 at k slots 2t, 2t + 1 and 2t + 8,
+    // 2t + 9) of the chunk's k16 step j: at 4 bits word j / 2's pairs 2h, 2h + 1 (h = j % 2),
+    // at 8 bits word j's two pairs. Which columns those are: the comment on the fragments.
+    __device__ __forceinline__ void fragment(int j, __half2 (&a)[4]) const {
+        const unsigned wa[4] = {la.x, la.y, la.z, la.w}, wb[4] = {lb.x, lb.y, lb.z, lb.w};
+        const int word = BITS == 4 ? j / 2 : j, p = BITS == 4 ? 2 * (j % 2) : 0;
+        const IntPairs<FMT> qa(wa[word], ba, b16a), qb(wb[word], bb, b16b);
+        a[0] = __hmul2(qa.v[p], sa);
+        a[1] = __hmul2(qb.v[p], sb);
+        a[2] = __hmul2(qa.v[p + 1], sa);
+        a[3] = __hmul2(qb.v[p + 1], sb);
+    }
+};
+
 // One stage's products for the warp's 32 weight rows (wr, wr + 1, .. of the stage buffers ws,
 // xs, zs) and its part of the stage's columns: the (chunk c, x unit u) steps Q0 .. Q1 - 1 of
 // the stage's 4, step c * 16 / WU + u (4 bits: one chunk of 4 units; 8 bits: two of 2).
@@ -1523,23 +1564,8 @@ __device__ __forceinline__ void ig_mma_stage(float (&acc)[2][NT][4], const uint4
     for (int c = 0; c < WU / 4; ++c) {  // the lane's chunks: 1 at 4 bits, 2 at 8
         if (c * UN + UN <= Q0 || c * UN >= Q1) continue;  // none of the part's steps
         const int ch = 4 * c + t, slot = (ch * COLS) >> gshift;
-        uint4 la[MT], lb[MT];
-        __half2 sa[MT], sb[MT], ba[MT], b16a[MT], bb[MT], b16b[MT];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int ra = wr + mt * 16 + g, rb = ra + 8;
-            la[mt] = ws[ra * WU + ig_wunit<BITS>(ch, ra)];
-            lb[mt] = ws[rb * WU + ig_wunit<BITS>(ch, rb)];
-            // FP8's f32 scale becomes an f16 here, once a row a chunk (the kernel's comment:
-            // what that rounds); W4's and W8's are f16 already, and their bases are taken in
-            // f16 (int_bases_of: the same values as int_bases' f32 round trip). FP8's bases go
-            // unused (no zero point).
-            const __half2 za = zs[ra * IG_SZ_SLOTS + slot], zb = zs[rb * IG_SZ_SLOTS + slot];
-            sa[mt] = FMT == FMT_F8 ? __float2half2_rn(group_scale<FMT>(za).x) : __low2half2(za);
-            sb[mt] = FMT == FMT_F8 ? __float2half2_rn(group_scale<FMT>(zb).x) : __low2half2(zb);
-            int_bases_of(za, ba[mt], b16a[mt]);
-            int_bases_of(zb, bb[mt], b16b[mt]);
-        }
+        const IgChunk<FMT> chunk[MT] = {IgChunk<FMT>(ws, zs, wr + g, ch, slot),
+                                        IgChunk<FMT>(ws, zs, wr + 16 + g, ch, slot)};
         // x units of the chunk: 4 at 4 bits (a word each), 2 at 8 (two words each); each gives
         // two mma (halves h) per n-tile.
 #pragma unroll
@@ -1547,31 +1573,9 @@ __device__ __forceinline__ void ig_mma_stage(float (&acc)[2][NT][4], const uint4
             if (c * UN + u < Q0 || c * UN + u >= Q1) continue;
             __half2 af[MT][2][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const unsigned wa[4] = {la[mt].x, la[mt].y, la[mt].z, la[mt].w};
-                const unsigned wb[4] = {lb[mt].x, lb[mt].y, lb[mt].z, lb[mt].w};
-                if (BITS == 4) {
-                    const IntPairs<FMT> qa(wa[u], ba[mt], b16a[mt]);
-                    const IntPairs<FMT> qb(wb[u], bb[mt], b16b[mt]);
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        af[mt][h][0] = __hmul2(qa.v[2 * h], sa[mt]);
-                        af[mt][h][1] = __hmul2(qb.v[2 * h], sb[mt]);
-                        af[mt][h][2] = __hmul2(qa.v[2 * h + 1], sa[mt]);
-                        af[mt][h][3] = __hmul2(qb.v[2 * h + 1], sb[mt]);
-                    }
-                } else {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const IntPairs<FMT> qa(wa[2 * u + h], ba[mt], b16a[mt]);
-                        const IntPairs<FMT> qb(wb[2 * u + h], bb[mt], b16b[mt]);
-                        af[mt][h][0] = __hmul2(qa.v[0], sa[mt]);
-                        af[mt][h][1] = __hmul2(qb.v[0], sb[mt]);
-                        af[mt][h][2] = __hmul2(qa.v[1], sa[mt]);
-                        af[mt][h][3] = __hmul2(qb.v[1], sb[mt]);
-                    }
-                }
-            }
+                for (int h = 0; h < 2; ++h) chunk[mt].fragment(2 * u + h, af[mt][h]);
             const int xu = BITS == 4 ? 4 * t + u : 2 * ch + u;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
@@ -1592,6 +1596,79 @@ __device__ __forceinline__ void ig_mma_stage(float (&acc)[2][NT][4], const uint4
             }
         }
     }
+}
+
+// The end of an integer GEMM: the block's sums (acc: MT m-tiles x NT n8 tiles in mma.sync's C
+// layout, a lane's element c at weight row wr + mt * MSTRIDE + g + 8 (c / 2) of the block and x
+// row nt * 8 + 2t + c % 2) times alpha, plus the output with accumulate, plus the bias, into
+// out [n, m]; `writer`: this warp's sums count (the second halves of a KS = 2 block are in
+// the first's by now). Every thread of the block must come here.
+//
+// Split k: this split's sums into its partial tile [n][ROWS], then, once every split of the
+// m-block has written its own (all are resident: the grid is at most one block an SM), split
+// s adds up the s-th of the tile's elements over splits 0, 1, .. in that order.
+template <int MT, int NT, int ROWS, typename O>
+__device__ __forceinline__ void ig_store(const float (&acc)[MT][NT][4], bool writer, int wr,
+                                         int mstride, int g, int t,
+                                         const float* __restrict__ bias, int has_bias,
+                                         O* __restrict__ out, int accumulate, float alpha, int n,
+                                         int m, int r0, int mb, int split, int splits,
+                                         float* __restrict__ partials, int* __restrict__ locks) {
+    auto finish = [&](O* o, int j, float sum) {
+        float v = alpha * sum;
+        if (accumulate) v += load_out(o);
+        if (has_bias) v += bias[j];
+        store_out(o, v);
+    };
+    if (splits == 1) {
+        if (!writer) return;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int row = nt * 8 + 2 * t + (c & 1);
+                    const int j = r0 + wr + mt * mstride + g + 8 * (c >> 1);
+                    if (row < n && j < m) finish(out + (size_t)row * m + j, j, acc[mt][nt][c]);
+                }
+        return;
+    }
+    const int tile = n * ROWS;
+    float* mine = partials + (size_t)blockIdx.x * tile;
+    if (writer) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int row = nt * 8 + 2 * t + (c & 1);
+                    const int col = wr + mt * mstride + g + 8 * (c >> 1);
+                    if (row < n) __stcg(mine + row * ROWS + col, acc[mt][nt][c]);
+                }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(locks + mb, 1);
+        while (atomicAdd(locks + mb, 0) < splits) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    const float* first = partials + (size_t)mb * splits * tile;
+    const int e1 = (int)((long long)(split + 1) * tile / splits);
+    for (int e = (int)((long long)split * tile / splits) + threadIdx.x; e < e1; e += blockDim.x) {
+        const int row = e / ROWS, j = r0 + e % ROWS;
+        if (j >= m) continue;
+        float sum = 0.0f;
+        for (int q = 0; q < splits; ++q) sum += __ldcg(first + (size_t)q * tile + e);
+        finish(out + (size_t)row * m + j, j, sum);
+    }
+    // Every split counts in a second time once past the wait; the last sets the lock to 0
+    // for the next launch (none of the m-block's splits is waiting any more).
+    if (threadIdx.x == 0 && atomicAdd(locks + mb, 1) == 2 * splits - 1) atomicExch(locks + mb, 0);
 }
 
 template <int FMT, int NT, int RG, int KS, typename O>
@@ -1691,64 +1768,8 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
         }
     }
 
-    auto finish = [&](O* o, int j, float sum) {
-        float v = alpha * sum;
-        if (accumulate) v += load_out(o);
-        if (has_bias) v += bias[j];
-        store_out(o, v);
-    };
-    if (splits == 1) {
-        if (part > 0) return;  // its sums are in part 0's
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int row = nt * 8 + 2 * t + (c & 1);
-                    const int j = r0 + wr + mt * 16 + g + 8 * (c >> 1);
-                    if (row < n && j < m) finish(out + (size_t)row * m + j, j, acc[mt][nt][c]);
-                }
-        return;
-    }
-    // Split k: this split's sums into its partial tile [n][ROWS], then, once every split of
-    // the m-block has written its own (all are resident: the grid is at most one block an
-    // SM), split s adds up the s-th of the tile's elements over splits 0, 1, .. in that order.
-    const int tile = n * ROWS;
-    float* mine = partials + (size_t)blockIdx.x * tile;
-    if (part == 0) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int row = nt * 8 + 2 * t + (c & 1);
-                    const int col = wr + mt * 16 + g + 8 * (c >> 1);
-                    if (row < n) __stcg(mine + row * ROWS + col, acc[mt][nt][c]);
-                }
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        atomicAdd(locks + mb, 1);
-        while (atomicAdd(locks + mb, 0) < splits) {
-        }
-        __threadfence();
-    }
-    __syncthreads();
-    const float* first = partials + (size_t)mb * splits * tile;
-    const int e1 = (int)((long long)(split + 1) * tile / splits);
-    for (int e = (int)((long long)split * tile / splits) + threadIdx.x; e < e1; e += blockDim.x) {
-        const int row = e / ROWS, j = r0 + e % ROWS;
-        if (j >= m) continue;
-        float sum = 0.0f;
-        for (int q = 0; q < splits; ++q) sum += __ldcg(first + (size_t)q * tile + e);
-        finish(out + (size_t)row * m + j, j, sum);
-    }
-    // Every split counts in a second time once past the wait; the last sets the lock to 0
-    // for the next launch (none of the m-block's splits is waiting any more).
-    if (threadIdx.x == 0 && atomicAdd(locks + mb, 1) == 2 * splits - 1) atomicExch(locks + mb, 0);
+    ig_store<MT, NT, ROWS>(acc, part == 0, wr, 16, g, t, bias, has_bias, out, accumulate, alpha,
+                           n, m, r0, mb, split, splits, partials, locks);
 }
 
 // int_gemm_<format>_r<rows>_n<NT>_<f32|f16>: one kernel per format, block shape (IG_BLOCKS:
@@ -1780,6 +1801,239 @@ INT_GEMM_KERNELS(FMT_F8, f8, 1)
 INT_GEMM_KERNELS(FMT_F8, f8, 2)
 INT_GEMM_KERNELS(FMT_F8, f8, 4)
 INT_GEMM_KERNELS(FMT_F8, f8, 8)
+
+// ---- The integer GEMM on Hopper's warpgroup MMA (wgmma, sm_90a only) ----
+//
+// The same products as int_mma_gemm (the same blocks, grid, stages of weights and (scale,
+// zero), A fragments and epilogue), with a warpgroup's wgmma in place of its warps' mma.sync,
+// for 17..=64 rows of x (the host's INT_GEMM_WGMMA_MIN_TILES; at 8 and 16 rows int_mma_gemm
+// was 1-7% faster). int_mma_gemm at 64 rows issues ~12 instructions a mma (x's B fragments
+// loaded and paired for every mma, besides the dequantization) at 3 warps a scheduler. Here the
+// tensor cores read x from shared memory by descriptor, and one wgmma of a warpgroup multiplies
+// 64 weight rows by all of x's rows (m64nNk16, N = 8 NT) while its warps dequantize the next
+// step's A fragments in registers (Machete's design on Hopper, in our layout). H200, 64 rows,
+// W4 (int_gemm example): the MLP (gate/up, SwiGLU, down) 92 us, int_mma_gemm's 117, cuBLAS's
+// f16 one 95; gate/up 53 us against 68.
+//
+// x's tile. The A fragments hold a word's columns in IntPairs' order (lane t's k slots 2t,
+// 2t + 1 are columns c and c + 4 of its chunk's word at 4 bits, c and c + 2 at 8), so B's k
+// rows must come in the same order, and wgmma takes them from shared memory as they lie. Each
+// stage's x is therefore read into registers (L2) and written permuted: four threads take an x
+// row, thread t its units for lane column t (igw_unit), so that the four read the row's 256
+// bytes whole, and pair each unit's columns with a prmt as int_mma_gemm's B fragments do. (A
+// first form had a thread take one quarter of the steps for all four lane columns: its 16-byte
+// loads were 64 bytes apart, a warp's touched 32 rows, and the MLP took 116 us at 64 rows, no
+// faster than int_mma_gemm; without x's loads at all, 81. Holding x two stages ahead instead
+// of one measured the same.) The tile is in wgmma's no-swizzle K-major layout: core matrices
+// of 8 x rows by 8 k slots (128 contiguous bytes), step s's two cores 128 bytes apart (leading
+// byte offset), its n-blocks of 8 rows 256 apart (stride); a store's 32 lanes fill one core.
+// Three tiles rotate: the next stage's is written once this stage's wgmma are issued, into the
+// tile of the stage before last, whose wgmma every warpgroup has waited for before the block's
+// last barrier.
+//
+// Shared memory: IG_STAGES stages of weights and (scale, zero) (ig_load_stage without x) and
+// three x tiles: int_mma_gemm's stages hold the same x bytes, so the same bytes (int_gemm_smem)
+// serve both. Blocks: ROWS = 64 MT WG rows, WG warpgroups (the warps of int_mma_gemm's
+// shape: 256 rows as 2 warpgroups of 2 m64 tiles, 192 as 3 of one, 128 as 2 of one); warp w's
+// rows of m-tile mt are 64 (MT (w / 4) + mt) + 16 (w % 4) .. + 15. Forcing another shape on
+// every projection (VLM_INT_GEMM_ROWS) was slower at 32 and 64 rows: int_gemm_grid's choice
+// stands. At 112-180 registers a thread, no spills (sm_90a).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The x unit (16 bytes, 8 columns of the stage's 128) from which lane column t takes its k
+// slots of k16 steps 2q and 2q + 1 (int_mma_gemm's xu for the same steps).
+template <int BITS>
+__device__ __forceinline__ int igw_unit(int q, int t) {
+    return BITS == 4 ? 4 * t + q : 8 * (q >> 1) + 2 * t + (q & 1);
+}
+
+// This thread's four units of x for stage columns k0 .. : thread i < 4N takes x row i / 4 and
+// lane column t = i % 4, its units for q = 0..3 (at 4 bits 64 contiguous bytes, at 8 two runs
+// of 32), so that a row's four threads read its 256 bytes whole. Rows past n read row n - 1
+// (their sums are never written).
+template <int BITS, int NT>
+__device__ __forceinline__ void igw_load_x(uint4 (&v)[4], const __half* __restrict__ x, int n,
+                                           int k, int k0) {
+    constexpr int N = NT * 8;
+    const int i = threadIdx.x;
+    if (i < 4 * N) {
+        const unsigned row = min(i / 4, n - 1);
+        const __half* xr = x + (row * (unsigned)k + k0);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            v[q] = __ldcg(reinterpret_cast<const uint4*>(xr + igw_unit<BITS>(q, i % 4) * 8));
+    }
+}
+
+// The units igw_load_x read, paired and written into tile bt: for each step 2q + h, the
+// thread's word (lane column t) of its x row in core 0 (k slots 0..7) and in core 1 (8..15).
+// A store's 32 lanes (8 rows x 4 columns) fill one core's 128 bytes.
+template <int BITS, int NT>
+__device__ __forceinline__ void igw_store_x(uint4* bt, const uint4 (&v)[4]) {
+    constexpr int N = NT * 8;
+    const int i = threadIdx.x;
+    if (i < 4 * N) {
+        const int r = i / 4, t = i % 4;
+        unsigned* row = reinterpret_cast<unsigned*>(bt) + (r / 8) * 64 + (r % 8) * 4 + t;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const unsigned w[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // 4 bits: columns (2h, 2h + 4) and (2h + 1, 2h + 5) of a unit; 8 bits:
+                // (4h, 4h + 2) and (4h + 1, 4h + 3).
+                const unsigned lo = w[BITS == 4 ? h : 2 * h];
+                const unsigned hi = w[BITS == 4 ? h + 2 : 2 * h + 1];
+                unsigned* core = row + (2 * q + h) * NT * 64;
+                core[0] = prmt(lo, hi, 0x5410);
+                core[32] = prmt(lo, hi, 0x7632);
+            }
+        }
+    }
+}
+
+template <int FMT, int NT, int WG, int MT, typename O>
+__device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int n,
+                                               const unsigned* __restrict__ w,
+                                               const __half2* __restrict__ sz, int group,
+                                               const float* __restrict__ bias, int has_bias,
+                                               O* __restrict__ out, int accumulate, float alpha,
+                                               int m, int k, int splits,
+                                               float* __restrict__ partials,
+                                               int* __restrict__ locks) {
+    constexpr int BITS = fmt_bits(FMT), ROWS = 64 * MT * WG, THREADS = WG * 128, N = NT * 8;
+    constexpr int WU = IG_K * BITS / 128, COLS = 128 / BITS, CHUNKS = WU / 4;
+    constexpr int STEPS = 8 / CHUNKS;  // k16 steps a chunk
+    constexpr int W_STAGE = ig_w_units<BITS, ROWS>() + ROWS * IG_SZ_SLOTS / 4;  // in uint4
+    constexpr int B_TILE = ig_x_units<NT>();
+    static_assert(4 * N <= THREADS, "four threads an x row");
+    static_assert(IG_STAGES >= 3, "three x tiles in the bytes of int_mma_gemm's stages' x");
+    uint4* smem = reinterpret_cast<uint4*>(gemv_staged);
+    uint4* tiles = smem + IG_STAGES * W_STAGE;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, t = lane & 3;
+    const int wr = 64 * MT * (warp / 4) + 16 * (warp % 4);
+    const int mb = blockIdx.x / splits, split = blockIdx.x % splits, r0 = mb * ROWS;
+    const int stages = k / IG_K;
+    const int s_begin = (int)((long long)split * stages / splits);
+    const int s_end = (int)((long long)(split + 1) * stages / splits);
+    const int count = s_end - s_begin, groups = k / group;
+    const int gshift = __ffs(min(group, IG_K)) - 1;
+    IgGroups zg(group, s_begin);
+    grid_wait();
+    grid_launch_dependents();
+#pragma unroll
+    for (int s = 0; s < IG_STAGES - 1; ++s) {
+        if (s < count) {
+            ig_load_stage<BITS, NT, ROWS, THREADS, false>(smem + s * W_STAGE, w, sz, x, n, m, k,
+                                                          groups, zg, r0, s_begin + s);
+            zg.next();
+        }
+        cp_async_commit();
+    }
+    // The first stage's x tile; the next stage's x in registers.
+    uint4 xv[4];
+    if (count > 0) {
+        igw_load_x<BITS, NT>(xv, x, n, k, s_begin * IG_K);
+        igw_store_x<BITS, NT>(tiles, xv);
+    }
+    if (count > 1) igw_load_x<BITS, NT>(xv, x, n, k, (s_begin + 1) * IG_K);
+    fence_proxy_async();
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int a = 0; a < MT; ++a)
+#pragma unroll
+        for (int b = 0; b < NT; ++b)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+    // A fragments of two steps: a step's registers are free once the wait after the next
+    // step's wgmma returns.
+    unsigned af[2][MT][4];
+
+    for (int it = 0; it < count; ++it) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(IG_STAGES - 2) : "memory");
+        // Also: the last stage's x tile written and fenced by every thread, and every
+        // warpgroup's wgmma of the stage before it done.
+        __syncthreads();
+        const int next = it + IG_STAGES - 1;
+        if (next < count) {
+            ig_load_stage<BITS, NT, ROWS, THREADS, false>(smem + (next % IG_STAGES) * W_STAGE,
+                                                          w, sz, x, n, m, k, groups, zg, r0,
+                                                          s_begin + next);
+            zg.next();
+        }
+        cp_async_commit();
+        const uint4* ws = smem + (it % IG_STAGES) * W_STAGE;
+        const __half2* zs = reinterpret_cast<const __half2*>(ws + ig_w_units<BITS, ROWS>());
+        const uint4* bt = tiles + (it % 3) * B_TILE;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int ch = 4 * c + t, slot = (ch * COLS) >> gshift;
+            IgChunk<FMT> chunk[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                chunk[mt] = IgChunk<FMT>(ws, zs, wr + 64 * mt + g, ch, slot);
+#pragma unroll
+            for (int j = 0; j < STEPS; ++j) {
+                const int step = c * STEPS + j, buf = step & 1;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    chunk[mt].fragment(j, reinterpret_cast<__half2(&)[4]>(af[buf][mt]));
+                const unsigned long long b = wg_desc(bt + step * NT * 16, 128, 256);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    wg_hold(reinterpret_cast<float(&)[NT * 4]>(acc[mt]));
+                wg_fence();
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    WgmmaRSK<N>::run(reinterpret_cast<float(&)[NT * 4]>(acc[mt]), af[buf][mt], b);
+                wg_commit();
+                wg_wait<1>();
+                wg_hold_u(af[buf ^ 1]);
+            }
+        }
+        // The next stage's x into its tile, and the one after's loads (holding them two
+        // stages ahead measured no faster).
+        if (it + 1 < count) {
+            igw_store_x<BITS, NT>(tiles + ((it + 1) % 3) * B_TILE, xv);
+            fence_proxy_async();
+            if (it + 2 < count) igw_load_x<BITS, NT>(xv, x, n, k, (s_begin + it + 2) * IG_K);
+        }
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) wg_hold(reinterpret_cast<float(&)[NT * 4]>(acc[mt]));
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    ig_store<MT, NT, ROWS>(acc, true, wr, 64, g, t, bias, has_bias, out, accumulate, alpha, n,
+                           m, r0, mb, split, splits, partials, locks);
+}
+
+// int_gemm_wg_<format>_r<rows>_n<NT>_<f32|f16>: int_gemm_<format>_..'s shapes and arguments.
+#define INT_GEMM_WG_KERNEL(FMT, NAME, NT, ROWS, RG, KS, O, SUFFIX)                              \
+    extern "C" __global__ void __launch_bounds__(RG * KS * WARP, 1)                              \
+        int_gemm_wg_##NAME##_r##ROWS##_n##NT##_##SUFFIX(                                         \
+            const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                 \
+            const __half2* __restrict__ sz, int group, const float* __restrict__ bias,           \
+            int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,        \
+            int splits, float* __restrict__ partials, int* __restrict__ locks) {                 \
+        constexpr int WG = RG * KS / 4;                                                          \
+        static_assert(ROWS % (64 * WG) == 0, "whole m64 tiles a warpgroup");                    \
+        int_wgmma_gemm<FMT, NT, WG, ROWS / (64 * WG), O>(x, n, w, sz, group, bias, has_bias,     \
+                                                         out, accumulate, alpha, m, k, splits,   \
+                                                         partials, locks);                       \
+    }
+#define INT_GEMM_WG_BLOCK_KERNELS(FMT, NAME, NT, ROWS, RG, KS)   \
+    INT_GEMM_WG_KERNEL(FMT, NAME, NT, ROWS, RG, KS, float, f32)  \
+    INT_GEMM_WG_KERNEL(FMT, NAME, NT, ROWS, RG, KS, __half, f16)
+#define INT_GEMM_WG_KERNELS(FMT, NAME, NT) IG_BLOCKS(INT_GEMM_WG_BLOCK_KERNELS, FMT, NAME, NT)
+INT_GEMM_WG_KERNELS(FMT_W4, w4, 4)
+INT_GEMM_WG_KERNELS(FMT_W4, w4, 8)
+INT_GEMM_WG_KERNELS(FMT_W8, w8, 4)
+INT_GEMM_WG_KERNELS(FMT_W8, w8, 8)
+INT_GEMM_WG_KERNELS(FMT_F8, f8, 4)
+INT_GEMM_WG_KERNELS(FMT_F8, f8, 8)
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // An integer matrix as f16 [m, k], for the tensor-core GEMMs of prefill and batches (into a
 // scratch buffer the GEMM then reads). A batch of 64 rows dequantizes every matrix each step,

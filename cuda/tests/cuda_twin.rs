@@ -434,38 +434,51 @@ fn int_gemm_at_real_sizes() {
     // of 128 rows by as many columns); the 8B model's MLP at 64 rows (on an H100 gate/up on
     // 128 blocks of 192 rows, down on 16 of 256 split 8 ways); then q/k/v's shape on each
     // block shape, forced (on an H100 k is split on each: 24 blocks of 256 rows x 5, 32 of 192
-    // x 4, 48 of 128 x 2).
-    for to in [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8] {
-        check_all(
-            &g,
-            [(8, 4096, 6144), (64, 4096, 512), (32, 12288, 4096)]
-                .into_iter()
-                .flat_map(|(n, k, m)| Case::int_linears(n, k, m, to)),
-        );
-        let int_gemm = |(n, k, m, group, op, block_rows)| Case::IntGemm {
-            n,
-            k,
-            m,
-            to,
-            group,
-            op,
-            block_rows,
-        };
-        let cases = [
-            (64, 4096, 4096, 128, IntOp::AddLinear, None),
-            (40, 4096, 777, 32, IntOp::Linear, None),
-            (64, 12288, 4096, 32, IntOp::Linear, None),
-            (17, 4096, 6144, 128, IntOp::AddLinear, None),
-            (64, 4096, 1536, 128, IntOp::Mlp, None),
-            (64, 4096, 12288, 128, IntOp::Mlp, None),
-        ];
-        check_all(&g, cases.map(int_gemm));
-        check_all(
-            &g,
-            [256, 192, 128]
-                .map(|rows| int_gemm((64, 4096, 6144, 128, IntOp::AddLinear, Some(rows)))),
-        );
+    // x 4, 48 of 128 x 2). On an H100/H200 every case runs as served (17 rows and more on the
+    // wgmma kernel) and again all on mma.sync's, the one Jetson Orin runs.
+    let kernels: &[bool] = if g.int_gemm_on_wgmma(64) {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    for (&mma, to) in kernels
+        .iter()
+        .flat_map(|m| [QuantizeTo::Int4, QuantizeTo::Int8, QuantizeTo::Fp8].map(|to| (m, to)))
+    {
+        vlm_compute::cuda::with_int_gemm_on_mma(mma, || int_gemm_cases(&g, to));
     }
+}
+
+/// int_gemm_at_real_sizes' cases for one format.
+fn int_gemm_cases(g: &CudaBackend, to: QuantizeTo) {
+    check_all(
+        g,
+        [(8, 4096, 6144), (64, 4096, 512), (32, 12288, 4096)]
+            .into_iter()
+            .flat_map(|(n, k, m)| Case::int_linears(n, k, m, to)),
+    );
+    let int_gemm = |(n, k, m, group, op, block_rows)| Case::IntGemm {
+        n,
+        k,
+        m,
+        to,
+        group,
+        op,
+        block_rows,
+    };
+    let cases = [
+        (64, 4096, 4096, 128, IntOp::AddLinear, None),
+        (40, 4096, 777, 32, IntOp::Linear, None),
+        (64, 12288, 4096, 32, IntOp::Linear, None),
+        (17, 4096, 6144, 128, IntOp::AddLinear, None),
+        (64, 4096, 1536, 128, IntOp::Mlp, None),
+        (64, 4096, 12288, 128, IntOp::Mlp, None),
+    ];
+    check_all(g, cases.map(int_gemm));
+    check_all(
+        g,
+        [256, 192, 128].map(|rows| int_gemm((64, 4096, 6144, 128, IntOp::AddLinear, Some(rows)))),
+    );
 }
 
 /// A vocabulary-sized integer weight (`lm_head` under `--quantize-lm-head`: 65,536 rows or more)
@@ -960,10 +973,13 @@ fn kernels_compile_for_h100_and_orin_wherever_nvrtc_is() {
                 "sm {cc:?}: {k} missing from the PTX"
             );
         }
-        // Hopper's wgmma kernel and its pack are built for sm_90 only (as compute_90a).
+        // Hopper's wgmma kernels and the pack are built for sm_90 only (as compute_90a).
         for k in [
             "flash_attention_wgmma_d80",
             "flash_attention_wgmma_d80_f16out",
+            "int_gemm_wg_w4_r256_n8_f32",
+            "int_gemm_wg_w8_r192_n4_f16",
+            "int_gemm_wg_f8_r128_n4_f32",
             "rope_qkv_pack_tiled_f16",
             "rope_qkv16_pack_tiled_f16",
             "rope_qkv16_pack_tiled_rows_f16",

@@ -16,7 +16,9 @@ use super::kernels::{
     FLASH_WIDE_DIMS, FLASH_WIDE_KERNELS, FLASH_WIDE_QUERIES, GEMV_MAX_ROWS, PAGED_FLASH_F8_KERNELS,
     PAGED_FLASH_KERNELS, PAGED_FLASH_WGMMA_KERNEL, SOURCES,
 };
-use super::kernels::{Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS};
+use super::kernels::{
+    Arch, Gemv, KernelSource, GEMV_STATIC_SMEM, INT_GEMM_KERNELS, INT_GEMM_WGMMA_KERNELS,
+};
 use super::kernels::{
     DECODE_F8_KERNELS, DECODE_KERNELS, DECODE_MMA_F8_KERNELS, DECODE_MMA_KERNELS, DECODE_WARPS,
 };
@@ -40,6 +42,9 @@ pub(super) struct Inner {
     pub(super) wgmma_flash: bool,
     /// Whether the prefill chunks' wgmma kernel is loaded (sm_90) with its shared memory.
     pub(super) paged_wgmma_flash: bool,
+    /// Whether the integer GEMM runs on wgmma: its kernels are loaded (sm_90) with the same
+    /// shared memory as the mma.sync ones, and `VLM_INT_GEMM` is not `mma`.
+    pub(super) int_gemm_wgmma: bool,
     /// Multiprocessors: how many blocks it takes to fill the GPU.
     pub(super) sm_count: usize,
     /// cuBLAS's workspace (set on the handle), kept alive with it; cuBLASLt's GEMMs use it
@@ -227,6 +232,8 @@ impl CudaBackend {
         let wgmma_flash = flash && opt_in_wgmma_flash(&kernels);
         let paged_wgmma_flash = wgmma_flash && opt_in_paged_wgmma_flash(&kernels);
         let gemv_smem = opt_in_gemv(&ctx, &kernels)?;
+        let int_gemm_wgmma =
+            super::int_weights::wgmma_gemm_allowed() && opt_in_int_gemm_wgmma(&kernels, gemv_smem);
         let (blas, workspace, workspace_ptr) = cublas(&stream)?;
         let lt = lt::Lt::new()?;
         let counters = stream
@@ -257,6 +264,7 @@ impl CudaBackend {
                 flash,
                 wgmma_flash,
                 paged_wgmma_flash,
+                int_gemm_wgmma,
                 sm_count,
                 _blas_workspace: workspace,
                 workspace: (workspace_ptr, CUBLAS_WORKSPACE_BYTES),
@@ -433,7 +441,7 @@ fn load_kernels(
             Ok(()) => {}
             // Hopper's own kernels are an extra: an NVRTC or driver too old for
             // compute_90a leaves the GPU on the kernels every GPU has.
-            Err(e) if src.sm90a => {
+            Err(e) if src.arch == Arch::HopperOnly => {
                 tracing::warn!(file = src.file, error = %e, "Hopper-only kernels unavailable; using the portable ones")
             }
             Err(e) => return Err(e),
@@ -463,7 +471,7 @@ fn load_source(
             src.file, cc.0, cc.1
         ));
         spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-        let cubin = compile_cubin(src.file, &source, cc, src.sm90a);
+        let cubin = compile_cubin(src.file, &source, cc, src.arch_specific(cc));
         spinner.finish_and_clear();
         cubin
     })?;
@@ -481,7 +489,7 @@ fn load_source(
     let module = ctx
         .load_module(Ptx::from_binary(cubin))
         .map_err(|e| cuda_err(&what)(&e))?;
-    for k in src.all_kernels() {
+    for k in src.all_kernels(cc) {
         let f = module.load_function(k).map_err(|e| Error::KernelCompile {
             kernel: k.into(),
             log: e.to_string(),
@@ -541,6 +549,21 @@ fn opt_in_paged_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bo
             tracing::warn!(kernel = PAGED_FLASH_WGMMA_KERNEL, error = %e, "wgmma prefill attention unavailable; using mma.sync");
         }
         set.is_ok()
+    })
+}
+
+/// The same for the integer GEMM on wgmma: whether its kernels are loaded (sm_90) and took the
+/// shared memory the mma.sync ones have (`smem`, from [`opt_in_gemv`]).
+fn opt_in_int_gemm_wgmma(kernels: &HashMap<&'static str, CudaFunction>, smem: usize) -> bool {
+    INT_GEMM_WGMMA_KERNELS.iter().all(|&name| {
+        kernels.get(name).is_some_and(|k| {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+            let set = k.set_attribute(MAX_SMEM, smem as i32);
+            if let Err(e) = &set {
+                tracing::warn!(kernel = name, error = %e, "the integer GEMM on wgmma unavailable; using mma.sync");
+            }
+            set.is_ok()
+        })
     })
 }
 

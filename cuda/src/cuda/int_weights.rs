@@ -20,6 +20,7 @@ use super::error::cuda_err;
 use super::kernels::{
     count_from_env, int_gemm_kernel, int_gemm_tiles, Gemv, IntGemmBlock, GEMV_WARPS,
     INT_GEMM_BLOCKS, INT_GEMM_K, INT_GEMM_MAX_ROWS, INT_GEMM_STAGES, INT_GEMM_SZ_SLOTS,
+    INT_GEMM_WGMMA_MIN_TILES,
 };
 use super::launch::arg;
 use super::linear::GemmOut;
@@ -46,6 +47,14 @@ fn tensor_core_gemv() -> bool {
 fn tensor_core_gemm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VLM_INT_GEMM").map_or(true, |v| v != "dequant"))
+}
+
+/// Whether the integer GEMM may run on Hopper's wgmma (int_wgmma_gemm) where it is compiled
+/// (sm_90); `VLM_INT_GEMM=mma` keeps it on mma.sync, the kernel every other GPU (Jetson Orin's
+/// sm_87 included) runs, so that the H100 tests and times that one too.
+pub(super) fn wgmma_gemm_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VLM_INT_GEMM").map_or(true, |v| v != "mma"))
 }
 
 /// The passes of INT_GEMM_MAX_ROWS rows a batch may take through the integer GEMM before it
@@ -98,6 +107,18 @@ thread_local! {
 /// thread's GEMMs change.
 pub fn with_int_gemm_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
     super::launch::with_forced(&FORCED_ROWS, rows, f)
+}
+
+thread_local! {
+    /// mma.sync forced on this thread's integer GEMMs by [`with_int_gemm_on_mma`].
+    static FORCED_MMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's integer GEMMs on mma.sync (int_mma_gemm, the kernel every GPU
+/// but an H100/H200 runs, Jetson Orin's included) where `mma`, even where wgmma's is loaded:
+/// how the twin tests check both kernels on an H100 and the example times both.
+pub fn with_int_gemm_on_mma<T>(mma: bool, f: impl FnOnce() -> T) -> T {
+    super::launch::with_forced(&FORCED_MMA, Some(mma), f)
 }
 
 thread_local! {
@@ -819,6 +840,14 @@ impl CudaBackend {
         grid(forced).or_else(|| grid(None))
     }
 
+    /// Whether the integer GEMM runs on Hopper's wgmma here for `rows` rows of x
+    /// (int_wgmma_gemm: an H100/H200 unless `VLM_INT_GEMM=mma`, 17..=64 rows a pass), else on
+    /// mma.sync.
+    pub fn int_gemm_on_wgmma(&self, rows: usize) -> bool {
+        let tiles = int_gemm_tiles(rows.min(INT_GEMM_MAX_ROWS));
+        self.inner.int_gemm_wgmma && tiles >= INT_GEMM_WGMMA_MIN_TILES
+    }
+
     /// How the tensor-core integer GEMM launches for `n` rows of x against `w`, or `None`
     /// where it does not take them (an f16 weight, or a shape or row count it does not take:
     /// those go to the dequantization and cuBLAS). For examples and timing notes.
@@ -872,7 +901,8 @@ impl CudaBackend {
             ));
         };
         let IntGemmGrid { block, splits, .. } = grid;
-        let name = int_gemm_kernel(iw.format, block, n, O::F16);
+        let wgmma = self.inner.int_gemm_wgmma && !FORCED_MMA.get().unwrap_or(false);
+        let name = int_gemm_kernel(iw.format, block, n, O::F16, wgmma);
         let cfg = LaunchConfig {
             grid_dim: (grid.grid() as u32, 1, 1),
             block_dim: ((block.warps() * 32) as u32, 1, 1),
@@ -1099,7 +1129,8 @@ mod tests {
                         assert!(g.blocks * g.block.rows() >= m, "{at}");
                         assert!((g.blocks - 1) * g.block.rows() < m.max(1), "{at}");
                         assert!(int_gemm_smem(bits, n, g.block) <= smem, "{at}");
-                        let name = int_gemm_kernel(IntFormat::of_bits(bits), g.block, n, false);
+                        let name =
+                            int_gemm_kernel(IntFormat::of_bits(bits), g.block, n, false, false);
                         assert!(name.contains(&format!("_r{}_", g.block.rows())), "{at}");
                         if g.splits > 1 {
                             assert!(g.grid() <= sms, "{at}");

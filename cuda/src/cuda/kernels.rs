@@ -23,23 +23,49 @@ pub(super) struct KernelSource {
     prelude: &'static [(&'static str, &'static str)],
     /// The file's text.
     source: &'static str,
-    /// Compiled only for sm_90 (H100, H200), as compute_90a: it uses Hopper's own
-    /// instructions (wgmma), which no other GPU has.
-    pub(super) sm90a: bool,
+    /// Which GPUs compile it, and how.
+    pub(super) arch: Arch,
     pub(super) kernels: &'static [&'static str],
     /// Tables of kernel names the host indexes, loaded whole (a table that grows cannot
     /// outgrow the load list).
     pub(super) tables: &'static [&'static [&'static str]],
+    /// Tables of the kernels it defines only when compiled for sm_90a (under
+    /// `__CUDA_ARCH_FEAT_SM90_ALL`), loaded on an H100/H200 only.
+    pub(super) hopper_tables: &'static [&'static [&'static str]],
     /// Kernels compiled once per row count, 1..=GEMV_MAX_ROWS.
     pub(super) per_rows: &'static [[&'static str; GEMV_MAX_ROWS]],
 }
 
+/// Which GPUs compile a kernel file, and for what. sm_90a is Hopper's own architecture
+/// (instructions such as wgmma that later GPUs need not have): code for it runs on sm_90 only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arch {
+    /// Every GPU, for its own compute capability.
+    Every,
+    /// Every GPU; an H100/H200 compiles it for sm_90a, which adds its Hopper-only kernels.
+    EveryHopperToo,
+    /// Only sm_90 (H100, H200), for sm_90a: every kernel in it is Hopper's own. Where NVRTC or
+    /// the driver cannot compile it, the GPU keeps the kernels every GPU has.
+    HopperOnly,
+}
+
 impl KernelSource {
-    /// Every kernel the source's module is to hold: the list, the tables and the per-row ones.
-    pub(super) fn all_kernels(&self) -> impl Iterator<Item = &'static str> {
-        let tables = self.tables.iter().flat_map(|t| t.iter());
+    /// Every kernel the source's module is to hold on a GPU of capability `cc`: the list, the
+    /// tables, the per-row ones, and the Hopper tables where it is compiled for sm_90a.
+    pub(super) fn all_kernels(&self, cc: (i32, i32)) -> impl Iterator<Item = &'static str> {
+        let hopper = if self.arch_specific(cc) {
+            self.hopper_tables
+        } else {
+            &[]
+        };
+        let tables = self.tables.iter().chain(hopper).flat_map(|t| t.iter());
         let per_rows = self.per_rows.iter().flatten();
         self.kernels.iter().chain(tables).chain(per_rows).copied()
+    }
+
+    /// Whether it is compiled for sm_90a (rather than for `cc` as is) on a GPU of `cc`.
+    pub(super) fn arch_specific(&self, cc: (i32, i32)) -> bool {
+        self.arch != Arch::Every && cc == (9, 0)
     }
 }
 
@@ -51,11 +77,12 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         kernels: &OPS_KERNELS,
         tables: &[],
         per_rows: &[],
-        sm90a: false,
+        arch: Arch::Every,
+        hopper_tables: &[],
     },
     KernelSource {
         file: "weights_f16.cu",
-        prelude: &[],
+        prelude: &[kernel_file!("wgmma.cuh")],
         source: kernel_file!("weights_f16.cu").1,
         kernels: &[
             "cast_f32_to_f16",
@@ -69,7 +96,8 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         ],
         tables: &[&INT_GEMM_KERNELS],
         per_rows: &GEMV_KERNELS,
-        sm90a: false,
+        arch: Arch::EveryHopperToo,
+        hopper_tables: &[&INT_GEMM_WGMMA_KERNELS],
     },
     KernelSource {
         file: "paged_f16.cu",
@@ -91,7 +119,8 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             &DECODE_MMA_F8_KERNELS,
         ],
         per_rows: &[],
-        sm90a: false,
+        arch: Arch::Every,
+        hopper_tables: &[],
     },
     KernelSource {
         file: "sampling_f32.cu",
@@ -105,7 +134,8 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         ],
         tables: &[],
         per_rows: &[],
-        sm90a: false,
+        arch: Arch::Every,
+        hopper_tables: &[],
     },
     KernelSource {
         file: "attention_f16.cu",
@@ -119,11 +149,12 @@ pub(super) const SOURCES: [KernelSource; 6] = [
             &FLASH_WIDE_KERNELS,
         ],
         per_rows: &[],
-        sm90a: false,
+        arch: Arch::Every,
+        hopper_tables: &[],
     },
     KernelSource {
         file: "attention_sm90.cu",
-        prelude: &[kernel_file!("attention_f16.cu")],
+        prelude: &[kernel_file!("wgmma.cuh"), kernel_file!("attention_f16.cu")],
         source: kernel_file!("attention_sm90.cu").1,
         kernels: &[
             ROPE_PACK_F32[1],
@@ -133,14 +164,15 @@ pub(super) const SOURCES: [KernelSource; 6] = [
         ],
         tables: &[&FLASH_WGMMA_KERNELS],
         per_rows: &[],
-        sm90a: true,
+        arch: Arch::HopperOnly,
+        hopper_tables: &[],
     },
 ];
 
 impl KernelSource {
     /// Whether a GPU of compute capability `cc` gets this file.
     pub(super) fn for_cc(&self, cc: (i32, i32)) -> bool {
-        !self.sm90a || cc == (9, 0)
+        self.arch != Arch::HopperOnly || cc == (9, 0)
     }
 }
 
@@ -976,25 +1008,80 @@ pub(super) const INT_GEMM_KERNELS: [&str; 72] = [
     "int_gemm_f8_r128_n8_f16",
 ];
 
+/// The integer GEMMs on Hopper's wgmma (weights_f16.cu's int_wgmma_gemm, sm_90a only) for
+/// 17..=64 rows, where they beat int_mma_gemm (at 8 and 16 rows they were 1-7% slower a
+/// projection on an H200): the same formats and block shapes in the same order, n-tiles 4 and
+/// 8, f32 then f16 output; the same arguments, threads and shared memory as int_mma_gemm's.
+pub(super) const INT_GEMM_WGMMA_KERNELS: [&str; 36] = [
+    "int_gemm_wg_w4_r256_n4_f32",
+    "int_gemm_wg_w4_r256_n4_f16",
+    "int_gemm_wg_w4_r256_n8_f32",
+    "int_gemm_wg_w4_r256_n8_f16",
+    "int_gemm_wg_w4_r192_n4_f32",
+    "int_gemm_wg_w4_r192_n4_f16",
+    "int_gemm_wg_w4_r192_n8_f32",
+    "int_gemm_wg_w4_r192_n8_f16",
+    "int_gemm_wg_w4_r128_n4_f32",
+    "int_gemm_wg_w4_r128_n4_f16",
+    "int_gemm_wg_w4_r128_n8_f32",
+    "int_gemm_wg_w4_r128_n8_f16",
+    "int_gemm_wg_w8_r256_n4_f32",
+    "int_gemm_wg_w8_r256_n4_f16",
+    "int_gemm_wg_w8_r256_n8_f32",
+    "int_gemm_wg_w8_r256_n8_f16",
+    "int_gemm_wg_w8_r192_n4_f32",
+    "int_gemm_wg_w8_r192_n4_f16",
+    "int_gemm_wg_w8_r192_n8_f32",
+    "int_gemm_wg_w8_r192_n8_f16",
+    "int_gemm_wg_w8_r128_n4_f32",
+    "int_gemm_wg_w8_r128_n4_f16",
+    "int_gemm_wg_w8_r128_n8_f32",
+    "int_gemm_wg_w8_r128_n8_f16",
+    "int_gemm_wg_f8_r256_n4_f32",
+    "int_gemm_wg_f8_r256_n4_f16",
+    "int_gemm_wg_f8_r256_n8_f32",
+    "int_gemm_wg_f8_r256_n8_f16",
+    "int_gemm_wg_f8_r192_n4_f32",
+    "int_gemm_wg_f8_r192_n4_f16",
+    "int_gemm_wg_f8_r192_n8_f32",
+    "int_gemm_wg_f8_r192_n8_f16",
+    "int_gemm_wg_f8_r128_n4_f32",
+    "int_gemm_wg_f8_r128_n4_f16",
+    "int_gemm_wg_f8_r128_n8_f32",
+    "int_gemm_wg_f8_r128_n8_f16",
+];
+
 /// The integer GEMM's n8 tiles for `rows` (1..=64) rows of x: 1, 2, 4 or 8.
 pub(super) fn int_gemm_tiles(rows: usize) -> usize {
     rows.div_ceil(8).next_power_of_two()
 }
 
+/// Fewest n8 tiles (x's rows by 8, rounded up to a power of two) that take the wgmma integer
+/// GEMM where it is loaded: 17 rows and more.
+pub(super) const INT_GEMM_WGMMA_MIN_TILES: usize = 4;
+
 /// The integer GEMM kernel of `format` with blocks of shape `block` (one of
-/// [`INT_GEMM_BLOCKS`]) for `rows` (1..=64) rows, f16 output or f32.
+/// [`INT_GEMM_BLOCKS`]) for `rows` (1..=64) rows, f16 output or f32: on wgmma
+/// ([`INT_GEMM_WGMMA_KERNELS`]) where `hopper` (it is loaded) and the rows are enough, else
+/// on mma.sync.
 pub(super) fn int_gemm_kernel(
     format: IntFormat,
     block: IntGemmBlock,
     rows: usize,
     f16_out: bool,
+    hopper: bool,
 ) -> &'static str {
     let shape = INT_GEMM_BLOCKS
         .iter()
         .position(|&b| b == block)
         .expect("one of INT_GEMM_BLOCKS");
     let tiles = int_gemm_tiles(rows).trailing_zeros() as usize;
-    INT_GEMM_KERNELS[24 * format as usize + 8 * shape + 2 * tiles + f16_out as usize]
+    let out = f16_out as usize;
+    if hopper && int_gemm_tiles(rows) >= INT_GEMM_WGMMA_MIN_TILES {
+        let wide = tiles - INT_GEMM_WGMMA_MIN_TILES.trailing_zeros() as usize;
+        return INT_GEMM_WGMMA_KERNELS[12 * format as usize + 4 * shape + 2 * wide + out];
+    }
+    INT_GEMM_KERNELS[24 * format as usize + 8 * shape + 2 * tiles + out]
 }
 
 /// weights_f16.cu's IG_BLOCKS(X, ...): X(..., rows, row groups, k parts) for each of
@@ -1091,7 +1178,7 @@ pub fn compile_all_ptx(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
         .map(|s| {
             Ok((
                 s.file,
-                compile_ptx(s.file, &kernel_source(s)?, cc, s.sm90a)?,
+                compile_ptx(s.file, &kernel_source(s)?, cc, s.arch_specific(cc))?,
             ))
         })
         .collect()
@@ -1133,7 +1220,7 @@ mod tests {
     #[test]
     fn every_plain_kernel_a_source_defines_is_loaded() {
         for src in SOURCES {
-            let listed: Vec<&str> = src.all_kernels().collect();
+            let listed: Vec<&str> = src.all_kernels((9, 0)).collect();
             for piece in src.source.split("extern \"C\" __global__ void").skip(1) {
                 let mut rest = piece.trim_start();
                 if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
@@ -1242,11 +1329,14 @@ mod tests {
                     (64, 8),
                 ] {
                     for (f16_out, out) in [(false, "f32"), (true, "f16")] {
-                        assert_eq!(
-                            int_gemm_kernel(format, block, rows, f16_out),
-                            format!("int_gemm_{tag}_r{}_n{tiles}_{out}", block.rows()),
-                            "{format:?}, {block:?}, {rows} rows"
-                        );
+                        for hopper in [false, true] {
+                            let kind = if hopper && rows > 16 { "wg_" } else { "" };
+                            assert_eq!(
+                                int_gemm_kernel(format, block, rows, f16_out, hopper),
+                                format!("int_gemm_{kind}{tag}_r{}_n{tiles}_{out}", block.rows()),
+                                "{format:?}, {block:?}, {rows} rows"
+                            );
+                        }
                     }
                 }
             }

@@ -64,8 +64,8 @@ use launch::{same_shape, width_of};
 
 pub use context::{cuda_libraries, nvrtc_available, skip_test, test_gpu, CudaBackend, CudaLibrary};
 pub use int_weights::{
-    dequant_chunk_rows, with_dequant_chunk_rows, with_int_gemm_rows, IntGemmGrid,
-    DEQUANT_SCRATCH_HALVES,
+    dequant_chunk_rows, with_dequant_chunk_rows, with_int_gemm_on_mma, with_int_gemm_rows,
+    IntGemmGrid, DEQUANT_SCRATCH_HALVES,
 };
 pub use kernels::{
     compile_all_ptx, with_decode_attention, with_prefill_attention, DecodeAttention, IntGemmBlock,
