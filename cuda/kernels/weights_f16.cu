@@ -1772,35 +1772,37 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
                            n, m, r0, mb, split, splits, partials, locks);
 }
 
-// int_gemm_<format>_r<rows>_n<NT>_<f32|f16>: one kernel per format, block shape (IG_BLOCKS:
-// ROWS, RG, KS), n-tiles and output type.
-#define INT_GEMM_KERNEL(FMT, NAME, NT, ROWS, RG, KS, O, SUFFIX)                                 \
+// <prefix><format>_r<rows>_n<NT>_<f32|f16>: one kernel per format, block shape (IG_BLOCKS:
+// ROWS, RG, KS), n-tiles and output type, of the GEMM IMPL (int_mma_gemm, prefix int_gemm_;
+// int_wgmma_gemm below, int_gemm_wg_).
+#define INT_GEMM_KERNEL(IMPL, PREFIX, FMT, NAME, NT, ROWS, RG, KS, O, SUFFIX)                   \
     extern "C" __global__ void __launch_bounds__(RG * KS * WARP, 1)                              \
-        int_gemm_##NAME##_r##ROWS##_n##NT##_##SUFFIX(                                            \
+        PREFIX##NAME##_r##ROWS##_n##NT##_##SUFFIX(                                               \
             const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                 \
             const __half2* __restrict__ sz, int group, const float* __restrict__ bias,           \
             int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,        \
             int splits, float* __restrict__ partials, int* __restrict__ locks) {                 \
         static_assert(ROWS == RG * 32, "32 rows a row group");                                  \
-        int_mma_gemm<FMT, NT, RG, KS, O>(x, n, w, sz, group, bias, has_bias, out, accumulate,    \
-                                         alpha, m, k, splits, partials, locks);                  \
+        IMPL<FMT, NT, RG, KS, O>(x, n, w, sz, group, bias, has_bias, out, accumulate, alpha, m,  \
+                                 k, splits, partials, locks);                                    \
     }
-#define INT_GEMM_BLOCK_KERNELS(FMT, NAME, NT, ROWS, RG, KS)   \
-    INT_GEMM_KERNEL(FMT, NAME, NT, ROWS, RG, KS, float, f32)  \
-    INT_GEMM_KERNEL(FMT, NAME, NT, ROWS, RG, KS, __half, f16)
-#define INT_GEMM_KERNELS(FMT, NAME, NT) IG_BLOCKS(INT_GEMM_BLOCK_KERNELS, FMT, NAME, NT)
-INT_GEMM_KERNELS(FMT_W4, w4, 1)
-INT_GEMM_KERNELS(FMT_W4, w4, 2)
-INT_GEMM_KERNELS(FMT_W4, w4, 4)
-INT_GEMM_KERNELS(FMT_W4, w4, 8)
-INT_GEMM_KERNELS(FMT_W8, w8, 1)
-INT_GEMM_KERNELS(FMT_W8, w8, 2)
-INT_GEMM_KERNELS(FMT_W8, w8, 4)
-INT_GEMM_KERNELS(FMT_W8, w8, 8)
-INT_GEMM_KERNELS(FMT_F8, f8, 1)
-INT_GEMM_KERNELS(FMT_F8, f8, 2)
-INT_GEMM_KERNELS(FMT_F8, f8, 4)
-INT_GEMM_KERNELS(FMT_F8, f8, 8)
+#define INT_GEMM_BLOCK_KERNELS(IMPL, PREFIX, FMT, NAME, NT, ROWS, RG, KS)   \
+    INT_GEMM_KERNEL(IMPL, PREFIX, FMT, NAME, NT, ROWS, RG, KS, float, f32)  \
+    INT_GEMM_KERNEL(IMPL, PREFIX, FMT, NAME, NT, ROWS, RG, KS, __half, f16)
+#define INT_GEMM_KERNELS(IMPL, PREFIX, FMT, NAME, NT) \
+    IG_BLOCKS(INT_GEMM_BLOCK_KERNELS, IMPL, PREFIX, FMT, NAME, NT)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W4, w4, 1)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W4, w4, 2)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W4, w4, 4)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W4, w4, 8)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W8, w8, 1)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W8, w8, 2)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W8, w8, 4)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_W8, w8, 8)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_F8, f8, 1)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_F8, f8, 2)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_F8, f8, 4)
+INT_GEMM_KERNELS(int_mma_gemm, int_gemm_, FMT_F8, f8, 8)
 
 // ---- The integer GEMM on Hopper's warpgroup MMA (wgmma, sm_90a only) ----
 //
@@ -1892,7 +1894,7 @@ __device__ __forceinline__ void igw_store_x(uint4* bt, const uint4 (&v)[4]) {
     }
 }
 
-template <int FMT, int NT, int WG, int MT, typename O>
+template <int FMT, int NT, int RG, int KS, typename O>
 __device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int n,
                                                const unsigned* __restrict__ w,
                                                const __half2* __restrict__ sz, int group,
@@ -1901,7 +1903,11 @@ __device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int
                                                int m, int k, int splits,
                                                float* __restrict__ partials,
                                                int* __restrict__ locks) {
-    constexpr int BITS = fmt_bits(FMT), ROWS = 64 * MT * WG, THREADS = WG * 128, N = NT * 8;
+    // int_mma_gemm's shape (RG row groups of 32 rows, KS warps each) as WG warpgroups of MT
+    // m64 tiles.
+    constexpr int ROWS = RG * 32, WG = RG * KS / 4, MT = ROWS / (64 * WG);
+    static_assert(ROWS == 64 * MT * WG, "whole m64 tiles a warpgroup");
+    constexpr int BITS = fmt_bits(FMT), THREADS = WG * 128, N = NT * 8;
     constexpr int WU = IG_K * BITS / 128, COLS = 128 / BITS, CHUNKS = WU / 4;
     constexpr int STEPS = 8 / CHUNKS;  // k16 steps a chunk
     constexpr int W_STAGE = ig_w_units<BITS, ROWS>() + ROWS * IG_SZ_SLOTS / 4;  // in uint4
@@ -2008,30 +2014,14 @@ __device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int
                            m, r0, mb, split, splits, partials, locks);
 }
 
-// int_gemm_wg_<format>_r<rows>_n<NT>_<f32|f16>: int_gemm_<format>_..'s shapes and arguments.
-#define INT_GEMM_WG_KERNEL(FMT, NAME, NT, ROWS, RG, KS, O, SUFFIX)                              \
-    extern "C" __global__ void __launch_bounds__(RG * KS * WARP, 1)                              \
-        int_gemm_wg_##NAME##_r##ROWS##_n##NT##_##SUFFIX(                                         \
-            const __half* __restrict__ x, int n, const unsigned* __restrict__ w,                 \
-            const __half2* __restrict__ sz, int group, const float* __restrict__ bias,           \
-            int has_bias, O* __restrict__ out, int accumulate, float alpha, int m, int k,        \
-            int splits, float* __restrict__ partials, int* __restrict__ locks) {                 \
-        constexpr int WG = RG * KS / 4;                                                          \
-        static_assert(ROWS % (64 * WG) == 0, "whole m64 tiles a warpgroup");                    \
-        int_wgmma_gemm<FMT, NT, WG, ROWS / (64 * WG), O>(x, n, w, sz, group, bias, has_bias,     \
-                                                         out, accumulate, alpha, m, k, splits,   \
-                                                         partials, locks);                       \
-    }
-#define INT_GEMM_WG_BLOCK_KERNELS(FMT, NAME, NT, ROWS, RG, KS)   \
-    INT_GEMM_WG_KERNEL(FMT, NAME, NT, ROWS, RG, KS, float, f32)  \
-    INT_GEMM_WG_KERNEL(FMT, NAME, NT, ROWS, RG, KS, __half, f16)
-#define INT_GEMM_WG_KERNELS(FMT, NAME, NT) IG_BLOCKS(INT_GEMM_WG_BLOCK_KERNELS, FMT, NAME, NT)
-INT_GEMM_WG_KERNELS(FMT_W4, w4, 4)
-INT_GEMM_WG_KERNELS(FMT_W4, w4, 8)
-INT_GEMM_WG_KERNELS(FMT_W8, w8, 4)
-INT_GEMM_WG_KERNELS(FMT_W8, w8, 8)
-INT_GEMM_WG_KERNELS(FMT_F8, f8, 4)
-INT_GEMM_WG_KERNELS(FMT_F8, f8, 8)
+// int_gemm_wg_<format>_r<rows>_n<NT>_<f32|f16>: int_gemm_<format>_..'s shapes and arguments,
+// for n-tiles 4 and 8 (17..64 rows).
+INT_GEMM_KERNELS(int_wgmma_gemm, int_gemm_wg_, FMT_W4, w4, 4)
+INT_GEMM_KERNELS(int_wgmma_gemm, int_gemm_wg_, FMT_W4, w4, 8)
+INT_GEMM_KERNELS(int_wgmma_gemm, int_gemm_wg_, FMT_W8, w8, 4)
+INT_GEMM_KERNELS(int_wgmma_gemm, int_gemm_wg_, FMT_W8, w8, 8)
+INT_GEMM_KERNELS(int_wgmma_gemm, int_gemm_wg_, FMT_F8, f8, 4)
+INT_GEMM_KERNELS(int_wgmma_gemm, int_gemm_wg_, FMT_F8, f8, 8)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
