@@ -1,15 +1,16 @@
 //! Batched decode's projections at 8B shapes (q/k/v, o, gate/up, down, and the text MLP as
 //! one op) for 8 to 64 rows: f16 weights on cuBLAS, W8, W4 and FP8 on the tensor-core integer
-//! GEMM (weights_f16.cu's int_wgmma_gemm on an H100/H200, each op also timed on its
-//! int_mma_gemm, the kernel other GPUs run; int_mma_gemm elsewhere), and the same dequantized into the f16 scratch for cuBLAS
-//! (the path before it, `VLM_INT_GEMM=dequant`, timed in a child process of this example, as
-//! the switch is read once a process). Per op: microseconds a call, the weights' GB/s against
-//! the device's copy bandwidth, and the integer GEMM's grid (block shape, blocks, k splits).
+//! GEMM (weights_f16.cu's int_mma_gemm; on an H100/H200 from 17 rows int_wgmma_gemm, each op
+//! timed on int_mma_gemm too, the kernel other GPUs run), and the same dequantized into the
+//! f16 scratch for cuBLAS (the path before it, `VLM_INT_GEMM=dequant`, timed in a child
+//! process of this example, as the switch is read once a process). Per op: microseconds a
+//! call, the weights' GB/s against the device's copy bandwidth, and the integer GEMM's grid
+//! (block shape, blocks, k splits).
 //!
-//!     cargo run --release -p vlm-compute --example int_gemm [ROWS...]
+//!     cargo run --release -p vlm-compute --example int_gemm [ROWS...] [FORMAT...]
 //!
-//! ROWS defaults to 8 16 32 64; format names among the arguments (`f16`, `w8`, `w4`, `fp8`)
-//! time only those, in this process. The target: W4 at 64 rows at least as fast as f16.
+//! ROWS defaults to 8 16 32 64; FORMATs (`f16`, `w8`, `w4`, `fp8`) time only those, in this
+//! process. The target: W4 at 64 rows at least as fast as f16.
 //! Past 64 rows (prefill chunks: e.g. `int_gemm 64 512 4096`) the integer weights take the
 //! dequantization and cuBLAS. FP8 runs weight-only here (`VLM_FP8_GEMM=w8a16`, as on GPUs
 //! without FP8 tensor cores); a third child process times FP8 as served on an H100, on the

@@ -437,12 +437,17 @@ fn load_kernels(
     let nv = nvrtc_version();
     let mut kernels = HashMap::new();
     for src in SOURCES.iter().filter(|s| s.for_cc(cc)) {
-        match load_source(ctx, src, cc, nv, device_name, &mut kernels) {
+        let hopper = src.arch_specific(cc);
+        match load_source(ctx, src, cc, hopper, nv, device_name, &mut kernels) {
             Ok(()) => {}
             // Hopper's own kernels are an extra: an NVRTC or driver too old for
-            // compute_90a leaves the GPU on the kernels every GPU has.
-            Err(e) if src.arch == Arch::HopperOnly => {
-                tracing::warn!(file = src.file, error = %e, "Hopper-only kernels unavailable; using the portable ones")
+            // compute_90a leaves the GPU on the kernels every GPU has (a file that has both
+            // compiled for sm_90 as is).
+            Err(e) if hopper => {
+                tracing::warn!(file = src.file, error = %e, "Hopper-only kernels unavailable; using the portable ones");
+                if src.arch == Arch::EveryHopperToo {
+                    load_source(ctx, src, cc, false, nv, device_name, &mut kernels)?;
+                }
             }
             Err(e) => return Err(e),
         }
@@ -450,19 +455,26 @@ fn load_kernels(
     Ok(kernels)
 }
 
-/// Compiles `src` for `cc` with NVRTC `nv` (or reads it from the disk cache), loads the
-/// module and adds its kernels to `kernels`.
+/// Compiles `src` for `cc` (for sm_90a with its Hopper kernels where `hopper`) with NVRTC
+/// `nv` (or reads it from the disk cache), loads the module and adds its kernels to `kernels`.
 fn load_source(
     ctx: &Arc<CudaContext>,
     src: &KernelSource,
     cc: (i32, i32),
+    hopper: bool,
     nv: (i32, i32),
     device_name: &str,
     kernels: &mut HashMap<&'static str, CudaFunction>,
 ) -> Result<()> {
     let stem = src.file.trim_end_matches(".cu");
+    // The two forms of a file are cached apart (one source, two CUBINs).
+    let stem = if hopper {
+        format!("{stem}-sm90a")
+    } else {
+        stem.to_string()
+    };
     let source = kernel_source(src)?;
-    let path = compile::cache_path(&compile::cache_dir(), stem, &source, cc, nv);
+    let path = compile::cache_path(&compile::cache_dir(), &stem, &source, cc, nv);
     let (cubin, cached) = compile::cached_or_compile(&path, || {
         // NVRTC takes seconds to a minute a file; show that something is happening (hidden off
         // a terminal).
@@ -471,7 +483,7 @@ fn load_source(
             src.file, cc.0, cc.1
         ));
         spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-        let cubin = compile_cubin(src.file, &source, cc, src.arch_specific(cc));
+        let cubin = compile_cubin(src.file, &source, cc, hopper);
         spinner.finish_and_clear();
         cubin
     })?;
@@ -489,7 +501,7 @@ fn load_source(
     let module = ctx
         .load_module(Ptx::from_binary(cubin))
         .map_err(|e| cuda_err(&what)(&e))?;
-    for k in src.all_kernels(cc) {
+    for k in src.all_kernels(hopper) {
         let f = module.load_function(k).map_err(|e| Error::KernelCompile {
             kernel: k.into(),
             log: e.to_string(),
