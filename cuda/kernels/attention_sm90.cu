@@ -44,8 +44,6 @@
 
 template <int N>
 struct WgmmaSS;
-template <int N>
-struct WgmmaRS;
 
 // D (64 x N, f32, the warpgroup's accumulators) = (accumulate ? D : 0) + A B, A (64 x 16) and
 // B (16 x N) f16 in shared memory by descriptor, both K-major.
@@ -70,26 +68,6 @@ struct WgmmaSS<112> {
     }
 };
 
-// D (64 x N, f32) += A B: A (64 x 16, f16) in registers (mma.sync's m16n8k16 A fragment for
-// each warp's 16 rows), B (16 x N, f16) in shared memory, MN-major.
-template <>
-struct WgmmaRS<80> {
-    static __device__ __forceinline__ void run(float (&d)[40], const unsigned (&a)[4],
-                                               unsigned long long b) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, {%40, %41, %42, %43}, %44, p, 1, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    }
-};
-
 template <>
 struct WgmmaSS<64> {
     static __device__ __forceinline__ void run(float (&d)[32], unsigned long long a,
@@ -107,27 +85,6 @@ struct WgmmaSS<64> {
     }
 };
 
-template <>
-struct WgmmaRS<128> {
-    static __device__ __forceinline__ void run(float (&d)[64], const unsigned (&a)[4],
-                                               unsigned long long b) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-              "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-              "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-    }
-};
 
 __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(b)), "r"(count) : "memory");
@@ -609,7 +566,7 @@ __device__ __forceinline__ void fw_attend(const half* __restrict__ q, const half
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < FW_BK / 16; ++kk)
-            WgmmaRS<FW_DV>::run(o, p[kk], wg_desc(v_buf(n) + kk * 128, 128, FW_BK * 16));
+            WgmmaRS<FW_DV>::run<true>(o, p[kk], wg_desc(v_buf(n) + kk * 128, 128, FW_BK * 16));
         wg_commit();
         wg_wait<0>();
         wg_hold(o);
@@ -848,7 +805,7 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
         if (it > 0) {
 #pragma unroll
             for (int kk = 0; kk < PW_BK / 16; ++kk)
-                WgmmaRS<PW_D>::run(
+                WgmmaRS<PW_D>::run<true>(
                     o, p[kk], wg_desc_sw128(v_buf(it - 1) + kk * 16 * 64, PW_BK * 128, 1024));
         }
         wg_commit();   // (empty for the first tile: the wait below still waits for S)
@@ -882,7 +839,7 @@ extern "C" __global__ void __launch_bounds__(PW_WG * 128, 1) paged_flash_attenti
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < PW_BK / 16; ++kk)
-            WgmmaRS<PW_D>::run(
+            WgmmaRS<PW_D>::run<true>(
                 o, p[kk], wg_desc_sw128(v_buf(tiles - 1) + kk * 16 * 64, PW_BK * 128, 1024));
         wg_commit();
         wg_wait<0>();

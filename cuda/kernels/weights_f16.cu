@@ -1460,10 +1460,10 @@ struct IgGroups {
 // group (x's rows only with X: the wgmma GEMM stages them itself). THREADS (the block's) is
 // a constant, so each thread's share of the copies is known at compile time (the loops
 // unroll, their indices are shifts), and each copy's address is an unsigned 32-bit element
-// offset scaled onto its base in one instruction. With blockDim.x, a
-// runtime group and 64-bit signed offsets this was ~300 of a warp's ~600 instructions a stage
-// at W4 and 64 rows: as many as its 64 mma's own. The offsets fit: the largest matrix, a
-// vocabulary's head, is 151,936 x 1,024 words at 8 bits.
+// offset scaled onto its base in one instruction. With blockDim.x, a runtime group and 64-bit
+// signed offsets this was ~300 of a warp's ~600 instructions a stage at W4 and 64 rows: as
+// many as its 64 mma's own. The offsets fit: the largest matrix, a vocabulary's head, is
+// 151,936 x 1,024 words at 8 bits.
 template <int BITS, int NT, int ROWS, int THREADS, bool X = true>
 __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __restrict__ w,
                                               const __half2* __restrict__ sz,
@@ -1992,7 +1992,8 @@ __device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int
                 wg_fence();
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                    WgmmaRSK<N>::run(reinterpret_cast<float(&)[NT * 4]>(acc[mt]), af[buf][mt], b);
+                    WgmmaRS<N>::template run<false>(reinterpret_cast<float(&)[NT * 4]>(acc[mt]),
+                                                   af[buf][mt], b);
                 wg_commit();
                 wg_wait<1>();
                 wg_hold_u(af[buf ^ 1]);
