@@ -229,11 +229,29 @@ impl CudaBackend {
         let kernels = load_kernels(&ctx, cc, &device_name)?;
         let flash = opt_in_flash(&kernels);
         // The same for Hopper's wgmma flash kernel, where it was compiled (sm_90).
-        let wgmma_flash = flash && opt_in_wgmma_flash(&kernels);
-        let paged_wgmma_flash = wgmma_flash && opt_in_paged_wgmma_flash(&kernels);
+        let wgmma_flash = flash
+            && opt_in_smem(
+                &kernels,
+                &FLASH_WGMMA_KERNELS,
+                flash_wgmma_smem_bytes(),
+                "wgmma flash attention unavailable; using the mma.sync kernels",
+            );
+        let paged_wgmma_flash = wgmma_flash
+            && opt_in_smem(
+                &kernels,
+                &[PAGED_FLASH_WGMMA_KERNEL],
+                paged_flash_wgmma_smem_bytes(),
+                "wgmma prefill attention unavailable; using mma.sync",
+            );
         let gemv_smem = opt_in_gemv(&ctx, &kernels)?;
-        let int_gemm_wgmma =
-            super::int_weights::wgmma_gemm_allowed() && opt_in_int_gemm_wgmma(&kernels, gemv_smem);
+        // The integer GEMM on wgmma takes the shared memory the mma.sync one has.
+        let int_gemm_wgmma = super::int_weights::wgmma_gemm_allowed()
+            && opt_in_smem(
+                &kernels,
+                &INT_GEMM_WGMMA_KERNELS,
+                gemv_smem,
+                "the integer GEMM on wgmma unavailable; using mma.sync",
+            );
         let (blas, workspace, workspace_ptr) = cublas(&stream)?;
         let lt = lt::Lt::new()?;
         let counters = stream
@@ -537,42 +555,21 @@ fn opt_in_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
     })
 }
 
-/// The same for Hopper's wgmma flash kernel: whether it is loaded (sm_90) and the GPU gave
-/// it its shared memory.
-fn opt_in_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
-    FLASH_WGMMA_KERNELS.iter().all(|&name| {
+/// Whether every kernel of `names` is loaded (the Hopper-only ones are on sm_90 alone) and the
+/// GPU gave it `bytes` of dynamic shared memory; `fallback` says, in the warning, what runs
+/// instead where it refused.
+fn opt_in_smem(
+    kernels: &HashMap<&'static str, CudaFunction>,
+    names: &[&'static str],
+    bytes: usize,
+    fallback: &str,
+) -> bool {
+    names.iter().all(|&name| {
         kernels.get(name).is_some_and(|k| {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let set = k.set_attribute(MAX_SMEM, flash_wgmma_smem_bytes() as i32);
+            let set = k.set_attribute(MAX_SMEM, bytes as i32);
             if let Err(e) = &set {
-                tracing::warn!(kernel = name, error = %e, "wgmma flash attention unavailable; using the mma.sync kernels");
-            }
-            set.is_ok()
-        })
-    })
-}
-
-/// The same for the prefill chunks' wgmma kernel over the paged cache.
-fn opt_in_paged_wgmma_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
-    kernels.get(PAGED_FLASH_WGMMA_KERNEL).is_some_and(|k| {
-        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-        let set = k.set_attribute(MAX_SMEM, paged_flash_wgmma_smem_bytes() as i32);
-        if let Err(e) = &set {
-            tracing::warn!(kernel = PAGED_FLASH_WGMMA_KERNEL, error = %e, "wgmma prefill attention unavailable; using mma.sync");
-        }
-        set.is_ok()
-    })
-}
-
-/// The same for the integer GEMM on wgmma: whether its kernels are loaded (sm_90) and took the
-/// shared memory the mma.sync ones have (`smem`, from [`opt_in_gemv`]).
-fn opt_in_int_gemm_wgmma(kernels: &HashMap<&'static str, CudaFunction>, smem: usize) -> bool {
-    INT_GEMM_WGMMA_KERNELS.iter().all(|&name| {
-        kernels.get(name).is_some_and(|k| {
-            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let set = k.set_attribute(MAX_SMEM, smem as i32);
-            if let Err(e) = &set {
-                tracing::warn!(kernel = name, error = %e, "the integer GEMM on wgmma unavailable; using mma.sync");
+                tracing::warn!(kernel = name, error = %e, "{fallback}");
             }
             set.is_ok()
         })
