@@ -87,6 +87,7 @@ __device__ __forceinline__ float silu_mul_f16_bound(float g, float u, float scal
 extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
                                                __half* __restrict__ out, int m, int n,
                                                float scale) {
+    grid_launch_dependents();  // as rms_norm_f16
     const int per = (m % 8 == 0) ? 8 : 1;
     const size_t groups_per_row = m / per, groups = (size_t)n * groups_per_row;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -339,6 +340,7 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 // cast.
 extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
                                         __half* __restrict__ out, int cols, float eps) {
+    grid_launch_dependents();  // the integer GEMM after it may load its weights meanwhile
     rms_norm_row(x, w, out, cols, eps);
 }
 

@@ -534,6 +534,7 @@ FOR_ROWS(SWIGLU_STREAMED_KERNEL, rms_norm_swiglu_gemv_f16w_streamed, true)
 // become inf, which the GEMM then shows rather than hides.
 extern "C" __global__ void cast_f32_to_f16(const float* __restrict__ x, __half* __restrict__ out,
                                            unsigned long long n) {
+    grid_launch_dependents();  // as rms_norm_f16
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += stride)
@@ -1367,10 +1368,12 @@ FOR_INT_ROWS(INT_MMA_SWIGLU_KERNEL, mma_rms_norm_swiglu_gemv_f8, FMT_F8, true)
 // up the s-th part of the tile's elements over splits 0, 1, .. S - 1 in that order and writes
 // them (times alpha, plus the output with accumulate, plus the bias): the result does not
 // depend on which split finishes first, and the adds run on all S blocks at once. The grid is
-// at most one block an SM, so every split waited on is resident. Each split counts in again
-// once past the wait; the last resets the lock to 0, so one zeroed lock buffer serves every
-// launch of the stream. An f16 output (the next GEMM's operand) is written once as well, its
-// sum in f32.
+// at most one block an SM, so every split waited on is resident or will be: under programmatic
+// launch a block may wait for the kernel before to leave its SM, but that kernel never waits
+// for this one, and the kernel after starts only once every block of this one has. Each split
+// counts in again once past the wait; the last resets the lock to 0, so one zeroed lock buffer
+// serves every launch of the stream. An f16 output (the next GEMM's operand) is written once as
+// well, its sum in f32.
 //
 // Needs k a multiple of IG_K, group a multiple of the loads' columns and either a multiple of
 // 128 or a divisor of it (at most 4 groups a stage), n <= 64, and FP8's scales f16 normal
@@ -1455,16 +1458,22 @@ struct IgGroups {
     }
 };
 
+// Which parts of a stage ig_load_stage copies: the weights with their (scale, zero) slots,
+// which no kernel writes, so that they may go out before grid_wait while the kernel before
+// still runs, and x's rows, that kernel's output.
+constexpr int IG_WZ = 1, IG_X = 2;
+
 // Stage `st` (columns st * IG_K ..) of the block's ROWS weight rows r0 .., their (scale, zero)
 // (groups as `zg` says) and x's rows into shared stage buffer `buf`, in the current cp.async
-// group (x's rows only with X: the wgmma GEMM stages them itself). THREADS (the block's) is
+// group: the PARTS named (x's rows only where the stage holds them, X: the wgmma GEMM stages
+// them itself). THREADS (the block's) is
 // a constant, so each thread's share of the copies is known at compile time (the loops
 // unroll, their indices are shifts), and each copy's address is an unsigned 32-bit element
 // offset scaled onto its base in one instruction. With blockDim.x, a runtime group and 64-bit
 // signed offsets this was ~300 of a warp's ~600 instructions a stage at W4 and 64 rows: as
 // many as its 64 mma's own. The offsets fit: the largest matrix, a vocabulary's head, is
 // 151,936 x 1,024 words at 8 bits.
-template <int BITS, int NT, int ROWS, int THREADS, bool X = true>
+template <int BITS, int NT, int ROWS, int THREADS, bool X = true, int PARTS = IG_WZ | IG_X>
 __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __restrict__ w,
                                               const __half2* __restrict__ sz,
                                               const __half* __restrict__ x, int n, int m, int k,
@@ -1482,8 +1491,9 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
     int tid = threadIdx.x;
     asm volatile("" : "+r"(tid));
     const unsigned row_words = k / (32 / BITS), k0 = st * IG_K;
+    constexpr bool WZ = PARTS & IG_WZ, XR = X && (PARTS & IG_X);
 #pragma unroll
-    for (int j = 0; j < (W_UNITS + THREADS - 1) / THREADS; ++j) {
+    for (int j = 0; j < (WZ ? (W_UNITS + THREADS - 1) / THREADS : 0); ++j) {
         const int i = tid + j * THREADS;
         if (W_UNITS % THREADS == 0 || i < W_UNITS) {
             const int r = i / WU, u = i % WU;
@@ -1493,7 +1503,7 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
         }
     }
 #pragma unroll
-    for (int j = 0; j < (X_UNITS + THREADS - 1) / THREADS; ++j) {
+    for (int j = 0; j < (XR ? (X_UNITS + THREADS - 1) / THREADS : 0); ++j) {
         const int i = tid + j * THREADS;
         if (X_UNITS % THREADS == 0 || i < X_UNITS) {
             const int r = i / 16, u = i % 16;
@@ -1502,7 +1512,7 @@ __device__ __forceinline__ void ig_load_stage(uint4* buf, const unsigned* __rest
         }
     }
 #pragma unroll
-    for (int j = 0; j < (Z_UNITS + THREADS - 1) / THREADS; ++j) {
+    for (int j = 0; j < (WZ ? (Z_UNITS + THREADS - 1) / THREADS : 0); ++j) {
         const int i = tid + j * THREADS;
         const int r = i / IG_SZ_SLOTS, s = i % IG_SZ_SLOTS;
         const unsigned row = min(r0 + r, m - 1);
@@ -1701,15 +1711,26 @@ __device__ __forceinline__ void int_mma_gemm(const __half* __restrict__ x, int n
     // the loads' columns up when below IG_K (int_gemm_takes).
     const int gshift = __ffs(min(group, IG_K)) - 1;
     IgGroups zg(group, s_begin);
+    // The first stages' weights and (scale, zero) slots go out before grid_wait: under
+    // programmatic launch they stream while the kernel before (x's) still runs. x's rows follow
+    // in cp.async groups of their own, after all of those, so the loop's wait for all but the
+    // newest IG_STAGES - 2 groups still means every part of stage `it` has landed.
+#pragma unroll
+    for (int s = 0; s < IG_STAGES - 1; ++s) {
+        if (s < count) {
+            ig_load_stage<BITS, NT, ROWS, THREADS, true, IG_WZ>(smem + s * STAGE, w, sz, x, n, m,
+                                                                k, groups, zg, r0, s_begin + s);
+            zg.next();
+        }
+        cp_async_commit();
+    }
     grid_wait();
     grid_launch_dependents();
 #pragma unroll
     for (int s = 0; s < IG_STAGES - 1; ++s) {
-        if (s < count) {
-            ig_load_stage<BITS, NT, ROWS, THREADS>(smem + s * STAGE, w, sz, x, n, m, k, groups,
-                                                   zg, r0, s_begin + s);
-            zg.next();
-        }
+        if (s < count)
+            ig_load_stage<BITS, NT, ROWS, THREADS, true, IG_X>(smem + s * STAGE, w, sz, x, n, m, k,
+                                                               groups, zg, r0, s_begin + s);
         cp_async_commit();
     }
     float acc[MT][NT][4];
@@ -1925,8 +1946,8 @@ __device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int
     const int count = s_end - s_begin, groups = k / group;
     const int gshift = __ffs(min(group, IG_K)) - 1;
     IgGroups zg(group, s_begin);
-    grid_wait();
-    grid_launch_dependents();
+    // The first stages' weights and (scale, zero) slots before grid_wait (int_mma_gemm's
+    // comment), x after it.
 #pragma unroll
     for (int s = 0; s < IG_STAGES - 1; ++s) {
         if (s < count) {
@@ -1936,6 +1957,8 @@ __device__ __forceinline__ void int_wgmma_gemm(const __half* __restrict__ x, int
         }
         cp_async_commit();
     }
+    grid_wait();
+    grid_launch_dependents();
     // The first stage's x tile; the next stage's x in registers.
     uint4 xv[4];
     if (count > 0) {

@@ -957,8 +957,11 @@ impl CudaBackend {
         // shared memory is within what was opted into (int_gemm_grid's `fits`); the locks are
         // at least `blocks` where splits > 1 (int_gemm_grid), all 0 between launches; with
         // splits > 1 the grid is at most sm_count blocks, and the partials hold a tile of the
-        // largest shape for each.
-        let launched = unsafe { self.launch_args(name, cfg, &mut args, false) };
+        // largest shape for each. Before its grid_wait the kernel reads only the weights and
+        // their scales, which no kernel writes, so it may start while the kernel before it
+        // (x's) still runs.
+        let launched =
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) };
         self.launched(name, launched)
     }
 }
