@@ -87,7 +87,8 @@ __device__ __forceinline__ float silu_mul_f16_bound(float g, float u, float scal
 extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
                                                __half* __restrict__ out, int m, int n,
                                                float scale) {
-    grid_launch_dependents();  // as rms_norm_f16
+    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
+    grid_wait();
     const int per = (m % 8 == 0) ? 8 : 1;
     const size_t groups_per_row = m / per, groups = (size_t)n * groups_per_row;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -311,10 +312,14 @@ extern "C" __global__ void layer_norm_f16(const float* __restrict__ x, const flo
     layer_norm_rows(x, w, b, out, rows, cols, eps);
 }
 
+// Launched under programmatic launch where the GPU has it (norm.rs): the kernel after it (an
+// integer GEMM loading its weights) may start at once, and this one waits for x.
 template <typename Out>
 __device__ __forceinline__ void rms_norm_row(const float* __restrict__ x,
                                              const float* __restrict__ w, Out* __restrict__ out,
                                              int cols, float eps) {
+    grid_launch_dependents();
+    grid_wait();
     const float* row = x + (size_t)blockIdx.x * cols;
     Out* o = out + (size_t)blockIdx.x * cols;
     if (norm_in_registers(cols)) {
@@ -340,7 +345,6 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const float
 // cast.
 extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w,
                                         __half* __restrict__ out, int cols, float eps) {
-    grid_launch_dependents();  // the integer GEMM after it may load its weights meanwhile
     rms_norm_row(x, w, out, cols, eps);
 }
 

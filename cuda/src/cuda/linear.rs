@@ -214,10 +214,17 @@ impl CudaBackend {
         let n = x.len() as u64;
         let mut out = self.alloc_f16(x.len())?;
         let name = "cast_f32_to_f16";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&mut out).arg(&n);
-        // SAFETY: matches cast_f32_to_f16; out holds n halves.
-        self.launched(name, unsafe { l.launch(Self::fill_config(n)) }.map(|_| ()))?;
+        let launched = {
+            let stream = &self.inner.stream;
+            let (xp, _x) = x.buf.device_ptr(stream);
+            let (op, _o) = out.device_ptr_mut(stream);
+            let mut args = [arg(&xp), arg(&op), arg(&n)];
+            let cfg = Self::fill_config(n);
+            // SAFETY: matches cast_f32_to_f16; out holds n halves. The kernel reads nothing
+            // before its grid_wait.
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) }
+        };
+        self.launched(name, launched)?;
         Ok(out)
     }
 
@@ -585,19 +592,25 @@ impl CudaBackend {
         let mut g16 = self.alloc_f16(n * m)?;
         let name = "silu_mul_halves_f16";
         let (mm, nn) = (m as i32, n as i32);
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(y16)
-            .arg(&mut g16)
-            .arg(&mm)
-            .arg(&nn)
-            .arg(&SWIGLU_F16_SCALE);
         let per = if m % 8 == 0 { 8 } else { 1 };
-        // SAFETY: matches silu_mul_halves_f16: y16 is [n, 2m] (checked) and g16 [n, m] halves;
-        // with m % 8 == 0 every row starts 16-byte aligned (allocations are 256-byte aligned).
-        self.launched(
-            name,
-            unsafe { l.launch(Self::fill_config((n * m / per) as u64)) }.map(|_| ()),
-        )?;
+        let launched = {
+            let stream = &self.inner.stream;
+            let (yp, _y) = y16.device_ptr(stream);
+            let (gp, _g) = g16.device_ptr_mut(stream);
+            let mut args = [
+                arg(&yp),
+                arg(&gp),
+                arg(&mm),
+                arg(&nn),
+                arg(&SWIGLU_F16_SCALE),
+            ];
+            let cfg = Self::fill_config((n * m / per) as u64);
+            // SAFETY: matches silu_mul_halves_f16: y16 is [n, 2m] (checked) and g16 [n, m]
+            // halves; with m % 8 == 0 every row starts 16-byte aligned (allocations are
+            // 256-byte aligned). The kernel reads nothing before its grid_wait.
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) }
+        };
+        self.launched(name, launched)?;
         Ok(g16)
     }
 

@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::kernels::{layer_norm_by_warp, ROW_THREADS};
-use super::launch::width_of;
+use super::launch::{arg, width_of};
 use super::{CudaBackend, CudaTensor};
 use crate::{LayerNormParams, Result};
 
@@ -108,13 +108,21 @@ impl CudaBackend {
         out: &mut CudaSlice<O>,
     ) -> Result<()> {
         let cols = x.cols() as i32;
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf).arg(&*w.buf).arg(out).arg(&cols).arg(&eps);
+        let stream = &self.inner.stream;
+        let (xp, _x) = x.buf.device_ptr(stream);
+        let (wp, _w) = w.buf.device_ptr(stream);
+        let (op, _o) = out.device_ptr_mut(stream);
+        let mut args = [arg(&xp), arg(&wp), arg(&op), arg(&cols), arg(&eps)];
         // SAFETY: matches rms_norm_f32 / rms_norm_f16 (one block per row) for O = f32 / f16;
-        // out holds x.len() elements.
-        self.launched(
-            name,
-            unsafe { l.launch(Self::row_config(x.rows())) }.map(|_| ()),
-        )
+        // out holds x.len() elements. The kernel reads nothing before its grid_wait.
+        let launched = unsafe {
+            self.launch_args(
+                name,
+                Self::row_config(x.rows()),
+                &mut args,
+                self.programmatic_launch(),
+            )
+        };
+        self.launched(name, launched)
     }
 }
