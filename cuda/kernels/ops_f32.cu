@@ -464,6 +464,8 @@ __device__ __forceinline__ bool group_of_warp(int n, int groups, int& r, int& g)
 // quantizes (the attention's output, before o_proj). One warp a group.
 extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned char* __restrict__ q,
                                          float* __restrict__ scales, int n, int k, int ld) {
+    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
+    grid_wait();
     int r, g;
     if (!group_of_warp(n, k / 128, r, g)) return;
     const int lane = threadIdx.x % WARP;
@@ -495,6 +497,8 @@ __device__ __forceinline__ void f32_rows_groups(const float* __restrict__ x, int
 // ~100 MB a layer read and written for nothing). The same bytes and scales.
 extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsigned char* __restrict__ q,
                                              float* __restrict__ scales, int n, int k, int ld) {
+    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
+    grid_wait();
     f32_rows_groups(x, n, k, QuantStore{q, scales, ld, k});
 }
 
@@ -504,9 +508,10 @@ extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsign
 extern "C" __global__ void qdq_rows_f8(const float* __restrict__ x, float* __restrict__ out, int n,
                                        int k) {
     // Under programmatic launch (as the GEMVs around it): x is the kernel before's output; the
-    // GEMV after may start streaming its weights at once.
-    grid_wait();
+    // GEMV after may start streaming its weights at once, even before that kernel has ended
+    // (its blocks take the slots the GEMV before frees as it drains).
     grid_launch_dependents();
+    grid_wait();
     f32_rows_groups(x, n, k, QdqStore{out, k});
 }
 
@@ -541,14 +546,16 @@ __device__ __forceinline__ void rms_norm_groups(const float* __restrict__ x,
 extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float* __restrict__ w,
                                        unsigned char* __restrict__ q, float* __restrict__ scales,
                                        int ld, int cols, float eps) {
+    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
+    grid_wait();
     rms_norm_groups(x, w, cols, eps, QuantStore{q, scales, ld, cols});
 }
 
 // rms_norm_f16 and qdq_rows_f8 in one pass, for a decode GEMV of such a weight.
 extern "C" __global__ void rms_norm_qdq_f8(const float* __restrict__ x, const float* __restrict__ w,
                                            float* __restrict__ out, int cols, float eps) {
-    grid_wait();  // under programmatic launch, as qdq_rows_f8
-    grid_launch_dependents();
+    grid_launch_dependents();  // under programmatic launch, as qdq_rows_f8
+    grid_wait();
     rms_norm_groups(x, w, cols, eps, QdqStore{out, cols});
 }
 
@@ -560,6 +567,8 @@ extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
                                               unsigned char* __restrict__ q,
                                               float* __restrict__ scales, int m, int n,
                                               float scale, int ld) {
+    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
+    grid_wait();
     int r, g;
     if (!group_of_warp(n, m / 128, r, g)) return;
     const int lane = threadIdx.x % WARP;

@@ -17,7 +17,7 @@
 //! without 128 x 128 blocks (per-channel scales), GPUs without these kernels (the Orin, sm_87,
 //! has no FP8 tensor cores; a cuBLASLt older than 12.9) and `VLM_FP8_GEMM=w8a16`, GEMVs too.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::int_weights::{block_scales_ld, W8A8_BLOCK};
 use super::kernels::{GEMV_MAX_ROWS, NORM_VEC, ROW_THREADS};
@@ -520,18 +520,20 @@ impl CudaBackend {
     ) -> Result<Fp8Rows> {
         let mut out = self.alloc_fp8_rows(n, k)?;
         let (nn, kk, ld) = (n as i32, k as i32, out.ld as i32);
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(x)
-            .arg(&mut out.q)
-            .arg(&mut out.scales)
-            .arg(&nn)
-            .arg(&kk)
-            .arg(&ld);
-        let cfg = Self::by_group_config(n * k / ACT_GROUP);
-        // SAFETY: matches quant_rows_f8 and quant_rows_f32_f8 (the callers pass each its input
-        // type): x holds n*k values (the callers check), q ld*k bytes, scales ld*k/128 floats
-        // (ld >= n); k is whole groups, so each warp's loads stay in its row.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        let launched = {
+            let stream = &self.inner.stream;
+            let (xp, _x) = x.device_ptr(stream);
+            let (qp, _q) = out.q.device_ptr_mut(stream);
+            let (sp, _s) = out.scales.device_ptr_mut(stream);
+            let mut args = [arg(&xp), arg(&qp), arg(&sp), arg(&nn), arg(&kk), arg(&ld)];
+            let cfg = Self::by_group_config(n * k / ACT_GROUP);
+            // SAFETY: matches quant_rows_f8 and quant_rows_f32_f8 (the callers pass each its
+            // input type): x holds n*k values (the callers check), q ld*k bytes, scales
+            // ld*k/128 floats (ld >= n); k is whole groups, so each warp's loads stay in its
+            // row. The kernels read nothing before their grid_wait.
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) }
+        };
+        self.launched(name, launched)?;
         Ok(out)
     }
 
@@ -566,19 +568,35 @@ impl CudaBackend {
         let mut out = self.alloc_fp8_rows(n, k)?;
         let (ld, kk) = (out.ld as i32, k as i32);
         let name = "rms_norm_f8";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(&*x.buf)
-            .arg(&*w.buf)
-            .arg(&mut out.q)
-            .arg(&mut out.scales)
-            .arg(&ld)
-            .arg(&kk)
-            .arg(&eps);
-        // SAFETY: matches rms_norm_f8 (one ROW_THREADS block a row, as rms_norm_f16, n of
-        // them): x holds n*k floats and w k (checked), q ld*k bytes and scales ld*k/128 (ld >=
-        // n); k is whole groups and at most NORM_VEC float4s a thread, which the kernel
-        // requires.
-        self.launched(name, unsafe { l.launch(Self::row_config(n)) }.map(|_| ()))?;
+        let launched = {
+            let stream = &self.inner.stream;
+            let (xp, _x) = x.buf.device_ptr(stream);
+            let (wp, _w) = w.buf.device_ptr(stream);
+            let (qp, _q) = out.q.device_ptr_mut(stream);
+            let (sp, _s) = out.scales.device_ptr_mut(stream);
+            let mut args = [
+                arg(&xp),
+                arg(&wp),
+                arg(&qp),
+                arg(&sp),
+                arg(&ld),
+                arg(&kk),
+                arg(&eps),
+            ];
+            // SAFETY: matches rms_norm_f8 (one ROW_THREADS block a row, as rms_norm_f16, n of
+            // them): x holds n*k floats and w k (checked), q ld*k bytes and scales ld*k/128 (ld
+            // >= n); k is whole groups and at most NORM_VEC float4s a thread, which the kernel
+            // requires. It reads nothing before its grid_wait.
+            unsafe {
+                self.launch_args(
+                    name,
+                    Self::row_config(n),
+                    &mut args,
+                    self.programmatic_launch(),
+                )
+            }
+        };
+        self.launched(name, launched)?;
         Ok(Some(out))
     }
 
@@ -601,19 +619,27 @@ impl CudaBackend {
         let mut out = self.alloc_fp8_rows(n, m)?;
         let (mm, nn, ld) = (m as i32, n as i32, out.ld as i32);
         let name = "silu_mul_halves_f8";
-        let mut l = self.inner.stream.launch_builder(self.kernel(name));
-        l.arg(y16)
-            .arg(&mut out.q)
-            .arg(&mut out.scales)
-            .arg(&mm)
-            .arg(&nn)
-            .arg(&scale)
-            .arg(&ld);
-        let cfg = Self::by_group_config(n * m / ACT_GROUP);
-        // SAFETY: matches silu_mul_halves_f8: y16 holds n*2m halves (checked), q ld*m bytes,
-        // scales ld*m/128 floats (ld >= n); m is whole groups, so each warp's loads stay in its
-        // row.
-        self.launched(name, unsafe { l.launch(cfg) }.map(|_| ()))?;
+        let launched = {
+            let stream = &self.inner.stream;
+            let (yp, _y) = y16.device_ptr(stream);
+            let (qp, _q) = out.q.device_ptr_mut(stream);
+            let (sp, _s) = out.scales.device_ptr_mut(stream);
+            let mut args = [
+                arg(&yp),
+                arg(&qp),
+                arg(&sp),
+                arg(&mm),
+                arg(&nn),
+                arg(&scale),
+                arg(&ld),
+            ];
+            let cfg = Self::by_group_config(n * m / ACT_GROUP);
+            // SAFETY: matches silu_mul_halves_f8: y16 holds n*2m halves (checked), q ld*m
+            // bytes, scales ld*m/128 floats (ld >= n); m is whole groups, so each warp's loads
+            // stay in its row. It reads nothing before its grid_wait.
+            unsafe { self.launch_args(name, cfg, &mut args, self.programmatic_launch()) }
+        };
+        self.launched(name, launched)?;
         Ok(out)
     }
 
