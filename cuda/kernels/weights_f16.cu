@@ -1467,10 +1467,9 @@ constexpr int IG_WZ = 1, IG_X = 2;
 // Stage `st` (columns st * IG_K ..) of the block's ROWS weight rows r0 .., their (scale, zero)
 // (groups as `zg` says) and x's rows into shared stage buffer `buf`, in the current cp.async
 // group: the PARTS named (x's rows only where the stage holds them, X: the wgmma GEMM stages
-// them itself). THREADS (the block's) is
-// a constant, so each thread's share of the copies is known at compile time (the loops
-// unroll, their indices are shifts), and each copy's address is an unsigned 32-bit element
-// offset scaled onto its base in one instruction. With blockDim.x, a runtime group and 64-bit
+// them itself). THREADS (the block's) is a constant, so each thread's share of the copies is
+// known at compile time (the loops unroll, their indices are shifts), and each copy's address
+// is an unsigned 32-bit element offset scaled onto its base in one instruction. With blockDim.x, a runtime group and 64-bit
 // signed offsets this was ~300 of a warp's ~600 instructions a stage at W4 and 64 rows: as
 // many as its 64 mma's own. The offsets fit: the largest matrix, a vocabulary's head, is
 // 151,936 x 1,024 words at 8 bits.
