@@ -1,6 +1,7 @@
 //! Records the commit this build is from (`VLM_BUILD_COMMIT`), for the reports of `vlm bench`
 //! and `vlm load`: a binary is often copied to a GPU machine and run in another checkout, whose
-//! HEAD says nothing about it.
+//! HEAD says nothing about it. A build with changes to tracked files not yet committed is
+//! `<commit>-dirty`, so that a report never names a commit whose code it did not run.
 use std::process::Command;
 
 fn git(args: &[&str]) -> Option<String> {
@@ -13,7 +14,16 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     let commit = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into());
-    println!("cargo:rustc-env=VLM_BUILD_COMMIT={commit}");
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some();
+    let suffix = if dirty { "-dirty" } else { "" };
+    println!("cargo:rustc-env=VLM_BUILD_COMMIT={commit}{suffix}");
+    // Again when a tracked file changes (the tree's top-level entries, scanned by cargo),
+    // so that the suffix follows edits and commits.
+    if let Some(top) = git(&["rev-parse", "--show-toplevel"]) {
+        for entry in git(&["ls-tree", "--full-tree", "--name-only", "HEAD"]).unwrap_or_default().lines() {
+            println!("cargo:rerun-if-changed={top}/{entry}");
+        }
+    }
     // Again when HEAD moves: a commit, a checkout (a worktree keeps HEAD in its own git dir,
     // branches in the common one).
     if let (Some(dir), Some(common)) = (
