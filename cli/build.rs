@@ -20,7 +20,10 @@ fn main() {
     // Again when a tracked file changes (the tree's top-level entries, scanned by cargo),
     // so that the suffix follows edits and commits.
     if let Some(top) = git(&["rev-parse", "--show-toplevel"]) {
-        for entry in git(&["ls-tree", "--full-tree", "--name-only", "HEAD"]).unwrap_or_default().lines() {
+        for entry in git(&["ls-tree", "--full-tree", "--name-only", "HEAD"])
+            .unwrap_or_default()
+            .lines()
+        {
             println!("cargo:rerun-if-changed={top}/{entry}");
         }
     }
