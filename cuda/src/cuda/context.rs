@@ -546,13 +546,13 @@ fn opt_in_flash(kernels: &HashMap<&'static str, CudaFunction>) -> bool {
                 .map(|(k, dp)| (k, flash_smem_bytes(dp, FLASH_WIDE_QUERIES))),
         )
         .all(|(k, bytes)| {
-        use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-        let set = kernels[k].set_attribute(MAX_SMEM, bytes as i32);
-        if let Err(e) = &set {
-            tracing::warn!(kernel = k, error = %e, "flash attention unavailable; using the plain kernel");
-        }
-        set.is_ok()
-    })
+            smem_opted_in(
+                &kernels[k],
+                k,
+                bytes,
+                "flash attention unavailable; using the plain kernel",
+            )
+        })
 }
 
 /// Whether every kernel of `names` is loaded (the Hopper-only ones are on sm_90 alone) and the
@@ -565,15 +565,21 @@ fn opt_in_smem(
     fallback: &str,
 ) -> bool {
     names.iter().all(|&name| {
-        kernels.get(name).is_some_and(|k| {
-            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
-            let set = k.set_attribute(MAX_SMEM, bytes as i32);
-            if let Err(e) = &set {
-                tracing::warn!(kernel = name, error = %e, "{fallback}");
-            }
-            set.is_ok()
-        })
+        kernels
+            .get(name)
+            .is_some_and(|k| smem_opted_in(k, name, bytes, fallback))
     })
+}
+
+/// Whether the GPU gave kernel `k` (`name`) `bytes` of dynamic shared memory; a refusal is
+/// logged with `fallback`, what runs instead.
+fn smem_opted_in(k: &CudaFunction, name: &str, bytes: usize, fallback: &str) -> bool {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_SMEM;
+    let set = k.set_attribute(MAX_SMEM, bytes as i32);
+    if let Err(e) = &set {
+        tracing::warn!(kernel = name, error = %e, "{fallback}");
+    }
+    set.is_ok()
 }
 
 /// Blocks an SM holds of each decode attention kernel (of DECODE_WARPS warps, static shared
