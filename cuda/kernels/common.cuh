@@ -24,6 +24,13 @@ __device__ __forceinline__ void grid_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// Both, in that order, for a kernel with nothing to load before its input (the norms, casts
+// and activation rounding between a step's GEMMs and GEMVs): the kernel after it (one that
+// loads its weights before its own grid_wait) may start at once, and this one waits for x.
+__device__ __forceinline__ void grid_start_next_then_wait() {
+    grid_launch_dependents();
+    grid_wait();
+}
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

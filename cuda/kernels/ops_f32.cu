@@ -87,8 +87,7 @@ __device__ __forceinline__ float silu_mul_f16_bound(float g, float u, float scal
 extern "C" __global__ void silu_mul_halves_f16(const __half* __restrict__ y,
                                                __half* __restrict__ out, int m, int n,
                                                float scale) {
-    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
-    grid_wait();
+    grid_start_next_then_wait();
     const int per = (m % 8 == 0) ? 8 : 1;
     const size_t groups_per_row = m / per, groups = (size_t)n * groups_per_row;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -312,14 +311,12 @@ extern "C" __global__ void layer_norm_f16(const float* __restrict__ x, const flo
     layer_norm_rows(x, w, b, out, rows, cols, eps);
 }
 
-// Launched under programmatic launch where the GPU has it (norm.rs): the kernel after it (an
-// integer GEMM loading its weights) may start at once, and this one waits for x.
+// Launched under programmatic launch where the GPU has it (norm.rs).
 template <typename Out>
 __device__ __forceinline__ void rms_norm_row(const float* __restrict__ x,
                                              const float* __restrict__ w, Out* __restrict__ out,
                                              int cols, float eps) {
-    grid_launch_dependents();
-    grid_wait();
+    grid_start_next_then_wait();
     const float* row = x + (size_t)blockIdx.x * cols;
     Out* o = out + (size_t)blockIdx.x * cols;
     if (norm_in_registers(cols)) {
@@ -464,8 +461,7 @@ __device__ __forceinline__ bool group_of_warp(int n, int groups, int& r, int& g)
 // quantizes (the attention's output, before o_proj). One warp a group.
 extern "C" __global__ void quant_rows_f8(const __half* __restrict__ x, unsigned char* __restrict__ q,
                                          float* __restrict__ scales, int n, int k, int ld) {
-    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
-    grid_wait();
+    grid_start_next_then_wait();
     int r, g;
     if (!group_of_warp(n, k / 128, r, g)) return;
     const int lane = threadIdx.x % WARP;
@@ -497,8 +493,7 @@ __device__ __forceinline__ void f32_rows_groups(const float* __restrict__ x, int
 // ~100 MB a layer read and written for nothing). The same bytes and scales.
 extern "C" __global__ void quant_rows_f32_f8(const float* __restrict__ x, unsigned char* __restrict__ q,
                                              float* __restrict__ scales, int n, int k, int ld) {
-    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
-    grid_wait();
+    grid_start_next_then_wait();
     f32_rows_groups(x, n, k, QuantStore{q, scales, ld, k});
 }
 
@@ -510,8 +505,7 @@ extern "C" __global__ void qdq_rows_f8(const float* __restrict__ x, float* __res
     // Under programmatic launch (as the GEMVs around it): x is the kernel before's output; the
     // GEMV after may start streaming its weights at once, even before that kernel has ended
     // (its blocks take the slots the GEMV before frees as it drains).
-    grid_launch_dependents();
-    grid_wait();
+    grid_start_next_then_wait();
     f32_rows_groups(x, n, k, QdqStore{out, k});
 }
 
@@ -546,16 +540,14 @@ __device__ __forceinline__ void rms_norm_groups(const float* __restrict__ x,
 extern "C" __global__ void rms_norm_f8(const float* __restrict__ x, const float* __restrict__ w,
                                        unsigned char* __restrict__ q, float* __restrict__ scales,
                                        int ld, int cols, float eps) {
-    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
-    grid_wait();
+    grid_start_next_then_wait();
     rms_norm_groups(x, w, cols, eps, QuantStore{q, scales, ld, cols});
 }
 
 // rms_norm_f16 and qdq_rows_f8 in one pass, for a decode GEMV of such a weight.
 extern "C" __global__ void rms_norm_qdq_f8(const float* __restrict__ x, const float* __restrict__ w,
                                            float* __restrict__ out, int cols, float eps) {
-    grid_launch_dependents();  // under programmatic launch, as qdq_rows_f8
-    grid_wait();
+    grid_start_next_then_wait();
     rms_norm_groups(x, w, cols, eps, QdqStore{out, cols});
 }
 
@@ -567,8 +559,7 @@ extern "C" __global__ void silu_mul_halves_f8(const __half* __restrict__ y,
                                               unsigned char* __restrict__ q,
                                               float* __restrict__ scales, int m, int n,
                                               float scale, int ld) {
-    grid_launch_dependents();  // under programmatic launch, as rms_norm_row
-    grid_wait();
+    grid_start_next_then_wait();
     int r, g;
     if (!group_of_warp(n, m / 128, r, g)) return;
     const int lane = threadIdx.x % WARP;

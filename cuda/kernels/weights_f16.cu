@@ -534,8 +534,7 @@ FOR_ROWS(SWIGLU_STREAMED_KERNEL, rms_norm_swiglu_gemv_f16w_streamed, true)
 // become inf, which the GEMM then shows rather than hides.
 extern "C" __global__ void cast_f32_to_f16(const float* __restrict__ x, __half* __restrict__ out,
                                            unsigned long long n) {
-    grid_launch_dependents();  // under programmatic launch, as ops_f32.cu's rms_norm_row
-    grid_wait();
+    grid_start_next_then_wait();
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += stride)
